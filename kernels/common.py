@@ -1,32 +1,150 @@
-"""Shared helpers for the jagged kernels' references."""
+"""Shared pieces of the jagged attention ops: layout, masks, RoPE, input checks.
 
+Layout (see gemjax/data/jagged.py): B samples packed end to end in a buffer of
+static capacity T; offsets [B+1] int32, offsets[0] = 0, non-decreasing,
+offsets[B] <= T; rows past offsets[B] are padding.
+
+Mask semantics shared by every op (`pair_mask`): query i may attend key j iff
+they belong to the same sample and, with pos = index within the sample,
+  causal:          pos_k <= pos_q
+  window w:        pos_q - pos_k < w (causal) or |pos_q - pos_k| < w (non-causal)
+  block b:         pos_q // b == pos_k // b   (block_attention only)
+"""
+
+import jax
 import jax.numpy as jnp
+
+# Padding rows get this segment id on the key side so they never match a query
+# (queries' padding rows get B).
+KEY_PAD_SEGMENT = -1
 
 
 def segment_layout(offsets, capacity):
-    """(segment_ids [T], positions [T]) from offsets [B+1]; padding rows get segment B."""
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seg = jnp.searchsorted(offsets[1:], t, side="right").astype(jnp.int32)
-    b = offsets.shape[0] - 1
-    seg = jnp.where(t < offsets[-1], seg, b)
-    pos = t - jnp.take(offsets, jnp.minimum(seg, b - 1) if b > 0 else seg * 0, axis=0)
-    pos = jnp.where(seg < b, pos, 0)
-    return seg, pos
+    """(segment_ids [T] int32, positions [T] int32) from offsets [B+1].
 
-
-def pair_mask(q_offsets, kv_offsets, tq, tk, causal=False, window=None):
-    """[Tq, Tk] bool: query i may attend key j.
-
-    Same sample; causal: pos_k <= pos_q; window w: pos_q - pos_k < w (causal) or
-    |pos_q - pos_k| < w (non-causal).
+    Padding rows get segment B and position 0.
     """
-    b = q_offsets.shape[0] - 1
-    qs, qp = segment_layout(q_offsets, tq)
-    ks, kp = segment_layout(kv_offsets, tk)
-    m = (qs[:, None] == ks[None, :]) & (qs[:, None] < b)
+    t = jnp.arange(capacity, dtype=jnp.int32)
+    b = offsets.shape[0] - 1
+    seg = jnp.searchsorted(offsets[1:], t, side="right").astype(jnp.int32)
+    seg = jnp.where(t < offsets[-1], seg, b)
+    start = jnp.take(offsets, jnp.minimum(seg, max(b - 1, 0)), axis=0)
+    pos = jnp.where(seg < b, t - start, 0)
+    return seg, pos.astype(jnp.int32)
+
+
+def layout_mask(qs, qp, ks, kp, *, causal=False, window=None, block=None):
+    """[..., Tq, Tk] bool from query (qs, qp) [Tq] and key (ks, kp) [Tk] layouts.
+
+    Key padding rows must carry KEY_PAD_SEGMENT (or any id no query has).
+    """
+    m = qs[:, None] == ks[None, :]
     d = qp[:, None] - kp[None, :]
     if causal:
         m &= d >= 0
     if window is not None:
         m &= (d < window) if causal else (jnp.abs(d) < window)
+    if block is not None:
+        m &= (qp[:, None] // block) == (kp[None, :] // block)
     return m
+
+
+def key_layout(kv_offsets, tk):
+    """Key-side (segment_ids, positions) with padding rows set to KEY_PAD_SEGMENT."""
+    ks, kp = segment_layout(kv_offsets, tk)
+    b = kv_offsets.shape[0] - 1
+    return jnp.where(ks < b, ks, KEY_PAD_SEGMENT), kp
+
+
+def pair_mask(q_offsets, kv_offsets, tq, tk, causal=False, window=None, block=None):
+    """[Tq, Tk] bool: query i may attend key j (module docstring semantics)."""
+    qs, qp = segment_layout(q_offsets, tq)
+    ks, kp = key_layout(kv_offsets, tk)
+    return layout_mask(qs, qp, ks, kp, causal=causal, window=window, block=block)
+
+
+def map_query_chunks(fn, q_side, chunk):
+    """Apply fn to query chunks of `q_side` (a tuple of arrays with leading dim Tq).
+
+    fn(*chunk_arrays) -> [C, ...]. The body is rematerialised in the backward
+    pass, so memory stays O(C * Tk) instead of O(Tq * Tk). Returns [Tq, ...].
+    """
+    tq = q_side[0].shape[0]
+    n = -(-tq // chunk)
+    pad = n * chunk - tq
+
+    def split(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape((n, chunk) + x.shape[1:])
+
+    out = jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), tuple(split(x) for x in q_side))
+    return out.reshape((n * chunk,) + out.shape[2:])[:tq]
+
+
+def query_chunk_size(tq, tk, h, budget=1 << 23):
+    """Query rows per chunk so one [H, C, Tk] f32 score block holds <= budget elements."""
+    c = max(16, budget // max(1, tk * h))
+    c = 1 << (c.bit_length() - 1)  # power of two: few distinct shapes
+    return max(1, min(c, tq))
+
+
+def rope(x, positions, theta):
+    """Rotary embedding, rotate-half convention (GPT-NeoX / Llama).
+
+    x [T,H,D] (D even), positions [T] int -> [T,H,D] float32:
+      freq_i = theta ** (-2 i / D), i < D/2;  a = pos * freq_i
+      out[:, :, :D/2] = x1 cos a - x2 sin a;  out[:, :, D/2:] = x2 cos a + x1 sin a
+    with x1 = x[..., :D/2], x2 = x[..., D/2:].
+    """
+    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    x = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def rope_tables(positions, d, theta):
+    """(cos, sin) [T, D/2] float32 for `rope`."""
+    half = d // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
+    a = positions.astype(jnp.float32)[:, None] * freq[None, :]
+    return jnp.cos(a), jnp.sin(a)
+
+
+IMPLS = (None, "reference", "pallas")
+
+
+def check_impl(op, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_attention_inputs(op, q, k, v, q_offsets, kv_offsets):
+    """Shape/dtype checks at the public boundary; ValueError names the bad input."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{op}: {name} must be [T,H,D], got shape {getattr(x, 'shape', None)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{op}: {name} must be floating point, got {x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k {k.shape} and v {v.shape} must have the same shape [Tk,H,D]")
+    if q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"{op}: q {q.shape} and k {k.shape} must agree on [H,D]")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, o in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+        if getattr(o, "ndim", None) != 1 or o.shape[0] < 1:
+            raise ValueError(f"{op}: {name} must be [B+1], got shape {getattr(o, 'shape', None)}")
+        if not jnp.issubdtype(o.dtype, jnp.integer):
+            raise ValueError(f"{op}: {name} must be integer (int32), got {o.dtype}")
+    if q_offsets.shape != kv_offsets.shape:
+        raise ValueError(f"{op}: q_offsets {q_offsets.shape} and kv_offsets {kv_offsets.shape} "
+                         "must describe the same number of samples B")
+
+
+def check_mask_args(op, causal, window):
+    if not isinstance(causal, bool):
+        raise ValueError(f"{op}: causal must be a bool, got {causal!r}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{op}: window must be None or an int >= 1, got {window!r}")

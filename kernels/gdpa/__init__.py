@@ -1,14 +1,32 @@
 """gdpa: generalized dot-product attention over jagged tokens."""
 
-from kernels.gdpa.reference import ACTIVATIONS, gdpa_reference
+import jax
+
+from kernels.common import check_attention_inputs, check_impl, check_mask_args
+from kernels.gdpa.reference import ACTIVATIONS, gdpa_reference, gdpa_reference_dense
+
+__all__ = ["ACTIVATIONS", "gdpa", "gdpa_reference", "gdpa_reference_dense"]
 
 
 def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal=False,
          window=None, impl=None):
-    """out = (act(Q K^T) * scale) @ V per sample; q [Tq,H,D], k/v [Tk,H,D] -> [Tq,H,D]."""
+    """out = (act(Q K^T) * scale) @ V per sample (no implicit 1/sqrt(D)).
+
+    q [Tq,H,D], k/v [Tk,H,D] (same float dtype), q_offsets/kv_offsets [B+1] int32
+    (same B). Returns [Tq,H,D] in q.dtype; rows past q_offsets[-1] are 0. Masks as
+    in kernels.common. impl: None (Pallas on GPU, reference elsewhere),
+    "reference", "pallas" (interpret mode off GPU).
+    """
+    check_impl("gdpa", impl)
+    check_attention_inputs("gdpa", q, k, v, q_offsets, kv_offsets)
+    check_mask_args("gdpa", causal, window)
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if impl not in (None, "reference"):
-        raise ValueError(f"gdpa: unknown impl {impl!r}")
-    return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale,
-                          causal=causal, window=window)
+    if impl is None:
+        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl == "reference":
+        return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,
+                              scale=scale, causal=causal, window=window)
+    from kernels.gdpa.pallas import gdpa_pallas
+    return gdpa_pallas(q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale,
+                       causal=causal, window=window)

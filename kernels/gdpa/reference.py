@@ -1,9 +1,16 @@
-"""GDPA reference: out = (act(Q K^T) * scale) @ V over jagged samples, plain jnp."""
+"""GDPA reference: out = (act(Q K^T) * scale) @ V over jagged samples, plain jnp.
+
+No implicit 1/sqrt(D): `scale` multiplies after the activation (HSTU convention).
+Two versions computed in float32:
+  gdpa_reference        query-chunked, O(C * Tk) memory (the default CPU path)
+  gdpa_reference_dense  one dense [H, Tq, Tk] score matrix (small tests)
+"""
 
 import jax
 import jax.numpy as jnp
 
-from kernels.common import pair_mask
+from kernels.common import (key_layout, layout_mask, map_query_chunks, pair_mask,
+                            query_chunk_size, segment_layout)
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -15,8 +22,32 @@ ACTIVATIONS = {
 
 
 def gdpa_reference(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0,
-                   causal=False, window=None):
-    """q [Tq,H,D], k/v [Tk,H,D] -> [Tq,H,D] in q.dtype; computed in float32."""
+                   causal=False, window=None, chunk=None):
+    """q [Tq,H,D], k/v [Tk,H,D], offsets [B+1] int32 -> [Tq,H,D] in q.dtype.
+
+    Processes `chunk` query rows at a time (default: a [H, C, Tk] f32 block of at
+    most 8M elements), rematerialised in the backward pass.
+    """
+    act = ACTIVATIONS[activation]
+    tq, h, _ = q.shape
+    tk = k.shape[0]
+    qs, qp = segment_layout(q_offsets, tq)
+    ks, kp = key_layout(kv_offsets, tk)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def block(qc, qsc, qpc):
+        m = layout_mask(qsc, qpc, ks, kp, causal=causal, window=window)
+        s = jnp.einsum("qhd,khd->hqk", qc.astype(jnp.float32), kf)
+        p = jnp.where(m[None], act(s) * scale, 0.0)
+        return jnp.einsum("hqk,khd->qhd", p, vf)
+
+    c = chunk or query_chunk_size(tq, tk, h)
+    return map_query_chunks(block, (q, qs, qp), c).astype(q.dtype)
+
+
+def gdpa_reference_dense(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0,
+                         causal=False, window=None):
+    """Same contract as gdpa_reference, one dense [H, Tq, Tk] score matrix."""
     act = ACTIVATIONS[activation]
     m = pair_mask(q_offsets, kv_offsets, q.shape[0], k.shape[0], causal, window)
     s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32))

@@ -1,12 +1,30 @@
-"""jagged_attention: softmax attention over jagged tokens."""
+"""jagged_attention: softmax attention over jagged tokens (flash-style on GPU)."""
 
-from kernels.jagged_attention.reference import jagged_attention_reference
+import jax
+
+from kernels.common import check_attention_inputs, check_impl, check_mask_args
+from kernels.jagged_attention.reference import (jagged_attention_reference,
+                                                jagged_attention_reference_dense)
+
+__all__ = ["jagged_attention", "jagged_attention_reference", "jagged_attention_reference_dense"]
 
 
 def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=False,
                      window=None, impl=None):
-    """q [Tq,H,D], k/v [Tk,H,D] -> [Tq,H,D]."""
-    if impl not in (None, "reference"):
-        raise ValueError(f"jagged_attention: unknown impl {impl!r}")
-    return jagged_attention_reference(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
-                                      causal=causal, window=window)
+    """softmax(Q K^T * sm_scale) V per sample; sm_scale defaults to 1/sqrt(D).
+
+    q [Tq,H,D], k/v [Tk,H,D] (same float dtype), offsets [B+1] int32 (same B).
+    Returns [Tq,H,D] in q.dtype; rows with no valid key (incl. padding) are 0.
+    impl: None (Pallas on GPU, reference elsewhere), "reference", "pallas".
+    """
+    check_impl("jagged_attention", impl)
+    check_attention_inputs("jagged_attention", q, k, v, q_offsets, kv_offsets)
+    check_mask_args("jagged_attention", causal, window)
+    if impl is None:
+        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl == "reference":
+        return jagged_attention_reference(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
+                                          causal=causal, window=window)
+    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    return jagged_attention_pallas(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
+                                   causal=causal, window=window)
