@@ -1,0 +1,141 @@
+"""Multi-head self-attention over packed jagged tokens, through the kernels/ ops.
+
+    JaggedSelfAttention(dim, num_heads, attention=...)  x [T, dim], Jagged -> [T, dim]
+
+Kinds:
+  "softmax"  kernels.jagged_attention (optionally causal / sliding `window`)
+  "gdpa"     kernels.gdpa: out = act(Q K^T) * scale @ V (HSTU-style, no softmax)
+  "block"    softmax attention inside independent `block`-token blocks of each
+             sample (GEM's BlockAttention), written as jagged_attention over the
+             block sub-samples (exact; a fused kernels.block_attention can
+             replace it once its RoPE convention is pinned down).
+
+Options: RoPE on Q and K from the token positions within their sample
+(`rope=True`; always on for "block"), QK-norm (RMSNorm of each head's q and k,
+`qk_norm=True`). Tokens never see another sample's tokens; rows past
+offsets[-1] come out as 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemjax.data.jagged import Jagged
+from kernels import gdpa, jagged_attention
+
+ATTENTION_KINDS = ("softmax", "gdpa", "block")
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0) -> jax.Array:
+    """Rotary position embedding, half-split convention.
+
+    x [T, H, D] (D even), positions [T] int -> [T, H, D] in x.dtype; computed in f32.
+    """
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"rope: head dim must be even, got {d}")
+    half = d // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)          # [D/2]
+    ang = positions.astype(jnp.float32)[:, None] * freq[None, :]           # [T, D/2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+
+def block_offsets(offsets: jax.Array, capacity: int, block: int) -> jax.Array:
+    """Offsets of the `block`-token sub-samples of a jagged layout; works under jit.
+
+    offsets [B+1] -> [B + ceil(T / block) + 1] int32: every sample cut into runs of
+    `block` tokens (the last run of a sample may be shorter); unused trailing
+    entries repeat offsets[-1] (empty sub-samples).
+    """
+    offsets = jnp.asarray(offsets, jnp.int32)
+    b = offsets.shape[0] - 1
+    nmax = b + -(-capacity // block)
+    lengths = offsets[1:] - offsets[:-1]
+    nblk = -(-lengths // block)                                          # [B]
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk)]).astype(jnp.int32)
+    j = jnp.arange(nmax, dtype=jnp.int32)                                # sub-sample index
+    owner = jnp.clip(jnp.searchsorted(first[1:], j, side="right"), 0, max(b - 1, 0))
+    k = j - first[owner]
+    start = jnp.where(j < first[-1], offsets[owner] + k * block, offsets[-1])
+    return jnp.concatenate([start, offsets[-1:]]).astype(jnp.int32)
+
+
+def block_attention_fallback(q, k, v, offsets, *, block=64, sm_scale=None):
+    """Softmax attention within `block`-token blocks of each sample, q/k/v [T, H, D]."""
+    sub = block_offsets(offsets, q.shape[0], block)
+    return jagged_attention(q, k, v, sub, sub, sm_scale=sm_scale)
+
+
+class JaggedSelfAttention(nnx.Module):
+    """x [T, dim] packed tokens of `jagged` -> [T, dim]; padding rows -> 0.
+
+    Args:
+      dim: model width; num_heads must divide it.
+      attention: one of ATTENTION_KINDS.
+      gdpa_activation: element-wise activation for "gdpa".
+      gdpa_scale: GDPA output scale; None = 1 / (length of the query's sample),
+        a per-sample version of HSTU's 1 / max_len that is invariant to capacity.
+      causal, window: masking for "softmax" and "gdpa".
+      block: block size for "block".
+      rope, rope_theta: rotary embedding of q, k by position in the sample.
+      qk_norm: RMSNorm on each head's q and k (bounds GDPA inputs).
+      dtype: compute dtype; params float32.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, attention: str = "softmax",
+                 gdpa_activation: str = "silu", gdpa_scale: float | None = None,
+                 causal: bool = False, window: int | None = None, block: int = 64,
+                 rope: bool = False, rope_theta: float = 10_000.0, qk_norm: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if num_heads <= 0 or dim % num_heads:
+            raise ValueError(f"num_heads={num_heads} must divide dim={dim}")
+        if window is not None and window <= 0:
+            raise ValueError(f"window must be > 0 or None, got {window}")
+        if attention == "block" and (causal or window is not None):
+            raise ValueError("attention='block' takes neither causal nor window")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.attention, self.gdpa_activation, self.gdpa_scale = attention, gdpa_activation, gdpa_scale
+        self.causal, self.window, self.block = causal, window, block
+        self.rope, self.rope_theta = rope or attention == "block", rope_theta
+        self.dtype = dtype
+        lin = lambda: nnx.Linear(dim, dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = lin(), lin(), lin(), lin()
+        if qk_norm:
+            self.q_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x: jax.Array, jagged: Jagged) -> jax.Array:
+        t = jagged.capacity
+        if x.ndim != 2 or x.shape != (t, self.dim):
+            raise ValueError(f"JaggedSelfAttention: x must be [T={t}, dim={self.dim}], got {x.shape}")
+        x = x.astype(self.dtype)
+        shape = (t, self.num_heads, self.head_dim)
+        q, k, v = (p(x).reshape(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q = rope(q, jagged.positions, self.rope_theta)
+            k = rope(k, jagged.positions, self.rope_theta)
+        off = jnp.asarray(jagged.offsets, jnp.int32)
+        if self.attention == "softmax":
+            o = jagged_attention(q, k, v, off, off, causal=self.causal, window=self.window)
+        elif self.attention == "gdpa":
+            scale = 1.0 if self.gdpa_scale is None else self.gdpa_scale
+            o = gdpa(q, k, v, off, off, activation=self.gdpa_activation, scale=scale,
+                     causal=self.causal, window=self.window)
+            if self.gdpa_scale is None:
+                seg = jnp.asarray(jagged.segment_ids)
+                lens = jnp.concatenate([jagged.lengths, jnp.ones((1,), jnp.int32)])
+                o = o * (1.0 / jnp.maximum(lens[seg], 1)).astype(o.dtype)[:, None, None]
+        else:
+            o = block_attention_fallback(q, k, v, off, block=self.block)
+        out = self.out_proj(o.reshape(t, self.dim).astype(self.dtype))
+        return jnp.where(jagged.mask[:, None], out, 0).astype(self.dtype)
