@@ -1,0 +1,258 @@
+"""Orbax checkpoints of the whole train state: async, keep-N, crash-safe, reshardable.
+
+    ckpt = Checkpointer(directory, keep=3, async_save=True)
+    ckpt.save(step, state, meta)          # returns once arrays are on the host; the
+                                          # write continues in the background
+    ckpt.latest_step() -> int | None      # newest finished checkpoint
+    step, state, meta = ckpt.restore(target)    # newest (or step=...)
+    ckpt.wait(); ckpt.close()             # or `with Checkpointer(...) as ckpt:`
+
+What a state may hold: any pytree (nested dicts, lists, tuples, optax namedtuple
+states, NNX `State`, registered dataclasses) whose leaves are jax arrays (sharded
+over any mesh, or on one device), typed PRNG key arrays (`jax.random.key`),
+numpy arrays and python scalars. `meta` is a JSON-serialisable dict (data
+position, config name, ...).
+
+How it is stored: the state is flattened by key path into a nested dict whose
+keys are the path entries (dict keys, attribute names, sequence indices),
+percent-encoded so that "." and "/" in feature names stay unambiguous; orbax
+writes that with `StandardSave`. Typed PRNG keys are stored as their raw
+`jax.random.key_data` (uint32 [..., 2] for threefry) and re-wrapped on restore
+with the implementation of the key in the restore target, so callers may keep
+typed keys in the state. A JSON `layout` item records every leaf's path, kind,
+shape and dtype.
+
+Restoring: `target` is a pytree of the same structure whose leaves are
+`jax.ShapeDtypeStruct` with `.sharding` (from `jax.eval_shape` plus shardings),
+concrete arrays (their shape, dtype and sharding are used), numpy arrays or
+python scalars. Arrays are restored directly onto the target shardings, so a
+checkpoint written on one mesh restores onto any other mesh (e.g. 8 devices
+to 4). The target's structure (the pytree containers, e.g. optax namedtuples)
+is what comes back. A missing or unexpected leaf, or a shape or kind mismatch,
+raises ValueError listing the offending paths before anything is read.
+
+Crash safety: orbax writes each step into a temporary directory and renames it
+into place only when complete, so a process killed mid-save leaves the previous
+step as the latest; leftover temporary directories are deleted when the next
+Checkpointer opens the directory. Saving a step that is not newer than the
+latest saved step is skipped (`save` returns False), as in orbax.
+
+Donation: `save` copies device arrays to host memory before it returns, so the
+caller may donate or delete the state buffers right after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.parse
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+LAYOUT_VERSION = 1
+
+
+def _entry_name(entry) -> str:
+    if isinstance(entry, jax.tree_util.DictKey):
+        raw = str(entry.key)
+    elif isinstance(entry, jax.tree_util.GetAttrKey):
+        raw = entry.name
+    elif isinstance(entry, jax.tree_util.SequenceKey):
+        raw = str(entry.idx)
+    elif isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        raw = str(entry.key)
+    else:
+        raw = str(entry)
+    return urllib.parse.quote(raw, safe="-_").replace(".", "%2E") or "%"
+
+
+def _flatten(tree) -> tuple[list[str], list[Any], Any]:
+    """Pytree -> (paths "a/b/0", leaves, treedef); paths are unique or ValueError."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = ["/".join(_entry_name(e) for e in path) for path, _ in with_path]
+    if len(set(paths)) != len(paths):
+        dup = sorted({p for p in paths if paths.count(p) > 1})
+        raise ValueError(f"state has leaves whose key paths collide after encoding: {dup[:5]}")
+    return paths, [leaf for _, leaf in with_path], treedef
+
+
+def _nest(paths: list[str], leaves: list[Any]) -> dict:
+    out: dict = {}
+    for path, leaf in zip(paths, leaves):
+        *parents, name = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = leaf
+    return out
+
+
+def _unnest(nested: dict, paths: list[str]) -> list[Any]:
+    out = []
+    for path in paths:
+        node = nested
+        for p in path.split("/"):
+            node = node[p]
+        out.append(node)
+    return out
+
+
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _describe(leaf) -> dict:
+    """Layout entry of one leaf (saved value or restore target)."""
+    if _is_key(leaf):
+        impl = leaf.dtype._impl  # PRNGImpl behind the key dtype
+        return {"kind": "key", "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+                "impl": impl.name}
+    if isinstance(leaf, (bool, int, float, complex)):
+        return {"kind": "scalar", "shape": [], "dtype": type(leaf).__name__}
+    if isinstance(leaf, np.generic):
+        return {"kind": "scalar", "shape": [], "dtype": str(leaf.dtype)}
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return {"kind": "array", "shape": list(leaf.shape), "dtype": str(np.dtype(leaf.dtype))}
+    raise TypeError(f"unsupported state leaf of type {type(leaf).__name__}: {leaf!r:.80}")
+
+
+def _key_data_target(leaf):
+    """Restore target for the raw data of a typed key target leaf."""
+    if isinstance(leaf, jax.Array):
+        data = jax.random.key_data(leaf)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    # A NamedSharding spec shorter than the rank leaves the trailing key axis whole.
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
+
+
+def _array_target(leaf):
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return leaf
+
+
+class Checkpointer:
+    """Keep-N, optionally async checkpoints of a train-state pytree in `directory`."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # -- saving ---------------------------------------------------------------
+    def save(self, step: int, state, meta: dict | None = None) -> bool:
+        """Start saving `state` and `meta` as `step`; False if skipped (not newer)."""
+        step = int(step)
+        meta = {} if meta is None else meta
+        try:
+            json.dumps(meta)
+        except TypeError as e:
+            raise TypeError(f"meta must be JSON-serialisable: {e}") from None
+        paths, leaves, _ = _flatten(state)
+        if not leaves:
+            raise ValueError("state has no leaves to save")
+        layout = {"version": LAYOUT_VERSION, "leaves": {}}
+        stored = []
+        for path, leaf in zip(paths, leaves):
+            layout["leaves"][path] = _describe(leaf)
+            stored.append(jax.random.key_data(leaf) if _is_key(leaf) else leaf)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(_nest(paths, stored)),
+            meta=ocp.args.JsonSave(meta),
+            layout=ocp.args.JsonSave(layout),
+        )
+        return bool(self._manager.save(step, args=args))
+
+    def wait(self) -> None:
+        """Block until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    # -- restoring ------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        self._manager.reload()
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def restore(self, target, step: int | None = None):
+        """(step, state, meta) of `step` (default: latest), laid out like `target`."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+        elif int(step) not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} "
+                                    f"(have {self.all_steps()})")
+        step = int(step)
+        layout = self._manager.restore(
+            step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+        saved = layout["leaves"]
+        paths, leaves, treedef = _flatten(target)
+        self._check_target(step, saved, paths, leaves)
+
+        abstract = [_key_data_target(x) if _is_key(x) else _array_target(x) for x in leaves]
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_nest(paths, abstract)),
+            meta=ocp.args.JsonRestore(),
+        ))
+        values = _unnest(restored["state"], paths)
+        out = []
+        for leaf, value in zip(leaves, values):
+            if _is_key(leaf):
+                value = jax.random.wrap_key_data(value, impl=leaf.dtype._impl)
+            elif isinstance(leaf, (bool, int, float)) and not isinstance(leaf, np.generic):
+                value = type(leaf)(value)
+            out.append(value)
+        return step, jax.tree_util.tree_unflatten(treedef, out), restored["meta"]
+
+    def _check_target(self, step: int, saved: dict, paths: list[str], leaves: list[Any]) -> None:
+        wanted = dict(zip(paths, leaves))
+        missing = sorted(set(wanted) - set(saved))
+        unexpected = sorted(set(saved) - set(wanted))
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} leaves in the target are not in the checkpoint: "
+                            f"{missing[:8]}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} leaves in the checkpoint are not in the target: "
+                            f"{unexpected[:8]}")
+        for path in sorted(set(wanted) & set(saved)):
+            want, have = _describe(wanted[path]), saved[path]
+            if want["kind"] != have["kind"] and {want["kind"], have["kind"]} != {"scalar", "array"}:
+                problems.append(f"{path}: checkpoint holds a {have['kind']}, target a {want['kind']}")
+            elif want["kind"] != "scalar" and have["kind"] != "scalar" and \
+                    want["shape"] != have["shape"]:
+                problems.append(f"{path}: checkpoint shape {tuple(have['shape'])}, "
+                                f"target shape {tuple(want['shape'])}")
+            elif want["kind"] == "key" and want["impl"] != have["impl"]:
+                problems.append(f"{path}: checkpoint key impl {have['impl']}, "
+                                f"target {want['impl']}")
+        if problems:
+            raise ValueError(f"restore target does not match checkpoint step {step} in "
+                             f"{self.directory}:\n  " + "\n  ".join(problems))
+
+    # -- lifetime -------------------------------------------------------------
+    def close(self) -> None:
+        """Finish pending saves and release the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

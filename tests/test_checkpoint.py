@@ -1,0 +1,223 @@
+"""Checkpointer: round trips (1 and 8 devices, resharded onto 4), keep-N, crash safety, errors."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from gemjax.train.checkpoint import Checkpointer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_state(seed=0):
+    """A small train state shaped like the lead's: params, optax state, tables, step, rng."""
+    k = jax.random.key(seed)
+    params = {"dense": {"kernel": jax.random.normal(k, (4, 3)), "bias": jnp.zeros(3)},
+              "head.click": {"w": jnp.arange(6.0, dtype=jnp.bfloat16).reshape(2, 3)}}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    opt_state = tx.init(params)
+    # make the optimizer moments non-trivial
+    grads = jax.tree.map(lambda x: jnp.ones_like(x) * 0.5, params)
+    _, opt_state = tx.update(grads, opt_state, params)
+    tables = {"items": {"weights": jax.random.normal(jax.random.fold_in(k, 1), (16, 4)),
+                        "accum": jnp.full((16,), 0.1 + seed)}}
+    return {"params": params, "opt_state": opt_state, "tables": tables,
+            "step": jnp.asarray(7 + seed, jnp.int32), "rng": jax.random.fold_in(k, 3),
+            "rng_data": jax.random.key_data(jax.random.key(seed + 1)),
+            "epoch": 2 + seed, "lr_scale": 0.5, "host": np.arange(3) + seed}
+
+
+def assert_tree_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if hasattr(b, "dtype") and jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
+            assert a.dtype == b.dtype
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert type(a) is type(b) or (isinstance(a, jax.Array) and isinstance(b, jax.Array))
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_round_trip_one_device_with_optax_and_keys(tmp_path):
+    state = make_state()
+    want = make_state()  # deterministic: an independent copy of the values
+    with Checkpointer(tmp_path, keep=2) as ckpt:
+        assert ckpt.latest_step() is None
+        assert ckpt.save(10, state, {"data_position": 123, "config": "tiny"})
+        # save copied to host: donating / deleting the buffers afterwards is safe
+        for leaf in jax.tree.leaves(state):
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+        ckpt.wait()
+        assert ckpt.latest_step() == 10
+        target = make_state(seed=5)  # same structure, different values
+        step, got, meta = ckpt.restore(target)
+    assert step == 10 and meta == {"data_position": 123, "config": "tiny"}
+    assert_tree_equal(got, want)
+    # optax namedtuples come back as namedtuples and keep working
+    assert type(got["opt_state"][1][0]).__name__ == "ScaleByAdamState"
+    # abstract target from eval_shape (+ device shardings)
+    dev = NamedSharding(jax.make_mesh((1,), ("d",), devices=jax.devices()[:1]), P())
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev) if isinstance(x, jax.Array)
+        else x, make_state(seed=5))
+    _, got2, _ = Checkpointer(tmp_path).restore(abstract)
+    assert_tree_equal(got2, want)
+
+
+def test_sharded_8_devices_restore_onto_4_devices_other_layout(tmp_path):
+    mesh8 = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(32, 8)).astype(np.float32)
+    dense = rng.normal(size=(8, 12)).astype(np.float32)
+    keys = jax.random.split(jax.random.key(1), 8)
+    state = {
+        "tables": {"t": {"weights": jax.device_put(table, NamedSharding(mesh8, P(("data", "model")))),
+                         "accum": jax.device_put(table[:, 0], NamedSharding(mesh8, P("data")))}},
+        "params": {"w": jax.device_put(dense, NamedSharding(mesh8, P("model", "data")))},
+        "rng": jax.device_put(keys, NamedSharding(mesh8, P("data"))),
+        "step": 3,
+    }
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, state, {})
+    mesh4 = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[4:])
+    spec = {"tables": {"t": {"weights": P(None, "x"), "accum": P(("y", "x"))}},
+            "params": {"w": P("y")}, "rng": P("x"), "step": None}
+    target = jax.tree.map(
+        lambda x, s: x if s is None else jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                              sharding=NamedSharding(mesh4, s)),
+        state, spec, is_leaf=lambda x: x is None)
+    step, got, _ = Checkpointer(tmp_path).restore(target)
+    np.testing.assert_array_equal(np.asarray(got["tables"]["t"]["weights"]), table)
+    np.testing.assert_array_equal(np.asarray(got["tables"]["t"]["accum"]), table[:, 0])
+    np.testing.assert_array_equal(np.asarray(got["params"]["w"]), dense)
+    np.testing.assert_array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(keys))
+    assert got["step"] == 3 and isinstance(got["step"], int)
+    assert got["tables"]["t"]["weights"].sharding == NamedSharding(mesh4, P(None, "x"))
+    assert got["rng"].sharding.mesh == mesh4
+    assert {d.id for d in got["params"]["w"].sharding.device_set} == {4, 5, 6, 7}
+
+
+def test_keep_n_deletes_old_steps_and_skips_old_saves(tmp_path):
+    with Checkpointer(tmp_path, keep=2, async_save=False) as ckpt:
+        for step in range(1, 6):
+            assert ckpt.save(step, {"w": jnp.full(3, float(step))}, {"step": step})
+        assert ckpt.all_steps() == [4, 5]
+        assert not ckpt.save(5, {"w": jnp.zeros(3)})  # not newer: skipped
+        assert not ckpt.save(2, {"w": jnp.zeros(3)})
+    assert sorted(p for p in os.listdir(tmp_path) if p.isdigit()) == ["4", "5"]
+    ckpt = Checkpointer(tmp_path)
+    step, got, meta = ckpt.restore({"w": jnp.zeros(3)}, step=4)
+    assert step == 4 and meta == {"step": 4}
+    np.testing.assert_array_equal(got["w"], np.full(3, 4.0))
+    with pytest.raises(FileNotFoundError, match="step 2"):
+        ckpt.restore({"w": jnp.zeros(3)}, step=2)
+
+
+CHILD = textwrap.dedent("""
+    import asyncio, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from gemjax.train.checkpoint import Checkpointer
+    directory, mode, marker = sys.argv[1:4]
+    ckpt = Checkpointer(directory, keep=3)
+    ckpt.save(1, {"w": jnp.full((4,), 1.0), "big": jnp.zeros((8,))}, {"pos": 1})
+    ckpt.wait()
+    if mode == "hang":  # everything written, killed before the commit rename
+        from orbax.checkpoint._src.path import atomicity
+        async def hang(self):
+            open(marker, "w").write("ready")
+            while True:
+                await asyncio.sleep(1)
+        atomicity.AtomicRenameTemporaryPath.finalize = hang
+        big = np.zeros((8,), np.float32)
+    else:  # killed while a large array is being written
+        big = np.random.default_rng(0).random(48 * 2**20 // 4, dtype=np.float32)
+        open(marker, "w").write("ready")
+    ckpt.save(2, {"w": jnp.full((4,), 2.0), "big": jnp.asarray(big)}, {"pos": 2})
+    ckpt.wait()
+    print("save 2 finished")
+""")
+
+
+def run_and_kill(directory, mode):
+    marker = os.path.join(os.path.dirname(directory), f"marker-{mode}")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, directory, mode, marker], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    tmp_seen = False
+    # "hang" writes the marker inside the commit step (all data written);
+    # "midwrite" writes it just before the save, so we kill once the tmp dir appears.
+    while time.monotonic() < deadline and proc.poll() is None:
+        tmp_seen = os.path.isdir(directory) and any(
+            ".orbax-checkpoint-tmp" in n for n in os.listdir(directory))
+        if tmp_seen and os.path.exists(marker):
+            break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    out = proc.communicate()[0].decode()
+    assert tmp_seen, f"child never started writing step 2:\n{out[-3000:]}"
+    assert "save 2 finished" not in out
+
+
+@pytest.mark.parametrize("mode", ["hang", "midwrite"])
+def test_killed_save_leaves_previous_checkpoint_restorable(tmp_path, mode):
+    directory = str(tmp_path / "ckpt")
+    run_and_kill(directory, mode)
+    names = os.listdir(directory)
+    assert any(".orbax-checkpoint-tmp" in n for n in names), names  # the partial step is there
+    assert "2" not in names
+    target = {"w": jnp.zeros(4), "big": jnp.zeros((8,))}
+    ckpt = Checkpointer(directory)
+    assert ckpt.latest_step() == 1
+    step, got, meta = ckpt.restore(target)
+    assert step == 1 and meta == {"pos": 1}
+    np.testing.assert_array_equal(got["w"], np.ones(4))
+    # the leftover partial directory neither blocks re-saving step 2 nor restoring it
+    assert ckpt.save(2, {"w": jnp.full((4,), 3.0), "big": jnp.ones(8)}, {"pos": 2})
+    ckpt.close()
+    assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(directory))
+    step, got, meta = Checkpointer(directory).restore(target)
+    assert step == 2 and meta == {"pos": 2}
+    np.testing.assert_array_equal(got["w"], np.full(4, 3.0))
+
+
+def test_stray_partial_directories_are_ignored(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(5, {"w": jnp.ones(2)})
+    os.makedirs(tmp_path / "9.orbax-checkpoint-tmp-1234" / "state")
+    (tmp_path / "9.orbax-checkpoint-tmp-1234" / "state" / "junk").write_text("partial")
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.latest_step() == 5
+    assert ckpt.restore({"w": jnp.zeros(2)})[0] == 5
+
+
+def test_wrong_structure_or_shape_gives_clear_error(tmp_path):
+    state = {"params": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}, "rng": jax.random.key(0)}
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+            ckpt.restore(state)
+        ckpt.save(1, state)
+        with pytest.raises(TypeError, match="meta"):
+            ckpt.save(2, state, {"bad": object()})
+    ckpt = Checkpointer(tmp_path)
+    cases = [
+        ({"params": {"w": jnp.ones((2, 3))}, "rng": jax.random.key(0)}, r"params/b"),
+        ({**state, "extra": jnp.ones(1)}, r"not in the checkpoint: \['extra'\]"),
+        ({"params": {"w": jnp.ones((3, 2)), "b": jnp.zeros(3)}, "rng": jax.random.key(0)},
+         r"params/w: checkpoint shape \(2, 3\), target shape \(3, 2\)"),
+        ({**state, "rng": jnp.zeros((), jnp.uint32)}, r"rng: checkpoint holds a key"),
+    ]
+    for target, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ckpt.restore(target)
