@@ -1,0 +1,18 @@
+"""GDPA on the Pallas Triton backend (kernels/jagged_flash.py, mode "gdpa")."""
+
+import jax
+
+from kernels.jagged_flash import FlashConfig, jagged_flash
+
+# Tiles measured on the H200 (kernels/NOTES.md); interpret mode uses the same.
+TILES = dict(bq=128, bk=64, bq_dkv=64, bk_dkv=64, num_warps=8, num_stages=2,
+             num_warps_bwd=8, num_stages_bwd=2)
+
+
+def gdpa_pallas(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal=False,
+                window=None, **tiles):
+    """Same contract as kernels.gdpa.gdpa; `tiles` overrides TILES (benchmarks)."""
+    cfg = FlashConfig(mode="gdpa", activation=activation, scale=float(scale), causal=causal,
+                      window=window, interpret=jax.default_backend() != "gpu",
+                      **{**TILES, **tiles})
+    return jagged_flash(cfg, q, k, v, q_offsets, kv_offsets)

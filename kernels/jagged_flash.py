@@ -1,0 +1,524 @@
+"""Tiled jagged attention on the Pallas Triton backend: forward, dQ and dK/dV kernels.
+
+One engine serves the three public ops (kernels/gdpa, kernels/jagged_attention,
+kernels/block_attention). Scores S = Q K^T of one (query tile, key tile, head) are
+formed in registers and turned into P by either
+  "gdpa":     P = act(S) * scale                     (no normalisation)
+  "softmax":  P = exp(S * sm_scale - lse)             (online softmax, flash-style)
+then masked with the exact pair mask of kernels.common (same sample, causal,
+window, block) and multiplied into V. Only key tiles that can hold a valid pair
+are visited: per query tile the range [first, last] key tile is precomputed from
+the offsets (and per key tile the query-tile range for dK/dV), so tiles with no
+valid pair cost nothing. With `rope`, q and k tiles are rotated on load
+(rotate-half, in two D/2 halves) and dQ/dK are rotated back before storing: the
+RoPE backward is fused.
+
+Backward: dQ kernel (grid over query tiles) and dK/dV kernel (grid over key
+tiles) are separate, no atomics. Softmax needs delta = rowsum(dO * O), computed
+in XLA. Triton dots need every dim >= 16, so tiles are >= 16 and D (D/2 with
+rope) must be a multiple of 16.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels.common import key_layout, rope_tables, segment_layout
+
+F32 = jnp.float32
+PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    mode: str                      # "gdpa" | "softmax"
+    activation: str = "identity"   # gdpa only
+    scale: float = 1.0             # gdpa: after act; softmax: sm_scale on scores
+    causal: bool = False
+    window: int | None = None
+    block: int | None = None       # block_attention: same pos // block
+    rope: bool = False
+    bq: int = 128                  # forward / dQ query tile
+    bk: int = 64                   # forward / dQ key tile
+    bq_dkv: int = 64               # dK/dV: query step
+    bk_dkv: int = 64               # dK/dV: key tile
+    num_warps: int = 8
+    num_stages: int = 2
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+    interpret: bool = False
+
+
+# ----------------------------------------------------------------------------- math
+
+def _erf(x):
+    """Abramowitz-Stegun 7.1.26, |error| < 1.5e-7 (Triton has no erf lowering)."""
+    a = jnp.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    y = 1.0 - t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (
+        -1.453152027 + t * 1.061405429)))) * jnp.exp(-a * a)
+    return jnp.where(x >= 0, y, -y)
+
+
+def act_and_grad(s, activation):
+    """(act(s), act'(s)) in float32, written with ops the Triton lowering has."""
+    if activation == "identity":
+        return s, jnp.ones_like(s)
+    if activation == "relu":
+        return jnp.maximum(s, 0.0), (s > 0).astype(F32)
+    if activation == "silu":
+        sig = 1.0 / (1.0 + jnp.exp(-s))
+        return s * sig, sig * (1.0 + s * (1.0 - sig))
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + _erf(s * (1.0 / math.sqrt(2.0))))
+        pdf = jnp.exp(-0.5 * s * s) * (1.0 / math.sqrt(2.0 * math.pi))
+        return s * cdf, cdf + s * pdf
+    if activation == "gelu_tanh":
+        c = math.sqrt(2.0 / math.pi)
+        t = jnp.tanh(c * (s + 0.044715 * s * s * s))
+        return 0.5 * s * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * c * (
+            1.0 + 3.0 * 0.044715 * s * s)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def _act(s, activation):
+    if activation == "silu":
+        return s / (1.0 + jnp.exp(-s))
+    return act_and_grad(s, activation)[0]
+
+
+def _dot_nt(a, b):  # [M,K] x [N,K] -> [M,N] f32
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot_nn(a, b):  # [M,K] x [K,N] -> [M,N]
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot_tn(a, b):  # [K,M] x [K,N] -> [M,N]
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _mask(cfg, qs, qp, ks, kp):
+    m = qs[:, None] == ks[None, :]
+    if cfg.causal or cfg.window is not None:
+        d = qp[:, None] - kp[None, :]
+        if cfg.causal:
+            m &= d >= 0
+        if cfg.window is not None:
+            m &= (d < cfg.window) if cfg.causal else (jnp.abs(d) < cfg.window)
+    if cfg.block is not None:
+        m &= (qp[:, None] // cfg.block) == (kp[None, :] // cfg.block)
+    return m
+
+
+# ---------------------------------------------------------------- tile loads (RoPE)
+
+def _load_parts(ref, rows, cs, cfg):
+    """Tile of `ref` ([T, D] view) at `rows` as a tuple of dot operands.
+
+    Without rope: (x,). With rope: the rotated halves (x1 c - x2 s, x2 c + x1 s).
+    """
+    if not cfg.rope:
+        return (ref[rows, :],)
+    half = ref.shape[-1] // 2
+    x1 = ref[rows, pl.ds(0, half)]
+    x2 = ref[rows, pl.ds(half, half)]
+    c, s = cs
+    dt = x1.dtype
+    x1, x2 = x1.astype(F32), x2.astype(F32)
+    return ((x1 * c - x2 * s).astype(dt), (x2 * c + x1 * s).astype(dt))
+
+
+def _load_cs(cos_ref, sin_ref, rows, cfg):
+    if not cfg.rope:
+        return None
+    return cos_ref[rows, :], sin_ref[rows, :]
+
+
+def _store_parts(ref, parts, cs, cfg):
+    """Store a gradient given w.r.t. the rotated halves, rotated back (RoPE^T)."""
+    if not cfg.rope:
+        ref[...] = parts[0].astype(ref.dtype)
+        return
+    half = ref.shape[-1] // 2
+    g1, g2 = parts
+    c, s = cs
+    ref[:, pl.ds(0, half)] = (g1 * c + g2 * s).astype(ref.dtype)
+    ref[:, pl.ds(half, half)] = (g2 * c - g1 * s).astype(ref.dtype)
+
+
+def _scores(qp, kp):
+    s = _dot_nt(qp[0], kp[0])
+    for a, b in zip(qp[1:], kp[1:]):
+        s += _dot_nt(a, b)
+    return s
+
+
+# --------------------------------------------------------------------------- kernels
+
+def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref, sk_ref,
+                q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg):
+    i = pl.program_id(0)
+    bq, bk = cfg.bq, cfg.bk
+    qrows = pl.ds(0, bq)
+    qs, qpos = qs_ref[...], qp_ref[...]
+    qparts = _load_parts(q_ref, qrows, _load_cs(cq_ref, sq_ref, qrows, cfg), cfg)
+    d = v_ref.shape[-1]
+    lo, hi = lo_ref[i], hi_ref[i]
+
+    def tile(j):
+        rows = pl.ds(j * bk, bk)
+        kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
+        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows])
+        return _scores(qparts, kparts), m, v_ref[rows, :]
+
+    if cfg.mode == "gdpa":
+        def body(j, acc):
+            s, m, v = tile(j)
+            p = jnp.where(m, _act(s, cfg.activation) * cfg.scale, 0.0)
+            return acc + _dot_nn(p.astype(v.dtype), v)
+        acc = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d), F32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+        return
+
+    def body(j, carry):
+        acc, mx, l = carry
+        s, m, v = tile(j)
+        s = jnp.where(m, s * cfg.scale, -1e30)
+        mx_new = jnp.maximum(mx, jnp.max(s, axis=1))
+        p = jnp.where(m, jnp.exp(s - mx_new[:, None]), 0.0)
+        alpha = jnp.exp(mx - mx_new)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+        return acc, mx_new, l
+
+    init = (jnp.zeros((bq, d), F32), jnp.full((bq,), -1e30, F32), jnp.zeros((bq,), F32))
+    acc, mx, l = lax.fori_loop(lo, hi, body, init)
+    safe = jnp.where(l > 0, l, 1.0)
+    o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(l > 0, mx + jnp.log(safe), 0.0)
+
+
+def _probs_and_dscores(cfg, s, m, lse, delta, dp):
+    """(P, dS) of one tile; dS is the gradient w.r.t. the raw scores Q K^T."""
+    if cfg.mode == "gdpa":
+        a, da = act_and_grad(s, cfg.activation)
+        p = jnp.where(m, a * cfg.scale, 0.0)
+        ds = jnp.where(m, dp * da * cfg.scale, 0.0)
+        return p, ds
+    p = jnp.where(m, jnp.exp(s * cfg.scale - lse[:, None]), 0.0)
+    return p, p * (dp - delta[:, None]) * cfg.scale
+
+
+def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref, sk_ref,
+               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
+    i = pl.program_id(0)
+    bq, bk = cfg.bq, cfg.bk
+    qrows = pl.ds(0, bq)
+    qs, qpos = qs_ref[...], qp_ref[...]
+    cs_q = _load_cs(cq_ref, sq_ref, qrows, cfg)
+    qparts = _load_parts(q_ref, qrows, cs_q, cfg)
+    do = do_ref[...]
+    lse = lse_ref[...] if lse_ref is not None else None
+    delta = delta_ref[...] if delta_ref is not None else None
+
+    def body(j, acc):
+        rows = pl.ds(j * bk, bk)
+        kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
+        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows])
+        s = _scores(qparts, kparts)
+        dp = _dot_nt(do, v_ref[rows, :])
+        _, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
+        ds = ds.astype(kparts[0].dtype)
+        return tuple(a + _dot_nn(ds, kp) for a, kp in zip(acc, kparts))
+
+    init = tuple(jnp.zeros(p.shape, F32) for p in qparts)
+    acc = lax.fori_loop(lo_ref[i], hi_ref[i], body, init)
+    _store_parts(dq_ref, acc, cs_q, cfg)
+
+
+def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref, sk_ref,
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
+    j = pl.program_id(0)
+    bq, bk = cfg.bq_dkv, cfg.bk_dkv
+    krows = pl.ds(0, bk)
+    ks, kpos = ks_ref[...], kp_ref[...]
+    cs_k = _load_cs(ck_ref, sk_ref, krows, cfg)
+    kparts = _load_parts(k_ref, krows, cs_k, cfg)
+    v = v_ref[...]
+
+    def body(i, carry):
+        dks, dv = carry
+        rows = pl.ds(i * bq, bq)
+        qparts = _load_parts(q_ref, rows, _load_cs(cq_ref, sq_ref, rows, cfg), cfg)
+        m = _mask(cfg, qs_ref[rows], qp_ref[rows], ks, kpos)
+        s = _scores(qparts, kparts)
+        do = do_ref[rows, :]
+        dp = _dot_nt(do, v)
+        lse = lse_ref[rows] if lse_ref is not None else None
+        delta = delta_ref[rows] if delta_ref is not None else None
+        p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
+        dv = dv + _dot_tn(p.astype(do.dtype), do)
+        ds = ds.astype(qparts[0].dtype)
+        return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
+
+    init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
+    dks, dv = lax.fori_loop(lo_ref[j], hi_ref[j], body, init)
+    _store_parts(dk_ref, dks, cs_k, cfg)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ------------------------------------------------------------------- pallas calls
+
+def _full(shape):
+    nd = len(shape)
+    return pl.BlockSpec(shape, lambda *_: (0,) * nd)
+
+
+def _specs(cfg, tq, tk, h, d, ntile, over_q):
+    """In-specs for (layout..., cos/sin..., q, k, v); tiles run over q (fwd, dQ) or k (dK/dV)."""
+    hd = d // 2
+    bq = cfg.bq if over_q else cfg.bq_dkv
+    bk = cfg.bk if over_q else cfg.bk_dkv
+    if over_q:
+        q_tok, k_tok = pl.BlockSpec((bq,), lambda i, j: (i,)), _full((tk,))
+        q_cs, k_cs = pl.BlockSpec((bq, hd), lambda i, j: (i, 0)), _full((tk, hd))
+        q_x = pl.BlockSpec((bq, None, d), lambda i, j: (i, j, 0))
+        k_x = pl.BlockSpec((tk, None, d), lambda i, j: (0, j, 0))
+    else:
+        q_tok, k_tok = _full((tq,)), pl.BlockSpec((bk,), lambda i, j: (i,))
+        q_cs, k_cs = _full((tq, hd)), pl.BlockSpec((bk, hd), lambda i, j: (i, 0))
+        q_x = pl.BlockSpec((tq, None, d), lambda i, j: (0, j, 0))
+        k_x = pl.BlockSpec((bk, None, d), lambda i, j: (i, j, 0))
+    lay = [q_tok, q_tok, k_tok, k_tok, _full((ntile,)), _full((ntile,))]
+    cs = [q_cs, q_cs, k_cs, k_cs] if cfg.rope else []
+    return lay + cs + [q_x, k_x, k_x], q_x, k_x
+
+
+def _adapt(kernel, cfg, n_in_extra, has_stats, n_out):
+    """Kernel taking refs in a fixed order; absent rope tables / softmax stats -> None.
+
+    has_stats: None (the kernel has no stats inputs), False (passed as None), True.
+    """
+    def wrapped(*refs):
+        refs = list(refs)
+        lay, refs = refs[:6], refs[6:]
+        if cfg.rope:
+            cs, refs = refs[:4], refs[4:]
+        else:
+            cs = [None] * 4
+        qkv, refs = refs[:3], refs[3:]
+        extra, refs = refs[:n_in_extra], refs[n_in_extra:]
+        if has_stats:
+            stats, refs = refs[:2], refs[2:]
+        else:
+            stats = [] if has_stats is None else [None, None]
+        outs = refs
+        assert len(outs) == n_out, (len(outs), n_out)
+        return kernel(*lay, *cs, *qkv, *extra, *stats, *outs, cfg=cfg)
+    return wrapped
+
+
+def _params(cfg, bwd):
+    if bwd:
+        return plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
+    return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _inputs(lay, q, k, v, over_q):
+    lo, hi = (lay["kv_lo"], lay["kv_hi"]) if over_q else (lay["q_lo"], lay["q_hi"])
+    xs = [lay["qs"], lay["qp"], lay["ks"], lay["kp"], lo, hi]
+    if lay["cos"] is not None:
+        xs += [lay["cos"], lay["sin"], lay["cos"], lay["sin"]]
+    return xs + [q, k, v]
+
+
+def _forward(cfg, q, k, v, lay):
+    tq, h, d = q.shape
+    tk = k.shape[0]
+    nq = tq // cfg.bq
+    in_specs, q_x, _ = _specs(cfg, tq, tk, h, d, nq, True)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [q_x]
+    softmax = cfg.mode == "softmax"
+    if softmax:
+        out_shape.append(jax.ShapeDtypeStruct((h, tq), F32))
+        out_specs.append(pl.BlockSpec((None, cfg.bq), lambda i, j: (j, i)))
+
+    def kernel(*refs, cfg):
+        refs = list(refs)
+        if not softmax:
+            refs.append(None)  # lse_ref
+        _fwd_kernel(*refs, cfg=cfg)
+
+    outs = pl.pallas_call(
+        _adapt(kernel, cfg, 0, None, len(out_shape)), grid=(nq, h), in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg, False),
+        interpret=cfg.interpret, name=f"jagged_flash_fwd_{cfg.mode}",
+    )(*_inputs(lay, q, k, v, True))
+    return outs[0], (outs[1] if softmax else None)
+
+
+def _backward(cfg, q, k, v, lay, o, lse, do):
+    tq, h, d = q.shape
+    tk = k.shape[0]
+    softmax = cfg.mode == "softmax"
+    stats = []
+    if softmax:
+        delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1).T  # [H, Tq]
+        stats = [lse, delta]
+
+    nq = tq // cfg.bq
+    in_specs, q_x, _ = _specs(cfg, tq, tk, h, d, nq, True)
+    in_specs = in_specs + [q_x]
+    if softmax:
+        in_specs += [pl.BlockSpec((None, cfg.bq), lambda i, j: (j, i))] * 2
+    dq = pl.pallas_call(
+        _adapt(_dq_kernel, cfg, 1, softmax, 1), grid=(nq, h), in_specs=in_specs,
+        out_specs=q_x, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        name=f"jagged_flash_dq_{cfg.mode}",
+    )(*_inputs(lay, q, k, v, True), do, *stats)
+
+    nk = tk // cfg.bk_dkv
+    in_specs, q_x, k_x = _specs(cfg, tq, tk, h, d, nk, False)
+    in_specs = in_specs + [q_x]
+    if softmax:
+        in_specs += [pl.BlockSpec((None, tq), lambda i, j: (j, 0))] * 2
+    dk, dv = pl.pallas_call(
+        _adapt(_dkv_kernel, cfg, 1, softmax, 2), grid=(nk, h), in_specs=in_specs,
+        out_specs=[k_x, k_x], out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        name=f"jagged_flash_dkv_{cfg.mode}",
+    )(*_inputs(lay, q, k, v, False), do, *stats)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, lay):
+    return _forward(cfg, q, k, v, lay)[0]
+
+
+def _flash_fwd(cfg, q, k, v, lay):
+    o, lse = _forward(cfg, q, k, v, lay)
+    return o, (q, k, v, lay, o, lse)
+
+
+def _flash_bwd(cfg, res, do):
+    q, k, v, lay, o, lse = res
+    dq, dk, dv = _backward(cfg, q, k, v, lay, o, lse, do)
+    zero_lay = jax.tree.map(_zero_cotangent, lay)
+    return dq, dk, dv, zero_lay
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return jnp.zeros(x.shape, jax.dtypes.float0)
+    return jnp.zeros_like(x)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ------------------------------------------------------------------- tile ranges
+
+_BIG = 1 << 30
+
+
+def _token_ranges(seg, pos, b, other_off, cfg, side):
+    """Per token [start, end) of the other side's rows it can pair with (empty: BIG, 0)."""
+    valid = (seg >= 0) & (seg < b)
+    s = jnp.clip(seg, 0, b - 1)
+    base = jnp.take(other_off, s)
+    n = jnp.take(other_off, s + 1) - base
+    lo = jnp.zeros_like(pos)
+    hi = n
+    w = cfg.window
+    if side == "q":
+        if cfg.causal:
+            hi = jnp.minimum(hi, pos + 1)
+        if w is not None:
+            lo = jnp.maximum(lo, pos - w + 1)
+            if not cfg.causal:
+                hi = jnp.minimum(hi, pos + w)
+    else:
+        if cfg.causal:
+            lo = jnp.maximum(lo, pos)
+        if w is not None:
+            hi = jnp.minimum(hi, pos + w)
+            if not cfg.causal:
+                lo = jnp.maximum(lo, pos - w + 1)
+    if cfg.block is not None:
+        bl = (pos // cfg.block) * cfg.block
+        lo = jnp.maximum(lo, bl)
+        hi = jnp.minimum(hi, bl + cfg.block)
+    ok = valid & (lo < hi)
+    return jnp.where(ok, base + lo, _BIG), jnp.where(ok, base + hi, 0)
+
+
+def tile_ranges(start, end, row_tile, col_tile):
+    """Per row tile, the [first, last) column tiles covering its tokens' [start, end)."""
+    n = start.shape[0] // row_tile
+    lo = start.reshape(n, row_tile).min(axis=1)
+    hi = end.reshape(n, row_tile).max(axis=1)
+    first = lo // col_tile
+    last = (hi + col_tile - 1) // col_tile
+    empty = hi <= lo
+    return jnp.where(empty, 0, first).astype(jnp.int32), jnp.where(empty, 0, last).astype(jnp.int32)
+
+
+def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rope_theta=None):
+    """Everything the kernels read besides q/k/v: segment ids, positions, tile ranges, RoPE."""
+    b = q_offsets.shape[0] - 1
+    q_offsets = q_offsets.astype(jnp.int32)
+    kv_offsets = kv_offsets.astype(jnp.int32)
+    qs, qp = segment_layout(q_offsets, tq)
+    ks, kp = key_layout(kv_offsets, tk)
+    qa, qb = _token_ranges(qs, qp, b, kv_offsets, cfg, "q")
+    kv_lo, kv_hi = tile_ranges(qa, qb, cfg.bq, cfg.bk)
+    ka, kb = _token_ranges(ks, kp, b, q_offsets, cfg, "k")
+    q_lo, q_hi = tile_ranges(ka, kb, cfg.bk_dkv, cfg.bq_dkv)
+    cos = sin = None
+    if cfg.rope:
+        pos = qp if rope_positions is None else rope_positions
+        cos, sin = rope_tables(pos, d, rope_theta)
+    return dict(qs=qs, qp=qp, ks=ks, kp=kp, kv_lo=kv_lo, kv_hi=kv_hi, q_lo=q_lo, q_hi=q_hi,
+                cos=cos, sin=sin)
+
+
+def _pad_rows(x, n):
+    return x if x.shape[0] == n else jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_theta=None):
+    """q [Tq,H,D], k/v [Tk,H,D], offsets [B+1] -> [Tq,H,D] in q.dtype; differentiable.
+
+    Capacities are padded to a multiple of 128 internally; padding rows come out 0.
+    """
+    tq, h, d = q.shape
+    tk = k.shape[0]
+    step = 16 * (2 if cfg.rope else 1)
+    if d % step:
+        raise ValueError(f"pallas attention: head dim D={d} must be a multiple of {step} "
+                         "(Triton dots need every dim >= 16); use impl='reference'")
+    for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
+        if t < 16 or PAD_MULTIPLE % t:
+            raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")
+    if q_offsets.shape[0] == 1:  # no samples
+        return jnp.zeros_like(q)
+    tqp = -(-tq // PAD_MULTIPLE) * PAD_MULTIPLE
+    tkp = -(-tk // PAD_MULTIPLE) * PAD_MULTIPLE
+    if rope_positions is not None:
+        rope_positions = _pad_rows(rope_positions, tqp)
+    lay = build_layout(cfg, q_offsets, kv_offsets, tqp, tkp, d // 2 * 2 if cfg.rope else d,
+                       rope_positions, rope_theta)
+    lay = {kk: vv for kk, vv in lay.items()}
+    out = _flash(cfg, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp), lay)
+    return out[:tq]
