@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from gemjax.data.jagged import pack
-from gemjax.layers.attention import JaggedSelfAttention, block_offsets, rope
+from gemjax.layers.attention import JaggedSelfAttention, rope
 from gemjax.layers.sequence import SequenceEncoder, last_tokens, mean_pool
 
 LENGTHS = [5, 0, 9, 1, 4, 7]
@@ -96,15 +96,6 @@ def test_attention_matches_numpy_per_sample(kw):
         np.testing.assert_allclose(got[off[i]:off[i + 1]], ref, rtol=1e-4, atol=1e-4,
                                    err_msg=f"sample {i}")
     assert np.all(got[off[-1]:] == 0), "padding rows must be 0"
-
-
-def test_block_offsets_cut_samples_into_blocks():
-    j = pack(seqs([5, 0, 9, 4]), capacity=32)
-    got = np.asarray(block_offsets(jnp.asarray(j.offsets), 32, 4))
-    want = [0, 4, 5, 9, 13, 14, 18]
-    assert got.shape == (4 + 8 + 1,)
-    np.testing.assert_array_equal(got[:len(want)], want)
-    assert np.all(got[len(want):] == 18)
 
 
 def test_rope_scores_depend_only_on_relative_position():

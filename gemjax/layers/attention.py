@@ -5,10 +5,9 @@
 Kinds:
   "softmax"  kernels.jagged_attention (optionally causal / sliding `window`)
   "gdpa"     kernels.gdpa: out = act(Q K^T) * scale @ V (HSTU-style, no softmax)
-  "block"    softmax attention inside independent `block`-token blocks of each
-             sample (GEM's BlockAttention), written as jagged_attention over the
-             block sub-samples (exact; a fused kernels.block_attention can
-             replace it once its RoPE convention is pinned down).
+  "block"    kernels.block_attention: softmax attention inside independent
+             `block`-token blocks of each sample (GEM's BlockAttention), RoPE
+             fused in the op.
 
 Options: RoPE on Q and K from the token positions within their sample
 (`rope=True`; always on for "block"), QK-norm (RMSNorm of each head's q and k,
@@ -23,51 +22,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemjax.data.jagged import Jagged
-from kernels import gdpa, jagged_attention
+from kernels import block_attention, gdpa, jagged_attention
+from kernels.common import rope as _kernels_rope
 
 ATTENTION_KINDS = ("softmax", "gdpa", "block")
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0) -> jax.Array:
-    """Rotary position embedding, half-split convention.
+    """Rotary position embedding (rotate-half, as kernels/ uses it).
 
-    x [T, H, D] (D even), positions [T] int -> [T, H, D] in x.dtype; computed in f32.
+    x [T, H, D] (D even), positions [T] int -> [T, H, D] in x.dtype.
     """
-    d = x.shape[-1]
-    if d % 2:
-        raise ValueError(f"rope: head dim must be even, got {d}")
-    half = d // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)          # [D/2]
-    ang = positions.astype(jnp.float32)[:, None] * freq[None, :]           # [T, D/2]
-    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
-
-
-def block_offsets(offsets: jax.Array, capacity: int, block: int) -> jax.Array:
-    """Offsets of the `block`-token sub-samples of a jagged layout; works under jit.
-
-    offsets [B+1] -> [B + ceil(T / block) + 1] int32: every sample cut into runs of
-    `block` tokens (the last run of a sample may be shorter); unused trailing
-    entries repeat offsets[-1] (empty sub-samples).
-    """
-    offsets = jnp.asarray(offsets, jnp.int32)
-    b = offsets.shape[0] - 1
-    nmax = b + -(-capacity // block)
-    lengths = offsets[1:] - offsets[:-1]
-    nblk = -(-lengths // block)                                          # [B]
-    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk)]).astype(jnp.int32)
-    j = jnp.arange(nmax, dtype=jnp.int32)                                # sub-sample index
-    owner = jnp.clip(jnp.searchsorted(first[1:], j, side="right"), 0, max(b - 1, 0))
-    k = j - first[owner]
-    start = jnp.where(j < first[-1], offsets[owner] + k * block, offsets[-1])
-    return jnp.concatenate([start, offsets[-1:]]).astype(jnp.int32)
-
-
-def block_attention_fallback(q, k, v, offsets, *, block=64, sm_scale=None):
-    """Softmax attention within `block`-token blocks of each sample, q/k/v [T, H, D]."""
-    sub = block_offsets(offsets, q.shape[0], block)
-    return jagged_attention(q, k, v, sub, sub, sm_scale=sm_scale)
+    if x.shape[-1] % 2:
+        raise ValueError(f"rope: head dim must be even, got {x.shape[-1]}")
+    return _kernels_rope(x, positions, theta).astype(x.dtype)
 
 
 class JaggedSelfAttention(nnx.Module):
@@ -121,7 +89,7 @@ class JaggedSelfAttention(nnx.Module):
         q, k, v = (p(x).reshape(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
+        if self.rope and self.attention != "block":      # block_attention rotates itself
             q = rope(q, jagged.positions, self.rope_theta)
             k = rope(k, jagged.positions, self.rope_theta)
         off = jnp.asarray(jagged.offsets, jnp.int32)
@@ -136,6 +104,8 @@ class JaggedSelfAttention(nnx.Module):
                 lens = jnp.concatenate([jagged.lengths, jnp.ones((1,), jnp.int32)])
                 o = o * (1.0 / jnp.maximum(lens[seg], 1)).astype(o.dtype)[:, None, None]
         else:
-            o = block_attention_fallback(q, k, v, off, block=self.block)
+            o = block_attention(q, k, v, off, block=self.block,
+                                positions=jnp.asarray(jagged.positions, jnp.int32),
+                                rope_theta=self.rope_theta)
         out = self.out_proj(o.reshape(t, self.dim).astype(self.dtype))
         return jnp.where(jagged.mask[:, None], out, 0).astype(self.dtype)
