@@ -1,16 +1,30 @@
-"""EmbeddingCollection: lookups and sparse updates for every table.
+"""EmbeddingCollection: sharded lookups and fused sparse updates for every table.
 
-    coll = EmbeddingCollection(specs)
-    state = coll.init(key)                       # {table: {"weights": [V, D], <opt state>}}
+    coll = EmbeddingCollection(specs, plan=None, mesh=None, replica_axes=())
+    print(coll.describe())                       # the plan as a table
+    state = coll.init(key)                       # {table: {"weights": [Vp, D], <opt state [Vp, ...]>}}
+    coll.check_ids(feats)                        # host-side strict bounds check
     acts, residuals = coll.lookup(state, feats)  # feats {feature: ids [...] or Jagged bag}
     ... g_acts = d loss / d acts ...
     state = coll.apply_gradients(state, residuals, g_acts)
 
-The tables never enter jax.grad: the loss is differentiated with respect to the
-looked-up activations, and the optimizer updates only the rows the batch
-touched (duplicates summed first), so no dense [vocab, dim] gradient exists.
+State arrays are padded to Vp = a multiple of the table's shard count and
+sharded per the plan (`gemjax.sparse.plans`); under a "mod" split their row
+order is permuted (`to_logical` / `from_logical` convert on the host). On a
+mesh, feats are global arrays sharded over `batch_axes` (default: every mesh
+axis), each device holding its own samples (a Jagged bag: its own packed
+buffer with local offsets); acts come back sharded the same way.
 
-This is the single-device engine; sharded plans reuse the same contract.
+The tables never enter jax.grad: the loss is differentiated with respect to
+the looked-up activations, and `apply_gradients` routes those to the owning
+shards and updates only the touched rows (see `gemjax.sparse.routing`), so no
+dense [vocab, dim] gradient or optimizer-state copy exists. Donate the state
+to the jitted step so the updates happen in place.
+
+residuals["stats"] (int32 scalars, summed over the mesh):
+  ids_out_of_range  ids outside [0, vocab) that were clamped / hashed
+  ids_overflow      ids dropped by the all_to_all capacity (zero embedding, no grad)
+With mesh=None everything runs on one device (a 1-device mesh).
 """
 
 from __future__ import annotations
@@ -20,15 +34,21 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
+from gemjax.sparse import plans as plans_lib
+from gemjax.sparse import routing
 from gemjax.sparse.specs import TableSpec
 
 Array = Any
+STATS = ("ids_out_of_range", "ids_overflow")
 
 
 class EmbeddingCollection:
-    def __init__(self, specs: Sequence[TableSpec], plan: Any = None, mesh: Any = None):
+    def __init__(self, specs: Sequence[TableSpec], plan: Any = None, mesh: Mesh | None = None,
+                 *, replica_axes: Sequence[str] = (), batch_axes: Sequence[str] | None = None,
+                 **planner_kw):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in {names}")
@@ -39,16 +59,70 @@ class EmbeddingCollection:
                 if f in self.table_of:
                     raise ValueError(f"feature {f!r} is served by both {self.table_of[f].name!r} and {s.name!r}")
                 self.table_of[f] = s
-        self.plan, self.mesh = plan, mesh
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+        self.mesh = mesh
+        self.batch_axes = tuple(mesh.axis_names if batch_axes is None else batch_axes)
+        self.plans = plans_lib.resolve(plan, specs, mesh, replica_axes, **planner_kw)
+        self.plan = self.plans
+        self.layouts = {n: plans_lib.layout(s, self.plans[n], mesh) for n, s in self.specs.items()}
 
-    # ---------------------------------------------------------------- state
+    # ---------------------------------------------------------------- plan / state
+    def describe(self) -> str:
+        """The plan as a text table (bytes per device per table)."""
+        return plans_lib.format_plan(list(self.specs.values()), self.plans, self.mesh)
+
+    def state_sharding(self, mesh: Mesh | None = None) -> dict[str, dict[str, NamedSharding]]:
+        """NamedShardings of the state pytree (e.g. orbax restore targets)."""
+        mesh = mesh or self.mesh
+        out = {}
+        for n, s in self.specs.items():
+            sh = NamedSharding(mesh, P(self.plans[n].storage_axes or None))
+            out[n] = {"weights": sh, **{k: sh for k in s.optimizer.init_state(1, s.dim)}}
+        return out
+
     def init(self, key: Array) -> dict[str, dict[str, Array]]:
-        state = {}
-        for i, s in enumerate(self.specs.values()):
-            k = jax.random.fold_in(key, i)
-            w = jax.random.uniform(k, (s.vocab, s.dim), jnp.float32, -s.scale, s.scale).astype(s.dtype)
-            state[s.name] = {"weights": w, **s.optimizer.init_state(s.vocab, s.dim)}
-        return state
+        """Rows ~ U(-scale, scale) in storage order; optimizer state from the optimizer."""
+        shardings = self.state_sharding()
+
+        def make():
+            state = {}
+            for i, (n, s) in enumerate(self.specs.items()):
+                vp = self.layouts[n].padded_vocab
+                w = jax.random.uniform(jax.random.fold_in(key, i), (vp, s.dim), jnp.float32,
+                                       -s.scale, s.scale).astype(s.dtype)
+                state[n] = {"weights": w, **s.optimizer.init_state(vp, s.dim)}
+            return state
+        return jax.jit(make, out_shardings=shardings)()
+
+    def to_logical(self, state) -> dict[str, dict[str, np.ndarray]]:
+        """Host copy of the state in logical row order, padding removed: [V, ...] per array."""
+        out = {}
+        for n, s in self.specs.items():
+            idx = self.layouts[n].storage_index(np.arange(s.vocab))
+            out[n] = {k: np.asarray(v)[idx] for k, v in state[n].items()}
+        return out
+
+    def from_logical(self, logical) -> dict[str, dict[str, Array]]:
+        """Inverse of to_logical: {table: {name: [V, ...]}} -> sharded state (padding zero).
+
+        Arrays are cast to the table / optimizer-state dtypes.
+        """
+        shardings, out = self.state_sharding(), {}
+        for n, s in self.specs.items():
+            lay = self.layouts[n]
+            dtypes = {"weights": np.dtype(s.dtype),
+                      **{k: np.dtype(a.dtype) for k, a in s.optimizer.init_state(1, s.dim).items()}}
+            idx = lay.storage_index(np.arange(s.vocab))
+            out[n] = {}
+            for k, v in logical[n].items():
+                v = np.asarray(v).astype(dtypes[k])
+                if v.shape[0] != s.vocab:
+                    raise ValueError(f"table {n!r} array {k!r}: leading dim {v.shape[0]} != vocab {s.vocab}")
+                full = np.zeros((lay.padded_vocab,) + v.shape[1:], v.dtype)
+                full[idx] = v
+                out[n][k] = jax.device_put(full, shardings[n][k])
+        return out
 
     # ---------------------------------------------------------------- checks
     def check_ids(self, feats: Mapping[str, Any]) -> None:
@@ -57,100 +131,169 @@ class EmbeddingCollection:
             spec = self._spec(f)
             if spec.bounds != "strict":
                 continue
-            a = np.asarray(ids.values if isinstance(ids, Jagged) else ids)
             if isinstance(ids, Jagged):
-                a = a[: int(np.asarray(ids.offsets)[-1])]
+                a = np.asarray(ids.values)[np.asarray(ids.segment_ids) < ids.num_samples]
+            else:
+                a = np.asarray(ids)
             if a.size and (a.min() < 0 or a.max() >= spec.vocab):
                 bad = a[(a < 0) | (a >= spec.vocab)]
                 raise ValueError(
                     f"feature {f!r}: {bad.size} ids outside [0, {spec.vocab}) of table {spec.name!r} "
-                    f"(e.g. {bad[:3].tolist()}); fix the input or set bounds='clamp' on the table")
+                    f"(e.g. {bad[:3].tolist()}); fix the input or set bounds='clamp' or 'hash' on the table")
 
     def _spec(self, feature: str) -> TableSpec:
         if feature not in self.table_of:
             raise KeyError(f"feature {feature!r} is served by no table; known: {sorted(self.table_of)}")
         return self.table_of[feature]
 
+    def _check_feature(self, f: str, ids: Any) -> None:
+        spec = self._spec(f)
+        if spec.pooling is None and isinstance(ids, Jagged):
+            raise TypeError(f"feature {f!r}: table {spec.name!r} has no pooling; pass plain ids, not a Jagged bag")
+        if spec.pooling is not None and not isinstance(ids, Jagged):
+            raise TypeError(f"feature {f!r}: pooled table {spec.name!r} needs a Jagged bag of ids")
+
+    def _groups(self, feats: Mapping[str, Any]) -> dict[str, list[str]]:
+        """table -> its features present in feats (sorted, so the order is static)."""
+        groups: dict[str, list[str]] = {}
+        for f in sorted(feats):
+            self._check_feature(f, feats[f])
+            groups.setdefault(self._spec(f).name, []).append(f)
+        return groups
+
+    def _axes(self, name: str):
+        p = self.plans[name]
+        fs = p.replica_axes if p.kind == "fs2d" else ()
+        sync = p.replica_axes if p.kind in ("2d", "replicated") else ()
+        return p.model_axes, fs, sync
+
+    def _capacities(self, feats, groups) -> dict[str, int]:
+        n_dev = int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
+        caps = {}
+        for name, fs in groups.items():
+            n = 0
+            for f in fs:
+                a = feats[f].values if isinstance(feats[f], Jagged) else feats[f]
+                n += int(np.prod(a.shape)) // n_dev
+            caps[name] = plans_lib.capacity(n, self.layouts[name], self.plans[name])
+        return caps
+
+    def _state_specs(self, names):
+        return {n: {k: P(self.plans[n].storage_axes or None)
+                    for k in ["weights", *self.specs[n].optimizer.init_state(1, 1)]} for n in names}
+
     # ---------------------------------------------------------------- lookup
     def lookup(self, state, feats: Mapping[str, Any]):
-        """Returns (acts, residuals).
+        """feats {feature: ids [...] int or Jagged bag} -> (acts, residuals).
 
-        acts[f]: [*ids.shape, D] for unpooled features, [B, D] for pooled bags.
-        residuals: {"ids": {f: clamped ids}, "stats": {"ids_out_of_range": int32}}.
+        acts[f]: [*ids.shape, D] (table dtype) for unpooled features, [B, D] for
+        pooled bags (float32 sum / mean over the bag; empty bags give zeros).
+        residuals: routing indices per table, bag layouts, and "stats".
         """
-        acts, ids_out, oob = {}, {}, jnp.zeros((), jnp.int32)
-        for f, ids in feats.items():
-            spec = self._spec(f)
-            raw = ids.values if isinstance(ids, Jagged) else ids
-            raw = jnp.asarray(raw, jnp.int32)
-            bad = (raw < 0) | (raw >= spec.vocab)
-            if isinstance(ids, Jagged):
-                bad = bad & ids.mask
-            oob = oob + jnp.sum(bad, dtype=jnp.int32)
-            clamped = jnp.clip(raw, 0, spec.vocab - 1)
-            rows = jnp.take(state[spec.name]["weights"], clamped, axis=0)
-            if spec.pooling is None:
-                if isinstance(ids, Jagged):
-                    raise TypeError(f"feature {f!r}: table {spec.name!r} has no pooling; pass plain ids, not a Jagged bag")
-                acts[f] = rows
-            else:
-                if not isinstance(ids, Jagged):
-                    raise TypeError(f"feature {f!r}: pooled table {spec.name!r} needs a Jagged bag of ids")
-                acts[f] = _pool(rows, ids, spec.pooling)
-            ids_out[f] = ids.replace(values=clamped) if isinstance(ids, Jagged) else clamped
-        return acts, {"ids": ids_out, "stats": {"ids_out_of_range": oob}}
+        groups = self._groups(feats)
+        caps = self._capacities(feats, groups)
+        bspec = P(self.batch_axes)
+
+        def body(state, feats):
+            acts, res, stats = {}, {}, {k: jnp.zeros((), jnp.int32) for k in STATS}
+            for name, fs in groups.items():
+                spec, lay = self.specs[name], self.layouts[name]
+                flat, valid, sizes = [], [], []
+                for f in fs:
+                    ids = feats[f]
+                    raw = jnp.asarray(ids.values if isinstance(ids, Jagged) else ids).astype(jnp.int32)
+                    ok = ids.mask if isinstance(ids, Jagged) else jnp.ones(raw.shape, bool)
+                    flat.append(raw.reshape(-1))
+                    valid.append(ok.reshape(-1))
+                    sizes.append(raw.size)
+                raw, valid = jnp.concatenate(flat), jnp.concatenate(valid)
+                bad = valid & ((raw < 0) | (raw >= spec.vocab))
+                stats["ids_out_of_range"] += jnp.sum(bad, dtype=jnp.int32)
+                ids = jnp.mod(raw, spec.vocab) if spec.bounds == "hash" else jnp.clip(raw, 0, spec.vocab - 1)
+                model, fs_axes, _ = self._axes(name)
+                rows, res[name], over = routing.lookup_rows(
+                    state[name]["weights"], ids, valid, lay, caps[name], model, fs_axes)
+                stats["ids_overflow"] += over
+                start = 0
+                for f, size in zip(fs, sizes):
+                    r = rows[start:start + size]
+                    start += size
+                    ids_f = feats[f]
+                    if isinstance(ids_f, Jagged):
+                        acts[f] = _pool(r, ids_f, spec.pooling)
+                    else:
+                        acts[f] = r.reshape(ids_f.shape + (spec.dim,))
+            return acts, res, {k: v[None] for k, v in stats.items()}
+
+        names = list(groups)
+        acts, res, stats = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(self._state_specs(names), bspec),
+            out_specs=(bspec, bspec, bspec), check_vma=False,
+        )({n: state[n] for n in names}, dict(feats))
+        stats = {k: jnp.sum(v) for k, v in stats.items()}
+        return acts, {"ids": dict(feats), "route": res, "stats": stats}
 
     # ---------------------------------------------------------------- update
     def apply_gradients(self, state, residuals, g_acts):
-        """Sparse update of the rows touched by the batch; returns the new state."""
-        new_state = dict(state)
-        for name, spec in self.specs.items():
-            ids_list, g_list = [], []
-            for f in spec.features:
-                if f not in g_acts:
-                    continue
-                ids, g = residuals["ids"][f], g_acts[f]
-                if isinstance(ids, Jagged):
-                    ids, g = _unpool_grads(ids, g, spec.pooling)
-                ids_list.append(ids.reshape(-1))
-                g_list.append(g.reshape(-1, spec.dim))
-            if not ids_list:
-                continue
-            ids = jnp.concatenate(ids_list)
-            g = jnp.concatenate(g_list).astype(jnp.float32)
-            new_state[name] = _update_rows(state[name], ids, g, spec)
-        return new_state
+        """Route g_acts to the owning shards, update touched rows; returns the new state.
+
+        g_acts {feature: same shape as acts[feature]}; features missing from g_acts
+        count as zero gradient. Tables with no feature in g_acts are unchanged.
+        """
+        feats = residuals["ids"]
+        groups = {n: fs for n, fs in self._groups(feats).items() if any(f in g_acts for f in fs)}
+        names = list(groups)
+        if not names:
+            return state
+        n_dev = int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
+        caps = {n: residuals["route"][n]["recv"].shape[0] // n_dev // self.layouts[n].num_model
+                for n in names}
+        bspec = P(self.batch_axes)
+
+        def body(state, route, feats, g_acts):
+            new = {}
+            for name in names:
+                spec = self.specs[name]
+                per_id = []
+                for f in groups[name]:
+                    ids = feats[f]
+                    if f not in g_acts:
+                        n_f = ids.capacity if isinstance(ids, Jagged) else int(np.prod(ids.shape))
+                        per_id.append(jnp.zeros((n_f, spec.dim), jnp.float32))
+                    elif isinstance(ids, Jagged):
+                        per_id.append(_unpool_grads(ids, g_acts[f].astype(jnp.float32), spec.pooling))
+                    else:
+                        per_id.append(g_acts[f].astype(jnp.float32).reshape(-1, spec.dim))
+                model, fs_axes, sync = self._axes(name)
+                rows, grads = routing.route_grads(jnp.concatenate(per_id), route[name],
+                                                  self.layouts[name], caps[name], model, fs_axes, sync)
+                new[name] = routing.update_rows(state[name], rows, grads, spec.optimizer)
+            return new
+
+        sspecs = self._state_specs(names)
+        used = [f for n in names for f in groups[n]]
+        new = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(sspecs, bspec, bspec, bspec), out_specs=sspecs,
+            check_vma=False,
+        )({n: state[n] for n in names}, {n: residuals["route"][n] for n in names},
+          {f: feats[f] for f in used}, {f: g_acts[f] for f in used if f in g_acts})
+        return {**state, **new}
 
 
 def _pool(rows: Array, bag: Jagged, pooling: str) -> Array:
+    """rows [T, D] per token -> [B, D] float32 sum / mean (padding tokens ignored)."""
     b = bag.num_samples
-    rows = jnp.where(bag.mask[:, None], rows, 0)
+    rows = jnp.where(bag.mask[:, None], rows.astype(jnp.float32), 0)
     summed = jax.ops.segment_sum(rows, bag.segment_ids, num_segments=b + 1)[:b]
     if pooling == "mean":
         summed = summed / jnp.maximum(bag.lengths, 1)[:, None].astype(summed.dtype)
     return summed
 
 
-def _unpool_grads(bag: Jagged, g: Array, pooling: str):
+def _unpool_grads(bag: Jagged, g: Array, pooling: str) -> Array:
     """Pooled grads [B, D] -> per-token grads [T, D] (zero on padding)."""
     b = bag.num_samples
-    gp = g
     if pooling == "mean":
-        gp = g / jnp.maximum(bag.lengths, 1)[:, None].astype(g.dtype)
-    gp = jnp.concatenate([gp, jnp.zeros((1, g.shape[-1]), g.dtype)])
-    return bag.values, jnp.take(gp, jnp.minimum(bag.segment_ids, b), axis=0)
-
-
-def _update_rows(table_state, ids: Array, g: Array, spec: TableSpec):
-    """Sum duplicate ids' grads (sort + segment_sum), update those rows only."""
-    n = ids.shape[0]
-    uniq, inv = jnp.unique(ids, size=n, fill_value=spec.vocab, return_inverse=True)
-    g_sum = jax.ops.segment_sum(g, inv.reshape(-1), num_segments=n)
-    safe = jnp.minimum(uniq, spec.vocab - 1)
-    rows = jnp.take(table_state["weights"], safe, axis=0)
-    opt_rows = {k: jnp.take(v, safe, axis=0) for k, v in table_state.items() if k != "weights"}
-    new_rows, new_opt = spec.optimizer.update(rows, opt_rows, g_sum)
-    out = {"weights": table_state["weights"].at[uniq].set(new_rows, mode="drop")}
-    for k, v in new_opt.items():
-        out[k] = table_state[k].at[uniq].set(v, mode="drop")
-    return out
+        g = g / jnp.maximum(bag.lengths, 1)[:, None].astype(g.dtype)
+    g = jnp.concatenate([g, jnp.zeros((1, g.shape[-1]), g.dtype)])
+    return jnp.take(g, jnp.minimum(bag.segment_ids, b), axis=0)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from gemjax.sparse.optimizers import RowWiseAdagrad, SparseOptimizer
 
 POOLINGS = (None, "sum", "mean")
-BOUNDS = ("strict", "clamp")
+BOUNDS = ("strict", "clamp", "hash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +26,10 @@ class TableSpec:
     optimizer: the fused sparse optimizer applied to touched rows.
     bounds: "strict" (ids outside [0, vocab) are an error, checked on the host
       by `EmbeddingCollection.check_ids`) or "clamp" (clamped into range inside
-      the step and counted in the lookup stats). Under jit both modes clamp and
-      count; "strict" adds the host check.
+      the step and counted in the lookup stats) or "hash" (ids taken modulo
+      vocab, non-negative, and counted). Default "strict". Under jit "strict"
+      and "clamp" both clamp and count ("ids_out_of_range"); "strict" adds the
+      host check. Padding tokens of Jagged bags are never counted.
     """
 
     name: str
@@ -49,8 +51,15 @@ class TableSpec:
             raise ValueError(f"table {self.name!r}: needs at least one feature")
         if self.pooling not in POOLINGS:
             raise ValueError(f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"table {self.name!r}: dtype must be float32 or bfloat16, got {self.dtype}")
         if self.bounds not in BOUNDS:
             raise ValueError(f"table {self.name!r}: bounds must be one of {BOUNDS}, got {self.bounds!r}")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row: weights in the storage dtype plus optimizer state."""
+        return self.dim * jnp.dtype(self.dtype).itemsize + self.optimizer.state_bytes_per_row(self.dim)
 
     @property
     def scale(self) -> float:

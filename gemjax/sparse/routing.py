@@ -1,0 +1,146 @@
+"""Per-device id routing for one table, run inside `jax.shard_map`.
+
+Forward (`lookup_rows`), for the N ids a device holds for one table:
+  1. dedupe: sort + unique (invalid ids sort last), so each row travels once;
+  2. bucket the unique ids by owning model shard (stable sort by owner), give
+     each a slot `owner * C + rank`; ranks >= C overflow (zero row, counted);
+  3. all_to_all the [S_m, C] requests over the model axes;
+  4. gather the requested rows locally (fs2d: all-gather the requests over the
+     replica axes, each sub-shard fills the rows it owns, psum_scatter back);
+  5. all_to_all the [S_m, C, D] rows back, un-permute to unique order, then to
+     the original ids.
+
+Backward (`route_grads`) retraces the same slots: per-id grads are summed per
+unique id (segment_sum), sent to the owner through the inverse all_to_all,
+and (2d / replicated) all-gathered over the replica axes so every replica
+applies the same update; `update_rows` dedupes again on the owner (sort +
+segment_sum) and runs the fused optimizer on the touched rows only.
+
+Shapes (per device): ids [N] int32, weights [rows_per_shard, D], C static.
+Row indices use -1 for "no row".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gemjax.sparse.plans import Layout
+
+Array = Any
+INVALID = jnp.iinfo(jnp.int32).max
+
+
+def _gather(weights: Array, rows: Array) -> Array:
+    """weights [V, D], rows [...] with -1 = none -> [..., D] (zeros for none)."""
+    ok = rows >= 0
+    out = jnp.take(weights, jnp.where(ok, rows, 0), axis=0)
+    return jnp.where(ok[..., None], out, jnp.zeros((), weights.dtype))
+
+
+def lookup_rows(weights: Array, ids: Array, valid: Array, lay: Layout, cap: int,
+                model_axes: tuple[str, ...], fs_axes: tuple[str, ...]):
+    """Rows for ids [N] (invalid where ~valid) -> (rows [N, D], residual, overflow count).
+
+    residual: {"inv": [N], "uniq": [N], "slot": [N], "recv": [S_m * C]} int32.
+    """
+    n = ids.shape[0]
+    key = jnp.where(valid, ids, INVALID)
+    uniq, inv = jnp.unique(key, size=n, fill_value=INVALID, return_inverse=True)
+    inv = inv.reshape(-1).astype(jnp.int32)
+    uvalid = uniq != INVALID
+    if lay.num_model == 1 and lay.num_fs == 1:
+        rows_u = _gather(weights, jnp.where(uvalid, uniq, -1))
+        res = {"inv": inv, "uniq": uniq, "slot": jnp.zeros((n,), jnp.int32),
+               "recv": jnp.zeros((1,), jnp.int32)}
+        return rows_u[inv], res, jnp.zeros((), jnp.int32)
+
+    s_m = lay.num_model
+    m, l = lay.locate(jnp.where(uvalid, uniq, 0))
+    m = jnp.where(uvalid, m, s_m).astype(jnp.int32)
+    order = jnp.argsort(m, stable=True)
+    m_sorted = m[order]
+    counts = jnp.zeros((s_m + 1,), jnp.int32).at[m].add(1)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.arange(n, dtype=jnp.int32) - starts[m_sorted]
+    keep = (m_sorted < s_m) & (rank < cap)
+    slot_sorted = jnp.where(keep, m_sorted * cap + rank, s_m * cap)
+    slot = jnp.zeros((n,), jnp.int32).at[order].set(slot_sorted)
+    send = jnp.full((s_m * cap,), -1, jnp.int32).at[slot].set(l.astype(jnp.int32), mode="drop")
+    recv = jax.lax.all_to_all(send.reshape(s_m, cap), model_axes, 0, 0, tiled=True)
+    rows = _serve(weights, recv, lay, fs_axes)                        # [S_m, C, D]
+    back = jax.lax.all_to_all(rows, model_axes, 0, 0, tiled=True).reshape(s_m * cap, -1)
+    rows_u = _gather(back, jnp.where(slot < s_m * cap, slot, -1))
+    dropped = uvalid & (slot >= s_m * cap)
+    overflow = jnp.sum(dropped[inv] & valid, dtype=jnp.int32)
+    res = {"inv": inv, "uniq": uniq, "slot": slot, "recv": recv.reshape(-1)}
+    return rows_u[inv], res, overflow
+
+
+def _serve(weights: Array, recv: Array, lay: Layout, fs_axes: tuple[str, ...]) -> Array:
+    """Requested model-block rows recv [S_m, C] (-1 = none) -> rows [S_m, C, D]."""
+    if lay.num_fs == 1:
+        return _gather(weights, recv)
+    # fs2d: every sub-shard of this model block serves the rows it owns for all
+    # of its replica peers' requests; the sum over sub-shards (one nonzero each)
+    # is scattered back, so each device gets the rows for its own requests.
+    every = jax.lax.all_gather(recv, fs_axes, axis=0, tiled=False)    # [R, S_m, C]
+    local = _owned(every, lay, fs_axes)
+    return jax.lax.psum_scatter(_gather(weights, local), fs_axes, scatter_dimension=0,
+                                tiled=False)
+
+
+def _owned(rows: Array, lay: Layout, fs_axes: tuple[str, ...]) -> Array:
+    """Model-block rows -> this sub-shard's local rows, -1 where another sub-shard owns them."""
+    r = jax.lax.axis_index(fs_axes)
+    lo = r * lay.rows_per_shard
+    mine = (rows >= lo) & (rows < lo + lay.rows_per_shard)
+    return jnp.where(mine, rows - lo, -1)
+
+
+def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[str, ...],
+                fs_axes: tuple[str, ...], sync_axes: tuple[str, ...]):
+    """Per-id grads g [N, D] (zero on invalid ids) -> (local rows [K], grads [K, D]) at the owner.
+
+    Rows are -1 where there is nothing to apply. K = N (local), S_m * C, or times
+    the replica count after the fs2d / 2d all-gathers.
+    """
+    n = g.shape[0]
+    g_u = jax.ops.segment_sum(g, res["inv"], num_segments=n)          # [N, D] per unique id
+    if lay.num_model == 1 and lay.num_fs == 1:
+        rows = jnp.where(res["uniq"] != INVALID, res["uniq"], -1)
+        grads = g_u
+    else:
+        s_m = lay.num_model
+        send = jnp.zeros((s_m * cap, g.shape[1]), g.dtype).at[res["slot"]].set(g_u, mode="drop")
+        grads = jax.lax.all_to_all(send.reshape(s_m, cap, -1), model_axes, 0, 0, tiled=True)
+        grads = grads.reshape(s_m * cap, -1)
+        rows = res["recv"]
+        if lay.num_fs > 1:   # reduce-scatter to the sub-shard owning each row
+            rows = _owned(jax.lax.all_gather(rows, fs_axes, axis=0, tiled=True), lay, fs_axes)
+            grads = jax.lax.all_gather(grads, fs_axes, axis=0, tiled=True)
+    if sync_axes:            # replicas apply the same (concatenated) update
+        rows = jax.lax.all_gather(rows, sync_axes, axis=0, tiled=True)
+        grads = jax.lax.all_gather(grads, sync_axes, axis=0, tiled=True)
+    return rows, grads
+
+
+def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer) -> dict[str, Array]:
+    """Sum duplicate rows' grads (sort + segment_sum), apply the optimizer to those rows only.
+
+    state {"weights": [V, D], <opt>: [V, ...]}, rows [K] (-1 = none), grads [K, D].
+    """
+    k = rows.shape[0]
+    key = jnp.where(rows >= 0, rows, INVALID)
+    uniq, inv = jnp.unique(key, size=k, fill_value=INVALID, return_inverse=True)
+    g_sum = jax.ops.segment_sum(grads.astype(jnp.float32), inv.reshape(-1), num_segments=k)
+    safe = jnp.where(uniq != INVALID, uniq, 0)
+    w = jnp.take(state["weights"], safe, axis=0)
+    opt = {name: jnp.take(a, safe, axis=0) for name, a in state.items() if name != "weights"}
+    new_w, new_opt = optimizer.update(w, opt, g_sum)
+    out = {"weights": state["weights"].at[uniq].set(new_w, mode="drop")}
+    for name, a in new_opt.items():
+        out[name] = state[name].at[uniq].set(a, mode="drop")
+    return out

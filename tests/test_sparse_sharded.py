@@ -1,0 +1,210 @@
+"""Sharded lookups + sparse optimizer steps vs the independent numpy reference.
+
+8 simulated CPU devices: a 1-D mesh of 8 and a 2 x 4 (replica, model) mesh.
+Batches hold duplicate ids, empty bags, Jagged padding and (for the "user"
+table) a capacity small enough to overflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gemjax.data.jagged import Jagged, pack
+from gemjax.sparse import SGD, Adagrad, EmbeddingCollection, LazyAdam, RowWiseAdagrad, TableSpec
+from gemjax.sparse import plans as plans_lib
+import test_sparse_reference as ref
+
+B, T, STEPS = 4, 16, 2
+USER_CAP = 0.5      # capacity factor of the "user" table: small enough to overflow
+
+
+def mesh_of(shape, names):
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+def make_specs(opt, dtype=jnp.float32):
+    return [
+        TableSpec("user", 50, 8, features=("u1", "u2"), optimizer=opt, dtype=dtype),
+        TableSpec("tags", 37, 8, features=("tags",), pooling="sum", optimizer=opt, dtype=dtype),
+        TableSpec("hist", 61, 8, features=("hist",), pooling="mean", optimizer=opt, dtype=dtype),
+    ]
+
+
+def make_batch(rng, n_dev):
+    """Per-device host feats and the global (concatenated) arrays."""
+    dev = []
+    for _ in range(n_dev):
+        tag_len = rng.integers(0, 5, B)
+        tag_len[0] = 0                                          # an empty bag on every device
+        hist_len = rng.choice([0, 1, 2, 4], B)             # powers of two: exact means
+        dev.append({
+            "u1": rng.integers(0, 12, B),                       # few values: duplicates
+            "u2": rng.integers(0, 50, (B, 3)),
+            "tags": [rng.integers(0, 37, n) for n in tag_len],
+            "hist": [rng.integers(0, 61, n) for n in hist_len],
+        })
+    return dev
+
+
+def to_global(dev, mesh, axes):
+    sh = NamedSharding(mesh, P(axes))
+    put = lambda xs: jax.device_put(np.concatenate(xs), sh)
+    out = {f: put([d[f].astype(np.int32) for d in dev]) for f in ("u1", "u2")}
+    for f in ("tags", "hist"):
+        js = [pack([s.astype(np.int32) for s in d[f]], capacity=T) for d in dev]
+        out[f] = Jagged(put([j.values for j in js]), put([j.offsets for j in js]),
+                        put([j.segment_ids for j in js]), put([j.positions for j in js]))
+    return out
+
+
+def ref_step(tables, dev, grads, plans, lays, specs, update):
+    """One reference step: acts per device and the updated tables (float64)."""
+    acts = [dict() for _ in dev]
+    gsum = {n: np.zeros_like(t["weights"]) for n, t in tables.items()}
+    touched = {n: set() for n in tables}
+    over = 0
+    for d, feats in enumerate(dev):
+        for s in specs:
+            p, lay = plans[s.name], lays[s.name]
+            fs = sorted(f for f in s.features)
+            n_ids = sum(feats[f].size if f in ("u1", "u2") else T for f in fs)
+            flat = np.concatenate([feats[f].reshape(-1) if f in ("u1", "u2")
+                                   else np.concatenate(feats[f] + [np.zeros(0, int)]) for f in fs])
+            cap = ref.capacity(n_ids, lay.num_model, p.capacity_factor)
+            kept = ref.kept_mask(flat, s.vocab, p.split, lay.num_model, lay.num_fs, cap)
+            over += int((~kept).sum())
+            w = tables[s.name]["weights"]
+            start = 0
+            for f in fs:
+                g = grads[f][d]
+                if f in ("u1", "u2"):
+                    ids = feats[f].reshape(-1)
+                    k = kept[start:start + ids.size]
+                    start += ids.size
+                    acts[d][f] = (w[ids] * k[:, None]).reshape(feats[f].shape + (s.dim,))
+                    for i, kk, gg in zip(ids, k, g.reshape(-1, s.dim)):
+                        if kk:
+                            gsum[s.name][i] += gg
+                            touched[s.name].add(int(i))
+                else:
+                    pooled = np.zeros((B, s.dim))
+                    for b, ids in enumerate(feats[f]):
+                        k = kept[start:start + ids.size]
+                        start += ids.size
+                        div = max(len(ids), 1) if s.pooling == "mean" else 1
+                        pooled[b] = (w[ids] * k[:, None]).sum(0) / div
+                        for i, kk in zip(ids, k):
+                            if kk:
+                                gsum[s.name][i] += g[b] / div
+                                touched[s.name].add(int(i))
+                    acts[d][f] = pooled
+    new = {}
+    for s in specs:
+        rows = np.array(sorted(touched[s.name]), int)
+        new[s.name] = ref.apply_update(tables[s.name], rows, gsum[s.name], update)
+    return acts, new, over
+
+
+def quantized(rng, shape, denom):
+    """Values k / denom with small integers k: sums of them are exact in float32."""
+    return rng.integers(-8, 9, shape).astype(np.float64) / denom
+
+
+def run_case(mesh, plan, replica_axes, opt, update, *, exact, rng_seed=0, dtype=jnp.float32):
+    specs = make_specs(opt, dtype)
+    axes = tuple(mesh.axis_names)
+    plans = plans_lib.resolve(plan, specs, mesh, replica_axes)
+    plans["user"] = dataclasses.replace(plans["user"], capacity_factor=USER_CAP)
+    coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica_axes)
+    rng = np.random.default_rng(rng_seed)
+    n_dev = mesh.size
+    tables = {}
+    for s in specs:
+        t = {"weights": quantized(rng, (s.vocab, s.dim), 64.0)}
+        t.update({k: np.zeros(np.shape(v)[:0] + (s.vocab,) + np.shape(v)[1:], np.float64)
+                  for k, v in s.optimizer.init_state(1, s.dim).items()})
+        tables[s.name] = t
+    state = coll.from_logical(tables)
+    lookup = jax.jit(coll.lookup)
+    apply = jax.jit(coll.apply_gradients, donate_argnums=0)
+    lays = coll.layouts
+    for step in range(STEPS):
+        dev = make_batch(rng, n_dev)
+        feats = to_global(dev, mesh, axes)
+        coll.check_ids(feats)
+        acts, res = lookup(state, feats)
+        grads = {f: [quantized(rng, (B,) + acts[f].shape[1:], 8.0) for _ in range(n_dev)]
+                 for f in acts}
+        ref_acts, tables, over = ref_step(tables, dev, grads, plans, lays, specs, update)
+        for f in acts:
+            got = np.asarray(acts[f], np.float64)
+            want = np.concatenate([ra[f] for ra in ref_acts])
+            if exact:
+                np.testing.assert_array_equal(got, want, err_msg=f"acts {f} step {step}")
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"acts {f}")
+        assert int(res["stats"]["ids_overflow"]) == over
+        assert int(res["stats"]["ids_out_of_range"]) == 0
+        g_acts = {f: jax.device_put(np.concatenate(grads[f]).astype(np.float32),
+                                    NamedSharding(mesh, P(axes))) for f in acts}
+        state = apply(state, res, g_acts)
+    got = coll.to_logical(state)
+    for n, t in tables.items():
+        for k, v in t.items():
+            if exact:
+                np.testing.assert_array_equal(got[n][k].astype(np.float64), v, err_msg=f"{n}.{k}")
+            else:
+                np.testing.assert_allclose(got[n][k].astype(np.float64), v, rtol=1e-6, atol=1e-7,
+                                           err_msg=f"{n}.{k}")
+    return coll, state, over
+
+
+SGD_EXACT = (SGD(lr=0.5), functools.partial(ref.sgd, lr=0.5))
+
+
+@pytest.mark.parametrize("plan", ["replicated", "row_wise_mod", "row_wise_range"])
+def test_1d_mesh_sgd_exact(plan):
+    _, _, over = run_case(mesh_of((8,), ("x",)), plan, (), *SGD_EXACT, exact=True)
+    if plan != "replicated":
+        assert over > 0, "the batch was meant to overflow the user table's capacity"
+
+
+@pytest.mark.parametrize("plan", ["row_wise", "2d", "2d_range", "fs2d", "fs2d_range"])
+def test_2x4_mesh_sgd_exact(plan):
+    _, _, over = run_case(mesh_of((2, 4), ("replica", "model")), plan, ("replica",), *SGD_EXACT,
+                          exact=True)
+    assert over > 0
+
+
+@pytest.mark.parametrize("plan,opt,update", [
+    ("row_wise_mod", RowWiseAdagrad(lr=0.1, eps=1e-6),
+     functools.partial(ref.rowwise_adagrad, lr=0.1, eps=1e-6)),
+    ("fs2d", Adagrad(lr=0.1, eps=1e-6), functools.partial(ref.adagrad, lr=0.1, eps=1e-6)),
+    ("2d", LazyAdam(lr=0.01), functools.partial(ref.lazy_adam, lr=0.01, b1=0.9, b2=0.999, eps=1e-8)),
+])
+def test_optimizers_match_reference(plan, opt, update):
+    mesh = mesh_of((2, 4), ("replica", "model"))
+    run_case(mesh, plan, ("replica",), opt, update, exact=False)
+
+
+def test_2d_replicas_stay_in_sync_and_memory_matches_plan():
+    mesh = mesh_of((2, 4), ("replica", "model"))
+    coll, state, _ = run_case(mesh, "2d", ("replica",), *SGD_EXACT, exact=True)
+    for n, s in coll.specs.items():
+        w = state[n]["weights"]
+        shards = {(sh.index[0].start or 0): [] for sh in w.addressable_shards}
+        for sh in w.addressable_shards:
+            shards[sh.index[0].start or 0].append(np.asarray(sh.data))
+        assert len(shards) == 4
+        for copies in shards.values():          # the two replicas of each model shard agree
+            assert len(copies) == 2 and np.array_equal(copies[0], copies[1])
+        per_dev = max(sh.data.nbytes for sh in w.addressable_shards)
+        assert per_dev == plans_lib.bytes_per_device(s, coll.plans[n], mesh) - \
+            coll.layouts[n].rows_per_shard * s.optimizer.state_bytes_per_row(s.dim)
