@@ -1,0 +1,78 @@
+"""Topology cost model: ring byte formulas, effective tiers and a whole step's collectives by hand."""
+
+import pytest
+
+from gemjax.parallel import topology as T
+from gemjax.parallel.mesh import resolve_mesh_spec
+
+
+def test_ring_bytes_and_steps_by_hand():
+    assert T.ring_bytes("all_gather", 4, 1000) == 750
+    assert T.ring_bytes("reduce_scatter", 4, 1000) == 750
+    assert T.ring_bytes("all_to_all", 8, 800) == 700
+    assert T.ring_bytes("all_reduce", 4, 1000) == 1500
+    assert T.ring_bytes("all_reduce", 1, 1000) == 0
+    assert T.ring_steps("all_reduce", 4) == 6 and T.ring_steps("all_gather", 4) == 3
+    with pytest.raises(ValueError, match="unknown collective"):
+        T.ring_bytes("broadcast", 2, 1)
+
+
+def test_effective_tiers_from_span():
+    net = T.Network(gpus_per_host=8, gpus_per_zone=16)
+    spec = resolve_mesh_spec("replica=2,fsdp=8,expert=2", 32)
+    assert T.axis_tiers(spec, net) == {"expert": "host", "fsdp": "zone", "replica": "cross_zone"}
+    spec = resolve_mesh_spec("replica=4,fsdp=4,expert=2", 32)  # fsdp spans 8 GPUs: one host
+    assert T.axis_tiers(spec, net) == {"expert": "host", "fsdp": "host", "replica": "cross_zone"}
+    assert T.group(spec, ("fsdp", "expert"), net) == (8, "host")
+    assert T.group(spec, ("replica", "fsdp"), net) == (16, "cross_zone")
+    assert T.group(spec, ("nonexistent",), net) == (1, "host")
+
+
+def test_step_collectives_by_hand():
+    spec = resolve_mesh_spec("replica=2,fsdp=4,expert=2", 16)
+    net = T.Network(bandwidth={"host": 1000.0, "zone": 100.0, "cross_zone": 10.0},
+                    latency={"host": 0.0, "zone": 1.0, "cross_zone": 0.0}, gpus_per_host=8, gpus_per_zone=256)
+    work = T.Workload(dense_params=1000, expert_params=600, param_bytes=2, grad_bytes=4, local_batch=10,
+                      lookups_per_sample=5, emb_dim=8, emb_bytes=2, id_bytes=4, expert_tokens_per_sample=3,
+                      d_model=16, act_bytes=2, forward_flops_per_sample=100.0)
+    got = {c.name: c for c in T.step_collectives(spec, work, net=net)}
+    expect_bytes = {
+        "dense param all-gather": 2 * 3 / 4 * 1000 * 2,        # twice (fwd + bwd), 3/4 of 2,000 B
+        "dense grad reduce-scatter": 3 / 4 * 1000 * 4,
+        "dense grad all-reduce": 2 * 1 / 2 * (1000 * 4 / 4),    # shard of 1,000 B across 2 replicas
+        "expert param all-gather": 2 * 3 / 4 * 300 * 2,        # 600 params / 2 expert ranks
+        "expert grad reduce-scatter": 3 / 4 * 300 * 4,
+        "expert grad all-reduce": 2 * 1 / 2 * (300 * 4 / 4),
+        "expert token all-to-all": 4 * 1 / 2 * (10 * 3 * 16 * 2),
+        "sparse id all-to-all": 3 / 4 * (50 * 4),
+        "embedding all-to-all": 2 * 3 / 4 * (50 * 8 * 2),
+        "sparse copy all-gather": 1 / 2 * 800,
+        "sparse copy reduce-scatter": 1 / 2 * 800,
+    }
+    assert set(got) == set(expect_bytes)
+    for name, b in expect_bytes.items():
+        assert got[name].bytes == pytest.approx(b), name
+    # replica spans 16 GPUs (> one host) -> zone: 2 steps x 1 s latency + 1,000 B / 100 B/s
+    assert got["dense grad all-reduce"].tier == "zone"
+    assert got["dense grad all-reduce"].seconds == pytest.approx(2 * 1.0 + 1000 / 100)
+    # fsdp spans 8 GPUs -> NVLink rates, zero latency
+    assert got["dense param all-gather"].seconds == pytest.approx(3000 / 1000)
+    res = T.predict(spec, work, peak=1000.0, local_mfu=0.5, overlap=0.0, net=net)
+    compute = 3 * 100.0 * 10 / (1000.0 * 0.5)
+    comm = sum(c.seconds for c in got.values())
+    assert res["compute_s"] == pytest.approx(compute) and res["comm_s"] == pytest.approx(comm)
+    assert res["scaling_ratio"] == pytest.approx(compute / (compute + comm))
+    full = T.predict(spec, work, peak=1000.0, local_mfu=0.5, overlap=1.0, net=net)
+    assert full["scaling_ratio"] == 1.0
+
+
+def test_predicted_table_for_gem_scales():
+    rows = [T.predict(T.default_mesh(n), T.GEM_LIKE) for n in (64, 1024, 4096)]
+    assert [r["devices"] for r in rows] == [64, 1024, 4096]
+    assert rows[2]["mesh"] == "replica=16,fsdp=128,expert=2"
+    # weak scaling: compute per GPU is constant, communication never shrinks with more replicas
+    assert rows[0]["compute_s"] == rows[2]["compute_s"]
+    assert rows[0]["comm_s"] <= rows[1]["comm_s"] <= rows[2]["comm_s"]
+    assert "4096" in T.format_table(rows)
+    with pytest.raises(ValueError, match="overlap"):
+        T.predict(T.default_mesh(64), T.GEM_LIKE, overlap=2.0)
