@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemjax.data.jagged import Jagged
+from gemjax.layers.axes import linear, rms_norm
 from kernels import block_attention, gdpa, jagged_attention
 from kernels.common import rope as _kernels_rope
 
@@ -72,11 +73,12 @@ class JaggedSelfAttention(nnx.Module):
         self.causal, self.window, self.block = causal, window, block
         self.rope, self.rope_theta = rope or attention == "block", rope_theta
         self.dtype = dtype
-        lin = lambda: nnx.Linear(dim, dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = lin(), lin(), lin(), lin()
+        lin = lambda names: linear(dim, dim, names=names, dtype=dtype, rngs=rngs)
+        self.q_proj, self.k_proj, self.v_proj = (lin(("embed", "mlp")) for _ in range(3))
+        self.out_proj = lin(("mlp", "embed"))
         if qk_norm:
-            self.q_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-            self.k_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+            self.q_norm = rms_norm(self.head_dim, dtype=dtype, rngs=rngs)
+            self.k_norm = rms_norm(self.head_dim, dtype=dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
 

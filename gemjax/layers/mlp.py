@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gemjax.layers.axes import layer_norm as _layer_norm, linear
+
 ACTIVATIONS: dict[str, Callable] = {
     "relu": jax.nn.relu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -61,12 +63,14 @@ class MLP(nnx.Module):
         self._act = activation_fn(activation)
         self.dtype = dtype
         dims = (self.in_features,) + hidden + (self.out_features,)
+        # FSDP-friendly names: in -> hidden is ("embed", "mlp"), hidden -> out ("mlp", "embed").
+        names = [("embed", "mlp") if i == 0 else ("mlp", "embed") if i == len(dims) - 2
+                 else ("mlp", None) for i in range(len(dims) - 1)]
         self.linears = nnx.List([
-            nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-            for a, b in zip(dims[:-1], dims[1:])])
-        self.norms = nnx.List([
-            nnx.LayerNorm(h, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-            for h in hidden] if layer_norm else [])
+            linear(a, b, names=nm, dtype=dtype, rngs=rngs)
+            for a, b, nm in zip(dims[:-1], dims[1:], names)])
+        self.norms = nnx.List([_layer_norm(h, dtype=dtype, rngs=rngs) for h in hidden]
+                              if layer_norm else [])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[-1] != self.in_features:

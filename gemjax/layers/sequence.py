@@ -18,6 +18,7 @@ from flax import nnx
 
 from gemjax.data.jagged import Jagged
 from gemjax.layers.attention import JaggedSelfAttention
+from gemjax.layers.axes import layer_norm
 from gemjax.layers.mlp import MLP
 
 
@@ -62,9 +63,9 @@ class SequenceBlock(nnx.Module):
 
     def __init__(self, dim: int, *, num_heads: int, ffn_mult: int = 2, dtype=jnp.float32,
                  rngs: nnx.Rngs, **attention_kw):
-        self.attn_norm = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.attn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
         self.attn = JaggedSelfAttention(dim, num_heads, dtype=dtype, rngs=rngs, **attention_kw)
-        self.ffn_norm = nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.ffn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
         self.ffn = MLP(dim, (ffn_mult * dim,), dim, activation="gelu", dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, jagged: Jagged) -> jax.Array:
@@ -107,7 +108,7 @@ class SequenceEncoder(nnx.Module):
                           gdpa_scale=gdpa_scale, causal=causal, window=window, block=block,
                           rope=rope, qk_norm=qk_norm)
             for _ in range(num_layers)])
-        self.out_norm = (nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.out_norm = (layer_norm(dim, dtype=dtype, rngs=rngs)
                          if final_norm else None)
 
     def __call__(self, x: jax.Array, jagged: Jagged) -> jax.Array:

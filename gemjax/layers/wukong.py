@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gemjax.layers.axes import layer_norm, param
 from gemjax.layers.mlp import MLP
 
 
@@ -62,24 +63,23 @@ class WukongLayer(nnx.Module):
         self.dtype = dtype
         n, d, k = self.num_tokens, self.dim, self.rank
         if self.fmb_tokens:
-            self.fm_proj = nnx.Param(
-                jax.random.normal(rngs.params(), (n, k), jnp.float32) * n ** -0.5)
-            self.fmb_norm = nnx.LayerNorm(n * k, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+            self.fm_proj = param(jax.random.normal(rngs.params(), (n, k)) * n ** -0.5, None, None)
+            self.fmb_norm = layer_norm(n * k, dtype=dtype, rngs=rngs)
             self.fmb_mlp = MLP(n * k, tuple(mlp_hidden), self.fmb_tokens * d,
                                activation="relu", dtype=dtype, rngs=rngs)
         else:
             self.fm_proj = self.fmb_norm = self.fmb_mlp = None
         if self.lcb_tokens:
-            self.lcb_weight = nnx.Param(
-                jax.random.normal(rngs.params(), (self.lcb_tokens, n), jnp.float32) * n ** -0.5)
+            self.lcb_weight = param(
+                jax.random.normal(rngs.params(), (self.lcb_tokens, n)) * n ** -0.5, None, None)
         else:
             self.lcb_weight = None
         if self.out_tokens != n:
-            self.residual_proj = nnx.Param(
-                jax.random.normal(rngs.params(), (self.out_tokens, n), jnp.float32) * n ** -0.5)
+            self.residual_proj = param(
+                jax.random.normal(rngs.params(), (self.out_tokens, n)) * n ** -0.5, None, None)
         else:
             self.residual_proj = None
-        self.out_norm = nnx.LayerNorm(d, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.out_norm = layer_norm(d, dtype=dtype, rngs=rngs)
 
     def fmb(self, x: jax.Array) -> jax.Array:
         """Factorization machine block: x [B, n, d] -> [B, f, d]."""

@@ -1,0 +1,46 @@
+"""Logical sharding names on parameters (see gemjax.parallel.rules).
+
+Every parameter a layer creates carries `out_sharding` metadata: a tuple of
+logical axis names, one per dim ("embed", "mlp", "norm", None = replicated),
+which gemjax.parallel.rules maps to mesh axes. nnx.vmap over experts prepends
+"expert". Eager sharding is off: parameters are placed by shard_params, so
+modules build the same with or without a mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def axes(*names: str | None) -> dict:
+    """Variable metadata naming each dim of a parameter."""
+    return {"out_sharding": tuple(names), "eager_sharding": False}
+
+
+def param(value: jax.Array, *names: str | None) -> nnx.Param:
+    """A float32 nnx.Param with logical names (one per dim of value)."""
+    if len(names) != value.ndim:
+        raise ValueError(f"param: {len(names)} names {names} for a value of shape {value.shape}")
+    return nnx.Param(jnp.asarray(value, jnp.float32), **axes(*names))
+
+
+def linear(in_features: int, out_features: int, *, names=("embed", "mlp"), use_bias=True,
+           dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Linear:
+    """nnx.Linear [in, out] with float32 params named `names` (bias: names[1])."""
+    return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                      param_dtype=jnp.float32, kernel_metadata=axes(*names),
+                      bias_metadata=axes(names[1]), rngs=rngs)
+
+
+def layer_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """nnx.LayerNorm over the last axis (eps 1e-6), float32 params named ("norm",)."""
+    return nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, scale_metadata=axes("norm"),
+                         bias_metadata=axes("norm"), rngs=rngs)
+
+
+def rms_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    """nnx.RMSNorm over the last axis (eps 1e-6), float32 scale named ("norm",)."""
+    return nnx.RMSNorm(dim, dtype=dtype, param_dtype=jnp.float32, scale_metadata=axes("norm"),
+                       rngs=rngs)
