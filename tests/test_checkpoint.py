@@ -149,25 +149,42 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def tmp_bytes(directory):
+    """Bytes under orbax temporary step directories; -1 if there is none."""
+    total = -1
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if ".orbax-checkpoint-tmp" in name:
+            total = max(total, 0)
+            for root, _, files in os.walk(os.path.join(directory, name)):
+                for f in files:
+                    try:
+                        total += os.path.getsize(os.path.join(root, f))
+                    except FileNotFoundError:
+                        pass
+    return total
+
+
 def run_and_kill(directory, mode):
     marker = os.path.join(os.path.dirname(directory), f"marker-{mode}")
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, directory, mode, marker], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    tmp_seen = False
-    # "hang" writes the marker inside the commit step (all data written);
-    # "midwrite" writes it just before the save, so we kill once the tmp dir appears.
+    written = -1
+    # "hang" writes the marker inside the commit step (all data written, not renamed);
+    # "midwrite" writes it before the save: kill once part of the big array is on disk.
     while time.monotonic() < deadline and proc.poll() is None:
-        tmp_seen = os.path.isdir(directory) and any(
-            ".orbax-checkpoint-tmp" in n for n in os.listdir(directory))
-        if tmp_seen and os.path.exists(marker):
+        written = tmp_bytes(directory)
+        if os.path.exists(marker) and written >= (0 if mode == "hang" else 2**20):
             break
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     out = proc.communicate()[0].decode()
-    assert tmp_seen, f"child never started writing step 2:\n{out[-3000:]}"
+    written = tmp_bytes(directory)
+    assert written >= 0, f"child never started writing step 2:\n{out[-3000:]}"
     assert "save 2 finished" not in out
+    if mode == "midwrite":  # part, not all, of the 48 MiB array reached the disk
+        assert 2**20 <= written < 48 * 2**20, written
 
 
 @pytest.mark.parametrize("mode", ["hang", "midwrite"])
@@ -221,3 +238,18 @@ def test_wrong_structure_or_shape_gives_clear_error(tmp_path):
     for target, match in cases:
         with pytest.raises(ValueError, match=match):
             ckpt.restore(target)
+
+
+def test_nnx_state_with_optimizer_and_rngs_round_trips(tmp_path):
+    from flax import nnx
+
+    def build(seed):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(seed))
+        opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        return {"model": nnx.state(model), "opt": nnx.state(opt), "rngs": nnx.state(nnx.Rngs(seed))}
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, build(0))
+    _, got, _ = Checkpointer(tmp_path).restore(build(9))
+    assert type(got["model"]).__name__ == "State"
+    assert_tree_equal(got, build(0))
