@@ -58,6 +58,30 @@ def wukong_layer_np(x, layer: WukongLayer):
     return ln_np(np.concatenate(parts, 1) + res, layer.out_norm)
 
 
+def cross_attention_np(x, mem, att):
+    """Multi-head softmax attention, x [B, n, d] over mem [B, m, d]."""
+    lin = lambda p, v: v @ np64(p.kernel) + np64(p.bias)
+    b, n, d = x.shape
+    h, dh = att.num_heads, att.head_dim
+    q = lin(att.q_proj, x).reshape(b, n, h, dh)
+    k = lin(att.k_proj, mem).reshape(b, -1, h, dh)
+    v = lin(att.v_proj, mem).reshape(b, -1, h, dh)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return lin(att.out_proj, np.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, n, d))
+
+
+def wukong_np(x, model: Wukong):
+    history = [x]
+    for i, layer in enumerate(model.layers):
+        if i and len(model.cross_layer):
+            x = x + cross_attention_np(x, np.concatenate(history, 1), model.cross_layer[i - 1])
+        x = wukong_layer_np(x, layer)
+        history.append(x)
+    return x
+
+
 @pytest.mark.parametrize("n,f,l", [(6, 4, 2), (5, 2, 4), (4, 0, 3), (3, 2, 0)])
 def test_wukong_layer_matches_numpy(n, f, l):
     d, k = 8, 3
@@ -71,14 +95,14 @@ def test_wukong_layer_matches_numpy(n, f, l):
     assert (layer.residual_proj is None) == (n == f + l)
 
 
-def test_wukong_stack_matches_numpy_and_grads_reach_every_param():
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_wukong_stack_matches_numpy_and_grads_reach_every_param(cross_layer):
     model = Wukong(7, 8, num_layers=3, fmb_tokens=3, lcb_tokens=2, rank=4, mlp_hidden=(16,),
-                   rngs=nnx.Rngs(0))
+                   cross_layer_attention=cross_layer, cross_layer_heads=2, rngs=nnx.Rngs(0))
+    assert len(model.cross_layer) == (2 if cross_layer else 0)
     randomize_params(model, 3)
     x = np.random.default_rng(4).normal(size=(2, 7, 8))
-    ref = x
-    for layer in model.layers:
-        ref = wukong_layer_np(ref, layer)
+    ref = wukong_np(x, model)
     got = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(x, jnp.float32))
     assert got.shape == (2, 5, 8) and model.out_tokens == 5
     np.testing.assert_allclose(np.asarray(got), ref, rtol=5e-4, atol=5e-4)

@@ -111,3 +111,35 @@ class JaggedSelfAttention(nnx.Module):
                                 rope_theta=self.rope_theta)
         out = self.out_proj(o.reshape(t, self.dim).astype(self.dtype))
         return jnp.where(jagged.mask[:, None], out, 0).astype(self.dtype)
+
+
+class TokenCrossAttention(nnx.Module):
+    """Dense multi-head softmax attention between fixed-size token sets.
+
+    x [B, n, dim] queries, memory [B, m, dim] keys/values -> [B, n, dim] (the
+    attention output after the out projection; the caller adds any residual).
+    Used on short non-sequence token sets (Wukong cross-layer attention), where
+    there is nothing jagged: jax.nn.dot_product_attention (cuDNN on GPU).
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        if num_heads <= 0 or dim % num_heads:
+            raise ValueError(f"TokenCrossAttention: num_heads={num_heads} must divide dim={dim}")
+        self.dim, self.num_heads, self.head_dim, self.dtype = dim, num_heads, dim // num_heads, dtype
+        lin = lambda names: linear(dim, dim, names=names, dtype=dtype, rngs=rngs)
+        self.q_proj, self.k_proj, self.v_proj = (lin(("embed", "mlp")) for _ in range(3))
+        self.out_proj = lin(("mlp", "embed"))
+
+    def __call__(self, x: jax.Array, memory: jax.Array) -> jax.Array:
+        if x.ndim != 3 or memory.ndim != 3 or x.shape[0] != memory.shape[0] or \
+                x.shape[2] != self.dim or memory.shape[2] != self.dim:
+            raise ValueError(f"TokenCrossAttention: x [B, n, {self.dim}] and memory "
+                             f"[B, m, {self.dim}] expected, got {x.shape} and {memory.shape}")
+        b, n, _ = x.shape
+        m = memory.shape[1]
+        x, memory = x.astype(self.dtype), memory.astype(self.dtype)
+        q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(memory).reshape(b, m, self.num_heads, self.head_dim)
+        v = self.v_proj(memory).reshape(b, m, self.num_heads, self.head_dim)
+        o = jax.nn.dot_product_attention(q, k, v)                       # [B, n, H, Dh]
+        return self.out_proj(o.reshape(b, n, self.dim))

@@ -14,6 +14,16 @@ token axis. Either block may be switched off with f = 0 or l = 0 (ablations).
 
 `Wukong` stacks `num_layers` layers: the first maps n -> f + l tokens, the rest
 keep f + l.
+
+Cross-layer attention (GEM's "cross-layer attention connections"; Meta did not
+publish the details, this is our reading): before layer i >= 1, its input
+attends over the outputs of all earlier layers, the input embeddings X_0
+included, and the result is added as a residual:
+
+    X_i <- X_i + MHA(Q = X_i, K = V = concat_tokens(X_0, X_1, ..., X_{i-1}))
+
+so deep layers can reuse low-order interactions directly (a DenseNet-style
+shortcut with learned, input-dependent weights).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gemjax.layers.attention import TokenCrossAttention
 from gemjax.layers.axes import layer_norm, param
 from gemjax.layers.mlp import MLP
 
@@ -116,11 +127,13 @@ class Wukong(nnx.Module):
     """A stack of WukongLayers: x [B, num_tokens, dim] -> [B, out_tokens, dim].
 
     out_tokens = fmb_tokens + lcb_tokens. Arguments as WukongLayer, plus
-    num_layers (>= 1).
+    num_layers (>= 1), cross_layer_attention (see the module docstring) with
+    cross_layer_heads heads (dividing dim).
     """
 
     def __init__(self, num_tokens: int, dim: int, *, num_layers: int, fmb_tokens: int,
                  lcb_tokens: int, rank: int, mlp_hidden: Sequence[int] = (),
+                 cross_layer_attention: bool = False, cross_layer_heads: int = 1,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         if num_layers < 1:
             raise ValueError(f"Wukong: num_layers must be >= 1, got {num_layers}")
@@ -134,9 +147,17 @@ class Wukong(nnx.Module):
                                       rank=rank, mlp_hidden=mlp_hidden, dtype=dtype, rngs=rngs))
             n = self.out_tokens
         self.layers = nnx.List(layers)
+        self.cross_layer = nnx.List(
+            [TokenCrossAttention(dim, cross_layer_heads, dtype=dtype, rngs=rngs)
+             for _ in range(num_layers - 1)] if cross_layer_attention else [])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         _check_tokens(x, self.num_tokens, self.dim, "Wukong")
-        for layer in self.layers:
+        x = x.astype(self.dtype)
+        history = [x]
+        for i, layer in enumerate(self.layers):
+            if i and len(self.cross_layer):
+                x = x + self.cross_layer[i - 1](x, jnp.concatenate(history, axis=1))
             x = layer(x)
+            history.append(x)
         return x
