@@ -115,3 +115,21 @@ def test_sharded_forward_matches_float64_numpy(mesh):
     h = np.maximum(x.astype(np.float64) @ flat["up/kernel"] + flat["up/bias"], 0)
     ref = h @ flat["down/kernel"] + flat["down/bias"]
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_shardings_of_abstract_state_and_optimizer_state(mesh):
+    import optax
+
+    def make():
+        return nnx.Linear(8, 12, rngs=nnx.Rngs(0), kernel_metadata={"out_sharding": ("mlp", "embed")})
+
+    with nnx.use_eager_sharding(False):
+        _, abstract = nnx.split(nnx.eval_shape(make))  # no arrays allocated: shardings for a sharded init
+        sh = pr.param_shardings(abstract, mesh)
+        assert sh["kernel"].spec == P("fsdp", None) and sh["bias"].spec == P("fsdp")
+        opt = nnx.Optimizer(make(), optax.adam(1e-3), wrt=nnx.Param)
+    _, opt_state = nnx.split(opt)
+    specs = {"/".join(map(str, k)): s.spec for k, s in nnx.to_flat_state(pr.param_shardings(opt_state, mesh))}
+    # Adam moments inherit the kernel's logical names, so they shard like the kernel
+    assert specs["opt_state/0/mu/kernel"] == P("fsdp", None) == specs["opt_state/0/nu/kernel"]
+    assert specs["opt_state/0/count"] == P()

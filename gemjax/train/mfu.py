@@ -197,3 +197,42 @@ def scaling_ratio(e2e_mfu: float, local: float) -> float:
     if local <= 0:
         raise ValueError(f"scaling_ratio: local MFU must be > 0, got {local}")
     return float(e2e_mfu) / float(local)
+
+
+# ----------------------------------------------------------------------------- Local MFU measurement
+
+
+def time_fn(fn: Callable, *args: Any, warmup: int = 2, iters: int = 10,
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds of one ``jax.jit(fn)(*args)`` call (compiled, on the default device).
+
+    Blocks on every call's outputs, so it times the device work alone (no overlap
+    with the next call).
+    """
+    if iters < 1:
+        raise ValueError(f"time_fn: iters must be >= 1, got {iters}")
+    f = jax.jit(fn)
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(iters):
+        t = clock()
+        jax.block_until_ready(f(*args))
+        times.append(clock() - t)
+    return float(np.median(times))
+
+
+def local_mfu_report(layers: Sequence[tuple[str, Callable, tuple, float]], peak: float,
+                     timer: Callable[..., float] = time_fn) -> dict:
+    """Local MFU as the GEM blog defines it: each layer timed alone, FLOP-weighted.
+
+    layers: (name, fn, args, flops) per layer; fn(*args) should run the layer's
+    training work (forward + backward, no recompute) on one device with args
+    already there; flops is its analytic count (e.g. train_step_flops(fwd)).
+    Returns {"layers": [{name, flops, seconds, mfu}], "local_mfu": float}.
+    """
+    rows = []
+    for name, fn, args, flops in layers:
+        seconds = timer(fn, *args)
+        rows.append({"name": name, "flops": float(flops), "seconds": seconds, "mfu": flops / (seconds * peak)})
+    return {"layers": rows, "local_mfu": local_mfu([r["flops"] for r in rows], [r["seconds"] for r in rows], peak)}
