@@ -23,10 +23,10 @@ def owner(ids, vocab, split, num_model, num_fs):
     return (ids // rows) // num_fs
 
 
-def capacity(n, num_model, factor):
+def capacity(n, num_model, factor, min_capacity):
     if factor is None or num_model == 1:
         return max(n, 1)
-    return max(1, min(n, math.ceil(factor * n / num_model)))
+    return max(1, min(n, max(min_capacity, math.ceil(factor * n / num_model))))
 
 
 def kept_mask(dev_ids, vocab, split, num_model, num_fs, cap):

@@ -77,7 +77,7 @@ def ref_step(tables, dev, grads, plans, lays, specs, update):
             n_ids = sum(feats[f].size if f in ("u1", "u2") else T for f in fs)
             flat = np.concatenate([feats[f].reshape(-1) if f in ("u1", "u2")
                                    else np.concatenate(feats[f] + [np.zeros(0, int)]) for f in fs])
-            cap = ref.capacity(n_ids, lay.num_model, p.capacity_factor)
+            cap = ref.capacity(n_ids, lay.num_model, p.capacity_factor, p.min_capacity)
             kept = ref.kept_mask(flat, s.vocab, p.split, lay.num_model, lay.num_fs, cap)
             over += int((~kept).sum())
             w = tables[s.name]["weights"]
@@ -121,6 +121,7 @@ def run_case(mesh, plan, replica_axes, opt, update, *, exact, rng_seed=0, dtype=
     specs = make_specs(opt, dtype)
     axes = tuple(mesh.axis_names)
     plans = plans_lib.resolve(plan, specs, mesh, replica_axes)
+    plans = {n: dataclasses.replace(p, min_capacity=1) for n, p in plans.items()}
     plans["user"] = dataclasses.replace(plans["user"], capacity_factor=USER_CAP)
     coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica_axes)
     rng = np.random.default_rng(rng_seed)
@@ -169,18 +170,38 @@ def run_case(mesh, plan, replica_axes, opt, update, *, exact, rng_seed=0, dtype=
 SGD_EXACT = (SGD(lr=0.5), functools.partial(ref.sgd, lr=0.5))
 
 
-@pytest.mark.parametrize("plan", ["replicated", "row_wise_mod", "row_wise_range"])
+def check_memory_matches_plan(coll, state, mesh):
+    """Bytes each device holds per table (weights + optimizer state) = the plan's prediction."""
+    for n, s in coll.specs.items():
+        held = sum(max(sh.data.nbytes for sh in a.addressable_shards) for a in state[n].values())
+        assert held == plans_lib.bytes_per_device(s, coll.plans[n], mesh), n
+        assert all(a.sharding.spec == P(coll.plans[n].storage_axes or None) for a in state[n].values())
+
+
+@pytest.mark.parametrize("plan", ["replicated", "row_wise_range"])
 def test_1d_mesh_sgd_exact(plan):
-    _, _, over = run_case(mesh_of((8,), ("x",)), plan, (), *SGD_EXACT, exact=True)
+    mesh = mesh_of((8,), ("x",))
+    coll, state, over = run_case(mesh, plan, (), *SGD_EXACT, exact=True)
+    check_memory_matches_plan(coll, state, mesh)
     if plan != "replicated":
         assert over > 0, "the batch was meant to overflow the user table's capacity"
 
 
 @pytest.mark.parametrize("plan", ["row_wise", "2d", "2d_range", "fs2d", "fs2d_range"])
 def test_2x4_mesh_sgd_exact(plan):
-    _, _, over = run_case(mesh_of((2, 4), ("replica", "model")), plan, ("replica",), *SGD_EXACT,
-                          exact=True)
+    mesh = mesh_of((2, 4), ("replica", "model"))
+    coll, state, over = run_case(mesh, plan, ("replica",), *SGD_EXACT, exact=True)
     assert over > 0
+    check_memory_matches_plan(coll, state, mesh)
+    if plan.startswith("2d"):     # the two replicas of each model shard hold identical rows
+        for n in coll.specs:
+            for a in state[n].values():
+                copies = {}
+                for sh in a.addressable_shards:
+                    copies.setdefault(sh.index[0].start or 0, []).append(np.asarray(sh.data))
+                assert len(copies) == 4
+                for c in copies.values():
+                    assert len(c) == 2 and np.array_equal(c[0], c[1])
 
 
 @pytest.mark.parametrize("plan,opt,update", [
@@ -192,19 +213,3 @@ def test_2x4_mesh_sgd_exact(plan):
 def test_optimizers_match_reference(plan, opt, update):
     mesh = mesh_of((2, 4), ("replica", "model"))
     run_case(mesh, plan, ("replica",), opt, update, exact=False)
-
-
-def test_2d_replicas_stay_in_sync_and_memory_matches_plan():
-    mesh = mesh_of((2, 4), ("replica", "model"))
-    coll, state, _ = run_case(mesh, "2d", ("replica",), *SGD_EXACT, exact=True)
-    for n, s in coll.specs.items():
-        w = state[n]["weights"]
-        shards = {(sh.index[0].start or 0): [] for sh in w.addressable_shards}
-        for sh in w.addressable_shards:
-            shards[sh.index[0].start or 0].append(np.asarray(sh.data))
-        assert len(shards) == 4
-        for copies in shards.values():          # the two replicas of each model shard agree
-            assert len(copies) == 2 and np.array_equal(copies[0], copies[1])
-        per_dev = max(sh.data.nbytes for sh in w.addressable_shards)
-        assert per_dev == plans_lib.bytes_per_device(s, coll.plans[n], mesh) - \
-            coll.layouts[n].rows_per_shard * s.optimizer.state_bytes_per_row(s.dim)

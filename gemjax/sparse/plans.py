@@ -21,8 +21,9 @@ vocab is padded up to a multiple of the shard count; padding rows are never
 looked up.
 
 Static capacity: each device sends at most C unique ids to each destination,
-C = ceil(capacity_factor * N / S_model) (N = the device's ids for the table,
-capped at N; capacity_factor=None gives C = N, which can never overflow).
+C = min(N, max(min_capacity, ceil(capacity_factor * N / S_model))) (N = the
+device's ids for the table; capacity_factor=None gives C = N, which can never
+overflow).
 Overflow policy: ids past the capacity of their destination get a zero
 embedding and no gradient, and are counted in stats["ids_overflow"] (never
 silent). Within a destination, the smallest ids win (ids are sorted first).
@@ -51,6 +52,7 @@ class TablePlan:
     model_axes: tuple[str, ...] = ()
     replica_axes: tuple[str, ...] = ()
     capacity_factor: float | None = 2.0
+    min_capacity: int = 64
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -122,7 +124,8 @@ def capacity(num_ids: int, lay: Layout, plan: TablePlan) -> int:
     """Static per-destination capacity C for a device holding num_ids ids."""
     if plan.capacity_factor is None or lay.num_model == 1:
         return max(num_ids, 1)
-    return max(1, min(num_ids, math.ceil(plan.capacity_factor * num_ids / lay.num_model)))
+    c = max(plan.min_capacity, math.ceil(plan.capacity_factor * num_ids / lay.num_model))
+    return max(1, min(num_ids, c))
 
 
 def bytes_per_device(spec: TableSpec, plan: TablePlan, mesh) -> int:
