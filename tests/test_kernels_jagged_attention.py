@@ -1,0 +1,96 @@
+"""jagged_attention vs the float64 per-sample numpy softmax formula, forward and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import jagged_attention
+from kernels.jagged_attention import jagged_attention_reference, jagged_attention_reference_dense
+from test_kernels_common import check_against, np_attention, offsets_of, random_qkv, run_vjp
+
+SELF = [0, 1, 63, 64, 65, 3]
+CROSS_KV = [5, 0, 17, 32, 1, 33]
+
+
+def _check(impl, q_lens, kv_lens, tq, tk, *, dtype=jnp.float32, h=2, d=32, seed=0,
+           sm_scale=None, **kw):
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_qkv(rng, tq, tk, h, d, dtype, scale=1.0)
+    qo, ko = offsets_of(q_lens), offsets_of(kv_lens)
+    args = (jnp.asarray(qo), jnp.asarray(ko))
+    if impl == "reference-chunked":
+        fn = lambda q, k, v: jagged_attention_reference(q, k, v, *args, sm_scale=sm_scale,
+                                                        chunk=48, **kw)
+    elif impl == "dense":
+        fn = lambda q, k, v: jagged_attention_reference_dense(q, k, v, *args, sm_scale=sm_scale, **kw)
+    else:
+        fn = lambda q, k, v: jagged_attention(q, k, v, *args, sm_scale=sm_scale, impl=impl, **kw)
+    got = run_vjp(jax.jit(fn), q, k, v, do)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    want = np_attention(q, k, v, do, qo, ko, mode="softmax", scale=scale, **kw)
+    check_against(got, want, dtype, f"jagged_attention[{impl}] {kw}", q_end=qo[-1])
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 7), (True, 9)])
+@pytest.mark.parametrize("impl", ["reference-chunked", "dense"])
+def test_reference(impl, causal, window):
+    _check(impl, SELF, SELF, 256, 256, causal=causal, window=window)
+
+
+def test_reference_cross():
+    _check("reference-chunked", SELF, CROSS_KV, 256, 128, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 9)])
+def test_pallas(causal, window):
+    _check("pallas", SELF, SELF, 256, 256, causal=causal, window=window)
+
+
+def test_pallas_cross_with_empty_key_samples():
+    _check("pallas", SELF, CROSS_KV, 256, 128, sm_scale=0.3)
+
+
+def test_pallas_bf16_d64():
+    _check("pallas", SELF, SELF, 256, 256, dtype=jnp.bfloat16, d=64, h=1, causal=True)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_samples_are_isolated(impl):
+    rng = np.random.default_rng(1)
+    q, k, v, _ = random_qkv(rng, 256, 256, 2, 32, jnp.float32)
+    off = jnp.asarray(offsets_of(SELF))
+    f = jax.jit(lambda q, k, v: jagged_attention(q, k, v, off, off, impl=impl))
+    a = np.asarray(f(q, k, v))
+    sl = slice(int(off[3]), int(off[4]))
+    noise = jnp.asarray(rng.normal(size=q[sl].shape) * 3, jnp.float32)
+    b = np.asarray(f(q.at[sl].add(noise), k.at[sl].add(noise), v.at[sl].add(noise)))
+    other = np.ones(256, bool)
+    other[sl] = False
+    np.testing.assert_array_equal(a[other], b[other])
+    assert not np.allclose(a[sl], b[sl])
+
+
+def test_bad_inputs_name_the_input():
+    q = jnp.zeros((16, 2, 32), jnp.float32)
+    off = jnp.array([0, 4, 16], jnp.int32)
+    with pytest.raises(ValueError, match="impl"):
+        jagged_attention(q, q, q, off, off, impl="triton")
+    with pytest.raises(ValueError, match="q and k must agree|must agree"):
+        jagged_attention(q, q[:, :1], q[:, :1], off, off)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        jagged_attention(q, q.astype(jnp.bfloat16), q, off, off)
+    with pytest.raises(ValueError, match="causal"):
+        jagged_attention(q, q, q, off, off, causal=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, 128)])
+def test_gpu_compiled(d, dtype, causal, window):
+    rng = np.random.default_rng(3)
+    lens = np.clip(rng.lognormal(np.log(300), 0.8, 12).astype(int), 0, 1500)
+    lens[:3] = [0, 1, 65]
+    t = int(-(-sum(lens) // 128) * 128 + 128)
+    _check("pallas", lens, lens, t, t, dtype=dtype, h=3, d=d, causal=causal, window=window)
