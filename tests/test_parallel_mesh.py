@@ -98,3 +98,28 @@ def test_multi_process_layout_keeps_inner_axes_in_a_process():
         assert all(len(p) == 1 for p in blocks.values()) and len(blocks) == 2
         if spec.tiers[-1] == "host":  # innermost NVLink axis never crosses processes
             assert (proc == proc[..., :1]).all()
+
+
+@pytest.mark.parametrize("n_proc, per_proc, per_host", [(2, 4, 4), (4, 2, 4), (1, 8, 4), (8, 1, 2)])
+def test_hosts_from_processes_keep_host_axes_inside(n_proc, per_proc, per_host):
+    # one process per host (hybrid mesh), several per host, or hosts simulated in one process
+    rng = np.random.default_rng(1)
+    devs = [SimpleNamespace(id=i, process_index=i // per_proc, platform="cpu", device_kind="cpu")
+            for i in range(n_proc * per_proc)]
+    devs = [devs[i] for i in rng.permutation(len(devs))]
+    host_of = lambda d: (d.process_index * per_proc + d.id % per_proc) // per_host  # noqa: E731
+    spec = pm.resolve_mesh_spec("replica=-1,fsdp=2,expert=2" if per_host == 4 else "replica=-1,expert=2",
+                                len(devs), per_host)
+    arr = pm.device_array(spec, devs, per_host)
+    assert sorted(np.vectorize(lambda d: d.id)(arr).ravel()) == list(range(len(devs)))
+    ici, _ = pm.split_over_hosts(spec, per_host)
+    blocks = {}
+    for idx in np.ndindex(*spec.shape):
+        blocks.setdefault(tuple(i // c for i, c in zip(idx, ici)), set()).add(host_of(arr[idx]))
+    assert all(len(h) == 1 for h in blocks.values()) and len(blocks) == len(devs) // per_host
+
+
+def test_device_array_rejects_uneven_processes():
+    devs = [SimpleNamespace(id=i, process_index=int(i >= 3), platform="cpu") for i in range(4)]
+    with pytest.raises(ValueError, match="different device counts"):
+        pm.device_array(pm.resolve_mesh_spec("fsdp=4", 4), devs)

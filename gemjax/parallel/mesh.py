@@ -14,10 +14,9 @@ Tiers must not get slower going inward (a ``host`` axis cannot sit outside a ``z
 axis), because the inner axes are the ones laid out on neighbouring devices.
 
 Device order: the innermost axes vary fastest over the devices of one host. With
-several processes (one per host) the mesh comes from
-``mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True)``: each axis is
-split into an in-host part and a cross-host part, filling the host from the inner
-axes outward.
+several hosts each axis is split into an in-host part and a cross-host part,
+filling a host from the inner axes outward (``split_over_hosts``), and the devices
+are laid out as ``mesh_utils.create_hybrid_device_mesh`` does (``device_array``).
 
 Axis types default to ``Auto`` (the train step uses ``jit`` with explicit in/out
 shardings plus ``with_sharding_constraint``); ``axis_types="explicit"`` gives
@@ -203,20 +202,42 @@ def resolve_mesh_spec(spec: MeshSpec | str, n_devices: int, devices_per_host: in
 
 
 def device_array(spec: MeshSpec, devices: Sequence[jax.Device], devices_per_host: int | None = None) -> np.ndarray:
-    """Devices arranged in spec.shape so inner axes stay inside a host (spec must be resolved)."""
+    """Devices arranged in spec.shape so inner axes stay inside a host (spec must be resolved).
+
+    One host (the default when all devices belong to one process and no
+    devices_per_host is given): ``mesh_utils.create_device_mesh`` order.
+    One process per host: ``mesh_utils.create_hybrid_device_mesh`` with processes as
+    granules. Otherwise (several processes per host, or hosts simulated inside one
+    process): devices sorted host-major by (process_index, id) and cut into hosts of
+    ``devices_per_host`` (consecutive process ids share a host, as cluster
+    launchers assign them), laid out the same way: each axis index is
+    ``cross_host_index * in_host_size + in_host_index``.
+    """
     devices = list(devices)
-    n_proc = len({d.process_index for d in devices})
-    if n_proc > 1:
-        per_proc = len(devices) // n_proc
-        if devices_per_host not in (None, per_proc):
-            raise ValueError(
-                f"devices_per_host={devices_per_host} but each of the {n_proc} processes has {per_proc} "
-                "devices; gemjax assumes one process per host")
-        ici, dcn = split_over_hosts(spec, per_proc)
+    if math.prod(spec.shape) != len(devices):
+        raise ValueError(f"mesh {spec} needs {math.prod(spec.shape)} devices, got {len(devices)}")
+    per_proc: dict[int, int] = {}
+    for d in devices:
+        per_proc[d.process_index] = per_proc.get(d.process_index, 0) + 1
+    if len(set(per_proc.values())) != 1:
+        raise ValueError(f"processes hold different device counts {per_proc}; gemjax needs equal hosts")
+    n_local = next(iter(per_proc.values()))
+    if len(per_proc) == 1 and devices_per_host in (None, len(devices)):
+        if devices[0].platform == "cpu":
+            return np.array(devices, dtype=object).reshape(spec.shape)
+        return mesh_utils.create_device_mesh(spec.shape, devices, allow_split_physical_axes=True)
+    per_host = devices_per_host or n_local
+    if per_host % n_local and n_local % per_host:
+        raise ValueError(f"devices_per_host={per_host} does not align with {n_local} devices per process")
+    ici, dcn = split_over_hosts(spec, per_host)
+    if per_host == n_local and len(per_proc) > 1:  # one process per host
         return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
-    if devices[0].platform == "cpu":
-        return np.array(devices, dtype=object).reshape(spec.shape)
-    return mesh_utils.create_device_mesh(spec.shape, devices, allow_split_physical_axes=True)
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    k = len(spec.shape)
+    arr = np.empty(len(ordered), dtype=object)
+    arr[:] = ordered
+    arr = arr.reshape(dcn + ici).transpose([j for i in range(k) for j in (i, k + i)])
+    return arr.reshape(spec.shape)
 
 
 def build_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None, *,
