@@ -76,3 +76,16 @@ def test_predicted_table_for_gem_scales():
     assert "4096" in T.format_table(rows)
     with pytest.raises(ValueError, match="overlap"):
         T.predict(T.default_mesh(64), T.GEM_LIKE, overlap=2.0)
+
+
+def test_calibrate_recovers_known_scales():
+    preds = [T.predict(T.default_mesh(n), T.GEM_LIKE) for n in (8, 16, 64, 1024)]
+    preds[0] = dict(preds[0], comm_s=0.1)  # make the system well conditioned
+    measured = [1.25 * p["compute_s"] + 0.3 * p["comm_s"] for p in preds]
+    fit = T.calibrate(preds, measured)
+    assert fit["compute_scale"] == pytest.approx(1.25) and fit["comm_scale"] == pytest.approx(0.3)
+    assert fit["max_rel_error"] < 1e-9
+    one_gpu = T.calibrate([{"compute_s": 2.0, "comm_s": 0.0}], [3.0])
+    assert one_gpu["compute_scale"] == pytest.approx(1.5) and one_gpu["comm_scale"] == 0.0
+    with pytest.raises(ValueError, match="one measured"):
+        T.calibrate(preds, [1.0])

@@ -37,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from gemjax.parallel.mesh import TIERS, MeshSpec, parse_mesh_spec, resolve_mesh_spec
 
 DEFAULT_BANDWIDTH = {"host": 450e9, "zone": 50e9, "cross_zone": 12.5e9}  # bytes/s per GPU per direction
@@ -199,6 +201,30 @@ def predict(spec: MeshSpec | str, work: Workload, *, peak: float = 989e12, local
     return {"mesh": ",".join(f"{n}={s}" for n, s in zip(spec.names, spec.shape)), "devices": math.prod(spec.shape), "compute_s": compute, "comm_s": comm,
             "step_s": step, "scaling_ratio": compute / step if step > 0 else 1.0,
             "e2e_mfu": local_mfu * (compute / step if step > 0 else 1.0), "collectives": colls}
+
+
+def calibrate(predictions: list[dict], measured_step_s: list[float]) -> dict:
+    """Fit step = a * compute_s + b * comm_s (a, b >= 0) to measured step times.
+
+    predictions: ``predict(...)`` results (made with overlap=0); a rescales compute
+    (a = assumed local MFU / real one), b rescales communication (b < 1: overlap or
+    faster links than assumed). Returns {"compute_scale": a, "comm_scale": b,
+    "max_rel_error": worst |fit - measured| / measured}.
+    """
+    if len(predictions) != len(measured_step_s) or not predictions:
+        raise ValueError("calibrate: need one measured step time per prediction")
+    A = np.array([[p["compute_s"], p["comm_s"]] for p in predictions], np.float64)
+    y = np.asarray(measured_step_s, np.float64)
+    if np.all(A[:, 1] == 0):  # no communication measured (e.g. 1 GPU only): fit compute alone
+        a, b = float(A[:, 0] @ y / (A[:, 0] @ A[:, 0])), 0.0
+    else:
+        (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+        if b < 0:
+            a, b = float(A[:, 0] @ y / (A[:, 0] @ A[:, 0])), 0.0
+        elif a < 0:
+            a, b = 0.0, float(A[:, 1] @ y / (A[:, 1] @ A[:, 1]))
+    fit = A @ np.array([a, b])
+    return {"compute_scale": float(a), "comm_scale": float(b), "max_rel_error": float(np.max(np.abs(fit - y) / y))}
 
 
 def default_mesh(n_gpus: int, expert: int = 2, fsdp_max: int = 128) -> MeshSpec:
