@@ -1,0 +1,217 @@
+"""Benchmark the jagged attention kernels on one GPU (issue 6 workloads W1-W4).
+
+For each workload: forward and forward+backward time of our Pallas kernel, the
+useful TFLOP/s (valid query-key pairs only: 4*H*D*sum(Lq*Lkv) forward, 3.5x that
+for forward+backward), the roofline floor max(FLOPs / peak, bytes / HBM BW), and
+the best alternatives in the same run: cuDNN softmax attention on padded tensors
+with sequence lengths, and the GDPA formula in plain jnp on padded tensors.
+
+    PYTHONPATH=. python3 experiments/bench_attention.py --out /tmp/bench.json
+"""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from kernels.block_attention import block_attention_reference
+from kernels.block_attention.pallas import block_attention_pallas
+from kernels.gdpa.pallas import gdpa_pallas
+from kernels.jagged_attention.pallas import jagged_attention_pallas
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
+flags.DEFINE_list("workloads", ["W1", "W2", "W3", "W4"], "which workloads")
+flags.DEFINE_integer("iters", 20, "timed iterations (median reported)")
+flags.DEFINE_integer("heads", 4, "heads")
+flags.DEFINE_integer("head_dim", 128, "head dim")
+flags.DEFINE_string("activation", "silu", "GDPA activation")
+flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (XLA, H200)")
+flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
+flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
+flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
+flags.DEFINE_string("sweep", "", "tile sweep for W1 GDPA/softmax: 'bq:bk:warps:stages,...'")
+
+
+def lognormal_lengths(rng, n, median, sigma=0.8, lo=16, hi=4096):
+    return np.clip(rng.lognormal(np.log(median), sigma, n).astype(np.int64), lo, hi)
+
+
+def workload(name):
+    """(kind, q_lengths, kv_lengths) with lengths drawn from seed 0."""
+    rng = np.random.default_rng(0)
+    if name in ("W1", "W4"):
+        lens = lognormal_lengths(rng, 64, 512)
+        return ("self" if name == "W1" else "block"), lens, lens
+    if name == "W2":
+        return "cross", lognormal_lengths(rng, 256, 256), np.full(256, 32)
+    if name == "W3":
+        return "pma", np.full(256, 16), lognormal_lengths(rng, 256, 512)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def valid_pairs(kind, ql, kl, block=64):
+    if kind != "block":
+        return int(np.sum(ql.astype(np.int64) * kl))
+    full, rem = ql // block, ql % block
+    return int(np.sum(full * block * block + rem * rem))
+
+
+def timeit(fn, *args):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(FLAGS.iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def fwd_and_train(fn):
+    """(jit forward, jit forward+backward) of fn(q, k, v)."""
+    fwd = jax.jit(fn)
+
+    def train(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return vjp(do)
+    return fwd, jax.jit(train)
+
+
+def pack_arrays(ql, kl, h, d, dtype, rng):
+    tq = int(-(-ql.sum() // 128) * 128)
+    tk = int(-(-kl.sum() // 128) * 128)
+    mk = lambda t: jnp.asarray(rng.normal(size=(t, h, d)) * 0.5, dtype)
+    q, k, v, do = mk(tq), mk(tk), mk(tk), mk(tq)
+    qo = jnp.asarray(np.concatenate([[0], np.cumsum(ql)]), jnp.int32)
+    ko = jnp.asarray(np.concatenate([[0], np.cumsum(kl)]), jnp.int32)
+    return q, k, v, do, qo, ko
+
+
+def padded(x, off, lens, lmax):
+    idx = np.asarray(off[:-1])[:, None] + np.arange(lmax)[None, :]
+    idx = np.where(np.arange(lmax)[None, :] < lens[:, None], idx, 0)
+    return jnp.where(jnp.asarray(np.arange(lmax)[None, :] < lens[:, None])[..., None, None],
+                     x[jnp.asarray(idx)], 0)
+
+
+def measure(name, fns, args, flops, bytes_fwd, bytes_bwd):
+    fwd, train = fns
+    row = dict(impl=name)
+    for tag, f, a, fl, by in (("fwd", fwd, args[:3], flops, bytes_fwd),
+                              ("fwd_bwd", train, args, 3.5 * flops, bytes_fwd + bytes_bwd)):
+        try:
+            t = timeit(f, *a)
+            row[tag + "_ms"] = t * 1e3
+            row[tag + "_tflops"] = fl / t / 1e12
+            floor = max(fl / (FLAGS.peak_tflops * 1e12), by / (FLAGS.hbm_tbs * 1e12))
+            row[tag + "_floor_ms"] = floor * 1e3
+        except Exception as e:  # baselines may OOM or be unsupported; record it
+            row[tag + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def run_workload(wname, rng):
+    kind, ql, kl = workload(wname)
+    if FLAGS.max_samples:
+        ql, kl = ql[:FLAGS.max_samples], kl[:FLAGS.max_samples]
+    h, d, dt = FLAGS.heads, FLAGS.head_dim, jnp.bfloat16
+    q, k, v, do, qo, ko = pack_arrays(ql, kl, h, d, dt, rng)
+    pairs = valid_pairs(kind, ql, kl)
+    flops = 4.0 * h * d * pairs
+    tok_bytes = h * d * 2
+    nq, nk = int(ql.sum()), int(kl.sum())
+    bytes_fwd = (2 * nq + 2 * nk) * tok_bytes                   # q, k, v in; o out
+    bytes_bwd = (3 * nq + 4 * nk) * tok_bytes                   # q,k,v,o?,do in; dq,dk,dv out
+    args = (q, k, v, do)
+    rows = []
+    meta = dict(workload=wname, kind=kind, samples=len(ql), q_tokens=nq, kv_tokens=nk,
+                valid_pairs=pairs, fwd_gflop=flops / 1e9, bytes_fwd=bytes_fwd,
+                bytes_fwd_bwd=bytes_fwd + bytes_bwd, max_q=int(ql.max()), max_kv=int(kl.max()))
+    act = FLAGS.activation
+    scale = 1.0 / int(kl.max())
+    if kind == "block":
+        rows.append(measure("pallas_block", fwd_and_train(
+            lambda q, k, v: block_attention_pallas(q, k, v, qo)), args, flops, bytes_fwd, bytes_bwd))
+        rows.append(measure("jnp_block_reference", fwd_and_train(
+            lambda q, k, v: block_attention_reference(q, k, v, qo)), args, flops, bytes_fwd,
+            bytes_bwd))
+        w1 = valid_pairs("self", ql, kl) * 4.0 * h * d
+        rows.append(measure("pallas_softmax_W1", fwd_and_train(
+            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, w1, bytes_fwd,
+            bytes_bwd))
+        meta["w1_over_w4_flops"] = w1 / flops
+        return meta, rows
+    rows.append(measure(f"pallas_gdpa_{act}", fwd_and_train(
+        lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale)),
+        args, flops, bytes_fwd, bytes_bwd))
+    rows.append(measure("pallas_softmax", fwd_and_train(
+        lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
+        bytes_bwd))
+    if kind == "self" and FLAGS.sweep:
+        for spec in FLAGS.sweep.split(","):
+            bq, bk, nw, ns = (int(x) for x in spec.split(":"))
+            tiles = dict(bq=bq, bk=bk, num_warps=nw, num_stages=ns, bq_dkv=min(bq, 64),
+                         bk_dkv=min(bk, 64) if bk else 64, num_warps_bwd=nw, num_stages_bwd=ns)
+            rows.append(measure(f"sweep_gdpa_{spec}", fwd_and_train(
+                lambda q, k, v, t=tiles: gdpa_pallas(q, k, v, qo, ko, activation=act,
+                                                     scale=scale, **t)),
+                args, flops, bytes_fwd, bytes_bwd))
+            rows.append(measure(f"sweep_softmax_{spec}", fwd_and_train(
+                lambda q, k, v, t=tiles: jagged_attention_pallas(q, k, v, qo, ko, **t)),
+                args, flops, bytes_fwd, bytes_bwd))
+    if FLAGS.baselines:
+        lq, lk = int(ql.max()), int(kl.max())
+        qp, dop = padded(q, qo, ql, lq), padded(do, qo, ql, lq)
+        kp, vp = padded(k, ko, kl, lk), padded(v, ko, kl, lk)
+        pargs = (qp, kp, vp, dop)
+        qlen, klen = jnp.asarray(ql, jnp.int32), jnp.asarray(kl, jnp.int32)
+
+        def cudnn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=qlen,
+                                                key_value_seq_lengths=klen,
+                                                implementation="cudnn")
+        rows.append(measure("cudnn_padded_softmax", fwd_and_train(cudnn), pargs, flops,
+                            bytes_fwd, bytes_bwd))
+        mq = jnp.asarray(np.arange(lq)[None, :] < ql[:, None])
+        mk = jnp.asarray(np.arange(lk)[None, :] < kl[:, None])
+        actf = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+                "gelu_tanh": jax.nn.gelu, "relu": jax.nn.relu, "identity": lambda x: x}[act]
+
+        def jnp_gdpa(q, k, v):
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+            p = actf(s) * scale
+            p = jnp.where(mq[:, None, :, None] & mk[:, None, None, :], p, 0).astype(v.dtype)
+            return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+        rows.append(measure("jnp_padded_gdpa", fwd_and_train(jnp_gdpa), pargs, flops,
+                            bytes_fwd, bytes_bwd))
+    return meta, rows
+
+
+def main(_):
+    rng = np.random.default_rng(1)
+    results = []
+    for w in FLAGS.workloads:
+        meta, rows = run_workload(w, rng)
+        results.append(dict(meta=meta, rows=rows))
+        print(json.dumps(meta), flush=True)
+        for r in rows:
+            print("  ", json.dumps(r), flush=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump(dict(device=str(jax.devices()[0]), results=results), f, indent=1)
+    print(f"\n{'wl':3} {'impl':28} {'fwd ms':>8} {'TF/s':>6} {'floor':>7} "
+          f"{'f+b ms':>8} {'TF/s':>6} {'floor':>7}")
+    for res in results:
+        for r in res["rows"]:
+            g = lambda key: r.get(key, float("nan"))
+            print(f"{res['meta']['workload']:3} {r['impl'][:28]:28} {g('fwd_ms'):8.3f} "
+                  f"{g('fwd_tflops'):6.0f} {g('fwd_floor_ms'):7.3f} {g('fwd_bwd_ms'):8.3f} "
+                  f"{g('fwd_bwd_tflops'):6.0f} {g('fwd_bwd_floor_ms'):7.3f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
