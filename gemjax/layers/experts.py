@@ -1,0 +1,146 @@
+"""Mixture of Wukong experts with a top-k router (GEM's Wukong MoE).
+
+    WukongExperts(num_tokens, dim, num_experts=E, top_k=k, ...)
+        x [B, n, d] -> (y [B, n_out, d], aux)
+
+Routing is per sample (a sample's n feature tokens travel together):
+    probs  = softmax(flatten(x) W_r)                                 [B, E] (f32)
+    top-k experts per sample, gates = their probs renormalised to sum to 1
+    y_b    = sum over the sample's kept experts e of gate_be * Wukong_e(x_b)
+
+Experts are E identical Wukong stacks whose parameters are stacked on a leading
+axis named "expert" (nnx.vmap), so gemjax.parallel.rules can shard them over the
+`expert` mesh axis. Dispatch is capacity based: every expert takes at most
+C = ceil(capacity_factor * k * B / E) samples (capacity_factor=None: C = B, no
+sample is ever dropped), gathered into an [E, C, n, d] buffer, run by a vmap
+over experts, and scattered back weighted by the gates. Assignments past an
+expert's capacity are dropped (earlier samples first); the fraction dropped is
+reported in aux, never silent, and a sample with every choice dropped gets y = 0.
+
+aux (all f32 scalars except expert_load):
+  load_balance_loss  E * sum_e f_e P_e  (Switch Transformer, top-k form):
+                     f_e = share of the B k assignments routed to e, P_e = mean
+                     router prob of e; 1.0 when perfectly balanced.
+  router_z_loss      mean(logsumexp(logits)^2), keeps router logits small.
+  dropped_fraction   dropped assignments / (B k).
+  expert_load        [E] f_e.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemjax.layers.axes import linear
+from gemjax.layers.wukong import Wukong
+from gemjax.parallel.rules import with_logical_constraint
+
+_EXPERT_AXIS = {nnx.PARTITION_NAME: "expert"}
+
+
+def expert_capacity(batch: int, num_experts: int, top_k: int,
+                    capacity_factor: float | None) -> int:
+    """Samples per expert: B when capacity_factor is None, else ceil(cf k B / E) <= B."""
+    if capacity_factor is None:
+        return batch
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
+    return max(1, min(batch, math.ceil(capacity_factor * top_k * batch / num_experts)))
+
+
+def route_top_k(logits: jax.Array, top_k: int, capacity: int):
+    """Top-k routing with per-expert capacity.
+
+    logits [B, E] -> (dispatch_index [E, C] int32 sample ids (B = empty slot),
+    combine [E, C] f32 gates, aux dict). Pure function; see the module docstring.
+    """
+    b, e = logits.shape
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, top_k)                            # [B, k]
+    gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(top_i, e, dtype=jnp.int32)                    # [B, k, E]
+    sel = jnp.sum(onehot, axis=1)                                         # [B, E] 0/1
+    gate_be = jnp.sum(onehot * gates[..., None], axis=1)                  # [B, E]
+    pos = jnp.cumsum(sel, axis=0) - 1                                     # queue slot
+    keep = (sel > 0) & (pos < capacity)
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, e))
+    cols = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32)[None, :], (b, e))
+    slot = jnp.where(keep, pos, capacity)                                 # C = trash slot
+    index = jnp.full((e, capacity + 1), b, jnp.int32).at[cols, slot].set(rows)[:, :capacity]
+    combine = jnp.zeros((e, capacity + 1), jnp.float32).at[cols, slot].set(
+        jnp.where(keep, gate_be, 0.0))[:, :capacity]
+    load = jnp.sum(sel, axis=0).astype(jnp.float32) / (b * top_k)
+    aux = {
+        "load_balance_loss": e * jnp.sum(load * jnp.mean(probs, axis=0)),
+        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "dropped_fraction": 1.0 - jnp.sum(keep) / (b * top_k),
+        "expert_load": load,
+    }
+    return index, combine, aux
+
+
+class WukongExperts(nnx.Module):
+    """x [B, num_tokens, dim] -> (y [B, out_tokens, dim], aux); see the module docstring.
+
+    Args:
+      num_tokens, dim: input tokens n and width d.
+      num_experts: E (>= 1); top_k: experts per sample (1 <= k <= E).
+      capacity_factor: None (no drops) or > 0.
+      num_layers, fmb_tokens, lcb_tokens, rank, mlp_hidden, cross_layer_attention,
+        cross_layer_heads: each expert's Wukong.
+      dtype: compute dtype; params float32.
+    """
+
+    def __init__(self, num_tokens: int, dim: int, *, num_experts: int, top_k: int,
+                 num_layers: int, fmb_tokens: int, lcb_tokens: int, rank: int,
+                 mlp_hidden: Sequence[int] = (), cross_layer_attention: bool = False,
+                 cross_layer_heads: int = 1, capacity_factor: float | None = None,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        if num_experts < 1 or not 1 <= top_k <= num_experts:
+            raise ValueError(f"WukongExperts: need 1 <= top_k={top_k} <= num_experts={num_experts}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"WukongExperts: capacity_factor must be > 0 or None, "
+                             f"got {capacity_factor}")
+        self.num_tokens, self.dim = int(num_tokens), int(dim)
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.out_tokens = int(fmb_tokens) + int(lcb_tokens)
+        self.dtype = dtype
+        self.router = linear(self.num_tokens * self.dim, num_experts, names=("embed", None),
+                             dtype=jnp.float32, rngs=rngs)
+
+        @nnx.split_rngs(splits=num_experts)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_EXPERT_AXIS)
+        def make(r):
+            return Wukong(num_tokens, dim, num_layers=num_layers, fmb_tokens=fmb_tokens,
+                          lcb_tokens=lcb_tokens, rank=rank, mlp_hidden=mlp_hidden,
+                          cross_layer_attention=cross_layer_attention,
+                          cross_layer_heads=cross_layer_heads, dtype=dtype, rngs=r)
+
+        self.experts = make(rngs)
+
+    def __call__(self, x: jax.Array):
+        if x.ndim != 3 or x.shape[1:] != (self.num_tokens, self.dim):
+            raise ValueError(f"WukongExperts: x must be [B, {self.num_tokens}, {self.dim}], "
+                             f"got {x.shape}")
+        b = x.shape[0]
+        cap = expert_capacity(b, self.num_experts, self.top_k, self.capacity_factor)
+        logits = self.router(x.reshape(b, -1).astype(jnp.float32))
+        index, combine, aux = route_top_k(logits, self.top_k, cap)
+        xpad = jnp.concatenate([x.astype(self.dtype), jnp.zeros((1,) + x.shape[1:], self.dtype)])
+        xin = with_logical_constraint(jnp.take(xpad, index, axis=0),       # [E, C, n, d]
+                                      ("expert", "batch", None, None))
+
+        @nnx.vmap(in_axes=(0, 0), out_axes=0, transform_metadata=_EXPERT_AXIS)
+        def run(expert, xe):
+            return expert(xe)
+
+        yout = run(self.experts, xin)                                      # [E, C, n_out, d]
+        yout = with_logical_constraint(yout, ("expert", "batch", None, None))
+        weighted = yout.astype(jnp.float32) * combine[..., None, None]
+        y = jnp.zeros((b + 1,) + yout.shape[2:], jnp.float32).at[index].add(weighted)[:b]
+        return y.astype(self.dtype), aux
