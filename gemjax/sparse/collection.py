@@ -267,7 +267,10 @@ class EmbeddingCollection:
                 model, fs_axes, sync = self._axes(name)
                 rows, grads = routing.route_grads(jnp.concatenate(per_id), route[name],
                                                   self.layouts[name], caps[name], model, fs_axes, sync)
-                new[name] = routing.update_rows(state[name], rows, grads, spec.optimizer)
+                lay = self.layouts[name]
+                local = lay.num_model == 1 and lay.num_fs == 1 and not sync
+                new[name] = routing.update_rows(state[name], rows, grads, spec.optimizer,
+                                                rows_unique=local)
             return new
 
         sspecs = self._state_specs(names)

@@ -127,15 +127,20 @@ def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[st
     return rows, grads
 
 
-def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer) -> dict[str, Array]:
+def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
+                rows_unique: bool = False) -> dict[str, Array]:
     """Sum duplicate rows' grads (sort + segment_sum), apply the optimizer to those rows only.
 
     state {"weights": [V, D], <opt>: [V, ...]}, rows [K] (-1 = none), grads [K, D].
+    rows_unique=True skips the dedupe (rows already distinct, as on the local path).
     """
     k = rows.shape[0]
     key = jnp.where(rows >= 0, rows, INVALID)
-    uniq, inv = jnp.unique(key, size=k, fill_value=INVALID, return_inverse=True)
-    g_sum = jax.ops.segment_sum(grads.astype(jnp.float32), inv.reshape(-1), num_segments=k)
+    if rows_unique:
+        uniq, g_sum = key, grads.astype(jnp.float32)
+    else:
+        uniq, inv = jnp.unique(key, size=k, fill_value=INVALID, return_inverse=True)
+        g_sum = jax.ops.segment_sum(grads.astype(jnp.float32), inv.reshape(-1), num_segments=k)
     safe = jnp.where(uniq != INVALID, uniq, 0)
     w = jnp.take(state["weights"], safe, axis=0)
     opt = {name: jnp.take(a, safe, axis=0) for name, a in state.items() if name != "weights"}
