@@ -1,9 +1,19 @@
-"""Flax NNX building blocks of the dense model: MLP, Wukong, jagged attention, sequence encoder."""
+"""Flax NNX building blocks of the dense model.
 
-from gemjax.layers.attention import JaggedSelfAttention, rope
+mlp (MLP), wukong (Wukong, cross-layer attention), experts (mixture of Wukong
+experts), attention (jagged self/cross attention through kernels/), sequence
+(SequenceEncoder, pooling), interformer (Cross / Interaction / Sequence Arch),
+axes (logical sharding names on parameters).
+"""
+
+from gemjax.layers.attention import (JaggedCrossAttention, JaggedSelfAttention,
+                                     TokenCrossAttention, rope, uniform_offsets)
+from gemjax.layers.experts import WukongExperts
+from gemjax.layers.interformer import CrossArch, Gating, InterFormer, InterFormerLayer
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import SequenceEncoder, last_tokens, mean_pool
 from gemjax.layers.wukong import Wukong, WukongLayer
 
-__all__ = ["JaggedSelfAttention", "MLP", "SequenceEncoder", "Wukong", "WukongLayer",
-           "last_tokens", "mean_pool", "rope"]
+__all__ = ["CrossArch", "Gating", "InterFormer", "InterFormerLayer", "JaggedCrossAttention",
+           "JaggedSelfAttention", "MLP", "SequenceEncoder", "TokenCrossAttention", "Wukong",
+           "WukongExperts", "WukongLayer", "last_tokens", "mean_pool", "rope", "uniform_offsets"]

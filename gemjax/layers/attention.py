@@ -24,7 +24,7 @@ from flax import nnx
 from gemjax.data.jagged import Jagged
 from gemjax.layers.axes import linear, rms_norm
 from kernels import block_attention, gdpa, jagged_attention
-from kernels.common import rope as _kernels_rope
+from kernels.common import rope as _kernels_rope, segment_layout
 
 ATTENTION_KINDS = ("softmax", "gdpa", "block")
 
@@ -143,3 +143,75 @@ class TokenCrossAttention(nnx.Module):
         v = self.v_proj(memory).reshape(b, m, self.num_heads, self.head_dim)
         o = jax.nn.dot_product_attention(q, k, v)                       # [B, n, H, Dh]
         return self.out_proj(o.reshape(b, n, self.dim))
+
+
+def uniform_offsets(batch: int, n: int) -> jax.Array:
+    """Offsets [B+1] of B samples of exactly n tokens each (packed [B*n, ...])."""
+    return jnp.arange(batch + 1, dtype=jnp.int32) * n
+
+
+class JaggedCrossAttention(nnx.Module):
+    """Multi-head attention from one jagged token set to another, through kernels/ ops.
+
+    q_tokens [Tq, dim] (sample b's queries at q_offsets[b]:q_offsets[b+1]) attend to
+    kv_tokens [Tk, kv_dim] of the same sample b -> [Tq, dim]; padding query rows
+    and the queries of a sample with no keys give 0 (no bias leaks in).
+
+    attention="gdpa": out = act(Q K^T) * scale @ V with scale = gdpa_scale, or
+    (None) 1 / (number of keys in the sample); "softmax": jagged softmax attention.
+    Used for PMA (learned queries over a sequence), CLS tokens over a sequence,
+    and InterFormer's personalized FFN (sequence tokens over summary tokens).
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, kv_dim: int | None = None,
+                 attention: str = "gdpa", gdpa_activation: str = "silu",
+                 gdpa_scale: float | None = None, qk_norm: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        if attention not in ("gdpa", "softmax"):
+            raise ValueError(f"JaggedCrossAttention: attention must be 'gdpa' or 'softmax', "
+                             f"got {attention!r}")
+        if num_heads <= 0 or dim % num_heads:
+            raise ValueError(f"JaggedCrossAttention: num_heads={num_heads} must divide dim={dim}")
+        kv_dim = dim if kv_dim is None else kv_dim
+        self.dim, self.kv_dim, self.num_heads, self.head_dim = dim, kv_dim, num_heads, dim // num_heads
+        self.attention, self.gdpa_activation, self.gdpa_scale = attention, gdpa_activation, gdpa_scale
+        self.dtype = dtype
+        self.q_proj = linear(dim, dim, names=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.k_proj = linear(kv_dim, dim, names=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.v_proj = linear(kv_dim, dim, names=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.out_proj = linear(dim, dim, names=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        if qk_norm:
+            self.q_norm = rms_norm(self.head_dim, dtype=dtype, rngs=rngs)
+            self.k_norm = rms_norm(self.head_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, q_tokens: jax.Array, q_offsets: jax.Array, kv_tokens: jax.Array,
+                 kv_offsets: jax.Array) -> jax.Array:
+        tq, tk = q_tokens.shape[0], kv_tokens.shape[0]
+        if q_tokens.shape != (tq, self.dim) or kv_tokens.shape != (tk, self.kv_dim):
+            raise ValueError(f"JaggedCrossAttention: q_tokens [Tq, {self.dim}] and kv_tokens "
+                             f"[Tk, {self.kv_dim}] expected, got {q_tokens.shape}, {kv_tokens.shape}")
+        if q_offsets.shape != kv_offsets.shape:
+            raise ValueError(f"JaggedCrossAttention: q_offsets {q_offsets.shape} and kv_offsets "
+                             f"{kv_offsets.shape} must both be [B+1]")
+        q_offsets = jnp.asarray(q_offsets, jnp.int32)
+        kv_offsets = jnp.asarray(kv_offsets, jnp.int32)
+        h, dh = self.num_heads, self.head_dim
+        q = self.q_proj(q_tokens.astype(self.dtype)).reshape(tq, h, dh)
+        k = self.k_proj(kv_tokens.astype(self.dtype)).reshape(tk, h, dh)
+        v = self.v_proj(kv_tokens.astype(self.dtype)).reshape(tk, h, dh)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        seg, _ = segment_layout(q_offsets, tq)                        # padding -> B
+        kv_len = jnp.concatenate([kv_offsets[1:] - kv_offsets[:-1], jnp.zeros((1,), jnp.int32)])
+        n_keys = kv_len[seg]                                             # [Tq], 0 on padding
+        if self.attention == "softmax":
+            o = jagged_attention(q, k, v, q_offsets, kv_offsets)
+        else:
+            scale = 1.0 if self.gdpa_scale is None else self.gdpa_scale
+            o = gdpa(q, k, v, q_offsets, kv_offsets, activation=self.gdpa_activation, scale=scale)
+            if self.gdpa_scale is None:
+                o = o * (1.0 / jnp.maximum(n_keys, 1)).astype(o.dtype)[:, None, None]
+        out = self.out_proj(o.reshape(tq, self.dim).astype(self.dtype))
+        return jnp.where((n_keys > 0)[:, None], out, 0).astype(self.dtype)
