@@ -14,8 +14,13 @@ import math
 import numpy as np
 
 
-def owner(ids, vocab, split, num_model, num_fs):
-    """Model shard owning each logical id (rows split over num_model * num_fs shards)."""
+def owner(ids, vocab, split, num_model, num_fs, fixed=None):
+    """Model shard owning each logical id (rows split over num_model * num_fs shards).
+
+    fixed: a table_wise table's device (every id goes there).
+    """
+    if fixed is not None:
+        return np.full_like(ids, fixed)
     total = num_model * num_fs
     if split == "mod":
         return (ids % total) // num_fs
@@ -29,10 +34,10 @@ def capacity(n, num_model, factor, min_capacity):
     return max(1, min(n, max(min_capacity, math.ceil(factor * n / num_model))))
 
 
-def kept_mask(dev_ids, vocab, split, num_model, num_fs, cap):
+def kept_mask(dev_ids, vocab, split, num_model, num_fs, cap, fixed=None):
     """dev_ids [n] valid ids of one device -> bool [n], False where overflow drops them."""
     uniq = np.unique(dev_ids)
-    own = owner(uniq, vocab, split, num_model, num_fs)
+    own = owner(uniq, vocab, split, num_model, num_fs, fixed)
     kept = set()
     for m in range(num_model):
         kept.update(uniq[own == m][:cap].tolist())

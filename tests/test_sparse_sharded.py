@@ -78,7 +78,8 @@ def ref_step(tables, dev, grads, plans, lays, specs, update):
             flat = np.concatenate([feats[f].reshape(-1) if f in ("u1", "u2")
                                    else np.concatenate(feats[f] + [np.zeros(0, int)]) for f in fs])
             cap = ref.capacity(n_ids, lay.num_model, p.capacity_factor, p.min_capacity)
-            kept = ref.kept_mask(flat, s.vocab, p.split, lay.num_model, lay.num_fs, cap)
+            fixed = p.shard if p.kind == "table_wise" else None
+            kept = ref.kept_mask(flat, s.vocab, p.split, lay.num_model, lay.num_fs, cap, fixed)
             over += int((~kept).sum())
             w = tables[s.name]["weights"]
             start = 0
@@ -171,18 +172,32 @@ SGD_EXACT = (SGD(lr=0.5), functools.partial(ref.sgd, lr=0.5))
 
 
 def check_memory_matches_plan(coll, state, mesh):
-    """Bytes each device holds per table (weights + optimizer state) = the plan's prediction."""
-    for n, s in coll.specs.items():
-        held = sum(max(sh.data.nbytes for sh in a.addressable_shards) for a in state[n].values())
-        assert held == plans_lib.bytes_per_device(s, coll.plans[n], mesh), n
-        assert all(a.sharding.spec == P(coll.plans[n].storage_axes or None) for a in state[n].values())
+    """Bytes each device holds per table (weights + optimizer state) = the plan's prediction.
+
+    A table_wise stack holds, per device, its largest device block of whole tables.
+    """
+    for u, ts in coll.units.items():
+        held = sum(max(sh.data.nbytes for sh in a.addressable_shards) for a in state[u].values())
+        p, s = coll.plans[ts[0]], coll.specs[ts[0]]
+        if p.kind == "table_wise":
+            per_dev = {}
+            for t in ts:
+                per_dev[coll.plans[t].shard] = per_dev.get(coll.plans[t].shard, 0) + \
+                    plans_lib.bytes_per_device(coll.specs[t], coll.plans[t], mesh)
+            assert held == max(per_dev.values()), u
+        else:
+            assert held == plans_lib.bytes_per_device(s, p, mesh), u
+        assert all(a.sharding.spec == P(p.storage_axes or None) for a in state[u].values())
 
 
-@pytest.mark.parametrize("plan", ["replicated", "row_wise_range"])
+@pytest.mark.parametrize("plan", ["replicated", "row_wise_range", "table_wise"])
 def test_1d_mesh_sgd_exact(plan):
     mesh = mesh_of((8,), ("x",))
     coll, state, over = run_case(mesh, plan, (), *SGD_EXACT, exact=True)
     check_memory_matches_plan(coll, state, mesh)
+    if plan == "table_wise":       # three tables, each whole on its own device, one stack
+        assert list(coll.units) == ["@table_wise_0"]
+        assert sorted(p.shard for p in coll.plans.values()) == sorted({p.shard for p in coll.plans.values()})
     if plan != "replicated":
         assert over > 0, "the batch was meant to overflow the user table's capacity"
 

@@ -3,6 +3,7 @@
     coll = EmbeddingCollection(specs, plan=None, mesh=None, replica_axes=())
     print(coll.describe())                       # the plan as a table
     state = coll.init(key)                       # {table: {"weights": [Vp, D], <opt state [Vp, ...]>}}
+                                                 # (table_wise tables: one "@table_wise_<i>" stack)
     coll.check_ids(feats)                        # host-side strict bounds check
     acts, residuals = coll.lookup(state, feats)  # feats {feature: ids [...] or Jagged bag}
     ... g_acts = d loss / d acts ...
@@ -65,7 +66,9 @@ class EmbeddingCollection:
         self.batch_axes = tuple(mesh.axis_names if batch_axes is None else batch_axes)
         self.plans = plans_lib.resolve(plan, specs, mesh, replica_axes, **planner_kw)
         self.plan = self.plans
-        self.layouts = {n: plans_lib.layout(s, self.plans[n], mesh) for n, s in self.specs.items()}
+        # storage units: a table, or a stack of table_wise tables ("@table_wise_<i>")
+        self.units, self.layouts = plans_lib.stacks(specs, self.plans, mesh)
+        self.unit_of = {t: u for u, ts in self.units.items() for t in ts}
 
     # ---------------------------------------------------------------- plan / state
     def describe(self) -> str:
@@ -76,9 +79,10 @@ class EmbeddingCollection:
         """NamedShardings of the state pytree (e.g. orbax restore targets)."""
         mesh = mesh or self.mesh
         out = {}
-        for n, s in self.specs.items():
-            sh = NamedSharding(mesh, P(self.plans[n].storage_axes or None))
-            out[n] = {"weights": sh, **{k: sh for k in s.optimizer.init_state(1, s.dim)}}
+        for u, ts in self.units.items():
+            s = self.specs[ts[0]]
+            sh = NamedSharding(mesh, P(self.plans[ts[0]].storage_axes or None))
+            out[u] = {"weights": sh, **{k: sh for k in s.optimizer.init_state(1, s.dim)}}
         return out
 
     def init(self, key: Array) -> dict[str, dict[str, Array]]:
@@ -87,11 +91,12 @@ class EmbeddingCollection:
 
         def make():
             state = {}
-            for i, (n, s) in enumerate(self.specs.items()):
-                vp = self.layouts[n].padded_vocab
+            for i, (u, ts) in enumerate(self.units.items()):
+                s = self.specs[ts[0]]
+                vp = self.layouts[ts[0]].padded_vocab
                 w = jax.random.uniform(jax.random.fold_in(key, i), (vp, s.dim), jnp.float32,
                                        -s.scale, s.scale).astype(s.dtype)
-                state[n] = {"weights": w, **s.optimizer.init_state(vp, s.dim)}
+                state[u] = {"weights": w, **s.optimizer.init_state(vp, s.dim)}
             return state
         return jax.jit(make, out_shardings=shardings)()
 
@@ -100,7 +105,7 @@ class EmbeddingCollection:
         out = {}
         for n, s in self.specs.items():
             idx = self.layouts[n].storage_index(np.arange(s.vocab))
-            out[n] = {k: np.asarray(v)[idx] for k, v in state[n].items()}
+            out[n] = {k: np.asarray(v)[idx] for k, v in state[self.unit_of[n]].items()}
         return out
 
     def from_logical(self, logical) -> dict[str, dict[str, Array]]:
@@ -109,19 +114,21 @@ class EmbeddingCollection:
         Arrays are cast to the table / optimizer-state dtypes.
         """
         shardings, out = self.state_sharding(), {}
-        for n, s in self.specs.items():
-            lay = self.layouts[n]
-            dtypes = {"weights": np.dtype(s.dtype),
-                      **{k: np.dtype(a.dtype) for k, a in s.optimizer.init_state(1, s.dim).items()}}
-            idx = lay.storage_index(np.arange(s.vocab))
-            out[n] = {}
-            for k, v in logical[n].items():
-                v = np.asarray(v).astype(dtypes[k])
-                if v.shape[0] != s.vocab:
-                    raise ValueError(f"table {n!r} array {k!r}: leading dim {v.shape[0]} != vocab {s.vocab}")
-                full = np.zeros((lay.padded_vocab,) + v.shape[1:], v.dtype)
-                full[idx] = v
-                out[n][k] = jax.device_put(full, shardings[n][k])
+        for u, ts in self.units.items():
+            full = {}
+            for n in ts:
+                s, lay = self.specs[n], self.layouts[n]
+                dtypes = {"weights": np.dtype(s.dtype),
+                          **{k: np.dtype(a.dtype) for k, a in s.optimizer.init_state(1, s.dim).items()}}
+                idx = lay.storage_index(np.arange(s.vocab))
+                for k, v in logical[n].items():
+                    v = np.asarray(v).astype(dtypes[k])
+                    if v.shape[0] != s.vocab:
+                        raise ValueError(f"table {n!r} array {k!r}: leading dim {v.shape[0]} != vocab {s.vocab}")
+                    if k not in full:
+                        full[k] = np.zeros((lay.padded_vocab,) + v.shape[1:], v.dtype)
+                    full[k][idx] = v
+            out[u] = {k: jax.device_put(v, shardings[u][k]) for k, v in full.items()}
         return out
 
     # ---------------------------------------------------------------- checks
@@ -178,9 +185,13 @@ class EmbeddingCollection:
             caps[name] = plans_lib.capacity(n, self.layouts[name], self.plans[name])
         return caps
 
-    def _state_specs(self, names):
-        return {n: {k: P(self.plans[n].storage_axes or None)
-                    for k in ["weights", *self.specs[n].optimizer.init_state(1, 1)]} for n in names}
+    def _state_specs(self, units):
+        return {u: {k: P(self.plans[self.units[u][0]].storage_axes or None)
+                    for k in ["weights", *self.specs[self.units[u][0]].optimizer.init_state(1, 1)]}
+                for u in units}
+
+    def _units_of(self, names):
+        return list(dict.fromkeys(self.unit_of[n] for n in names))
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, state, feats: Mapping[str, Any]):
@@ -212,7 +223,7 @@ class EmbeddingCollection:
                 ids = jnp.mod(raw, spec.vocab) if spec.bounds == "hash" else jnp.clip(raw, 0, spec.vocab - 1)
                 model, fs_axes, _ = self._axes(name)
                 rows, res[name], over = routing.lookup_rows(
-                    state[name]["weights"], ids, valid, lay, caps[name], model, fs_axes)
+                    state[self.unit_of[name]]["weights"], ids, valid, lay, caps[name], model, fs_axes)
                 stats["ids_overflow"] += over
                 start = 0
                 for f, size in zip(fs, sizes):
@@ -227,9 +238,9 @@ class EmbeddingCollection:
 
         names = list(groups)
         acts, res, stats = jax.shard_map(
-            body, mesh=self.mesh, in_specs=(self._state_specs(names), bspec),
+            body, mesh=self.mesh, in_specs=(self._state_specs(self._units_of(names)), bspec),
             out_specs=(bspec, bspec, bspec), check_vma=False,
-        )({n: state[n] for n in names}, dict(feats))
+        )({u: state[u] for u in self._units_of(names)}, dict(feats))
         stats = {k: jnp.sum(v) for k, v in stats.items()}
         return acts, {"ids": dict(feats), "route": res, "stats": stats}
 
@@ -269,16 +280,18 @@ class EmbeddingCollection:
                                                   self.layouts[name], caps[name], model, fs_axes, sync)
                 lay = self.layouts[name]
                 local = lay.num_model == 1 and lay.num_fs == 1 and not sync
-                new[name] = routing.update_rows(state[name], rows, grads, spec.optimizer,
-                                                rows_unique=local)
+                unit = self.unit_of[name]
+                new[unit] = routing.update_rows(new.get(unit, state[unit]), rows, grads,
+                                                spec.optimizer, rows_unique=local)
             return new
 
-        sspecs = self._state_specs(names)
+        units = self._units_of(names)
+        sspecs = self._state_specs(units)
         used = [f for n in names for f in groups[n]]
         new = jax.shard_map(
             body, mesh=self.mesh, in_specs=(sspecs, bspec, bspec, bspec), out_specs=sspecs,
             check_vma=False,
-        )({n: state[n] for n in names}, {n: residuals["route"][n] for n in names},
+        )({u: state[u] for u in units}, {n: residuals["route"][n] for n in names},
           {f: feats[f] for f in used}, {f: g_acts[f] for f in used if f in g_acts})
         return {**state, **new}
 

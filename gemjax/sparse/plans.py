@@ -13,6 +13,13 @@ leading vocab dimension) live on the mesh, and over which mesh axes ids travel:
                 (each replica's copy sharded        model axes, then   sub-shard owner
                 further), gathered on demand        all-gather over
                                                     replica axes
+  table_wise    whole table on one device           all_to_all, all    at the owner
+
+Table-wise tables sharing (dim, dtype, optimizer) are stacked into one array
+sharded over all axes, each device's block holding whole tables (SPMD arrays
+span the mesh, so this is how "one table per device" is stored): the state key
+of a stack is "@table_wise_<i>" instead of the table name (`stacks`). Their
+all_to_all capacity is N (every id goes to one device), so they never overflow.
 
 Rows are split "mod" (row i on shard i % S, good for Zipf ids: hot rows spread)
 or "range" (contiguous blocks; the storage order equals the logical order, so a
@@ -39,7 +46,7 @@ import numpy as np
 
 from gemjax.sparse.specs import TableSpec
 
-KINDS = ("replicated", "row_wise", "2d", "fs2d")
+KINDS = ("replicated", "row_wise", "2d", "fs2d", "table_wise")
 SPLITS = ("mod", "range")
 
 
@@ -53,6 +60,7 @@ class TablePlan:
     replica_axes: tuple[str, ...] = ()
     capacity_factor: float | None = 2.0
     min_capacity: int = 64
+    shard: int | None = None    # table_wise: owning device (index over model_axes)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -86,6 +94,8 @@ class Layout:
     num_fs: int             # R for fs2d (sub-shards of a model shard), else 1
     rows_per_shard: int     # rows per device
     split: str
+    fixed_shard: int = -1   # table_wise: the owning device; rows at base + id
+    base: int = 0
 
     @property
     def num_shards(self) -> int:
@@ -98,6 +108,8 @@ class Layout:
         [r * rows_per_shard, (r + 1) * rows_per_shard).
         """
         s_all, rps = self.num_shards, self.rows_per_shard
+        if self.fixed_shard >= 0:
+            return ids * 0 + self.fixed_shard, ids + self.base
         if self.split == "mod":
             s, local = ids % s_all, ids // s_all
         else:
@@ -111,6 +123,10 @@ class Layout:
 
 
 def layout(spec: TableSpec, plan: TablePlan, mesh) -> Layout:
+    """Layout of a table stored alone (a table_wise table as the only one of its stack)."""
+    if plan.kind == "table_wise":
+        return Layout(spec.vocab, spec.vocab * _axes_size(mesh, plan.model_axes),
+                      _axes_size(mesh, plan.model_axes), 1, spec.vocab, "range", plan.shard or 0, 0)
     if plan.kind == "replicated":
         nm, nf = 1, 1
     else:
@@ -128,8 +144,41 @@ def capacity(num_ids: int, lay: Layout, plan: TablePlan) -> int:
     return max(1, min(num_ids, c))
 
 
+def stacks(specs: Sequence[TableSpec], plans: Mapping[str, TablePlan], mesh):
+    """Storage units: ({unit: [tables]}, {table: Layout}).
+
+    A unit is a table (its own state entry) or a stack of table_wise tables
+    with equal (dim, dtype, optimizer), named "@table_wise_<i>".
+    """
+    units, layouts, keys = {}, {}, {}
+    for s in specs:
+        p = plans[s.name]
+        if p.kind != "table_wise":
+            units[s.name] = [s.name]
+            layouts[s.name] = layout(s, p, mesh)
+            continue
+        k = (s.dim, str(np.dtype(s.dtype)), repr(s.optimizer))
+        keys.setdefault(k, f"@table_wise_{len(keys)}")
+        units.setdefault(keys[k], []).append(s.name)
+    by_name = {s.name: s for s in specs}
+    for unit in [u for u in units if u.startswith("@table_wise")]:
+        n_dev = _axes_size(mesh, plans[units[unit][0]].model_axes)
+        fill = [0] * n_dev
+        for t in units[unit]:
+            dev = plans[t].shard
+            layouts[t] = (dev, fill[dev])
+            fill[dev] += by_name[t].vocab
+        rows = max(max(fill), 1)
+        for t in units[unit]:
+            dev, base = layouts[t]
+            layouts[t] = Layout(by_name[t].vocab, rows * n_dev, n_dev, 1, rows, "range", dev, base)
+    return units, layouts
+
+
 def bytes_per_device(spec: TableSpec, plan: TablePlan, mesh) -> int:
-    """Table + optimizer-state bytes held by each device under the plan."""
+    """Table + optimizer-state bytes held by each device under the plan (table_wise: its owner)."""
+    if plan.kind == "table_wise":
+        return spec.vocab * spec.row_bytes
     lay = layout(spec, plan, mesh)
     rows = lay.padded_vocab if plan.kind == "replicated" else lay.rows_per_shard
     return rows * spec.row_bytes
@@ -166,6 +215,8 @@ def resolve(plan: Any, specs: Sequence[TableSpec], mesh, replica_axes: Sequence[
             raise ValueError(f"table {spec.name!r}: plan {p!r} needs replica_axes")
         if kind == "row_wise":
             return TablePlan("row_wise", split, all_axes, ())
+        if kind == "table_wise":
+            return TablePlan("table_wise", "range", all_axes, (), capacity_factor=None)
         if kind == "replicated":
             return TablePlan("replicated", split, (), all_axes)
         return TablePlan(kind, split, model_axes, replica_axes)
@@ -174,16 +225,43 @@ def resolve(plan: Any, specs: Sequence[TableSpec], mesh, replica_axes: Sequence[
         missing = [s.name for s in specs if s.name not in plan]
         if missing:
             raise ValueError(f"plan has no entry for tables {missing}")
-        return {s.name: one(plan[s.name], s) for s in specs}
-    return {s.name: one(plan, s) for s in specs}
+        return assign_table_wise(specs, {s.name: one(plan[s.name], s) for s in specs}, mesh)
+    return assign_table_wise(specs, {s.name: one(plan, s) for s in specs}, mesh)
+
+
+def assign_table_wise(specs: Sequence[TableSpec], plans: dict[str, TablePlan], mesh):
+    """Give each table_wise table without a shard the least-loaded device (largest first)."""
+    tw = [s for s in specs if plans[s.name].kind == "table_wise"]
+    if not tw:
+        return plans
+    n_dev = _axes_size(mesh, plans[tw[0].name].model_axes)
+    load = [0] * n_dev
+    for s in tw:
+        p = plans[s.name]
+        if p.model_axes != plans[tw[0].name].model_axes:
+            raise ValueError(f"table {s.name!r}: table_wise tables must share model_axes")
+        if p.shard is not None:
+            if not 0 <= p.shard < n_dev:
+                raise ValueError(f"table {s.name!r}: table_wise shard {p.shard} not in [0, {n_dev})")
+            load[p.shard] += s.vocab * s.row_bytes
+    for s in sorted(tw, key=lambda s: -s.vocab * s.row_bytes):
+        if plans[s.name].shard is None:
+            dev = int(np.argmin(load))
+            load[dev] += s.vocab * s.row_bytes
+            plans[s.name] = dataclasses.replace(plans[s.name], shard=dev)
+    return plans
 
 
 def plan_tables(specs: Sequence[TableSpec], mesh, *, replica_axes: Sequence[str] = (),
-                replicate_below_bytes: int = 32 << 20, device_budget_bytes: int = 16 << 30,
+                replicate_below_bytes: int = 32 << 20, table_wise_below_bytes: int = 0,
+                device_budget_bytes: int = 16 << 30,
                 capacity_factor: float | None = 2.0) -> dict[str, TablePlan]:
     """Pick a plan per table from its size and the mesh.
 
     - tables under replicate_below_bytes: replicated (no id exchange at all);
+    - without replica_axes, tables under table_wise_below_bytes (default 0: off,
+      since a static all_to_all sends an [S, N] buffer for them): table_wise,
+      on the least-loaded device;
     - with replica_axes: "2d" when a model-axes shard fits device_budget_bytes,
       else "fs2d" (each replica's copy sharded further);
     - otherwise row_wise, mod split (spreads Zipf-hot rows over shards).
@@ -196,6 +274,8 @@ def plan_tables(specs: Sequence[TableSpec], mesh, *, replica_axes: Sequence[str]
         total = s.vocab * s.row_bytes
         if total < replicate_below_bytes:
             p = TablePlan("replicated", "mod", (), all_axes, capacity_factor)
+        elif not replica_axes and total < table_wise_below_bytes:
+            p = TablePlan("table_wise", "range", all_axes, (), None)
         elif replica_axes:
             p = TablePlan("2d", "mod", model_axes, replica_axes, capacity_factor)
             if bytes_per_device(s, p, mesh) > device_budget_bytes:
@@ -203,7 +283,7 @@ def plan_tables(specs: Sequence[TableSpec], mesh, *, replica_axes: Sequence[str]
         else:
             p = TablePlan("row_wise", "mod", all_axes, (), capacity_factor)
         out[s.name] = p
-    return out
+    return assign_table_wise(specs, out, mesh)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -224,8 +304,11 @@ def format_plan(specs: Sequence[TableSpec], plans: Mapping[str, TablePlan], mesh
         total += b
         where = (f"{p.kind}/{p.split} model={','.join(p.model_axes) or '-'}"
                  f" replica={','.join(p.replica_axes) or '-'}")
+        if p.kind == "table_wise":
+            where = f"table_wise on device {p.shard} of {','.join(p.model_axes)}"
         rows.append((s.name, f"{s.vocab} x {s.dim}", str(np.dtype(s.dtype)),
-                     type(s.optimizer).__name__, where, str(lay.num_shards), _fmt_bytes(b)))
+                     type(s.optimizer).__name__, where,
+                     "1" if p.kind == "table_wise" else str(lay.num_shards), _fmt_bytes(b)))
     rows.append(("total", "", "", "", "", "", _fmt_bytes(total)))
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))
