@@ -1,0 +1,189 @@
+"""Pyramid-parallel sequence encoding (our reading of GEM's one-line description).
+
+Meta describes a "pyramid-parallel" stack of parallel interaction modules over
+sequences of thousands of events without details. Our reading:
+
+  level l:  tokens [T_l, d] of a jagged layout
+            -> SequenceEncoder with block attention (each `block`-token run of a
+               sample attends only within itself, RoPE)
+            -> pool every block into `pooled` tokens: `pooled` learned queries
+               attend (softmax) over the block's tokens (PMA per block)
+            -> tokens [T_{l+1}, d]: sample b now has ceil(L_b / block) * pooled
+               tokens, in time order of its blocks
+  the top level may skip pooling (pooled=None): encode only.
+
+so attention cost per level is O(T_l * block) and T shrinks by block/pooled per
+level. "Parallel": several behaviour sequences (clicks, views, ...) each get their
+own pyramid, run side by side (independent, XLA may overlap them), and their top
+tokens are concatenated per sample (with a learned per-sequence type embedding)
+into one jagged sequence for the InterFormer sequence side.
+
+Capacities stay static: T_{l+1} = (ceil(T_l / block) + B) * pooled bounds the
+number of pooled tokens (each sample's last block may be partial).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemjax.data.jagged import Jagged
+from gemjax.layers.attention import JaggedCrossAttention
+from gemjax.layers.axes import param
+from gemjax.layers.sequence import SequenceEncoder
+from kernels.common import segment_layout
+
+
+def jagged_from_offsets(values: jax.Array, offsets: jax.Array) -> Jagged:
+    """A Jagged over values [T, ...] whose layout is given by offsets [B+1]; works under jit."""
+    offsets = jnp.asarray(offsets, jnp.int32)
+    seg, pos = segment_layout(offsets, values.shape[0])
+    return Jagged(values, offsets, seg, pos)
+
+
+def block_offsets(offsets: jax.Array, capacity: int, block: int) -> jax.Array:
+    """Offsets of the `block`-token runs of every sample; works under jit.
+
+    offsets [B+1] -> [NB+1] int32, NB = ceil(capacity / block) + B: each sample cut
+    into runs of `block` tokens (its last run may be shorter), sample after sample;
+    unused trailing entries repeat offsets[-1] (empty runs).
+    """
+    offsets = jnp.asarray(offsets, jnp.int32)
+    b = offsets.shape[0] - 1
+    nb = -(-capacity // block) + b
+    nblk = -(-(offsets[1:] - offsets[:-1]) // block)                       # [B]
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk).astype(jnp.int32)])
+    j = jnp.arange(nb, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(first[1:], j, side="right"), 0, max(b - 1, 0))
+    start = jnp.where(j < first[-1], offsets[owner] + (j - first[owner]) * block, offsets[-1])
+    return jnp.concatenate([start, offsets[-1:]]).astype(jnp.int32)
+
+
+def concat_jagged(parts: Sequence[tuple[jax.Array, Jagged]]) -> tuple[jax.Array, Jagged]:
+    """Concatenate several jagged sequences of the same B samples, per sample.
+
+    parts: [(x_i [T_i, d], jagged_i)] -> (x [sum T_i, d], jagged): sample b holds
+    part 0's tokens of b, then part 1's, ...; padding rows 0. Works under jit.
+    """
+    if not parts:
+        raise ValueError("concat_jagged: no parts")
+    b = parts[0][1].num_samples
+    for i, (x, j) in enumerate(parts):
+        if j.num_samples != b or x.shape[0] != j.capacity:
+            raise ValueError(f"concat_jagged: part {i} has {j.num_samples} samples (want {b}) and "
+                             f"x {x.shape} for capacity {j.capacity}")
+    cap = sum(j.capacity for _, j in parts)
+    lengths = [j.lengths for _, j in parts]
+    total = sum(lengths)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(total).astype(jnp.int32)])
+    out = jnp.zeros((cap + 1,) + parts[0][0].shape[1:], parts[0][0].dtype)
+    before = jnp.zeros((b,), jnp.int32)
+    for (x, j), n in zip(parts, lengths):
+        seg = jnp.asarray(j.segment_ids)
+        valid = seg < b
+        segc = jnp.where(valid, seg, 0)
+        dest = jnp.where(valid, offsets[segc] + before[segc] + jnp.asarray(j.positions), cap)
+        out = out.at[dest].set(x.astype(out.dtype))
+        before = before + n
+    return out[:cap], jagged_from_offsets(out[:cap], offsets)
+
+
+class PyramidLevel(nnx.Module):
+    """One pyramid level: x [T, d], jagged -> (y [T', d], jagged').
+
+    num_layers block-attention blocks (0 = none), then (pooled is not None) each
+    `block`-token run pooled into `pooled` tokens by learned softmax queries.
+    """
+
+    def __init__(self, dim: int, *, block: int, pooled: int | None, num_layers: int,
+                 num_heads: int, ffn_mult: int = 2, dtype=jnp.float32, rngs: nnx.Rngs):
+        if block < 1 or (pooled is not None and pooled < 1) or num_layers < 0:
+            raise ValueError(f"PyramidLevel: block={block} >= 1, pooled={pooled} >= 1 or None, "
+                             f"num_layers={num_layers} >= 0 required")
+        self.dim, self.block, self.pooled, self.dtype = dim, block, pooled, dtype
+        self.encoder = (SequenceEncoder(dim, num_layers=num_layers, num_heads=num_heads,
+                                        attention="block", block=block, ffn_mult=ffn_mult,
+                                        dtype=dtype, rngs=rngs) if num_layers else None)
+        if pooled is not None:
+            self.queries = param(jax.random.normal(rngs.params(), (pooled, dim)), None, "embed")
+            self.pool = JaggedCrossAttention(dim, num_heads, attention="softmax", dtype=dtype,
+                                             rngs=rngs)
+        else:
+            self.queries = self.pool = None
+
+    def __call__(self, x: jax.Array, jagged: Jagged) -> tuple[jax.Array, Jagged]:
+        if self.encoder is not None:
+            x = self.encoder(x, jagged)
+        if self.pool is None:
+            return x.astype(self.dtype), jagged.with_values(None)
+        kv_off = block_offsets(jagged.offsets, jagged.capacity, self.block)       # [NB+1]
+        nb = kv_off.shape[0] - 1
+        nonempty = (kv_off[1:] > kv_off[:-1]).astype(jnp.int32)
+        q_off = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum(nonempty * self.pooled)]).astype(jnp.int32)
+        q = jnp.tile(self.queries[...].astype(self.dtype), (nb, 1))                # [NB*k, d]
+        y = self.pool(q, q_off, x, kv_off)
+        off = jnp.asarray(jagged.offsets, jnp.int32)
+        nxt = -(-(off[1:] - off[:-1]) // self.block) * self.pooled
+        nxt_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nxt).astype(jnp.int32)])
+        return y, jagged_from_offsets(y, nxt_off).with_values(None)
+
+
+class PyramidEncoder(nnx.Module):
+    """Levels applied in turn: x [T, d], jagged -> (top tokens [T_top, d], top jagged).
+
+    levels: sequence of (block, pooled, num_layers); pooled None only on the last.
+    """
+
+    def __init__(self, dim: int, *, levels: Sequence[tuple[int, int | None, int]],
+                 num_heads: int, ffn_mult: int = 2, dtype=jnp.float32, rngs: nnx.Rngs):
+        if not levels:
+            raise ValueError("PyramidEncoder: levels is empty")
+        if any(p is None for _, p, _ in levels[:-1]):
+            raise ValueError(f"PyramidEncoder: only the last level may skip pooling, got {levels}")
+        self.levels = nnx.List([PyramidLevel(dim, block=b, pooled=p, num_layers=n,
+                                             num_heads=num_heads, ffn_mult=ffn_mult, dtype=dtype,
+                                             rngs=rngs) for b, p, n in levels])
+
+    def __call__(self, x: jax.Array, jagged: Jagged) -> tuple[jax.Array, Jagged]:
+        if x.ndim != 2 or x.shape[0] != jagged.capacity:
+            raise ValueError(f"PyramidEncoder: x must be [T={jagged.capacity}, d], got {x.shape}")
+        x = jnp.where(jagged.mask[:, None], x, 0)
+        for level in self.levels:
+            x, jagged = level(x, jagged)
+        return x, jagged
+
+
+class ParallelPyramid(nnx.Module):
+    """One PyramidEncoder per named sequence, side by side, merged per sample.
+
+    __call__({name: (x [T_name, d], jagged_name)}) -> (tokens [T_out, d], jagged_out)
+    with each sequence's top tokens plus its learned type embedding, concatenated
+    per sample in the order of `names`.
+    """
+
+    def __init__(self, names: Sequence[str], dim: int, *,
+                 levels: Sequence[tuple[int, int | None, int]], num_heads: int,
+                 ffn_mult: int = 2, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.names = tuple(names)
+        if not self.names or len(set(self.names)) != len(self.names):
+            raise ValueError(f"ParallelPyramid: names must be distinct and non-empty, got {names}")
+        self.pyramids = nnx.Dict({n: PyramidEncoder(dim, levels=levels, num_heads=num_heads,
+                                                    ffn_mult=ffn_mult, dtype=dtype, rngs=rngs)
+                                  for n in self.names})
+        self.type_embedding = param(0.02 * jax.random.normal(rngs.params(), (len(self.names), dim)),
+                                    None, "embed")
+
+    def __call__(self, sequences: Mapping[str, tuple[jax.Array, Jagged]]):
+        if set(sequences) != set(self.names):
+            raise ValueError(f"ParallelPyramid: sequences {sorted(sequences)} != {sorted(self.names)}")
+        parts = []
+        for i, name in enumerate(self.names):
+            y, j = self.pyramids[name](*sequences[name])
+            y = jnp.where(j.mask[:, None], y + self.type_embedding[i].astype(y.dtype), 0)
+            parts.append((y, j))
+        x, j = concat_jagged(parts)
+        return x, j.with_values(None)
