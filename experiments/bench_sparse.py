@@ -155,12 +155,21 @@ def run_naive(vocab, ids_list):
     return float(np.median(ts))
 
 
-def bytes_model(ids_list, dim):
+def bytes_model(ids_list, dim, lookup_only=False):
+    """Bytes moved per step: (unique ids U, table bytes, table + activation bytes, per-id bytes).
+
+    table:  U*D*4 gathered (+ 2*U*(D*4+4) rows and accumulators read and written by the update)
+    acts:   activations written (+ their grads read by the update)
+    per-id: every id's row counted, as FBGEMM's TBE benchmark does: N*D*4 gathered
+            (+ 2*N*(D*4+4) updated) plus the activations
+    """
     u = float(np.mean([np.unique(i).size for i in ids_list]))
     n = ids_list[0].size
-    table = u * dim * 4 + 2 * u * (dim * 4 + 4)
     acts = (n if FLAGS.pooling == "none" else FLAGS.batch) * dim * 4
-    return u, table, table + 2 * acts
+    if lookup_only:
+        return u, u * dim * 4, u * dim * 4 + acts, n * dim * 4 + acts
+    table = u * dim * 4 + 2 * u * (dim * 4 + 4)
+    return u, table, table + 2 * acts, n * dim * 4 + 2 * n * (dim * 4 + 4) + 2 * acts
 
 
 def main(_):
@@ -173,9 +182,10 @@ def main(_):
         return ids, [make_feats(i, FLAGS.batch, FLAGS.ids_per_sample) for i in ids]
 
     def record(name, vocab, t, ids, extra=None):
-        u, tb, ab = bytes_model(ids, FLAGS.dim)
+        u, tb, ab, pb = bytes_model(ids, FLAGS.dim, lookup_only="lookup" in name)
         r = {"name": name, "vocab": vocab, "params": vocab * FLAGS.dim, "step_ms": t * 1e3,
              "unique_ids": u, "table_TBps": tb / t / 1e12, "all_TBps": ab / t / 1e12,
+             "per_id_TBps": pb / t / 1e12,
              "table_frac_hbm": tb / t / 1e12 / FLAGS.hbm_tbps, "all_frac_hbm": ab / t / 1e12 / FLAGS.hbm_tbps,
              **(extra or {})}
         rows.append(r)
@@ -217,13 +227,14 @@ def main(_):
     with open(FLAGS.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\n{'what':40s} {'vocab':>11s} {'params':>9s} {'step ms':>8s} {'table TB/s':>10s} "
-          f"{'all TB/s':>8s} {'%HBM(all)':>9s}")
+          f"{'all TB/s':>8s} {'%HBM(all)':>9s} {'per-id TB/s':>11s} {'%HBM(per-id)':>12s}")
     for r in rows:
         if "error" in r:
             print(f"{r['name']:40s} {r['vocab']:>11d} {r['vocab'] * FLAGS.dim / 1e9:>8.1f}B  FAILED: {r['error'][:60]}")
         else:
             print(f"{r['name']:40s} {r['vocab']:>11d} {r['params'] / 1e9:>8.1f}B {r['step_ms']:>8.2f} "
-                  f"{r['table_TBps']:>10.2f} {r['all_TBps']:>8.2f} {100 * r['all_frac_hbm']:>8.1f}%")
+                  f"{r['table_TBps']:>10.2f} {r['all_TBps']:>8.2f} {100 * r['all_frac_hbm']:>8.1f}% "
+                  f"{r['per_id_TBps']:>11.2f} {100 * r['per_id_TBps'] / FLAGS.hbm_tbps:>11.1f}%")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ def test_planner_picks_by_size_and_prints_bytes_per_device():
     assert plans_lib.bytes_per_device(specs[2], plans["huge"], mesh) == (1 << 24) // 8 * 516
     text = format_plan(specs, plans, mesh)
     print(text)
-    assert "fs2d/mod" in text and "65.0 MiB" in text and "1.0 GiB" in text and "total" in text
+    assert "fs2d/mod" in text and "65.0 MiB" in text and "1.0 GiB" in text and "max per device" in text
     one_d = plan_tables(specs, Mesh(np.array(jax.devices()[:8]), ("x",)))
     assert [p.kind for p in one_d.values()] == ["replicated", "row_wise", "row_wise"]
+    tw = plan_tables(specs * 1 + [TableSpec("mid2", 1 << 19, 64, features=("m2",))],
+                     Mesh(np.array(jax.devices()[:8]), ("x",)), table_wise_below_bytes=1 << 30)
+    assert [p.kind for p in tw.values()] == ["replicated", "table_wise", "row_wise", "table_wise"]
+    assert tw["mid"].shard != tw["mid2"].shard              # least-loaded device for the second

@@ -297,11 +297,14 @@ def _fmt_bytes(n: float) -> str:
 def format_plan(specs: Sequence[TableSpec], plans: Mapping[str, TablePlan], mesh) -> str:
     """The plan as a text table: one row per table, bytes per device, and a total."""
     head = ("table", "vocab x dim", "dtype", "optimizer", "plan", "shards", "bytes/device")
-    rows, total = [], 0
+    rows, total, tw_load = [], 0, {}
     for s in specs:
         p, lay = plans[s.name], layout(s, plans[s.name], mesh)
         b = bytes_per_device(s, p, mesh)
-        total += b
+        if p.kind == "table_wise":
+            tw_load[p.shard] = tw_load.get(p.shard, 0) + b
+        else:
+            total += b
         where = (f"{p.kind}/{p.split} model={','.join(p.model_axes) or '-'}"
                  f" replica={','.join(p.replica_axes) or '-'}")
         if p.kind == "table_wise":
@@ -309,7 +312,8 @@ def format_plan(specs: Sequence[TableSpec], plans: Mapping[str, TablePlan], mesh
         rows.append((s.name, f"{s.vocab} x {s.dim}", str(np.dtype(s.dtype)),
                      type(s.optimizer).__name__, where,
                      "1" if p.kind == "table_wise" else str(lay.num_shards), _fmt_bytes(b)))
-    rows.append(("total", "", "", "", "", "", _fmt_bytes(total)))
+    total += max(tw_load.values(), default=0)
+    rows.append(("max per device", "", "", "", "", "", _fmt_bytes(total)))
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))
     return "\n".join([line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in rows])

@@ -52,10 +52,11 @@ def lookup_rows(weights: Array, ids: Array, valid: Array, lay: Layout, cap: int,
     inv = inv.reshape(-1).astype(jnp.int32)
     uvalid = uniq != INVALID
     if lay.num_model == 1 and lay.num_fs == 1:
-        rows_u = _gather(weights, jnp.where(uvalid, uniq, -1))
+        # local: gather straight from the ids (one [N, D] pass, fusable into pooling);
+        # the unique ids are kept for the backward's dedupe.
         res = {"inv": inv, "uniq": uniq, "slot": jnp.zeros((n,), jnp.int32),
                "recv": jnp.zeros((1,), jnp.int32)}
-        return rows_u[inv], res, jnp.zeros((), jnp.int32)
+        return _gather(weights, jnp.where(valid, ids, -1)), res, jnp.zeros((), jnp.int32)
 
     s_m = lay.num_model
     m, l = lay.locate(jnp.where(uvalid, uniq, 0))
