@@ -88,7 +88,7 @@ def timed(fn, args_fn, steps):
     return out, float(np.median(ts))
 
 
-def run_gemjax(vocab, batches, lookup_only=False):
+def run_gemjax(vocab, batches, lookup_only=False, apply_only=False):
     pooling = None if FLAGS.pooling == "none" else FLAGS.pooling
     spec = TableSpec("t", vocab, FLAGS.dim, features=("f",), pooling=pooling,
                      optimizer=RowWiseAdagrad(lr=0.01), bounds="clamp")
@@ -111,6 +111,21 @@ def run_gemjax(vocab, batches, lookup_only=False):
     if lookup_only:
         _, t = timed(lookup, args, FLAGS.steps)
         return t
+    if apply_only:   # residuals and grads fixed, state donated and fed back
+        feats = batches[0]
+        acts, res = jax.jit(coll.lookup)(state[0], feats)
+        g = {f: a * 1e-3 for f, a in acts.items()}
+        apply = jax.jit(coll.apply_gradients, donate_argnums=0)
+        state[0] = apply(state[0], res, g)
+        jax.block_until_ready(state[0])
+        ts = []
+        for _ in range(FLAGS.steps):
+            t0 = time.perf_counter()
+            state[0] = apply(state[0], res, g)
+            jax.block_until_ready(state[0])
+            ts.append(time.perf_counter() - t0)
+        del state[0]
+        return float(np.median(ts))
     t0 = time.perf_counter()
     state[0], over = step(*args())
     jax.block_until_ready(state[0])
@@ -196,6 +211,25 @@ def main(_):
     record("gemjax step", FLAGS.vocab, t, ids, {"compile_s": comp, "overflow": over, "finite": finite})
     record("gemjax lookup only", FLAGS.vocab, run_gemjax(FLAGS.vocab, feats, lookup_only=True), ids)
 
+    t = run_gemjax(FLAGS.vocab, feats, apply_only=True)
+    rows.append({"name": "gemjax apply_gradients only", "vocab": FLAGS.vocab, "step_ms": t * 1e3})
+    print(json.dumps(rows[-1]), flush=True)
+    flat = jnp.asarray(ids[0])
+    w = jnp.zeros((FLAGS.vocab, FLAGS.dim), jnp.float32)
+    g = jnp.ones((flat.size, FLAGS.dim), jnp.float32)
+    parts = {
+        "part: jnp.unique(N ids, size=N, inverse)":
+            (jax.jit(lambda i: jnp.unique(i, size=i.size, fill_value=2**31 - 1, return_inverse=True)), (flat,)),
+        "part: gather N rows": (jax.jit(lambda w, i: jnp.take(w, i, axis=0)), (w, flat)),
+        "part: segment_sum [N, D] by inverse": (jax.jit(lambda g, i: jax.ops.segment_sum(g, i, g.shape[0])),
+                                                (g, jnp.asarray(np.unique(ids[0], return_inverse=True)[1].astype(np.int32)))),
+    }
+    for name, (fn, a) in parts.items():
+        _, t = timed(fn, lambda: a, FLAGS.steps)
+        rows.append({"name": name, "vocab": FLAGS.vocab, "step_ms": t * 1e3})
+        print(json.dumps(rows[-1]), flush=True)
+    del w, g
+
     naive_done = False
     for v in map(int, FLAGS.naive_rows):
         if naive_done:
@@ -229,7 +263,9 @@ def main(_):
     print(f"\n{'what':40s} {'vocab':>11s} {'params':>9s} {'step ms':>8s} {'table TB/s':>10s} "
           f"{'all TB/s':>8s} {'%HBM(all)':>9s} {'per-id TB/s':>11s} {'%HBM(per-id)':>12s}")
     for r in rows:
-        if "error" in r:
+        if "table_TBps" not in r and "error" not in r:
+            print(f"{r['name']:40s} {r['vocab']:>11d} {'':>9s} {r['step_ms']:>8.2f}")
+        elif "error" in r:
             print(f"{r['name']:40s} {r['vocab']:>11d} {r['vocab'] * FLAGS.dim / 1e9:>8.1f}B  FAILED: {r['error'][:60]}")
         else:
             print(f"{r['name']:40s} {r['vocab']:>11d} {r['params'] / 1e9:>8.1f}B {r['step_ms']:>8.2f} "
