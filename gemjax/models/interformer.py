@@ -1,0 +1,116 @@
+"""The full GEM teacher: pyramid-parallel sequences -> InterFormer (Wukong / Wukong
+experts interaction, GDPA summaries) -> multi-domain heads.
+
+Same contract as models.gem.GEMv0, so the trainer can swap it in:
+    GEMTeacher(cfg, rngs=...)(acts, batch) -> logits [B, K] float32
+
+Tokens per sample, each [D]:
+  x    one per sparse feature (acts[f] [B, D]) + `dense_tokens` from a projection
+       of the dense features                                      [B, n, D]
+  seq  each event sequence's tokens (sum of its field embeddings, acts
+       "<seq>.<field>" [T, D]) -> a PyramidEncoder per sequence (block attention,
+       per-block pooling) -> concatenated per sample with type embeddings
+  InterFormer(x, seq) -> [x_sum | s_sum] tokens -> flatten -> MultiDomainHead:
+  per-surface gate + tower, per-task logits of each sample's own surface.
+
+Experts' router losses: the trainer's loss only sees logits, so the weighted
+load-balancing loss is attached to the logits by `attach_aux_loss` (identity in
+the forward pass; in the backward pass it adds d(coef * aux)/d(params)), i.e. the
+parameters get the gradient of loss + coef * aux. Under shard_map each shard
+adds its own, so the effective weight is coef x (number of shards).
+
+Teacher hyper-parameters are read from cfg.model when present, else TEACHER_DEFAULTS
+(config.py does not declare them yet).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemjax.data.batch import Batch
+from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
+from gemjax.layers.axes import linear
+from gemjax.layers.heads import MultiDomainHead
+from gemjax.layers.interformer import InterFormer
+from gemjax.layers.pyramid import ParallelPyramid
+
+TEACHER_DEFAULTS = dict(
+    interformer_layers=2, summary_tokens=4, cls_tokens=4, pma_tokens=2, recent_tokens=2,
+    pyramid_levels=((64, 4, 1), (64, None, 1)), num_experts=0, top_k=1,
+    capacity_factor=None, cross_layer_attention=True, qk_norm=True, rope=True,
+    seq_attention="block", lb_coef=0.01, head_towers="per_surface",
+)
+
+
+def _hp(cfg, name):
+    return getattr(cfg.model, name, TEACHER_DEFAULTS[name])
+
+
+@jax.custom_vjp
+def _attach(x, aux, coef):
+    return x
+
+
+def _attach_fwd(x, aux, coef):
+    return x, coef
+
+
+def _attach_bwd(coef, g):
+    return g, jnp.asarray(coef, jnp.float32), jnp.zeros_like(coef)
+
+
+_attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def attach_aux_loss(x: jax.Array, aux: jax.Array, coef: float) -> jax.Array:
+    """Returns x; gradients flowing back through x also carry coef * d(aux).
+
+    x any array, aux a scalar; coef >= 0.
+    """
+    return _attach(x, aux.astype(jnp.float32), jnp.asarray(coef, jnp.float32))
+
+
+class GEMTeacher(nnx.Module):
+    """acts {feature: [B, D] or [T, D]}, Batch -> logits [B, K] (float32)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, m = cfg.data, cfg.model
+        if not m.use_sequences:
+            raise ValueError("GEMTeacher needs model.use_sequences=True (use GEMv0 without)")
+        self.cfg = cfg
+        dtype = jnp.dtype(m.dtype)
+        self.dim, self.dense_tokens, self.dtype = m.dim, m.dense_tokens, dtype
+        self.lb_coef = float(_hp(cfg, "lb_coef"))
+        self.dense_proj = linear(d.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
+        n_tokens = len(SPARSE_FEATURES) + m.dense_tokens
+        self.pyramid = ParallelPyramid(SEQUENCES, m.dim, levels=tuple(_hp(cfg, "pyramid_levels")),
+                                       num_heads=m.seq_heads, dtype=dtype, rngs=rngs)
+        fmb = m.fmb_tokens if m.fmb_tokens < n_tokens else n_tokens // 2
+        self.interformer = InterFormer(
+            n_tokens, m.dim, num_layers=_hp(cfg, "interformer_layers"), num_heads=m.seq_heads,
+            summary_tokens=_hp(cfg, "summary_tokens"), cls_tokens=_hp(cfg, "cls_tokens"),
+            pma_tokens=_hp(cfg, "pma_tokens"), recent_tokens=_hp(cfg, "recent_tokens"),
+            mlp_hidden=m.wukong_mlp, wukong_layers=m.wukong_layers, fmb_tokens=fmb,
+            rank=m.fm_rank, cross_layer_attention=_hp(cfg, "cross_layer_attention"),
+            num_experts=_hp(cfg, "num_experts"), top_k=_hp(cfg, "top_k"),
+            capacity_factor=_hp(cfg, "capacity_factor"), seq_attention=_hp(cfg, "seq_attention"),
+            rope=_hp(cfg, "rope"), qk_norm=_hp(cfg, "qk_norm"), dtype=dtype, rngs=rngs)
+        self.head = MultiDomainHead(self.interformer.out_tokens * m.dim, num_surfaces=d.num_surfaces,
+                                    num_tasks=d.num_tasks, hidden=m.head_mlp,
+                                    towers=_hp(cfg, "head_towers"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
+        b = batch.dense.shape[0]
+        tokens = [acts[f][:, None, :] for f in SPARSE_FEATURES]
+        tokens.append(self.dense_proj(batch.dense).reshape(b, self.dense_tokens, self.dim))
+        x = jnp.concatenate([t.astype(self.dtype) for t in tokens], axis=1)
+        seqs = {s: (sum(acts[f"{s}.{f}"] for f in SEQUENCE_FIELDS).astype(self.dtype),
+                    batch.sequences[s]) for s in SEQUENCES}
+        seq, jag = self.pyramid(seqs)
+        summary, aux = self.interformer(x, seq, jag)
+        logits = self.head(summary.reshape(b, -1), batch.surface)
+        if "load_balance_loss" in aux and self.lb_coef:
+            logits = attach_aux_loss(logits, aux["load_balance_loss"], self.lb_coef)
+        return logits
