@@ -21,6 +21,8 @@ from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
 from kernels.jagged_attention.pallas import jagged_attention_pallas
+from kernels.jagged_flash import FlashConfig, _forward, adapt_tiles, build_layout
+from kernels.gdpa.pallas import TILES as GDPA_TILES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
@@ -33,6 +35,7 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
+flags.DEFINE_list("block_sweep", [], "W4 tiles to try, 'bq:bk' each")
 flags.DEFINE_string("sweep", "", "tile sweep for W1 GDPA/softmax: 'bq:bk:warps:stages,...'")
 
 
@@ -61,15 +64,21 @@ def valid_pairs(kind, ql, kl, block=64):
 
 
 def timeit(fn, *args):
-    out = fn(*args)
-    jax.block_until_ready(out)
+    """Seconds per call: FLAGS.iters calls issued back to back, one sync at the end.
+
+    Dispatch overlaps with execution, so this is device time per call for anything
+    longer than the ~10 us dispatch (median of 3 such rounds).
+    """
     jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(FLAGS.iters):
+    jax.block_until_ready(fn(*args))
+    rounds = []
+    for _ in range(3):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+        for _ in range(FLAGS.iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - t0) / FLAGS.iters)
+    return float(np.median(rounds))
 
 
 def fwd_and_train(fn):
@@ -140,6 +149,12 @@ def run_workload(wname, rng):
         rows.append(measure("jnp_block_reference", fwd_and_train(
             lambda q, k, v: block_attention_reference(q, k, v, qo)), args, flops, bytes_fwd,
             bytes_bwd))
+        for spec in FLAGS.block_sweep:
+            bq, bk = (int(x) for x in spec.split(":"))
+            t = dict(bq=bq, bk=bk, bq_dkv=bq, bk_dkv=bk)
+            rows.append(measure(f"sweep_block_{spec}", fwd_and_train(
+                lambda q, k, v, t=t: block_attention_pallas(q, k, v, qo, **t)), args, flops,
+                bytes_fwd, bytes_bwd))
         w1 = valid_pairs("self", ql, kl) * 4.0 * h * d
         rows.append(measure("pallas_softmax_W1", fwd_and_train(
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, w1, bytes_fwd,
@@ -152,11 +167,27 @@ def run_workload(wname, rng):
     rows.append(measure("pallas_softmax", fwd_and_train(
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
+    # where the forward time goes: layout (XLA) vs the Pallas kernel alone
+    b = len(ql)
+    cfg = adapt_tiles(FlashConfig(mode="gdpa", activation=act, scale=scale, **GDPA_TILES,
+                                  interpret=jax.default_backend() != "gpu"),
+                      q.shape[0], k.shape[0], b, q.dtype)
+    lay_fn = jax.jit(lambda qo, ko: build_layout(cfg, qo, ko, q.shape[0], k.shape[0], d))
+    lay = lay_fn(qo, ko)
+    kern = jax.jit(lambda q, k, v, lay: _forward(cfg, q, k, v, lay)[0])
+    meta["gdpa_tiles"] = dict(bq=cfg.bq, bk=cfg.bk, bq_dkv=cfg.bq_dkv, bk_dkv=cfg.bk_dkv)
+    meta["layout_only_ms"] = timeit(lay_fn, qo, ko) * 1e3
+    meta["gdpa_fwd_kernel_only_ms"] = timeit(kern, q, k, v, lay) * 1e3
+    meta["gdpa_fwd_kernel_only_tflops"] = flops / meta["gdpa_fwd_kernel_only_ms"] / 1e9
+    if kind == "self":
+        rows.append(measure("pallas_gdpa_launch_in_order", fwd_and_train(
+            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
+                                        heavy_first=False)), args, flops, bytes_fwd, bytes_bwd))
     if kind == "self" and FLAGS.sweep:
         for spec in FLAGS.sweep.split(","):
             bq, bk, nw, ns = (int(x) for x in spec.split(":"))
             tiles = dict(bq=bq, bk=bk, num_warps=nw, num_stages=ns, bq_dkv=min(bq, 64),
-                         bk_dkv=min(bk, 64) if bk else 64, num_warps_bwd=nw, num_stages_bwd=ns)
+                         bk_dkv=64, num_warps_bwd=4, num_stages_bwd=2)
             rows.append(measure(f"sweep_gdpa_{spec}", fwd_and_train(
                 lambda q, k, v, t=tiles: gdpa_pallas(q, k, v, qo, ko, activation=act,
                                                      scale=scale, **t)),

@@ -27,8 +27,10 @@ def segment_layout(offsets, capacity):
     """
     t = jnp.arange(capacity, dtype=jnp.int32)
     b = offsets.shape[0] - 1
-    seg = jnp.searchsorted(offsets[1:], t, side="right").astype(jnp.int32)
-    seg = jnp.where(t < offsets[-1], seg, b)
+    # seg[t] = #{i >= 1 : offsets[i] <= t}: a scatter of B ones and a cumsum (cheaper
+    # than searchsorted on GPU); offsets past the capacity land in the dropped slot.
+    ends = jnp.minimum(offsets[1:].astype(jnp.int32), capacity)
+    seg = jnp.cumsum(jnp.zeros((capacity + 1,), jnp.int32).at[ends].add(1))[:capacity]
     start = jnp.take(offsets, jnp.minimum(seg, max(b - 1, 0)), axis=0)
     pos = jnp.where(seg < b, t - start, 0)
     return seg, pos.astype(jnp.int32)

@@ -52,6 +52,7 @@ class FlashConfig:
     num_stages: int = 2
     num_warps_bwd: int = 8
     num_stages_bwd: int = 2
+    heavy_first: bool = True       # launch tiles with the longest key range first
     interpret: bool = False
 
 
@@ -93,16 +94,22 @@ def _act(s, activation):
     return act_and_grad(s, activation)[0]
 
 
+def _dot(a, b, dims):
+    # float32 operands: HIGHEST (IEEE) — the Triton default would be TF32 (~5e-4 error).
+    prec = lax.Precision.HIGHEST if a.dtype == F32 else None
+    return lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=F32)
+
+
 def _dot_nt(a, b):  # [M,K] x [N,K] -> [M,N] f32
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    return _dot(a, b, ((1,), (1,)))
 
 
 def _dot_nn(a, b):  # [M,K] x [K,N] -> [M,N]
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+    return _dot(a, b, ((1,), (0,)))
 
 
 def _dot_tn(a, b):  # [K,M] x [K,N] -> [M,N]
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+    return _dot(a, b, ((0,), (0,)))
 
 
 def _mask(cfg, qs, qp, ks, kp):
@@ -142,16 +149,16 @@ def _load_cs(cos_ref, sin_ref, rows, cfg):
     return cos_ref[rows, :], sin_ref[rows, :]
 
 
-def _store_parts(ref, parts, cs, cfg):
+def _store_parts(ref, rows, parts, cs, cfg):
     """Store a gradient given w.r.t. the rotated halves, rotated back (RoPE^T)."""
     if not cfg.rope:
-        ref[...] = parts[0].astype(ref.dtype)
+        ref[rows, :] = parts[0].astype(ref.dtype)
         return
     half = ref.shape[-1] // 2
     g1, g2 = parts
     c, s = cs
-    ref[:, pl.ds(0, half)] = (g1 * c + g2 * s).astype(ref.dtype)
-    ref[:, pl.ds(half, half)] = (g2 * c - g1 * s).astype(ref.dtype)
+    ref[rows, pl.ds(0, half)] = (g1 * c + g2 * s).astype(ref.dtype)
+    ref[rows, pl.ds(half, half)] = (g2 * c - g1 * s).astype(ref.dtype)
 
 
 def _scores(qp, kp):
@@ -163,12 +170,12 @@ def _scores(qp, kp):
 
 # --------------------------------------------------------------------------- kernels
 
-def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref, sk_ref,
-                q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg):
-    i = pl.program_id(0)
+def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref, sq_ref,
+                ck_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg):
+    i = perm_ref[pl.program_id(0)]  # heaviest tiles first
     bq, bk = cfg.bq, cfg.bk
-    qrows = pl.ds(0, bq)
-    qs, qpos = qs_ref[...], qp_ref[...]
+    qrows = pl.ds(i * bq, bq)
+    qs, qpos = qs_ref[qrows], qp_ref[qrows]
     qparts = _load_parts(q_ref, qrows, _load_cs(cq_ref, sq_ref, qrows, cfg), cfg)
     d = v_ref.shape[-1]
     lo, hi = lo_ref[i], hi_ref[i]
@@ -185,7 +192,7 @@ def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, 
             p = jnp.where(m, _act(s, cfg.activation) * cfg.scale, 0.0)
             return acc + _dot_nn(p.astype(v.dtype), v)
         acc = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d), F32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        o_ref[qrows, :] = acc.astype(o_ref.dtype)
         return
 
     def body(j, carry):
@@ -202,8 +209,8 @@ def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, 
     init = (jnp.zeros((bq, d), F32), jnp.full((bq,), -1e30, F32), jnp.zeros((bq,), F32))
     acc, mx, l = lax.fori_loop(lo, hi, body, init)
     safe = jnp.where(l > 0, l, 1.0)
-    o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(l > 0, mx + jnp.log(safe), 0.0)
+    o_ref[qrows, :] = (acc / safe[:, None]).astype(o_ref.dtype)
+    lse_ref[qrows] = jnp.where(l > 0, mx + jnp.log(safe), 0.0)
 
 
 def _probs_and_dscores(cfg, s, m, lse, delta, dp):
@@ -217,17 +224,17 @@ def _probs_and_dscores(cfg, s, m, lse, delta, dp):
     return p, p * (dp - delta[:, None]) * cfg.scale
 
 
-def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref, sk_ref,
-               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
-    i = pl.program_id(0)
+def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref,
+               sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
+    i = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq, cfg.bk
-    qrows = pl.ds(0, bq)
-    qs, qpos = qs_ref[...], qp_ref[...]
+    qrows = pl.ds(i * bq, bq)
+    qs, qpos = qs_ref[qrows], qp_ref[qrows]
     cs_q = _load_cs(cq_ref, sq_ref, qrows, cfg)
     qparts = _load_parts(q_ref, qrows, cs_q, cfg)
-    do = do_ref[...]
-    lse = lse_ref[...] if lse_ref is not None else None
-    delta = delta_ref[...] if delta_ref is not None else None
+    do = do_ref[qrows, :]
+    lse = lse_ref[qrows] if lse_ref is not None else None
+    delta = delta_ref[qrows] if delta_ref is not None else None
 
     def body(j, acc):
         rows = pl.ds(j * bk, bk)
@@ -241,18 +248,18 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, c
 
     init = tuple(jnp.zeros(p.shape, F32) for p in qparts)
     acc = lax.fori_loop(lo_ref[i], hi_ref[i], body, init)
-    _store_parts(dq_ref, acc, cs_q, cfg)
+    _store_parts(dq_ref, qrows, acc, cs_q, cfg)
 
 
-def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref, sk_ref,
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
-    j = pl.program_id(0)
+def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref,
+                sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
+    j = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
-    krows = pl.ds(0, bk)
-    ks, kpos = ks_ref[...], kp_ref[...]
+    krows = pl.ds(j * bk, bk)
+    ks, kpos = ks_ref[krows], kp_ref[krows]
     cs_k = _load_cs(ck_ref, sk_ref, krows, cfg)
     kparts = _load_parts(k_ref, krows, cs_k, cfg)
-    v = v_ref[...]
+    v = v_ref[krows, :]
 
     def body(i, carry):
         dks, dv = carry
@@ -271,8 +278,8 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, lo_ref, hi_ref, cq_ref, sq_ref, 
 
     init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
     dks, dv = lax.fori_loop(lo_ref[j], hi_ref[j], body, init)
-    _store_parts(dk_ref, dks, cs_k, cfg)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    _store_parts(dk_ref, krows, dks, cs_k, cfg)
+    dv_ref[krows, :] = dv.astype(dv_ref.dtype)
 
 
 # ------------------------------------------------------------------- pallas calls
@@ -282,24 +289,24 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * nd)
 
 
-def _specs(cfg, tq, tk, h, d, ntile, over_q):
-    """In-specs for (layout..., cos/sin..., q, k, v); tiles run over q (fwd, dQ) or k (dK/dV)."""
+def _specs(cfg, tq, tk, d, ntile):
+    """In-specs for (layout..., cos/sin..., q, k, v): whole arrays, one head per program.
+
+    Every kernel picks its own rows with pl.ds from the tile order (perm), so the
+    specs are the same for the forward, dQ and dK/dV calls.
+    """
     hd = d // 2
-    bq = cfg.bq if over_q else cfg.bq_dkv
-    bk = cfg.bk if over_q else cfg.bk_dkv
-    if over_q:
-        q_tok, k_tok = pl.BlockSpec((bq,), lambda i, j: (i,)), _full((tk,))
-        q_cs, k_cs = pl.BlockSpec((bq, hd), lambda i, j: (i, 0)), _full((tk, hd))
-        q_x = pl.BlockSpec((bq, None, d), lambda i, j: (i, j, 0))
-        k_x = pl.BlockSpec((tk, None, d), lambda i, j: (0, j, 0))
-    else:
-        q_tok, k_tok = _full((tq,)), pl.BlockSpec((bk,), lambda i, j: (i,))
-        q_cs, k_cs = _full((tq, hd)), pl.BlockSpec((bk, hd), lambda i, j: (i, 0))
-        q_x = pl.BlockSpec((tq, None, d), lambda i, j: (0, j, 0))
-        k_x = pl.BlockSpec((bk, None, d), lambda i, j: (i, j, 0))
-    lay = [q_tok, q_tok, k_tok, k_tok, _full((ntile,)), _full((ntile,))]
-    cs = [q_cs, q_cs, k_cs, k_cs] if cfg.rope else []
-    return lay + cs + [q_x, k_x, k_x], q_x, k_x
+    lay = [_full((tq,)), _full((tq,)), _full((tk,)), _full((tk,))] + [_full((ntile,))] * 3
+    cs = [_full((tq, hd))] * 2 + [_full((tk, hd))] * 2 if cfg.rope else []
+    return lay + cs + [_x_spec(tq, d), _x_spec(tk, d), _x_spec(tk, d)]
+
+
+def _x_spec(t, d):
+    return pl.BlockSpec((t, None, d), lambda i, j: (0, j, 0))
+
+
+def _stat_spec(t):
+    return pl.BlockSpec((None, t), lambda i, j: (j, 0))
 
 
 def _adapt(kernel, cfg, n_in_extra, has_stats, n_out):
@@ -309,7 +316,7 @@ def _adapt(kernel, cfg, n_in_extra, has_stats, n_out):
     """
     def wrapped(*refs):
         refs = list(refs)
-        lay, refs = refs[:6], refs[6:]
+        lay, refs = refs[:7], refs[7:]
         if cfg.rope:
             cs, refs = refs[:4], refs[4:]
         else:
@@ -333,8 +340,9 @@ def _params(cfg, bwd):
 
 
 def _inputs(lay, q, k, v, over_q):
-    lo, hi = (lay["kv_lo"], lay["kv_hi"]) if over_q else (lay["q_lo"], lay["q_hi"])
-    xs = [lay["qs"], lay["qp"], lay["ks"], lay["kp"], lo, hi]
+    side = "q" if over_q else "k"
+    xs = [lay["qs"], lay["qp"], lay["ks"], lay["kp"], lay[side + "_perm"], lay[side + "_lo"],
+          lay[side + "_hi"]]
     if lay["cos"] is not None:
         xs += [lay["cos"], lay["sin"], lay["cos"], lay["sin"]]
     return xs + [q, k, v]
@@ -344,13 +352,12 @@ def _forward(cfg, q, k, v, lay):
     tq, h, d = q.shape
     tk = k.shape[0]
     nq = tq // cfg.bq
-    in_specs, q_x, _ = _specs(cfg, tq, tk, h, d, nq, True)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [q_x]
     softmax = cfg.mode == "softmax"
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [_x_spec(tq, d)]
     if softmax:
         out_shape.append(jax.ShapeDtypeStruct((h, tq), F32))
-        out_specs.append(pl.BlockSpec((None, cfg.bq), lambda i, j: (j, i)))
+        out_specs.append(_stat_spec(tq))
 
     def kernel(*refs, cfg):
         refs = list(refs)
@@ -359,9 +366,10 @@ def _forward(cfg, q, k, v, lay):
         _fwd_kernel(*refs, cfg=cfg)
 
     outs = pl.pallas_call(
-        _adapt(kernel, cfg, 0, None, len(out_shape)), grid=(nq, h), in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, compiler_params=_params(cfg, False),
-        interpret=cfg.interpret, name=f"jagged_flash_fwd_{cfg.mode}",
+        _adapt(kernel, cfg, 0, None, len(out_shape)), grid=(nq, h),
+        in_specs=_specs(cfg, tq, tk, d, nq), out_specs=out_specs, out_shape=out_shape,
+        compiler_params=_params(cfg, False), interpret=cfg.interpret,
+        name=f"jagged_flash_fwd_{cfg.mode}",
     )(*_inputs(lay, q, k, v, True))
     return outs[0], (outs[1] if softmax else None)
 
@@ -370,31 +378,25 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
     tq, h, d = q.shape
     tk = k.shape[0]
     softmax = cfg.mode == "softmax"
-    stats = []
+    stats, stat_specs = [], []
     if softmax:
         delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1).T  # [H, Tq]
-        stats = [lse, delta]
+        stats, stat_specs = [lse, delta], [_stat_spec(tq)] * 2
 
     nq = tq // cfg.bq
-    in_specs, q_x, _ = _specs(cfg, tq, tk, h, d, nq, True)
-    in_specs = in_specs + [q_x]
-    if softmax:
-        in_specs += [pl.BlockSpec((None, cfg.bq), lambda i, j: (j, i))] * 2
     dq = pl.pallas_call(
-        _adapt(_dq_kernel, cfg, 1, softmax, 1), grid=(nq, h), in_specs=in_specs,
-        out_specs=q_x, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        _adapt(_dq_kernel, cfg, 1, softmax, 1), grid=(nq, h),
+        in_specs=_specs(cfg, tq, tk, d, nq) + [_x_spec(tq, d)] + stat_specs,
+        out_specs=_x_spec(tq, d), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_dq_{cfg.mode}",
     )(*_inputs(lay, q, k, v, True), do, *stats)
 
     nk = tk // cfg.bk_dkv
-    in_specs, q_x, k_x = _specs(cfg, tq, tk, h, d, nk, False)
-    in_specs = in_specs + [q_x]
-    if softmax:
-        in_specs += [pl.BlockSpec((None, tq), lambda i, j: (j, 0))] * 2
     dk, dv = pl.pallas_call(
-        _adapt(_dkv_kernel, cfg, 1, softmax, 2), grid=(nk, h), in_specs=in_specs,
-        out_specs=[k_x, k_x], out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+        _adapt(_dkv_kernel, cfg, 1, softmax, 2), grid=(nk, h),
+        in_specs=_specs(cfg, tq, tk, d, nk) + [_x_spec(tq, d)] + stat_specs,
+        out_specs=[_x_spec(tk, d)] * 2, out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
         compiler_params=_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_dkv_{cfg.mode}",
     )(*_inputs(lay, q, k, v, False), do, *stats)
@@ -482,28 +484,60 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
     qs, qp = segment_layout(q_offsets, tq)
     ks, kp = key_layout(kv_offsets, tk)
     qa, qb = _token_ranges(qs, qp, b, kv_offsets, cfg, "q")
-    kv_lo, kv_hi = tile_ranges(qa, qb, cfg.bq, cfg.bk)
+    q_lo, q_hi = tile_ranges(qa, qb, cfg.bq, cfg.bk)       # per q tile: key tiles
     ka, kb = _token_ranges(ks, kp, b, q_offsets, cfg, "k")
-    q_lo, q_hi = tile_ranges(ka, kb, cfg.bk_dkv, cfg.bq_dkv)
+    k_lo, k_hi = tile_ranges(ka, kb, cfg.bk_dkv, cfg.bq_dkv)  # per key tile: q tiles
     cos = sin = None
     if cfg.rope:
         pos = qp if rope_positions is None else rope_positions
         cos, sin = rope_tables(pos, d, rope_theta)
-    return dict(qs=qs, qp=qp, ks=ks, kp=kp, kv_lo=kv_lo, kv_hi=kv_hi, q_lo=q_lo, q_hi=q_hi,
+    return dict(qs=qs, qp=qp, ks=ks, kp=kp, q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
+                q_perm=_heaviest_first(q_lo, q_hi, cfg), k_perm=_heaviest_first(k_lo, k_hi, cfg),
                 cos=cos, sin=sin)
+
+
+def _heaviest_first(lo, hi, cfg):
+    """Tile launch order: most inner-loop work first (shorter tail of long samples)."""
+    if not cfg.heavy_first:
+        return jnp.arange(lo.shape[0], dtype=jnp.int32)
+    return jnp.argsort(lo - hi, stable=True).astype(jnp.int32)
 
 
 def _pad_rows(x, n):
     return x if x.shape[0] == n else jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
+def _pow2_floor(x):
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def adapt_tiles(cfg, tq, tk, b, dtype):
+    """Shrink tiles for short samples and for float32 (static shapes only).
+
+    Short samples (capacity / B below the tile, e.g. 16 PMA queries or 32 summary
+    keys per sample) get tiles of about one sample, so a tile does not pull in the
+    neighbours' pairs; float32 tiles are halved to fit shared memory.
+    """
+    per_q = _pow2_floor(max(16, tq // max(b, 1)))
+    per_k = _pow2_floor(max(16, tk // max(b, 1)))
+    r = {}
+    r["bq"], r["bq_dkv"] = min(cfg.bq, per_q), min(cfg.bq_dkv, per_q)
+    r["bk"], r["bk_dkv"] = min(cfg.bk, per_k), min(cfg.bk_dkv, per_k)
+    if jnp.dtype(dtype) == F32:
+        r = dict(bq=min(r["bq"], 64), bk=min(r["bk"], 32), bq_dkv=min(r["bq_dkv"], 32),
+                 bk_dkv=min(r["bk_dkv"], 32))
+    return dataclasses.replace(cfg, **r)
+
+
 def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_theta=None):
     """q [Tq,H,D], k/v [Tk,H,D], offsets [B+1] -> [Tq,H,D] in q.dtype; differentiable.
 
     Capacities are padded to a multiple of 128 internally; padding rows come out 0.
+    Tiles are adapted to the shapes (adapt_tiles).
     """
     tq, h, d = q.shape
     tk = k.shape[0]
+    cfg = adapt_tiles(cfg, tq, tk, q_offsets.shape[0] - 1, q.dtype)
     step = 16 * (2 if cfg.rope else 1)
     if d % step:
         raise ValueError(f"pallas attention: head dim D={d} must be a multiple of {step} "

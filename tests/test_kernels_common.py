@@ -195,10 +195,10 @@ def test_tile_ranges_cover_every_valid_pair(causal, window, block):
     lay = build_layout(cfg, jnp.asarray(qo), jnp.asarray(ko), 128, 128, 32)
     m = np.asarray(pair_mask(jnp.asarray(qo), jnp.asarray(ko), 128, 128, causal, window, block))
     visit_f = np.zeros_like(m)
-    for i, (a, b) in enumerate(zip(np.asarray(lay["kv_lo"]), np.asarray(lay["kv_hi"]))):
+    for i, (a, b) in enumerate(zip(np.asarray(lay["q_lo"]), np.asarray(lay["q_hi"]))):
         visit_f[i * 32:(i + 1) * 32, a * 16:b * 16] = True
     visit_b = np.zeros_like(m)
-    for j, (a, b) in enumerate(zip(np.asarray(lay["q_lo"]), np.asarray(lay["q_hi"]))):
+    for j, (a, b) in enumerate(zip(np.asarray(lay["k_lo"]), np.asarray(lay["k_hi"]))):
         visit_b[a * 16:b * 16, j * 32:(j + 1) * 32] = True
     assert m.any()
     assert not (m & ~visit_f).any(), "forward/dQ tile ranges miss a valid pair"

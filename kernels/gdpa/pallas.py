@@ -5,8 +5,8 @@ import jax
 from kernels.jagged_flash import FlashConfig, jagged_flash
 
 # Tiles measured on the H200 (kernels/NOTES.md); interpret mode uses the same.
-TILES = dict(bq=128, bk=64, bq_dkv=64, bk_dkv=64, num_warps=8, num_stages=2,
-             num_warps_bwd=8, num_stages_bwd=2)
+TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=3,
+             num_warps_bwd=4, num_stages_bwd=2)
 
 
 def gdpa_pallas(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal=False,
