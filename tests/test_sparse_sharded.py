@@ -118,15 +118,16 @@ def quantized(rng, shape, denom):
     return rng.integers(-8, 9, shape).astype(np.float64) / denom
 
 
-def run_case(mesh, plan, replica_axes, opt, update, *, exact, rng_seed=0, dtype=jnp.float32):
+def run_case(mesh, plan, replica_axes, opt, update, *, exact, rng_seed=0, dtype=jnp.float32,
+             batch_axes=None):
     specs = make_specs(opt, dtype)
-    axes = tuple(mesh.axis_names)
+    axes = tuple(mesh.axis_names if batch_axes is None else batch_axes)
     plans = plans_lib.resolve(plan, specs, mesh, replica_axes)
     plans = {n: dataclasses.replace(p, min_capacity=1) for n, p in plans.items()}
     plans["user"] = dataclasses.replace(plans["user"], capacity_factor=USER_CAP)
-    coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica_axes)
+    coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica_axes, batch_axes=axes)
     rng = np.random.default_rng(rng_seed)
-    n_dev = mesh.size
+    n_dev = int(np.prod([mesh.shape[a] for a in axes]))
     tables = {}
     for s in specs:
         t = {"weights": quantized(rng, (s.vocab, s.dim), 64.0)}
@@ -217,6 +218,12 @@ def test_2x4_mesh_sgd_exact(plan):
                 assert len(copies) == 4
                 for c in copies.values():
                     assert len(c) == 2 and np.array_equal(c[0], c[1])
+
+
+def test_batch_copies_along_a_non_batch_axis_count_once():
+    """Batch sharded over "replica" only: the 4 "model" devices of a row see the same ids."""
+    mesh = mesh_of((2, 4), ("replica", "model"))
+    run_case(mesh, "row_wise", (), *SGD_EXACT, exact=True, batch_axes=("replica",))
 
 
 @pytest.mark.parametrize("plan,opt,update", [

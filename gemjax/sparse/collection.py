@@ -14,7 +14,9 @@ sharded per the plan (`gemjax.sparse.plans`); under a "mod" split their row
 order is permuted (`to_logical` / `from_logical` convert on the host). On a
 mesh, feats are global arrays sharded over `batch_axes` (default: every mesh
 axis), each device holding its own samples (a Jagged bag: its own packed
-buffer with local offsets); acts come back sharded the same way.
+buffer with local offsets); acts come back sharded the same way. Devices along
+mesh axes outside batch_axes hold copies of a batch: they look up the same ids
+and only the first copy's gradients are applied.
 
 The tables never enter jax.grad: the loss is differentiated with respect to
 the looked-up activations, and `apply_gradients` routes those to the owning
@@ -260,6 +262,7 @@ class EmbeddingCollection:
         caps = {n: residuals["route"][n]["recv"].shape[0] // n_dev // self.layouts[n].num_model
                 for n in names}
         bspec = P(self.batch_axes)
+        copies = tuple(a for a in self.mesh.axis_names if a not in self.batch_axes)
 
         def body(state, route, feats, g_acts):
             new = {}
@@ -275,8 +278,11 @@ class EmbeddingCollection:
                         per_id.append(_unpool_grads(ids, g_acts[f].astype(jnp.float32), spec.pooling))
                     else:
                         per_id.append(g_acts[f].astype(jnp.float32).reshape(-1, spec.dim))
+                g = jnp.concatenate(per_id)
+                if copies:   # devices holding a copy of another's batch add nothing
+                    g = jnp.where(jax.lax.axis_index(copies) == 0, g, 0)
                 model, fs_axes, sync = self._axes(name)
-                rows, grads = routing.route_grads(jnp.concatenate(per_id), route[name],
+                rows, grads = routing.route_grads(g, route[name],
                                                   self.layouts[name], caps[name], model, fs_axes, sync)
                 lay = self.layouts[name]
                 local = lay.num_model == 1 and lay.num_fs == 1 and not sync
