@@ -142,6 +142,16 @@ def run_case(mesh, plan, replica_axes, opt, update, *, exact, rng_seed=0, dtype=
         dev = make_batch(rng, n_dev)
         feats = to_global(dev, mesh, axes)
         coll.check_ids(feats)
+        if step == 0:    # junk on padding tokens is ignored by the per-shard check; real ids are not
+            real = np.asarray(feats["hist"].segment_ids) < B          # local sentinel is B
+            assert not real.all()
+            junk = np.where(real, np.asarray(feats["hist"].values), 999)
+            coll.check_ids({"hist": feats["hist"].replace(values=junk)})
+            bad = np.asarray(feats["hist"].values).copy()
+            bad[T * (n_dev - 1)] = -1          # first token of the last device's (non-empty) buffer
+            if np.asarray(feats["hist"].offsets)[-1] > 0:
+                with pytest.raises(ValueError, match="feature 'hist'"):
+                    coll.check_ids({"hist": feats["hist"].replace(values=bad)})
         acts, res = lookup(state, feats)
         grads = {f: [quantized(rng, (B,) + acts[f].shape[1:], 8.0) for _ in range(n_dev)]
                  for f in acts}

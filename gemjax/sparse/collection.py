@@ -140,8 +140,11 @@ class EmbeddingCollection:
             spec = self._spec(f)
             if spec.bounds != "strict":
                 continue
-            if isinstance(ids, Jagged):
-                a = np.asarray(ids.values)[np.asarray(ids.segment_ids) < ids.num_samples]
+            if isinstance(ids, Jagged):   # per device shard: tokens before its offsets[-1]
+                n_dev = int(np.prod([self.mesh.shape[x] for x in self.batch_axes]))
+                ends = np.asarray(ids.offsets).reshape(n_dev, -1)[:, -1:]
+                t = np.arange(ids.capacity // n_dev)[None, :]
+                a = np.asarray(ids.values).reshape(n_dev, -1)[t < ends]
             else:
                 a = np.asarray(ids)
             if a.size and (a.min() < 0 or a.max() >= spec.vocab):
