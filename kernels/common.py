@@ -84,8 +84,8 @@ def map_query_chunks(fn, q_side, chunk):
     return out.reshape((n * chunk,) + out.shape[2:])[:tq]
 
 
-def query_chunk_size(tq, tk, h, budget=1 << 23):
-    """Query rows per chunk so one [H, C, Tk] f32 score block holds <= budget elements."""
+def query_chunk_size(tq, tk, h, budget=1 << 21):
+    """Query rows per chunk so one [H, C, Tk] f32 score block holds <= budget (2M) elements."""
     c = max(16, budget // max(1, tk * h))
     c = 1 << (c.bit_length() - 1)  # power of two: few distinct shapes
     return max(1, min(c, tq))

@@ -21,7 +21,8 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
     int (RoPE positions; default the index within the sample). Token p of a sample
     attends (softmax, non-causal) to tokens p' of the same sample with
     p' // block == p // block. sm_scale defaults to 1/sqrt(D). Returns [T,H,D] in
-    q.dtype; padding rows are 0. impl: None, "reference", "pallas".
+    q.dtype; padding rows are 0. impl: None (Pallas on GPU if D % 32 == 0, else the
+    reference), "reference", "pallas".
     """
     check_impl("block_attention", impl)
     check_attention_inputs("block_attention", q, k, v, offsets, offsets)
@@ -35,8 +36,9 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
         if positions.shape != q.shape[:1] or not jnp.issubdtype(positions.dtype, jnp.integer):
             raise ValueError(f"block_attention: positions must be int [T={q.shape[0]}], got "
                              f"{positions.dtype}{list(positions.shape)}")
-    if impl is None:
-        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
+        fits = q.shape[-1] % 32 == 0
+        impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if impl == "reference":
         return block_attention_reference(q, k, v, offsets, block=block, positions=positions,
                                          rope_theta=rope_theta, sm_scale=sm_scale)

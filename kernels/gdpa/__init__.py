@@ -14,7 +14,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
 
     q [Tq,H,D], k/v [Tk,H,D] (same float dtype), q_offsets/kv_offsets [B+1] int32
     (same B). Returns [Tq,H,D] in q.dtype; rows past q_offsets[-1] are 0. Masks as
-    in kernels.common. impl: None (Pallas on GPU, reference elsewhere),
+    in kernels.common. impl: None (Pallas on GPU if D % 16 == 0, else the reference),
     "reference", "pallas" (interpret mode off GPU).
     """
     check_impl("gdpa", impl)
@@ -22,8 +22,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
     check_mask_args("gdpa", causal, window)
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if impl is None:
-        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
+        fits = q.shape[-1] % 16 == 0
+        impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if impl == "reference":
         return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,
                               scale=scale, causal=causal, window=window)

@@ -26,7 +26,7 @@ def gdpa_reference(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1
     """q [Tq,H,D], k/v [Tk,H,D], offsets [B+1] int32 -> [Tq,H,D] in q.dtype.
 
     Processes `chunk` query rows at a time (default: a [H, C, Tk] f32 block of at
-    most 8M elements), rematerialised in the backward pass.
+    most 2M elements), rematerialised in the backward pass.
     """
     act = ACTIVATIONS[activation]
     tq, h, _ = q.shape
