@@ -1,0 +1,190 @@
+"""Configs: dataclasses plus named presets, overridable field by field.
+
+    cfg = get_config("small", overrides="data.batch_size=512,model.dim=32")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Synthetic planted-teacher stream (gemjax.data.synthetic)."""
+
+    batch_size: int = 256            # global samples per step
+    num_surfaces: int = 2
+    num_tasks: int = 2
+    vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
+    vocab_segment: int = 200         # user segment: first-order + FM signal
+    vocab_context: int = 50          # context: first-order + FM signal
+    vocab_item: int = 4_000          # items (candidate and events); category = item % num_categories
+    num_categories: int = 8
+    num_event_types: int = 4
+    num_dense: int = 4
+    zipf: float = 1.05
+    seq_median: float = 32.0         # log-normal sequence lengths
+    seq_sigma: float = 0.8
+    seq_cap: int = 256               # longer sequences keep their most recent events (counted)
+    recent: int = 32                 # the teacher's recency window over sequences
+    capacity_slack: float = 1.3      # packed capacity = slack * expected tokens per batch
+    eval_batches: int = 16
+    # planted teacher strengths (logit units)
+    first_order: float = 0.4         # segment and context biases
+    item_bias: float = 0.0           # per-item biases (many rare ids: slow to learn)
+    fm: float = 0.8
+    dense_signal: float = 0.4
+    clicks_signal: float = 3.0
+    views_signal: float = 1.5
+
+    @property
+    def sequence_capacity(self) -> int:
+        """Static packed capacity per sequence per batch (multiple of 128)."""
+        mean_len = min(self.seq_median * math.exp(self.seq_sigma ** 2 / 2), self.seq_cap)
+        need = self.capacity_slack * self.batch_size * mean_len
+        return max(128, int(math.ceil(need / 128)) * 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "gem"                # "gem" (hybrid model) or "lr" (logistic regression baseline)
+    dim: int = 16                    # embedding / token width
+    use_sequences: bool = True
+    seq_layers: int = 1
+    seq_heads: int = 2
+    attention: str = "block"         # "block" (64-token BlockAttention), "softmax" or "gdpa"
+    dense_tokens: int = 2
+    wukong_layers: int = 2
+    fmb_tokens: int = 8
+    lcb_tokens: int = 8
+    fm_rank: int = 8
+    wukong_mlp: tuple[int, ...] = (64,)
+    head_mlp: tuple[int, ...] = (64,)
+    dtype: str = "float32"           # compute dtype; parameters are float32
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2_000
+    seed: int = 0
+    dense_lr: float = 2e-3
+    sparse_lr: float = 0.05
+    warmup_steps: int = 100
+    log_every: int = 100
+    eval_every: int = 500
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    baselines: bool = True           # also train LR and the no-sequence model on the same stream
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str = "small"
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+
+
+PRESETS: dict[str, Config] = {
+    "tiny": Config(
+        name="tiny",
+        data=DataConfig(batch_size=64, vocab_user=1_000, vocab_item=400, seq_median=8, seq_cap=32,
+                        recent=8, eval_batches=2),
+        model=ModelConfig(dim=8, wukong_layers=1, fmb_tokens=4, lcb_tokens=4, fm_rank=4,
+                          wukong_mlp=(16,), head_mlp=(16,)),
+        train=TrainConfig(steps=20, log_every=5, eval_every=10, checkpoint_every=10, warmup_steps=5,
+                          baselines=False)),
+    "small": Config(name="small"),
+    "h200": Config(
+        name="h200",
+        data=DataConfig(batch_size=4096, vocab_user=10_000_000, vocab_item=1_000_000, num_categories=64,
+                        seq_median=256, seq_cap=4096, recent=64, eval_batches=8),
+        model=ModelConfig(dim=128, seq_layers=2, seq_heads=4, dense_tokens=4, wukong_layers=4,
+                          fmb_tokens=32, lcb_tokens=32, fm_rank=32, wukong_mlp=(1024,),
+                          head_mlp=(512,), dtype="bfloat16"),
+        train=TrainConfig(steps=2_000, log_every=50, eval_every=500, baselines=False)),
+}
+
+
+def _coerce(value: str, typ: Any, path: str):
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            if value.lower() in ("1", "true", "yes"):
+                return True
+            if value.lower() in ("0", "false", "no"):
+                return False
+            raise ValueError(value)
+        if typ is int:
+            return int(float(value)) if "e" in value.lower() else int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return value
+        if origin is tuple:
+            return tuple(int(v) for v in value.replace("(", "").replace(")", "").split(":") if v)
+    except ValueError:
+        raise ValueError(f"override {path}={value!r}: not a valid {getattr(typ, '__name__', typ)}") from None
+    raise ValueError(f"override {path}: unsupported field type {typ}")
+
+
+def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Config:
+    """Apply "section.field=value,..." overrides (tuples as 64:64). Unknown fields are errors."""
+    if not overrides:
+        return cfg
+    if isinstance(overrides, str):
+        items = {}
+        for part in overrides.split(","):
+            if not part.strip():
+                continue
+            if "=" not in part:
+                raise ValueError(f"override {part!r} must look like section.field=value")
+            k, v = part.split("=", 1)
+            items[k.strip()] = v.strip()
+        overrides = items
+    for path, value in overrides.items():
+        section, _, field = path.partition(".")
+        if section not in ("data", "model", "train") or not field:
+            raise ValueError(f"override {path!r}: expected data.<field>, model.<field> or train.<field>")
+        sub = getattr(cfg, section)
+        hints = typing.get_type_hints(type(sub))
+        if field not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(sub))
+            raise ValueError(f"override {path!r}: {section} has no field {field!r}; known: {known}")
+        sub = dataclasses.replace(sub, **{field: _coerce(str(value), hints[field], path)})
+        cfg = dataclasses.replace(cfg, **{section: sub})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    d, m = cfg.data, cfg.model
+    checks = [
+        (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
+        (d.num_surfaces >= 1 and d.num_tasks >= 1, "data.num_surfaces and data.num_tasks must be >= 1"),
+        (10 <= d.vocab_user <= 10**9, f"data.vocab_user must be in [10, 1e9], got {d.vocab_user}"),
+        (d.vocab_item >= d.num_categories, "data.vocab_item must be >= data.num_categories"),
+        (min(d.vocab_segment, d.vocab_context) >= 2, "data.vocab_segment and data.vocab_context must be >= 2"),
+        (1 <= d.seq_cap <= 16_384, f"data.seq_cap must be in [1, 16384], got {d.seq_cap}"),
+        (d.seq_median > 0 and d.seq_sigma >= 0, "data.seq_median must be > 0 and data.seq_sigma >= 0"),
+        (d.recent >= 1, "data.recent must be >= 1"),
+        (m.kind in ("gem", "lr"), f"model.kind must be 'gem' or 'lr', got {m.kind!r}"),
+        (m.attention in ("block", "softmax", "gdpa"), f"model.attention must be block, softmax or gdpa, got {m.attention!r}"),
+        (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.dim >= 1 and m.dim % max(m.seq_heads, 1) == 0, f"model.dim ({m.dim}) must be divisible by model.seq_heads ({m.seq_heads})"),
+        (cfg.train.steps >= 0, "train.steps must be >= 0"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(f"config {cfg.name!r}: {msg}")
+
+
+def get_config(name: str, overrides: str | dict[str, str] | None = None) -> Config:
+    if name not in PRESETS:
+        raise ValueError(f"unknown config preset {name!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[name]
+    validate(cfg)
+    return apply_overrides(cfg, overrides)

@@ -1,0 +1,227 @@
+"""Synthetic recommendation stream with a planted teacher (known Bayes-optimal NE).
+
+Every batch is a pure function of (seed, stream, step, shard): resuming, or
+splitting the global batch over a different number of processes, reproduces the
+same samples. Shards are numbered globally (process_index * local_devices + d).
+
+Features of one sample:
+  sparse   user (Zipf over data.vocab_user; no direct signal), segment (a hash of
+           the user), context (Zipf), item (candidate, Zipf within its category),
+           item_cat (= item % num_categories)
+  dense    num_dense standard normals
+  clicks   event sequence {item, cat, event}: log-normal length, each event from
+           one of the user's 3 favourite categories with probability 0.7
+  views    the same with probability 0.5
+  surface  uniform over num_surfaces
+
+The teacher's logit for (surface s, task k) is base[s,k] + alpha[s,k] * z with
+  z = w_seg[segment] + w_ctx[context] + w_item[item]                  first order
+    + fm * (<u[segment], c[context]> + <g[item_cat], h[context]>)     pairwise
+    + dense @ w_dense
+    + clicks_signal * frac(cat == item_cat over the last `recent` clicks)
+    + views_signal * mean(q[cat] over the last `recent` views) * q[item_cat]
+so a model needs feature interactions and both sequences to reach the Bayes NE.
+The user's favourite categories are a hash of the user id (100k values by
+default), so only the sequences reveal them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from gemjax.config import DataConfig
+from gemjax.data.batch import Batch
+from gemjax.data.jagged import Jagged, layout_from_lengths
+
+SEQUENCES = ("clicks", "views")
+SEQUENCE_FIELDS = ("item", "cat", "event")
+SPARSE_FEATURES = ("user", "segment", "context", "item", "item_cat")
+_FAV_PROB = {"clicks": 0.7, "views": 0.5}
+_NUM_FAV = 3
+_STREAMS = {"train": 0, "eval": 1}
+
+
+def _multiplier(v: int) -> int:
+    """A large multiplier coprime to v, so rank -> rank * m % v is a bijection."""
+    m = 2_654_435_761
+    while math.gcd(m, v) != 1:
+        m += 2
+    return m
+
+
+def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size) -> np.ndarray:
+    """Ranks in [0, vocab) with P(rank r) ~ (r + 1)^-a (continuous inverse CDF, floored)."""
+    u = rng.random(size)
+    if abs(a - 1.0) < 1e-9:
+        x = np.exp(u * np.log(vocab + 1.0))
+    else:
+        x = (((vocab + 1.0) ** (1 - a) - 1) * u + 1) ** (1 / (1 - a))
+    return np.clip(np.floor(x).astype(np.int64) - 1, 0, vocab - 1)
+
+
+@dataclasses.dataclass
+class PlantedTeacher:
+    """The known logistic model behind the labels (parameters drawn from seed)."""
+
+    cfg: DataConfig
+    seed: int
+
+    def __post_init__(self):
+        c = self.cfg
+        rng = np.random.default_rng([self.seed, 7919])
+        r = 4
+        self.w_seg = rng.normal(0, c.first_order, c.vocab_segment)
+        self.w_ctx = rng.normal(0, c.first_order, c.vocab_context)
+        self.w_item = rng.normal(0, 1.0, c.vocab_item) * c.item_bias
+        self.u_seg = rng.normal(0, r ** -0.25, (c.vocab_segment, r))
+        self.c_ctx = rng.normal(0, r ** -0.25, (c.vocab_context, r))
+        self.g_cat = rng.normal(0, r ** -0.25, (c.num_categories, r))
+        self.h_ctx = rng.normal(0, r ** -0.25, (c.vocab_context, r))
+        self.w_dense = rng.normal(0, c.dense_signal / max(c.num_dense, 1) ** 0.5, c.num_dense)
+        self.q_cat = rng.choice([-1.0, 1.0], c.num_categories)
+        base = np.array([-0.8, -1.6, -0.4, -1.2, -1.0, -2.0])
+        self.base = np.resize(base, c.num_surfaces * c.num_tasks).reshape(c.num_surfaces, c.num_tasks)
+        self.alpha = rng.uniform(0.7, 1.3, (c.num_surfaces, c.num_tasks))
+
+    def logits(self, segment, context, item, item_cat, dense, clicks_frac, views_q, surface):
+        """[B, K] true logits."""
+        c = self.cfg
+        z = self.w_seg[segment] + self.w_ctx[context] + self.w_item[item]
+        z = z + c.fm * (np.sum(self.u_seg[segment] * self.c_ctx[context], -1)
+                        + np.sum(self.g_cat[item_cat] * self.h_ctx[context], -1))
+        z = z + dense @ self.w_dense
+        z = z + c.clicks_signal * clicks_frac + c.views_signal * views_q * self.q_cat[item_cat]
+        return self.base[surface] + self.alpha[surface] * z[:, None]
+
+
+@dataclasses.dataclass
+class ShardInfo:
+    """Side outputs of one shard's batch: true probabilities and fallback counters."""
+
+    true_probs: np.ndarray          # [B, K]
+    seq_truncated_to_cap: int       # sequences longer than data.seq_cap (oldest events dropped)
+    seq_truncated_to_capacity: int  # sequences cut so a packed batch fits its capacity
+
+
+class SyntheticStream:
+    """Planted-teacher batches: `shard_batch(step, shard, num_shards)`."""
+
+    def __init__(self, cfg: DataConfig, seed: int, stream: str = "train"):
+        if stream not in _STREAMS:
+            raise ValueError(f"stream must be one of {sorted(_STREAMS)}, got {stream!r}")
+        self.cfg, self.seed, self.stream = cfg, seed, stream
+        self.teacher = PlantedTeacher(cfg, seed)
+        self._user_mult = _multiplier(cfg.vocab_user)
+
+    def local_batch_size(self, num_shards: int) -> int:
+        if self.cfg.batch_size % num_shards:
+            raise ValueError(f"data.batch_size={self.cfg.batch_size} is not divisible by the "
+                             f"{num_shards} batch shards (devices)")
+        return self.cfg.batch_size // num_shards
+
+    def sequence_capacity(self, num_shards: int) -> int:
+        per = self.cfg.sequence_capacity / num_shards
+        return max(128, int(math.ceil(per / 128)) * 128)
+
+    def _favourites(self, user: np.ndarray) -> np.ndarray:
+        """[B, 3] favourite categories, a hash of the user id."""
+        c = self.cfg.num_categories
+        ks = np.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D], np.int64)
+        return ((user[:, None] * ks[None, :] + (user[:, None] >> 7)) % 2_147_483_647) % c
+
+    def _items_of(self, rng, cats: np.ndarray) -> np.ndarray:
+        c = self.cfg
+        per_cat = c.vocab_item // c.num_categories
+        return cats + c.num_categories * zipf_ranks(rng, per_cat, c.zipf, cats.shape)
+
+    def _sequence(self, rng, name, fav, capacity):
+        c = self.cfg
+        b = fav.shape[0]
+        raw = np.exp(rng.normal(np.log(c.seq_median), c.seq_sigma, b))
+        lengths = np.maximum(np.rint(raw).astype(np.int64), 1)
+        lengths[rng.random(b) < 0.05] = 0                 # new users: empty histories
+        over_cap = int((lengths > c.seq_cap).sum())
+        lengths = np.minimum(lengths, c.seq_cap)          # keep the most recent seq_cap events
+        total = int(lengths.sum())
+        seg = np.repeat(np.arange(b), lengths)
+        use_fav = rng.random(total) < _FAV_PROB[name]
+        cats = np.where(use_fav, fav[seg, rng.integers(0, _NUM_FAV, total)],
+                        rng.integers(0, c.num_categories, total))
+        items = self._items_of(rng, cats)
+        events = rng.integers(0, c.num_event_types, total)
+        offsets = np.zeros(b + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        pos_from_end = offsets[1:][seg] - 1 - np.arange(total)
+        recent = pos_from_end < c.recent
+        # packed batch must fit `capacity`: cut the longest sequences (oldest events first)
+        cut = lengths
+        n_cut = 0
+        if total > capacity:
+            lo, hi = 0, int(lengths.max())
+            while lo < hi:                                # largest per-sample cap that fits
+                mid = (lo + hi + 1) // 2
+                if np.minimum(lengths, mid).sum() <= capacity:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cut = np.minimum(lengths, lo)
+            n_cut = int((cut < lengths).sum())
+        keep = pos_from_end < cut[seg]
+        off, seg_ids, posn = layout_from_lengths(cut, capacity)
+        n = int(cut.sum())
+        vals = {}
+        for f, v in (("item", items), ("cat", cats), ("event", events)):
+            buf = np.zeros(capacity, np.int32)
+            buf[:n] = v[keep]
+            vals[f] = buf
+        jag = Jagged(vals, off, seg_ids, posn)
+        return jag, (seg, cats, recent), over_cap, n_cut
+
+    def shard_batch(self, step: int, shard: int = 0, num_shards: int = 1):
+        """(Batch of numpy arrays, ShardInfo) for one shard of global step `step`."""
+        c = self.cfg
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} out of range for {num_shards} shards")
+        b = self.local_batch_size(num_shards)
+        cap = self.sequence_capacity(num_shards)
+        rng = np.random.default_rng([self.seed, _STREAMS[self.stream], step, shard])
+        user = (zipf_ranks(rng, c.vocab_user, c.zipf, b) * self._user_mult) % c.vocab_user
+        segment = (user * 40503 + 17) % c.vocab_segment
+        context = zipf_ranks(rng, c.vocab_context, c.zipf, b)
+        fav = self._favourites(user)
+        cand_cat = np.where(rng.random(b) < 0.5, fav[np.arange(b), rng.integers(0, _NUM_FAV, b)],
+                            rng.integers(0, c.num_categories, b))
+        item = self._items_of(rng, cand_cat)
+        dense = rng.normal(size=(b, c.num_dense)).astype(np.float32)
+        surface = rng.integers(0, c.num_surfaces, b)
+        seqs, stats = {}, [0, 0]
+        signal = {}
+        for name in SEQUENCES:
+            jag, (seg, cats, recent), over_cap, n_cut = self._sequence(rng, name, fav, cap)
+            seqs[name] = jag
+            stats[0] += over_cap
+            stats[1] += n_cut
+            cnt = np.bincount(seg[recent], minlength=b).astype(np.float64)
+            if name == "clicks":
+                hit = np.bincount(seg[recent], weights=(cats[recent] == cand_cat[seg[recent]]), minlength=b)
+                signal[name] = np.where(cnt > 0, hit / np.maximum(cnt, 1), 0.0)
+            else:
+                q = np.bincount(seg[recent], weights=self.teacher.q_cat[cats[recent]], minlength=b)
+                signal[name] = np.where(cnt > 0, q / np.maximum(cnt, 1), 0.0)
+        logits = self.teacher.logits(segment, context, item, cand_cat, dense.astype(np.float64),
+                                     signal["clicks"], signal["views"], surface)
+        probs = 1.0 / (1.0 + np.exp(-logits))
+        labels = (rng.random(probs.shape) < probs).astype(np.float32)
+        label_mask = np.ones_like(labels)
+        if c.num_tasks > 1:
+            label_mask[:, 1:] = (rng.random((b, c.num_tasks - 1)) < 0.8)
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        batch = Batch(
+            sparse={"user": i32(user), "segment": i32(segment), "context": i32(context),
+                    "item": i32(item), "item_cat": i32(cand_cat)},
+            dense=dense, sequences=seqs, labels=labels, label_mask=label_mask,
+            surface=i32(surface), weights=np.ones(b, np.float32))
+        return batch, ShardInfo(probs, stats[0], stats[1])

@@ -1,0 +1,192 @@
+"""The train loop: feed, step, log, evaluate, checkpoint, resume.
+
+    summary = train(cfg, workdir)
+
+Writes WORKDIR/metrics.jsonl (one JSON object per log or eval point),
+WORKDIR/summary.json at the end, and Orbax checkpoints under
+WORKDIR/checkpoints. Rerunning with the same workdir resumes from the newest
+checkpoint; the data stream is a pure function of the step, so a resumed run
+equals an uninterrupted one. A crash loses at most the steps since the last
+checkpoint; Ctrl-C saves one before exiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from gemjax.config import Config
+from gemjax.data.feeding import Feeder
+from gemjax.data.synthetic import SyntheticStream
+from gemjax.train.checkpoint import Checkpointer
+from gemjax.train.metrics import EvalAccumulator, flat
+from gemjax.train.step import Trainer
+from gemjax.train.throughput import Throughput, progress_line
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _rewrite_jsonl(path: str, rows: list[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def _window_ne(ms: list[dict]) -> float:
+    """NE over a window of steps from per-task sums, averaged over tasks by weight."""
+    loss = sum(np.asarray(m["loss_sum"], np.float64) for m in ms)
+    w = sum(np.asarray(m["weight_sum"], np.float64) for m in ms)
+    pos = sum(np.asarray(m["positive_sum"], np.float64) for m in ms)
+    rate = np.clip(pos / np.maximum(w, 1e-12), 1e-12, 1 - 1e-12)
+    ent = -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate))
+    per_task = (loss / np.maximum(w, 1e-12)) / ent
+    return float(np.sum(per_task * w) / max(np.sum(w), 1e-12))
+
+
+class Evaluator:
+    """Eval over the fixed eval stream; also knows the stream's Bayes-optimal NE."""
+
+    def __init__(self, trainer: Trainer, cfg: Config):
+        self.stream = SyntheticStream(cfg.data, cfg.train.seed, "eval")
+        self.feeder = Feeder(self.stream.shard_batch, trainer.mesh, prefetch=0)
+        self.step_fn = trainer.make_eval_step()
+        self.cfg = cfg
+        self._host = [self.feeder.host_batch(i) for i in range(cfg.data.eval_batches)]
+        bayes = EvalAccumulator(cfg.data.num_surfaces, cfg.data.num_tasks)
+        for batch, infos, _ in self._host:
+            probs = np.concatenate([i.true_probs for i in infos])
+            bayes.add(probs, batch.labels, batch.label_mask, batch.surface, batch.weights)
+        self.bayes = bayes.result()
+
+    def __call__(self, state) -> dict:
+        acc = EvalAccumulator(self.cfg.data.num_surfaces, self.cfg.data.num_tasks)
+        for batch, _, _ in self._host:
+            probs = jax.device_get(self.step_fn(state, self.feeder.to_device(batch)))
+            acc.add(probs, batch.labels, batch.label_mask, batch.surface, batch.weights)
+        return acc.result()
+
+
+def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
+          mesh=None, stop_after: int | None = None) -> dict:
+    """Train cfg.train.steps steps (resuming from workdir); returns the summary dict.
+
+    stop_after: stop (with a checkpoint) once this many total steps are done;
+    used to simulate an interrupted run.
+    """
+    t = cfg.train
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    trainer = Trainer.create(cfg, mesh)
+    stream = SyntheticStream(cfg.data, t.seed, "train")
+    feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
+                    id_fields=trainer.id_fields)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    state = trainer.init_state(t.seed)
+    start = 0
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    if ckpt.latest_step() is not None:
+        start, state, meta = ckpt.restore(state)
+        log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
+        _rewrite_jsonl(metrics_path, [r for r in _read_jsonl(metrics_path) if r["step"] <= start])
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    n_rows = sum(s.vocab * s.dim for s in trainer.coll.specs.values())
+    log(f"[gemjax] config={cfg.name} model={cfg.model.kind} devices={trainer.num_shards} "
+        f"dense params={n_params:,} embedding params={n_rows:,} steps={t.steps} "
+        f"batch={cfg.data.batch_size}")
+
+    evaluator = Evaluator(trainer, cfg)
+    train_step = trainer.make_train_step()
+    meter = Throughput(window=5)   # in log intervals
+    meter.update(0, 0)             # opens the clock; compile time lands in the first interval
+    window_tokens = 0
+    end = t.steps if stop_after is None else min(t.steps, stop_after)
+    pending: list[dict] = []
+    counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0}
+    last_eval: dict = {}
+
+    def write(row: dict):
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def save(step: int):
+        ckpt.save(step, state, {"data_step": step, "config": cfg.name})
+
+    step = start
+    try:
+        for step, batch, infos, tokens in feeder.batches(start, end):
+            state, m = train_step(state, batch)
+            pending.append(m)
+            window_tokens += tokens
+            for i in infos:
+                counters["seq_truncated_to_cap"] += i.seq_truncated_to_cap
+                counters["seq_truncated_to_capacity"] += i.seq_truncated_to_capacity
+            done = step + 1
+            if done % t.log_every == 0 or done == end:
+                ms = jax.device_get(pending)   # the only host sync: once per log interval
+                meter.update(len(ms) * cfg.data.batch_size, window_tokens)
+                pending, window_tokens = [], 0
+                loss = float(np.mean([x["loss"] for x in ms]))
+                if not np.isfinite(loss):
+                    raise FloatingPointError(
+                        f"loss is {loss} at step {done}; newest checkpoint: step {ckpt.latest_step()}")
+                counters["ids_out_of_range"] += int(sum(x["ids_out_of_range"] for x in ms))
+                row = {"step": done, "kind": "train", "loss": loss, "ne": _window_ne(ms),
+                       "grad_norm": float(ms[-1]["grad_norm"]),
+                       "samples_per_sec": meter.samples_per_sec,
+                       "tokens_per_sec": meter.tokens_per_sec, **counters}
+                if last_eval:
+                    row["auc"] = last_eval.get("auc")
+                write(row)
+                log(progress_line(done, t.steps, loss, row["ne"], meter.samples_per_sec,
+                                  meter.eta((t.steps - done) / max(len(ms), 1)),
+                                  tokens_per_sec=meter.tokens_per_sec))
+            if done % t.eval_every == 0 or done == end:
+                with meter.paused():
+                    res = evaluator(state)
+                last_eval = {"ne": res["ne"], "auc": res["auc"], "calibration": res["calibration"]}
+                write({"step": done, "kind": "eval", "loss": res["log_loss"], **flat(res),
+                       "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec})
+                log(f"[eval] step {done}: NE {res['ne']:.4f} (Bayes {evaluator.bayes['ne']:.4f}) "
+                    f"AUC {res['auc']:.4f} calibration {res['calibration']:.3f}")
+            if done % t.checkpoint_every == 0 or done == end:
+                with meter.paused():
+                    save(done)
+            step = done
+    except KeyboardInterrupt:
+        log(f"[gemjax] interrupted: saving step {step}")
+        save(step)
+        ckpt.wait()
+        raise
+    ckpt.wait()
+    ckpt.close()
+    if end < t.steps:
+        return {"steps": end, "stopped_early": True}
+    res = evaluator(state) if not last_eval else None
+    final = last_eval if res is None else {"ne": res["ne"], "auc": res["auc"],
+                                           "calibration": res["calibration"]}
+    summary = {"config": cfg.name, "model": cfg.model.kind, "steps": t.steps,
+               "eval_ne": final["ne"], "eval_auc": final["auc"],
+               "eval_calibration": final["calibration"], "bayes_ne": evaluator.bayes["ne"],
+               "bayes_auc": evaluator.bayes["auc"],
+               "samples_per_sec": meter.total_samples_per_sec,
+               "tokens_per_sec": meter.total_samples_per_sec * meter.total_tokens
+               / max(meter.total_samples, 1), **counters}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
