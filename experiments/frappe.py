@@ -36,6 +36,7 @@ flags.DEFINE_integer("patience", 3, "early-stopping patience in epochs (holdout 
 flags.DEFINE_integer("batch_size", 512, "batch size")
 flags.DEFINE_float("lr", 1e-3, "Adam learning rate")
 flags.DEFINE_float("emb_l2", 0.0, "L2 penalty on the embeddings of the ids in a batch")
+flags.DEFINE_float("dropout", 0.0, "wukong/gem: dropout on the embedding tokens and the head input")
 flags.DEFINE_integer("dim", 16, "embedding / token width for wukong and gem")
 flags.DEFINE_integer("fm_dim", 16, "FM factor dim")
 flags.DEFINE_integer("layers", 3, "Wukong layers")
@@ -81,16 +82,18 @@ def build(name, num_features, num_fields, rngs):
     class WukongCTR(nnx.Module):
         def __init__(self):
             self.emb = nnx.Embed(num_features, f.dim, rngs=rngs)
+            self.drop = nnx.Dropout(f.dropout, rngs=rngs)
             self.wukong = Wukong(num_fields, f.dim, rngs=rngs, **wk)
             self.head = MLP(num_fields * f.dim, (64,), 1, rngs=rngs)
 
         def __call__(self, ids):
-            x = self.wukong(self.emb(ids))
-            return self.head(x.reshape(x.shape[0], -1))[:, 0], {}
+            x = self.wukong(self.drop(self.emb(ids)))
+            return self.head(self.drop(x.reshape(x.shape[0], -1)))[:, 0], {}
 
     class GemCTR(nnx.Module):
         def __init__(self):
             self.emb = nnx.Embed(num_features, f.dim, rngs=rngs)
+            self.drop = nnx.Dropout(f.dropout, rngs=rngs)
             self.experts = WukongExperts(num_fields, f.dim, num_experts=f.experts, top_k=f.top_k,
                                          cross_layer_attention=True, cross_layer_heads=2,
                                          rngs=rngs, **wk)
@@ -98,9 +101,9 @@ def build(name, num_features, num_fields, rngs):
                                         hidden=(64,), rngs=rngs)
 
         def __call__(self, ids):
-            x, aux = self.experts(self.emb(ids))
+            x, aux = self.experts(self.drop(self.emb(ids)))
             surface = jnp.zeros((ids.shape[0],), jnp.int32)
-            return self.head(x.reshape(x.shape[0], -1), surface)[:, 0], aux
+            return self.head(self.drop(x.reshape(x.shape[0], -1)), surface)[:, 0], aux
 
     return {"lr": LR, "fm": FM, "wukong": WukongCTR, "gem": GemCTR}[name]()
 
@@ -139,6 +142,7 @@ def train_one(name, data, seed):
         return jax.nn.sigmoid(m(ids)[0])
 
     def evaluate(split):
+        model.eval()
         ids, y = split
         bs = 4096
         p = []
@@ -147,6 +151,7 @@ def train_one(name, data, seed):
             pad = bs - len(chunk)
             out = predict(model, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
             p.append(np.asarray(out)[: len(chunk)])
+        model.train()
         return binary_metrics(y, np.concatenate(p))
 
     ids, y = data.train
@@ -199,7 +204,7 @@ def main(argv):
     os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
     with open(f.out, "w") as fh:
         json.dump({"flags": {k: getattr(f, k) for k in ("models", "epochs", "patience",
-                   "batch_size", "lr", "emb_l2", "dim", "fm_dim", "layers", "experts", "top_k",
+                   "batch_size", "lr", "emb_l2", "dropout", "dim", "fm_dim", "layers", "experts", "top_k",
                    "lb_coef", "holdout_fraction", "seed")}, "results": results}, fh, indent=1)
     print(f"\nFrappe test (train: valid.libsvm minus {f.holdout_fraction:.0%} holdout), "
           f"{len(f.seed)} seed(s); wrote {f.out}")

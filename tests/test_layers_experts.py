@@ -116,3 +116,26 @@ def test_expert_params_carry_the_expert_axis_and_bad_args_fail():
                       rank=2, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"\[B, 5, 8\]"):
         m(jnp.zeros((2, 4, 8)))
+
+
+def test_experts_on_a_mesh_shard_params_over_expert_and_match_single_device():
+    from jax.sharding import PartitionSpec as P
+
+    from gemjax.parallel.rules import shard_params
+
+    m = make(2, None, True)
+    graphdef, params = nnx.split(m)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(16, N, D)), jnp.float32)
+    ref, _ = nnx.jit(lambda m, x: m(x))(m, x)
+    axes = ("replica", "fsdp", "expert")
+    mesh = jax.make_mesh((2, 2, 2), axes, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    placed = shard_params(params, None, mesh)
+    fm = placed["experts"]["layers"][0]["fm_proj"]
+    assert fm.get_value().sharding.spec[0] == "expert"
+    fwd = lambda p, x: nnx.merge(graphdef, p)(x)[0]
+    with jax.set_mesh(mesh):
+        y_jit = jax.jit(fwd)(placed, x)                                  # expert-sharded
+        y_shmap = jax.jit(jax.shard_map(fwd, mesh=mesh, in_specs=(P(), P(axes)),
+                                        out_specs=P(axes)))(params, x)   # per batch shard
+    np.testing.assert_allclose(np.asarray(y_jit), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y_shmap), np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -42,6 +42,16 @@ from gemjax.parallel.rules import with_logical_constraint
 _EXPERT_AXIS = {nnx.PARTITION_NAME: "expert"}
 
 
+def _constrain(x: jax.Array, names) -> jax.Array:
+    """Logical sharding constraint, skipped inside shard_map (manual mesh axes), where
+    the caller already owns the layout (the trainer runs the model per batch shard)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty and any(
+            t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+        return x
+    return with_logical_constraint(x, names)
+
+
 def expert_capacity(batch: int, num_experts: int, top_k: int,
                     capacity_factor: float | None) -> int:
     """Samples per expert: B when capacity_factor is None, else ceil(cf k B / E) <= B."""
@@ -132,15 +142,15 @@ class WukongExperts(nnx.Module):
         logits = self.router(x.reshape(b, -1).astype(jnp.float32))
         index, combine, aux = route_top_k(logits, self.top_k, cap)
         xpad = jnp.concatenate([x.astype(self.dtype), jnp.zeros((1,) + x.shape[1:], self.dtype)])
-        xin = with_logical_constraint(jnp.take(xpad, index, axis=0),       # [E, C, n, d]
-                                      ("expert", "batch", None, None))
+        xin = _constrain(jnp.take(xpad, index, axis=0),                    # [E, C, n, d]
+                         ("expert", "batch", None, None))
 
         @nnx.vmap(in_axes=(0, 0), out_axes=0, transform_metadata=_EXPERT_AXIS)
         def run(expert, xe):
             return expert(xe)
 
         yout = run(self.experts, xin)                                      # [E, C, n_out, d]
-        yout = with_logical_constraint(yout, ("expert", "batch", None, None))
+        yout = _constrain(yout, ("expert", "batch", None, None))
         weighted = yout.astype(jnp.float32) * combine[..., None, None]
         y = jnp.zeros((b + 1,) + yout.shape[2:], jnp.float32).at[index].add(weighted)[:b]
         return y.astype(self.dtype), aux
