@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from gemjax.config import PRESETS, apply_overrides, get_config  # noqa: E402
 
@@ -54,6 +54,7 @@ def main(argv):
         cfg = build_config()
     except ValueError as e:
         raise app.UsageError(str(e))
+    logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
     from gemjax.train.loop import train  # after flags: importing jax is slow
 
     workdir = flags.FLAGS.workdir

@@ -15,7 +15,7 @@ from typing import Any
 class DataConfig:
     """Synthetic planted-teacher stream (gemjax.data.synthetic)."""
 
-    batch_size: int = 256            # global samples per step
+    batch_size: int = 512            # global samples per step
     num_surfaces: int = 2
     num_tasks: int = 2
     vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
@@ -55,7 +55,8 @@ class ModelConfig:
     use_sequences: bool = True
     seq_layers: int = 1
     seq_heads: int = 2
-    attention: str = "block"         # "block" (64-token BlockAttention), "softmax" or "gdpa"
+    attention: str = "block"         # "block" (BlockAttention), "softmax" or "gdpa"
+    block: int = 32                  # BlockAttention block size (GEM uses 64)
     dense_tokens: int = 2
     wukong_layers: int = 2
     fmb_tokens: int = 8
@@ -68,10 +69,10 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2_000
+    steps: int = 1_000
     seed: int = 0
-    dense_lr: float = 2e-3
-    sparse_lr: float = 0.05
+    dense_lr: float = 4e-3
+    sparse_lr: float = 0.5
     warmup_steps: int = 100
     log_every: int = 100
     eval_every: int = 500
@@ -96,16 +97,17 @@ PRESETS: dict[str, Config] = {
         model=ModelConfig(dim=8, wukong_layers=1, fmb_tokens=4, lcb_tokens=4, fm_rank=4,
                           wukong_mlp=(16,), head_mlp=(16,)),
         train=TrainConfig(steps=20, log_every=5, eval_every=10, checkpoint_every=10, warmup_steps=5,
-                          baselines=False)),
+                          dense_lr=2e-3, sparse_lr=0.1, baselines=False)),
     "small": Config(name="small"),
     "h200": Config(
         name="h200",
         data=DataConfig(batch_size=4096, vocab_user=10_000_000, vocab_item=1_000_000, num_categories=64,
                         seq_median=256, seq_cap=4096, recent=64, eval_batches=8),
-        model=ModelConfig(dim=128, seq_layers=2, seq_heads=4, dense_tokens=4, wukong_layers=4,
+        model=ModelConfig(dim=128, block=64, seq_layers=2, seq_heads=4, dense_tokens=4, wukong_layers=4,
                           fmb_tokens=32, lcb_tokens=32, fm_rank=32, wukong_mlp=(1024,),
                           head_mlp=(512,), dtype="bfloat16"),
-        train=TrainConfig(steps=2_000, log_every=50, eval_every=500, baselines=False)),
+        train=TrainConfig(steps=2_000, log_every=50, eval_every=500, dense_lr=1e-3, sparse_lr=0.1,
+                          baselines=False)),
 }
 
 
@@ -174,6 +176,7 @@ def validate(cfg: Config) -> None:
         (m.kind in ("gem", "lr"), f"model.kind must be 'gem' or 'lr', got {m.kind!r}"),
         (m.attention in ("block", "softmax", "gdpa"), f"model.attention must be block, softmax or gdpa, got {m.attention!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.block >= 1, f"model.block must be >= 1, got {m.block}"),
         (m.dim >= 1 and m.dim % max(m.seq_heads, 1) == 0, f"model.dim ({m.dim}) must be divisible by model.seq_heads ({m.seq_heads})"),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
     ]

@@ -91,7 +91,7 @@ class GEMv0(nnx.Module):
         n_tokens = len(SPARSE_FEATURES) + m.dense_tokens
         self.encoders = nnx.Dict({
             s: SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
-                               attention=m.attention, dtype=dtype, rngs=rngs)
+                               attention=m.attention, block=m.block, dtype=dtype, rngs=rngs)
             for s in (SEQUENCES if m.use_sequences else ())})
         n_tokens += 2 * len(self.encoders)
         self.wukong = Wukong(n_tokens, m.dim, num_layers=m.wukong_layers, fmb_tokens=m.fmb_tokens,

@@ -96,12 +96,16 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                     id_fields=trainer.id_fields)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     state = trainer.init_state(t.seed)
-    start = 0
+    start, last_eval = 0, {}
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     if ckpt.latest_step() is not None:
         start, state, meta = ckpt.restore(state)
         log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
-        _rewrite_jsonl(metrics_path, [r for r in _read_jsonl(metrics_path) if r["step"] <= start])
+        kept = [r for r in _read_jsonl(metrics_path) if r["step"] <= start]
+        _rewrite_jsonl(metrics_path, kept)
+        evals = [r for r in kept if r["kind"] == "eval"]
+        if evals:
+            last_eval = {k: evals[-1][k] for k in ("ne", "auc", "calibration")}
     elif os.path.exists(metrics_path):
         os.remove(metrics_path)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
@@ -117,8 +121,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     window_tokens = 0
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     pending: list[dict] = []
-    counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0}
-    last_eval: dict = {}
+    counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
+                "ids_overflow": 0}
 
     def write(row: dict):
         with open(metrics_path, "a") as f:
@@ -145,7 +149,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                 if not np.isfinite(loss):
                     raise FloatingPointError(
                         f"loss is {loss} at step {done}; newest checkpoint: step {ckpt.latest_step()}")
-                counters["ids_out_of_range"] += int(sum(x["ids_out_of_range"] for x in ms))
+                for c in ("ids_out_of_range", "ids_overflow"):
+                    counters[c] += int(sum(x[c] for x in ms))
                 row = {"step": done, "kind": "train", "loss": loss, "ne": _window_ne(ms),
                        "grad_norm": float(ms[-1]["grad_norm"]),
                        "samples_per_sec": meter.samples_per_sec,

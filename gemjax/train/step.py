@@ -61,7 +61,7 @@ class Trainer:
         sched = optax.warmup_cosine_decay_schedule(
             0.0, t.dense_lr, max(1, min(t.warmup_steps, t.steps)), max(t.steps, 2), t.dense_lr * 0.05)
         tx = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(sched))
-        return cls(cfg, mesh, graphdef, tx, EmbeddingCollection(table_specs(cfg)),
+        return cls(cfg, mesh, graphdef, tx, EmbeddingCollection(table_specs(cfg), mesh=mesh),
                    sequence_id_fields(cfg))
 
     @property
@@ -72,11 +72,10 @@ class Trainer:
         key = jax.random.key(seed)
         model = build_model(self.cfg, nnx.Rngs(jax.random.fold_in(key, 0)))
         params = nnx.split(model, nnx.Param)[1].to_pure_dict()
-        state = {"step": jnp.zeros((), jnp.int32), "params": params,
-                 "opt_state": self.tx.init(params),
-                 "tables": self.coll.init(jax.random.fold_in(key, 1))}
-        replicated = NamedSharding(self.mesh, P())
-        return jax.device_put(state, replicated)
+        dense = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": self.tx.init(params)}
+        dense = jax.device_put(dense, NamedSharding(self.mesh, P()))
+        return {**dense, "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
 
     # ------------------------------------------------------------ forward
     def _sharded_forward(self) -> Callable:
