@@ -61,7 +61,7 @@ def test_jagged_cross_attention_matches_numpy(attention):
 @functools.lru_cache(maxsize=None)
 def model(experts: bool, seq_attention: str = "softmax"):
     kw = dict(num_experts=2, top_k=1) if experts else {}
-    return InterFormer(N, D, num_layers=2, num_heads=H, summary_tokens=3, cls_tokens=2,
+    return InterFormer(N, D, num_layers=1, num_heads=H, summary_tokens=3, cls_tokens=2,
                        pma_tokens=2, recent_tokens=2, mlp_hidden=(8,), rank=4,
                        cross_layer_attention=True, qk_norm=True, seq_attention=seq_attention,
                        block=4, rngs=nnx.Rngs(0), **kw)

@@ -1,5 +1,8 @@
 """GEM teacher composition (models/interformer.py) on a tiny synthetic batch."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +29,13 @@ def test_attach_aux_loss_adds_coef_times_aux_gradient():
 
 
 def test_teacher_logits_depend_on_sequences_and_surface():
-    cfg = get_config("tiny")
+    base = get_config("tiny")
+    # A smaller teacher than the defaults (one InterFormer layer, one pyramid level): the
+    # composition is what is tested here, and compile time is CPU test budget.
+    model_cfg = types.SimpleNamespace(**dataclasses.asdict(base.model), interformer_layers=1,
+                                      pyramid_levels=((16, 2, 1),), num_experts=0)
+    cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=16),
+                                model=model_cfg)
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
     out = SyntheticStream(cfg.data, seed=0).shard_batch(0)
     batch = out[0] if isinstance(out, tuple) else out
