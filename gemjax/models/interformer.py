@@ -38,7 +38,8 @@ from gemjax.layers.pyramid import ParallelPyramid
 
 TEACHER_DEFAULTS = dict(
     interformer_layers=2, summary_tokens=4, cls_tokens=4, pma_tokens=2, recent_tokens=2,
-    pyramid_levels=((64, 4, 1), (64, None, 1)), num_experts=0, top_k=1,
+    pyramid_levels=None,   # None: ((block, 4, 1), (block, None, 1)), block = model.block or 64
+    num_experts=0, top_k=1,
     capacity_factor=None, cross_layer_attention=True, qk_norm=True, rope=True,
     seq_attention="block", lb_coef=0.01, head_towers="per_surface",
 )
@@ -85,7 +86,9 @@ class GEMTeacher(nnx.Module):
         self.lb_coef = float(_hp(cfg, "lb_coef"))
         self.dense_proj = linear(d.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
         n_tokens = len(SPARSE_FEATURES) + m.dense_tokens
-        self.pyramid = ParallelPyramid(SEQUENCES, m.dim, levels=tuple(_hp(cfg, "pyramid_levels")),
+        block = int(getattr(m, "block", 64))
+        levels = _hp(cfg, "pyramid_levels") or ((block, 4, 1), (block, None, 1))
+        self.pyramid = ParallelPyramid(SEQUENCES, m.dim, levels=tuple(levels),
                                        num_heads=m.seq_heads, dtype=dtype, rngs=rngs)
         fmb = m.fmb_tokens if m.fmb_tokens < n_tokens else n_tokens // 2
         self.interformer = InterFormer(
@@ -96,6 +99,7 @@ class GEMTeacher(nnx.Module):
             rank=m.fm_rank, cross_layer_attention=_hp(cfg, "cross_layer_attention"),
             num_experts=_hp(cfg, "num_experts"), top_k=_hp(cfg, "top_k"),
             capacity_factor=_hp(cfg, "capacity_factor"), seq_attention=_hp(cfg, "seq_attention"),
+            block=block,
             rope=_hp(cfg, "rope"), qk_norm=_hp(cfg, "qk_norm"), dtype=dtype, rngs=rngs)
         self.head = MultiDomainHead(self.interformer.out_tokens * m.dim, num_surfaces=d.num_surfaces,
                                     num_tasks=d.num_tasks, hidden=m.head_mlp,
