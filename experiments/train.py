@@ -71,7 +71,7 @@ def main(argv):
         with open(os.path.join(workdir, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
     print(f"[gemjax] summary ({workdir}/summary.json):")
-    rows = [("gem", summary)] + list(summary.get("baselines", {}).items())
+    rows = [(summary["model"], summary)] + list(summary.get("baselines", {}).items())
     print(f"  {'model':<22}{'eval NE':>10}{'eval AUC':>10}")
     for name, s in rows:
         print(f"  {name:<22}{s['eval_ne']:>10.4f}{s['eval_auc']:>10.4f}")

@@ -32,6 +32,7 @@ class DataConfig:
     recent: int = 32                 # the teacher's recency window over sequences
     capacity_slack: float = 1.3      # packed capacity = slack * expected tokens per batch
     eval_batches: int = 16
+    host_workers: int = 1            # threads building host batches ahead of the device
     # planted teacher strengths (logit units)
     first_order: float = 0.4         # segment and context biases
     item_bias: float = 0.0           # per-item biases (many rare ids: slow to learn)
@@ -50,7 +51,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "gem"                # "gem" (hybrid model) or "lr" (logistic regression baseline)
+    kind: str = "gem"                # "gem" (model v0), "teacher" (full GEM teacher), "lr" (baseline)
     dim: int = 16                    # embedding / token width
     use_sequences: bool = True
     seq_layers: int = 1
@@ -102,7 +103,7 @@ PRESETS: dict[str, Config] = {
     "h200": Config(
         name="h200",
         data=DataConfig(batch_size=4096, vocab_user=10_000_000, vocab_item=1_000_000, num_categories=64,
-                        seq_median=256, seq_cap=4096, recent=64, eval_batches=8),
+                        seq_median=256, seq_cap=4096, recent=64, eval_batches=8, host_workers=8),
         model=ModelConfig(dim=128, block=64, seq_layers=2, seq_heads=4, dense_tokens=4, wukong_layers=4,
                           fmb_tokens=32, lcb_tokens=32, fm_rank=32, wukong_mlp=(1024,),
                           head_mlp=(512,), dtype="bfloat16"),
@@ -173,7 +174,7 @@ def validate(cfg: Config) -> None:
         (1 <= d.seq_cap <= 16_384, f"data.seq_cap must be in [1, 16384], got {d.seq_cap}"),
         (d.seq_median > 0 and d.seq_sigma >= 0, "data.seq_median must be > 0 and data.seq_sigma >= 0"),
         (d.recent >= 1, "data.recent must be >= 1"),
-        (m.kind in ("gem", "lr"), f"model.kind must be 'gem' or 'lr', got {m.kind!r}"),
+        (m.kind in ("gem", "teacher", "lr"), f"model.kind must be gem, teacher or lr, got {m.kind!r}"),
         (m.attention in ("block", "softmax", "gdpa"), f"model.attention must be block, softmax or gdpa, got {m.attention!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.block >= 1, f"model.block must be >= 1, got {m.block}"),

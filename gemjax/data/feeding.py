@@ -3,13 +3,13 @@
 Each device along the mesh's batch axis gets its own shard (its own packed jagged
 buffers with local offsets); this process builds the shards of its addressable
 devices, checks them, and assembles global arrays sharded over the batch axis.
-A background thread prepares the next batches while the device computes.
+Background threads prepare the next batches while the device computes.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import collections
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
@@ -58,16 +58,14 @@ class Feeder:
 
     def __init__(self, make_shard: Callable[[int, int, int], tuple[Batch, Any]], mesh: Mesh,
                  axis: str = "batch", check_ids: Callable | None = None,
-                 id_fields: dict | None = None, prefetch: int = 2):
+                 id_fields: dict | None = None, prefetch: int = 2, workers: int = 1):
         self.make_shard, self.mesh, self.axis = make_shard, mesh, axis
         self.check_ids, self.id_fields = check_ids, id_fields
         self.sharding = NamedSharding(mesh, P(axis))
         devs = list(mesh.devices.flat)
         self.num_shards = len(devs)
         self.local_shards = [i for i, d in enumerate(devs) if d.process_index == jax.process_index()]
-        self.prefetch = prefetch
-        self._queue: queue.Queue | None = None
-        self._next_step: int | None = None
+        self.prefetch, self.workers = max(prefetch, workers), max(workers, 1)
 
     def host_batch(self, step: int):
         """(Batch of this process's shards concatenated, [info per shard], real tokens)."""
@@ -83,36 +81,21 @@ class Feeder:
     def to_device(self, batch: Batch) -> Batch:
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.sharding, x), batch)
 
-    def _worker(self, start: int, q: queue.Queue, stop: threading.Event):
-        step = start
-        while not stop.is_set():
-            try:
-                item = (step, self.host_batch(step), None)
-            except Exception as e:  # surfaced in the consumer
-                item = (step, None, e)
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            step += 1
-
     def batches(self, start: int, stop_step: int):
-        """Yields (step, device Batch, infos, tokens) for step in [start, stop_step)."""
-        q: queue.Queue = queue.Queue(maxsize=max(self.prefetch, 1))
-        stop = threading.Event()
-        t = threading.Thread(target=self._worker, args=(start, q, stop), daemon=True)
-        t.start()
+        """Yields (step, device Batch, infos, tokens) for step in [start, stop_step), in order.
+
+        `workers` threads build host batches up to `prefetch` steps ahead (numpy
+        releases the GIL in most of the generation work).
+        """
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gemjax-feed")
+        ahead: collections.deque = collections.deque()
+        nxt = start
         try:
-            for expected in range(start, stop_step):
-                step, hb, err = q.get()
-                assert step == expected
-                if err is not None:
-                    raise err
-                batch, infos, tokens = hb
+            for step in range(start, stop_step):
+                while nxt < stop_step and len(ahead) < max(self.prefetch, 1):
+                    ahead.append(pool.submit(self.host_batch, nxt))
+                    nxt += 1
+                batch, infos, tokens = ahead.popleft().result()
                 yield step, self.to_device(batch), infos, tokens
         finally:
-            stop.set()
-            t.join(timeout=5)
-
+            pool.shutdown(wait=True, cancel_futures=True)

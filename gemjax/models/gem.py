@@ -137,4 +137,10 @@ class LogisticRegression(nnx.Module):
 
 
 def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
-    return LogisticRegression(cfg, rngs=rngs) if cfg.model.kind == "lr" else GEMv0(cfg, rngs=rngs)
+    """model.kind: "gem" (v0), "teacher" (gemjax.models.interformer.GEMTeacher) or "lr"."""
+    if cfg.model.kind == "lr":
+        return LogisticRegression(cfg, rngs=rngs)
+    if cfg.model.kind == "teacher":
+        from gemjax.models.interformer import GEMTeacher   # imports this module's helpers
+        return GEMTeacher(cfg, rngs=rngs)
+    return GEMv0(cfg, rngs=rngs)

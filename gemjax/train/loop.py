@@ -93,7 +93,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     trainer = Trainer.create(cfg, mesh)
     stream = SyntheticStream(cfg.data, t.seed, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
-                    id_fields=trainer.id_fields)
+                    id_fields=trainer.id_fields, workers=cfg.data.host_workers)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     state = trainer.init_state(t.seed)
     start, last_eval = 0, {}

@@ -1,0 +1,90 @@
+"""Time the jitted train step of a preset on fixed batches (device only, no input pipeline).
+
+    python experiments/bench_step.py --config=h200 --override=model.kind=teacher --out=step.json
+
+Reports step time, samples/s, sequence tokens/s, the dense FLOPs per sample of the
+train step (XLA's cost analysis of the compiled step, divided by the batch; the
+sparse side counts ~0 FLOPs) and the resulting MFU against the device's peak.
+Compare with experiments/train.py's samples/s to see what the input pipeline costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_string("config", "small", "preset")
+flags.DEFINE_string("override", "", "section.field=value,...")
+flags.DEFINE_integer("iters", 10, "timed steps")
+flags.DEFINE_integer("batches", 3, "distinct batches cycled through")
+flags.DEFINE_float("peak_flops", None, "peak FLOP/s per device (default: table by device kind)")
+flags.DEFINE_string("out", "", "JSON output path")
+
+
+def main(argv):
+    del argv
+    import jax
+    import numpy as np
+
+    from gemjax.config import get_config
+    from gemjax.data.feeding import Feeder
+    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.train import mfu
+    from gemjax.train.step import Trainer
+
+    f = flags.FLAGS
+    cfg = get_config(f.config, f.override)
+    trainer = Trainer.create(cfg)
+    state = trainer.init_state(0)
+    stream = SyntheticStream(cfg.data, 0)
+    feeder = Feeder(stream.shard_batch, trainer.mesh)
+    t0 = time.perf_counter()
+    hosts = [feeder.host_batch(i) for i in range(f.batches)]
+    host_s = (time.perf_counter() - t0) / f.batches
+    batches = [feeder.to_device(h[0]) for h in hosts]
+    tokens = float(np.mean([h[2] for h in hosts]))
+    step = trainer.make_train_step()
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float(cost.get("flops", float("nan")))
+    state, m = step(state, batches[0])
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for i in range(f.iters):
+        state, m = step(state, batches[i % len(batches)])
+    jax.block_until_ready((state, m))
+    step_s = (time.perf_counter() - t0) / f.iters
+    n_dev = trainer.num_shards
+    try:
+        peak = mfu.peak_flops(jax.devices()[0].device_kind, "bf16", f.peak_flops)
+    except (KeyError, ValueError):
+        peak = float("nan")
+    b = cfg.data.batch_size
+    res = {"config": cfg.name, "model": cfg.model.kind, "devices": n_dev,
+           "device_kind": jax.devices()[0].device_kind, "batch": b, "tokens_per_batch": tokens,
+           "step_ms": step_s * 1e3, "samples_per_sec": b / step_s, "tokens_per_sec": tokens / step_s,
+           "train_step_flops_per_sample": flops / b, "forward_flops_per_sample": flops / b / 3,
+           "tflops_per_sec_per_device": flops / step_s / n_dev / 1e12,
+           "mfu": flops / step_s / n_dev / peak, "compile_s": compile_s,
+           "host_batch_s": host_s, "loss": float(m["loss"]),
+           "dense_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
+           "embedding_params": int(sum(s.vocab * s.dim for s in trainer.coll.specs.values()))}
+    width = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if f.out:
+        with open(f.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
