@@ -80,17 +80,18 @@ class Evaluator:
 
 
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
-          mesh=None, stop_after: int | None = None) -> dict:
+          mesh=None, stop_after: int | None = None, trainer_kw: dict | None = None) -> dict:
     """Train cfg.train.steps steps (resuming from workdir); returns the summary dict.
 
     stop_after: stop (with a checkpoint) once this many total steps are done;
-    used to simulate an interrupted run.
+    used to simulate an interrupted run. mesh / trainer_kw: passed to Trainer.create
+    (e.g. rules, table_replica_axes).
     """
     t = cfg.train
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=1)
-    trainer = Trainer.create(cfg, mesh)
+    trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
     stream = SyntheticStream(cfg.data, t.seed, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
                     id_fields=trainer.id_fields, workers=cfg.data.host_workers)
