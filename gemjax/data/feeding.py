@@ -1,14 +1,21 @@
 """Host-to-mesh feeding: per-device shards -> validated -> global arrays on the mesh.
 
-Each device along the mesh's batch axis gets its own shard (its own packed jagged
-buffers with local offsets); this process builds the shards of its addressable
-devices, checks them, and assembles global arrays sharded over the batch axis.
-Background threads prepare the next batches while the device computes.
+Each device of the mesh gets its own shard (its own packed jagged buffers with
+local offsets); the global arrays are sharded over the batch axes (default: every
+mesh axis, in mesh order), so shard i lives on ``mesh.devices.flat[i]``. This
+process builds the shards of its addressable devices only, checks them, and
+assembles the global arrays (``make_array_from_process_local_data``). Background
+threads prepare the next batches while the device computes.
+
+``regroup`` feeds a mesh of n devices from a stream cut into K shards (K a
+multiple of n): device i gets source shards [i K/n, (i+1) K/n) packed into one
+buffer (``merge_shards``), so meshes of different sizes see the same samples.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -17,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.batch import Batch, id_features
+from gemjax.data.jagged import Jagged, layout_from_lengths
 
 
 def validate_batch(batch: Batch, check_ids: Callable[[dict], None] | None = None,
@@ -49,22 +57,91 @@ def concat_shards(shards: list[Batch]) -> Batch:
     return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *shards)
 
 
+def merge_shards(shards: list[Batch]) -> Batch:
+    """Pack several device shards into ONE device batch (samples in order, global offsets).
+
+    Per-sample leaves [B_i, ...] are concatenated to [sum B_i, ...]; each sequence's
+    real tokens are packed end to end into capacity sum(T_i) (padding zero,
+    segment ids B on padding).
+    """
+    if not shards:
+        raise ValueError("merge_shards: no shards")
+    seqs = {}
+    for name in shards[0].sequences:
+        parts = [b.sequences[name] for b in shards]
+        ends = [int(np.asarray(j.offsets)[-1]) for j in parts]
+        lengths = np.concatenate([np.diff(np.asarray(j.offsets)) for j in parts])
+        cap = sum(j.capacity for j in parts)
+        offsets, segment_ids, positions = layout_from_lengths(lengths, cap)
+
+        def pack_field(*vals):
+            out = np.zeros((cap,) + np.shape(vals[0])[1:], np.asarray(vals[0]).dtype)
+            total = sum(ends)
+            out[:total] = np.concatenate([np.asarray(v)[:n] for v, n in zip(vals, ends)])
+            return out
+
+        values = jax.tree.map(pack_field, *[j.values for j in parts])
+        seqs[name] = Jagged(values, offsets, segment_ids, positions)
+    flat = [b.replace(sequences={}) for b in shards]
+    merged = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs], axis=0), *flat)
+    return merged.replace(sequences=seqs)
+
+
+def merge_infos(infos: list[Any]) -> Any:
+    """One info for merged shards: arrays concatenated, counters summed (dataclass infos)."""
+    if not infos or not dataclasses.is_dataclass(infos[0]):
+        return infos
+    out = {}
+    for f in dataclasses.fields(infos[0]):
+        vals = [getattr(i, f.name) for i in infos]
+        out[f.name] = np.concatenate(vals) if isinstance(vals[0], np.ndarray) else sum(vals)
+    return type(infos[0])(**out)
+
+
+def regroup(make_shard: Callable[[int, int, int], tuple[Batch, Any]], source_shards: int):
+    """make_shard over `source_shards` shards -> make_shard for any n dividing source_shards."""
+
+    def make(step: int, shard: int, num_shards: int):
+        if source_shards % num_shards:
+            raise ValueError(f"regroup: {num_shards} devices do not divide the {source_shards} "
+                             f"source shards; use a multiple of the device count")
+        k = source_shards // num_shards
+        parts = [make_shard(step, shard * k + j, source_shards) for j in range(k)]
+        if k == 1:
+            return parts[0]
+        return merge_shards([p[0] for p in parts]), merge_infos([p[1] for p in parts])
+
+    return make
+
+
 class Feeder:
     """Global batches for `step` on `mesh`, from `make_shard(step, shard, num_shards)`.
 
     make_shard returns (Batch of numpy arrays, info); info objects are kept in
-    `last_infos` (for counters such as truncations).
+    `last_infos` (for counters such as truncations). axis: the mesh axes the
+    batch is sharded over (default: all, in mesh order); they must cover the
+    whole mesh, so every device holds its own shard.
     """
 
     def __init__(self, make_shard: Callable[[int, int, int], tuple[Batch, Any]], mesh: Mesh,
-                 axis: str = "batch", check_ids: Callable | None = None,
+                 axis: str | tuple[str, ...] | None = None, check_ids: Callable | None = None,
                  id_fields: dict | None = None, prefetch: int = 2, workers: int = 1):
-        self.make_shard, self.mesh, self.axis = make_shard, mesh, axis
+        axes = tuple(mesh.axis_names) if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        if sorted(axes) != sorted(mesh.axis_names):
+            raise ValueError(f"Feeder: batch axes {axes} must name every mesh axis {mesh.axis_names} "
+                             f"(each device holds its own shard)")
+        self.make_shard, self.mesh, self.axis = make_shard, mesh, axes
         self.check_ids, self.id_fields = check_ids, id_fields
-        self.sharding = NamedSharding(mesh, P(axis))
-        devs = list(mesh.devices.flat)
+        self.sharding = NamedSharding(mesh, P(axes))
+        # shard i of P(axes) lives on the device at flat index i of the mesh transposed to axes
+        order = [mesh.axis_names.index(a) for a in axes]
+        devs = list(np.transpose(mesh.devices, order).flat)
         self.num_shards = len(devs)
         self.local_shards = [i for i, d in enumerate(devs) if d.process_index == jax.process_index()]
+        ls = self.local_shards
+        if ls and ls != list(range(ls[0], ls[0] + len(ls))):
+            raise ValueError(f"Feeder: process {jax.process_index()} holds batch shards {ls}, not one "
+                             f"contiguous block; build the mesh with gemjax.parallel.mesh.build_mesh")
         self.prefetch, self.workers = max(prefetch, workers), max(workers, 1)
 
     def host_batch(self, step: int):
@@ -79,7 +156,15 @@ class Feeder:
         return concat_shards(shards), infos, tokens
 
     def to_device(self, batch: Batch) -> Batch:
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.sharding, x), batch)
+        """This process's shards (concatenated, as host_batch returns them) -> global arrays."""
+        k = len(self.local_shards)
+
+        def put(x):
+            x = np.asarray(x)
+            rows = x.shape[0] // k * self.num_shards
+            return jax.make_array_from_process_local_data(self.sharding, x, (rows,) + x.shape[1:])
+
+        return jax.tree.map(put, batch)
 
     def batches(self, start: int, stop_step: int):
         """Yields (step, device Batch, infos, tokens) for step in [start, stop_step), in order.

@@ -1,4 +1,4 @@
-"""The jit-compiled train and eval steps.
+"""The jit-compiled train and eval steps, on any mesh from gemjax.parallel.mesh.build_mesh.
 
 Train state (a plain pytree, checkpointed whole):
     {"step": int32 [], "params": nested dict of float32 arrays (the NNX params),
@@ -8,14 +8,25 @@ One step:  ids -> sparse lookup (tables never enter jax.grad) -> dense model ->
 loss; value_and_grad w.r.t. (dense params, looked-up activations); optax on the
 dense params, the fused row-wise optimizer on the touched table rows only.
 
-Jagged work runs per device: the model forward is a `jax.shard_map` over the
-mesh's "batch" axis, each device holding its own packed buffers (DESIGN 3.1).
+Layout (DESIGN 3.3), for a mesh such as replica=2,fsdp=2,expert=2:
+  batch    sharded over ALL mesh axes: each device holds its own packed jagged
+           shard (DESIGN 3.1); the model forward is a `jax.shard_map` over them.
+  params   + optax state placed by `rules.param_shardings` (logical names on every
+           parameter; FSDP within "fsdp", replicated across "replica"). Inside the
+           shard_map each parameter is all-gathered over its sharded axes, so the
+           backward pass reduce-scatters its gradient back to the shard (and
+           sums over the replica axes); params and optimizer state stay sharded.
+  tables   `EmbeddingCollection(specs, mesh, replica_axes=table_replica_axes)`:
+           row-wise over the other (model-parallel) axes, replicated ("2d") or
+           sharded ("fs2d") over the replica axes, per the sparse planner.
+A 1-D mesh with one "batch" axis (the default: all devices) is plain data
+parallelism with replicated params.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +37,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gemjax.config import Config
 from gemjax.data.batch import Batch, id_features
 from gemjax.models.gem import build_model, sequence_id_fields, table_specs
+from gemjax.parallel import rules as rules_lib
 from gemjax.sparse import EmbeddingCollection
 
 BATCH_AXIS = "batch"
+
+
+def default_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """All devices on one "batch" axis (plain data parallelism)."""
+    devices = list(jax.devices() if devices is None else devices)
+    return Mesh(devices, (BATCH_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def masked_bce_sums(logits: jax.Array, batch: Batch):
@@ -41,9 +59,21 @@ def masked_bce_sums(logits: jax.Array, batch: Batch):
     return jnp.sum(ll * w, 0), jnp.sum(w, 0), jnp.sum(batch.labels * w, 0)
 
 
+def gather_param(x: jax.Array, spec: P) -> jax.Array:
+    """Inside shard_map: the full parameter from its shard (all_gather over each sharded dim).
+
+    x: the local shard of a parameter placed with PartitionSpec `spec`. The
+    transpose of all_gather is psum_scatter, so gradients come back reduce-scattered.
+    """
+    for d, axes in enumerate(spec):
+        if axes is not None:
+            x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+    return x
+
+
 @dataclasses.dataclass
 class Trainer:
-    """Everything the steps close over: config, model graph, optimizers, mesh."""
+    """Everything the steps close over: config, model graph, optimizers, mesh, shardings."""
 
     cfg: Config
     mesh: Mesh
@@ -51,44 +81,84 @@ class Trainer:
     tx: optax.GradientTransformation
     coll: EmbeddingCollection
     id_fields: dict[str, tuple[str, ...]]
+    param_shardings: Any        # nested dict of NamedSharding, like state["params"]
+    opt_shardings: Any          # like state["opt_state"]
 
     @classmethod
-    def create(cls, cfg: Config, mesh: Mesh | None = None) -> "Trainer":
-        mesh = mesh or Mesh(jax.devices(), (BATCH_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    def create(cls, cfg: Config, mesh: Mesh | None = None, *, rules: rules_lib.Rules | None = None,
+               table_replica_axes: Sequence[str] = (), table_plan: Any = None,
+               capacity_factor: float | None = 2.0) -> "Trainer":
+        """mesh: any jax Mesh (default: all devices on one "batch" axis).
+
+        rules: logical-axis rules for the dense params (default rules.DEFAULT_RULES).
+        table_replica_axes: mesh axes the embedding tables are replicated (or
+          fs2d-sharded) over; the other axes form the model-parallel group.
+        table_plan / capacity_factor: passed to the sparse planner (capacity_factor
+          None: the all_to_all never drops ids).
+        """
+        mesh = mesh or default_mesh()
+        for a in table_replica_axes:
+            if a not in mesh.axis_names:
+                raise ValueError(f"table_replica_axes: {a!r} is not a mesh axis {mesh.axis_names}")
         model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
-        graphdef, _ = nnx.split(model, nnx.Param)
+        graphdef, abstract = nnx.split(model, nnx.Param)
         t = cfg.train
         sched = optax.warmup_cosine_decay_schedule(
             0.0, t.dense_lr, max(1, min(t.warmup_steps, t.steps)), max(t.steps, 2), t.dense_lr * 0.05)
         tx = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(sched))
-        return cls(cfg, mesh, graphdef, tx, EmbeddingCollection(table_specs(cfg), mesh=mesh),
-                   sequence_id_fields(cfg))
+        p_sh = rules_lib.param_shardings(abstract, mesh, rules).to_pure_dict()
+        replicated = NamedSharding(mesh, P())
+        o_abs = jax.eval_shape(tx.init, abstract.to_pure_dict())
+        o_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, o_abs, p_sh,
+                                                transform_non_params=lambda _: replicated)
+        planner_kw = {} if table_plan is not None else {"capacity_factor": capacity_factor}
+        coll = EmbeddingCollection(table_specs(cfg), table_plan, mesh=mesh,
+                                   replica_axes=tuple(table_replica_axes), **planner_kw)
+        return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The batch is sharded over every mesh axis, in mesh order."""
+        return tuple(self.mesh.axis_names)
 
     @property
     def num_shards(self) -> int:
-        return self.mesh.shape[BATCH_AXIS]
+        """Devices, each holding its own batch shard."""
+        return self.mesh.size
+
+    def state_shardings(self) -> dict:
+        """NamedShardings of the train state (orbax restore targets, jit out_shardings)."""
+        return {"step": NamedSharding(self.mesh, P()), "params": self.param_shardings,
+                "opt_state": self.opt_shardings, "tables": self.coll.state_sharding()}
 
     def init_state(self, seed: int) -> dict:
+        """The initial state, every array already placed (works across processes)."""
         key = jax.random.key(seed)
-        model = build_model(self.cfg, nnx.Rngs(jax.random.fold_in(key, 0)))
-        params = nnx.split(model, nnx.Param)[1].to_pure_dict()
-        dense = {"step": jnp.zeros((), jnp.int32), "params": params,
-                 "opt_state": self.tx.init(params)}
-        dense = jax.device_put(dense, NamedSharding(self.mesh, P()))
+        cfg, tx = self.cfg, self.tx
+
+        def make():
+            model = build_model(cfg, nnx.Rngs(jax.random.fold_in(key, 0)))
+            params = nnx.split(model, nnx.Param)[1].to_pure_dict()
+            return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+        sh = self.state_shardings()
+        dense = jax.jit(make, out_shardings={k: sh[k] for k in ("step", "params", "opt_state")})()
         return {**dense, "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
 
     # ------------------------------------------------------------ forward
     def _sharded_forward(self) -> Callable:
         """(params, acts, batch) -> (loss, (loss_sum, weight_sum, positive_sum, logits))."""
-        graphdef = self.graphdef
+        graphdef, axes = self.graphdef, self.batch_axes
+        p_specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
 
         def local(params, acts, batch):
-            logits = nnx.merge(graphdef, params)(acts, batch)
+            full = jax.tree.map(gather_param, params, p_specs)
+            logits = nnx.merge(graphdef, full)(acts, batch)
             sums = masked_bce_sums(logits, batch)
-            return jax.tree.map(lambda s: jax.lax.psum(s, BATCH_AXIS), sums), logits
+            return jax.tree.map(lambda s: jax.lax.psum(s, axes), sums), logits
 
-        fwd = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(BATCH_AXIS), P(BATCH_AXIS)),
-                            out_specs=(P(), P(BATCH_AXIS)))
+        fwd = jax.shard_map(local, mesh=self.mesh, in_specs=(p_specs, P(axes), P(axes)),
+                            out_specs=(P(), P(axes)))
 
         def loss_fn(params, acts, batch):
             (loss_sum, w_sum, pos_sum), logits = fwd(params, acts, batch)
@@ -98,6 +168,7 @@ class Trainer:
         return loss_fn
 
     def make_train_step(self) -> Callable:
+        """jit((state, batch) -> (state, metrics)); state donated, outputs placed like the input."""
         loss_fn = self._sharded_forward()
         coll, tx, id_fields = self.coll, self.tx, self.id_fields
 
@@ -115,9 +186,15 @@ class Trainer:
                        **residuals["stats"]}
             return new_state, metrics
 
-        return jax.jit(step, donate_argnums=(0,))
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(step, donate_argnums=(0,), out_shardings=(self.state_shardings(), replicated))
 
     def make_eval_step(self) -> Callable:
+        """(state, batch) -> sigmoid probabilities [rows of this process's shards, K] (numpy).
+
+        On one process that is the whole batch; with several, each process gets
+        the rows of its own devices' shards, in the order it fed them.
+        """
         loss_fn = self._sharded_forward()
         coll, id_fields = self.coll, self.id_fields
 
@@ -126,4 +203,19 @@ class Trainer:
             _, (_, _, _, logits) = loss_fn(state["params"], acts, batch)
             return jax.nn.sigmoid(logits)
 
-        return jax.jit(step)
+        jitted = jax.jit(step)
+        if jax.process_count() == 1:
+            return jitted
+
+        def local_rows(state, batch):
+            import numpy as np
+            out = jitted(state, batch)
+            shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
+            seen, rows = set(), []
+            for s in shards:
+                if (s.index[0].start or 0) not in seen:
+                    seen.add(s.index[0].start or 0)
+                    rows.append(np.asarray(s.data))
+            return np.concatenate(rows)
+
+        return local_rows
