@@ -197,15 +197,16 @@ def main(argv):
     from gemjax.data.frappe import DEFAULT_DIR, load_frappe
 
     results = []
+    os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
     for seed in f.seed:
         data = load_frappe(f.data_dir or DEFAULT_DIR, f.holdout_fraction, seed)
         for name in f.models:
             results.append(train_one(name, data, seed))
-    os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
-    with open(f.out, "w") as fh:
-        json.dump({"flags": {k: getattr(f, k) for k in ("models", "epochs", "patience",
-                   "batch_size", "lr", "emb_l2", "dropout", "dim", "fm_dim", "layers", "experts", "top_k",
-                   "lb_coef", "holdout_fraction", "seed")}, "results": results}, fh, indent=1)
+            with open(f.out, "w") as fh:        # after every model: partial runs keep results
+                json.dump({"flags": {k: getattr(f, k) for k in (
+                    "models", "epochs", "patience", "batch_size", "lr", "emb_l2", "dropout", "dim",
+                    "fm_dim", "layers", "experts", "top_k", "lb_coef", "holdout_fraction", "seed")},
+                    "results": results}, fh, indent=1)
     print(f"\nFrappe test (train: valid.libsvm minus {f.holdout_fraction:.0%} holdout), "
           f"{len(f.seed)} seed(s); wrote {f.out}")
     print(f"{'model':8s} {'test AUC':>16s} {'test logloss':>16s} {'epochs':>7s} {'params':>9s}")
