@@ -87,14 +87,15 @@ class Trainer:
     @classmethod
     def create(cls, cfg: Config, mesh: Mesh | None = None, *, rules: rules_lib.Rules | None = None,
                table_replica_axes: Sequence[str] = (), table_plan: Any = None,
-               capacity_factor: float | None = 2.0) -> "Trainer":
+               **planner_kw) -> "Trainer":
         """mesh: any jax Mesh (default: all devices on one "batch" axis).
 
         rules: logical-axis rules for the dense params (default rules.DEFAULT_RULES).
         table_replica_axes: mesh axes the embedding tables are replicated (or
           fs2d-sharded) over; the other axes form the model-parallel group.
-        table_plan / capacity_factor: passed to the sparse planner (capacity_factor
-          None: the all_to_all never drops ids).
+        table_plan: a sparse plan (gemjax.sparse.plans.resolve); None: the planner,
+          which takes planner_kw (plans.plan_tables: replicate_below_bytes,
+          device_budget_bytes, capacity_factor (None: the all_to_all never drops ids)).
         """
         mesh = mesh or default_mesh()
         for a in table_replica_axes:
@@ -111,7 +112,6 @@ class Trainer:
         o_abs = jax.eval_shape(tx.init, abstract.to_pure_dict())
         o_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, o_abs, p_sh,
                                                 transform_non_params=lambda _: replicated)
-        planner_kw = {} if table_plan is not None else {"capacity_factor": capacity_factor}
         coll = EmbeddingCollection(table_specs(cfg), table_plan, mesh=mesh,
                                    replica_axes=tuple(table_replica_axes), **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
