@@ -62,3 +62,29 @@ def test_launch_reports_child_failure():
         launch.launch("gemjax.parallel.toy_step:nope", 1, cpu_devices=1, timeout_s=120)
     with pytest.raises(ValueError, match="num_processes"):
         launch.launch("gemjax.parallel.toy_step:train_toy", 0)
+
+
+# ---------------------------------------------------------------- the real train step
+# replica crosses the 2 processes, fsdp / expert inside; fs2d tables (the same run as
+# test_train_sharded's, so the 1-process compile is shared through the cache)
+REAL_MESH = "replica=2,fsdp=2,expert=2"
+REAL_KW = dict(steps=3, table_replica_axes=["replica", "expert"], replicate_below_bytes=0,
+               capacity_factor=None, device_budget_bytes=0)
+
+
+def test_real_train_step_two_processes_match_one():
+    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
+    one = train_steps(REAL_MESH, **REAL_KW)
+    assert one["processes"] == 1 and one["devices"] == 8 and set(one["plans"].values()) == {"fs2d"}
+    assert max_rel_diff(one["init_params"], one["params"]) > 1e-3   # the steps do update
+    import jax
+    cache = {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"} if jax.config.jax_compilation_cache_dir else {}
+    results = launch.launch("gemjax.parallel.equivalence:train_steps", 2, cpu_devices=4,
+                            kwargs=dict(mesh_spec=REAL_MESH, **REAL_KW), timeout_s=400, env=cache)
+    for res in results:
+        assert res["processes"] == 2 and res["devices"] == 8 and res["ids_overflow"] == 0
+        np.testing.assert_allclose(res["losses"], one["losses"], rtol=1e-5)
+        assert max_rel_diff(res["params"], one["params"], skip=KEY_BIAS) < 1e-5
+        assert global_rel_diff(res["params"], one["params"]) < 1e-5
+        assert max_rel_diff(res["tables"], one["tables"]) < 1e-5

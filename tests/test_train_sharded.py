@@ -1,10 +1,10 @@
 """The real train step on multi-axis meshes (8 simulated CPU devices) equals one device.
 
 Same samples on every mesh (`feeding.regroup` packs the stream's 8 shards into
-each device's buffer), 3 steps of the `tiny` preset: loss, dense params and
-embedding tables match the 1-device run within 1e-5 relative, while the
-params / Adam state really are FSDP-sharded and the compiled step really
-all-gathers and reduce-scatters.
+each device's buffer), same logical table rows at the start, 3 steps of the
+`tiny` preset: loss, dense params and embedding tables match the 1-device run
+within 1e-5 relative, while the params / Adam state really are FSDP-sharded and
+the compiled step really all-gathers, reduce-scatters and exchanges ids.
 """
 
 import re
@@ -14,97 +14,65 @@ import numpy as np
 import pytest
 
 from gemjax.config import get_config
-from gemjax.data.feeding import Feeder, merge_shards, regroup
+from gemjax.data.feeding import merge_shards
 from gemjax.data.synthetic import SyntheticStream
+from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
 from gemjax.parallel.mesh import build_mesh
-from gemjax.train.step import Trainer, default_mesh
+from gemjax.train.step import Trainer
 
 CFG = get_config("tiny")
-STEPS = 3
-MESHES = {  # mesh spec -> (table replica axes, expected table plan)
-    "fsdp=8": ((), "row_wise"),
-    "replica=2,fsdp=4": (("replica",), "2d"),
-    "replica=2,fsdp=2,expert=2": (("replica", "expert"), "fs2d"),
+# tiny tables would be replicated by the planner: force sharded plans, never drop ids
+SPARSE = dict(replicate_below_bytes=0, capacity_factor=None)
+MESHES = {  # mesh spec -> (table replica axes, device budget, expected table plan)
+    "fsdp=8": ((), 1 << 40, "row_wise"),
+    "replica=2,fsdp=4": (("replica",), 1 << 40, "2d"),
+    "replica=2,fsdp=2,expert=2": (("replica", "expert"), 0, "fs2d"),
 }
-
-
-def run(mesh, table_replica_axes=(), plan="row_wise", keep=None, tables0=None):
-    # tiny tables would be replicated by the planner: force sharded plans, never drop ids
-    trainer = Trainer.create(CFG, mesh, table_replica_axes=table_replica_axes, capacity_factor=None,
-                             replicate_below_bytes=0, device_budget_bytes=0 if plan == "fs2d" else 1 << 40)
-    state = trainer.init_state(0)
-    init = jax.device_get(state["params"])
-    # table init is drawn in storage order, which depends on the shard count: start every
-    # mesh from the same logical rows
-    init_tables = trainer.coll.to_logical(state["tables"])
-    if tables0 is not None:
-        state["tables"] = trainer.coll.from_logical(tables0)
-    feeder = Feeder(regroup(SyntheticStream(CFG.data, 0).shard_batch, 8), mesh,
-                    check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields)
-    step = trainer.make_train_step()
-    losses, overflow = [], 0
-    for i in range(STEPS):
-        batch = feeder.to_device(feeder.host_batch(i)[0])
-        if keep is not None and i == 0:
-            keep["hlo"] = step.lower(state, batch).compile().as_text()
-            keep["state"] = jax.tree.map(lambda x: x.sharding, state)
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
-        overflow += int(m["ids_overflow"])
-    return {"losses": np.array(losses), "params": jax.device_get(state["params"]), "init": init,
-            "init_tables": init_tables, "tables": trainer.coll.to_logical(state["tables"]), "overflow": overflow, "trainer": trainer}
-
-
-def max_rel(a, b):
-    """Largest |a - b| over a leaf, relative to the leaf's largest |b|, over all leaves."""
-    errs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - y)) /
-                                           max(np.max(np.abs(y)), 1e-30)), a, b)
-    return max(jax.tree.leaves(errs))
 
 
 @pytest.fixture(scope="module")
 def single():
-    return run(default_mesh(jax.devices()[:1]))
+    return train_steps(None, 3, **SPARSE)
 
 
 @pytest.mark.parametrize("spec", list(MESHES))
 def test_mesh_matches_one_device(single, spec):
-    keep = {} if spec == "replica=2,fsdp=4" else None
-    replica_axes, plan = MESHES[spec]
-    res = run(build_mesh(spec), replica_axes, plan, keep, tables0=single["init_tables"])
-    assert res["overflow"] == 0 and single["overflow"] == 0
+    replica_axes, budget, plan = MESHES[spec]
+    hlo = spec == "replica=2,fsdp=4"
+    res = train_steps(spec, 3, table_replica_axes=replica_axes, device_budget_bytes=budget,
+                      tables0=single["init_tables"], hlo=hlo, **SPARSE)
+    assert res["devices"] == 8 and set(res["plans"].values()) == {plan}
+    assert res["ids_overflow"] == 0 and single["ids_overflow"] == 0
+    # the steps change params and tables, so a frozen or skipped update would fail below
+    assert max_rel_diff(single["init_params"], single["params"]) > 1e-3
+    assert max_rel_diff(single["init_tables"], single["tables"]) > 1e-3
+    assert max_rel_diff(res["init_params"], single["init_params"]) == 0.0  # dense init: mesh-free
     np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
-    # the step changes the params, so a frozen or skipped update would fail below
-    assert max_rel(single["init"], single["params"]) > 1e-3
-    assert max_rel(single["init_tables"], single["tables"]) > 1e-3
-    assert max_rel(res["init"], single["init"]) == 0.0   # dense init does not depend on the mesh
-    assert max_rel(res["params"], single["params"]) < 1e-5
-    assert max_rel(res["tables"], single["tables"]) < 1e-5
-    plans = {p.kind for p in res["trainer"].coll.plans.values()}
-    assert plans == {plan}
-    if keep is not None:
-        hlo = keep["hlo"]
-        assert re.search(r"all-gather(-start)?\(", hlo) and re.search(r"reduce-scatter(-start)?\(", hlo)
-        assert re.search(r"all-to-all(-start)?\(", hlo)      # sparse ids / embeddings exchanged
-        st = keep["state"]
-        assert "fsdp" in str(st["params"]["head"]["linears"][0]["kernel"].spec)
-        adam = st["opt_state"][1][0]   # chain(clip, adam): adam's (count, mu, nu)
-        same = jax.tree.map(lambda p, m, v: p.spec == m.spec == v.spec, st["params"], adam.mu, adam.nu)
+    assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 1e-5
+    assert global_rel_diff(res["params"], single["params"]) < 1e-5
+    assert max_rel_diff(res["tables"], single["tables"]) < 1e-5
+    if hlo:
+        text = res["hlo"]
+        for op in ("all-gather", "reduce-scatter", "all-to-all"):   # FSDP in, FSDP grads out, ids
+            assert re.search(rf"{op}(-start)?\(", text), op
+        sh = res["shardings"]
+        assert "fsdp" in sh["params"]["head"]["linears"][0]["kernel"]
+        adam = sh["opt_state"][1][0]   # chain(clip, adam): adam's (count, mu, nu)
+        same = jax.tree.map(lambda p, m, v: p == m == v, sh["params"], adam.mu, adam.nu)
         assert all(jax.tree.leaves(same))   # moments sharded exactly like their params
 
 
 def test_init_state_is_placed_on_its_shardings():
     trainer = Trainer.create(CFG, build_mesh("replica=2,fsdp=4"), table_replica_axes=("replica",))
     state = trainer.init_state(0)
-    want = trainer.state_shardings()
-    got = jax.tree.map(lambda x: x.sharding, state)
-    flat_w, flat_g, flat_x = jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(state)
-    assert len(flat_w) == len(flat_g) == len(flat_x)
-    for w, g, x in zip(flat_w, flat_g, flat_x):
-        assert g.is_equivalent_to(w, x.ndim), (g, w)
-    # the Adam moments of every FSDP-sharded kernel are sharded too
-    n_sharded = sum("fsdp" in str(s.spec) for s in jax.tree.leaves(got["opt_state"]))
-    assert n_sharded >= 2 * sum("fsdp" in str(s.spec) for s in jax.tree.leaves(got["params"])) > 0
+    want = jax.tree.leaves(trainer.state_shardings())
+    leaves = jax.tree.leaves(state)
+    assert len(want) == len(leaves)
+    for w, x in zip(want, leaves):
+        assert x.sharding.is_equivalent_to(w, x.ndim), (x.sharding, w)
+    n_params = sum("fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(state["params"]))
+    n_opt = sum("fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(state["opt_state"]))
+    assert n_params > 0 and n_opt == 2 * n_params   # Adam mu and nu of every sharded param
 
 
 def test_merge_shards_keeps_every_sample():
@@ -112,15 +80,18 @@ def test_merge_shards_keeps_every_sample():
     parts = [stream.shard_batch(0, s, 4)[0] for s in range(4)]
     merged = merge_shards(parts)
     assert merged.labels.shape[0] == sum(p.labels.shape[0] for p in parts)
+    np.testing.assert_array_equal(merged.dense, np.concatenate([p.dense for p in parts]))
     for name, seq in merged.sequences.items():
         off = np.asarray(seq.offsets)
-        field = next(iter(seq.values)) if isinstance(seq.values, dict) else None
-        got, i = [], 0
+        fields = list(seq.values) if isinstance(seq.values, dict) else [None]
+        i = 0
         for p in parts:
             po = np.asarray(p.sequences[name].offsets)
-            pv = p.sequences[name].values[field] if field else p.sequences[name].values
             for b in range(len(po) - 1):
-                mv = seq.values[field] if field else seq.values
-                np.testing.assert_array_equal(mv[off[i]:off[i + 1]], pv[po[b]:po[b + 1]])
+                for f in fields:
+                    mv = seq.values[f] if f else seq.values
+                    pv = p.sequences[name].values[f] if f else p.sequences[name].values
+                    np.testing.assert_array_equal(mv[off[i]:off[i + 1]], pv[po[b]:po[b + 1]])
                 i += 1
         assert i == len(off) - 1 and (np.asarray(seq.segment_ids)[off[-1]:] == i).all()
+        assert seq.capacity == sum(p.sequences[name].capacity for p in parts)

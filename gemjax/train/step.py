@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -136,18 +137,22 @@ class Trainer:
                 "opt_state": self.opt_shardings, "tables": self.coll.state_sharding()}
 
     def init_state(self, seed: int) -> dict:
-        """The initial state, every array already placed (works across processes)."""
+        """The initial state, every array already placed on state_shardings() (any process count).
+
+        The dense params are drawn eagerly (identical on every process, whatever
+        the mesh) and each device takes its slice; the optimizer state is built
+        in place by a jitted init.
+        """
         key = jax.random.key(seed)
-        cfg, tx = self.cfg, self.tx
-
-        def make():
-            model = build_model(cfg, nnx.Rngs(jax.random.fold_in(key, 0)))
-            params = nnx.split(model, nnx.Param)[1].to_pure_dict()
-            return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-
-        sh = self.state_shardings()
-        dense = jax.jit(make, out_shardings={k: sh[k] for k in ("step", "params", "opt_state")})()
-        return {**dense, "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
+        model = build_model(self.cfg, nnx.Rngs(jax.random.fold_in(key, 0)))
+        host = jax.device_get(nnx.split(model, nnx.Param)[1].to_pure_dict())
+        params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
+                              host, self.param_shardings)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        step = jax.make_array_from_callback((), NamedSharding(self.mesh, P()),
+                                            lambda i: np.zeros((), np.int32))
+        return {"step": step, "params": params, "opt_state": opt_state,
+                "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
 
     # ------------------------------------------------------------ forward
     def _sharded_forward(self) -> Callable:
@@ -212,7 +217,6 @@ class Trainer:
             return jitted
 
         def local_rows(state, batch):
-            import numpy as np
             out = jitted(state, batch)
             shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
             seen, rows = set(), []
