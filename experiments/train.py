@@ -3,6 +3,19 @@
     python experiments/train.py --config=small --workdir=runs/small
     python experiments/train.py --config=tiny --steps=50 --override=model.dim=16,data.batch_size=128
 
+Parallel layout: --mesh names the physical axes (default: all devices on one
+"batch" axis), --logical_rules overrides the dense params' logical-axis rules,
+--table_replica_axes picks the mesh axes the embedding tables are replicated
+over (the rest form the model-parallel group):
+
+    python experiments/train.py --config=tiny --mesh=replica=2,fsdp=2,expert=2 \
+        --table_replica_axes=replica --cpu_devices=8
+
+Multi-process (one process per host, JAX's multi-controller runtime): every
+process runs this script with --coordinator=HOST:PORT --num_processes=N
+--process_id=I (or $GEMJAX_COORDINATOR / $GEMJAX_NUM_PROCESSES /
+$GEMJAX_PROCESS_ID); each process feeds only its own devices' shards.
+
 Writes WORKDIR/metrics.jsonl and WORKDIR/summary.json; rerunning with the same
 workdir resumes. With train.baselines (default on for `small`), a logistic
 regression and the same model without sequence inputs train on the same
@@ -30,6 +43,15 @@ flags.DEFINE_integer("eval_every", None, "eval interval in steps")
 flags.DEFINE_integer("seed", None, "seed of data, teacher and init")
 flags.DEFINE_integer("batch_size", None, "global batch size")
 flags.DEFINE_bool("baselines", None, "also train LR and the no-sequence model (same stream)")
+flags.DEFINE_string("mesh", "", "physical mesh axes outer to inner, e.g. replica=2,fsdp=-1,expert=2 "
+                    "(default: every device on one 'batch' axis)")
+flags.DEFINE_string("logical_rules", "", "logical-axis rule overrides, e.g. mlp=fsdp,embed= (name= replicates)")
+flags.DEFINE_string("table_replica_axes", "", "'+'-separated mesh axes the embedding tables are replicated "
+                    "over (e.g. replica); the other axes shard the rows")
+flags.DEFINE_string("coordinator", None, "multi-process: coordinator host:port ($GEMJAX_COORDINATOR)")
+flags.DEFINE_integer("num_processes", None, "multi-process: process count ($GEMJAX_NUM_PROCESSES)")
+flags.DEFINE_integer("process_id", None, "multi-process: this process's id ($GEMJAX_PROCESS_ID)")
+flags.DEFINE_integer("cpu_devices", None, "simulate this many CPU devices per process (tests, laptops)")
 flags.DEFINE_string("override", "", "comma-separated section.field=value (tuples as 64:64), "
                     "e.g. model.dim=32,data.seq_median=64")
 
@@ -55,10 +77,31 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e))
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
-    from gemjax.train.loop import train  # after flags: importing jax is slow
+    f = flags.FLAGS
+    from gemjax.parallel import multihost  # after flags: importing jax is slow
+    multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)  # before any jax call
+    import jax
 
-    workdir = flags.FLAGS.workdir
-    summary = train(cfg, workdir)
+    from gemjax.parallel import rules as rules_lib
+    from gemjax.parallel.mesh import build_mesh
+    from gemjax.train.loop import train
+
+    try:
+        mesh = build_mesh(f.mesh) if f.mesh else None
+        rules = rules_lib.parse_rules(f.logical_rules)
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    replica_axes = tuple(a for a in f.table_replica_axes.split("+") if a)
+    trainer_kw = {"rules": rules, "table_replica_axes": replica_axes}
+    lead = jax.process_index() == 0
+    log = print if lead else (lambda s: None)
+    if mesh is not None:
+        log(f"[gemjax] mesh {dict(mesh.shape)} over {jax.process_count()} process(es); "
+            f"tables replicated over {replica_axes or 'none'}")
+    workdir = f.workdir
+    summary = train(cfg, workdir, log=log, mesh=mesh, trainer_kw=trainer_kw)
+    if not lead:
+        return
     if cfg.train.baselines:
         summary["baselines"] = {}
         variants = {"logistic_regression": apply_overrides(cfg, {"model.kind": "lr"}),
@@ -66,7 +109,8 @@ def main(argv):
         for name, vcfg in variants.items():
             vcfg = dataclasses.replace(vcfg, train=dataclasses.replace(vcfg.train, baselines=False))
             print(f"[gemjax] baseline {name}")
-            s = train(vcfg, os.path.join(workdir, "baselines", name))
+            s = train(vcfg, os.path.join(workdir, "baselines", name), log=log, mesh=mesh,
+                      trainer_kw=trainer_kw)
             summary["baselines"][name] = {k: s[k] for k in ("eval_ne", "eval_auc", "samples_per_sec")}
         with open(os.path.join(workdir, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
