@@ -5,5 +5,6 @@
   multihost.py  jax.distributed entry point (GEMJAX_* env), process-local batch feeding
   launch.py     start N local processes (CPU tests, single-host runs)
   topology.py   bytes and time of each collective per step, predicted scaling ratio
-  toy_step.py   toy DP + FSDP training job used by the multi-process test and the mesh sweep
+  toy_step.py   toy DP + FSDP training job (layout tests against a float64 numpy reference)
+  equivalence.py  the real train step for a few steps on any mesh / process count, host copies back
 """
