@@ -108,12 +108,15 @@ def main(argv):
                     "no_sequences": apply_overrides(cfg, {"model.use_sequences": "false"})}
         for name, vcfg in variants.items():
             vcfg = dataclasses.replace(vcfg, train=dataclasses.replace(vcfg.train, baselines=False))
-            print(f"[gemjax] baseline {name}")
+            log(f"[gemjax] baseline {name}")
             s = train(vcfg, os.path.join(workdir, "baselines", name), log=log, mesh=mesh,
                       trainer_kw=trainer_kw)
             summary["baselines"][name] = {k: s[k] for k in ("eval_ne", "eval_auc", "samples_per_sec")}
-        with open(os.path.join(workdir, "summary.json"), "w") as fh:
-            json.dump(summary, fh, indent=1)
+        if lead:
+            with open(os.path.join(workdir, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=1)
+    if not lead:
+        return
     print(f"[gemjax] summary ({workdir}/summary.json):")
     rows = [(summary["model"], summary)] + list(summary.get("baselines", {}).items())
     print(f"  {'model':<22}{'eval NE':>10}{'eval AUC':>10}")

@@ -68,15 +68,28 @@ class Evaluator:
         bayes = EvalAccumulator(cfg.data.num_surfaces, cfg.data.num_tasks)
         for batch, infos, _ in self._host:
             probs = np.concatenate([i.true_probs for i in infos])
-            bayes.add(probs, batch.labels, batch.label_mask, batch.surface, batch.weights)
+            bayes.add(*_all_processes(probs, batch.labels, batch.label_mask, batch.surface,
+                                      batch.weights))
         self.bayes = bayes.result()
 
     def __call__(self, state) -> dict:
+        """Metrics over every process's eval shards (the same figures on every process)."""
         acc = EvalAccumulator(self.cfg.data.num_surfaces, self.cfg.data.num_tasks)
         for batch, _, _ in self._host:
-            probs = jax.device_get(self.step_fn(state, self.feeder.to_device(batch)))
-            acc.add(probs, batch.labels, batch.label_mask, batch.surface, batch.weights)
+            probs = self.step_fn(state, self.feeder.to_device(batch))
+            local = np.concatenate([np.asarray(s.data) for s in
+                                    sorted(probs.addressable_shards, key=lambda s: s.index[0].start or 0)])
+            acc.add(*_all_processes(local, batch.labels, batch.label_mask, batch.surface,
+                                    batch.weights))
         return acc.result()
+
+
+def _all_processes(*arrays):
+    """Concatenate each process's host rows (no-op with one process)."""
+    if jax.process_count() == 1:
+        return arrays
+    from jax.experimental import multihost_utils
+    return tuple(np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in arrays)
 
 
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
@@ -88,9 +101,11 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     (e.g. rules, table_replica_axes).
     """
     t = cfg.train
+    lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    if lead:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=1)
     trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
     stream = SyntheticStream(cfg.data, t.seed, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
@@ -103,11 +118,12 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
         start, state, meta = ckpt.restore(state)
         log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
         kept = [r for r in _read_jsonl(metrics_path) if r["step"] <= start]
-        _rewrite_jsonl(metrics_path, kept)
+        if lead:
+            _rewrite_jsonl(metrics_path, kept)
         evals = [r for r in kept if r["kind"] == "eval"]
         if evals:
             last_eval = {k: evals[-1][k] for k in ("ne", "auc", "calibration")}
-    elif os.path.exists(metrics_path):
+    elif lead and os.path.exists(metrics_path):
         os.remove(metrics_path)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_rows = sum(s.vocab * s.dim for s in trainer.coll.specs.values())
@@ -126,6 +142,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                 "ids_overflow": 0}
 
     def write(row: dict):
+        if not lead:
+            return
         with open(metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -193,6 +211,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                "samples_per_sec": meter.total_samples_per_sec,
                "tokens_per_sec": meter.total_samples_per_sec * meter.total_tokens
                / max(meter.total_samples, 1), **counters}
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    if lead:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
     return summary
