@@ -76,10 +76,8 @@ class Evaluator:
         """Metrics over every process's eval shards (the same figures on every process)."""
         acc = EvalAccumulator(self.cfg.data.num_surfaces, self.cfg.data.num_tasks)
         for batch, _, _ in self._host:
-            probs = self.step_fn(state, self.feeder.to_device(batch))
-            local = np.concatenate([np.asarray(s.data) for s in
-                                    sorted(probs.addressable_shards, key=lambda s: s.index[0].start or 0)])
-            acc.add(*_all_processes(local, batch.labels, batch.label_mask, batch.surface,
+            probs = np.asarray(self.step_fn(state, self.feeder.to_device(batch)))  # this process's rows
+            acc.add(*_all_processes(probs, batch.labels, batch.label_mask, batch.surface,
                                     batch.weights))
         return acc.result()
 
