@@ -53,7 +53,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     trainer = Trainer.create(TINY, _one_device_mesh())
     step_a, state_a, meta_a = _final_state(trainer, full)
     step_b, state_b, meta_b = _final_state(trainer, parts)
-    assert step_a == step_b == 8 and meta_a == meta_b == {"data_step": 8, "config": "tiny"}
+    assert step_a == step_b == 8 and meta_a == meta_b
+    assert meta_a["data_step"] == 8 and meta_a["config"] == "tiny" and "item" in meta_a["table_layouts"]
     for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert summary["steps"] == 8 and np.isfinite(summary["eval_ne"]) and "bayes_ne" in summary
@@ -155,3 +156,16 @@ def test_batch_not_divisible_by_devices_is_an_error():
     cfg = dataclasses.replace(TINY.data, batch_size=63)
     with pytest.raises(ValueError, match="not divisible by the 2 batch shards"):
         SyntheticStream(cfg, 0).shard_batch(0, 0, 2)
+
+
+def test_restore_refuses_a_permuted_table_layout():
+    """Mod-split tables change row order with the shard count: the loop must refuse."""
+    from gemjax.train.loop import check_table_layouts
+    base = dict(vocab=10, padded_vocab=16, num_model=8, num_fs=1, rows_per_shard=2, split="mod",
+                fixed_shard=-1, base=0)
+    four = dict(base, num_model=4, rows_per_shard=4)
+    check_table_layouts({"item": base}, {"item": dict(base)})
+    with pytest.raises(ValueError, match=r"checkpoint tables \['item'\]"):
+        check_table_layouts({"item": base}, {"item": four})
+    rng = dict(base, split="range")
+    check_table_layouts({"item": rng}, {"item": dict(rng, num_model=4, rows_per_shard=4)})

@@ -56,6 +56,30 @@ def _window_ne(ms: list[dict]) -> float:
     return float(np.sum(per_task * w) / max(np.sum(w), 1e-12))
 
 
+def table_layouts(coll) -> dict[str, dict]:
+    """How each table's rows are stored (JSON), saved with every checkpoint."""
+    return {name: dataclasses.asdict(lay) for name, lay in coll.layouts.items()}
+
+
+def _storage_order(lay: dict):
+    """What fixes the row order of a table's storage array: a "range" split stores rows
+    in logical order on any number of shards; "mod" and table-wise ones depend on them."""
+    if lay["split"] == "range" and lay["fixed_shard"] < 0:
+        return (lay["padded_vocab"],)
+    return tuple(sorted(lay.items()))
+
+
+def check_table_layouts(saved: dict, current: dict) -> None:
+    """Refuse a restore that would silently permute embedding rows."""
+    bad = [n for n in current if n in saved and _storage_order(saved[n]) != _storage_order(current[n])]
+    if bad:
+        raise ValueError(
+            f"checkpoint tables {bad} were stored for another row layout (saved "
+            f"{[saved[n] for n in bad]}, this mesh {[current[n] for n in bad]}): restore on a "
+            f"mesh with the same table sharding, or use 'range' row splits, whose storage order "
+            f"does not depend on the number of shards")
+
+
 class Evaluator:
     """Eval over the fixed eval stream; also knows the stream's Bayes-optimal NE."""
 
@@ -112,8 +136,10 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     state = trainer.init_state(t.seed)
     start, last_eval = 0, {}
     metrics_path = os.path.join(workdir, "metrics.jsonl")
+    layouts = table_layouts(trainer.coll)
     if ckpt.latest_step() is not None:
         start, state, meta = ckpt.restore(state)
+        check_table_layouts(meta.get("table_layouts", layouts), layouts)
         log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
         kept = [r for r in _read_jsonl(metrics_path) if r["step"] <= start]
         if lead:
@@ -146,7 +172,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
             f.write(json.dumps(row) + "\n")
 
     def save(step: int):
-        ckpt.save(step, state, {"data_step": step, "config": cfg.name})
+        ckpt.save(step, state, {"data_step": step, "config": cfg.name, "table_layouts": layouts})
 
     step = start
     try:
