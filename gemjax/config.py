@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from typing import Any
 
@@ -66,6 +67,31 @@ class ModelConfig:
     wukong_mlp: tuple[int, ...] = (64,)
     head_mlp: tuple[int, ...] = (64,)
     dtype: str = "float32"           # compute dtype; parameters are float32
+    # --- the full GEM teacher (kind="teacher", gemjax.models.interformer) ---
+    # Its InterFormer Sequence Arch self-attention is `attention` above (one knob for
+    # the sequence self-attention of either model kind; there is no separate
+    # seq_attention field): "block" = 64-token-style BlockAttention (size `block`)
+    # with RoPE, "softmax" = full softmax attention, "gdpa" = full GDPA (SiLU). The
+    # pyramid levels always use block attention; PMA and the personalized FFN are
+    # always GDPA.
+    interformer_layers: int = 2
+    summary_tokens: int = 4          # m: x_sum tokens
+    cls_tokens: int = 4              # c, p, r: s_sum = [CLS | PMA | most recent] tokens;
+    pma_tokens: int = 2              #   each may be 0 (that component removed), c + p + r > 0
+    recent_tokens: int = 2
+    # Pyramid levels per sequence, (block, pooled tokens per block, block-attention
+    # layers); pooled None ("none") only on the last level. None: ((block, 4, 1),
+    # (block, None, 1)) with block = model.block. Override form: levels separated
+    # by "/", fields by ":", e.g. model.pyramid_levels=32:4:1/32:none:1 ("none" = default).
+    pyramid_levels: tuple[tuple[int, int | None, int], ...] | None = None
+    num_experts: int = 0             # > 0: the Interaction Arch is a mixture of Wukong experts
+    top_k: int = 1                   # experts per sample (<= num_experts)
+    capacity_factor: float | None = None   # None: no drops ("none" in overrides)
+    lb_coef: float = 0.01            # weight of the experts' load-balancing loss
+    cross_layer_attention: bool = True   # Wukong layer inputs attend over earlier layers' outputs
+    qk_norm: bool = True
+    rope: bool = True                # RoPE on sequence self-attention ("block" always rotates)
+    head_towers: str = "per_surface"     # multi-domain head: "per_surface" or "shared"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +138,31 @@ PRESETS: dict[str, Config] = {
 }
 
 
+def _is_none(value: str) -> bool:
+    return value.strip().lower() in ("none", "")
+
+
 def _coerce(value: str, typ: Any, path: str):
     origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):        # X | None
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if _is_none(value):
+            return None
+        if len(args) != 1:
+            raise ValueError(f"override {path}: unsupported field type {typ}")
+        return _coerce(value, args[0], path)
+    if origin is tuple and typing.get_origin(typing.get_args(typ)[0]) is tuple:
+        # nested tuples: "32:4:1/32:none:1" -> ((32, 4, 1), (32, None, 1))
+        inner = typing.get_args(typ)[0]
+        kinds = typing.get_args(inner)
+        levels = []
+        for part in value.split("/"):
+            fields = part.replace("(", "").replace(")", "").split(":")
+            if len(fields) != len(kinds):
+                raise ValueError(f"override {path}={value!r}: each '/'-separated entry needs "
+                                 f"{len(kinds)} ':'-separated fields, got {part!r}")
+            levels.append(tuple(_coerce(v, k, path) for v, k in zip(fields, kinds)))
+        return tuple(levels)
     try:
         if typ is bool:
             if value.lower() in ("1", "true", "yes"):
@@ -135,7 +184,8 @@ def _coerce(value: str, typ: Any, path: str):
 
 
 def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Config:
-    """Apply "section.field=value,..." overrides (tuples as 64:64). Unknown fields are errors."""
+    """Apply "section.field=value,..." overrides (tuples as 64:64, tuples of tuples as
+    32:4:1/32:none:1, optional fields as none). Unknown fields are errors."""
     if not overrides:
         return cfg
     if isinstance(overrides, str):
@@ -180,10 +230,37 @@ def validate(cfg: Config) -> None:
         (m.block >= 1, f"model.block must be >= 1, got {m.block}"),
         (m.dim >= 1 and m.dim % max(m.seq_heads, 1) == 0, f"model.dim ({m.dim}) must be divisible by model.seq_heads ({m.seq_heads})"),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
+        *_teacher_checks(m),
     ]
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"config {cfg.name!r}: {msg}")
+
+
+def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
+    levels = m.pyramid_levels or ()
+    return [
+        (m.interformer_layers >= 1, f"model.interformer_layers must be >= 1, got {m.interformer_layers}"),
+        (m.summary_tokens >= 1, f"model.summary_tokens must be >= 1, got {m.summary_tokens}"),
+        (min(m.cls_tokens, m.pma_tokens, m.recent_tokens) >= 0
+         and m.cls_tokens + m.pma_tokens + m.recent_tokens > 0,
+         f"model.cls_tokens ({m.cls_tokens}), model.pma_tokens ({m.pma_tokens}) and "
+         f"model.recent_tokens ({m.recent_tokens}) must be >= 0 with a positive sum"),
+        (m.num_experts >= 0, f"model.num_experts must be >= 0, got {m.num_experts}"),
+        (m.num_experts == 0 or 1 <= m.top_k <= m.num_experts,
+         f"model.top_k ({m.top_k}) must be in [1, model.num_experts={m.num_experts}]"),
+        (m.capacity_factor is None or m.capacity_factor > 0,
+         f"model.capacity_factor must be > 0 or none, got {m.capacity_factor}"),
+        (m.lb_coef >= 0, f"model.lb_coef must be >= 0, got {m.lb_coef}"),
+        (m.head_towers in ("per_surface", "shared"),
+         f"model.head_towers must be per_surface or shared, got {m.head_towers!r}"),
+        (m.pyramid_levels is None or (
+            len(levels) >= 1 and all(len(lv) == 3 for lv in levels)
+            and all(b >= 1 and n >= 0 and (p is None or p >= 1) for b, p, n in levels)
+            and all(p is not None for _, p, _ in levels[:-1])),
+         f"model.pyramid_levels must be none or (block>=1, pooled>=1 or None, layers>=0) "
+         f"levels with pooled None only on the last, got {m.pyramid_levels}"),
+    ]
 
 
 def get_config(name: str, overrides: str | dict[str, str] | None = None) -> Config:

@@ -19,8 +19,8 @@ the forward pass; in the backward pass it adds d(coef * aux)/d(params)), i.e. th
 parameters get the gradient of loss + coef * aux. Under shard_map each shard
 adds its own, so the effective weight is coef x (number of shards).
 
-Teacher hyper-parameters are read from cfg.model when present, else TEACHER_DEFAULTS
-(config.py does not declare them yet).
+Teacher hyper-parameters are config.ModelConfig fields (TEACHER_FIELDS); the Sequence
+Arch self-attention kind is model.attention ("block" | "softmax" | "gdpa").
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gemjax.config import ModelConfig
 from gemjax.data.batch import Batch
 from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
 from gemjax.layers.axes import linear
@@ -36,17 +37,15 @@ from gemjax.layers.heads import MultiDomainHead
 from gemjax.layers.interformer import InterFormer
 from gemjax.layers.pyramid import ParallelPyramid
 
-TEACHER_DEFAULTS = dict(
-    interformer_layers=2, summary_tokens=4, cls_tokens=4, pma_tokens=2, recent_tokens=2,
-    pyramid_levels=None,   # None: ((block, 4, 1), (block, None, 1)), block = model.block or 64
-    num_experts=0, top_k=1,
-    capacity_factor=None, cross_layer_attention=True, qk_norm=True, rope=True,
-    seq_attention="block", lb_coef=0.01, head_towers="per_surface",
-)
+# Teacher hyper-parameters: config.ModelConfig fields (defaults documented there).
+TEACHER_FIELDS = ("interformer_layers", "summary_tokens", "cls_tokens", "pma_tokens",
+                  "recent_tokens", "pyramid_levels", "num_experts", "top_k", "capacity_factor",
+                  "cross_layer_attention", "qk_norm", "rope", "lb_coef", "head_towers")
 
 
 def _hp(cfg, name):
-    return getattr(cfg.model, name, TEACHER_DEFAULTS[name])
+    """cfg.model.<name>; duck-typed configs without the field get ModelConfig's default."""
+    return getattr(cfg.model, name, getattr(ModelConfig, name))
 
 
 @jax.custom_vjp
@@ -98,7 +97,7 @@ class GEMTeacher(nnx.Module):
             mlp_hidden=m.wukong_mlp, wukong_layers=m.wukong_layers, fmb_tokens=fmb,
             rank=m.fm_rank, cross_layer_attention=_hp(cfg, "cross_layer_attention"),
             num_experts=_hp(cfg, "num_experts"), top_k=_hp(cfg, "top_k"),
-            capacity_factor=_hp(cfg, "capacity_factor"), seq_attention=_hp(cfg, "seq_attention"),
+            capacity_factor=_hp(cfg, "capacity_factor"), seq_attention=m.attention,
             block=block,
             rope=_hp(cfg, "rope"), qk_norm=_hp(cfg, "qk_norm"), dtype=dtype, rngs=rngs)
         self.head = MultiDomainHead(self.interformer.out_tokens * m.dim, num_surfaces=d.num_surfaces,

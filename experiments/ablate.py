@@ -1,0 +1,204 @@
+"""Ablation of the full GEM teacher on the synthetic planted-teacher stream.
+
+    python experiments/ablate.py --config=small --steps=2000 --seeds=0,1,2 --workdir=runs/ablate
+    python experiments/ablate.py --config=tiny --steps=4 --seeds=0,1 --variants=no_pma,no_experts
+
+The full model is the teacher (model.kind=teacher) with a mixture of 4 Wukong
+experts and BlockAttention; --override applies after that (so it can retune the
+full model, e.g. model.top_k=2) and each variant then changes one thing:
+
+  full               the full teacher
+  no_sequences       no sequence inputs. The teacher is built around its sequence
+                     side (its InterFormer needs one), so this is model v0's Wukong
+                     over the non-sequence tokens (model.kind=gem,
+                     model.use_sequences=false): the sequence features and the whole
+                     sequence stack go together.
+  no_pma             no PMA tokens in the sequence summary (model.pma_tokens=0)
+  no_cross_layer     Wukong without cross-layer attention connections
+  no_experts         one Wukong instead of 4 experts (model.num_experts=0)
+  softmax_attention  full softmax self-attention over each sequence instead of
+                     64-token blocks (full vs block attention)
+  gdpa_attention     full GDPA (SiLU) self-attention; against softmax_attention it
+                     is softmax vs GDPA, the sequence attention kind
+
+Every (variant, seed) pair trains through gemjax.train.loop.train with the same
+steps and train.seed (data stream, planted teacher and init), baselines off, in
+WORKDIR/<variant>/seed<seed>; a rerun reuses finished runs and resumes the rest.
+The table gives eval NE mean ± std over seeds, the per-seed paired delta vs full
+(mean ± std), and the Bayes-optimal NE of the eval stream; --out (default
+WORKDIR/ablate.json) holds every run's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from gemjax.config import PRESETS, Config, apply_overrides, get_config  # noqa: E402
+
+# What turns a preset into the full teacher (before --override).
+FULL = {"model.kind": "teacher", "model.use_sequences": "true", "model.num_experts": "4",
+        "model.attention": "block"}
+
+# variant -> (overrides on top of the full model, one line for the table's reader)
+VARIANTS: dict[str, tuple[dict[str, str], str]] = {
+    "full": ({}, "full teacher"),
+    "no_sequences": ({"model.kind": "gem", "model.use_sequences": "false"},
+                     "Wukong v0 without sequence inputs"),
+    "no_pma": ({"model.pma_tokens": "0"}, "no PMA summary tokens"),
+    "no_cross_layer": ({"model.cross_layer_attention": "false"}, "no cross-layer attention"),
+    "no_experts": ({"model.num_experts": "0"}, "single Wukong, no experts"),
+    "softmax_attention": ({"model.attention": "softmax"}, "full softmax, not block"),
+    "gdpa_attention": ({"model.attention": "gdpa"}, "full GDPA, not block"),
+}
+
+flags.DEFINE_string("config", "small", f"preset: one of {sorted(PRESETS)}")
+flags.DEFINE_string("override", "", "comma-separated section.field=value applied to the full model "
+                    "(after the ablation's own full-model settings, before each variant's change)")
+flags.DEFINE_integer("steps", None, "train steps per run (default: the preset's train.steps)")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "train.seed of each repetition")
+flags.DEFINE_list("variants", ["all"], f"'all' or some of {list(VARIANTS)} (full is always run)")
+flags.DEFINE_string("workdir", "runs/ablate", "one subdirectory per variant and seed (reruns resume)")
+flags.DEFINE_string("out", "", "JSON results path (default WORKDIR/ablate.json)")
+
+
+def parse_variants(names: Sequence[str]) -> list[str]:
+    """'all' or variant names -> ordered list starting with 'full'; unknown names are errors."""
+    names = [n.strip() for n in names if n.strip()]
+    if not names or "all" in names:
+        return list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; choose 'all' or any of {list(VARIANTS)}")
+    return ["full"] + [n for n in VARIANTS if n in names and n != "full"]
+
+
+def parse_seeds(seeds: Sequence[str]) -> list[int]:
+    """--seeds strings -> distinct ints (at least one)."""
+    try:
+        out = [int(s) for s in seeds if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds: integers expected, got {list(seeds)}") from None
+    if not out or len(set(out)) != len(out):
+        raise ValueError(f"--seeds: give one or more distinct seeds, got {list(seeds)}")
+    return out
+
+
+def full_config(config: str, override: str = "") -> Config:
+    """The preset as the full teacher, then the user's overrides."""
+    return apply_overrides(apply_overrides(get_config(config), FULL), override)
+
+
+def variant_config(full: Config, variant: str, seed: int, steps: int | None = None) -> Config:
+    """full with one component removed or replaced; train.seed=seed, baselines off."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown ablation variant {variant!r}; choose one of {list(VARIANTS)}")
+    over = {**VARIANTS[variant][0], "train.seed": str(seed), "train.baselines": "false"}
+    if steps is not None:
+        over["train.steps"] = str(steps)
+    return apply_overrides(full, over)
+
+
+def _jsonable(cfg: Config) -> dict:
+    import dataclasses
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def run(cfg: Config, workdir: str, log: Callable[[str], None] = print, **train_kw) -> dict:
+    """Train cfg in workdir (resuming) and return its summary; a finished run with the
+    same config is read back, not retrained. A workdir holding another config is an error.
+    train_kw: passed to gemjax.train.loop.train (mesh, trainer_kw)."""
+    from gemjax.train.loop import train
+
+    cfg_path, sum_path = (os.path.join(workdir, n) for n in ("config.json", "summary.json"))
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            saved = json.load(f)
+        if saved != _jsonable(cfg):
+            raise ValueError(f"{workdir} holds a run of another config ({cfg_path}); "
+                             f"use a fresh --workdir or remove it")
+        if os.path.exists(sum_path):
+            with open(sum_path) as f:
+                summary = json.load(f)
+            if summary.get("steps") == cfg.train.steps and not summary.get("stopped_early"):
+                log(f"[ablate] reusing {sum_path}")
+                return summary
+    return train(cfg, workdir, log=log, **train_kw)
+
+
+def table(runs: list[dict], variants: Sequence[str]) -> list[dict]:
+    """Per variant: eval NE mean/std over seeds, paired delta vs full (same seed), Bayes NE."""
+    import numpy as np
+
+    def stats(xs):
+        xs = np.asarray(xs, np.float64)
+        return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
+
+    full = {r["seed"]: r["summary"]["eval_ne"] for r in runs if r["variant"] == "full"}
+    rows = []
+    for v in variants:
+        rs = sorted((r for r in runs if r["variant"] == v), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        ne, ne_std = stats([r["summary"]["eval_ne"] for r in rs])
+        paired = [r["summary"]["eval_ne"] - full[r["seed"]] for r in rs if r["seed"] in full]
+        delta, delta_std = stats(paired) if paired else (float("nan"), float("nan"))
+        auc, _ = stats([r["summary"]["eval_auc"] for r in rs])
+        bayes, _ = stats([r["summary"]["bayes_ne"] for r in rs])
+        rows.append({"variant": v, "what": VARIANTS[v][1], "seeds": [r["seed"] for r in rs],
+                     "eval_ne_mean": ne, "eval_ne_std": ne_std, "delta_ne_mean": delta,
+                     "delta_ne_std": delta_std, "eval_auc_mean": auc, "bayes_ne_mean": bayes})
+    return rows
+
+
+def format_table(rows: list[dict], steps: int, config: str) -> str:
+    n = max((len(r["seeds"]) for r in rows), default=0)
+    lines = [f"ablation: config={config} steps={steps} seeds={n} (std over seeds, delta paired by seed)",
+             f"{'variant':<18}{'eval NE':>18}{'delta vs full':>20}{'AUC':>8}{'Bayes NE':>10}  what"]
+    for r in rows:
+        delta = ("—" if r["variant"] == "full"
+                 else f"{r['delta_ne_mean']:+.4f} ± {r['delta_ne_std']:.4f}")
+        lines.append(f"{r['variant']:<18}{r['eval_ne_mean']:>9.4f} ± {r['eval_ne_std']:.4f}"
+                     f"{delta:>20}{r['eval_auc_mean']:>8.4f}{r['bayes_ne_mean']:>10.4f}  {r['what']}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    try:
+        variants = parse_variants(f.variants)
+        seeds = parse_seeds(f.seeds)
+        full = full_config(f.config, f.override)
+        cfgs = {(v, s): variant_config(full, v, s, f.steps) for v in variants for s in seeds}
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
+    out = f.out or os.path.join(f.workdir, "ablate.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    steps = full.train.steps if f.steps is None else f.steps
+    runs = []
+    for (v, s), cfg in cfgs.items():
+        wd = os.path.join(f.workdir, v, f"seed{s}")
+        print(f"[ablate] {v} seed {s} -> {wd}")
+        summary = run(cfg, wd, log=lambda line: print(f"  {line}"))
+        runs.append({"variant": v, "seed": s, "workdir": wd, "summary": summary,
+                     "overrides": VARIANTS[v][0]})
+        with open(out, "w") as fh:   # after every run: partial ablations keep their results
+            json.dump({"config": f.config, "override": f.override, "full": FULL, "steps": steps,
+                       "seeds": seeds, "variants": variants, "runs": runs,
+                       "table": table(runs, variants)}, fh, indent=1)
+    print(f"\nwrote {out}")
+    print(format_table(table(runs, variants), steps, f.config))
+
+
+if __name__ == "__main__":
+    app.run(main)
