@@ -14,10 +14,15 @@ full model, e.g. model.top_k=2) and each variant then changes one thing:
                      model.use_sequences=false): the sequence features and the whole
                      sequence stack go together.
   no_pma             no PMA tokens in the sequence summary (model.pma_tokens=0)
-  no_cross_layer     Wukong without cross-layer attention connections
+  no_cross_layer     Wukong without cross-layer attention connections (these need
+                     model.wukong_layers >= 2; `tiny` has 1, so there it equals full)
   no_experts         one Wukong instead of 4 experts (model.num_experts=0)
   softmax_attention  full softmax self-attention over each sequence instead of
-                     64-token blocks (full vs block attention)
+                     model.block-token blocks (full vs block attention). Only the
+                     InterFormer's attention changes (the pyramid levels stay block
+                     attention), so it only matters for samples whose pyramid output
+                     exceeds one block: never on `tiny`, for the longest samples on
+                     `small` (at most 64 tokens vs block 32), widely on `h200`.
   gdpa_attention     full GDPA (SiLU) self-attention; against softmax_attention it
                      is softmax vs GDPA, the sequence attention kind
 
@@ -105,6 +110,19 @@ def variant_config(full: Config, variant: str, seed: int, steps: int | None = No
     return apply_overrides(full, over)
 
 
+def interformer_max_len(cfg: Config) -> int:
+    """Most sequence tokens one sample can bring to the InterFormer: each sequence's
+    data.seq_cap events through the pyramid (ceil(L / block) * pooled per pooling
+    level), summed over the sequences."""
+    from gemjax.data.synthetic import SEQUENCES
+    b = cfg.model.block
+    length = cfg.data.seq_cap
+    for block, pooled, _ in cfg.model.pyramid_levels or ((b, 4, 1), (b, None, 1)):
+        if pooled is not None:
+            length = -(-length // block) * pooled
+    return length * len(SEQUENCES)
+
+
 def _jsonable(cfg: Config) -> dict:
     import dataclasses
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
@@ -185,6 +203,12 @@ def main(argv):
     out = f.out or os.path.join(f.workdir, "ablate.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     steps = full.train.steps if f.steps is None else f.steps
+    if "softmax_attention" in variants and interformer_max_len(full) <= full.model.block:
+        print(f"[ablate] note: at most {interformer_max_len(full)} sequence tokens per sample reach "
+              f"the InterFormer (model.block={full.model.block}), so softmax_attention equals full")
+    if "no_cross_layer" in variants and full.model.wukong_layers < 2:
+        print(f"[ablate] note: model.wukong_layers={full.model.wukong_layers}, so the full model has "
+              f"no cross-layer attention and no_cross_layer equals full")
     runs = []
     for (v, s), cfg in cfgs.items():
         wd = os.path.join(f.workdir, v, f"seed{s}")

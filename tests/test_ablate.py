@@ -123,6 +123,13 @@ def test_variant_names_and_seeds_are_checked():
     assert r.returncode != 0 and "--variants: unknown ['no_sequence']" in r.stderr
 
 
+def test_interformer_max_len_follows_the_pyramid():
+    # 2 sequences; tiny: seq_cap 32, block 32, default levels pool each block to 4.
+    assert ablate.interformer_max_len(ablate.full_config("tiny")) == 2 * 4
+    cfg = ablate.full_config("tiny", "data.seq_cap=100,model.pyramid_levels=16:3:1/5:2:1/8:none:1")
+    assert ablate.interformer_max_len(cfg) == 2 * (-(-(7 * 3) // 5) * 2)
+
+
 def test_table_pairs_deltas_by_seed():
     rng = np.random.default_rng(0)
     ne = {(v, s): float(rng.uniform(0.7, 0.9)) for v in ("full", "no_pma") for s in (0, 1, 2)}
