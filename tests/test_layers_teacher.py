@@ -32,8 +32,8 @@ def test_teacher_logits_depend_on_sequences_and_surface():
     base = get_config("tiny")
     # A smaller teacher than the defaults (one InterFormer layer, one pyramid level): the
     # composition is what is tested here, and compile time is CPU test budget.
-    model_cfg = types.SimpleNamespace(**dataclasses.asdict(base.model), interformer_layers=1,
-                                      pyramid_levels=((16, 2, 1),), num_experts=0)
+    model_cfg = dataclasses.replace(base.model, interformer_layers=1,
+                                    pyramid_levels=((16, 2, 1),), num_experts=0)
     cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=16),
                                 model=model_cfg)
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
