@@ -53,9 +53,7 @@ def main(argv):
     t0 = time.perf_counter()
     compiled = step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops = float(cost.get("flops", float("nan")))
+    flops = mfu.compiled_flops(compiled, default=float("nan"))
     state, m = step(state, batches[0])
     jax.block_until_ready(m)
     t0 = time.perf_counter()

@@ -71,6 +71,7 @@ def step_job(cfg, spec: str, rules, replica_axes: tuple[str, ...], steps: int, b
     from gemjax.data.feeding import Feeder
     from gemjax.data.synthetic import SyntheticStream
     from gemjax.parallel.mesh import build_mesh
+    from gemjax.train import mfu
     from gemjax.train.step import Trainer
 
     mesh = build_mesh(spec, devices_per_host=FLAGS.devices_per_host)
@@ -86,9 +87,7 @@ def step_job(cfg, spec: str, rules, replica_axes: tuple[str, ...], steps: int, b
     t0 = time.perf_counter()
     compiled = step.lower(state, device_batches[0]).compile()
     compile_s = time.perf_counter() - t0
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops_per_device = float(cost.get("flops", float("nan")))
+    flops_per_device = mfu.compiled_flops(compiled, default=float("nan"))
     mem = compiled.memory_analysis()
     compiled_bytes = None
     if mem is not None:

@@ -163,14 +163,24 @@ def train_step_flops(forward_flops: int) -> int:
 # ----------------------------------------------------------------------------- XLA's count and MFU
 
 
+def compiled_flops(compiled: Any, default: float | None = None) -> float:
+    """FLOPs in a compiled program's cost analysis (per device for SPMD programs).
+
+    Raises ValueError when XLA reports none, unless `default` is given.
+    """
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        if default is not None:
+            return default
+        raise ValueError("XLA cost analysis has no 'flops' entry")
+    return float(cost["flops"])
+
+
 def xla_flops(fn: Callable, *args: Any, **kwargs: Any) -> float:
     """FLOPs XLA's cost analysis reports for ``jax.jit(fn)(*args, **kwargs)`` (after optimisation)."""
-    cost = jax.jit(fn).lower(*args, **kwargs).compile().cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0]
-    if not cost or "flops" not in cost:
-        raise ValueError(f"XLA cost analysis has no 'flops' entry for {getattr(fn, '__name__', fn)!r}")
-    return float(cost["flops"])
+    return compiled_flops(jax.jit(fn).lower(*args, **kwargs).compile())
 
 
 def mfu(flops_per_step: float, step_time: float, n_devices: int, peak: float) -> float:
