@@ -115,6 +115,7 @@ def train_one(name, data, seed):
     import optax
     from flax import nnx
 
+    from gemjax.train.early_stopping import EarlyStopping
     from gemjax.train.metrics import binary_metrics
 
     f = flags.FLAGS
@@ -157,7 +158,7 @@ def train_one(name, data, seed):
     ids, y = data.train
     rng = np.random.default_rng(seed)
     nb = len(y) // f.batch_size
-    best, best_state, bad, history = -1.0, None, 0, []
+    stopper, history = EarlyStopping(f.patience), []
     t0 = time.time()
     for epoch in range(f.epochs):
         perm = rng.permutation(len(y))
@@ -170,14 +171,10 @@ def train_one(name, data, seed):
                         "holdout_auc": hold["auc"], "holdout_log_loss": hold["log_loss"]})
         print(f"  {name} seed {seed} epoch {epoch}: loss {history[-1]['train_loss']:.4f} "
               f"holdout auc {hold['auc']:.4f} logloss {hold['log_loss']:.4f}", flush=True)
-        if hold["auc"] > best:
-            best, bad = hold["auc"], 0
-            best_state = jax.tree.map(lambda a: a, nnx.state(model, nnx.Param))
-        else:
-            bad += 1
-            if bad >= f.patience:
-                break
-    nnx.update(model, best_state)
+        if stopper.update(hold["auc"], model):
+            break
+    stopper.restore(model)
+    best = stopper.best
     test = evaluate(data.test)
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {"model": name, "seed": seed, "test_auc": test["auc"], "test_log_loss": test["log_loss"],

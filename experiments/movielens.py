@@ -57,6 +57,7 @@ def main(argv):
     from gemjax.data.jagged import pack
     from gemjax.data.movielens import DEFAULT_DIR, leave_last_out, load_movielens, ranking_metrics
     from gemjax.layers import SequenceEncoder
+    from gemjax.train.early_stopping import EarlyStopping
 
     ml = load_movielens(f.data_dir or DEFAULT_DIR)
     split = leave_last_out(ml, f.max_len)
@@ -131,7 +132,7 @@ def main(argv):
 
     train_seqs = [h for h in split["train"][:users] if len(h) >= 2]
     rng = np.random.default_rng(f.seed)
-    best, best_state, bad, history = -1.0, None, 0, []
+    stopper, history = EarlyStopping(f.patience), []
     t0 = time.time()
     for epoch in range(1, f.epochs + 1):
         order = rng.permutation(len(train_seqs))
@@ -145,14 +146,10 @@ def main(argv):
         history.append({"epoch": epoch, "loss": float(np.mean(jax.device_get(losses))), **val})
         print(f"epoch {epoch}: loss {history[-1]['loss']:.4f} valid hr@10 {val['hr@10']:.4f} "
               f"ndcg@10 {val['ndcg@10']:.4f} ({time.time() - t0:.0f}s)", flush=True)
-        if val["hr@10"] > best:
-            best, bad = val["hr@10"], 0
-            best_state = jax.tree.map(lambda a: a, nnx.state(model, nnx.Param))
-        else:
-            bad += 1
-            if bad >= f.patience:
-                break
-    nnx.update(model, best_state)
+        if stopper.update(val["hr@10"], model):
+            break
+    stopper.restore(model)
+    best = stopper.best
     test = evaluate(*split["test"])
     os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
     with open(f.out, "w") as fh:
