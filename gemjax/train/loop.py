@@ -135,6 +135,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     state = trainer.init_state(t.seed)
     start, last_eval = 0, {}
+    counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
+                "ids_overflow": 0}                # fallbacks, counted over the whole run
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     layouts = table_layouts(trainer.coll)
     if ckpt.latest_step() is not None:
@@ -147,6 +149,9 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
         evals = [r for r in kept if r["kind"] == "eval"]
         if evals:
             last_eval = {k: evals[-1][k] for k in ("ne", "auc", "calibration")}
+        trains = [r for r in kept if r["kind"] == "train"]
+        if trains:
+            counters = {k: trains[-1].get(k, 0) for k in counters}
     elif lead and os.path.exists(metrics_path):
         os.remove(metrics_path)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
@@ -162,8 +167,6 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     window_tokens = 0
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     pending: list[dict] = []
-    counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
-                "ids_overflow": 0}
 
     def write(row: dict):
         if not lead:
@@ -217,9 +220,13 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                     save(done)
             step = done
     except KeyboardInterrupt:
-        log(f"[gemjax] interrupted: saving step {step}")
-        save(step)
-        ckpt.wait()
+        try:
+            save(step)
+            ckpt.wait()
+            log(f"[gemjax] interrupted: saved step {step}")
+        except Exception as e:  # interrupted inside the step: its donated input is gone
+            log(f"[gemjax] interrupted mid-step, nothing new saved ({e.__class__.__name__}); "
+                f"newest checkpoint: step {ckpt.latest_step()}")
         raise
     ckpt.wait()
     ckpt.close()
