@@ -147,6 +147,18 @@ def run_vjp(fn, q, k, v, do):
     return (o,) + tuple(vjp(do))
 
 
+def assert_only_slice_changes(f, q, k, v, sl, rng):
+    """Perturb q, k and v rows `sl` (one sample or block): f's output changes there and
+    is bit-identical everywhere else."""
+    a = np.asarray(f(q, k, v))
+    noise = jnp.asarray(rng.normal(size=q[sl].shape) * 3, jnp.float32)
+    b = np.asarray(f(q.at[sl].add(noise), k.at[sl].add(noise), v.at[sl].add(noise)))
+    other = np.ones(q.shape[0], bool)
+    other[sl] = False
+    np.testing.assert_array_equal(a[other], b[other])
+    assert not np.allclose(a[sl], b[sl])
+
+
 def check_against(got, want, dtype, what, q_end=None):
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         e = rel_err(g, w)
