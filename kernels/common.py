@@ -84,6 +84,27 @@ def map_query_chunks(fn, q_side, chunk):
     return out.reshape((n * chunk,) + out.shape[2:])[:tq]
 
 
+def chunked_reference(q, k, v, q_offsets, kv_offsets, combine, *, causal=False, window=None,
+                      chunk=None):
+    """Query-chunked jagged attention in float32: q [Tq,H,D], k/v [Tk,H,D] -> [Tq,H,D] f32.
+
+    combine(s [H,C,Tk] f32 raw scores, m [C,Tk] bool mask, v [Tk,H,D] f32) -> [C,H,D]
+    is the op (GDPA's activation, or a softmax); chunks are rematerialised in the
+    backward pass, so memory stays O(C * Tk).
+    """
+    tq, h, _ = q.shape
+    tk = k.shape[0]
+    qs, qp = segment_layout(q_offsets, tq)
+    ks, kp = key_layout(kv_offsets, tk)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def block(qc, qsc, qpc):
+        m = layout_mask(qsc, qpc, ks, kp, causal=causal, window=window)
+        return combine(jnp.einsum("qhd,khd->hqk", qc.astype(jnp.float32), kf), m, vf)
+
+    return map_query_chunks(block, (q, qs, qp), chunk or query_chunk_size(tq, tk, h))
+
+
 def query_chunk_size(tq, tk, h, budget=1 << 21):
     """Query rows per chunk so one [H, C, Tk] f32 score block holds <= budget (2M) elements."""
     c = max(16, budget // max(1, tk * h))

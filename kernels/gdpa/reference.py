@@ -9,8 +9,7 @@ Two versions computed in float32:
 import jax
 import jax.numpy as jnp
 
-from kernels.common import (key_layout, layout_mask, map_query_chunks, pair_mask,
-                            query_chunk_size, segment_layout)
+from kernels.common import chunked_reference, pair_mask
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -29,20 +28,12 @@ def gdpa_reference(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1
     most 2M elements), rematerialised in the backward pass.
     """
     act = ACTIVATIONS[activation]
-    tq, h, _ = q.shape
-    tk = k.shape[0]
-    qs, qp = segment_layout(q_offsets, tq)
-    ks, kp = key_layout(kv_offsets, tk)
-    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
 
-    def block(qc, qsc, qpc):
-        m = layout_mask(qsc, qpc, ks, kp, causal=causal, window=window)
-        s = jnp.einsum("qhd,khd->hqk", qc.astype(jnp.float32), kf)
-        p = jnp.where(m[None], act(s) * scale, 0.0)
-        return jnp.einsum("hqk,khd->qhd", p, vf)
+    def combine(s, m, vf):
+        return jnp.einsum("hqk,khd->qhd", jnp.where(m[None], act(s) * scale, 0.0), vf)
 
-    c = chunk or query_chunk_size(tq, tk, h)
-    return map_query_chunks(block, (q, qs, qp), c).astype(q.dtype)
+    return chunked_reference(q, k, v, q_offsets, kv_offsets, combine, causal=causal,
+                             window=window, chunk=chunk).astype(q.dtype)
 
 
 def gdpa_reference_dense(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0,

@@ -8,8 +8,7 @@ everything) give 0.
 
 import jax.numpy as jnp
 
-from kernels.common import (key_layout, layout_mask, map_query_chunks, pair_mask,
-                            query_chunk_size, segment_layout)
+from kernels.common import chunked_reference, pair_mask
 
 
 def masked_softmax_av(s, m, v):
@@ -29,19 +28,9 @@ def jagged_attention_reference(q, k, v, q_offsets, kv_offsets, *, sm_scale=None,
     sm_scale defaults to 1/sqrt(D).
     """
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    tq, h, _ = q.shape
-    tk = k.shape[0]
-    qs, qp = segment_layout(q_offsets, tq)
-    ks, kp = key_layout(kv_offsets, tk)
-    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
-
-    def block(qc, qsc, qpc):
-        m = layout_mask(qsc, qpc, ks, kp, causal=causal, window=window)
-        s = jnp.einsum("qhd,khd->hqk", qc.astype(jnp.float32), kf) * sm_scale
-        return masked_softmax_av(s, m, vf)
-
-    c = chunk or query_chunk_size(tq, tk, h)
-    return map_query_chunks(block, (q, qs, qp), c).astype(q.dtype)
+    return chunked_reference(q, k, v, q_offsets, kv_offsets,
+                             lambda s, m, vf: masked_softmax_av(s * sm_scale, m, vf),
+                             causal=causal, window=window, chunk=chunk).astype(q.dtype)
 
 
 def jagged_attention_reference_dense(q, k, v, q_offsets, kv_offsets, *, sm_scale=None,
