@@ -68,20 +68,25 @@ flags.DEFINE_string("override", "", "comma-separated section.field=value applied
                     "(after the ablation's own full-model settings, before each variant's change)")
 flags.DEFINE_integer("steps", None, "train steps per run (default: the preset's train.steps)")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "train.seed of each repetition")
-flags.DEFINE_list("variants", ["all"], f"'all' or some of {list(VARIANTS)} (full is always run)")
+flags.DEFINE_list("variants", ["all"], f"'all' or some of {list(VARIANTS)} (plus full, unless --nowith_full)")
+flags.DEFINE_bool("with_full", True, "also run the full model (the paired deltas need it); turn off only "
+                  "to split one ablation over parallel processes sharing --workdir, then rerun "
+                  "with it on to tabulate (finished runs are reused)")
 flags.DEFINE_string("workdir", "runs/ablate", "one subdirectory per variant and seed (reruns resume)")
 flags.DEFINE_string("out", "", "JSON results path (default WORKDIR/ablate.json)")
 
 
-def parse_variants(names: Sequence[str]) -> list[str]:
-    """'all' or variant names -> ordered list starting with 'full'; unknown names are errors."""
+def parse_variants(names: Sequence[str], with_full: bool = True) -> list[str]:
+    """'all' or variant names -> ordered list (starting with 'full' when with_full);
+    unknown names are errors."""
     names = [n.strip() for n in names if n.strip()]
     if not names or "all" in names:
-        return list(VARIANTS)
+        names = list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"--variants: unknown {unknown}; choose 'all' or any of {list(VARIANTS)}")
-    return ["full"] + [n for n in VARIANTS if n in names and n != "full"]
+    out = ["full"] if with_full else []
+    return out + [n for n in VARIANTS if n in names and n != "full"]
 
 
 def parse_seeds(seeds: Sequence[str]) -> list[int]:
@@ -192,7 +197,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
     try:
-        variants = parse_variants(f.variants)
+        variants = parse_variants(f.variants, f.with_full)
         seeds = parse_seeds(f.seeds)
         full = full_config(f.config, f.override)
         cfgs = {(v, s): variant_config(full, v, s, f.steps) for v in variants for s in seeds}

@@ -109,6 +109,8 @@ def test_bad_teacher_overrides_name_the_field(bad, needle):
 def test_variant_names_and_seeds_are_checked():
     assert ablate.parse_variants(["all"]) == list(ablate.VARIANTS)
     assert ablate.parse_variants(["gdpa_attention", "no_pma"]) == ["full", "no_pma", "gdpa_attention"]
+    assert ablate.parse_variants(["gdpa_attention", "no_pma"], with_full=False) == ["no_pma", "gdpa_attention"]
+    assert "full" not in ablate.parse_variants(["all"], with_full=False)
     with pytest.raises(ValueError, match="no_pmaa"):
         ablate.parse_variants(["no_pma", "no_pmaa"])
     with pytest.raises(ValueError, match="bogus"):
