@@ -120,13 +120,14 @@ def quantized(rng, shape, denom):
 
 
 def run_case(mesh, plan, replica_axes, opt, update, *, exact, rng_seed=0, dtype=jnp.float32,
-             batch_axes=None):
+             batch_axes=None, **coll_kw):
     specs = make_specs(opt, dtype)
     axes = tuple(mesh.axis_names if batch_axes is None else batch_axes)
     plans = plans_lib.resolve(plan, specs, mesh, replica_axes)
     plans = {n: dataclasses.replace(p, min_capacity=1) for n, p in plans.items()}
     plans["user"] = dataclasses.replace(plans["user"], capacity_factor=USER_CAP)
-    coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica_axes, batch_axes=axes)
+    coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica_axes, batch_axes=axes,
+                               **coll_kw)
     rng = np.random.default_rng(rng_seed)
     n_dev = int(np.prod([mesh.shape[a] for a in axes]))
     tables = {}
@@ -256,3 +257,35 @@ def test_batch_copies_along_a_non_batch_axis_count_once():
 def test_optimizers_match_reference(plan, opt, update):
     mesh = mesh_of((2, 4), ("replica", "model"))
     run_case(mesh, plan, ("replica",), opt, update, exact=False)
+
+
+@pytest.mark.parametrize("dedup", ["sort", "scatter"])
+def test_one_device_local_path(dedup):
+    """One device: the local path (no all_to_all; rows unique after the forward's dedupe)."""
+    mesh = mesh_of((1,), ("x",))
+    coll, _, _ = run_case(mesh, "row_wise", (), RowWiseAdagrad(lr=0.1, eps=1e-6),
+                          functools.partial(ref.rowwise_adagrad, lr=0.1, eps=1e-6), exact=False,
+                          dedup=dedup)
+    assert coll.dedup == dedup
+
+
+@pytest.mark.parametrize("plan,shape", [("row_wise_range", (8,)), ("fs2d", (2, 4)), ("2d", (2, 4))])
+def test_scatter_dedup_still_exact(plan, shape):
+    """The original unsorted scatter-add path stays selectable and exact."""
+    mesh = mesh_of(shape, ("x",) if len(shape) == 1 else ("replica", "model"))
+    run_case(mesh, plan, () if len(shape) == 1 else ("replica",), *SGD_EXACT, exact=True,
+             dedup="scatter")
+
+
+def test_bf16_grads_exact_on_bf16_values():
+    """grad_dtype=bfloat16: quantized grads (k/8, |k| <= 8) are bf16-exact, so SGD stays exact."""
+    mesh = mesh_of((2, 4), ("replica", "model"))
+    run_case(mesh, "fs2d", ("replica",), *SGD_EXACT, exact=True, grad_dtype=jnp.bfloat16)
+
+
+def test_bad_dedup_and_grad_dtype_are_named():
+    specs = make_specs(SGD())
+    with pytest.raises(ValueError, match="dedup"):
+        EmbeddingCollection(specs, dedup="hash")
+    with pytest.raises(ValueError, match="grad_dtype"):
+        EmbeddingCollection(specs, grad_dtype=jnp.float16)

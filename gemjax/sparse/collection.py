@@ -1,6 +1,7 @@
 """EmbeddingCollection: sharded lookups and fused sparse updates for every table.
 
-    coll = EmbeddingCollection(specs, plan=None, mesh=None, replica_axes=())
+    coll = EmbeddingCollection(specs, plan=None, mesh=None, replica_axes=(),
+                               dedup="sort", grad_dtype=jnp.float32)
     print(coll.describe())                       # the plan as a table
     state = coll.init(key)                       # {table: {"weights": [Vp, D], <opt state [Vp, ...]>}}
                                                  # (table_wise tables: one "@table_wise_<i>" stack)
@@ -28,6 +29,15 @@ residuals["stats"] (int32 scalars, summed over the mesh):
   ids_out_of_range  ids outside [0, vocab) that were clamped / hashed
   ids_overflow      ids dropped by the all_to_all capacity (zero embedding, no grad)
 With mesh=None everything runs on one device (a 1-device mesh).
+
+dedup: how duplicate ids are found and their gradients summed (see
+`gemjax.sparse.routing`): "sort" (default: one stable sort in the lookup,
+reused by the backward; sorted segment_sum) or "scatter" (jnp.unique +
+unsorted scatter-add, the original path). Same results up to float rounding
+of the sums.
+grad_dtype: dtype the per-id activation gradients are gathered and exchanged
+in (float32 default; bfloat16 halves that traffic and rounds each per-id
+gradient once); duplicate sums and the optimizer math stay float32.
 """
 
 from __future__ import annotations
@@ -51,7 +61,13 @@ STATS = ("ids_out_of_range", "ids_overflow")
 class EmbeddingCollection:
     def __init__(self, specs: Sequence[TableSpec], plan: Any = None, mesh: Mesh | None = None,
                  *, replica_axes: Sequence[str] = (), batch_axes: Sequence[str] | None = None,
-                 **planner_kw):
+                 dedup: str = "sort", grad_dtype: Any = jnp.float32, **planner_kw):
+        if dedup not in routing.DEDUPS:
+            raise ValueError(f"dedup must be one of {routing.DEDUPS}, got {dedup!r}")
+        if jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"grad_dtype must be float32 or bfloat16, got {grad_dtype}")
+        self.dedup = dedup
+        self.grad_dtype = jnp.dtype(grad_dtype)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in {names}")
@@ -228,7 +244,8 @@ class EmbeddingCollection:
                 ids = jnp.mod(raw, spec.vocab) if spec.bounds == "hash" else jnp.clip(raw, 0, spec.vocab - 1)
                 model, fs_axes, _ = self._axes(name)
                 rows, res[name], over = routing.lookup_rows(
-                    state[self.unit_of[name]]["weights"], ids, valid, lay, caps[name], model, fs_axes)
+                    state[self.unit_of[name]]["weights"], ids, valid, lay, caps[name], model, fs_axes,
+                    dedup=self.dedup)
                 stats["ids_overflow"] += over
                 start = 0
                 for f, size in zip(fs, sizes):
@@ -281,7 +298,7 @@ class EmbeddingCollection:
                         per_id.append(_unpool_grads(ids, g_acts[f].astype(jnp.float32), spec.pooling))
                     else:
                         per_id.append(g_acts[f].astype(jnp.float32).reshape(-1, spec.dim))
-                g = jnp.concatenate(per_id)
+                g = jnp.concatenate(per_id).astype(self.grad_dtype)
                 if copies:   # devices holding a copy of another's batch add nothing
                     g = jnp.where(jax.lax.axis_index(copies) == 0, g, 0)
                 model, fs_axes, sync = self._axes(name)
@@ -291,7 +308,7 @@ class EmbeddingCollection:
                 local = lay.num_model == 1 and lay.num_fs == 1 and not sync
                 unit = self.unit_of[name]
                 new[unit] = routing.update_rows(new.get(unit, state[unit]), rows, grads,
-                                                spec.optimizer, rows_unique=local)
+                                                spec.optimizer, rows_unique=local, dedup=self.dedup)
             return new
 
         units = self._units_of(names)
@@ -309,7 +326,9 @@ def _pool(rows: Array, bag: Jagged, pooling: str) -> Array:
     """rows [T, D] per token -> [B, D] float32 sum / mean (padding tokens ignored)."""
     b = bag.num_samples
     rows = jnp.where(bag.mask[:, None], rows.astype(jnp.float32), 0)
-    summed = jax.ops.segment_sum(rows, bag.segment_ids, num_segments=b + 1)[:b]
+    # segment ids of a packed bag are non-decreasing (padding carries the sentinel B)
+    summed = jax.ops.segment_sum(rows, bag.segment_ids, num_segments=b + 1,
+                                 indices_are_sorted=True)[:b]
     if pooling == "mean":
         summed = summed / jnp.maximum(bag.lengths, 1)[:, None].astype(summed.dtype)
     return summed

@@ -16,6 +16,18 @@ and (2d / replicated) all-gathered over the replica axes so every replica
 applies the same update; `update_rows` dedupes again on the owner (sort +
 segment_sum) and runs the fused optimizer on the touched rows only.
 
+Duplicate summing, `dedup=`:
+  "sort"     one stable key-value sort of the ids gives the permutation `perm`
+             and each sorted position's unique index `seg` (a cumsum over run
+             starts, so non-decreasing); grads are summed as
+             segment_sum(g[perm], seg, indices_are_sorted=True): runs of equal
+             rows are contiguous, so the scatter-add meets few collisions.
+             The forward's sort is kept in the residual and reused.
+  "scatter"  jnp.unique(return_inverse) + segment_sum by the inverse (unsorted
+             scatter-add: hot rows collide); the original implementation.
+Both give the same unique ids in the same (ascending) order; sums may differ
+in float rounding only (summation order).
+
 Shapes (per device): ids [N] int32, weights [rows_per_shard, D], C static.
 Row indices use -1 for "no row".
 """
@@ -31,6 +43,54 @@ from gemjax.sparse.plans import Layout
 
 Array = Any
 INVALID = jnp.iinfo(jnp.int32).max
+DEDUPS = ("sort", "scatter")
+
+
+def sorted_unique(key: Array):
+    """key [N] int32 (INVALID = none) -> (uniq [N], perm [N], seg [N]) int32.
+
+    uniq: the distinct keys ascending, INVALID-filled past the last one (an
+    INVALID key, if any, is itself the last entry); perm: the stable sort
+    permutation (key[perm] ascending); seg: the unique index of each sorted
+    position, non-decreasing, so uniq[seg] == key[perm].
+    """
+    n = key.shape[0]
+    sk, perm = jax.lax.sort_key_val(key, jnp.arange(n, dtype=jnp.int32), is_stable=True)
+    start = jnp.concatenate([jnp.ones((1,), bool), sk[1:] != sk[:-1]])
+    seg = jnp.cumsum(start, dtype=jnp.int32) - 1
+    uniq = jnp.full((n,), INVALID, jnp.int32).at[jnp.where(start, seg, n)].set(
+        sk, mode="drop", indices_are_sorted=True, unique_indices=True)
+    return uniq, perm, seg
+
+
+def dedup_ids(key: Array, dedup: str):
+    """key [N] int32 (INVALID = none) -> (uniq [N], residual dict) for `dedup`.
+
+    residual: {"inv": [N]} (scatter) or {"perm": [N], "seg": [N]} (sort).
+    """
+    if dedup not in DEDUPS:
+        raise ValueError(f"dedup must be one of {DEDUPS}, got {dedup!r}")
+    n = key.shape[0]
+    if dedup == "scatter":
+        uniq, inv = jnp.unique(key, size=n, fill_value=INVALID, return_inverse=True)
+        return uniq, {"inv": inv.reshape(-1).astype(jnp.int32)}
+    uniq, perm, seg = sorted_unique(key)
+    return uniq, {"perm": perm, "seg": seg}
+
+
+def inverse(res: dict) -> Array:
+    """The unique index of every original position, [N] int32, from either residual."""
+    if "inv" in res:
+        return res["inv"]
+    return jnp.zeros_like(res["perm"]).at[res["perm"]].set(res["seg"], unique_indices=True)
+
+
+def sum_duplicates(g: Array, res: dict, num_segments: int) -> Array:
+    """Per-position grads g [N, D] -> per-unique-id sums [num_segments, D] float32."""
+    if "inv" in res:
+        return jax.ops.segment_sum(g.astype(jnp.float32), res["inv"], num_segments=num_segments)
+    return jax.ops.segment_sum(jnp.take(g, res["perm"], axis=0).astype(jnp.float32), res["seg"],
+                               num_segments=num_segments, indices_are_sorted=True)
 
 
 def _gather(weights: Array, rows: Array) -> Array:
@@ -41,22 +101,23 @@ def _gather(weights: Array, rows: Array) -> Array:
 
 
 def lookup_rows(weights: Array, ids: Array, valid: Array, lay: Layout, cap: int,
-                model_axes: tuple[str, ...], fs_axes: tuple[str, ...]):
+                model_axes: tuple[str, ...], fs_axes: tuple[str, ...], dedup: str = "sort"):
     """Rows for ids [N] (invalid where ~valid) -> (rows [N, D], residual, overflow count).
 
-    residual: {"inv": [N], "uniq": [N], "slot": [N], "recv": [S_m * C]} int32.
+    residual: {"uniq": [N], "slot": [N], "recv": [S_m * C]} int32, plus the
+    dedup residual ({"inv"} or {"perm", "seg"}, see `dedup_ids`).
     """
     n = ids.shape[0]
     key = jnp.where(valid, ids, INVALID)
-    uniq, inv = jnp.unique(key, size=n, fill_value=INVALID, return_inverse=True)
-    inv = inv.reshape(-1).astype(jnp.int32)
+    uniq, dres = dedup_ids(key, dedup)
     uvalid = uniq != INVALID
     if lay.num_model == 1 and lay.num_fs == 1:
         # local: gather straight from the ids (one [N, D] pass, fusable into pooling);
         # the unique ids are kept for the backward's dedupe.
-        res = {"inv": inv, "uniq": uniq, "slot": jnp.zeros((n,), jnp.int32),
+        res = {**dres, "uniq": uniq, "slot": jnp.zeros((n,), jnp.int32),
                "recv": jnp.zeros((1,), jnp.int32)}
         return _gather(weights, jnp.where(valid, ids, -1)), res, jnp.zeros((), jnp.int32)
+    inv = inverse(dres)
 
     s_m = lay.num_model
     m, l = lay.locate(jnp.where(uvalid, uniq, 0))
@@ -76,7 +137,7 @@ def lookup_rows(weights: Array, ids: Array, valid: Array, lay: Layout, cap: int,
     rows_u = _gather(back, jnp.where(slot < s_m * cap, slot, -1))
     dropped = uvalid & (slot >= s_m * cap)
     overflow = jnp.sum(dropped[inv] & valid, dtype=jnp.int32)
-    res = {"inv": inv, "uniq": uniq, "slot": slot, "recv": recv.reshape(-1)}
+    res = {**dres, "uniq": uniq, "slot": slot, "recv": recv.reshape(-1)}
     return rows_u[inv], res, overflow
 
 
@@ -109,13 +170,14 @@ def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[st
     the replica count after the fs2d / 2d all-gathers.
     """
     n = g.shape[0]
-    g_u = jax.ops.segment_sum(g, res["inv"], num_segments=n)          # [N, D] per unique id
+    g_u = sum_duplicates(g, res, n)                                   # [N, D] f32 per unique id
     if lay.num_model == 1 and lay.num_fs == 1:
         rows = jnp.where(res["uniq"] != INVALID, res["uniq"], -1)
         grads = g_u
     else:
         s_m = lay.num_model
-        send = jnp.zeros((s_m * cap, g.shape[1]), g.dtype).at[res["slot"]].set(g_u, mode="drop")
+        send = jnp.zeros((s_m * cap, g.shape[1]), g.dtype).at[res["slot"]].set(
+            g_u.astype(g.dtype), mode="drop")
         grads = jax.lax.all_to_all(send.reshape(s_m, cap, -1), model_axes, 0, 0, tiled=True)
         grads = grads.reshape(s_m * cap, -1)
         rows = res["recv"]
@@ -129,24 +191,29 @@ def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[st
 
 
 def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
-                rows_unique: bool = False) -> dict[str, Array]:
-    """Sum duplicate rows' grads (sort + segment_sum), apply the optimizer to those rows only.
+                rows_unique: bool = False, dedup: str = "sort") -> dict[str, Array]:
+    """Sum duplicate rows' grads, apply the optimizer to those rows only.
 
     state {"weights": [V, D], <opt>: [V, ...]}, rows [K] (-1 = none), grads [K, D].
-    rows_unique=True skips the dedupe (rows already distinct, as on the local path).
+    rows_unique=True skips the dedupe (rows already distinct and ascending, with
+    the none entries last, as `route_grads` gives them on the local path).
+    Each touched row and its state are read once and written once (one gather,
+    one fused update, one scatter per array); padding entries are dropped.
     """
     k = rows.shape[0]
     key = jnp.where(rows >= 0, rows, INVALID)
     if rows_unique:
         uniq, g_sum = key, grads.astype(jnp.float32)
     else:
-        uniq, inv = jnp.unique(key, size=k, fill_value=INVALID, return_inverse=True)
-        g_sum = jax.ops.segment_sum(grads.astype(jnp.float32), inv.reshape(-1), num_segments=k)
-    safe = jnp.where(uniq != INVALID, uniq, 0)
-    w = jnp.take(state["weights"], safe, axis=0)
-    opt = {name: jnp.take(a, safe, axis=0) for name, a in state.items() if name != "weights"}
+        uniq, dres = dedup_ids(key, dedup)
+        g_sum = sum_duplicates(grads, dres, k)
+    # uniq ascending with INVALID last: clipping keeps it sorted (the padding
+    # entries read the last row, and their writes are dropped)
+    w = state["weights"].at[uniq].get(indices_are_sorted=True, mode="clip")
+    opt = {name: a.at[uniq].get(indices_are_sorted=True, mode="clip")
+           for name, a in state.items() if name != "weights"}
     new_w, new_opt = optimizer.update(w, opt, g_sum)
-    out = {"weights": state["weights"].at[uniq].set(new_w, mode="drop")}
+    out = {"weights": state["weights"].at[uniq].set(new_w, mode="drop", indices_are_sorted=True)}
     for name, a in new_opt.items():
-        out[name] = state[name].at[uniq].set(a, mode="drop")
+        out[name] = state[name].at[uniq].set(a, mode="drop", indices_are_sorted=True)
     return out
