@@ -136,12 +136,12 @@ def _split(x, bits):
     return hi.astype(np.float32), (x - hi).astype(np.float32)
 
 
-def rope_tables(positions, d, theta):
-    """(cos, sin) [T, D/2] float32 for `rope`, accurate to ~1e-7 for positions < 2^16.
+def rope_freq_parts(d, theta):
+    """Split RoPE frequencies and 2*pi for `rope_angle`: ((f1, f2, f3) [D/2] f32, (c1, c2, c3)).
 
-    angle = pos * freq is formed without float32 rounding blow-up: freq and 2*pi are
-    split into short-mantissa parts (products with integer positions are exact) and
-    the angle is reduced to [-pi, pi] before cos/sin (Cody-Waite).
+    freq_i = theta ** (-2 i / D) = f1 + f2 + f3 with f1, f2 of 8 significant bits, so
+    products with integer positions < 2^16 are exact in float32; likewise
+    2*pi = c1 + c2 + c3 (python floats holding float32 values).
     """
     half = d // 2
     freq = float(theta) ** (-np.arange(half) * 2.0 / d)
@@ -149,10 +149,32 @@ def rope_tables(positions, d, theta):
     f2, f3 = _split(freq - f1.astype(np.float64), 8)
     c1, _ = _split(2 * np.pi, 8)
     c2, c3 = _split(2 * np.pi - np.float64(c1), 8)
+    return (f1, f2, f3), (float(c1), float(c2), float(c3))
+
+
+def rope_angle(p, f1, f2, f3, cs):
+    """Angle pos * freq reduced to about [-pi, pi] (Cody-Waite), float32.
+
+    p [..., 1] float32 integer-valued positions, f1/f2/f3 [1, D/2] from
+    rope_freq_parts, cs = its (c1, c2, c3). Written with ops the Pallas Triton
+    lowering has (floor, not round), so kernels share it.
+    """
+    c1, c2, c3 = (np.float32(c) for c in cs)
+    a1, a2 = p * f1, p * f2                                 # exact for pos < 2^16
+    n = jnp.floor((a1 + a2) * np.float32(1 / (2 * np.pi)) + np.float32(0.5))
+    return (((a1 - n * c1) - n * c2) + a2) - n * c3 + p * f3
+
+
+def rope_tables(positions, d, theta):
+    """(cos, sin) [T, D/2] float32 for `rope`, accurate to ~1e-7 for positions < 2^16.
+
+    angle = pos * freq is formed without float32 rounding blow-up: freq and 2*pi are
+    split into short-mantissa parts (products with integer positions are exact) and
+    the angle is reduced to [-pi, pi] before cos/sin (Cody-Waite).
+    """
+    (f1, f2, f3), cs = rope_freq_parts(d, theta)
     p = positions.astype(jnp.float32)[:, None]
-    a1, a2 = p * f1[None, :], p * f2[None, :]              # exact for pos < 2^16
-    n = jnp.round((a1 + a2) * np.float32(1 / (2 * np.pi)))
-    r = (((a1 - n * c1) - n * c2) + a2) - n * c3 + p * f3[None, :]
+    r = rope_angle(p, f1[None, :], f2[None, :], f3[None, :], cs)
     return jnp.cos(r), jnp.sin(r)
 
 

@@ -1,18 +1,240 @@
-"""BlockAttention on the Pallas Triton backend: block mask + RoPE fused into the tiles."""
+"""BlockAttention on the Pallas Triton backend: one program per (head, block), RoPE fused.
+
+A sample of length L splits into ceil(L / block) blocks; block n starts at token
+start[n] and holds len[n] <= block tokens. Each program loads its block's q, k, v
+rows ([block, D], at an unaligned start, rows past len masked to 0), rotates q and
+k in registers (RoPE angles computed in the kernel from the positions, Cody-Waite
+reduced as kernels.common.rope_tables), and does the whole softmax in one tile:
+no key loop, no online rescaling, no saved statistics.
+
+Backward: one program per (head, block) recomputes P from q and k and produces
+dQ, dK and dV together (a block is one tile, so nothing is shared across
+programs); delta = rowsum(P * dP) is formed in the tile (equal to rowsum(dO * O)),
+so O is not read. dQ and dK are rotated back before the store (RoPE backward fused).
+
+Rows of the packed buffer past offsets[-1] are covered by extra "tail" programs
+that store zeros, so every output row is written exactly once and nothing needs a
+memset. Blocks other than 16/32/64 (or 128 in 16-bit) use the tiled engine
+(kernels/jagged_flash.py) with a block mask.
+"""
+
+import functools
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
+from kernels.common import rope_angle, rope_freq_parts, segment_layout
 from kernels.jagged_flash import FlashConfig, jagged_flash
 
+F32 = jnp.float32
+
+# Tiled-engine fallback (blocks the per-block kernel does not take).
 TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
              num_warps_bwd=4, num_stages_bwd=2)
+# Per-block kernel knobs (defaults; benchmarks override them).
+BLOCK_KNOBS = dict(num_warps=4, num_stages=1, num_warps_bwd=4, num_stages_bwd=1)
+
+
+def per_block_kernel_fits(block, dtype):
+    """Whether the one-program-per-block kernel takes this block size (else tiled engine)."""
+    if block in (16, 32, 64):
+        return True
+    return block == 128 and jnp.dtype(dtype).itemsize == 2
+
+
+def block_table(offsets, capacity, block):
+    """Per program n: (start [NB], len [NB], write_len [NB]) int32, NB static.
+
+    Real blocks first (sample by sample), then tail programs covering rows
+    offsets[-1]..capacity (len 0: they store zeros), then idle programs
+    (write_len 0). NB = ceil(capacity / block) + B + 1 bounds the count.
+    """
+    b = offsets.shape[0] - 1
+    nb = -(-capacity // block) + b + 1
+    offsets = offsets.astype(jnp.int32)
+    lengths = offsets[1:] - offsets[:-1]
+    nblk = (lengths + block - 1) // block
+    base = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk).astype(jnp.int32)])
+    seg, idx = segment_layout(base, nb)                  # block n -> (sample, block in sample)
+    real = seg < b
+    s = jnp.clip(seg, 0, max(b - 1, 0))
+    start = jnp.take(offsets, s) + idx * block
+    ln = jnp.clip(jnp.take(lengths, s) - idx * block, 0, block)
+    tail_i = jnp.arange(nb, dtype=jnp.int32) - base[-1]
+    tail_start = offsets[-1] + tail_i * block
+    tail_w = jnp.clip(capacity - tail_start, 0, block)
+    start = jnp.where(real, start, jnp.where(tail_w > 0, tail_start, 0))
+    return (start.astype(jnp.int32), jnp.where(real, ln, 0).astype(jnp.int32),
+            jnp.where(real, ln, tail_w).astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def _dot(a, b, dims):
+    prec = lax.Precision.HIGHEST if a.dtype == F32 else None  # fp32: IEEE, not TF32
+    return lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=F32)
+
+
+def _load(ref, rows, cols, valid):
+    return plgpu.load(ref.at[rows, cols], mask=valid[:, None], other=0)
+
+
+def _rotated(ref, rows, valid, cos, sin):
+    """The block's rows of `ref` rotated by RoPE, as two [block, D/2] halves (ref dtype)."""
+    half = ref.shape[-1] // 2
+    x1 = _load(ref, rows, pl.ds(0, half), valid).astype(F32)
+    x2 = _load(ref, rows, pl.ds(half, half), valid).astype(F32)
+    dt = ref.dtype
+    return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
+
+
+def _setup(tab_refs, pos_ref, f_refs, block, cs):
+    """(rows, valid [block], write [block], cos, sin [block, D/2]) of this program."""
+    start_ref, len_ref, wlen_ref = tab_refs
+    n = pl.program_id(1)
+    start, ln, wl = start_ref[n], len_ref[n], wlen_ref[n]
+    rows = pl.ds(start, block)
+    r = lax.broadcasted_iota(jnp.int32, (block,), 0)
+    valid, write = r < ln, r < wl
+    p = plgpu.load(pos_ref.at[rows], mask=valid, other=0).astype(F32)[:, None]
+    f1, f2, f3 = (f[...][None, :] for f in f_refs)
+    a = rope_angle(p, f1, f2, f3, cs)
+    return rows, valid, write, jnp.cos(a), jnp.sin(a)
+
+
+def _probs(q1, q2, k1, k2, valid, scale):
+    """Softmax probabilities [block, block] f32 of one block; invalid rows/cols are 0."""
+    s = (_dot(q1, k1, ((1,), (1,))) + _dot(q2, k2, ((1,), (1,)))) * scale
+    both = valid[:, None] & valid[None, :]
+    s = jnp.where(both, s, -1e30)
+    p = jnp.exp(s - jnp.max(s, axis=1)[:, None])
+    p = jnp.where(both, p, 0.0)
+    l = jnp.sum(p, axis=1)
+    return p / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def _store(ref, rows, write, x):
+    plgpu.store(ref.at[rows, :], x.astype(ref.dtype), mask=write[:, None])
+
+
+def _store_halves(ref, rows, write, g1, g2, cos, sin):
+    """Store a gradient given w.r.t. the rotated halves, rotated back (RoPE^T)."""
+    half = ref.shape[-1] // 2
+    plgpu.store(ref.at[rows, pl.ds(0, half)], (g1 * cos + g2 * sin).astype(ref.dtype),
+                mask=write[:, None])
+    plgpu.store(ref.at[rows, pl.ds(half, half)], (g2 * cos - g1 * sin).astype(ref.dtype),
+                mask=write[:, None])
+
+
+def _fwd_kernel(st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
+                o_ref, *, block, scale, cs):
+    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), pos_ref,
+                                          (f1_ref, f2_ref, f3_ref), block, cs)
+    q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
+    k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
+    v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
+    p = _probs(q1, q2, k1, k2, valid, scale)
+    _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
+
+
+def _bwd_kernel(st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
+                do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs):
+    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), pos_ref,
+                                          (f1_ref, f2_ref, f3_ref), block, cs)
+    q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
+    k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
+    v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
+    do = _load(do_ref, rows, pl.ds(0, do_ref.shape[-1]), valid)
+    p = _probs(q1, q2, k1, k2, valid, scale)
+    _store(dv_ref, rows, write, _dot(p.astype(do.dtype), do, ((0,), (0,))))
+    dp = _dot(do, v, ((1,), (1,)))
+    delta = jnp.sum(p * dp, axis=1)
+    ds = (p * (dp - delta[:, None]) * scale).astype(q1.dtype)
+    nn, tn = ((1,), (0,)), ((0,), (0,))
+    _store_halves(dq_ref, rows, write, _dot(ds, k1, nn), _dot(ds, k2, nn), cos, sin)
+    _store_halves(dk_ref, rows, write, _dot(ds, q1, tn), _dot(ds, q2, tn), cos, sin)
+
+
+# ------------------------------------------------------------------------ pallas calls
+
+def _full(shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
+    block, knobs, interpret, scale, cs = cfg
+    tp, h, d = xs[0].shape
+    nb = tab[0].shape[0]
+    x_spec = pl.BlockSpec((tp, None, d), lambda hh, n: (0, hh, 0))
+    in_specs = [_full((nb,))] * 3 + [_full((tp,))] + [_full((d // 2,))] * 3 + [x_spec] * len(xs)
+    sfx = "_bwd" if bwd else ""
+    params = plgpu.CompilerParams(num_warps=knobs["num_warps" + sfx],
+                                  num_stages=knobs["num_stages" + sfx])
+    out = pl.pallas_call(
+        functools.partial(kernel, block=block, scale=scale, cs=cs), grid=(h, nb),
+        in_specs=in_specs, out_specs=[x_spec] * n_out,
+        out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
+        compiler_params=params, interpret=interpret,
+        name="block_attention" + (sfx or "_fwd"),
+    )(*tab, pos, *freqs, *xs)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block_attn(cfg, q, k, v, tab, pos, freqs):
+    return _call(_fwd_kernel, 1, cfg, tab, pos, freqs, (q, k, v), False)[0]
+
+
+def _block_attn_fwd(cfg, q, k, v, tab, pos, freqs):
+    return _block_attn(cfg, q, k, v, tab, pos, freqs), (q, k, v, tab, pos, freqs)
+
+
+def _block_attn_bwd(cfg, res, do):
+    q, k, v, tab, pos, freqs = res
+    dq, dk, dv = _call(_bwd_kernel, 3, cfg, tab, pos, freqs, (q, k, v, do), True)
+    int_zero = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+    return (dq, dk, dv, tuple(int_zero(t) for t in tab), int_zero(pos),
+            tuple(jnp.zeros_like(f) for f in freqs))
+
+
+_block_attn.defvjp(_block_attn_fwd, _block_attn_bwd)
 
 
 def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_theta=10_000.0,
-                           sm_scale=None, **tiles):
-    """Same contract as kernels.block_attention.block_attention."""
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    cfg = FlashConfig(mode="softmax", scale=float(sm_scale), block=block, rope=True,
-                      interpret=jax.default_backend() != "gpu", **{**TILES, **tiles})
-    return jagged_flash(cfg, q, k, v, offsets, offsets, rope_positions=positions,
-                        rope_theta=float(rope_theta))
+                           sm_scale=None, **knobs):
+    """Same contract as kernels.block_attention.block_attention.
+
+    knobs: num_warps, num_stages, num_warps_bwd, num_stages_bwd of the per-block
+    kernel, or FlashConfig tiles when the block goes to the tiled engine.
+    """
+    t, _, d = q.shape
+    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    interpret = jax.default_backend() != "gpu"
+    if not per_block_kernel_fits(block, q.dtype):
+        cfg = FlashConfig(mode="softmax", scale=float(sm_scale), block=block, rope=True,
+                          interpret=interpret, **{**TILES, **knobs})
+        return jagged_flash(cfg, q, k, v, offsets, offsets, rope_positions=positions,
+                            rope_theta=float(rope_theta))
+    if d % 32:
+        raise ValueError(f"pallas block_attention: head dim D={d} must be a multiple of 32 "
+                         "(Triton dots need D/2 >= 16); use impl='reference'")
+    unknown = set(knobs) - set(BLOCK_KNOBS)
+    if unknown:
+        raise ValueError(f"block_attention_pallas: unknown knobs {sorted(unknown)} for the "
+                         f"per-block kernel (have {sorted(BLOCK_KNOBS)})")
+    offsets = offsets.astype(jnp.int32)
+    if positions is None:
+        positions = segment_layout(offsets, t)[1]
+    tab = block_table(offsets, t, block)
+    # On GPU masked lanes never touch memory, so reads past T are harmless. Interpret
+    # mode slices with clamped starts instead: pad there so every block read fits.
+    pad = (lambda x: jnp.pad(x, [(0, block)] + [(0, 0)] * (x.ndim - 1))) if interpret else (
+        lambda x: x)
+    (f1, f2, f3), cs = rope_freq_parts(d, rope_theta)
+    freqs = tuple(jnp.asarray(f) for f in (f1, f2, f3))
+    cfg = (block, {**BLOCK_KNOBS, **knobs}, interpret, float(sm_scale), cs)
+    out = _block_attn(cfg, pad(q), pad(k), pad(v), tab, pad(positions.astype(jnp.int32)), freqs)
+    return out[:t]
