@@ -170,7 +170,9 @@ def step_collectives(spec: MeshSpec, work: Workload, layout: Layout = Layout(),
                               params * work.param_bytes, net, count=2))
         out.append(collective(f"{label} grad reduce-scatter", "reduce_scatter", spec, layout.fsdp,
                               params * work.grad_bytes, net))
-        out.append(collective(f"{label} grad all-reduce", "all_reduce", spec, layout.replica,
+        replica = layout.replica if label == "dense" else tuple(a for a in layout.replica
+                                                                 if a not in layout.expert)
+        out.append(collective(f"{label} grad all-reduce", "all_reduce", spec, replica,
                               params * work.grad_bytes / n_fsdp, net))
     if work.expert_tokens_per_sample and work.d_model:
         tok = work.local_batch * work.expert_tokens_per_sample * work.d_model * work.act_bytes
@@ -225,6 +227,47 @@ def calibrate(predictions: list[dict], measured_step_s: list[float]) -> dict:
             a, b = 0.0, float(A[:, 1] @ y / (A[:, 1] @ A[:, 1]))
     fit = A @ np.array([a, b])
     return {"compute_scale": float(a), "comm_scale": float(b), "max_rel_error": float(np.max(np.abs(fit - y) / y))}
+
+
+def calibrate_compute(work: Workload, measured_step_s: float, peak: float) -> float:
+    """The one compute scale, from a 1-device step (no communication): effective MFU.
+
+    Returns e = 3 F B / (peak x measured) (F forward FLOPs per sample, B local batch),
+    so ``predict(..., local_mfu=e)`` reproduces the 1-device step exactly and every
+    other mesh's prediction adds only its modelled communication.
+    """
+    if measured_step_s <= 0 or peak <= 0:
+        raise ValueError(f"calibrate_compute: measured_step_s and peak must be > 0, got {measured_step_s}, {peak}")
+    flops = 3 * work.forward_flops_per_sample * work.local_batch
+    if flops <= 0:
+        raise ValueError("calibrate_compute: work.forward_flops_per_sample x local_batch must be > 0")
+    e = flops / (peak * measured_step_s)
+    if e > 1:
+        raise ValueError(f"calibrate_compute: implied MFU {e:.3f} > 1 (FLOPs or peak wrong)")
+    return float(e)
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured."""
+    if measured <= 0:
+        raise ValueError(f"relative_error: measured must be > 0, got {measured}")
+    return (float(predicted) - float(measured)) / float(measured)
+
+
+def layout_for(axis_names: tuple[str, ...], fsdp_axes: tuple[str, ...] = ("fsdp",),
+               table_replica_axes: tuple[str, ...] = ("replica",), expert_axes: tuple[str, ...] = ("expert",)) -> Layout:
+    """The trainer's layout (gemjax.train.step) on a mesh with ``axis_names``.
+
+    Dense params FSDP over fsdp_axes and replicated over every other axis (the batch
+    is sharded over all axes, so gradients are all-reduced over the rest); experts
+    over expert_axes; tables row-wise over the axes not in table_replica_axes
+    (sparse model-parallel group) and copied / copy-sharded over table_replica_axes.
+    """
+    fsdp = tuple(a for a in fsdp_axes if a in axis_names)
+    return Layout(fsdp=fsdp, replica=tuple(a for a in axis_names if a not in fsdp),
+                  expert=tuple(a for a in expert_axes if a in axis_names),
+                  sparse_mp=tuple(a for a in axis_names if a not in table_replica_axes),
+                  sparse_copy=tuple(a for a in table_replica_axes if a in axis_names))
 
 
 def default_mesh(n_gpus: int, expert: int = 2, fsdp_max: int = 128) -> MeshSpec:

@@ -213,15 +213,16 @@ def scaling_ratio(e2e_mfu: float, local: float) -> float:
 
 
 def time_fn(fn: Callable, *args: Any, warmup: int = 2, iters: int = 10,
-            clock: Callable[[], float] = time.perf_counter) -> float:
+            clock: Callable[[], float] = time.perf_counter, jit: bool = True) -> float:
     """Median seconds of one ``jax.jit(fn)(*args)`` call (compiled, on the default device).
 
-    Blocks on every call's outputs, so it times the device work alone (no overlap
-    with the next call).
+    jit=False: fn is already jitted or compiled (e.g. ``jit(f).lower(...).compile()``)
+    and is called as is. Blocks on every call's outputs, so it times the device
+    work alone (no overlap with the next call).
     """
     if iters < 1:
         raise ValueError(f"time_fn: iters must be >= 1, got {iters}")
-    f = jax.jit(fn)
+    f = jax.jit(fn) if jit else fn
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
     times = []

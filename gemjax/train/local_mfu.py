@@ -1,0 +1,335 @@
+"""Local MFU of the GEM teacher: each top-level block timed alone on one device.
+
+GEM's definition (DESIGN.md section 2): every layer runs alone on one GPU, forward +
+backward, no recompute, no communication; Local MFU is the FLOP-weighted mean of
+the per-layer MFUs (``mfu.local_mfu``). The blocks, in model order, at the
+per-device batch (B samples, one device's packed sequences):
+
+  inputs                  dense projection, feature tokens, sequence field sums
+  pyramid                 ParallelPyramid: block attention + per-block pooling
+  interformer{i}.cross    Cross Arch: x_sum, s_sum (PMA = GDPA)
+  interformer{i}.interaction   Wukong (or the mixture of Wukong experts) on [x | s_sum]
+  interformer{i}.sequence Sequence Arch: personalized FFN (GDPA), self-attention,
+                          FFN, CLS attention
+  final_cross             the last Cross Arch
+  head                    multi-domain head -> logits
+
+Each block's training work is ``jax.vjp`` of its forward with a random cotangent:
+gradients for its parameters AND its inputs (what the real backward computes).
+Inputs are the real activations of the model's own forward on that batch
+(``teacher_forward``; it reproduces GEMTeacher.__call__, checked in the tests).
+
+FLOPs of a block (``Block.flops``) = XLA's cost analysis of its compiled
+fwd+bwd + ``3 x`` the forward attention FLOPs over valid jagged pairs
+(``mfu.attention_flops``) of every attention call that runs in a Pallas kernel
+on this backend (XLA's count cannot see inside a Pallas custom call; where the
+jnp reference runs instead, e.g. on CPU, XLA already counts it and nothing is
+added). ``step_attention_flops`` gives the same Pallas term for a whole train
+step, so E2E FLOPs = XLA step FLOPs + Pallas attention FLOPs, counted the same
+way as the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemjax.config import Config
+from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
+from gemjax.train import mfu
+
+# --------------------------------------------------------------------------- attention calls
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One kernels/ attention call of the teacher's forward, with its jagged lengths.
+
+    op: "gdpa" | "softmax" | "block" (kernels.gdpa / jagged_attention / block_attention);
+    q_lengths, kv_lengths: [N] per-segment lengths of the call's offsets.
+    """
+
+    block: str
+    name: str
+    op: str
+    q_lengths: np.ndarray
+    kv_lengths: np.ndarray
+    heads: int
+    head_dim: int
+    block_size: int | None = None
+
+    @property
+    def forward_flops(self) -> int:
+        """4 H D x valid (query, key) pairs (mfu.attention_flops)."""
+        return mfu.attention_flops(self.q_lengths, self.kv_lengths, heads=self.heads,
+                                   head_dim=self.head_dim, block=self.block_size)
+
+
+def runs_in_pallas(op: str, head_dim: int, backend: str | None = None) -> bool:
+    """Whether kernels/ picks its Pallas kernel for ``op`` (impl=None) on ``backend``.
+
+    Mirrors the ops' rule: GPU only, head dim a multiple of 32 for block_attention,
+    of 16 for gdpa and jagged_attention.
+    """
+    backend = backend or jax.default_backend()
+    return backend == "gpu" and head_dim % (32 if op == "block" else 16) == 0
+
+
+def _hp(cfg: Config, name: str):
+    from gemjax.models.interformer import _hp as hp
+    return hp(cfg, name)
+
+
+def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray]) -> list[AttentionCall]:
+    """Every attention call of GEMTeacher's forward on one device's batch, in call order.
+
+    seq_lengths: {sequence name: [B] tokens per sample} (the batch's jagged lengths).
+    """
+    m = cfg.model
+    heads, hd = m.seq_heads, m.dim // m.seq_heads
+    blk = int(m.block)
+    levels = _hp(cfg, "pyramid_levels") or ((blk, 4, 1), (blk, None, 1))
+    calls: list[AttentionCall] = []
+
+    def add(block, name, op, q, kv, block_size=None):
+        calls.append(AttentionCall(block, name, op, np.asarray(q, np.int64), np.asarray(kv, np.int64),
+                                   heads, hd, block_size))
+
+    top = []
+    for s in SEQUENCES:
+        lengths = np.asarray(seq_lengths[s], np.int64)
+        for li, (b, pooled, layers) in enumerate(levels):
+            for j in range(layers):
+                add("pyramid", f"{s}.level{li}.attn{j}", "block", lengths, lengths, b)
+            if pooled is not None:
+                runs = [np.minimum(b, np.maximum(n - b * np.arange(-(-n // b)), 0)) for n in lengths]
+                kv = np.concatenate(runs) if runs else np.zeros(0, np.int64)
+                add("pyramid", f"{s}.level{li}.pool", "softmax", np.full(kv.shape, pooled), kv)
+                lengths = -(-lengths // b) * pooled
+        top.append(lengths)
+    merged = np.sum(top, axis=0)
+    b_samples = merged.shape[0]
+    c, p, r = (_hp(cfg, k) for k in ("cls_tokens", "pma_tokens", "recent_tokens"))
+    msum = _hp(cfg, "summary_tokens")
+    del r
+
+    def cross(block):
+        if p:
+            add(block, "pma", "gdpa", np.full(b_samples, p), merged)
+
+    for i in range(_hp(cfg, "interformer_layers")):
+        cross(f"interformer{i}.cross")
+        blk_name = f"interformer{i}.sequence"
+        add(blk_name, "pffn", "gdpa", merged, np.full(b_samples, msum))
+        op = {"block": "block", "softmax": "softmax", "gdpa": "gdpa"}[m.attention]
+        add(blk_name, "self_attn", op, merged, merged, blk if op == "block" else None)
+        if c:
+            add(blk_name, "cls_attn", "softmax", np.full(b_samples, c), merged)
+    cross("final_cross")
+    return calls
+
+
+def pallas_attention_flops(calls: Sequence[AttentionCall], backend: str | None = None) -> dict[str, float]:
+    """{block: fwd+bwd FLOPs (3 x forward) of its calls that run in Pallas kernels}."""
+    out: dict[str, float] = {}
+    for c in calls:
+        if runs_in_pallas(c.op, c.head_dim, backend):
+            out[c.block] = out.get(c.block, 0.0) + float(mfu.train_step_flops(c.forward_flops))
+    return out
+
+
+def shard_seq_lengths(batch, num_shards: int) -> list[dict[str, np.ndarray]]:
+    """Per device shard {sequence: [B_local] lengths} of a host batch of concatenated shards."""
+    out = [dict() for _ in range(num_shards)]
+    for s, jag in batch.sequences.items():
+        off = np.asarray(jag.offsets).reshape(num_shards, -1)
+        for i in range(num_shards):
+            out[i][s] = np.diff(off[i])
+    return out
+
+
+def step_attention_flops(cfg: Config, batch, num_shards: int, backend: str | None = None) -> float:
+    """Pallas attention FLOPs (fwd+bwd) of one train step over all shards of ``batch``.
+
+    Add to XLA's step count (per device x devices) for the E2E FLOPs; 0 where no
+    attention runs in Pallas (then XLA's own count includes the jnp attention).
+    """
+    if cfg.model.kind != "teacher":
+        raise ValueError(f"step_attention_flops: model.kind must be 'teacher', got {cfg.model.kind!r}")
+    return float(sum(sum(pallas_attention_flops(attention_calls(cfg, lens), backend).values())
+                     for lens in shard_seq_lengths(batch, num_shards)))
+
+
+# --------------------------------------------------------------------------- the teacher's forward, block by block
+
+
+def teacher_inputs(model, acts: dict, batch):
+    """GEMTeacher's token assembly: -> (x [B, n, D], {seq: (tokens [T, D], jagged)})."""
+    b = batch.dense.shape[0]
+    tokens = [acts[f][:, None, :] for f in SPARSE_FEATURES]
+    tokens.append(model.dense_proj(batch.dense).reshape(b, model.dense_tokens, model.dim))
+    x = jnp.concatenate([t.astype(model.dtype) for t in tokens], axis=1)
+    seqs = {s: (sum(acts[f"{s}.{f}"] for f in SEQUENCE_FIELDS).astype(model.dtype), batch.sequences[s])
+            for s in SEQUENCES}
+    return x, seqs
+
+
+def _interaction(layer, tokens):
+    return layer.interaction(tokens)[0] if layer.use_experts else layer.interaction(tokens)
+
+
+def teacher_forward(model, acts: dict, batch) -> dict:
+    """GEMTeacher.__call__ unrolled; returns every block's inputs and the logits.
+
+    {"x", "seqs", "seq", "jagged", "layers": [{"x", "seq", "cls", "x_sum", "tokens"}],
+     "final": {"x", "seq", "cls"}, "summary" [B, F], "logits" [B, K]}
+    """
+    x, seqs = teacher_inputs(model, acts, batch)
+    seq, jag = model.pyramid(seqs)
+    inter = model.interformer
+    b = x.shape[0]
+    if inter.cls_tokens:
+        cls = jnp.broadcast_to(inter.cls_init[...].astype(inter.dtype), (b, inter.cls_tokens, inter.dim))
+    else:
+        cls = jnp.zeros((b, 0, inter.dim), inter.dtype)
+    out = {"x": x, "seqs": seqs, "seq": seq, "jagged": jag, "layers": []}
+    seq = jnp.where(jag.mask[:, None], seq, 0)
+    for layer in inter.layers:
+        x, seq, cls = x.astype(layer.dtype), seq.astype(layer.dtype), cls.astype(layer.dtype)
+        x_sum, s_sum = layer.cross(x, seq, cls, jag)
+        tokens = jnp.concatenate([x, s_sum], axis=1)
+        out["layers"].append({"x": x, "seq": seq, "cls": cls, "x_sum": x_sum, "tokens": tokens})
+        x_new = _interaction(layer, tokens)
+        seq, cls = layer.sequence_arch(seq, cls, x_sum, jag)
+        x = x_new
+    out["final"] = {"x": x, "seq": seq, "cls": cls}
+    x_sum, s_sum = inter.final_cross(x, seq, cls, jag)
+    out["summary"] = jnp.concatenate([x_sum, s_sum], axis=1).reshape(b, -1)
+    out["logits"] = model.head(out["summary"], batch.surface)
+    return out
+
+
+@dataclasses.dataclass
+class Block:
+    """One block's training work: ``fn(*args)`` = vjp of its forward (params and inputs)."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    pallas_flops: float = 0.0      # 3 x forward attention FLOPs run in Pallas (invisible to XLA)
+
+
+def _inputs_call(model, acts, dense, sequences):
+    """teacher_inputs -> (x, {seq: tokens}) (the jagged layouts are not differentiated)."""
+    x, seqs = teacher_inputs(model, acts, types.SimpleNamespace(dense=dense, sequences=sequences))
+    return x, {s: v for s, (v, _) in seqs.items()}
+
+
+_SEQUENCE_ARCH = ("pffn_norm", "pffn", "attn_norm", "self_attn", "ffn_norm", "ffn", "cls_norm", "cls_attn")
+
+
+def _block(name: str, module, call: Callable, diff: tuple, static: tuple, key, param_filter=nnx.Param) -> Block:
+    """vjp of call(module, *diff, *static) w.r.t. (the filtered params, diff), random cotangent."""
+    graphdef, params, rest = nnx.split(module, param_filter, ...)
+
+    def forward(params, rest, diff, static):
+        return call(nnx.merge(graphdef, params, rest), *diff, *static)
+
+    shapes = jax.eval_shape(forward, params, rest, diff, static)
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    cot = jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype)
+                                    for k, s in zip(keys, leaves)])
+
+    def train(params, rest, diff, static, cot):
+        out, pull = jax.vjp(lambda p, d: forward(p, rest, d, static), params, diff)
+        return out, pull(cot)
+
+    return Block(name, train, (params, rest, diff, static, cot))
+
+
+def teacher_blocks(model, acts: dict, batch, seed: int = 0) -> list[Block]:
+    """The teacher's top-level blocks (module docstring) on one device's batch.
+
+    model: a GEMTeacher; acts: {feature: [B, D]}, {"<seq>.<field>": [T, D]};
+    batch: a device-local Batch (arrays on the default device).
+    """
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda st, a, bt: teacher_forward(nnx.merge(graphdef, st), a, bt))(state, acts, batch)
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    inter = model.interformer
+    blocks = [_block("inputs", model, _inputs_call, (acts,), (batch.dense, batch.sequences), next(keys),
+                     nnx.All(nnx.Param, nnx.PathContains("dense_proj")))]
+    jags = {s: j for s, (_, j) in fwd["seqs"].items()}
+    blocks.append(_block("pyramid", model.pyramid,
+                         lambda m, v, j: m({s: (v[s], j[s]) for s in v})[0],
+                         ({s: t for s, (t, _) in fwd["seqs"].items()},), (jags,), next(keys)))
+    jag = fwd["jagged"]
+    for i, (layer, st) in enumerate(zip(inter.layers, fwd["layers"])):
+        blocks.append(_block(f"interformer{i}.cross", layer.cross,
+                             lambda m, x, s, c, j: m(x, s, c, j), (st["x"], st["seq"], st["cls"]), (jag,),
+                             next(keys)))
+        blocks.append(_block(f"interformer{i}.interaction", layer, lambda m, t: _interaction(m, t),
+                             (st["tokens"],), (), next(keys),
+                             nnx.All(nnx.Param, nnx.PathContains("interaction"))))
+        blocks.append(_block(f"interformer{i}.sequence", layer,
+                             lambda m, s, c, xs, j: m.sequence_arch(s, c, xs, j),
+                             (st["seq"], st["cls"], st["x_sum"]), (jag,), next(keys),
+                             nnx.All(nnx.Param, nnx.Any(*(nnx.PathContains(n) for n in _SEQUENCE_ARCH)))))
+    fin = fwd["final"]
+    blocks.append(_block("final_cross", inter.final_cross, lambda m, x, s, c, j: m(x, s, c, j),
+                         (fin["x"], fin["seq"], fin["cls"]), (jag,), next(keys)))
+    blocks.append(_block("head", model.head, lambda m, h, surf: m(h, surf), (fwd["summary"],),
+                         (batch.surface,), next(keys)))
+    return blocks
+
+
+def random_acts(cfg: Config, batch, key, scale: float = 0.1) -> dict:
+    """Stand-in looked-up embeddings for ``batch`` (float32, like the tables)."""
+    d = cfg.model.dim
+    b = batch.dense.shape[0]
+    shapes = {f: (b, d) for f in SPARSE_FEATURES}
+    for s in SEQUENCES:
+        t = batch.sequences[s].capacity
+        shapes.update({f"{s}.{f}": (t, d) for f in SEQUENCE_FIELDS})
+    keys = jax.random.split(key, len(shapes))
+    return {f: scale * jax.random.normal(k, shp, jnp.float32) for k, (f, shp) in zip(keys, shapes.items())}
+
+
+def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, warmup: int = 2,
+            backend: str | None = None, timer: Callable | None = None) -> dict:
+    """Local MFU of the teacher on one device's ``batch`` (numpy or device Batch).
+
+    Returns mfu.local_mfu_report's dict, each layer row extended with xla_flops and
+    pallas_flops (flops = their sum), plus "model_flops" (sum over layers).
+    """
+    from gemjax.models.gem import build_model
+    if cfg.model.kind != "teacher":
+        raise ValueError(f"local_mfu.measure: model.kind must be 'teacher', got {cfg.model.kind!r}")
+    dev_batch = jax.device_put(batch)
+    model = build_model(cfg, nnx.Rngs(seed))
+    acts = random_acts(cfg, dev_batch, jax.random.key(seed + 1))
+    blocks = teacher_blocks(model, acts, dev_batch, seed)
+    lens = {s: np.diff(np.asarray(batch.sequences[s].offsets)) for s in SEQUENCES}
+    pallas = pallas_attention_flops(attention_calls(cfg, lens), backend)
+    layers, extra = [], {}
+    for blk in blocks:
+        compiled = jax.jit(blk.fn).lower(*blk.args).compile()
+        xla = mfu.compiled_flops(compiled)
+        p = pallas.get(blk.name, 0.0)
+        extra[blk.name] = (xla, p)
+        layers.append((blk.name, compiled, blk.args, xla + p))
+    kw = {} if timer is not None else {"timer": lambda f, *a: mfu.time_fn(f, *a, warmup=warmup, iters=iters,
+                                                                         jit=False)}
+    report = mfu.local_mfu_report(layers, peak, **({"timer": timer} if timer is not None else kw))
+    for row in report["layers"]:
+        row["xla_flops"], row["pallas_flops"] = extra[row["name"]]
+    report["model_flops"] = float(sum(r["flops"] for r in report["layers"]))
+    report["samples"] = int(batch.dense.shape[0])
+    return report
