@@ -1,24 +1,46 @@
-"""Sparse embedding step on one GPU: routed lookup + fused row-wise Adagrad vs naive JAX.
+"""Sparse embedding step: routed lookup + fused row-wise Adagrad, every dedup variant vs naive JAX.
 
     PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=.97 python3 experiments/bench_sparse.py \
         --vocab=100000000 --dim=128 --batch=65536 --ids_per_sample=20 --out=$OUT/bench_sparse.json
+    ... --shard            the same table row-wise over every local GPU (global batch --batch)
 
-Rows:
-  gemjax     EmbeddingCollection lookup + apply_gradients (row-wise Adagrad), state donated
-  lookup     the lookup alone
-  naive      jnp.take + jax.grad w.r.t. the whole table + optax.adagrad (dense [V, D] grad)
-  probe      gemjax at growing vocab sizes: the largest that trains (--probe_rows)
+Rows (each timed as its own jitted program, median of --steps; no profiler):
+  step     lookup + apply_gradients of EmbeddingCollection, state donated, per variant
+  lookup   coll.lookup alone
+  apply    coll.apply_gradients alone (fixed residuals and grads, state donated)
+  dedup    the id dedupe alone (1 device): "sort" = one stable key-value sort +
+           run starts + cumsum; "scatter" = jnp.unique(return_inverse)
+  dupsum   summing the N per-id grads [N, D] per unique id alone (1 device)
+  update   the fused row-wise Adagrad on the unique rows alone (1 device: gather
+           rows + accumulators, update, scatter back; donated)
+  naive    jnp.take + jax.grad w.r.t. the whole table + optax.adagrad (dense [V, D]
+           grad), at the first size of --naive_rows that fits (1 device only)
+  probe    the sort step at growing vocab sizes (--probe_rows; empty to skip)
+Variants: --variants among scatter (the original jnp.unique + unsorted
+scatter-add), sort (stable sort reused by the backward, sorted segment_sum),
+sort_bf16 (sort, per-id grads gathered in bfloat16).
 
 Ids: Zipf(--zipf) over [0, vocab) (truncated by resampling), scattered over the
-table by a multiplicative hash. Effective bandwidth counts, per step,
-  table bytes  = U*D*4 (gather) + 2 * U*(D*4 + 4) (read + write rows and accumulators)
-  all bytes    = table bytes + activations written + activation grads read
-with U the unique ids of the batch, over the measured step time, against the
-3.6 TB/s HBM copy rate measured on the H200.
+table by a multiplicative hash, N = batch * ids_per_sample per step, U = the
+distinct ids of the (global) batch, averaged over the 3 batches cycled. Bytes
+per step, D = dim, fp32 rows (4 bytes per element), a 4-byte accumulator per row:
+  unique-row convention (the bytes a perfect kernel must move):
+    lookup  4*U*D                    each distinct row read once
+    update  2*U*(4*D + 4)            each distinct row + accumulator read and written once
+    step / apply = lookup + update / update
+  every-id convention (FBGEMM TBE benchmarks: each id's row counted):
+    lookup  4*N*D + 4*A              every id's row read, activations written
+    update  2*N*(4*D + 4) + 4*A      every id's row + accumulator read and written,
+                                     activation grads read
+    step = both; apply = update
+  with A = batch*D pooled activations (N*D with --pooling=none). TB/s = bytes /
+  median time; %HBM against --hbm_tbps (3.6 TB/s, the H200 copy rate) x devices.
+The table (last) lists every row; the JSON (--out) holds the rows and flags.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -26,22 +48,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
-from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TableSpec
+from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TableSpec, routing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("vocab", 100_000_000, "rows of the table")
 flags.DEFINE_integer("dim", 128, "embedding width")
-flags.DEFINE_integer("batch", 65_536, "samples per step")
+flags.DEFINE_integer("batch", 65_536, "samples per step (global, split over devices with --shard)")
 flags.DEFINE_integer("ids_per_sample", 20, "ids per sample (one bag each)")
 flags.DEFINE_float("zipf", 1.05, "Zipf exponent of id popularity")
 flags.DEFINE_integer("steps", 10, "timed steps")
 flags.DEFINE_string("pooling", "sum", "'sum' (bags pooled to [B, D]) or 'none' ([B, L, D])")
-flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"], "vocab sizes for the naive path")
-flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"], "vocab sizes to probe")
-flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth, TB/s")
+flags.DEFINE_list("variants", ["scatter", "sort", "sort_bf16"], "gemjax variants to time")
+flags.DEFINE_bool("shard", False, "shard the table row-wise over every local device")
+flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
+                  "vocab sizes for the naive path, largest first (1 device only; empty to skip)")
+flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
+                  "vocab sizes to probe (empty to skip)")
+flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
+
+VARIANTS = {"scatter": dict(dedup="scatter"), "sort": dict(dedup="sort"),
+            "sort_bf16": dict(dedup="sort", grad_dtype=jnp.bfloat16)}
 
 
 def zipf_ids(rng, n, vocab, a):
@@ -54,28 +84,33 @@ def zipf_ids(rng, n, vocab, a):
     return ((ranks * 2654435761) % vocab).astype(np.int32)
 
 
-def table_init(vocab, dim):
-    """A fused elementwise init (no random-bit buffer, so huge tables fit)."""
+def table_init(vocab, dim, sharding=None):
+    """A fused elementwise init (no random-bit buffer, so huge tables fit), [vocab, dim] f32."""
     def make():
         r = jax.lax.broadcasted_iota(jnp.uint32, (vocab, dim), 0)
         c = jax.lax.broadcasted_iota(jnp.uint32, (vocab, dim), 1)
         h = (r * jnp.uint32(2654435761) + c * jnp.uint32(40503)) >> 16
         w = (h.astype(jnp.float32) / 65536.0 - 0.5) * (2.0 / np.sqrt(dim))
         return {"t": {"weights": w, "accum": jnp.zeros((vocab,), jnp.float32)}}
-    return jax.jit(make)()
+    return jax.jit(make, out_shardings=sharding)()
 
 
-def make_feats(ids, batch, per):
+def make_feats(ids, mesh):
+    """Global ids [N] -> {"f": ids [B, L] or a Jagged bag per device}, sharded over the mesh."""
+    n_dev = mesh.size
+    sh = NamedSharding(mesh, P(mesh.axis_names))
+    b, per = FLAGS.batch // n_dev, FLAGS.ids_per_sample
     if FLAGS.pooling == "none":
-        return {"f": jnp.asarray(ids.reshape(batch, per))}
-    t = batch * per
-    offsets = np.arange(batch + 1, dtype=np.int32) * per
-    seg = np.repeat(np.arange(batch, dtype=np.int32), per)
-    pos = np.tile(np.arange(per, dtype=np.int32), batch)
-    return {"f": Jagged(jnp.asarray(ids), jnp.asarray(offsets), jnp.asarray(seg), jnp.asarray(pos))}
+        return {"f": jax.device_put(ids.reshape(FLAGS.batch, per), sh)}
+    offsets = np.arange(b + 1, dtype=np.int32) * per
+    seg = np.repeat(np.arange(b, dtype=np.int32), per)
+    pos = np.tile(np.arange(per, dtype=np.int32), b)
+    tile = lambda a: jax.device_put(np.tile(a, n_dev), sh)
+    return {"f": Jagged(jax.device_put(ids, sh), tile(offsets), tile(seg), tile(pos))}
 
 
 def timed(fn, args_fn, steps):
+    """Median seconds of fn(*args_fn()) after one warm-up call; returns (last output, seconds)."""
     out = fn(*args_fn())
     jax.block_until_ready(out)
     ts = []
@@ -88,62 +123,79 @@ def timed(fn, args_fn, steps):
     return out, float(np.median(ts))
 
 
-def run_gemjax(vocab, batches, lookup_only=False, apply_only=False):
+def timed_donated(fn, state, rest, steps):
+    """Like timed for fn(state, *rest) -> state with the state donated and fed back."""
+    state = fn(state, *rest)
+    jax.block_until_ready(state)
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state = fn(state, *rest)
+        jax.block_until_ready(state)
+        ts.append(time.perf_counter() - t0)
+    return state, float(np.median(ts))
+
+
+def make_coll(vocab, mesh, variant):
     pooling = None if FLAGS.pooling == "none" else FLAGS.pooling
     spec = TableSpec("t", vocab, FLAGS.dim, features=("f",), pooling=pooling,
                      optimizer=RowWiseAdagrad(lr=0.01), bounds="clamp")
-    coll = EmbeddingCollection([spec])
-    state = [table_init(vocab, FLAGS.dim)]
+    return EmbeddingCollection([spec], "row_wise", mesh, **VARIANTS[variant])
 
+
+def bench_variant(coll, state, batches, steps):
+    """-> (state, {"step", "lookup", "apply"} seconds, overflow, finite)."""
     def step(state, feats):
         acts, res = coll.lookup(state, feats)
         g_acts = {f: a * 1e-3 for f, a in acts.items()}
         return coll.apply_gradients(state, res, g_acts), res["stats"]["ids_overflow"]
 
-    lookup = jax.jit(lambda s, f: coll.lookup(s, f)[0])
     step = jax.jit(step, donate_argnums=0)
+    state, over = step(state, batches[0])
+    jax.block_until_ready(state)
+    ts = []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        state, over = step(state, batches[(k + 1) % len(batches)])
+        jax.block_until_ready(state)
+        ts.append(time.perf_counter() - t0)
+    out = {"step": float(np.median(ts))}
+    lookup = jax.jit(lambda s, f: coll.lookup(s, f)[0])
     i = [0]
 
     def args():
         i[0] += 1
-        return state[0], batches[i[0] % len(batches)]
-
-    if lookup_only:
-        _, t = timed(lookup, args, FLAGS.steps)
-        return t
-    if apply_only:   # residuals and grads fixed, state donated and fed back
-        feats = batches[0]
-        acts, res = jax.jit(coll.lookup)(state[0], feats)
-        g = {f: a * 1e-3 for f, a in acts.items()}
-        apply = jax.jit(coll.apply_gradients, donate_argnums=0)
-        state[0] = apply(state[0], res, g)
-        jax.block_until_ready(state[0])
-        ts = []
-        for _ in range(FLAGS.steps):
-            t0 = time.perf_counter()
-            state[0] = apply(state[0], res, g)
-            jax.block_until_ready(state[0])
-            ts.append(time.perf_counter() - t0)
-        del state[0]
-        return float(np.median(ts))
-    t0 = time.perf_counter()
-    state[0], over = step(*args())
-    jax.block_until_ready(state[0])
-    compile_s = time.perf_counter() - t0
-    ts = []
-    for _ in range(FLAGS.steps):
-        a = args()
-        t0 = time.perf_counter()
-        state[0], over = step(*a)
-        jax.block_until_ready(state[0])
-        ts.append(time.perf_counter() - t0)
-    w = state[0]["t"]["weights"]
-    finite = bool(jnp.isfinite(w[:1000]).all())
-    del state[0], w
-    return float(np.median(ts)), compile_s, int(over), finite
+        return state, batches[i[0] % len(batches)]
+    _, out["lookup"] = timed(lookup, args, steps)
+    acts, res = jax.jit(coll.lookup)(state, batches[0])
+    g = {f: a * 1e-3 for f, a in acts.items()}
+    apply = jax.jit(coll.apply_gradients, donate_argnums=0)
+    state, out["apply"] = timed_donated(apply, state, (res, g), steps)
+    finite = bool(jnp.isfinite(state["t"]["weights"][:1000]).all())
+    return state, out, int(over), finite
 
 
-def run_naive(vocab, ids_list):
+def bench_pieces(state, ids, variant, steps):
+    """1 device: the dedupe, the duplicate sum and the row update alone -> (state, seconds)."""
+    kw = VARIANTS[variant]
+    n, d = ids.size, FLAGS.dim
+    key = jnp.asarray(ids)
+    dedup = jax.jit(functools.partial(routing.dedup_ids, dedup=kw["dedup"]))
+    (uniq, res), t_dedup = timed(dedup, lambda: (key,), steps)
+    g = (jnp.arange(n * d, dtype=jnp.float32).reshape(n, d) % 7 * 1e-4).astype(
+        kw.get("grad_dtype", jnp.float32))
+    dupsum = jax.jit(lambda g, res: routing.sum_duplicates(g, res, n))
+    g_u, t_sum = timed(dupsum, lambda: (g, res), steps)
+    del g
+    opt = RowWiseAdagrad(lr=0.01)
+    update = jax.jit(lambda s, rows, g_u: routing.update_rows(s, rows, g_u, opt, rows_unique=True),
+                     donate_argnums=0)
+    rows = jnp.where(uniq != routing.INVALID, uniq, -1)
+    state["t"], t_upd = timed_donated(update, state["t"], (rows, g_u), steps)
+    return state, {"dedup": t_dedup, "dupsum": t_sum, "update": t_upd}
+
+
+def run_naive(vocab, ids_list, steps):
     import optax
     opt = optax.adagrad(0.01)
     w = table_init(vocab, FLAGS.dim)["t"]["weights"]
@@ -161,7 +213,7 @@ def run_naive(vocab, ids_list):
     w, opt_state = step(w, opt_state, ids_list[0])
     jax.block_until_ready(w)
     ts = []
-    for k in range(FLAGS.steps):
+    for k in range(steps):
         t0 = time.perf_counter()
         w, opt_state = step(w, opt_state, ids_list[k % len(ids_list)])
         jax.block_until_ready(w)
@@ -170,107 +222,108 @@ def run_naive(vocab, ids_list):
     return float(np.median(ts))
 
 
-def bytes_model(ids_list, dim, lookup_only=False):
-    """Bytes moved per step: (unique ids U, table bytes, table + activation bytes, per-id bytes).
-
-    table:  U*D*4 gathered (+ 2*U*(D*4+4) rows and accumulators read and written by the update)
-    acts:   activations written (+ their grads read by the update)
-    per-id: every id's row counted, as FBGEMM's TBE benchmark does: N*D*4 gathered
-            (+ 2*N*(D*4+4) updated) plus the activations
-    """
-    u = float(np.mean([np.unique(i).size for i in ids_list]))
-    n = ids_list[0].size
-    acts = (n if FLAGS.pooling == "none" else FLAGS.batch) * dim * 4
-    if lookup_only:
-        return u, u * dim * 4, u * dim * 4 + acts, n * dim * 4 + acts
-    table = u * dim * 4 + 2 * u * (dim * 4 + 4)
-    return u, table, table + 2 * acts, n * dim * 4 + 2 * n * (dim * 4 + 4) + 2 * acts
+def bytes_per_step(kind, u, n, dim, acts):
+    """(unique-row bytes, every-id bytes) of one timed piece; see the module docstring."""
+    look_u, upd_u = 4 * u * dim, 2 * u * (4 * dim + 4)
+    look_n, upd_n = 4 * n * dim + 4 * acts, 2 * n * (4 * dim + 4) + 4 * acts
+    if kind == "lookup":
+        return look_u, look_n
+    if kind in ("apply", "update"):
+        return upd_u, upd_n
+    if kind in ("step", "naive", "probe"):
+        return look_u + upd_u, look_n + upd_n
+    return None, None
 
 
 def main(_):
     rng = np.random.default_rng(0)
+    devs = jax.local_devices() if FLAGS.shard else jax.local_devices()[:1]
+    mesh = Mesh(np.array(devs), ("x",))
+    n_dev = mesh.size
+    if FLAGS.batch % n_dev:
+        raise ValueError(f"--batch={FLAGS.batch} must divide over {n_dev} devices")
     n = FLAGS.batch * FLAGS.ids_per_sample
-    results, rows = {"device": str(jax.devices()[0]), "flags": FLAGS.flag_values_dict()}, []
+    acts = (n if FLAGS.pooling == "none" else FLAGS.batch) * FLAGS.dim
+    results = {"device": str(devs[0]), "devices": n_dev, "flags": FLAGS.flag_values_dict()}
+    rows = []
 
     def batches_for(vocab):
         ids = [zipf_ids(rng, n, vocab, FLAGS.zipf) for _ in range(3)]
-        return ids, [make_feats(i, FLAGS.batch, FLAGS.ids_per_sample) for i in ids]
+        return ids, [make_feats(i, mesh) for i in ids]
 
-    def record(name, vocab, t, ids, extra=None):
-        u, tb, ab, pb = bytes_model(ids, FLAGS.dim, lookup_only="lookup" in name)
-        r = {"name": name, "vocab": vocab, "params": vocab * FLAGS.dim, "step_ms": t * 1e3,
-             "unique_ids": u, "table_TBps": tb / t / 1e12, "all_TBps": ab / t / 1e12,
-             "per_id_TBps": pb / t / 1e12,
-             "table_frac_hbm": tb / t / 1e12 / FLAGS.hbm_tbps, "all_frac_hbm": ab / t / 1e12 / FLAGS.hbm_tbps,
-             **(extra or {})}
+    def record(kind, variant, vocab, t, ids, extra=None):
+        u = float(np.mean([np.unique(i).size for i in ids])) if ids is not None else None
+        r = {"kind": kind, "variant": variant, "devices": n_dev, "vocab": vocab,
+             "params": vocab * FLAGS.dim, "ms": t * 1e3 if t is not None else None, "unique_ids": u,
+             "ids": n, **(extra or {})}
+        if t is not None and u is not None:
+            bu, bn = bytes_per_step(kind, u, n, FLAGS.dim, acts)
+            if bu is not None:
+                r.update(unique_TBps=bu / t / 1e12, per_id_TBps=bn / t / 1e12,
+                         unique_frac_hbm=bu / t / 1e12 / (FLAGS.hbm_tbps * n_dev),
+                         per_id_frac_hbm=bn / t / 1e12 / (FLAGS.hbm_tbps * n_dev))
         rows.append(r)
         print(json.dumps(r), flush=True)
 
     ids, feats = batches_for(FLAGS.vocab)
-    t, comp, over, finite = run_gemjax(FLAGS.vocab, feats)
-    record("gemjax step", FLAGS.vocab, t, ids, {"compile_s": comp, "overflow": over, "finite": finite})
-    record("gemjax lookup only", FLAGS.vocab, run_gemjax(FLAGS.vocab, feats, lookup_only=True), ids)
+    coll0 = make_coll(FLAGS.vocab, mesh, FLAGS.variants[0])
+    print(coll0.describe(), flush=True)
+    state = table_init(coll0.layouts["t"].padded_vocab, FLAGS.dim, coll0.state_sharding())
+    for v in FLAGS.variants:
+        coll = make_coll(FLAGS.vocab, mesh, v)
+        t0 = time.perf_counter()
+        state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps)
+        extra = {"overflow": over, "finite": finite, "wall_s": time.perf_counter() - t0}
+        for kind in ("step", "lookup", "apply"):
+            record(kind, v, FLAGS.vocab, ts[kind], ids, extra if kind == "step" else None)
+        if n_dev == 1:
+            state, ps = bench_pieces(state, ids[0], v, FLAGS.steps)
+            for kind in ("dedup", "dupsum", "update"):
+                record(kind, v, FLAGS.vocab, ps[kind], ids[:1])
+    del state
 
-    t = run_gemjax(FLAGS.vocab, feats, apply_only=True)
-    rows.append({"name": "gemjax apply_gradients only", "vocab": FLAGS.vocab, "step_ms": t * 1e3})
-    print(json.dumps(rows[-1]), flush=True)
-    flat = jnp.asarray(ids[0])
-    w = jnp.zeros((FLAGS.vocab, FLAGS.dim), jnp.float32)
-    g = jnp.ones((flat.size, FLAGS.dim), jnp.float32)
-    parts = {
-        "part: jnp.unique(N ids, size=N, inverse)":
-            (jax.jit(lambda i: jnp.unique(i, size=i.size, fill_value=2**31 - 1, return_inverse=True)), (flat,)),
-        "part: gather N rows": (jax.jit(lambda w, i: jnp.take(w, i, axis=0)), (w, flat)),
-        "part: segment_sum [N, D] by inverse": (jax.jit(lambda g, i: jax.ops.segment_sum(g, i, g.shape[0])),
-                                                (g, jnp.asarray(np.unique(ids[0], return_inverse=True)[1].astype(np.int32)))),
-    }
-    for name, (fn, a) in parts.items():
-        _, t = timed(fn, lambda: a, FLAGS.steps)
-        rows.append({"name": name, "vocab": FLAGS.vocab, "step_ms": t * 1e3})
-        print(json.dumps(rows[-1]), flush=True)
-    del w, g, parts   # free the 51 GB zero table before the naive path and the probe
-
-    naive_done = False
-    for v in map(int, FLAGS.naive_rows):
-        if naive_done:
+    for vocab in ([] if n_dev > 1 else [int(x) for x in FLAGS.naive_rows if x]):
+        ids_v, _ = batches_for(vocab)
+        try:
+            t = run_naive(vocab, [jnp.asarray(i) for i in ids_v], FLAGS.steps)
+            record("naive", "take+dense grad+optax", vocab, t, ids_v)
             break
-        ids_v, feats_v = batches_for(v)
-        try:
-            t = run_naive(v, [jnp.asarray(i) for i in ids_v])
-            record("naive take+dense grad+optax adagrad", v, t, ids_v)
-            naive_done = True
-            if v != FLAGS.vocab:
-                t, comp, over, finite = run_gemjax(v, feats_v)
-                record("gemjax step (naive's size)", v, t, ids_v, {"overflow": over})
         except Exception as e:  # noqa: BLE001  (out of memory is a result here)
-            msg = str(e).splitlines()[0][:200]
-            rows.append({"name": "naive take+dense grad+optax adagrad", "vocab": v, "error": msg})
-            print(json.dumps(rows[-1]), flush=True)
+            record("naive", "take+dense grad+optax", vocab, None, None,
+                   {"error": str(e).splitlines()[0][:200]})
 
-    for v in map(int, FLAGS.probe_rows):
-        ids_v, feats_v = batches_for(v)
+    for vocab in [int(x) for x in FLAGS.probe_rows if x]:
+        ids_v, feats_v = batches_for(vocab)
         try:
-            t, comp, over, finite = run_gemjax(v, feats_v)
-            record("probe gemjax step", v, t, ids_v, {"finite": finite})
+            coll = make_coll(vocab, mesh, "sort")
+            st = table_init(coll.layouts["t"].padded_vocab, FLAGS.dim, coll.state_sharding())
+            st, ts, over, finite = bench_variant(coll, st, feats_v, FLAGS.steps)
+            del st
+            record("probe", "sort", vocab, ts["step"], ids_v, {"finite": finite, "overflow": over})
         except Exception as e:  # noqa: BLE001
-            rows.append({"name": "probe gemjax step", "vocab": v, "error": str(e).splitlines()[0][:200]})
-            print(json.dumps(rows[-1]), flush=True)
+            record("probe", "sort", vocab, None, None, {"error": str(e).splitlines()[0][:200]})
             break
 
     results["rows"] = rows
     with open(FLAGS.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"\n{'what':40s} {'vocab':>11s} {'params':>9s} {'step ms':>8s} {'table TB/s':>10s} "
-          f"{'all TB/s':>8s} {'%HBM(all)':>9s} {'per-id TB/s':>11s} {'%HBM(per-id)':>12s}")
+    print(f"\nbench_sparse: {n_dev} x {results['device']}, D={FLAGS.dim}, N={n} ids/step, "
+          f"Zipf {FLAGS.zipf}, pooling {FLAGS.pooling}; %HBM of {FLAGS.hbm_tbps} TB/s x {n_dev}")
+    print(f"{'kind':7s} {'variant':22s} {'dev':>3s} {'vocab':>11s} {'ms':>8s} {'uniq TB/s':>9s} "
+          f"{'%HBM':>6s} {'per-id TB/s':>11s} {'%HBM':>6s}  note")
     for r in rows:
-        if "table_TBps" not in r and "error" not in r:
-            print(f"{r['name']:40s} {r['vocab']:>11d} {'':>9s} {r['step_ms']:>8.2f}")
-        elif "error" in r:
-            print(f"{r['name']:40s} {r['vocab']:>11d} {r['vocab'] * FLAGS.dim / 1e9:>8.1f}B  FAILED: {r['error'][:60]}")
-        else:
-            print(f"{r['name']:40s} {r['vocab']:>11d} {r['params'] / 1e9:>8.1f}B {r['step_ms']:>8.2f} "
-                  f"{r['table_TBps']:>10.2f} {r['all_TBps']:>8.2f} {100 * r['all_frac_hbm']:>8.1f}% "
-                  f"{r['per_id_TBps']:>11.2f} {100 * r['per_id_TBps'] / FLAGS.hbm_tbps:>11.1f}%")
+        head = f"{r['kind']:7s} {r['variant']:22s} {r['devices']:>3d} {r['vocab']:>11d}"
+        if r["ms"] is None:
+            print(f"{head} {'FAILED':>8s}  {r.get('error', '')[:70]}")
+            continue
+        bw = (f" {r['unique_TBps']:>9.2f} {100 * r['unique_frac_hbm']:>5.1f}% {r['per_id_TBps']:>11.2f} "
+              f"{100 * r['per_id_frac_hbm']:>5.1f}%" if "unique_TBps" in r else " " * 36)
+        note = []
+        if "overflow" in r:
+            note.append(f"overflow {r['overflow']}")
+        if r.get("finite") is False:
+            note.append("NON-FINITE")
+        print(f"{head} {r['ms']:>8.3f}{bw}  {', '.join(note)}")
 
 
 if __name__ == "__main__":
