@@ -8,15 +8,21 @@ user side >= 6041, item side (genre) >= 3707; raw item ids are 1..3706.
 
     load_movielens(data_dir) -> MovieLens(histories, test_items, user_features,
                                           item_genre, num_items)
-    leave_last_out(ml, max_len)   -> train / valid / test (history, target) triples
+    leave_last_out(ml, max_len)   -> train / train_full / valid / test splits
+    exclude_history(scores, histories) -> scores with each row's history items at -inf
     ranking_metrics(scores, targets, ks) -> {"hr@k", "ndcg@k"} (full ranking)
 
-Protocol (the HSTU repository's, as we read it): the model reads at most the
-max_len most recent events; valid = predict each user's last train item from the
-ones before it, test = predict the test item from the whole train history;
-every item that occurs in the data (3,706) is ranked: score columns of absent ids
-and of the padding id 0 are set to -inf by the caller (no negatives sampled,
-history not masked).
+Protocol (generative-recommenders, research/data/reco_dataset.py, dataset.py and
+eval.py): the model reads at most the max_len most recent events; training sees
+every train item (all but the test item) as a next-item target; test = predict
+the test item from the max_len most recent train items, ranked against the
+whole catalogue with the items of that history window excluded
+(eval_metrics_v2_from_tensors filters `past_ids`; ML-1M has no repeat ratings,
+so a target is never in its own history). We rank the 3,706 items that occur
+(their candidate set is the 3,883 ids of movies.dat); score columns of absent
+ids and of the padding id 0 are set to -inf by the caller. Our valid split
+(last train item from the ones before it) exists only for choosing the number
+of epochs; the published repository has none.
 """
 
 from __future__ import annotations
@@ -104,6 +110,8 @@ def leave_last_out(ml: MovieLens, max_len: int = 200):
 
     "train": per user, the train items minus the last (the valid target), for
              next-item training on every prefix;
+    "train_full": per user, all train items (the valid target included), for
+             training once the number of epochs is fixed (the published practice);
     "valid": (histories, targets): predict each user's last train item;
     "test":  (histories, targets): predict the test item from all train items.
     Evaluation histories keep the max_len most recent items.
@@ -113,9 +121,27 @@ def leave_last_out(ml: MovieLens, max_len: int = 200):
     cut = lambda h: h[max(0, len(h) - max_len):]
     valid = [(cut(h[:-1]), int(h[-1])) for h in ml.histories if len(h) >= 2]
     test = [(cut(h), int(t)) for h, t in zip(ml.histories, ml.test_items)]
-    return {"train": [h[:-1] for h in ml.histories],
+    return {"train": [h[:-1] for h in ml.histories], "train_full": list(ml.histories),
             "valid": ([v[0] for v in valid], np.asarray([v[1] for v in valid])),
             "test": ([t[0] for t in test], np.asarray([t[1] for t in test]))}
+
+
+def exclude_history(scores: np.ndarray, histories) -> np.ndarray:
+    """A copy of scores [N, V] with row i's history items (ids in histories[i]) at -inf.
+
+    histories: N int arrays of item ids in [0, V) (the window the model read).
+    """
+    scores = np.array(scores, copy=True)
+    if scores.ndim != 2 or len(histories) != scores.shape[0]:
+        raise ValueError(f"exclude_history: scores [N, V] and N histories expected, got "
+                         f"{scores.shape} and {len(histories)}")
+    lens = np.asarray([len(h) for h in histories], np.int64)
+    cols = (np.concatenate([np.asarray(h, np.int64) for h in histories]) if lens.sum()
+            else np.zeros(0, np.int64))
+    if cols.size and (cols.min() < 0 or cols.max() >= scores.shape[1]):
+        raise ValueError("exclude_history: a history item is outside the score columns")
+    scores[np.repeat(np.arange(len(lens)), lens), cols] = -np.inf
+    return scores
 
 
 def ranking_metrics(scores: np.ndarray, targets: np.ndarray, ks=(10, 50)) -> dict[str, float]:

@@ -4,7 +4,8 @@
     last_tokens(x [T, d], jagged, k)              -> [B, k, d]
     mean_pool(x [T, d], jagged)                   -> [B, d]
 
-Each block is pre-LN: h = x + Attn(LN(x)); h = h + FFN(LN(h)), with the
+Each block is pre-LN: h = x + Attn(LN(x)); h = h + FFN(LN(h)) (optionally
+with dropout on the Attn and FFN outputs before each residual add), with the
 attention from gemjax.layers.attention (kernels/ ops, never padded), and the
 padding rows (past offsets[-1]) held at 0 after every block, so nothing a layer
 does depends on the capacity T.
@@ -61,17 +62,24 @@ def mean_pool(x: jax.Array, jagged: Jagged) -> jax.Array:
 class SequenceBlock(nnx.Module):
     """One pre-LN transformer block over jagged tokens: [T, dim] -> [T, dim]."""
 
-    def __init__(self, dim: int, *, num_heads: int, ffn_mult: int = 2, dtype=jnp.float32,
-                 rngs: nnx.Rngs, **attention_kw):
+    def __init__(self, dim: int, *, num_heads: int, ffn_mult: int = 2, dropout: float = 0.0,
+                 dtype=jnp.float32, rngs: nnx.Rngs, **attention_kw):
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"SequenceBlock: dropout must be in [0, 1), got {dropout}")
         self.attn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
         self.attn = JaggedSelfAttention(dim, num_heads, dtype=dtype, rngs=rngs, **attention_kw)
         self.ffn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
         self.ffn = MLP(dim, (ffn_mult * dim,), dim, activation="gelu", dtype=dtype, rngs=rngs)
+        # Built only when used, so dropout=0 leaves the parameter tree and rng stream unchanged.
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+
+    def _drop(self, y: jax.Array) -> jax.Array:
+        return y if self.dropout is None else self.dropout(y)
 
     def __call__(self, x: jax.Array, jagged: Jagged) -> jax.Array:
         mask = jagged.mask[:, None]
-        x = x + self.attn(self.attn_norm(x), jagged)
-        x = x + self.ffn(self.ffn_norm(x))
+        x = x + self._drop(self.attn(self.attn_norm(x), jagged))
+        x = x + self._drop(self.ffn(self.ffn_norm(x)))
         return jnp.where(mask, x, 0).astype(x.dtype)
 
 
@@ -88,6 +96,9 @@ class SequenceEncoder(nnx.Module):
       ffn_mult: FFN hidden width = ffn_mult * dim.
       rope, qk_norm, gdpa_scale, block: passed to JaggedSelfAttention.
       final_norm: LayerNorm on the output tokens.
+      dropout: rate of the dropout on each block's attention and FFN outputs
+        (before the residual adds); active only in train mode (model.train()).
+        0 (default) builds no dropout module.
       dtype: compute dtype; params float32.
 
     Padding rows of the output are 0; samples never see each other.
@@ -97,13 +108,14 @@ class SequenceEncoder(nnx.Module):
                  attention: str = "softmax", gdpa_activation: str = "silu",
                  causal: bool = False, window: int | None = None, ffn_mult: int = 2,
                  rope: bool = False, qk_norm: bool = False, gdpa_scale: float | None = None,
-                 block: int = 64, final_norm: bool = True, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 block: int = 64, final_norm: bool = True, dropout: float = 0.0,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         if num_layers < 1:
             raise ValueError(f"SequenceEncoder: num_layers must be >= 1, got {num_layers}")
         self.dim, self.dtype = dim, dtype
         self.blocks = nnx.List([
-            SequenceBlock(dim, num_heads=num_heads, ffn_mult=ffn_mult, dtype=dtype, rngs=rngs,
+            SequenceBlock(dim, num_heads=num_heads, ffn_mult=ffn_mult, dropout=dropout,
+                          dtype=dtype, rngs=rngs,
                           attention=attention, gdpa_activation=gdpa_activation,
                           gdpa_scale=gdpa_scale, causal=causal, window=window, block=block,
                           rope=rope, qk_norm=qk_norm)
