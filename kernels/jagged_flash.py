@@ -53,6 +53,7 @@ class FlashConfig:
     num_warps_bwd: int = 8
     num_stages_bwd: int = 2
     heavy_first: bool = True       # launch tiles with the longest key range first
+    interior: bool = True          # tiles whose pairs are all valid skip the mask
     interpret: bool = False
 
 
@@ -112,7 +113,10 @@ def _dot_tn(a, b):  # [K,M] x [K,N] -> [M,N]
     return _dot(a, b, ((0,), (0,)))
 
 
-def _mask(cfg, qs, qp, ks, kp):
+def _mask(cfg, qs, qp, ks, kp, masked=True):
+    """Pair mask of a tile, or None for an interior tile (every pair valid)."""
+    if not masked:
+        return None
     m = qs[:, None] == ks[None, :]
     if cfg.causal or cfg.window is not None:
         d = qp[:, None] - kp[None, :]
@@ -161,6 +165,19 @@ def _store_parts(ref, rows, parts, cs, cfg):
     ref[rows, pl.ds(half, half)] = (g2 * c - g1 * s).astype(ref.dtype)
 
 
+def _where(m, x, other):
+    return x if m is None else jnp.where(m, x, other)
+
+
+def _three_loops(lo, flo, fhi, hi, body, init, cfg):
+    """fori over [lo, hi) with body(j, carry, masked): tiles in [flo, fhi) are interior."""
+    if not cfg.interior:
+        return lax.fori_loop(lo, hi, functools.partial(body, masked=True), init)
+    c = lax.fori_loop(lo, flo, functools.partial(body, masked=True), init)
+    c = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), c)
+    return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), c)
+
+
 def _scores(qp, kp):
     s = _dot_nt(qp[0], kp[0])
     for a, b in zip(qp[1:], kp[1:]):
@@ -170,44 +187,44 @@ def _scores(qp, kp):
 
 # --------------------------------------------------------------------------- kernels
 
-def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref, sq_ref,
-                ck_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg):
+def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
+                cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg):
     i = perm_ref[pl.program_id(0)]  # heaviest tiles first
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
     qs, qpos = qs_ref[qrows], qp_ref[qrows]
     qparts = _load_parts(q_ref, qrows, _load_cs(cq_ref, sq_ref, qrows, cfg), cfg)
     d = v_ref.shape[-1]
-    lo, hi = lo_ref[i], hi_ref[i]
+    ranges = lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i]
 
-    def tile(j):
+    def tile(j, masked):
         rows = pl.ds(j * bk, bk)
         kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
-        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows])
+        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
         return _scores(qparts, kparts), m, v_ref[rows, :]
 
     if cfg.mode == "gdpa":
-        def body(j, acc):
-            s, m, v = tile(j)
-            p = jnp.where(m, _act(s, cfg.activation) * cfg.scale, 0.0)
+        def body(j, acc, masked):
+            s, m, v = tile(j, masked)
+            p = _where(m, _act(s, cfg.activation) * cfg.scale, 0.0)
             return acc + _dot_nn(p.astype(v.dtype), v)
-        acc = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d), F32))
+        acc = _three_loops(*ranges, body, jnp.zeros((bq, d), F32), cfg)
         o_ref[qrows, :] = acc.astype(o_ref.dtype)
         return
 
-    def body(j, carry):
+    def body(j, carry, masked):
         acc, mx, l = carry
-        s, m, v = tile(j)
-        s = jnp.where(m, s * cfg.scale, -1e30)
+        s, m, v = tile(j, masked)
+        s = _where(m, s * cfg.scale, -1e30)
         mx_new = jnp.maximum(mx, jnp.max(s, axis=1))
-        p = jnp.where(m, jnp.exp(s - mx_new[:, None]), 0.0)
+        p = _where(m, jnp.exp(s - mx_new[:, None]), 0.0)
         alpha = jnp.exp(mx - mx_new)
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
         return acc, mx_new, l
 
     init = (jnp.zeros((bq, d), F32), jnp.full((bq,), -1e30, F32), jnp.zeros((bq,), F32))
-    acc, mx, l = lax.fori_loop(lo, hi, body, init)
+    acc, mx, l = _three_loops(*ranges, body, init, cfg)
     safe = jnp.where(l > 0, l, 1.0)
     o_ref[qrows, :] = (acc / safe[:, None]).astype(o_ref.dtype)
     lse_ref[qrows] = jnp.where(l > 0, mx + jnp.log(safe), 0.0)
@@ -217,15 +234,15 @@ def _probs_and_dscores(cfg, s, m, lse, delta, dp):
     """(P, dS) of one tile; dS is the gradient w.r.t. the raw scores Q K^T."""
     if cfg.mode == "gdpa":
         a, da = act_and_grad(s, cfg.activation)
-        p = jnp.where(m, a * cfg.scale, 0.0)
-        ds = jnp.where(m, dp * da * cfg.scale, 0.0)
+        p = _where(m, a * cfg.scale, 0.0)
+        ds = _where(m, dp * da * cfg.scale, 0.0)
         return p, ds
-    p = jnp.where(m, jnp.exp(s * cfg.scale - lse[:, None]), 0.0)
+    p = _where(m, jnp.exp(s * cfg.scale - lse[:, None]), 0.0)
     return p, p * (dp - delta[:, None]) * cfg.scale
 
 
-def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref,
-               sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
+def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref, cq_ref,
+               sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
     i = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
@@ -236,10 +253,10 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref,
     lse = lse_ref[qrows] if lse_ref is not None else None
     delta = delta_ref[qrows] if delta_ref is not None else None
 
-    def body(j, acc):
+    def body(j, acc, masked):
         rows = pl.ds(j * bk, bk)
         kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
-        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows])
+        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
         s = _scores(qparts, kparts)
         dp = _dot_nt(do, v_ref[rows, :])
         _, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
@@ -247,12 +264,12 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref,
         return tuple(a + _dot_nn(ds, kp) for a, kp in zip(acc, kparts))
 
     init = tuple(jnp.zeros(p.shape, F32) for p in qparts)
-    acc = lax.fori_loop(lo_ref[i], hi_ref[i], body, init)
+    acc = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, init, cfg)
     _store_parts(dq_ref, qrows, acc, cs_q, cfg)
 
 
-def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref, sq_ref, ck_ref,
-                sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
+def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
+                cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
     j = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
     krows = pl.ds(j * bk, bk)
@@ -261,11 +278,11 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref
     kparts = _load_parts(k_ref, krows, cs_k, cfg)
     v = v_ref[krows, :]
 
-    def body(i, carry):
+    def body(i, carry, masked):
         dks, dv = carry
         rows = pl.ds(i * bq, bq)
         qparts = _load_parts(q_ref, rows, _load_cs(cq_ref, sq_ref, rows, cfg), cfg)
-        m = _mask(cfg, qs_ref[rows], qp_ref[rows], ks, kpos)
+        m = _mask(cfg, qs_ref[rows], qp_ref[rows], ks, kpos, masked)
         s = _scores(qparts, kparts)
         do = do_ref[rows, :]
         dp = _dot_nt(do, v)
@@ -277,7 +294,7 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, cq_ref
         return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
 
     init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
-    dks, dv = lax.fori_loop(lo_ref[j], hi_ref[j], body, init)
+    dks, dv = _three_loops(lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j], body, init, cfg)
     _store_parts(dk_ref, krows, dks, cs_k, cfg)
     dv_ref[krows, :] = dv.astype(dv_ref.dtype)
 
@@ -296,7 +313,7 @@ def _specs(cfg, tq, tk, d, ntile):
     specs are the same for the forward, dQ and dK/dV calls.
     """
     hd = d // 2
-    lay = [_full((tq,)), _full((tq,)), _full((tk,)), _full((tk,))] + [_full((ntile,))] * 3
+    lay = [_full((tq,)), _full((tq,)), _full((tk,)), _full((tk,))] + [_full((ntile,))] * 5
     cs = [_full((tq, hd))] * 2 + [_full((tk, hd))] * 2 if cfg.rope else []
     return lay + cs + [_x_spec(tq, d), _x_spec(tk, d), _x_spec(tk, d)]
 
@@ -316,7 +333,7 @@ def _adapt(kernel, cfg, n_in_extra, has_stats, n_out):
     """
     def wrapped(*refs):
         refs = list(refs)
-        lay, refs = refs[:7], refs[7:]
+        lay, refs = refs[:9], refs[9:]
         if cfg.rope:
             cs, refs = refs[:4], refs[4:]
         else:
@@ -342,7 +359,7 @@ def _params(cfg, bwd):
 def _inputs(lay, q, k, v, over_q):
     side = "q" if over_q else "k"
     xs = [lay["qs"], lay["qp"], lay["ks"], lay["kp"], lay[side + "_perm"], lay[side + "_lo"],
-          lay[side + "_hi"]]
+          lay[side + "_hi"], lay[side + "_flo"], lay[side + "_fhi"]]
     if lay["cos"] is not None:
         xs += [lay["cos"], lay["sin"], lay["cos"], lay["sin"]]
     return xs + [q, k, v]
@@ -476,6 +493,25 @@ def tile_ranges(start, end, row_tile, col_tile):
     return jnp.where(empty, 0, first).astype(jnp.int32), jnp.where(empty, 0, last).astype(jnp.int32)
 
 
+def interior_ranges(start, end, row_tile, col_tile, lo, hi):
+    """Per row tile, the [first, last) column tiles whose every pair is valid.
+
+    A pair is valid iff the column lies in its row's [start, end) (exact for the
+    sample, causal, window and block masks, which give one interval per token), so
+    the columns valid for the whole tile are the intersection [max start, min end);
+    a padding row (start BIG, end 0) empties it. Clipped to [lo, hi) so that
+    lo <= first <= last <= hi; empty -> first = last = hi (all tiles masked).
+    """
+    n = start.shape[0] // row_tile
+    s = start.reshape(n, row_tile).max(axis=1)
+    e = end.reshape(n, row_tile).min(axis=1)
+    first = jnp.clip((s + col_tile - 1) // col_tile, lo, hi)
+    last = jnp.clip(e // col_tile, first, hi)
+    empty = last <= first
+    return (jnp.where(empty, hi, first).astype(jnp.int32),
+            jnp.where(empty, hi, last).astype(jnp.int32))
+
+
 def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rope_theta=None):
     """Everything the kernels read besides q/k/v: segment ids, positions, tile ranges, RoPE."""
     b = q_offsets.shape[0] - 1
@@ -487,11 +523,14 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
     q_lo, q_hi = tile_ranges(qa, qb, cfg.bq, cfg.bk)       # per q tile: key tiles
     ka, kb = _token_ranges(ks, kp, b, q_offsets, cfg, "k")
     k_lo, k_hi = tile_ranges(ka, kb, cfg.bk_dkv, cfg.bq_dkv)  # per key tile: q tiles
+    q_flo, q_fhi = interior_ranges(qa, qb, cfg.bq, cfg.bk, q_lo, q_hi)
+    k_flo, k_fhi = interior_ranges(ka, kb, cfg.bk_dkv, cfg.bq_dkv, k_lo, k_hi)
     cos = sin = None
     if cfg.rope:
         pos = qp if rope_positions is None else rope_positions
         cos, sin = rope_tables(pos, d, rope_theta)
     return dict(qs=qs, qp=qp, ks=ks, kp=kp, q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
+                q_flo=q_flo, q_fhi=q_fhi, k_flo=k_flo, k_fhi=k_fhi,
                 q_perm=_heaviest_first(q_lo, q_hi, cfg), k_perm=_heaviest_first(k_lo, k_hi, cfg),
                 cos=cos, sin=sin)
 

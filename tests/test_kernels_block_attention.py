@@ -37,6 +37,15 @@ def test_block64(impl):
     _check(impl, LENS, 384)
 
 
+@pytest.mark.parametrize("block,lens,t", [
+    (32, [31, 32, 33, 0, 1, 100], 197),     # per-block kernel, no padding tail (T = sum)
+    (16, [0, 15, 16, 17, 40, 2], 160),      # per-block kernel, tail of several blocks
+    (48, [0, 1, 47, 48, 49, 100], 384),     # other block sizes: tiled engine + block mask
+])
+def test_pallas_block_sizes_and_tails(block, lens, t):
+    _check("pallas", lens, t, block=block, h=1, d=32, seed=2)
+
+
 def test_reference_block16_custom_positions():
     rng = np.random.default_rng(5)
     pos = rng.integers(0, 5000, size=256)
@@ -81,6 +90,13 @@ def test_bad_inputs_name_the_input():
         block_attention(q, q, q, off, block=0)
     with pytest.raises(ValueError, match="impl"):
         block_attention(q, q, q, off, impl="mosaic")
+
+
+@pytest.mark.gpu
+def test_gpu_last_sample_ends_at_capacity():
+    """Block reads run past T (masked lanes): must not fault or leak; T = sum(lens)."""
+    lens = [0, 1, 63, 64, 65, 700, 37]
+    _check("pallas", lens, sum(lens), dtype=jnp.bfloat16, h=4, d=128)
 
 
 @pytest.mark.gpu

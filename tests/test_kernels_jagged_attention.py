@@ -56,6 +56,23 @@ def test_pallas_bf16_d64():
     _check("pallas", SELF, SELF, 256, 256, dtype=jnp.bfloat16, d=64, h=1, causal=True)
 
 
+@pytest.mark.parametrize("causal,window", [(True, None), (False, 48)])
+def test_pallas_interior_tiles(causal, window):
+    """16-token tiles over long samples: most tiles are interior (mask skipped), fwd and bwd."""
+    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    lens = [0, 100, 1, 63, 64, 65, 30]
+    rng = np.random.default_rng(3)
+    q, k, v, do = random_qkv(rng, 384, 384, 1, 32, jnp.float32, scale=1.0)
+    qo = ko = offsets_of(lens)
+    tiles = dict(bq=16, bk=16, bq_dkv=32, bk_dkv=16)
+    kw = dict(causal=causal, window=window)
+    fn = lambda q, k, v: jagged_attention_pallas(q, k, v, jnp.asarray(qo), jnp.asarray(ko),
+                                                 **kw, **tiles)
+    got = run_vjp(jax.jit(fn), q, k, v, do)
+    want = np_attention(q, k, v, do, qo, ko, mode="softmax", scale=32 ** -0.5, **kw)
+    check_against(got, want, jnp.float32, f"softmax interior {tiles} {kw}", q_end=qo[-1])
+
+
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_samples_are_isolated(impl):
     rng = np.random.default_rng(1)
