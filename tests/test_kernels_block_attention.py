@@ -14,7 +14,7 @@ LENS = [0, 1, 63, 64, 65, 130, 3]  # 326 tokens in capacity 384
 
 
 def _check(impl, lens, t, *, dtype=jnp.float32, h=2, d=32, block=64, theta=10_000.0,
-           positions=None, seed=0):
+           positions=None, seed=0, knobs=None):
     rng = np.random.default_rng(seed)
     q, k, v, do = random_qkv(rng, t, t, h, d, dtype, scale=1.0)
     off = offsets_of(lens)
@@ -24,6 +24,9 @@ def _check(impl, lens, t, *, dtype=jnp.float32, h=2, d=32, block=64, theta=10_00
         fn = lambda q, k, v: block_attention_reference_dense(q, k, v, jnp.asarray(off), **kw)
     elif impl == "reference":
         fn = lambda q, k, v: block_attention_reference(q, k, v, jnp.asarray(off), **kw)
+    elif knobs:
+        from kernels.block_attention.pallas import block_attention_pallas
+        fn = lambda q, k, v: block_attention_pallas(q, k, v, jnp.asarray(off), **kw, **knobs)
     else:
         fn = lambda q, k, v: block_attention(q, k, v, jnp.asarray(off), impl=impl, **kw)
     got = run_vjp(jax.jit(fn), q, k, v, do)
@@ -37,13 +40,13 @@ def test_block64(impl):
     _check(impl, LENS, 384)
 
 
-@pytest.mark.parametrize("block,lens,t", [
-    (32, [31, 32, 33, 0, 1, 100], 197),     # per-block kernel, no padding tail (T = sum)
-    (16, [0, 15, 16, 17, 40, 2], 160),      # per-block kernel, tail of several blocks
-    (48, [0, 1, 47, 48, 49, 100], 384),     # other block sizes: tiled engine + block mask
+@pytest.mark.parametrize("block,lens,t,knobs", [
+    (32, [31, 32, 33, 0, 1, 100], 197, None),       # per-block kernel, no tail (T = sum)
+    (16, [0, 15, 16, 17, 40, 2], 160, dict(group=3)),  # tail of several blocks, 3 per program
+    (48, [0, 1, 47, 48, 49, 100], 384, None),       # other block sizes: tiled engine
 ])
-def test_pallas_block_sizes_and_tails(block, lens, t):
-    _check("pallas", lens, t, block=block, h=1, d=32, seed=2)
+def test_pallas_block_sizes_and_tails(block, lens, t, knobs):
+    _check("pallas", lens, t, block=block, h=1, d=32, seed=2, knobs=knobs)
 
 
 def test_reference_block16_custom_positions():

@@ -35,7 +35,8 @@ F32 = jnp.float32
 TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
              num_warps_bwd=4, num_stages_bwd=2)
 # Per-block kernel knobs (defaults; benchmarks override them).
-BLOCK_KNOBS = dict(num_warps=4, num_stages=1, num_warps_bwd=4, num_stages_bwd=1)
+# group: blocks per program (a loop inside the program; > 1 amortises the launch).
+BLOCK_KNOBS = dict(num_warps=4, num_stages=1, num_warps_bwd=4, num_stages_bwd=1, group=1)
 
 
 def per_block_kernel_fits(block, dtype):
@@ -91,10 +92,9 @@ def _rotated(ref, rows, valid, cos, sin):
     return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
 
 
-def _setup(tab_refs, pos_ref, f_refs, block, cs):
-    """(rows, valid [block], write [block], cos, sin [block, D/2]) of this program."""
+def _setup(tab_refs, n, pos_ref, f_refs, block, cs):
+    """(rows, valid [block], write [block], cos, sin [block, D/2]) of block n."""
     start_ref, len_ref, wlen_ref = tab_refs
-    n = pl.program_id(1)
     start, ln, wl = start_ref[n], len_ref[n], wlen_ref[n]
     rows = pl.ds(start, block)
     r = lax.broadcasted_iota(jnp.int32, (block,), 0)
@@ -129,9 +129,30 @@ def _store_halves(ref, rows, write, g1, g2, cos, sin):
                 mask=write[:, None])
 
 
-def _fwd_kernel(st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-                o_ref, *, block, scale, cs):
-    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), pos_ref,
+def _each_block(group, fn):
+    """Run fn(n) for this program's `group` consecutive blocks."""
+    first = pl.program_id(1) * group
+    if group == 1:
+        fn(first)
+        return
+
+    def body(g, carry):
+        fn(first + g)
+        return carry
+    lax.fori_loop(0, group, body, 0)
+
+
+def _fwd_kernel(*refs, block, scale, cs, group):
+    _each_block(group, lambda n: _fwd_block(n, *refs, block=block, scale=scale, cs=cs))
+
+
+def _bwd_kernel(*refs, block, scale, cs, group):
+    _each_block(group, lambda n: _bwd_block(n, *refs, block=block, scale=scale, cs=cs))
+
+
+def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
+               o_ref, *, block, scale, cs):
+    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), n, pos_ref,
                                           (f1_ref, f2_ref, f3_ref), block, cs)
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
@@ -140,9 +161,9 @@ def _fwd_kernel(st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, 
     _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
 
 
-def _bwd_kernel(st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-                do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs):
-    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), pos_ref,
+def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
+               do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs):
+    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), n, pos_ref,
                                           (f1_ref, f2_ref, f3_ref), block, cs)
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
@@ -173,8 +194,10 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
     sfx = "_bwd" if bwd else ""
     params = plgpu.CompilerParams(num_warps=knobs["num_warps" + sfx],
                                   num_stages=knobs["num_stages" + sfx])
+    group = knobs["group"]
     out = pl.pallas_call(
-        functools.partial(kernel, block=block, scale=scale, cs=cs), grid=(h, nb),
+        functools.partial(kernel, block=block, scale=scale, cs=cs, group=group),
+        grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
         compiler_params=params, interpret=interpret,
@@ -228,7 +251,12 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
     offsets = offsets.astype(jnp.int32)
     if positions is None:
         positions = segment_layout(offsets, t)[1]
+    group = int(knobs.get("group", BLOCK_KNOBS["group"]))
+    if group < 1:
+        raise ValueError(f"block_attention_pallas: group must be >= 1, got {group}")
     tab = block_table(offsets, t, block)
+    extra = -tab[0].shape[0] % group  # idle programs (len 0, write 0) fill the last group
+    tab = tuple(jnp.pad(x, (0, extra)) for x in tab)
     # On GPU masked lanes never touch memory, so reads past T are harmless. Interpret
     # mode slices with clamped starts instead: pad there so every block read fits.
     pad = (lambda x: jnp.pad(x, [(0, block)] + [(0, 0)] * (x.ndim - 1))) if interpret else (
