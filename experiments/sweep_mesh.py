@@ -1,25 +1,50 @@
-"""Sweep mesh shapes for the devices present: the real train step on each, timed, tabulated.
+"""Sweep mesh shapes: the real train step on each, weak scaling, E2E and Local MFU, cost model.
 
-    python experiments/sweep_mesh.py --config=h200 --axes=replica,fsdp,expert --workdir=runs/sweep
-    python experiments/sweep_mesh.py --config=tiny --cpu_devices=8 --steps=3
+    python experiments/sweep_mesh.py --config=h200 --override=model.kind=teacher --workdir=$OUT
+    python experiments/sweep_mesh.py --config=tiny --override=model.kind=teacher --cpu_devices=2 --steps=2
     python experiments/sweep_mesh.py --shapes="fsdp=4;replica=2,fsdp=2" --table_replica_axes=replica
     python experiments/sweep_mesh.py --list_only            # just the valid shapes
 
-Per mesh shape (bench style, like experiments/bench_step.py: fixed host batches
-built once, the jitted Trainer step timed on device only): step time,
-samples/s, model TFLOP/s per device, E2E MFU, memory per device, and the
-topology model's predicted communication time. FLOPs come from XLA's cost
-analysis of the compiled step; the compiled module is the per-device program,
-so the step's FLOPs are its count times the device count (sparse lookups count
-~0). Memory per device: peak bytes in use where the backend reports it (GPU),
-else the compiled step's arguments + outputs + temporaries (memory_analysis).
-Writes WORKDIR/sweep_mesh.json and, when matplotlib imports, WORKDIR/sweep_mesh.png;
-prints the table last.
+Every sweep starts with the 1-device mesh (a sub-mesh of the first device), the
+base of the scaling figures. --weak_scaling (default): the preset's
+data.batch_size is the PER-DEVICE batch, global batch = it x the mesh's devices,
+so each device keeps the same local batch and the same packed capacity (shard s
+of step k holds the same samples on every mesh). --noweak_scaling: the preset
+batch is the global batch (strong scaling).
+
+Per mesh (bench style, like experiments/bench_step.py: `--batches` host batches
+built once and cycled, the jitted Trainer step timed on device only; no input
+pipeline in the timing): step ms, samples/s, E2E MFU, Local MFU, Scaling Ratio =
+E2E / Local, weak-scaling efficiency = E2E MFU / E2E MFU of 1 device, memory per
+device (the compiled step's arguments + outputs + temporaries; XLA buffers only),
+and the topology model's predicted step.
+
+FLOPs (model.kind=teacher): E2E step FLOPs = XLA's cost analysis of the compiled
+per-device step x devices + the attention FLOPs run in Pallas kernels
+(gemjax.train.local_mfu.step_attention_flops: 3 x 4 H D x valid jagged pairs,
+per device shard), which XLA cannot see. That XLA count includes the optimizer
+update and the sparse lookup / row-wise Adagrad element-wise work; the layers of
+Local MFU do not. Local MFU (--local_mfu): each top-level teacher block timed
+alone on one device at the per-device batch (gemjax.train.local_mfu), FLOPs
+counted the same way (XLA per block + Pallas attention).
+
+Cost model (gemjax.parallel.topology): a Workload from the run (dense / expert
+params, embedding lookups per sample from the batches' real tokens, emb dim,
+local batch, EP tokens, forward FLOPs per sample from the 1-device step), the
+compute scale calibrated on the 1-device step ONLY, then the predicted step of
+every other mesh vs measured (relative error), and the calibrated prediction for
+--predict_gpus GPUs (GEM's layout: expert=2 NVLink, FSDP in a zone, replicas
+across zones) with the --*_gbps link speeds.
+
+Writes WORKDIR/sweep_mesh.json (+ sweep_mesh.png when matplotlib imports); prints
+the tables last.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -39,10 +64,20 @@ flags.DEFINE_integer("replicate_below_bytes", None, "sparse planner: replicate t
                      "(default: the planner's 32 MiB; 0 shards every table)")
 flags.DEFINE_integer("devices_per_host", None, "devices per host (default: one process's devices)")
 flags.DEFINE_bool("list_only", False, "print the valid shapes and exit")
+flags.DEFINE_bool("weak_scaling", True, "preset batch = per-device batch; global batch = it x devices")
+flags.DEFINE_bool("local_mfu", True, "measure Local MFU (teacher blocks alone on one device)")
+flags.DEFINE_integer("local_iters", 10, "timed calls per block for Local MFU")
 flags.DEFINE_integer("steps", 10, "timed steps per shape (after 1 warm-up step)")
 flags.DEFINE_integer("batches", 2, "distinct host batches cycled through")
 flags.DEFINE_float("peak_flops", None, "peak FLOP/s per device (default: table by device kind)")
 flags.DEFINE_string("dtype", "bf16", "peak table column")
+flags.DEFINE_float("nvlink_gbps", 450.0, "cost model: NVLink GB/s per GPU per direction")
+flags.DEFINE_float("roce_gbps", 50.0, "cost model: RoCE in a zone, GB/s per GPU per direction")
+flags.DEFINE_float("cross_zone_gbps", 12.5, "cost model: oversubscribed cross-zone RoCE, GB/s per GPU")
+flags.DEFINE_integer("gpus_per_zone", 256, "cost model: GPUs per zone")
+flags.DEFINE_integer("predict_gpus_per_host", 8, "cost model: GPUs per host for the --predict_gpus table")
+flags.DEFINE_string("predict_gpus", "64,1024,4096", "GPU counts of the predicted table")
+flags.DEFINE_float("overlap", 0.0, "cost model: fraction of communication hidden behind compute")
 flags.DEFINE_string("workdir", "runs/sweep_mesh", "output directory")
 flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (0: real devices)")
 
@@ -63,18 +98,40 @@ def short(spec: str) -> str:
     return ",".join(p.split("@")[0] for p in spec.split(","))
 
 
-def step_job(cfg, spec: str, rules, replica_axes: tuple[str, ...], steps: int, batches: int) -> dict:
-    """Time the real train step of cfg on mesh ``spec``; returns one result row."""
+def spec_devices(spec: str, n_available: int) -> int:
+    """Devices a spec uses: the product of its sizes (all available when one is -1)."""
+    from gemjax.parallel.mesh import parse_mesh_spec
+    sizes = parse_mesh_spec(spec).shape
+    return n_available if -1 in sizes else math.prod(sizes)
+
+
+def batch_sizes(preset_batch: int, n_devices: int, weak: bool) -> tuple[int, int]:
+    """(local, global) batch: weak scaling keeps the preset batch per device."""
+    if weak:
+        return preset_batch, preset_batch * n_devices
+    if preset_batch % n_devices:
+        raise ValueError(f"strong scaling: batch {preset_batch} not divisible by {n_devices} devices")
+    return preset_batch // n_devices, preset_batch
+
+
+def mesh_config(cfg, n_devices: int, weak: bool):
+    """cfg with data.batch_size = the global batch of an n-device mesh."""
+    _, global_batch = batch_sizes(cfg.data.batch_size, n_devices, weak)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=global_batch))
+
+
+def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], steps: int, batches: int) -> dict:
+    """Time the real train step of cfg on mesh ``spec`` over ``devices``; one result row."""
     import jax
     import numpy as np
 
     from gemjax.data.feeding import Feeder
-    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.data.synthetic import SEQUENCES, SyntheticStream
     from gemjax.parallel.mesh import build_mesh
-    from gemjax.train import mfu
+    from gemjax.train import local_mfu, mfu
     from gemjax.train.step import Trainer
 
-    mesh = build_mesh(spec, devices_per_host=FLAGS.devices_per_host)
+    mesh = build_mesh(spec, devices, devices_per_host=FLAGS.devices_per_host)
     replica_axes = tuple(a for a in replica_axes if mesh.shape.get(a, 1) > 1)
     planner = {} if FLAGS.replicate_below_bytes is None else {"replicate_below_bytes": FLAGS.replicate_below_bytes}
     trainer = Trainer.create(cfg, mesh, rules=rules, table_replica_axes=replica_axes, **planner)
@@ -83,6 +140,11 @@ def step_job(cfg, spec: str, rules, replica_axes: tuple[str, ...], steps: int, b
     hosts = [feeder.host_batch(i) for i in range(batches)]
     device_batches = [feeder.to_device(h[0]) for h in hosts]
     tokens = float(np.mean([h[2] for h in hosts])) * jax.process_count()   # local tokens per process
+    shards = feeder.num_shards
+    attn = 0.0
+    if cfg.model.kind == "teacher":   # Pallas attention FLOPs, this process's shards (x processes)
+        attn = float(np.mean([local_mfu.step_attention_flops(cfg, h[0], len(feeder.local_shards))
+                              for h in hosts])) * jax.process_count()
     step = trainer.make_train_step()
     t0 = time.perf_counter()
     compiled = step.lower(state, device_batches[0]).compile()
@@ -100,19 +162,41 @@ def step_job(cfg, spec: str, rules, replica_axes: tuple[str, ...], steps: int, b
         state, m = step(state, device_batches[i % len(device_batches)])
     jax.block_until_ready((state, m))
     step_s = (time.perf_counter() - t0) / steps
-    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    stats = [d.memory_stats() or {} for d in mesh.devices.flat]
     peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) or None
+    leaves = jax.tree_util.tree_leaves_with_path(state["params"])
+    expert = sum(x.size for p, x in leaves if "experts" in jax.tree_util.keystr(p))
     return {"mesh": short(spec), "devices": mesh.size, "table_replica_axes": list(replica_axes),
+            "axis_names": list(mesh.axis_names),
             "table_plans": sorted({p.kind for p in trainer.coll.plans.values()}),
             "step_s": step_s, "compile_s": compile_s, "tokens_per_step": tokens,
-            "step_flops": flops_per_device * mesh.size, "flops_per_device": flops_per_device,
-            "peak_bytes_per_device": peak, "compiled_bytes_per_device": compiled_bytes,
+            "seq_tokens_per_sample": tokens / cfg.data.batch_size, "num_sequences": len(SEQUENCES),
+            "xla_flops_per_device": flops_per_device, "pallas_attention_flops": attn,
+            "step_flops": flops_per_device * mesh.size + attn,
+            "compiled_bytes_per_device": compiled_bytes, "running_peak_bytes_per_device": peak,
             "loss": float(np.asarray(m["loss"])), "ids_overflow": int(np.asarray(m["ids_overflow"])),
-            "dense_params": int(sum(x.size for x in jax.tree.leaves(state["params"])))}
+            "dense_params": int(sum(x.size for _, x in leaves)) - int(expert), "expert_params": int(expert),
+            "shards": shards}
+
+
+def workload(cfg, row: dict, base: dict, local_batch: int):
+    """topology.Workload of one device of ``row``'s run (FLOPs per sample from the 1-device base row)."""
+    from gemjax.parallel import topology
+    from gemjax.data.synthetic import SEQUENCE_FIELDS, SPARSE_FEATURES
+    m = cfg.model
+    n_in = len(SPARSE_FEATURES) + m.dense_tokens + m.cls_tokens + m.pma_tokens + m.recent_tokens
+    ep_tokens = m.interformer_layers * m.top_k * n_in if m.num_experts else 0
+    lookups = len(SPARSE_FEATURES) + len(SEQUENCE_FIELDS) * base["seq_tokens_per_sample"]
+    act_bytes = 2 if m.dtype == "bfloat16" else 4
+    return topology.Workload(
+        dense_params=row["dense_params"], expert_params=row["expert_params"], param_bytes=4, grad_bytes=4,
+        local_batch=local_batch, lookups_per_sample=int(round(lookups)), emb_dim=m.dim, emb_bytes=4,
+        id_bytes=4, expert_tokens_per_sample=ep_tokens, d_model=m.dim, act_bytes=act_bytes,
+        forward_flops_per_sample=base["step_flops"] / 3 / base["global_batch"])
 
 
 def plot(rows: list[dict], path: str) -> str:
-    """Bar charts of step time, samples/s, E2E MFU and memory per mesh; returns a note."""
+    """Bar charts of step time, samples/s, MFU and memory per mesh; returns a note."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -123,8 +207,7 @@ def plot(rows: list[dict], path: str) -> str:
     names = [r["mesh"] for r in ok]
     panels = [("step ms", [r["step_s"] * 1e3 for r in ok]), ("samples/s", [r["samples_per_s"] for r in ok]),
               ("E2E MFU", [r["e2e_mfu"] or 0 for r in ok]),
-              ("MB per device", [(r["peak_bytes_per_device"] or r["compiled_bytes_per_device"] or 0) / 1e6
-                                 for r in ok])]
+              ("MB per device", [(r["compiled_bytes_per_device"] or 0) / 1e6 for r in ok])]
     fig, axs = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
     for ax, (title, vals) in zip(axs, panels):
         ax.bar(range(len(vals)), vals)
@@ -135,77 +218,187 @@ def plot(rows: list[dict], path: str) -> str:
     return f"plot: {path}"
 
 
+def pallas_probe() -> float | None:
+    """XLA's FLOP count of a Pallas gdpa forward (GPU only): ~0 means the Pallas term is needed."""
+    import jax
+    import jax.numpy as jnp
+    if jax.default_backend() != "gpu":
+        return None
+    from kernels import gdpa
+    from gemjax.train import mfu
+    q = jnp.ones((256, 2, 32), jnp.bfloat16)
+    off = jnp.array([0, 128, 256], jnp.int32)
+    return mfu.xla_flops(lambda q: gdpa(q, q, q, off, off, impl="pallas"), q)
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def main(argv):
     del argv
     from gemjax.parallel import multihost
     multihost.initialize(cpu_devices=FLAGS.cpu_devices or None)
     import jax
+    import numpy as np
 
     from gemjax.config import get_config
+    from gemjax.data.synthetic import SyntheticStream
     from gemjax.parallel import rules as rules_lib
     from gemjax.parallel import topology
-    from gemjax.parallel.mesh import parse_mesh_spec
-    from gemjax.train import mfu
+    from gemjax.parallel.mesh import resolve_mesh_spec
+    from gemjax.train import local_mfu, mfu
 
-    n = jax.device_count()
+    devices = jax.devices()
+    n_all = len(devices)
     per_host = FLAGS.devices_per_host or jax.local_device_count()
-    specs = [s for s in FLAGS.shapes.split(";") if s.strip()] or enumerate_specs(FLAGS.axes, n, per_host)
+    one = enumerate_specs(FLAGS.axes, 1, 1)[0]
+    specs = [s for s in FLAGS.shapes.split(";") if s.strip()] or enumerate_specs(FLAGS.axes, n_all, per_host)
+    if all(spec_devices(s, n_all) != 1 for s in specs):
+        specs = [one] + specs                       # the 1-device base of the scaling figures
+    specs.sort(key=lambda s: spec_devices(s, n_all))
     if FLAGS.list_only:
-        print(f"{len(specs)} mesh shapes fit {n} devices ({per_host} per host):")
+        print(f"{len(specs)} mesh shapes ({n_all} devices, {per_host} per host):")
         print("\n".join(specs))
         return
     cfg = get_config(FLAGS.config, FLAGS.override)
+    weak = FLAGS.weak_scaling
     rules = rules_lib.parse_rules(FLAGS.logical_rules)
     replica_axes = tuple(a for a in FLAGS.table_replica_axes.split("+") if a)
     try:
-        peak = mfu.peak_flops(jax.devices()[0].device_kind, dtype=FLAGS.dtype, override=FLAGS.peak_flops)
+        peak = mfu.peak_flops(devices[0].device_kind, dtype=FLAGS.dtype, override=FLAGS.peak_flops)
     except (KeyError, ValueError) as e:
         print(f"no peak FLOP/s ({e}); MFU left empty")
         peak = None
-    b = cfg.data.batch_size
-    rows = []
+    out = {"flags": {k: FLAGS[k].value for k in ("config", "override", "axes", "shapes", "logical_rules",
+                                                  "table_replica_axes", "steps", "batches", "weak_scaling",
+                                                  "replicate_below_bytes", "nvlink_gbps", "roce_gbps",
+                                                  "cross_zone_gbps", "overlap", "local_iters")},
+           "device_kind": devices[0].device_kind, "devices": n_all, "processes": jax.process_count(),
+           "preset_batch": cfg.data.batch_size, "peak_flops": peak, "timing": "device step only: "
+           f"{FLAGS.batches} pre-built host batches cycled, {FLAGS.steps} timed steps after 1 warm-up",
+           "xla_flops_of_pallas_gdpa_probe": pallas_probe()}
+
+    def dump(note=""):   # after every stage, so a run cut short keeps what it measured
+        if jax.process_index() == 0:
+            os.makedirs(FLAGS.workdir, exist_ok=True)
+            with open(os.path.join(FLAGS.workdir, "sweep_mesh.json"), "w") as f:
+                json.dump({**out, "rows": rows, "partial": note}, f, indent=1, default=float)
+
+    rows: list[dict] = []
+    local = None
+    if FLAGS.local_mfu and cfg.model.kind == "teacher" and peak:
+        cfg1 = mesh_config(cfg, 1, weak)
+        host1, _ = SyntheticStream(cfg1.data, 0).shard_batch(0, 0, 1)
+        with jax.default_device(devices[0]):
+            local = local_mfu.measure(cfg1, host1, peak, iters=FLAGS.local_iters)
+        out["local"] = local
+        print(f"[sweep] Local MFU {local['local_mfu']:.4f} over {len(local['layers'])} blocks", flush=True)
+        dump("after local MFU")
+    elif FLAGS.local_mfu:
+        print("[sweep] Local MFU skipped (needs model.kind=teacher and a peak FLOP/s)")
+
     for spec in specs:
+        n = spec_devices(spec, n_all)
+        lb, gb = batch_sizes(cfg.data.batch_size, n, weak)
         try:
-            res = step_job(cfg, spec, rules, replica_axes, FLAGS.steps, FLAGS.batches)
+            res = step_job(mesh_config(cfg, n, weak), spec, devices[:n], rules, replica_axes,
+                           FLAGS.steps, FLAGS.batches)
         except Exception as e:  # noqa: BLE001 -- one failing shape (e.g. OOM) must not end the sweep
-            rows.append({"mesh": short(spec), "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(f"[sweep] {short(spec)}: {rows[-1]['error']}")
+            rows.append({"mesh": short(spec), "devices": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"[sweep] {short(spec)}: {rows[-1]['error']}", flush=True)
             continue
-        work = topology.Workload(dense_params=res["dense_params"], param_bytes=4, local_batch=max(1, b // n),
-                                 forward_flops_per_sample=res["step_flops"] / 3 / b)
-        pred = topology.predict(parse_mesh_spec(spec), work, peak=peak or 1.0, local_mfu=1.0,
-                                net=topology.Network(gpus_per_host=per_host))
-        res.update(samples_per_s=b / res["step_s"], tokens_per_s=res["tokens_per_step"] / res["step_s"],
+        res.update(spec=spec, local_batch=lb, global_batch=gb, samples_per_s=gb / res["step_s"],
+                   tokens_per_s=res["tokens_per_step"] / res["step_s"],
                    tflops_per_device=res["step_flops"] / res["step_s"] / n / 1e12,
                    e2e_mfu=mfu.mfu(res["step_flops"], res["step_s"], n, peak) if peak else None,
-                   predicted_comm_s=pred["comm_s"])
+                   local_mfu=local["local_mfu"] if local else None)
+        res["scaling_ratio"] = (mfu.scaling_ratio(res["e2e_mfu"], res["local_mfu"])
+                                if res["e2e_mfu"] is not None and res["local_mfu"] else None)
         rows.append(res)
         print(f"[sweep] {res['mesh']}: {res['step_s'] * 1e3:.2f} ms/step", flush=True)
+        dump(f"after {res['mesh']}")
+
+    ok = [r for r in rows if "error" not in r]
+    base = next((r for r in ok if r["devices"] == 1), None)
+    net = topology.Network(bandwidth={"host": FLAGS.nvlink_gbps * 1e9, "zone": FLAGS.roce_gbps * 1e9,
+                                      "cross_zone": FLAGS.cross_zone_gbps * 1e9},
+                           gpus_per_host=per_host, gpus_per_zone=FLAGS.gpus_per_zone)
+    fsdp_axes = tuple(rules.get("mlp", ("fsdp",)))
+    if base is not None:
+        work = workload(cfg, base, base, base["local_batch"])
+        cm_peak = peak or 3 * work.forward_flops_per_sample * work.local_batch / base["step_s"]
+        eff = topology.calibrate_compute(work, base["step_s"], cm_peak)
+        errors = []
+        for r in ok:
+            r["weak_scaling_efficiency"] = (r["e2e_mfu"] / base["e2e_mfu"]
+                                            if r["e2e_mfu"] is not None and base["e2e_mfu"] else None)
+            spec = resolve_mesh_spec(r["spec"], r["devices"], min(per_host, r["devices"]))
+            pred = topology.predict(spec, workload(cfg, r, base, r["local_batch"]), peak=cm_peak,
+                                    local_mfu=eff, overlap=FLAGS.overlap, net=net,
+                                    layout=topology.layout_for(spec.names, fsdp_axes, replica_axes))
+            r.update(predicted_step_s=pred["step_s"], predicted_comm_s=pred["comm_s"],
+                     predicted_rel_error=topology.relative_error(pred["step_s"], r["step_s"]),
+                     predicted_collectives=[dataclasses.asdict(c) for c in pred["collectives"]
+                                            if c.ranks > 1])
+            if r["devices"] > 1:
+                errors.append(abs(r["predicted_rel_error"]))
+        big_net = dataclasses.replace(net, gpus_per_host=FLAGS.predict_gpus_per_host)
+        table = []
+        for g in (int(x) for x in FLAGS.predict_gpus.split(",") if x.strip()):
+            spec = topology.default_mesh(g)
+            table.append(topology.predict(spec, work, peak=cm_peak, local_mfu=eff, overlap=FLAGS.overlap,
+                                          net=big_net, layout=topology.layout_for(spec.names, fsdp_axes,
+                                                                                  replica_axes)))
+        out["cost_model"] = {
+            "workload": dataclasses.asdict(work), "calibrated_compute_mfu": eff, "peak_used": cm_peak,
+            "network": dataclasses.asdict(net), "overlap": FLAGS.overlap,
+            "max_abs_rel_error_multi_device": max(errors) if errors else None,
+            "within_25pct": all(e <= 0.25 for e in errors) if errors else None,
+            "predicted": [{**{k: v for k, v in t.items() if k != "collectives"},
+                           "collectives": [dataclasses.asdict(c) for c in t["collectives"]]} for t in table]}
     if jax.process_index() != 0:
         return
     os.makedirs(FLAGS.workdir, exist_ok=True)
-    note = plot(rows, os.path.join(FLAGS.workdir, "sweep_mesh.png"))
-    with open(os.path.join(FLAGS.workdir, "sweep_mesh.json"), "w") as f:
-        json.dump({"flags": {k: FLAGS[k].value for k in ("config", "override", "axes", "shapes", "logical_rules",
-                                                          "table_replica_axes", "steps", "batches",
-                                                          "replicate_below_bytes")},
-                   "device_kind": jax.devices()[0].device_kind, "devices": n, "processes": jax.process_count(),
-                   "batch": b, "peak_flops": peak, "plot": note, "rows": rows}, f, indent=1)
-    ok = [r for r in rows if "error" not in r]
-    print(f"{'mesh':<28} {'tables':<10} {'step ms':>9} {'samples/s':>10} {'TFLOP/s/dev':>11} {'MFU':>7} "
-          f"{'MB/dev':>8} {'pred comm ms':>12}")
+    out["plot"] = plot(rows, os.path.join(FLAGS.workdir, "sweep_mesh.png"))
+    dump("")
+
+    if local:
+        print(f"\nLocal MFU (each block alone on one device, {local['samples']} samples, fwd+bwd):")
+        print(f"{'block':<28} {'GFLOP':>10} {'of which Pallas':>15} {'ms':>8} {'MFU':>7}")
+        for lr in local["layers"]:
+            print(f"{lr['name']:<28} {lr['flops'] / 1e9:>10.2f} {lr['pallas_flops'] / 1e9:>15.2f} "
+                  f"{lr['seconds'] * 1e3:>8.3f} {lr['mfu']:>7.4f}")
+        print(f"{'Local MFU (FLOP-weighted)':<28} {local['model_flops'] / 1e9:>10.2f} {'':>15} {'':>8} "
+              f"{local['local_mfu']:>7.4f}")
+    if "cost_model" in out:
+        cm = out["cost_model"]
+        print(f"\nCost model, calibrated on 1 device (compute MFU {cm['calibrated_compute_mfu']:.4f}), "
+              f"predicted for {FLAGS.predict_gpus} GPUs ({FLAGS.predict_gpus_per_host}/host, overlap "
+              f"{FLAGS.overlap:.0%}):")
+        print(topology.format_table(table))
+    print(f"\n{'mesh':<26} {'dev':>3} {'local/global B':>15} {'step ms':>8} {'samples/s':>10} {'E2E MFU':>8} "
+          f"{'Local':>7} {'Scaling':>7} {'weak eff':>8} {'MB/dev':>8} {'pred ms':>8} {'pred err':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['mesh']:<28} failed: {r['error'][:80]}")
+            print(f"{r['mesh']:<26} {r['devices']:>3} failed: {r['error'][:80]}")
             continue
-        mfu_txt = f"{r['e2e_mfu']:.4f}" if r["e2e_mfu"] is not None else "-"
-        mem = r["peak_bytes_per_device"] or r["compiled_bytes_per_device"]
-        mem_txt = f"{mem / 1e6:.1f}" if mem else "-"
-        print(f"{r['mesh']:<28} {'+'.join(r['table_plans']):<10} {r['step_s'] * 1e3:>9.2f} "
-              f"{r['samples_per_s']:>10.0f} {r['tflops_per_device']:>11.4f} {mfu_txt:>7} {mem_txt:>8} "
-              f"{r['predicted_comm_s'] * 1e3:>12.3f}")
+        mem = r["compiled_bytes_per_device"]
+        print(f"{r['mesh']:<26} {r['devices']:>3} {str(r['local_batch']) + '/' + str(r['global_batch']):>15} "
+              f"{r['step_s'] * 1e3:>8.2f} {r['samples_per_s']:>10.0f} {fmt(r['e2e_mfu'], '.4f'):>8} "
+              f"{fmt(r['local_mfu'], '.4f'):>7} {fmt(r['scaling_ratio'], '.3f'):>7} "
+              f"{fmt(r.get('weak_scaling_efficiency'), '.3f'):>8} {fmt(mem and mem / 1e6, '.0f'):>8} "
+              f"{fmt(r.get('predicted_step_s') and r['predicted_step_s'] * 1e3, '.2f'):>8} "
+              f"{fmt(r.get('predicted_rel_error'), '+.1%'):>8}")
+    multi = [r for r in ok if r["devices"] > 1]
     if ok:
-        print(f"best: {min(ok, key=lambda r: r['step_s'])['mesh']}   ({note})")
+        best = max(multi or ok, key=lambda r: r["samples_per_s"] / r["devices"])
+        print(f"best: {best['mesh']} ({best['samples_per_s'] / best['devices']:.0f} samples/s per device"
+              + (f", weak-scaling efficiency {best['weak_scaling_efficiency']:.3f}"
+                 if best.get("weak_scaling_efficiency") is not None else "") + ")"
+              + (f"; cost model max |error| {out['cost_model']['max_abs_rel_error_multi_device']:.1%}"
+                 if out.get("cost_model", {}).get("max_abs_rel_error_multi_device") is not None else "")
+              + f"   ({out['plot']})")
 
 
 if __name__ == "__main__":
