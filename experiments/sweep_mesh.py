@@ -228,7 +228,11 @@ def pallas_probe() -> float | None:
     from gemjax.train import mfu
     q = jnp.ones((256, 2, 32), jnp.bfloat16)
     off = jnp.array([0, 128, 256], jnp.int32)
-    return mfu.xla_flops(lambda q: gdpa(q, q, q, off, off, impl="pallas"), q)
+    try:
+        return mfu.xla_flops(lambda q: gdpa(q, q, q, off, off, impl="pallas"), q)
+    except Exception as e:  # noqa: BLE001 -- a diagnostic only
+        print(f"[sweep] pallas probe failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
 
 
 def fmt(v, spec: str) -> str:
