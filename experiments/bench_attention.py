@@ -7,8 +7,15 @@ the best alternatives in the same run: cuDNN softmax attention on padded tensors
 with sequence lengths, and the GDPA formula in plain jnp on padded tensors.
 
     PYTHONPATH=. python3 experiments/bench_attention.py --out /tmp/bench.json
+    PYTHONPATH=. python3 experiments/bench_attention.py --sweep --sweep_budget_s=50
+
+--sweep tries a small grid of kernel knobs per workload in the same run (forward
+knobs timed on the forward, backward knobs on forward+backward with the default
+forward), skips what is left once --sweep_budget_s has passed on that workload, and prints the
+best per workload and op before the main table.
 """
 
+import itertools
 import json
 import time
 
@@ -18,11 +25,13 @@ import numpy as np
 from absl import app, flags
 
 from kernels.block_attention import block_attention_reference
-from kernels.block_attention.pallas import block_attention_pallas
+from kernels.block_attention.pallas import BLOCK_KNOBS, block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
 from kernels.jagged_attention.pallas import jagged_attention_pallas
-from kernels.jagged_flash import FlashConfig, _forward, adapt_tiles, build_layout
+from kernels.jagged_flash import FlashConfig, _forward, adapt_tiles, build_layout, jagged_flash
 from kernels.gdpa.pallas import TILES as GDPA_TILES
+from kernels.jagged_attention.pallas import TILES as SOFTMAX_TILES
+from kernels.block_attention.pallas import TILES as BLOCK_TILED_TILES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
@@ -35,8 +44,18 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
-flags.DEFINE_list("block_sweep", [], "W4 tiles to try, 'bq:bk' each")
-flags.DEFINE_string("sweep", "", "tile sweep for W1 GDPA/softmax: 'bq:bk:warps:stages,...'")
+flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
+flags.DEFINE_float("sweep_budget_s", 50.0, "per workload: stop sweeping after this many seconds")
+
+# Knob grids (--sweep). Tiled engine forward: bq:bk:num_warps:num_stages (the dQ kernel
+# uses bq/bk too); backward: bq_dkv:bk_dkv:num_warps_bwd:num_stages_bwd.
+FWD_GRID = ["64:64:4:3", "64:64:4:2", "64:32:4:3", "64:128:4:2", "128:64:8:3", "128:128:8:2",
+            "128:64:4:3"]
+BWD_GRID = ["64:64:4:2", "64:64:8:2", "32:64:4:2", "64:32:4:2", "64:128:8:2", "128:64:8:2"]
+# Per-block kernel (W4): num_warps:num_stages:group for the forward, *_bwd:group backward.
+BLOCK_FWD_GRID = ["4:1:1", "2:1:1", "8:1:1", "4:2:2", "4:1:4", "2:1:4", "4:1:8"]
+BLOCK_BWD_GRID = ["4:1:1", "8:1:1", "2:1:1", "4:2:2", "8:1:2", "4:1:4"]
+_SWEEP_T0 = [0.0]  # when the current workload's sweep started
 
 
 def lognormal_lengths(rng, n, median, sigma=0.8, lo=16, hi=4096):
@@ -108,11 +127,14 @@ def padded(x, off, lens, lmax):
                      x[jnp.asarray(idx)], 0)
 
 
-def measure(name, fns, args, flops, bytes_fwd, bytes_bwd):
+def measure(name, fns, args, flops, bytes_fwd, bytes_bwd, only=None):
+    """Row with fwd and fwd_bwd times / TF/s / floors; only='fwd' | 'fwd_bwd' times one."""
     fwd, train = fns
     row = dict(impl=name)
     for tag, f, a, fl, by in (("fwd", fwd, args[:3], flops, bytes_fwd),
                               ("fwd_bwd", train, args, 3.5 * flops, bytes_fwd + bytes_bwd)):
+        if only is not None and tag != only:
+            continue
         try:
             t = timeit(f, *a)
             row[tag + "_ms"] = t * 1e3
@@ -146,15 +168,17 @@ def run_workload(wname, rng):
     if kind == "block":
         rows.append(measure("pallas_block", fwd_and_train(
             lambda q, k, v: block_attention_pallas(q, k, v, qo)), args, flops, bytes_fwd, bytes_bwd))
+        tiled = FlashConfig(mode="softmax", scale=d ** -0.5, block=64, rope=True,
+                            interpret=jax.default_backend() != "gpu", **BLOCK_TILED_TILES)
+        rows.append(measure("pallas_block_tiled_engine", fwd_and_train(
+            lambda q, k, v: jagged_flash(tiled, q, k, v, qo, qo, rope_theta=10_000.0)), args,
+            flops, bytes_fwd, bytes_bwd))
         rows.append(measure("jnp_block_reference", fwd_and_train(
             lambda q, k, v: block_attention_reference(q, k, v, qo)), args, flops, bytes_fwd,
             bytes_bwd))
-        for spec in FLAGS.block_sweep:
-            bq, bk = (int(x) for x in spec.split(":"))
-            t = dict(bq=bq, bk=bk, bq_dkv=bq, bk_dkv=bk)
-            rows.append(measure(f"sweep_block_{spec}", fwd_and_train(
-                lambda q, k, v, t=t: block_attention_pallas(q, k, v, qo, **t)), args, flops,
-                bytes_fwd, bytes_bwd))
+        if FLAGS.sweep:
+            _SWEEP_T0[0] = time.perf_counter()
+            meta["sweep"] = sweep_block(qo, args, flops, bytes_fwd, bytes_bwd, rows)
         w1 = valid_pairs("self", ql, kl) * 4.0 * h * d
         rows.append(measure("pallas_softmax_W1", fwd_and_train(
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, w1, bytes_fwd,
@@ -183,18 +207,22 @@ def run_workload(wname, rng):
         rows.append(measure("pallas_gdpa_launch_in_order", fwd_and_train(
             lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
                                         heavy_first=False)), args, flops, bytes_fwd, bytes_bwd))
-    if kind == "self" and FLAGS.sweep:
-        for spec in FLAGS.sweep.split(","):
-            bq, bk, nw, ns = (int(x) for x in spec.split(":"))
-            tiles = dict(bq=bq, bk=bk, num_warps=nw, num_stages=ns, bq_dkv=min(bq, 64),
-                         bk_dkv=64, num_warps_bwd=4, num_stages_bwd=2)
-            rows.append(measure(f"sweep_gdpa_{spec}", fwd_and_train(
-                lambda q, k, v, t=tiles: gdpa_pallas(q, k, v, qo, ko, activation=act,
-                                                     scale=scale, **t)),
-                args, flops, bytes_fwd, bytes_bwd))
-            rows.append(measure(f"sweep_softmax_{spec}", fwd_and_train(
-                lambda q, k, v, t=tiles: jagged_attention_pallas(q, k, v, qo, ko, **t)),
-                args, flops, bytes_fwd, bytes_bwd))
+        rows.append(measure("pallas_gdpa_no_interior", fwd_and_train(
+            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
+                                        interior=False)), args, flops, bytes_fwd, bytes_bwd))
+        rows.append(measure("pallas_softmax_no_interior", fwd_and_train(
+            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, interior=False)), args,
+            flops, bytes_fwd, bytes_bwd))
+    if FLAGS.sweep:
+        ops = {"gdpa": (GDPA_TILES, lambda q, k, v, t: gdpa_pallas(
+            q, k, v, qo, ko, activation=act, scale=scale, **t))}
+        if kind == "self":
+            ops["softmax"] = (SOFTMAX_TILES, lambda q, k, v, t: jagged_attention_pallas(
+                q, k, v, qo, ko, **t))
+        _SWEEP_T0[0] = time.perf_counter()
+        meta["sweep"] = {op: sweep_tiled(op, base, fn, (len(ql), q.shape[0], k.shape[0]), args,
+                                         flops, bytes_fwd, bytes_bwd, rows)
+                         for op, (base, fn) in ops.items()}
     if FLAGS.baselines:
         lq, lk = int(ql.max()), int(kl.max())
         qp, dop = padded(q, qo, ql, lq), padded(do, qo, ql, lq)
@@ -223,6 +251,73 @@ def run_workload(wname, rng):
     return meta, rows
 
 
+def _time_left():
+    return FLAGS.sweep_budget_s - (time.perf_counter() - _SWEEP_T0[0])
+
+
+def _sweep(label, grid, knobs_of, dedupe_key, fn, args, flops, bytes_fwd, bytes_bwd, rows, only):
+    """Time fn(q, k, v, knobs) for each grid entry (one of fwd / fwd_bwd); best entry."""
+    best, seen = None, set()
+    for spec in grid:
+        knobs = knobs_of(spec)
+        key = dedupe_key(knobs)
+        if key in seen:
+            continue
+        seen.add(key)
+        if _time_left() <= 0:
+            rows.append(dict(impl=f"sweep_{label}_{spec}", skipped="sweep budget spent"))
+            continue
+        row = measure(f"sweep_{label}_{spec}", fwd_and_train(
+            lambda q, k, v, t=knobs: fn(q, k, v, t)), args, flops, bytes_fwd, bytes_bwd, only)
+        row["knobs"] = knobs
+        rows.append(row)
+        ms = row.get(only + "_ms")
+        if ms is not None and (best is None or ms < best["ms"]):
+            best = dict(spec=spec, knobs=knobs, ms=ms, tflops=row[only + "_tflops"])
+    return best
+
+
+def sweep_tiled(op, base, fn, shape, args, flops, bytes_fwd, bytes_bwd, rows):
+    """Best forward and backward tiles of the tiled engine for one op on this workload."""
+    b, tq, tk = shape
+    dt = args[0].dtype
+
+    def adapted(t):  # the tiles the kernel really runs (short sides shrink them)
+        c = adapt_tiles(FlashConfig(mode="gdpa", **t), tq, tk, b, dt)
+        return tuple(getattr(c, f) for f in ("bq", "bk", "bq_dkv", "bk_dkv", "num_warps",
+                                             "num_stages", "num_warps_bwd", "num_stages_bwd"))
+
+    def fwd_knobs(spec):
+        bq, bk, nw, ns = (int(x) for x in spec.split(":"))
+        return {**base, "bq": bq, "bk": bk, "num_warps": nw, "num_stages": ns}
+
+    def bwd_knobs(spec):
+        bq, bk, nw, ns = (int(x) for x in spec.split(":"))
+        return {**base, "bq_dkv": bq, "bk_dkv": bk, "num_warps_bwd": nw, "num_stages_bwd": ns}
+
+    common = (fn, args, flops, bytes_fwd, bytes_bwd, rows)
+    return dict(fwd=_sweep(f"{op}_fwd", FWD_GRID, fwd_knobs, adapted, *common, "fwd"),
+                bwd=_sweep(f"{op}_bwd", BWD_GRID, bwd_knobs, adapted, *common, "fwd_bwd"))
+
+
+def sweep_block(qo, args, flops, bytes_fwd, bytes_bwd, rows):
+    """Best per-block kernel knobs (W4) for the forward and the backward."""
+    def fwd_knobs(spec):
+        nw, ns, g = (int(x) for x in spec.split(":"))
+        return {**BLOCK_KNOBS, "num_warps": nw, "num_stages": ns, "group": g}
+
+    def bwd_knobs(spec):
+        nw, ns, g = (int(x) for x in spec.split(":"))
+        return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group": g}
+
+    fn = lambda q, k, v, t: block_attention_pallas(q, k, v, qo, **t)
+    key = lambda t: tuple(sorted(t.items()))
+    common = (fn, args, flops, bytes_fwd, bytes_bwd, rows)
+    return {"block": dict(
+        fwd=_sweep("block_fwd", BLOCK_FWD_GRID, fwd_knobs, key, *common, "fwd"),
+        bwd=_sweep("block_bwd", BLOCK_BWD_GRID, bwd_knobs, key, *common, "fwd_bwd"))}
+
+
 def main(_):
     rng = np.random.default_rng(1)
     results = []
@@ -232,12 +327,23 @@ def main(_):
         print(json.dumps(meta), flush=True)
         for r in rows:
             print("  ", json.dumps(r), flush=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump(dict(device=str(jax.devices()[0]), results=results), f, indent=1)
+        with open(FLAGS.out, "w") as f:  # after every workload: partial runs keep results
+            json.dump(dict(device=str(jax.devices()[0]), results=results), f, indent=1)
+    if FLAGS.sweep:
+        print(f"\nsweep best (default knobs in kernels/*/pallas.py TILES / BLOCK_KNOBS)")
+        print(f"{'wl':3} {'op':8} {'pass':4} {'best spec':>14} {'ms':>8} {'TF/s':>6}")
+        for res in results:
+            for op, passes in res["meta"].get("sweep", {}).items():
+                for pas, bst in passes.items():
+                    if bst:
+                        print(f"{res['meta']['workload']:3} {op:8} {pas:4} {bst['spec']:>14} "
+                              f"{bst['ms']:8.3f} {bst['tflops']:6.0f}")
     print(f"\n{'wl':3} {'impl':28} {'fwd ms':>8} {'TF/s':>6} {'floor':>7} "
           f"{'f+b ms':>8} {'TF/s':>6} {'floor':>7}")
     for res in results:
         for r in res["rows"]:
+            if r["impl"].startswith("sweep_"):
+                continue  # in the JSON and the sweep summary
             g = lambda key: r.get(key, float("nan"))
             print(f"{res['meta']['workload']:3} {r['impl'][:28]:28} {g('fwd_ms'):8.3f} "
                   f"{g('fwd_tflops'):6.0f} {g('fwd_floor_ms'):7.3f} {g('fwd_bwd_ms'):8.3f} "
