@@ -194,7 +194,7 @@ def run_workload(wname, rng):
     # where the forward time goes: layout (XLA) vs the Pallas kernel alone
     b = len(ql)
     cfg = adapt_tiles(FlashConfig(mode="gdpa", activation=act, scale=scale, **GDPA_TILES,
-                                  interpret=jax.default_backend() != "gpu"),
+                                  fast_act=True, interpret=jax.default_backend() != "gpu"),
                       q.shape[0], k.shape[0], b, q.dtype)
     lay_fn = jax.jit(lambda qo, ko: build_layout(cfg, qo, ko, q.shape[0], k.shape[0], d))
     lay = lay_fn(qo, ko)
@@ -210,6 +210,9 @@ def run_workload(wname, rng):
         rows.append(measure("pallas_gdpa_no_interior", fwd_and_train(
             lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
                                         interior=False)), args, flops, bytes_fwd, bytes_bwd))
+        rows.append(measure("pallas_gdpa_exact_act", fwd_and_train(
+            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
+                                        fast_act=False)), args, flops, bytes_fwd, bytes_bwd))
         rows.append(measure("pallas_softmax_no_interior", fwd_and_train(
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, interior=False)), args,
             flops, bytes_fwd, bytes_bwd))

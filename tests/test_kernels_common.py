@@ -271,6 +271,17 @@ def test_kernel_activation_and_derivative_match_float64(activation):
     np.testing.assert_allclose(np.asarray(da), wda, atol=5e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fast_activation_forms_match_float64(activation):
+    """The tanh forms used with tanh.approx (here with exact tanh) equal act and act'."""
+    from kernels.jagged_flash import fast_act_and_grad
+    s = np.linspace(-9, 9, 721)
+    a, da = fast_act_and_grad(jnp.asarray(s, jnp.float32), activation, interpret=True)
+    wa, wda = np_act(s, activation)
+    np.testing.assert_allclose(np.asarray(a), wa, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(da), wda, atol=5e-6, rtol=1e-5)
+
+
 def test_rope_matches_numpy_and_is_a_rotation():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(9, 2, 8))

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.common import rope_angle, rope_freq_parts, segment_layout
-from kernels.jagged_flash import FlashConfig, jagged_flash
+from kernels.jagged_flash import LOG2E, FlashConfig, jagged_flash
 
 F32 = jnp.float32
 
@@ -107,10 +107,10 @@ def _setup(tab_refs, n, pos_ref, f_refs, block, cs):
 
 def _probs(q1, q2, k1, k2, valid, scale):
     """Softmax probabilities [block, block] f32 of one block; invalid rows/cols are 0."""
-    s = (_dot(q1, k1, ((1,), (1,))) + _dot(q2, k2, ((1,), (1,)))) * scale
+    s = (_dot(q1, k1, ((1,), (1,))) + _dot(q2, k2, ((1,), (1,)))) * (scale * LOG2E)
     both = valid[:, None] & valid[None, :]
     s = jnp.where(both, s, -1e30)
-    p = jnp.exp(s - jnp.max(s, axis=1)[:, None])
+    p = jnp.exp2(s - jnp.max(s, axis=1)[:, None])  # base 2: exp2 is one MUFU op
     p = jnp.where(both, p, 0.0)
     l = jnp.sum(p, axis=1)
     return p / jnp.where(l > 0, l, 1.0)[:, None]
