@@ -46,6 +46,8 @@ flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
 flags.DEFINE_float("sweep_budget_s", 50.0, "per workload: stop sweeping after this many seconds")
+flags.DEFINE_float("sweep_deadline_s", 0.0, "no sweep entry starts this many seconds after "
+                   "the program started (0: no deadline); the main rows always run")
 
 # Knob grids (--sweep). Tiled engine forward: bq:bk:num_warps:num_stages (the dQ kernel
 # uses bq/bk too); backward: bq_dkv:bk_dkv:num_warps_bwd:num_stages_bwd.
@@ -56,6 +58,7 @@ BWD_GRID = ["64:64:4:2", "64:64:8:2", "32:64:4:2", "64:32:4:2", "64:128:8:2", "1
 BLOCK_FWD_GRID = ["4:1:1", "2:1:1", "8:1:1", "4:2:2", "4:1:4", "2:1:4", "4:1:8"]
 BLOCK_BWD_GRID = ["4:1:1", "8:1:1", "2:1:1", "4:2:2", "8:1:2", "4:1:4"]
 _SWEEP_T0 = [0.0]  # when the current workload's sweep started
+_START = time.perf_counter()
 
 
 def lognormal_lengths(rng, n, median, sigma=0.8, lo=16, hi=4096):
@@ -255,7 +258,11 @@ def run_workload(wname, rng):
 
 
 def _time_left():
-    return FLAGS.sweep_budget_s - (time.perf_counter() - _SWEEP_T0[0])
+    now = time.perf_counter()
+    left = FLAGS.sweep_budget_s - (now - _SWEEP_T0[0])
+    if FLAGS.sweep_deadline_s > 0:
+        left = min(left, FLAGS.sweep_deadline_s - (now - _START))
+    return left
 
 
 def _sweep(label, grid, knobs_of, dedupe_key, fn, args, flops, bytes_fwd, bytes_bwd, rows, only):

@@ -181,6 +181,11 @@ def rope_tables(positions, d, theta):
 IMPLS = (None, "reference", "pallas")
 
 
+def pow2_at_least(n, lo):
+    """n is a power of two >= lo (Triton block shapes must be powers of two)."""
+    return n >= lo and n & (n - 1) == 0
+
+
 def check_impl(op, impl):
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")

@@ -11,9 +11,10 @@ window, block) and multiplied into V. Only key tiles that can hold a valid pair
 are visited: per query tile the range [first, last] key tile is precomputed from
 the offsets (and per key tile the query-tile range for dK/dV), so tiles with no
 valid pair cost nothing. Tiles whose pairs are all valid ("interior", a
-precomputed [first, last) range per tile) skip the mask. With `rope`, q and k tiles are rotated on load
-(rotate-half, in two D/2 halves) and dQ/dK are rotated back before storing: the
-RoPE backward is fused.
+precomputed [first, last) range per tile) skip the mask. With `rope`, q and k
+tiles are rotated on load (rotate-half, in two D/2 halves) and dQ/dK are rotated
+back before storing: the RoPE backward is fused. GDPA silu / gelu_tanh can run
+through tanh.approx (fast_act, for 16-bit inputs).
 
 Backward: dQ kernel (grid over query tiles) and dK/dV kernel (grid over key
 tiles) are separate, no atomics. Softmax needs delta = rowsum(dO * O), computed
@@ -289,7 +290,8 @@ def _probs_and_dscores(cfg, s, m, lse, delta, dp):
 
 
 def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref, cq_ref,
-               sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg):
+               sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               cfg):
     i = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
@@ -316,7 +318,8 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref
 
 
 def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
-                cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg):
+                cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, cfg):
     j = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
     krows = pl.ds(j * bk, bk)

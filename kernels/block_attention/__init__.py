@@ -6,7 +6,7 @@ Exact semantics in kernels/block_attention/reference.py.
 import jax
 import jax.numpy as jnp
 
-from kernels.common import check_attention_inputs, check_impl
+from kernels.common import check_attention_inputs, check_impl, pow2_at_least
 from kernels.block_attention.reference import (block_attention_reference,
                                                block_attention_reference_dense)
 
@@ -21,8 +21,8 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
     int (RoPE positions; default the index within the sample). Token p of a sample
     attends (softmax, non-causal) to tokens p' of the same sample with
     p' // block == p // block. sm_scale defaults to 1/sqrt(D). Returns [T,H,D] in
-    q.dtype; padding rows are 0. impl: None (Pallas on GPU if D % 32 == 0, else the
-    reference), "reference", "pallas".
+    q.dtype; padding rows are 0. impl: None (Pallas on GPU if D/2 is a power of 2
+    >= 16, else the reference), "reference", "pallas".
     """
     check_impl("block_attention", impl)
     check_attention_inputs("block_attention", q, k, v, offsets, offsets)
@@ -37,7 +37,7 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
             raise ValueError(f"block_attention: positions must be int [T={q.shape[0]}], got "
                              f"{positions.dtype}{list(positions.shape)}")
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
-        fits = q.shape[-1] % 32 == 0
+        fits = pow2_at_least(q.shape[-1] // 2, 16)  # Triton blocks: D/2 a power of 2
         impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if impl == "reference":
         return block_attention_reference(q, k, v, offsets, block=block, positions=positions,

@@ -2,7 +2,7 @@
 
 import jax
 
-from kernels.common import check_attention_inputs, check_impl, check_mask_args
+from kernels.common import check_attention_inputs, check_impl, check_mask_args, pow2_at_least
 from kernels.gdpa.reference import ACTIVATIONS, gdpa_reference, gdpa_reference_dense
 
 __all__ = ["ACTIVATIONS", "gdpa", "gdpa_reference", "gdpa_reference_dense"]
@@ -14,8 +14,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
 
     q [Tq,H,D], k/v [Tk,H,D] (same float dtype), q_offsets/kv_offsets [B+1] int32
     (same B). Returns [Tq,H,D] in q.dtype; rows past q_offsets[-1] are 0. Masks as
-    in kernels.common. impl: None (Pallas on GPU if D % 16 == 0, else the reference),
-    "reference", "pallas" (interpret mode off GPU).
+    in kernels.common. impl: None (Pallas on GPU if D is a power of 2 >= 16, else
+    the reference), "reference", "pallas" (interpret mode off GPU).
     """
     check_impl("gdpa", impl)
     check_attention_inputs("gdpa", q, k, v, q_offsets, kv_offsets)
@@ -23,7 +23,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
-        fits = q.shape[-1] % 16 == 0
+        fits = pow2_at_least(q.shape[-1], 16)  # Triton blocks: D a power of 2
         impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if impl == "reference":
         return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,

@@ -2,7 +2,7 @@
 
 import jax
 
-from kernels.common import check_attention_inputs, check_impl, check_mask_args
+from kernels.common import check_attention_inputs, check_impl, check_mask_args, pow2_at_least
 from kernels.jagged_attention.reference import (jagged_attention_reference,
                                                 jagged_attention_reference_dense)
 
@@ -15,13 +15,14 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
 
     q [Tq,H,D], k/v [Tk,H,D] (same float dtype), offsets [B+1] int32 (same B).
     Returns [Tq,H,D] in q.dtype; rows with no valid key (incl. padding) are 0.
-    impl: None (Pallas on GPU if D % 16 == 0, else the reference), "reference", "pallas".
+    impl: None (Pallas on GPU if D is a power of 2 >= 16, else the reference),
+    "reference", "pallas".
     """
     check_impl("jagged_attention", impl)
     check_attention_inputs("jagged_attention", q, k, v, q_offsets, kv_offsets)
     check_mask_args("jagged_attention", causal, window)
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
-        fits = q.shape[-1] % 16 == 0
+        fits = pow2_at_least(q.shape[-1], 16)  # Triton blocks: D a power of 2
         impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if impl == "reference":
         return jagged_attention_reference(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
