@@ -16,9 +16,16 @@ Rows (each timed as its own jitted program, median of --steps; no profiler):
   naive    jnp.take + jax.grad w.r.t. the whole table + optax.adagrad (dense [V, D]
            grad), at the first size of --naive_rows that fits (1 device only)
   probe    the sort step at growing vocab sizes (--probe_rows; empty to skip)
-Variants: --variants among scatter (the original jnp.unique + unsorted
-scatter-add), sort (stable sort reused by the backward, sorted segment_sum),
-sort_bf16 (sort, per-id grads gathered in bfloat16).
+Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py):
+  scatter               dedup="scatter", no buckets: the original jnp.unique + unsorted scatter-add
+  sort                  dedup="sort", no buckets: stable sort reused by the backward, sorted segment_sum
+  sort_scatter          dedup="sort_scatter", no buckets: the sort's dedupe, unsorted scatter-add
+  sort_buckets          the collection's default: dedup="sort" + unique_buckets=(1/8, 1/4, 3/8,
+                        1/2, 3/4): dup-sum and update sized to the smallest bucket >= the
+                        unique count (local tables: 1 device)
+  sort_scatter_buckets  dedup="sort_scatter" + the same buckets
+  sort_buckets_bf16     sort_buckets + grad_dtype=bfloat16 (per-id grads gathered in bf16)
+The pieces (dedup, dupsum, update) run on all N rows whatever the variant's buckets.
 
 Ids: Zipf(--zipf) over [0, vocab) (truncated by resampling), scattered over the
 table by a multiplicative hash, N = batch * ids_per_sample per step, U = the
@@ -61,7 +68,8 @@ flags.DEFINE_integer("ids_per_sample", 20, "ids per sample (one bag each)")
 flags.DEFINE_float("zipf", 1.05, "Zipf exponent of id popularity")
 flags.DEFINE_integer("steps", 10, "timed steps")
 flags.DEFINE_string("pooling", "sum", "'sum' (bags pooled to [B, D]) or 'none' ([B, L, D])")
-flags.DEFINE_list("variants", ["scatter", "sort", "sort_bf16"], "gemjax variants to time")
+flags.DEFINE_list("variants", ["scatter", "sort", "sort_scatter", "sort_buckets", "sort_scatter_buckets",
+                                "sort_buckets_bf16"], "gemjax variants to time")
 flags.DEFINE_bool("shard", False, "shard the table row-wise over every local device")
 flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
                   "vocab sizes for the naive path, largest first (1 device only; empty to skip)")
@@ -70,8 +78,13 @@ flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
 
-VARIANTS = {"scatter": dict(dedup="scatter"), "sort": dict(dedup="sort"),
-            "sort_bf16": dict(dedup="sort", grad_dtype=jnp.bfloat16)}
+BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.75)
+VARIANTS = {"scatter": dict(dedup="scatter", unique_buckets=()),
+            "sort": dict(dedup="sort", unique_buckets=()),
+            "sort_scatter": dict(dedup="sort_scatter", unique_buckets=()),
+            "sort_buckets": dict(dedup="sort", unique_buckets=BUCKETS),
+            "sort_scatter_buckets": dict(dedup="sort_scatter", unique_buckets=BUCKETS),
+            "sort_buckets_bf16": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16)}
 
 
 def zipf_ids(rng, n, vocab, a):
@@ -276,7 +289,7 @@ def main(_):
         extra = {"overflow": over, "finite": finite, "wall_s": time.perf_counter() - t0}
         for kind in ("step", "lookup", "apply"):
             record(kind, v, FLAGS.vocab, ts[kind], ids, extra if kind == "step" else None)
-        if n_dev == 1:
+        if n_dev == 1 and "buckets" not in v:
             state, ps = bench_pieces(state, ids[0], v, FLAGS.steps)
             for kind in ("dedup", "dupsum", "update"):
                 record(kind, v, FLAGS.vocab, ps[kind], ids[:1])

@@ -61,6 +61,36 @@ def test_sorted_unique_segments_are_non_decreasing_and_consistent():
     np.testing.assert_array_equal(perm, np.argsort(key, kind="stable"))
 
 
+@pytest.mark.parametrize("dedup", routing.DEDUPS)
+def test_bucketed_update_equals_full_update(dedup):
+    """update_unique_bucketed == dedupe + update on all N rows, for unique counts that
+    select every bucket (few distinct ids ... all distinct), with padding and a src_index."""
+    from gemjax.sparse import RowWiseAdagrad
+    rng = np.random.default_rng(3)
+    opt, n, v, d, buckets = RowWiseAdagrad(lr=0.1, eps=1e-6), 64, 500, 4, (0.1, 0.25, 0.5)
+    state = {"weights": jnp.asarray(rng.standard_normal((v, d)), jnp.float32),
+             "accum": jnp.asarray(rng.random(v), jnp.float32)}
+    src = jnp.asarray(rng.standard_normal((10, d)), jnp.float32)
+    full = jax.jit(lambda s, key, si: routing.update_rows(
+        s, jnp.where(key != INVALID, key, -1), jnp.take(src, si, axis=0), opt, dedup=dedup))
+
+    @jax.jit
+    def bucketed(s, key, si):
+        uniq, res = routing.dedup_ids(key, dedup)
+        return routing.update_unique_bucketed(s, src, {**res, "uniq": uniq}, opt, buckets, src_index=si)
+
+    assert routing.bucket_sizes(n, buckets) == [7, 16, 32, 64]
+    for distinct in (3, 7, 8, 16, 17, 40, n):
+        key = rng.permutation(np.resize(rng.choice(v, distinct, replace=False), n)).astype(np.int32)
+        key[rng.random(n) < 0.1] = INVALID
+        si = rng.integers(0, 10, n).astype(np.int32)
+        want = full(state, jnp.asarray(key), jnp.asarray(si))
+        got = bucketed(state, jnp.asarray(key), jnp.asarray(si))
+        for k in want:
+            np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{k} distinct={distinct}")
+
+
 def test_unknown_dedup_is_named():
     with pytest.raises(ValueError, match="dedup"):
         routing.dedup_ids(jnp.zeros(3, jnp.int32), "radix")

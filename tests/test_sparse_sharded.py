@@ -259,13 +259,14 @@ def test_optimizers_match_reference(plan, opt, update):
     run_case(mesh, plan, ("replica",), opt, update, exact=False)
 
 
-@pytest.mark.parametrize("dedup", ["sort", "scatter"])
-def test_one_device_local_path(dedup):
+@pytest.mark.parametrize("dedup,buckets", [("sort", ()), ("sort_scatter", ()), ("scatter", ()),
+                                            ("sort", (0.1, 0.3, 0.6)), ("sort_scatter", (0.1, 0.3, 0.6))])
+def test_one_device_local_path(dedup, buckets):
     """One device: the local path (no all_to_all; rows unique after the forward's dedupe)."""
     mesh = mesh_of((1,), ("x",))
     coll, _, _ = run_case(mesh, "row_wise", (), RowWiseAdagrad(lr=0.1, eps=1e-6),
                           functools.partial(ref.rowwise_adagrad, lr=0.1, eps=1e-6), exact=False,
-                          dedup=dedup)
+                          dedup=dedup, unique_buckets=buckets)
     assert coll.dedup == dedup
 
 
@@ -289,3 +290,5 @@ def test_bad_dedup_and_grad_dtype_are_named():
         EmbeddingCollection(specs, dedup="hash")
     with pytest.raises(ValueError, match="grad_dtype"):
         EmbeddingCollection(specs, grad_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="unique_buckets"):
+        EmbeddingCollection(specs, unique_buckets=(0.5, 1.5))

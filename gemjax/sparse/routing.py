@@ -23,10 +23,21 @@ Duplicate summing, `dedup=`:
              segment_sum(g[perm], seg, indices_are_sorted=True): runs of equal
              rows are contiguous, so the scatter-add meets few collisions.
              The forward's sort is kept in the residual and reused.
+  "sort_scatter"  the same sort for the dedupe, then the inverse index (an
+             int32 scatter) and an unsorted segment_sum by it: on GPU an
+             unsorted scatter-add spreads a hot row's adds over time, while
+             sorted order makes neighbouring threads collide on it (measured
+             on H200, Zipf 1.05: sorted 2.5 ms vs unsorted 1.7 ms for 1.3M ids).
   "scatter"  jnp.unique(return_inverse) + segment_sum by the inverse (unsorted
-             scatter-add: hot rows collide); the original implementation.
-Both give the same unique ids in the same (ascending) order; sums may differ
+             scatter-add); the original implementation.
+All give the same unique ids in the same (ascending) order; sums may differ
 in float rounding only (summation order).
+
+`update_unique_bucketed` (local tables): the duplicate sum and the row update
+run on the smallest static bucket of unique rows >= the batch's actual count
+(lax.switch), instead of N rows, so their cost follows U. With buckets the
+sorted segment_sum is the fastest (H200, 1e8 x 128, Zipf 1.05, 1.3M ids:
+step 2.07 ms vs 2.78 ms sort_scatter with buckets off).
 
 Shapes (per device): ids [N] int32, weights [rows_per_shard, D], C static.
 Row indices use -1 for "no row".
@@ -34,6 +45,7 @@ Row indices use -1 for "no row".
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -43,7 +55,8 @@ from gemjax.sparse.plans import Layout
 
 Array = Any
 INVALID = jnp.iinfo(jnp.int32).max
-DEDUPS = ("sort", "scatter")
+DEDUPS = ("sort", "sort_scatter", "scatter")
+DEFAULT_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.75)
 
 
 def sorted_unique(key: Array):
@@ -75,6 +88,8 @@ def dedup_ids(key: Array, dedup: str):
         uniq, inv = jnp.unique(key, size=n, fill_value=INVALID, return_inverse=True)
         return uniq, {"inv": inv.reshape(-1).astype(jnp.int32)}
     uniq, perm, seg = sorted_unique(key)
+    if dedup == "sort_scatter":
+        return uniq, {"inv": inverse({"perm": perm, "seg": seg})}
     return uniq, {"perm": perm, "seg": seg}
 
 
@@ -85,11 +100,20 @@ def inverse(res: dict) -> Array:
     return jnp.zeros_like(res["perm"]).at[res["perm"]].set(res["seg"], unique_indices=True)
 
 
-def sum_duplicates(g: Array, res: dict, num_segments: int) -> Array:
-    """Per-position grads g [N, D] -> per-unique-id sums [num_segments, D] float32."""
+def sum_duplicates(g: Array, res: dict, num_segments: int, src_index: Array | None = None) -> Array:
+    """Per-position grads -> per-unique-id sums [num_segments, D] float32.
+
+    g [N, D] per position, or with src_index [N] int32 a source [M, D] of which
+    position i takes row src_index[i] (pooled bags: one row per bag), so the
+    [N, D] per-position grads are never built: the sort path reads
+    g[src_index[perm]] straight into the sorted segment_sum.
+    """
     if "inv" in res:
+        if src_index is not None:
+            g = jnp.take(g, src_index, axis=0)
         return jax.ops.segment_sum(g.astype(jnp.float32), res["inv"], num_segments=num_segments)
-    return jax.ops.segment_sum(jnp.take(g, res["perm"], axis=0).astype(jnp.float32), res["seg"],
+    idx = res["perm"] if src_index is None else jnp.take(src_index, res["perm"])
+    return jax.ops.segment_sum(jnp.take(g, idx, axis=0).astype(jnp.float32), res["seg"],
                                num_segments=num_segments, indices_are_sorted=True)
 
 
@@ -163,14 +187,15 @@ def _owned(rows: Array, lay: Layout, fs_axes: tuple[str, ...]) -> Array:
 
 
 def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[str, ...],
-                fs_axes: tuple[str, ...], sync_axes: tuple[str, ...]):
-    """Per-id grads g [N, D] (zero on invalid ids) -> (local rows [K], grads [K, D]) at the owner.
+                fs_axes: tuple[str, ...], sync_axes: tuple[str, ...], src_index: Array | None = None):
+    """Per-id grads (zero on invalid ids) -> (local rows [K], grads [K, D]) at the owner.
 
-    Rows are -1 where there is nothing to apply. K = N (local), S_m * C, or times
-    the replica count after the fs2d / 2d all-gathers.
+    g [N, D] per id, or a source [M, D] indexed by src_index [N] (see
+    `sum_duplicates`). Rows are -1 where there is nothing to apply. K = N
+    (local), S_m * C, or times the replica count after the fs2d / 2d all-gathers.
     """
-    n = g.shape[0]
-    g_u = sum_duplicates(g, res, n)                                   # [N, D] f32 per unique id
+    n = res["uniq"].shape[0]
+    g_u = sum_duplicates(g, res, n, src_index)                        # [N, D] f32 per unique id
     if lay.num_model == 1 and lay.num_fs == 1:
         rows = jnp.where(res["uniq"] != INVALID, res["uniq"], -1)
         grads = g_u
@@ -217,3 +242,37 @@ def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
     for name, a in new_opt.items():
         out[name] = state[name].at[uniq].set(a, mode="drop", indices_are_sorted=True)
     return out
+
+
+def bucket_sizes(n: int, buckets) -> list[int]:
+    """Static unique-row capacities: ceil(f * n) for f in buckets (0 < f <= 1), plus n, ascending."""
+    for f in buckets:
+        if not 0 < f <= 1:
+            raise ValueError(f"unique_buckets must lie in (0, 1], got {f}")
+    return sorted({max(1, min(n, math.ceil(f * n))) for f in buckets} | {n})
+
+
+def update_unique_bucketed(state: dict[str, Array], g: Array, res: dict, optimizer, buckets,
+                           src_index: Array | None = None) -> dict[str, Array]:
+    """Local table: sum duplicates and update the touched rows, sized to the unique count.
+
+    g / src_index as in `sum_duplicates`; res the lookup residual (uniq ascending,
+    INVALID-filled). With U the valid unique ids, the branch of the smallest
+    capacity K >= U runs: duplicate sums [K, D] and the update of uniq[:K] (the
+    segment indices are < U <= K, so nothing is dropped). Exact: the same sums
+    and rows as the unbucketed path, whichever branch runs.
+    """
+    uniq = res["uniq"]
+    n = uniq.shape[0]
+    caps = bucket_sizes(n, buckets)
+    u = jnp.sum(uniq != INVALID, dtype=jnp.int32)
+
+    def branch(cap):
+        def run(state):
+            g_u = sum_duplicates(g, res, cap, src_index)
+            rows = jnp.where(uniq[:cap] != INVALID, uniq[:cap], -1)
+            return update_rows(state, rows, g_u, optimizer, rows_unique=True)
+        return run
+
+    which = jnp.searchsorted(jnp.asarray(caps, jnp.int32), u)   # first cap >= u
+    return jax.lax.switch(which, [branch(c) for c in caps], state)
