@@ -43,6 +43,7 @@ softmax over the catalogue or sampled softmax, next-item targets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -208,6 +209,12 @@ def loss_fn(model: UserTower, jag, targets, key, present_ids):
                                 targets, neg_ids, mask, 1.0 / model.inv_temperature)
 
 
+@functools.lru_cache(maxsize=None)
+def adam(lr: float, b2: float) -> optax.GradientTransformation:
+    """One optax object per setting, so a refit's optimizer hits the jit cache of train_step."""
+    return optax.adam(lr, b2=b2)
+
+
 @nnx.jit
 def train_step(model, opt, jag, targets, key, present_ids):
     loss, grads = nnx.value_and_grad(loss_fn)(model, jag, targets, key, present_ids)
@@ -250,7 +257,7 @@ def fit(r: Recipe, ml, seqs, epochs: int, *, seed: int, valid=None, deadline=Non
     """
     rngs = nnx.Rngs(seed)
     model = UserTower(r, ml.item_genre, ml.item_present, rngs=rngs)
-    opt = nnx.Optimizer(model, optax.adam(r.lr, b2=r.adam_b2), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, adam(r.lr, r.adam_b2), wrt=nnx.Param)
     present_ids = jnp.asarray(np.flatnonzero(ml.item_present), jnp.int32)
     seqs = [s for s in seqs if len(s) >= 2]
     rng, key = np.random.default_rng(seed), jax.random.key(seed + 1)

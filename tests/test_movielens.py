@@ -3,6 +3,7 @@ learned positions and l2 norm, history exclusion, and the whole protocol on a ti
 synthetic catalogue (every recipe flag, both selection modes)."""
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -107,8 +108,8 @@ def test_learned_positions_shape_isolation_and_window_start():
     assert model.pos.embedding[...].shape == (r.max_len, r.dim)
     assert _tower(positions="rope")[0].pos is None
     a, b, c = np.array([3, 7, 9]), np.array([2, 4]), np.array([8, 1, 6, 10])
-    run = lambda seqs: np.asarray(model(jnp.asarray(pack(seqs, capacity=16).values),
-                                        pack(seqs, capacity=16)))
+    fwd = nnx.jit(lambda m, jag: m(jnp.asarray(jag.values), jag))
+    run = lambda seqs: np.asarray(fwd(model, pack(seqs, capacity=16)))
     base = run([a, b, c])
     assert base.shape == (16, r.dim) and np.all(base[9:] == 0)
     other = run([a, np.array([11, 12]), c])          # change sample 1 only
@@ -164,3 +165,21 @@ def test_protocol_runs_every_flag(kw):
     assert all(np.isfinite(h["loss"]) for h in phase["history"])
     # 29 present items: with masking, hr@50 counts every target (all rank below 50)
     assert res["test"]["hr@50"] == 1.0
+
+
+def test_summary_table_reads_results_and_flags_broken_files(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "movielens_table", os.path.join(ROOT, "experiments", "movielens_table.py"))
+    tbl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tbl)
+    res = {"test": {"hr@10": 0.3125, "ndcg@10": 0.1875, "hr@50": 0.5625, "ndcg@50": 0.25},
+           "test_unmasked": {"hr@10": 0.2813}, "test_from": "refit", "epochs_picked": 35,
+           "test_early_stopped": {"hr@10": 0.2969}, "wall_s": 321.0,
+           "select_phase": {"epoch_s": [9.0, 1.0, 3.0]}, "refit_phase": {"epoch_s": [5.0, 2.0]}}
+    (tmp_path / "ml1m_good.json").write_text(json.dumps(res))
+    (tmp_path / "ml1m_bad.json").write_text("{")
+    out = tbl.table(tbl.rows(sorted(str(p) for p in tmp_path.glob("ml1m_*.json"))))
+    good = next(l for l in out.splitlines() if l.startswith("good"))
+    assert good.split() == ["good", "refit", "35", "0.3125", "0.1875", "0.5625", "0.2500",
+                            "0.2813", "0.2969", "2.00", "321"]   # s/ep: mean of 1, 3, 2
+    assert "bad" in out and "no result" in out
