@@ -112,8 +112,8 @@ def _probs(q1, q2, k1, k2, valid, scale):
     s = jnp.where(both, s, -1e30)
     p = jnp.exp2(s - jnp.max(s, axis=1)[:, None])  # base 2: exp2 is one MUFU op
     p = jnp.where(both, p, 0.0)
-    l = jnp.sum(p, axis=1)
-    return p / jnp.where(l > 0, l, 1.0)[:, None]
+    inv = 1.0 / jnp.maximum(jnp.sum(p, axis=1), 1e-30)  # block divides, not block^2
+    return p * inv[:, None]
 
 
 def _store(ref, rows, write, x):
