@@ -69,8 +69,8 @@ def test_pallas_pma_short_q():
     _check("pallas", PMA_Q, SELF, 128, 256, activation="gelu_tanh", d=64, h=1)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_pallas_bf16(activation):  # 16-bit: the tanh.approx forms (jnp.tanh in interpret mode)
+@pytest.mark.parametrize("activation", ["silu"])
+def test_pallas_bf16(activation):  # 16-bit: the tanh.approx form (jnp.tanh in interpret mode)
     _check("pallas", SELF, SELF, 256, 256, dtype=jnp.bfloat16, activation=activation)
 
 
