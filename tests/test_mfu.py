@@ -1,5 +1,7 @@
 """FLOP accounting: analytic counts vs XLA's cost analysis and brute-force pair counts; MFU formulas."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,103 @@ def test_time_fn_and_local_mfu_report_with_a_fake_clock():
                                 timer=lambda fn, *args: fake[{"fa": "a", "fb": "b"}[fn]])
     assert [r["mfu"] for r in report["layers"]] == [pytest.approx(0.4), pytest.approx(0.2)]
     assert report["local_mfu"] == pytest.approx(0.8 * 0.4 + 0.2 * 0.2)
+
+
+# ----------------------------------------------------------------------------- Local MFU of the teacher
+
+from gemjax.config import get_config  # noqa: E402
+from gemjax.data.synthetic import SEQUENCES, SyntheticStream  # noqa: E402
+from gemjax.train import local_mfu as L  # noqa: E402
+
+_SMALL = ("model.kind=teacher,model.block=8,data.batch_size=8,data.seq_median=10,data.seq_cap=40")
+
+
+def _recording(monkeypatch):
+    """Patch the kernels the layers call: record (op, forward FLOPs from the concrete offsets)."""
+    import gemjax.layers.attention as A
+    calls = []
+
+    def wrap(op, fn):
+        def f(q, k, v, q_off, *rest, **kw):
+            kv_off = rest[0] if rest else q_off
+            lq, lk = np.diff(np.asarray(q_off)), np.diff(np.asarray(kv_off))
+            calls.append((op, M.attention_flops(lq, lk, heads=q.shape[1], head_dim=q.shape[2],
+                                                causal=kw.get("causal", False), window=kw.get("window"),
+                                                block=kw.get("block") if op == "block" else None)))
+            return fn(q, k, v, q_off, *rest, **kw)
+        return f
+
+    for op, name in (("gdpa", "gdpa"), ("softmax", "jagged_attention"), ("block", "block_attention")):
+        monkeypatch.setattr(A, name, wrap(op, getattr(A, name)))
+    return calls
+
+
+def test_attention_calls_match_the_kernels_the_teacher_runs(monkeypatch):
+    from gemjax.models.gem import build_model
+    # every op kind: block attention (pyramid), softmax (pooling, CLS), gdpa (PMA, PFFN, self-attention);
+    # a pyramid level with 0 attention layers; lengths over several blocks
+    cfg = get_config("tiny", _SMALL + ",model.attention=gdpa,model.pyramid_levels=4:2:1/3:2:0/8:none:1")
+    batch, _ = SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)
+    lens = {s: np.diff(batch.sequences[s].offsets) for s in SEQUENCES}
+    assert max(int(v.max()) for v in lens.values()) > 2 * cfg.model.block   # several blocks per sample
+    dev = jax.device_put(batch)
+    model = build_model(cfg, nnx.Rngs(0))
+    acts = L.random_acts(cfg, dev, jax.random.key(1))
+    calls = _recording(monkeypatch)
+    logits = model(acts, dev)                      # eager: offsets are concrete in every call
+    want = [(c.op, c.forward_flops) for c in L.attention_calls(cfg, lens)]
+    assert calls == want
+    # the unrolled forward the Local-MFU blocks are cut from is the model's forward
+    np.testing.assert_allclose(np.asarray(L.teacher_forward(model, acts, dev)["logits"]), np.asarray(logits),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_pallas_flops_only_for_calls_run_in_pallas():
+    assert L.runs_in_pallas("block", 32, "gpu") and not L.runs_in_pallas("block", 16, "gpu")
+    assert L.runs_in_pallas("gdpa", 16, "gpu") and not L.runs_in_pallas("softmax", 8, "gpu")
+    assert not L.runs_in_pallas("gdpa", 32, "cpu")
+    cfg = get_config("tiny", "model.kind=teacher,model.dim=32,model.seq_heads=2")   # head dim 16
+    lens = {"clicks": np.array([0, 5, 40]), "views": np.array([3, 0, 70])}
+    calls = L.attention_calls(cfg, lens)
+    got = L.pallas_attention_flops(calls, "gpu")
+    # head dim 16: gdpa / softmax in Pallas, block attention (needs 32) on the jnp reference
+    want = {}
+    for c in calls:
+        if c.op != "block":
+            want[c.block] = want.get(c.block, 0) + 3 * c.forward_flops
+    assert got == pytest.approx(want) and "pyramid" in got
+    assert L.pallas_attention_flops(calls, "cpu") == {}
+    # per shard: a 2-shard host batch counts each shard's own samples
+    cfg = get_config("tiny", _SMALL + ",model.dim=32,model.seq_heads=1")
+    stream = SyntheticStream(dataclasses.replace(cfg.data, batch_size=16), 0)
+    shards = [stream.shard_batch(0, s, 2)[0] for s in range(2)]
+    from gemjax.data.feeding import concat_shards
+    total = L.step_attention_flops(cfg, concat_shards(shards), 2, backend="gpu")
+    each = [sum(L.pallas_attention_flops(L.attention_calls(cfg, {s: np.diff(b.sequences[s].offsets)
+                                                                for s in SEQUENCES}), "gpu").values())
+            for b in shards]
+    assert total == pytest.approx(sum(each)) and min(each) > 0
+
+
+def test_local_mfu_layer_list_on_tiny_teacher():
+    cfg = get_config("tiny", _SMALL + ",model.interformer_layers=1,model.cross_layer_attention=false,"
+                     "model.wukong_layers=1,model.dim=32,model.seq_heads=1,model.wukong_mlp=64")
+    batch, _ = SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)
+    fake = iter(np.linspace(1e-3, 2e-3, 32))
+    rep = L.measure(cfg, batch, peak=1e12, timer=lambda fn, *a: float(next(fake)))
+    names = [r["name"] for r in rep["layers"]]
+    assert names == ["inputs", "pyramid", "interformer0.cross", "interformer0.interaction",
+                     "interformer0.sequence", "final_cross", "head"]
+    rows = {r["name"]: r for r in rep["layers"]}
+    assert all(r["xla_flops"] > 0 and r["pallas_flops"] == 0 for r in rep["layers"])   # CPU: no Pallas
+    assert rep["local_mfu"] == pytest.approx(M.local_mfu([r["flops"] for r in rep["layers"]],
+                                                         [r["seconds"] for r in rep["layers"]], 1e12))
+    # the interaction block is one Wukong layer on [x | s_sum]: XLA's fwd+bwd vs 3x the analytic count
+    m = cfg.model
+    n_in = 5 + m.dense_tokens + m.cls_tokens + m.pma_tokens + m.recent_tokens
+    fmb = m.fmb_tokens if m.fmb_tokens < 5 + m.dense_tokens else (5 + m.dense_tokens) // 2
+    analytic = M.train_step_flops(M.wukong_flops(8, n_in, m.dim, num_layers=1, fmb_tokens=fmb,
+                                                 lcb_tokens=5 + m.dense_tokens - fmb, rank=m.fm_rank,
+                                                 mlp_hidden=m.wukong_mlp))
+    xla = rows["interformer0.interaction"]["xla_flops"]
+    assert analytic <= xla <= 1.15 * analytic, (analytic, xla)

@@ -89,3 +89,34 @@ def test_calibrate_recovers_known_scales():
     assert one_gpu["compute_scale"] == pytest.approx(1.5) and one_gpu["comm_scale"] == 0.0
     with pytest.raises(ValueError, match="one measured"):
         T.calibrate(preds, [1.0])
+
+
+def test_calibrate_compute_reproduces_one_device_and_adds_only_comm():
+    work = T.Workload(dense_params=1e6, local_batch=100, lookups_per_sample=10, emb_dim=8,
+                      forward_flops_per_sample=2e9)
+    # 3 x 2e9 x 100 = 6e11 FLOPs in 1.5 s at peak 1e12: MFU 0.4
+    eff = T.calibrate_compute(work, 1.5, 1e12)
+    assert eff == pytest.approx(0.4)
+    one = T.predict(resolve_mesh_spec("replica=1,fsdp=1,expert=1", 1), work, peak=1e12, local_mfu=eff)
+    assert one["step_s"] == pytest.approx(1.5) and one["comm_s"] == 0
+    two = T.predict(resolve_mesh_spec("replica=1,fsdp=2,expert=1", 2), work, peak=1e12, local_mfu=eff)
+    assert two["step_s"] == pytest.approx(1.5 + two["comm_s"]) and two["comm_s"] > 0
+    assert T.relative_error(1.2, 1.0) == pytest.approx(0.2) and T.relative_error(0.9, 1.0) == pytest.approx(-0.1)
+    with pytest.raises(ValueError, match="implied MFU"):
+        T.calibrate_compute(work, 0.1, 1e12)
+    with pytest.raises(ValueError, match="measured_step_s"):
+        T.calibrate_compute(work, 0.0, 1e12)
+
+
+def test_layout_for_follows_the_trainer():
+    lay = T.layout_for(("replica", "fsdp", "expert"), ("fsdp",), ("replica",))
+    assert lay.fsdp == ("fsdp",) and lay.replica == ("replica", "expert") and lay.expert == ("expert",)
+    assert lay.sparse_mp == ("fsdp", "expert") and lay.sparse_copy == ("replica",)
+    # dense params are replicated over the expert axis too (gradients all-reduced there), experts are not
+    spec = resolve_mesh_spec("replica=1,fsdp=1,expert=2", 2)
+    net = T.Network(bandwidth={"host": 100.0, "zone": 1.0, "cross_zone": 1.0},
+                    latency={"host": 0.0, "zone": 0.0, "cross_zone": 0.0})
+    work = T.Workload(dense_params=50, expert_params=40, grad_bytes=4)
+    got = {c.name: c for c in T.step_collectives(spec, work, lay, net)}
+    assert got["dense grad all-reduce"].bytes == pytest.approx(2 * 0.5 * 50 * 4)
+    assert got["expert grad all-reduce"].ranks == 1 and got["expert grad all-reduce"].bytes == 0

@@ -1,0 +1,49 @@
+"""experiments/sweep_mesh.py end to end on 2 CPU devices: weak-scaling batches, every column, the
+1-device calibration of the cost model, the predicted table."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = ("mesh", "devices", "local_batch", "global_batch", "step_s", "samples_per_s", "e2e_mfu", "local_mfu",
+           "scaling_ratio", "weak_scaling_efficiency", "compiled_bytes_per_device", "predicted_step_s",
+           "predicted_rel_error", "step_flops", "xla_flops_per_device", "pallas_attention_flops")
+
+
+def test_sweep_tiny_on_two_cpu_devices(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments", "sweep_mesh.py"), "--config=tiny",
+         "--override=data.batch_size=8,data.seq_median=4,data.seq_cap=8,model.wukong_layers=1",
+         "--cpu_devices=2", "--shapes=replica=2,fsdp=1,expert=1", "--steps=1", "--batches=1",
+         "--peak_flops=1e11", "--predict_gpus=64,1024", f"--workdir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.load(open(tmp_path / "sweep_mesh.json"))
+    rows = out["rows"]
+    # the 1-device base is added in front of the requested shape, on a sub-mesh of one device
+    assert [(x["mesh"], x["devices"]) for x in rows] == [("replica=1,fsdp=1,expert=1", 1),
+                                                         ("replica=2,fsdp=1,expert=1", 2)]
+    for x in rows:
+        assert set(COLUMNS) <= set(x), set(COLUMNS) - set(x)
+        # weak scaling: the preset batch (8) per device
+        assert x["local_batch"] == 8 and x["global_batch"] == 8 * x["devices"]
+        assert x["samples_per_s"] == pytest.approx(x["global_batch"] / x["step_s"])
+        assert x["e2e_mfu"] == pytest.approx(x["step_flops"] / (x["step_s"] * x["devices"] * 1e11))
+        assert x["local_mfu"] is None and x["scaling_ratio"] is None   # model v0: no teacher blocks
+        assert x["pallas_attention_flops"] == 0                         # CPU: XLA sees all attention
+    base, two = rows
+    assert two["weak_scaling_efficiency"] == pytest.approx(two["e2e_mfu"] / base["e2e_mfu"])
+    # calibrated on the 1-device step alone: it is reproduced exactly, the other mesh adds comm only
+    assert base["predicted_step_s"] == pytest.approx(base["step_s"]) and abs(base["predicted_rel_error"]) < 1e-9
+    assert two["predicted_step_s"] > base["step_s"] and two["predicted_collectives"]
+    assert two["predicted_rel_error"] == pytest.approx(two["predicted_step_s"] / two["step_s"] - 1)
+    cm = out["cost_model"]
+    assert [p["devices"] for p in cm["predicted"]] == [64, 1024]
+    assert cm["max_abs_rel_error_multi_device"] == pytest.approx(abs(two["predicted_rel_error"]))
+    assert cm["workload"]["local_batch"] == 8 and cm["workload"]["emb_dim"] == 8
+    assert "best:" in r.stdout.splitlines()[-1] and "pred err" in r.stdout
