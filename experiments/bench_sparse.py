@@ -20,9 +20,10 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
   scatter               dedup="scatter", no buckets: the original jnp.unique + unsorted scatter-add
   sort                  dedup="sort", no buckets: stable sort reused by the backward, sorted segment_sum
   sort_scatter          dedup="sort_scatter", no buckets: the sort's dedupe, unsorted scatter-add
-  sort_buckets          the collection's default: dedup="sort" + unique_buckets=(1/8, 1/4, 3/8,
-                        1/2, 3/4): dup-sum and update sized to the smallest bucket >= the
-                        unique count (local tables: 1 device)
+  sort_buckets          the collection's default: dedup="sort" + unique_buckets=(1/4, 3/8, 1/2):
+                        dup-sum and update sized to the smallest bucket >= the unique count
+                        (of the N ids on a local table, of the S_m * C received slots at a
+                        sharded table's owner)
   sort_scatter_buckets  dedup="sort_scatter" + the same buckets
   sort_buckets_bf16     sort_buckets + grad_dtype=bfloat16 (per-id grads gathered in bf16)
 The pieces (dedup, dupsum, update) run on all N rows whatever the variant's buckets.
@@ -58,7 +59,7 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
-from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TableSpec, routing
+from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TablePlan, TableSpec, routing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("vocab", 100_000_000, "rows of the table")
@@ -71,6 +72,8 @@ flags.DEFINE_string("pooling", "sum", "'sum' (bags pooled to [B, D]) or 'none' (
 flags.DEFINE_list("variants", ["scatter", "sort", "sort_scatter", "sort_buckets", "sort_scatter_buckets",
                                 "sort_buckets_bf16"], "gemjax variants to time")
 flags.DEFINE_bool("shard", False, "shard the table row-wise over every local device")
+flags.DEFINE_float("capacity_factor", 2.0, "all_to_all capacity factor of the row-wise plan (--shard): "
+                   "C = factor * ids per device / shards; overflow is counted in the table")
 flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
                   "vocab sizes for the naive path, largest first (1 device only; empty to skip)")
 flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
@@ -78,7 +81,7 @@ flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
 
-BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.75)
+BUCKETS = routing.DEFAULT_BUCKETS
 VARIANTS = {"scatter": dict(dedup="scatter", unique_buckets=()),
             "sort": dict(dedup="sort", unique_buckets=()),
             "sort_scatter": dict(dedup="sort_scatter", unique_buckets=()),
@@ -153,7 +156,8 @@ def make_coll(vocab, mesh, variant):
     pooling = None if FLAGS.pooling == "none" else FLAGS.pooling
     spec = TableSpec("t", vocab, FLAGS.dim, features=("f",), pooling=pooling,
                      optimizer=RowWiseAdagrad(lr=0.01), bounds="clamp")
-    return EmbeddingCollection([spec], "row_wise", mesh, **VARIANTS[variant])
+    plan = TablePlan("row_wise", "mod", tuple(mesh.axis_names), (), FLAGS.capacity_factor)
+    return EmbeddingCollection([spec], plan, mesh, **VARIANTS[variant])
 
 
 def bench_variant(coll, state, batches, steps):

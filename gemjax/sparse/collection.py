@@ -2,7 +2,7 @@
 
     coll = EmbeddingCollection(specs, plan=None, mesh=None, replica_axes=(),
                                dedup="sort", grad_dtype=jnp.float32,
-                               unique_buckets=(1/8, 1/4, 3/8, 1/2, 3/4))
+                               unique_buckets=(1/4, 3/8, 1/2))
     print(coll.describe())                       # the plan as a table
     state = coll.init(key)                       # {table: {"weights": [Vp, D], <opt state [Vp, ...]>}}
                                                  # (table_wise tables: one "@table_wise_<i>" stack)
@@ -37,15 +37,17 @@ reused by the backward; sorted segment_sum), "sort_scatter" (the sort's
 dedupe, unsorted scatter-add) or "scatter" (jnp.unique + unsorted
 scatter-add, the original path). Same results up to float rounding of the
 sums. On one H200 (1e8 x 128 table, Zipf 1.05, 1.3M ids, experiments/
-bench_sparse.py) the step takes 2.07 ms with the defaults ("sort" + buckets),
-2.78 ms sort_scatter, 2.80 ms scatter, 3.99 ms sort without buckets.
+bench_sparse.py) the step takes 1.98 ms with "sort" + buckets, 2.74 ms
+sort_scatter, 2.80 ms scatter, 3.99 ms sort without buckets.
 grad_dtype: dtype the per-id activation gradients are gathered and exchanged
 in (float32 default; bfloat16 halves that traffic and rounds each per-id
 gradient once); duplicate sums and the optimizer math stay float32.
-unique_buckets: fractions of N (default (1/8, 1/4, 3/8, 1/2, 3/4)); on local
-tables (one model shard) the duplicate sum and the update run on the smallest
-bucket holding the batch's unique ids instead of N rows
-(`routing.update_unique_bucketed`, one lax.switch branch per bucket). () = off.
+unique_buckets: fractions of N (default (1/4, 3/8, 1/2): few branches, few
+compiles; Zipf 1.05 batches hold ~0.3 N unique ids per device); the
+duplicate sum and the update run on the smallest bucket holding the unique
+rows instead of all N ids (local tables) or all S_m * C received slots (the
+owner of a sharded table): `routing.update_unique_bucketed`, one lax.switch
+branch per bucket. () = off.
 """
 
 from __future__ import annotations
@@ -333,7 +335,8 @@ class EmbeddingCollection:
                 rows, grads = routing.route_grads(g, route[name], self.layouts[name], caps[name],
                                                   model, fs_axes, sync, src_index=src_index)
                 new[unit] = routing.update_rows(new.get(unit, state[unit]), rows, grads,
-                                                spec.optimizer, rows_unique=local, dedup=self.dedup)
+                                                spec.optimizer, rows_unique=local, dedup=self.dedup,
+                                                buckets=self.unique_buckets)
             return new
 
         units = self._units_of(names)

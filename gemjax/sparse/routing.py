@@ -56,7 +56,7 @@ from gemjax.sparse.plans import Layout
 Array = Any
 INVALID = jnp.iinfo(jnp.int32).max
 DEDUPS = ("sort", "sort_scatter", "scatter")
-DEFAULT_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.75)
+DEFAULT_BUCKETS = (0.25, 0.375, 0.5)
 
 
 def sorted_unique(key: Array):
@@ -216,7 +216,7 @@ def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[st
 
 
 def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
-                rows_unique: bool = False, dedup: str = "sort") -> dict[str, Array]:
+                rows_unique: bool = False, dedup: str = "sort", buckets=()) -> dict[str, Array]:
     """Sum duplicate rows' grads, apply the optimizer to those rows only.
 
     state {"weights": [V, D], <opt>: [V, ...]}, rows [K] (-1 = none), grads [K, D].
@@ -224,6 +224,9 @@ def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
     the none entries last, as `route_grads` gives them on the local path).
     Each touched row and its state are read once and written once (one gather,
     one fused update, one scatter per array); padding entries are dropped.
+    buckets (with rows_unique=False): size the duplicate sum and the update to
+    the unique count as in `update_unique_bucketed` (the owner's K = S_m * C
+    slots are mostly empty).
     """
     k = rows.shape[0]
     key = jnp.where(rows >= 0, rows, INVALID)
@@ -231,6 +234,8 @@ def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
         uniq, g_sum = key, grads.astype(jnp.float32)
     else:
         uniq, dres = dedup_ids(key, dedup)
+        if buckets:
+            return update_unique_bucketed(state, grads, {**dres, "uniq": uniq}, optimizer, buckets)
         g_sum = sum_duplicates(grads, dres, k)
     # uniq ascending with INVALID last: clipping keeps it sorted (the padding
     # entries read the last row, and their writes are dropped)
