@@ -197,7 +197,8 @@ def test_attention_calls_match_the_kernels_the_teacher_runs(monkeypatch):
     from gemjax.models.gem import build_model
     # every op kind: block attention (pyramid), softmax (pooling, CLS), gdpa (PMA, PFFN, self-attention);
     # a pyramid level with 0 attention layers; lengths over several blocks
-    cfg = get_config("tiny", _SMALL + ",model.attention=gdpa,model.pyramid_levels=4:2:1/3:2:0/8:none:1")
+    cfg = get_config("tiny", _SMALL + ",model.attention=gdpa,model.pyramid_levels=4:2:1/3:2:0/8:none:1,"
+                     "model.interformer_layers=1")
     batch, _ = SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)
     lens = {s: np.diff(batch.sequences[s].offsets) for s in SEQUENCES}
     assert max(int(v.max()) for v in lens.values()) > 2 * cfg.model.block   # several blocks per sample
