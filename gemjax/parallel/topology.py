@@ -255,7 +255,8 @@ def relative_error(predicted: float, measured: float) -> float:
 
 
 def layout_for(axis_names: tuple[str, ...], fsdp_axes: tuple[str, ...] = ("fsdp",),
-               table_replica_axes: tuple[str, ...] = ("replica",), expert_axes: tuple[str, ...] = ("expert",)) -> Layout:
+               table_replica_axes: tuple[str, ...] = ("replica",),
+               expert_axes: tuple[str, ...] = ("expert",)) -> Layout:
     """The trainer's layout (gemjax.train.step) on a mesh with ``axis_names``.
 
     Dense params FSDP over fsdp_axes and replicated over every other axis (the batch
