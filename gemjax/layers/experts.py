@@ -17,7 +17,35 @@ over experts, and scattered back weighted by the gates. Assignments past an
 expert's capacity are dropped (earlier samples first); the fraction dropped is
 reported in aux, never silent, and a sample with every choice dropped gets y = 0.
 
-aux (all f32 scalars except expert_load):
+Expert parallelism (EP). Inside `jax.shard_map`, a caller that keeps each device's
+expert parameters as its local shard [E/ep, ...] along a manual mesh axis (the
+trainer, gemjax.train.step, for the axis the rules put on the "expert" dim) says so:
+
+    with expert_parallel("expert"):        # the mesh axis (or tuple of axes) of size ep
+        y, aux = experts(x)                # x: this device's [B_local, n, d]
+
+and the layer exchanges tokens instead of running every expert on its own samples:
+route locally (router replicated) -> [E, C, n, d] -> reshape [ep, E/ep, C, n, d] ->
+all_to_all over the axis -> this device's E/ep experts run on [E/ep, ep*C, n, d]
+(its ep peers' slots side by side) -> all_to_all back -> combine with the gates.
+ep must divide E and the expert params must have leading dim E/ep (ValueError
+otherwise); using the context outside shard_map is an error. Without the context
+nothing changes (plain single-device use, or shard_map with gathered experts).
+Gradients: the all_to_all transposes route activation cotangents back to the
+sample's device, and each expert shard's gradient already sums every token it
+served, so the caller must not psum expert grads over the EP axis (it still sums
+them over the other batch axes).
+
+Capacity under EP: C = expert_capacity(B_local, ...) is per (source device, expert),
+and an expert receives ep*C slots. A device's assignments past C are dropped even
+when a peer left slots empty, so per expert kept = sum_dev min(n_dev,e, C_local)
+rather than the global path's min(sum_dev n_dev,e, C_global): equal when no
+device overflows; more drops when one device's samples crowd an expert (ceil
+rounding of C_local can also keep a few more). Drops are counted per device in
+aux["dropped_fraction"] (the same per-shard routing as the non-EP path under
+shard_map, so EP and gathered experts give identical outputs and drops).
+
+aux (all f32 scalars except expert_load; under shard_map each device's own):
   load_balance_loss  E * sum_e f_e P_e  (Switch Transformer, top-k form):
                      f_e = share of the B k assignments routed to e, P_e = mean
                      router prob of e; 1.0 when perfectly balanced.
@@ -28,8 +56,10 @@ aux (all f32 scalars except expert_load):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +70,46 @@ from gemjax.layers.wukong import Wukong
 from gemjax.parallel.rules import with_logical_constraint
 
 _EXPERT_AXIS = {nnx.PARTITION_NAME: "expert"}
+_EP_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "gemjax_expert_parallel_axes", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallel(axis_name: str | Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """While tracing inside, WukongExperts exchange tokens over mesh axis `axis_name`.
+
+    axis_name: a manual (shard_map) mesh axis, or a tuple of them (their product is
+    ep, device order row-major as in a PartitionSpec). Expert params must be the
+    local shard [E/ep, ...] of that axis. See the module docstring.
+    """
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise ValueError(f"expert_parallel: axis_name must be a mesh axis name or a tuple of "
+                         f"them, got {axis_name!r}")
+    token = _EP_AXES.set(axes)
+    try:
+        yield axes
+    finally:
+        _EP_AXES.reset(token)
+
+
+def expert_parallel_axes() -> tuple[str, ...] | None:
+    """The axes set by the innermost `expert_parallel` context, or None."""
+    return _EP_AXES.get()
+
+
+def _ep_size(axes: tuple[str, ...]) -> int:
+    """ep = product of `axes`' sizes; they must be manual axes of the current shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = () if mesh is None or mesh.empty else mesh.axis_names
+    manual = {n for n, t in zip(names, () if mesh is None or mesh.empty else mesh.axis_types)
+              if t == jax.sharding.AxisType.Manual}
+    missing = [a for a in axes if a not in manual]
+    if missing:
+        raise ValueError(f"expert_parallel({axes}): axes {missing} are not manual axes of an "
+                         f"enclosing jax.shard_map (mesh axes {names}); EP runs only inside "
+                         f"shard_map")
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def _constrain(x: jax.Array, names) -> jax.Array:
@@ -149,8 +219,33 @@ class WukongExperts(nnx.Module):
         def run(expert, xe):
             return expert(xe)
 
-        yout = run(self.experts, xin)                                      # [E, C, n_out, d]
+        ep_axes = expert_parallel_axes()
+        if ep_axes is None:
+            yout = run(self.experts, xin)                                  # [E, C, n_out, d]
+        else:
+            yout = self._exchange_and_run(run, xin, ep_axes)
         yout = _constrain(yout, ("expert", "batch", None, None))
         weighted = yout.astype(jnp.float32) * combine[..., None, None]
         y = jnp.zeros((b + 1,) + yout.shape[2:], jnp.float32).at[index].add(weighted)[:b]
         return y.astype(self.dtype), aux
+
+    def _exchange_and_run(self, run, xin: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        """EP: xin [E, C, n, d] (slots for every expert) -> yout [E, C, n_out, d] via
+        all_to_all over `axes`, this device's E/ep experts run on [E/ep, ep*C, n, d]."""
+        ep, e = _ep_size(axes), self.num_experts
+        if e % ep:
+            raise ValueError(f"WukongExperts: expert_parallel over {axes} (ep={ep}) must divide "
+                             f"num_experts={e}")
+        local = {int(v.shape[0]) for v in jax.tree.leaves(nnx.state(self.experts, nnx.Param))}
+        if local != {e // ep}:
+            raise ValueError(f"WukongExperts: under expert_parallel({axes}) (ep={ep}) the expert "
+                             f"params must be local shards with leading dim E/ep={e // ep}, got "
+                             f"leading dims {sorted(local)}")
+        cap, rest = xin.shape[1], xin.shape[2:]
+        send = xin.reshape((ep, e // ep, cap) + rest)              # [ep dst, E/ep, C, n, d]
+        recv = jax.lax.all_to_all(send, axes, 0, 0, tiled=True)     # [ep src, E/ep, C, n, d]
+        xe = jnp.swapaxes(recv, 0, 1).reshape((e // ep, ep * cap) + rest)
+        ye = run(self.experts, xe)                                  # [E/ep, ep*C, n_out, d]
+        back = jnp.swapaxes(ye.reshape((e // ep, ep, cap) + ye.shape[2:]), 0, 1)
+        yout = jax.lax.all_to_all(back, axes, 0, 0, tiled=True)     # [ep owner, E/ep, C, ...]
+        return yout.reshape((e, cap) + ye.shape[2:])

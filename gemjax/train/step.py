@@ -16,6 +16,15 @@ Layout (DESIGN 3.3), for a mesh such as replica=2,fsdp=2,expert=2:
            shard_map each parameter is all-gathered over its sharded axes, so the
            backward pass reduce-scatters its gradient back to the shard (and
            sums over the replica axes); params and optimizer state stay sharded.
+  experts  expert parallelism (DESIGN 2: "2D FSDP + EP"): when the rules shard the
+           experts' stacked dim over mesh axes of size ep > 1 (default: "expert",
+           if it divides E), expert params are NOT gathered over those axes: each
+           device keeps its [E/ep, ...] shard (still gathered over fsdp) and the
+           forward runs under `experts.expert_parallel(axes)`, which makes
+           WukongExperts exchange tokens with all_to_all. Their gradients come
+           back per owner (reduce-scattered over fsdp, summed over replica by
+           shard_map's transpose, never summed over the EP axes). Off with
+           `Trainer.expert_parallel = False` (every device then runs all experts).
   tables   `EmbeddingCollection(specs, mesh, replica_axes=table_replica_axes)`:
            row-wise over the other (model-parallel) axes, replicated ("2d") or
            sharded ("fs2d") over the replica axes, per the sparse planner.
@@ -25,6 +34,7 @@ parallelism with replicated params.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -37,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.config import Config
 from gemjax.data.batch import Batch, id_features
+from gemjax.layers.experts import expert_parallel as expert_parallel_context
 from gemjax.models.gem import build_model, sequence_id_fields, table_specs
 from gemjax.parallel import rules as rules_lib
 from gemjax.sparse import EmbeddingCollection
@@ -64,16 +75,48 @@ def masked_bce_sums(logits: jax.Array, batch: Batch):
     return jnp.sum(ll * w, 0), jnp.sum(w, 0), jnp.sum(batch.labels * w, 0)
 
 
-def gather_param(x: jax.Array, spec: P) -> jax.Array:
+def gather_param(x: jax.Array, spec: P, local_dims: Sequence[int] = ()) -> jax.Array:
     """Inside shard_map: the full parameter from its shard (all_gather over each sharded dim).
 
     x: the local shard of a parameter placed with PartitionSpec `spec`. The
     transpose of all_gather is psum_scatter, so gradients come back reduce-scattered.
+    local_dims: dims left as the local shard (the expert dim under EP).
     """
     for d, axes in enumerate(spec):
-        if axes is not None:
+        if axes is not None and d not in local_dims:
             x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
     return x
+
+
+def expert_param_mask(graphdef: Any, params: Any) -> Any:
+    """Like `params` (a pure dict, any leaves): True where the param's first logical
+    axis name is "expert" (WukongExperts' stacked experts)."""
+    model = nnx.merge(graphdef, params)
+    names = jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()),
+                         nnx.state(model, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(lambda n: bool(n) and n[0] == "expert", names.to_pure_dict(),
+                        is_leaf=lambda n: isinstance(n, tuple))
+
+
+def expert_parallel_axes(mesh: Mesh, p_specs: Any, is_expert: Any) -> tuple[str, ...] | None:
+    """Mesh axes the expert params' stacked dim is sharded over (the EP axes), or None
+    when no expert param is sharded there or their sizes multiply to 1.
+
+    p_specs: PartitionSpecs like the params; is_expert: `expert_param_mask`.
+    """
+    found = set()
+    for spec, e in zip(jax.tree.leaves(p_specs, is_leaf=lambda s: isinstance(s, P)),
+                       jax.tree.leaves(is_expert)):
+        if e:
+            d0 = spec[0] if len(spec) else None
+            found.add(() if d0 is None else (d0,) if isinstance(d0, str) else tuple(d0))
+    if len(found) > 1:
+        raise ValueError(f"expert params are sharded over different axes on their expert dim: "
+                         f"{sorted(found)}; expert parallelism needs one layout")
+    axes = found.pop() if found else ()
+    if not axes or int(np.prod([mesh.shape[a] for a in axes])) == 1:
+        return None
+    return axes
 
 
 @dataclasses.dataclass
@@ -88,6 +131,7 @@ class Trainer:
     id_fields: dict[str, tuple[str, ...]]
     param_shardings: Any        # nested dict of NamedSharding, like state["params"]
     opt_shardings: Any          # like state["opt_state"]
+    expert_parallel: bool = True  # EP when the rules shard the expert dim (module docstring)
 
     @classmethod
     def create(cls, cfg: Config, mesh: Mesh | None = None, *, rules: rules_lib.Rules | None = None,
@@ -159,10 +203,17 @@ class Trainer:
         """(params, acts, batch) -> (loss, (loss_sum, weight_sum, positive_sum, logits))."""
         graphdef, axes = self.graphdef, self.batch_axes
         p_specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
+        is_expert = expert_param_mask(graphdef, jax.tree.map(lambda _: 0.0, p_specs,
+                                                             is_leaf=lambda s: isinstance(s, P)))
+        ep_axes = (expert_parallel_axes(self.mesh, p_specs, is_expert)
+                   if self.expert_parallel else None)
+        local_dims = jax.tree.map(lambda e: (0,) if e and ep_axes else (), is_expert)
 
         def local(params, acts, batch):
-            full = jax.tree.map(gather_param, params, p_specs)
-            logits = nnx.merge(graphdef, full)(acts, batch)
+            full = jax.tree.map(gather_param, params, p_specs, local_dims)
+            ctx = expert_parallel_context(ep_axes) if ep_axes else contextlib.nullcontext()
+            with ctx:
+                logits = nnx.merge(graphdef, full)(acts, batch)
             sums = masked_bce_sums(logits, batch)
             return jax.tree.map(lambda s: jax.lax.psum(s, axes), sums), logits
 
