@@ -11,7 +11,7 @@ with sequence lengths, and the GDPA formula in plain jnp on padded tensors.
 
 --sweep tries a small grid of kernel knobs per workload in the same run (forward
 knobs timed on the forward, backward knobs on forward+backward with the default
-forward), skips what is left once --sweep_budget_s has passed on that workload, and prints the
+forward), skips what is left once its share of --sweep_budget_s has passed, and prints the
 best per workload and op before the main table.
 """
 
@@ -45,7 +45,8 @@ flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
-flags.DEFINE_float("sweep_budget_s", 50.0, "per workload: stop sweeping after this many seconds")
+flags.DEFINE_float("sweep_budget_s", 50.0, "per workload, split evenly over its (op, pass) "
+                   "sweeps: a sweep starts no entry once its share is spent")
 flags.DEFINE_float("sweep_deadline_s", 0.0, "no sweep entry starts this many seconds after "
                    "the program started (0: no deadline); the main rows always run")
 
@@ -57,7 +58,6 @@ BWD_GRID = ["64:64:4:2", "64:64:8:2", "32:64:4:2", "64:32:4:2", "64:128:8:2", "1
 # Per-block kernel (W4): num_warps:num_stages:group for the forward, *_bwd:group backward.
 BLOCK_FWD_GRID = ["4:1:1", "2:1:1", "8:1:1", "4:2:2", "4:1:4", "2:1:4", "4:1:8"]
 BLOCK_BWD_GRID = ["4:1:1", "8:1:1", "2:1:1", "4:2:2", "8:1:2", "4:1:4"]
-_SWEEP_T0 = [0.0]  # when the current workload's sweep started
 _START = time.perf_counter()
 
 
@@ -180,7 +180,6 @@ def run_workload(wname, rng):
             lambda q, k, v: block_attention_reference(q, k, v, qo)), args, flops, bytes_fwd,
             bytes_bwd))
         if FLAGS.sweep:
-            _SWEEP_T0[0] = time.perf_counter()
             meta["sweep"] = sweep_block(qo, args, flops, bytes_fwd, bytes_bwd, rows)
         w1 = valid_pairs("self", ql, kl) * 4.0 * h * d
         rows.append(measure("pallas_softmax_W1", fwd_and_train(
@@ -225,9 +224,9 @@ def run_workload(wname, rng):
         if kind == "self":
             ops["softmax"] = (SOFTMAX_TILES, lambda q, k, v, t: jagged_attention_pallas(
                 q, k, v, qo, ko, **t))
-        _SWEEP_T0[0] = time.perf_counter()
+        budget = FLAGS.sweep_budget_s / (2 * len(ops))
         meta["sweep"] = {op: sweep_tiled(op, base, fn, (len(ql), q.shape[0], k.shape[0]), args,
-                                         flops, bytes_fwd, bytes_bwd, rows)
+                                         flops, bytes_fwd, bytes_bwd, rows, budget)
                          for op, (base, fn) in ops.items()}
     if FLAGS.baselines:
         lq, lk = int(ql.max()), int(kl.max())
@@ -257,24 +256,25 @@ def run_workload(wname, rng):
     return meta, rows
 
 
-def _time_left():
+def _time_left(t0, budget):
     now = time.perf_counter()
-    left = FLAGS.sweep_budget_s - (now - _SWEEP_T0[0])
+    left = budget - (now - t0)
     if FLAGS.sweep_deadline_s > 0:
         left = min(left, FLAGS.sweep_deadline_s - (now - _START))
     return left
 
 
-def _sweep(label, grid, knobs_of, dedupe_key, fn, args, flops, bytes_fwd, bytes_bwd, rows, only):
+def _sweep(label, grid, knobs_of, dedupe_key, fn, args, flops, bytes_fwd, bytes_bwd, rows, only,
+           budget):
     """Time fn(q, k, v, knobs) for each grid entry (one of fwd / fwd_bwd); best entry."""
-    best, seen = None, set()
+    best, seen, t0 = None, set(), time.perf_counter()
     for spec in grid:
         knobs = knobs_of(spec)
         key = dedupe_key(knobs)
         if key in seen:
             continue
         seen.add(key)
-        if _time_left() <= 0:
+        if _time_left(t0, budget) <= 0:
             rows.append(dict(impl=f"sweep_{label}_{spec}", skipped="sweep budget spent"))
             continue
         row = measure(f"sweep_{label}_{spec}", fwd_and_train(
@@ -287,7 +287,7 @@ def _sweep(label, grid, knobs_of, dedupe_key, fn, args, flops, bytes_fwd, bytes_
     return best
 
 
-def sweep_tiled(op, base, fn, shape, args, flops, bytes_fwd, bytes_bwd, rows):
+def sweep_tiled(op, base, fn, shape, args, flops, bytes_fwd, bytes_bwd, rows, budget):
     """Best forward and backward tiles of the tiled engine for one op on this workload."""
     b, tq, tk = shape
     dt = args[0].dtype
@@ -306,8 +306,9 @@ def sweep_tiled(op, base, fn, shape, args, flops, bytes_fwd, bytes_bwd, rows):
         return {**base, "bq_dkv": bq, "bk_dkv": bk, "num_warps_bwd": nw, "num_stages_bwd": ns}
 
     common = (fn, args, flops, bytes_fwd, bytes_bwd, rows)
-    return dict(fwd=_sweep(f"{op}_fwd", FWD_GRID, fwd_knobs, adapted, *common, "fwd"),
-                bwd=_sweep(f"{op}_bwd", BWD_GRID, bwd_knobs, adapted, *common, "fwd_bwd"))
+    return dict(fwd=_sweep(f"{op}_fwd", FWD_GRID, fwd_knobs, adapted, *common, "fwd", budget),
+                bwd=_sweep(f"{op}_bwd", BWD_GRID, bwd_knobs, adapted, *common, "fwd_bwd",
+                           budget))
 
 
 def sweep_block(qo, args, flops, bytes_fwd, bytes_bwd, rows):
@@ -323,9 +324,10 @@ def sweep_block(qo, args, flops, bytes_fwd, bytes_bwd, rows):
     fn = lambda q, k, v, t: block_attention_pallas(q, k, v, qo, **t)
     key = lambda t: tuple(sorted(t.items()))
     common = (fn, args, flops, bytes_fwd, bytes_bwd, rows)
+    budget = FLAGS.sweep_budget_s / 2
     return {"block": dict(
-        fwd=_sweep("block_fwd", BLOCK_FWD_GRID, fwd_knobs, key, *common, "fwd"),
-        bwd=_sweep("block_bwd", BLOCK_BWD_GRID, bwd_knobs, key, *common, "fwd_bwd"))}
+        fwd=_sweep("block_fwd", BLOCK_FWD_GRID, fwd_knobs, key, *common, "fwd", budget),
+        bwd=_sweep("block_bwd", BLOCK_BWD_GRID, bwd_knobs, key, *common, "fwd_bwd", budget))}
 
 
 def main(_):
