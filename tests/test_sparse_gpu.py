@@ -5,7 +5,8 @@ Run on a GPU machine: `python -m pytest -m gpu tests/test_sparse_gpu.py`.
 1. The CPU suite's checks (tests/test_sparse_sharded.py: duplicate ids, empty
    bags, Jagged padding, capacity overflow, several optimizer steps against the
    independent float64 reference of tests/test_sparse_reference.py) rerun on
-   every local GPU for every plan and both dedup modes, with 4 steps: a 1-D mesh
+   every local GPU for every plan and each dedup configuration (sort + unique
+   buckets, sort_scatter, scatter), with 4 steps: a 1-D mesh
    of all GPUs (replicated, row-wise mod / range, table-wise) and 2-D
    (replica, model) meshes (2d, fs2d, mod / range).
 2. At scale: Zipf ids (hot rows repeated thousands of times, so the GPU's
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gemjax.sparse import Adagrad, EmbeddingCollection, LazyAdam, RowWiseAdagrad, TableSpec
+from gemjax.sparse import Adagrad, EmbeddingCollection, LazyAdam, RowWiseAdagrad, TableSpec, routing
 import test_sparse_reference as ref
 import test_sparse_sharded as sharded
 
@@ -41,6 +42,9 @@ def gpus():
 
 
 needs_2 = pytest.mark.skipif(len(gpus()) < 2, reason="needs >= 2 GPUs")
+# (dedup, unique_buckets) configurations of the duplicate summing
+DEDUPS = {"sort_buckets": dict(dedup="sort", unique_buckets=routing.DEFAULT_BUCKETS),
+          "sort_scatter": dict(dedup="sort_scatter"), "scatter": dict(dedup="scatter")}
 
 
 @pytest.fixture(autouse=True)
@@ -61,11 +65,11 @@ def meshes_2d():
 
 
 @needs_2
-@pytest.mark.parametrize("dedup", ["sort", "scatter"])
+@pytest.mark.parametrize("dedup", list(DEDUPS))
 @pytest.mark.parametrize("plan", ["replicated", "row_wise", "row_wise_range", "table_wise"])
 def test_1d_plans_sgd_exact(plan, dedup):
     mesh = mesh_1d()
-    coll, state, over = sharded.run_case(mesh, plan, (), *sharded.SGD_EXACT, exact=True, dedup=dedup)
+    coll, state, over = sharded.run_case(mesh, plan, (), *sharded.SGD_EXACT, exact=True, **DEDUPS[dedup])
     sharded.check_memory_matches_plan(coll, state, mesh)
     assert list(mesh.devices.flat) == list(gpus()) and mesh.size >= 2
     if plan != "replicated":
@@ -73,12 +77,12 @@ def test_1d_plans_sgd_exact(plan, dedup):
 
 
 @needs_2
-@pytest.mark.parametrize("dedup", ["sort", "scatter"])
+@pytest.mark.parametrize("dedup", list(DEDUPS))
 @pytest.mark.parametrize("plan", ["row_wise", "2d", "2d_range", "fs2d", "fs2d_range"])
 def test_2d_plans_sgd_exact(plan, dedup):
     for mesh in meshes_2d():
         coll, state, _ = sharded.run_case(mesh, plan, ("replica",), *sharded.SGD_EXACT, exact=True,
-                                          dedup=dedup)
+                                          **DEDUPS[dedup])
         sharded.check_memory_matches_plan(coll, state, mesh)
 
 
@@ -124,14 +128,14 @@ def reference_rowwise_adagrad(w, acc, ids, g):
 
 
 @needs_2
-@pytest.mark.parametrize("dedup", ["sort", "scatter"])
+@pytest.mark.parametrize("dedup", list(DEDUPS))
 @pytest.mark.parametrize("devices", ["all", "one"])
 def test_zipf_scale_rowwise_adagrad(dedup, devices):
     g_all = gpus()
     devs = g_all if devices == "all" else g_all[:1]
     mesh = Mesh(np.array(devs), ("x",))
     spec = TableSpec("t", VOCAB, DIM, features=("f",), optimizer=RowWiseAdagrad(lr=LR, eps=EPS))
-    coll = EmbeddingCollection([spec], "row_wise", mesh, dedup=dedup)
+    coll = EmbeddingCollection([spec], "row_wise", mesh, **DEDUPS[dedup])
     rng = np.random.default_rng(7)
     w = (rng.integers(-64, 65, (VOCAB, DIM)) / 256.0)
     acc = np.zeros(VOCAB)

@@ -278,6 +278,15 @@ def test_scatter_dedup_still_exact(plan, shape):
              dedup="scatter")
 
 
+@pytest.mark.parametrize("plan", ["row_wise_range", "fs2d"])
+def test_unique_buckets_at_the_owner_exact(plan):
+    """dedup="sort" + buckets on a sharded table: the owner's update runs bucketed."""
+    from gemjax.sparse import routing
+    mesh = mesh_of((2, 4), ("replica", "model"))
+    run_case(mesh, plan, ("replica",), *SGD_EXACT, exact=True, dedup="sort",
+             unique_buckets=routing.DEFAULT_BUCKETS)
+
+
 def test_bf16_grads_exact_on_bf16_values():
     """grad_dtype=bfloat16: quantized grads (k/8, |k| <= 8) are bf16-exact, so SGD stays exact."""
     mesh = mesh_of((2, 4), ("replica", "model"))
