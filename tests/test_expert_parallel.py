@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gemjax.layers.experts import WukongExperts, expert_capacity, expert_parallel
+from gemjax.layers.experts import (WukongExperts, active_expert_axes, expert_capacity,
+                                   expert_parallel)
 from gemjax.parallel.mesh import build_mesh
 from gemjax.parallel.rules import param_shardings
 from gemjax.train.step import (CHECK_VMA, expert_param_mask, expert_parallel_axes,
@@ -177,6 +178,7 @@ def test_ep_bad_use_fails_with_a_clear_error():
     with pytest.raises(ValueError, match="only inside shard_map"):
         with expert_parallel("expert"):
             nnx.merge(graphdef, params)(x)
+    assert active_expert_axes() is None           # the context is reset, even after an error
     mesh = build_mesh("replica=2,fsdp=2,expert=2")
     replicated = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), params)
 

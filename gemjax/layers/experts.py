@@ -93,7 +93,7 @@ def expert_parallel(axis_name: str | Sequence[str]) -> Iterator[tuple[str, ...]]
         _EP_AXES.reset(token)
 
 
-def expert_parallel_axes() -> tuple[str, ...] | None:
+def active_expert_axes() -> tuple[str, ...] | None:
     """The axes set by the innermost `expert_parallel` context, or None."""
     return _EP_AXES.get()
 
@@ -219,7 +219,7 @@ class WukongExperts(nnx.Module):
         def run(expert, xe):
             return expert(xe)
 
-        ep_axes = expert_parallel_axes()
+        ep_axes = active_expert_axes()
         if ep_axes is None:
             yout = run(self.experts, xin)                                  # [E, C, n_out, d]
         else:
