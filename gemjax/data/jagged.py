@@ -97,10 +97,13 @@ def layout_from_lengths(lengths: Sequence[int] | np.ndarray, capacity: int):
     b = lengths.shape[0]
     offsets = np.zeros(b + 1, np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    segment_ids = np.full(capacity, b, np.int32)
+    segment_ids = np.empty(capacity, np.int32)
     segment_ids[:total] = np.repeat(np.arange(b, dtype=np.int32), lengths)
-    positions = np.zeros(capacity, np.int32)
-    positions[:total] = np.arange(total, dtype=np.int32) - np.repeat(offsets[:-1], lengths)
+    segment_ids[total:] = b
+    positions = np.empty(capacity, np.int32)            # arange minus each sample's start
+    positions[:total] = np.repeat(offsets[:-1], lengths)
+    np.subtract(np.arange(total, dtype=np.int32), positions[:total], out=positions[:total])
+    positions[total:] = 0
     return offsets, segment_ids, positions
 
 

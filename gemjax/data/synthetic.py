@@ -53,13 +53,23 @@ def _multiplier(v: int) -> int:
 
 
 def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size) -> np.ndarray:
-    """Ranks in [0, vocab) with P(rank r) ~ (r + 1)^-a (continuous inverse CDF, floored)."""
-    u = rng.random(size)
+    """Ranks in [0, vocab) with P(rank r) ~ (r + 1)^-a (continuous inverse CDF, floored).
+
+    int64 array of shape `size`. The arithmetic runs in place on the uniform
+    draws (one float64 buffer, no temporaries).
+    """
+    x = rng.random(size)
     if abs(a - 1.0) < 1e-9:
-        x = np.exp(u * np.log(vocab + 1.0))
+        x *= np.log(vocab + 1.0)
+        np.exp(x, out=x)
     else:
-        x = (((vocab + 1.0) ** (1 - a) - 1) * u + 1) ** (1 / (1 - a))
-    return np.clip(np.floor(x).astype(np.int64) - 1, 0, vocab - 1)
+        x *= (vocab + 1.0) ** (1 - a) - 1
+        x += 1
+        x **= 1 / (1 - a)
+    np.floor(x, out=x)
+    r = x.astype(np.int64)
+    r -= 1
+    return np.clip(r, 0, vocab - 1, out=r)
 
 
 @dataclasses.dataclass
@@ -133,11 +143,23 @@ class SyntheticStream:
         return ((user[:, None] * ks[None, :] + (user[:, None] >> 7)) % 2_147_483_647) % c
 
     def _items_of(self, rng, cats: np.ndarray) -> np.ndarray:
+        """int64 item ids: category + num_categories * Zipf rank within the category."""
         c = self.cfg
         per_cat = c.vocab_item // c.num_categories
-        return cats + c.num_categories * zipf_ranks(rng, per_cat, c.zipf, cats.shape)
+        items = zipf_ranks(rng, per_cat, c.zipf, cats.shape)
+        items *= c.num_categories
+        items += cats
+        return items
 
     def _sequence(self, rng, name, fav, capacity):
+        """One event sequence of the shard, packed into `capacity` tokens.
+
+        Returns (Jagged, (seg_r, cats_r), over_cap, n_cut): seg_r / cats_r are the
+        sample index and category of every token in the teacher's recency window
+        (the last `recent` events of each sample, before any capacity cut), in
+        token order. The random draws (their order and sizes) define the stream;
+        everything else is vectorised numpy on int32 where the values allow.
+        """
         c = self.cfg
         b = fav.shape[0]
         raw = np.exp(rng.normal(np.log(c.seq_median), c.seq_sigma, b))
@@ -146,20 +168,35 @@ class SyntheticStream:
         over_cap = int((lengths > c.seq_cap).sum())
         lengths = np.minimum(lengths, c.seq_cap)          # keep the most recent seq_cap events
         total = int(lengths.sum())
-        seg = np.repeat(np.arange(b), lengths)
+        fits = total <= capacity
+        if fits:                                          # the usual case: the layout is final
+            off, seg_ids, posn = layout_from_lengths(lengths, capacity)
+            seg = seg_ids[:total]
+        else:
+            seg = np.repeat(np.arange(b, dtype=np.int32), lengths)
         use_fav = rng.random(total) < _FAV_PROB[name]
-        cats = np.where(use_fav, fav[seg, rng.integers(0, _NUM_FAV, total)],
-                        rng.integers(0, c.num_categories, total))
+        fav_slot = rng.integers(0, _NUM_FAV, total)       # int64 index into fav.ravel()
+        fav_slot += seg * _NUM_FAV
+        cats = rng.integers(0, c.num_categories, total)
+        np.copyto(cats, fav.ravel().astype(np.int32).take(fav_slot), where=use_fav)
+        del fav_slot, use_fav
         items = self._items_of(rng, cats)
         events = rng.integers(0, c.num_event_types, total)
-        offsets = np.zeros(b + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        pos_from_end = offsets[1:][seg] - 1 - np.arange(total)
-        recent = pos_from_end < c.recent
-        # packed batch must fit `capacity`: cut the longest sequences (oldest events first)
-        cut = lengths
+        ends = np.cumsum(lengths)                         # offsets[1:] of the uncut sequence
+        # the teacher's recency window: tokens [end - min(L, recent), end) of each sample
+        n_recent = np.minimum(lengths, c.recent)
+        r_total = int(n_recent.sum())
+        seg_r = np.repeat(np.arange(b, dtype=np.int32), n_recent)
+        r_start = np.zeros(b, np.int64)
+        np.cumsum(n_recent[:-1], out=r_start[1:])
+        idx_r = np.repeat(ends - n_recent - r_start, n_recent)
+        idx_r += np.arange(r_total)
+        cats_r = cats[idx_r]
         n_cut = 0
-        if total > capacity:
+        if fits:
+            fields = (("item", items), ("cat", cats), ("event", events))
+        else:
+            # packed batch must fit `capacity`: cut the longest sequences (oldest events first)
             lo, hi = 0, int(lengths.max())
             while lo < hi:                                # largest per-sample cap that fits
                 mid = (lo + hi + 1) // 2
@@ -169,16 +206,18 @@ class SyntheticStream:
                     hi = mid - 1
             cut = np.minimum(lengths, lo)
             n_cut = int((cut < lengths).sum())
-        keep = pos_from_end < cut[seg]
-        off, seg_ids, posn = layout_from_lengths(cut, capacity)
-        n = int(cut.sum())
+            pos_from_end = ends[seg] - 1 - np.arange(total)
+            keep = pos_from_end < cut[seg]
+            off, seg_ids, posn = layout_from_lengths(cut, capacity)
+            fields = (("item", items[keep]), ("cat", cats[keep]), ("event", events[keep]))
         vals = {}
-        for f, v in (("item", items), ("cat", cats), ("event", events)):
-            buf = np.zeros(capacity, np.int32)
-            buf[:n] = v[keep]
+        for f, v in fields:
+            buf = np.empty(capacity, np.int32)
+            buf[:v.shape[0]] = v
+            buf[v.shape[0]:] = 0
             vals[f] = buf
         jag = Jagged(vals, off, seg_ids, posn)
-        return jag, (seg, cats, recent), over_cap, n_cut
+        return jag, (seg_r, cats_r), over_cap, n_cut
 
     def shard_batch(self, step: int, shard: int = 0, num_shards: int = 1):
         """(Batch of numpy arrays, ShardInfo) for one shard of global step `step`."""
@@ -200,16 +239,16 @@ class SyntheticStream:
         seqs, stats = {}, [0, 0]
         signal = {}
         for name in SEQUENCES:
-            jag, (seg, cats, recent), over_cap, n_cut = self._sequence(rng, name, fav, cap)
+            jag, (seg_r, cats_r), over_cap, n_cut = self._sequence(rng, name, fav, cap)
             seqs[name] = jag
             stats[0] += over_cap
             stats[1] += n_cut
-            cnt = np.bincount(seg[recent], minlength=b).astype(np.float64)
+            cnt = np.bincount(seg_r, minlength=b).astype(np.float64)
             if name == "clicks":
-                hit = np.bincount(seg[recent], weights=(cats[recent] == cand_cat[seg[recent]]), minlength=b)
+                hit = np.bincount(seg_r, weights=(cats_r == cand_cat[seg_r]), minlength=b)
                 signal[name] = np.where(cnt > 0, hit / np.maximum(cnt, 1), 0.0)
             else:
-                q = np.bincount(seg[recent], weights=self.teacher.q_cat[cats[recent]], minlength=b)
+                q = np.bincount(seg_r, weights=self.teacher.q_cat[cats_r], minlength=b)
                 signal[name] = np.where(cnt > 0, q / np.maximum(cnt, 1), 0.0)
         logits = self.teacher.logits(segment, context, item, cand_cat, dense.astype(np.float64),
                                      signal["clicks"], signal["views"], surface)
