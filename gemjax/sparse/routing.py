@@ -33,6 +33,14 @@ Duplicate summing, `dedup=`:
 All give the same unique ids in the same (ascending) order; sums may differ
 in float rounding only (summation order).
 
+Row update, `update_impl=` (`update_rows`, `update_unique_bucketed`):
+  "xla"     segment_sum, gather the touched rows, optimizer, scatter back (default).
+  "pallas"  `gemjax.sparse.fused_update`: one Pallas Triton pass over the sorted
+            ids sums each unique row's grads in registers and applies row-wise
+            Adagrad in place (RowWiseAdagrad only; D a power of two >= 16). Uses
+            the sort residual ({"perm", "seg"}); from an {"inv"} residual it sorts
+            the inverse once more. Interpret mode off GPU (slow: tests only).
+
 `update_unique_bucketed` (local tables): the duplicate sum and the row update
 run on the smallest static bucket of unique rows >= the batch's actual count
 (lax.switch), instead of N rows, so their cost follows U. With buckets the
@@ -51,12 +59,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gemjax.sparse import fused_update
+from gemjax.sparse.optimizers import RowWiseAdagrad
 from gemjax.sparse.plans import Layout
 
 Array = Any
 INVALID = jnp.iinfo(jnp.int32).max
 DEDUPS = ("sort", "sort_scatter", "scatter")
 DEFAULT_BUCKETS = (0.25, 0.375, 0.5)
+UPDATE_IMPLS = ("xla", "pallas")
 
 
 def sorted_unique(key: Array):
@@ -215,8 +226,38 @@ def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[st
     return rows, grads
 
 
+def _check_impl(update_impl: str, optimizer, state: dict[str, Array]) -> None:
+    if update_impl not in UPDATE_IMPLS:
+        raise ValueError(f"update_impl must be one of {UPDATE_IMPLS}, got {update_impl!r}")
+    if update_impl == "pallas" and (set(state) != {"weights", "accum"}
+                                    or not isinstance(optimizer, RowWiseAdagrad)):
+        raise ValueError("update_impl='pallas' supports RowWiseAdagrad only, got "
+                         f"{type(optimizer).__name__} with state {sorted(state)}")
+
+
+def _sort_residual(res: dict) -> tuple[Array, Array]:
+    """(perm, seg) of the sort path; from an {"inv"} residual, one stable sort of inv."""
+    if "perm" in res:
+        return res["perm"], res["seg"]
+    inv = res["inv"]
+    seg, perm = jax.lax.sort_key_val(inv, jnp.arange(inv.shape[0], dtype=jnp.int32),
+                                     is_stable=True)
+    return perm, seg
+
+
+def _fused(state: dict[str, Array], rows: Array, perm: Array, seg: Array, g: Array,
+           src_index: Array | None, optimizer) -> dict[str, Array]:
+    """Fused sum + row-wise Adagrad (Pallas) of rows [K] (-1 = none) from the sorted ids."""
+    index = perm if src_index is None else jnp.take(src_index, perm)
+    w, a = fused_update.row_wise_adagrad_fused(
+        state["weights"], state["accum"], rows, seg, index.astype(jnp.int32), g,
+        lr=optimizer.lr, eps=optimizer.eps)
+    return {"weights": w, "accum": a}
+
+
 def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
-                rows_unique: bool = False, dedup: str = "sort", buckets=()) -> dict[str, Array]:
+                rows_unique: bool = False, dedup: str = "sort", buckets=(),
+                update_impl: str = "xla") -> dict[str, Array]:
     """Sum duplicate rows' grads, apply the optimizer to those rows only.
 
     state {"weights": [V, D], <opt>: [V, ...]}, rows [K] (-1 = none), grads [K, D].
@@ -226,10 +267,22 @@ def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
     one fused update, one scatter per array); padding entries are dropped.
     buckets (with rows_unique=False): size the duplicate sum and the update to
     the unique count as in `update_unique_bucketed` (the owner's K = S_m * C
-    slots are mostly empty).
+    slots are mostly empty). update_impl: "xla" or "pallas" (see module docstring).
     """
+    _check_impl(update_impl, optimizer, state)
     k = rows.shape[0]
     key = jnp.where(rows >= 0, rows, INVALID)
+    if update_impl == "pallas":
+        if rows_unique:
+            ar = jnp.arange(k, dtype=jnp.int32)
+            return _fused(state, jnp.where(rows >= 0, rows, -1), ar, ar, grads, None, optimizer)
+        uniq, dres = dedup_ids(key, "sort")
+        if buckets:
+            return update_unique_bucketed(state, grads, {**dres, "uniq": uniq}, optimizer, buckets,
+                                          update_impl="pallas")
+        perm, seg = _sort_residual(dres)
+        return _fused(state, jnp.where(uniq != INVALID, uniq, -1), perm, seg, grads, None,
+                      optimizer)
     if rows_unique:
         uniq, g_sum = key, grads.astype(jnp.float32)
     else:
@@ -258,22 +311,30 @@ def bucket_sizes(n: int, buckets) -> list[int]:
 
 
 def update_unique_bucketed(state: dict[str, Array], g: Array, res: dict, optimizer, buckets,
-                           src_index: Array | None = None) -> dict[str, Array]:
+                           src_index: Array | None = None,
+                           update_impl: str = "xla") -> dict[str, Array]:
     """Local table: sum duplicates and update the touched rows, sized to the unique count.
 
     g / src_index as in `sum_duplicates`; res the lookup residual (uniq ascending,
     INVALID-filled). With U the valid unique ids, the branch of the smallest
     capacity K >= U runs: duplicate sums [K, D] and the update of uniq[:K] (the
     segment indices are < U <= K, so nothing is dropped). Exact: the same sums
-    and rows as the unbucketed path, whichever branch runs.
+    and rows as the unbucketed path, whichever branch runs. update_impl="pallas":
+    each branch runs the fused kernel over cap programs (buckets=() : one over N).
     """
+    _check_impl(update_impl, optimizer, state)
     uniq = res["uniq"]
     n = uniq.shape[0]
     caps = bucket_sizes(n, buckets)
     u = jnp.sum(uniq != INVALID, dtype=jnp.int32)
+    if update_impl == "pallas":
+        perm, seg = _sort_residual(res)
 
     def branch(cap):
         def run(state):
+            if update_impl == "pallas":
+                rows = jnp.where(uniq[:cap] != INVALID, uniq[:cap], -1)
+                return _fused(state, rows, perm, seg, g, src_index, optimizer)
             g_u = sum_duplicates(g, res, cap, src_index)
             rows = jnp.where(uniq[:cap] != INVALID, uniq[:cap], -1)
             return update_rows(state, rows, g_u, optimizer, rows_unique=True)

@@ -1,0 +1,260 @@
+"""Fused duplicate sum + row-wise Adagrad on the touched rows (Pallas Triton), FBGEMM-style.
+
+One pass over the sorted ids replaces XLA's sorted segment_sum, the gather of the
+touched rows, the update and the two scatters back:
+
+    for each unique row u (its ids are a run of the sorted ids):
+        g     = sum of the run's gradient rows        (fp32 registers)
+        a     = accum[row_u] + mean(g^2)              (row and state read once)
+        w_row = w_row - lr * g / (sqrt(a) + eps)      (written once, in place)
+
+Inputs (per device, local table; `gemjax.sparse.routing` builds them from the
+lookup's sort residual):
+  weights [V, D] float32 / bfloat16, accum [V] float32   aliased in place
+  rows    [K] int32     table row of unique index u, -1 = none (ascending not needed)
+  seg     [N] int32     unique index of each sorted position, non-decreasing;
+                        positions with seg >= K, or whose row is -1, are ignored
+  index   [N] int32     row of `g` holding sorted position j's gradient
+  g       [M, D]        gradient source (per-id grads, or pooled [B, D] bag grads)
+K is a static bound (N, or a unique-count bucket): one program per unique index,
+programs whose row is -1 or whose run is empty exit at once.
+
+Each program sums its run in chunks of `block_ids` ids: one [block_ids, D] gather
+of gradient rows per step, reduced over the ids into a [D] fp32 accumulator.
+
+Hot rows (a Zipf head row gets ~8% of all ids: ~100k of 1.3M): runs longer than
+`split` ids are cut into items of <= split ids. A first pass sums every item into
+an fp32 partials buffer [2N/split, D]; the row pass then sums each hot row's
+partials (<= N/split of them) and applies the update. We chose the second pass
+over atomics: it is deterministic (the same bits every run, the summation order
+fixed by the layout), a hot row's adds never contend (the collision cost that
+makes XLA's sorted scatter-add slow on GPU), and the read-modify-write of the row
+needs every contribution first, which atomics would only give with a grid-wide
+"last arriver" counter and fences that Pallas Triton cannot express. The extra
+traffic is the partials: <= 2N/split rows (5 MB at N = 1.3M, split 1024).
+
+Three launches: items (sum mode), short rows (update mode, runs <= split), hot
+rows (update mode over the partials). Rows with an empty run are not written;
+rows no run touches are never read or written (bit-identical).
+
+Triton constraints: tiles are [block_ids, D] with block_ids and D powers of two
+>= 16 (smaller Triton tiles are silently wrong on GPU). On CPU the kernels run
+in Pallas interpret mode.
+
+Reference: `row_wise_adagrad_reference` (segment_sum + the optimizer formula in
+plain jnp, any backend).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Array = Any
+F32 = jnp.float32
+# block_ids: ids per gather step; split: longest run a single program sums (longer
+# runs go through the partials pass); num_warps / num_stages: Triton launch knobs.
+KNOBS = dict(block_ids=32, split=1024, num_warps=4, num_stages=1)
+
+
+def _pow2_at_least_16(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+def _run_sum(lo, hi, index_ref, g_ref, block_ids: int, dim: int):
+    """fp32 [D] sum of g[index[j]] for j in [lo, hi), block_ids rows per step."""
+    lanes = lax.broadcasted_iota(jnp.int32, (block_ids,), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (block_ids, dim), 1)
+
+    def step(c, acc):
+        first = lo + c * block_ids
+        live = first + lanes < hi
+        # index is padded by block_ids entries, so this slice never runs past its end
+        src = plgpu.load(index_ref.at[pl.ds(first, block_ids)], mask=live, other=0)
+        # a [block_ids, D] gather; both indices as full 2-D arrays (interpret mode
+        # cannot mix an array index with a slice)
+        src = jnp.broadcast_to(jnp.where(live, src, 0)[:, None], (block_ids, dim))
+        x = plgpu.load(g_ref.at[src, cols], mask=jnp.broadcast_to(live[:, None], (block_ids, dim)),
+                       other=0)
+        return acc + jnp.sum(x.astype(F32), axis=0)
+
+    steps = (hi - lo + block_ids - 1) // block_ids
+    return lax.fori_loop(0, steps, step, jnp.zeros((dim,), F32))
+
+
+def _sum_kernel(start_ref, end_ref, index_ref, g_ref, out_ref, *, block_ids):
+    """Item i: out[i] = sum of its run (sum mode; empty items write zeros)."""
+    i = pl.program_id(0)
+    dim = g_ref.shape[-1]
+    out_ref[i, :] = _run_sum(start_ref[i], end_ref[i], index_ref, g_ref, block_ids, dim)
+
+
+def _update_kernel(row_ref, start_ref, end_ref, index_ref, g_ref, w_in, a_in, w_ref, a_ref, *,
+                   block_ids, lr, eps):
+    """Unique index u: sum its run, update table row row[u] in place (update mode)."""
+    del w_in, a_in                       # aliased to w_ref / a_ref
+    u = pl.program_id(0)
+    row, lo, hi = row_ref[u], start_ref[u], end_ref[u]
+    dim = g_ref.shape[-1]
+
+    @pl.when((row >= 0) & (hi > lo))
+    def _():
+        g = _run_sum(lo, hi, index_ref, g_ref, block_ids, dim)
+        a = a_ref[row] + jnp.sum(g * g) / dim
+        w = w_ref[row, :]
+        w_ref[row, :] = (w.astype(F32) - lr * g / (jnp.sqrt(a) + eps)).astype(w_ref.dtype)
+        a_ref[row] = a
+
+
+def _full(shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _params(knobs):
+    return plgpu.CompilerParams(num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
+
+
+def _pad_index(index, block_ids):
+    return jnp.concatenate([index.astype(jnp.int32), jnp.zeros((block_ids,), jnp.int32)])
+
+
+def _sum_items(starts, ends, index, g, knobs, interpret):
+    """Items [W] (runs [starts, ends) of the padded index) -> sums [W, D] fp32."""
+    w = starts.shape[0]
+    ins = (starts, ends, index, g)
+    return pl.pallas_call(
+        functools.partial(_sum_kernel, block_ids=knobs["block_ids"]),
+        grid=(w,), in_specs=[_full(x.shape) for x in ins], out_specs=_full((w, g.shape[-1])),
+        out_shape=jax.ShapeDtypeStruct((w, g.shape[-1]), F32),
+        compiler_params=_params(knobs), interpret=interpret, name="sparse_fused_item_sum",
+    )(*ins)
+
+
+def _update(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, interpret):
+    """Programs [K]: fused sum + row-wise Adagrad of rows[u] over run [starts[u], ends[u])."""
+    ins = (rows, starts, ends, index, g, weights, accum)
+    return pl.pallas_call(
+        functools.partial(_update_kernel, block_ids=knobs["block_ids"], lr=lr, eps=eps),
+        grid=(rows.shape[0],), in_specs=[_full(x.shape) for x in ins],
+        out_specs=[_full(weights.shape), _full(accum.shape)],
+        out_shape=[jax.ShapeDtypeStruct(weights.shape, weights.dtype),
+                   jax.ShapeDtypeStruct(accum.shape, accum.dtype)],
+        input_output_aliases={5: 0, 6: 1},
+        compiler_params=_params(knobs), interpret=interpret, name="sparse_fused_row_update",
+    )(*ins)
+
+
+def run_bounds(seg: Array, num_segments: int) -> tuple[Array, Array]:
+    """seg [N] non-decreasing -> (starts, ends) [num_segments] int32: run u is [starts[u], ends[u]).
+
+    Segments absent from seg get an empty run; positions with seg >= num_segments
+    belong to no run.
+    """
+    n = seg.shape[0]
+    k = num_segments
+    pos = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
+    at = jnp.where(first & (seg >= 0) & (seg <= k), seg, k + 1)
+    b = jnp.full((k + 1,), n, jnp.int32).at[at].set(pos, mode="drop", unique_indices=True)
+    b = lax.cummin(b, axis=0, reverse=True)     # an absent segment starts where the next does
+    return b[:-1], b[1:]
+
+
+def _check(weights, accum, rows, seg, index, g):
+    if weights.ndim != 2:
+        raise ValueError(f"weights must be [V, D], got shape {weights.shape}")
+    v, d = weights.shape
+    if accum.shape != (v,) or accum.dtype != F32:
+        raise ValueError(f"accum must be float32 [{v}], got {accum.dtype} {accum.shape}")
+    if g.ndim != 2 or g.shape[1] != d:
+        raise ValueError(f"g must be [M, {d}], got shape {g.shape}")
+    if not _pow2_at_least_16(d):
+        raise ValueError(f"fused row update: D={d} must be a power of two >= 16 (Triton "
+                         "tiles); use update_impl='xla'")
+    if rows.ndim != 1 or seg.ndim != 1 or index.shape != seg.shape:
+        raise ValueError(f"rows must be [K], seg and index [N]; got rows {rows.shape}, "
+                         f"seg {seg.shape}, index {index.shape}")
+    for name, x in (("rows", rows), ("seg", seg), ("index", index)):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array, index: Array,
+                           g: Array, *, lr: float, eps: float, interpret: bool | None = None,
+                           **knobs) -> tuple[Array, Array]:
+    """Sum each unique row's gradients and apply row-wise Adagrad in place (see module doc).
+
+    weights [V, D] f32/bf16, accum [V] f32, rows [K] int32 (-1 = none), seg [N] int32
+    non-decreasing, index [N] int32 into g [M, D] -> (weights, accum), same shapes.
+    Donate weights and accum to the enclosing jit for a true in-place update.
+    knobs: block_ids, split, num_warps, num_stages (defaults KNOBS).
+    """
+    _check(weights, accum, rows, seg, index, g)
+    unknown = set(knobs) - set(KNOBS)
+    if unknown:
+        raise ValueError(f"row_wise_adagrad_fused: unknown knobs {sorted(unknown)} (have {sorted(KNOBS)})")
+    knobs = {**KNOBS, **knobs}
+    c, split = knobs["block_ids"], knobs["split"]
+    if not _pow2_at_least_16(c):
+        raise ValueError(f"block_ids must be a power of two >= 16, got {c}")
+    if split < c:
+        raise ValueError(f"split must be >= block_ids ({c}), got {split}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    lr, eps = float(lr), float(eps)
+    n, k = seg.shape[0], rows.shape[0]
+    starts, ends = run_bounds(seg, k)
+    length = ends - starts
+    hot = (rows >= 0) & (length > split)
+    idx = _pad_index(index, c)
+
+    # short runs: one program each sums its run and updates its row
+    weights, accum = _update(weights, accum, jnp.where(hot, -1, rows), starts, ends, idx, g,
+                             lr, eps, knobs, interpret)
+    if n <= split:                      # no run can be hot
+        return weights, accum
+
+    # hot runs: items of <= split ids summed into partials, then one program per hot row
+    n_items = jnp.where(hot, (length + split - 1) // split, 0)
+    item_end = jnp.cumsum(n_items, dtype=jnp.int32)              # inclusive, per unique index
+    item_lo = item_end - n_items
+    h_max = n // (split + 1)                                     # hot rows have > split ids
+    w_max = 2 * n // split                                       # ceil(L/s) < 2 L / s per hot row
+    rank = jnp.cumsum(hot, dtype=jnp.int32) - 1
+    at = jnp.where(hot, rank, h_max)
+    hot_rows = jnp.full((h_max,), -1, jnp.int32).at[at].set(rows, mode="drop")
+    total = item_end[-1]
+    # unused hot slots: empty item ranges at the end, so hot_hi stays ascending
+    hot_lo = jnp.full((h_max,), total).at[at].set(item_lo, mode="drop")
+    hot_hi = jnp.full((h_max,), total).at[at].set(item_end, mode="drop")
+    hot_start = jnp.zeros((h_max,), jnp.int32).at[at].set(starts, mode="drop")
+    hot_end = jnp.zeros((h_max,), jnp.int32).at[at].set(ends, mode="drop")
+    item = jnp.arange(w_max, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(hot_hi, item, side="right"), 0, h_max - 1)
+    live = (item < total) & (hot_rows[owner] >= 0)
+    i_start = hot_start[owner] + (item - hot_lo[owner]) * split
+    i_end = jnp.minimum(i_start + split, hot_end[owner])
+    i_start, i_end = jnp.where(live, i_start, 0), jnp.where(live, i_end, 0)
+    partials = _sum_items(i_start, i_end, idx, g, knobs, interpret)          # [W, D] f32
+    return _update(weights, accum, hot_rows, hot_lo, hot_hi,
+                   _pad_index(jnp.arange(w_max, dtype=jnp.int32), c), partials,
+                   lr, eps, knobs, interpret)
+
+
+def row_wise_adagrad_reference(weights, accum, rows, seg, index, g, *, lr, eps):
+    """Same contract as `row_wise_adagrad_fused`, in plain jnp (segment_sum + scatter)."""
+    k = rows.shape[0]
+    gs = jax.ops.segment_sum(jnp.take(g, index, axis=0).astype(F32), seg, num_segments=k)
+    count = jax.ops.segment_sum(jnp.ones(seg.shape, jnp.int32), seg, num_segments=k)
+    touch = (rows >= 0) & (count > 0)
+    r = jnp.where(touch, rows, 0)
+    a = accum[r] + jnp.mean(gs * gs, axis=-1)
+    w = (weights[r].astype(F32) - lr * gs / (jnp.sqrt(a)[:, None] + eps)).astype(weights.dtype)
+    r = jnp.where(touch, rows, weights.shape[0])                  # dropped
+    return weights.at[r].set(w, mode="drop"), accum.at[r].set(a, mode="drop")
