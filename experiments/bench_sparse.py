@@ -26,7 +26,14 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
                         sharded table's owner)
   sort_scatter_buckets  dedup="sort_scatter" + the same buckets
   sort_buckets_bf16     sort_buckets + grad_dtype=bfloat16 (per-id grads gathered in bf16)
-The pieces (dedup, dupsum, update) run on all N rows whatever the variant's buckets.
+  sort_buckets_pallas   sort_buckets with update_impl="pallas": duplicate sum + row-wise Adagrad
+                        fused in one Pallas Triton pass (gemjax/sparse/fused_update.py)
+  sort_pallas           the same with one bucket of N (one program per id slot, early exit past U)
+The pieces (dedup, dupsum, update) run on all N rows whatever the variant's buckets;
+the *_pallas variants without buckets add "fused" rows: the fused kernel alone over the
+N sorted ids (replacing dupsum + update), once per --fused_sweep setting.
+update_impl is not an EmbeddingCollection option yet: the bench passes it by wrapping
+routing.update_unique_bucketed / update_rows while the variant's programs trace.
 
 Ids: Zipf(--zipf) over [0, vocab) (truncated by resampling), scattered over the
 table by a multiplicative hash, N = batch * ids_per_sample per step, U = the
@@ -48,6 +55,7 @@ The table (last) lists every row; the JSON (--out) holds the rows and flags.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -59,7 +67,7 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
-from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TablePlan, TableSpec, routing
+from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TablePlan, TableSpec, fused_update, routing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("vocab", 100_000_000, "rows of the table")
@@ -78,6 +86,10 @@ flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
                   "vocab sizes for the naive path, largest first (1 device only; empty to skip)")
 flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
                   "vocab sizes to probe (empty to skip)")
+flags.DEFINE_list("fused_sweep", ["32/1024/4", "16/1024/1", "16/1024/2", "32/256/2", "64/1024/4",
+                                   "32/4096/4"],
+                  "fused kernel knobs block_ids/split/num_warps timed as 'fused' rows (*_pallas "
+                  "variants without buckets, 1 device)")
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
 
@@ -87,7 +99,22 @@ VARIANTS = {"scatter": dict(dedup="scatter", unique_buckets=()),
             "sort_scatter": dict(dedup="sort_scatter", unique_buckets=()),
             "sort_buckets": dict(dedup="sort", unique_buckets=BUCKETS),
             "sort_scatter_buckets": dict(dedup="sort_scatter", unique_buckets=BUCKETS),
-            "sort_buckets_bf16": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16)}
+            "sort_buckets_bf16": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16),
+            "sort_buckets_pallas": dict(dedup="sort", unique_buckets=BUCKETS, update_impl="pallas"),
+            "sort_pallas": dict(dedup="sort", unique_buckets=(1.0,), update_impl="pallas")}
+
+
+@contextlib.contextmanager
+def routing_update_impl(impl):
+    """Trace EmbeddingCollection programs with routing's update_impl set to `impl`."""
+    saved = routing.update_unique_bucketed, routing.update_rows
+    if impl != "xla":
+        routing.update_unique_bucketed = functools.partial(saved[0], update_impl=impl)
+        routing.update_rows = functools.partial(saved[1], update_impl=impl)
+    try:
+        yield
+    finally:
+        routing.update_unique_bucketed, routing.update_rows = saved
 
 
 def zipf_ids(rng, n, vocab, a):
@@ -157,7 +184,8 @@ def make_coll(vocab, mesh, variant):
     spec = TableSpec("t", vocab, FLAGS.dim, features=("f",), pooling=pooling,
                      optimizer=RowWiseAdagrad(lr=0.01), bounds="clamp")
     plan = TablePlan("row_wise", "mod", tuple(mesh.axis_names), (), FLAGS.capacity_factor)
-    return EmbeddingCollection([spec], plan, mesh, **VARIANTS[variant])
+    kw = {k: v for k, v in VARIANTS[variant].items() if k != "update_impl"}
+    return EmbeddingCollection([spec], plan, mesh, **kw)
 
 
 def bench_variant(coll, state, batches, steps):
@@ -168,7 +196,10 @@ def bench_variant(coll, state, batches, steps):
         return coll.apply_gradients(state, res, g_acts), res["stats"]["ids_overflow"]
 
     step = jax.jit(step, donate_argnums=0)
-    state, over = step(state, batches[0])
+    # two warm-up steps: on a 1-device mesh the fused (Pallas) update returns the state
+    # with a replicated rather than P("x") sharding, so the second call compiles again
+    for k in range(2):
+        state, over = step(state, batches[k % len(batches)])
     jax.block_until_ready(state)
     ts = []
     for k in range(steps):
@@ -203,13 +234,31 @@ def bench_pieces(state, ids, variant, steps):
         kw.get("grad_dtype", jnp.float32))
     dupsum = jax.jit(lambda g, res: routing.sum_duplicates(g, res, n))
     g_u, t_sum = timed(dupsum, lambda: (g, res), steps)
-    del g
     opt = RowWiseAdagrad(lr=0.01)
     update = jax.jit(lambda s, rows, g_u: routing.update_rows(s, rows, g_u, opt, rows_unique=True),
                      donate_argnums=0)
     rows = jnp.where(uniq != routing.INVALID, uniq, -1)
     state["t"], t_upd = timed_donated(update, state["t"], (rows, g_u), steps)
-    return state, {"dedup": t_dedup, "dupsum": t_sum, "update": t_upd}
+    out = {"dedup": t_dedup, "dupsum": t_sum, "update": t_upd}
+    if kw.get("update_impl") == "pallas":
+        del g_u
+        perm, seg = res["perm"], res["seg"]
+        for knob in FLAGS.fused_sweep:
+            c, s, w = (int(x) for x in knob.split("/"))
+
+            def fused(st, rows, seg, perm, g, c=c, s=s, w=w):
+                wt, ac = fused_update.row_wise_adagrad_fused(
+                    st["weights"], st["accum"], rows, seg, perm, g, lr=opt.lr, eps=opt.eps,
+                    block_ids=c, split=s, num_warps=w)
+                return {"weights": wt, "accum": ac}
+            try:
+                state["t"], out[f"fused {knob}"] = timed_donated(
+                    jax.jit(fused, donate_argnums=0), state["t"], (rows, seg, perm, g), steps)
+            except Exception as e:  # noqa: BLE001  (a knob that does not compile is a result)
+                print(f"fused {knob}: {str(e).splitlines()[0][:200]}", flush=True)
+                out[f"fused {knob}"] = None
+    del g
+    return state, out
 
 
 def run_naive(vocab, ids_list, steps):
@@ -245,7 +294,7 @@ def bytes_per_step(kind, u, n, dim, acts):
     look_n, upd_n = 4 * n * dim + 4 * acts, 2 * n * (4 * dim + 4) + 4 * acts
     if kind == "lookup":
         return look_u, look_n
-    if kind in ("apply", "update"):
+    if kind in ("apply", "update", "fused"):
         return upd_u, upd_n
     if kind in ("step", "naive", "probe"):
         return look_u + upd_u, look_n + upd_n
@@ -289,7 +338,8 @@ def main(_):
     for v in FLAGS.variants:
         coll = make_coll(FLAGS.vocab, mesh, v)
         t0 = time.perf_counter()
-        state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps)
+        with routing_update_impl(VARIANTS[v].get("update_impl", "xla")):
+            state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps)
         extra = {"overflow": over, "finite": finite, "wall_s": time.perf_counter() - t0}
         for kind in ("step", "lookup", "apply"):
             record(kind, v, FLAGS.vocab, ts[kind], ids, extra if kind == "step" else None)
@@ -297,6 +347,8 @@ def main(_):
             state, ps = bench_pieces(state, ids[0], v, FLAGS.steps)
             for kind in ("dedup", "dupsum", "update"):
                 record(kind, v, FLAGS.vocab, ps[kind], ids[:1])
+            for key in [k for k in ps if k.startswith("fused ")]:
+                record("fused", f"{v} {key[6:]}", FLAGS.vocab, ps[key], ids[:1])
     del state
 
     for vocab in ([] if n_dev > 1 else [int(x) for x in FLAGS.naive_rows if x]):
