@@ -4,8 +4,12 @@ Each device of the mesh gets its own shard (its own packed jagged buffers with
 local offsets); the global arrays are sharded over the batch axes (default: every
 mesh axis, in mesh order), so shard i lives on ``mesh.devices.flat[i]``. This
 process builds the shards of its addressable devices only, checks them, and
-assembles the global arrays (``make_array_from_process_local_data``). Background
-threads prepare the next batches while the device computes.
+assembles the global arrays. ``Feeder.batches`` builds every (step, shard) in a
+pool of ``workers`` threads (numpy releases the GIL in its bulk work), starts each
+shard's host-to-device copy in that thread (``device_put`` to the shard's own
+device: no host-side concatenation, the transfer overlaps the next shards'
+generation), and assembles the global arrays from the per-device pieces
+(``make_array_from_single_device_arrays``).
 
 ``regroup`` feeds a mesh of n devices from a stream cut into K shards (K a
 multiple of n): device i gets source shards [i K/n, (i+1) K/n) packed into one
@@ -142,14 +146,20 @@ class Feeder:
         if ls and ls != list(range(ls[0], ls[0] + len(ls))):
             raise ValueError(f"Feeder: process {jax.process_index()} holds batch shards {ls}, not one "
                              f"contiguous block; build the mesh with gemjax.parallel.mesh.build_mesh")
+        self.local_devices = [devs[i] for i in self.local_shards]
         self.prefetch, self.workers = max(prefetch, workers), max(workers, 1)
+
+    def _checked_shard(self, step: int, shard: int):
+        """(Batch of numpy arrays, info) for one shard, validated."""
+        b, info = self.make_shard(step, shard, self.num_shards)
+        validate_batch(b, self.check_ids, self.id_fields, where=f"step {step} shard {shard}")
+        return b, info
 
     def host_batch(self, step: int):
         """(Batch of this process's shards concatenated, [info per shard], real tokens)."""
         shards, infos = [], []
         for s in self.local_shards:
-            b, info = self.make_shard(step, s, self.num_shards)
-            validate_batch(b, self.check_ids, self.id_fields, where=f"step {step} shard {s}")
+            b, info = self._checked_shard(step, s)
             shards.append(b)
             infos.append(info)
         tokens = sum(int(np.asarray(seq.offsets)[-1]) for b in shards for seq in b.sequences.values())
@@ -166,11 +176,38 @@ class Feeder:
 
         return jax.tree.map(put, batch)
 
+    def _device_shard(self, step: int, shard: int, device):
+        """One shard built, validated and sent to its device (the copy runs asynchronously).
+
+        Returns (Batch of single-device arrays, info, real tokens)."""
+        b, info = self._checked_shard(step, shard)
+        tokens = sum(int(np.asarray(seq.offsets)[-1]) for seq in b.sequences.values())
+        return jax.device_put(b, device), info, tokens
+
+    def assemble(self, parts: list[Batch], step: int | None = None) -> Batch:
+        """This process's per-device shards (in local_shards order, each on its device)
+        -> global arrays; every shard must have the same leaf shapes."""
+        shapes = [[np.shape(x) for x in jax.tree.leaves(p)] for p in parts]
+        for s, sh in zip(self.local_shards[1:], shapes[1:]):
+            if sh != shapes[0]:
+                paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(parts[0])]
+                i = next(i for i, (a, b) in enumerate(zip(shapes[0], sh)) if a != b)
+                raise ValueError(f"step {step}: shard {s} leaf {paths[i]} has shape {sh[i]}, shard "
+                                 f"{self.local_shards[0]} has {shapes[0][i]}; every shard of a step must "
+                                 f"have the same shapes (same local batch size and capacity)")
+
+        def glob(*xs):
+            shape = (xs[0].shape[0] * self.num_shards,) + xs[0].shape[1:]
+            return jax.make_array_from_single_device_arrays(shape, self.sharding, list(xs))
+
+        return jax.tree.map(glob, *parts)
+
     def batches(self, start: int, stop_step: int):
         """Yields (step, device Batch, infos, tokens) for step in [start, stop_step), in order.
 
-        `workers` threads build host batches up to `prefetch` steps ahead (numpy
-        releases the GIL in most of the generation work).
+        `workers` threads build the (step, shard) pieces up to `prefetch` steps
+        ahead, each validated and copied to its device in the thread that built it.
+        The result equals to_device(host_batch(step)[0]).
         """
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gemjax-feed")
         ahead: collections.deque = collections.deque()
@@ -178,9 +215,11 @@ class Feeder:
         try:
             for step in range(start, stop_step):
                 while nxt < stop_step and len(ahead) < max(self.prefetch, 1):
-                    ahead.append(pool.submit(self.host_batch, nxt))
+                    ahead.append([pool.submit(self._device_shard, nxt, s, d)
+                                  for s, d in zip(self.local_shards, self.local_devices)])
                     nxt += 1
-                batch, infos, tokens = ahead.popleft().result()
-                yield step, self.to_device(batch), infos, tokens
+                parts = [f.result() for f in ahead.popleft()]
+                batch = self.assemble([p[0] for p in parts], step)
+                yield step, batch, [p[1] for p in parts], sum(p[2] for p in parts)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
