@@ -86,8 +86,8 @@ flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
                   "vocab sizes for the naive path, largest first (1 device only; empty to skip)")
 flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
                   "vocab sizes to probe (empty to skip)")
-flags.DEFINE_list("fused_sweep", ["32/1024/4", "16/1024/1", "16/1024/2", "32/256/2", "64/1024/4",
-                                   "32/4096/4"],
+flags.DEFINE_list("fused_sweep", ["16/1024/2", "16/1024/1", "16/1024/4", "32/1024/2", "32/1024/4",
+                                   "16/256/2", "64/4096/4"],
                   "fused kernel knobs block_ids/split/num_warps timed as 'fused' rows (*_pallas "
                   "variants without buckets, 1 device)")
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")

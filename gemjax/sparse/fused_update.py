@@ -11,7 +11,7 @@ touched rows, the update and the two scatters back:
 Inputs (per device, local table; `gemjax.sparse.routing` builds them from the
 lookup's sort residual):
   weights [V, D] float32 / bfloat16, accum [V] float32   aliased in place
-  rows    [K] int32     table row of unique index u, -1 = none (ascending not needed)
+  rows    [K] int32     table row of unique index u, -1 = none; distinct (any order)
   seg     [N] int32     unique index of each sorted position, non-decreasing;
                         positions with seg >= K, or whose row is -1, are ignored
   index   [N] int32     row of `g` holding sorted position j's gradient
@@ -60,7 +60,9 @@ Array = Any
 F32 = jnp.float32
 # block_ids: ids per gather step; split: longest run a single program sums (longer
 # runs go through the partials pass); num_warps / num_stages: Triton launch knobs.
-KNOBS = dict(block_ids=32, split=1024, num_warps=4, num_stages=1)
+# Defaults are a guess for H200 (small programs, many resident: 1-2 warps); the bench's
+# --fused_sweep times the alternatives.
+KNOBS = dict(block_ids=16, split=1024, num_warps=2, num_stages=1)
 
 
 def _pow2_at_least_16(x: int) -> bool:
@@ -105,9 +107,10 @@ def _update_kernel(row_ref, start_ref, end_ref, index_ref, g_ref, w_in, a_in, w_
 
     @pl.when((row >= 0) & (hi > lo))
     def _():
+        # the row and its state first: their loads overlap the gradient gathers
+        w, a = w_ref[row, :], a_ref[row]
         g = _run_sum(lo, hi, index_ref, g_ref, block_ids, dim)
-        a = a_ref[row] + jnp.sum(g * g) / dim
-        w = w_ref[row, :]
+        a = a + jnp.sum(g * g) / dim
         w_ref[row, :] = (w.astype(F32) - lr * g / (jnp.sqrt(a) + eps)).astype(w_ref.dtype)
         a_ref[row] = a
 
