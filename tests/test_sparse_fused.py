@@ -131,6 +131,18 @@ def test_empty_segments_and_unordered_rows():
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-6, atol=1e-6)
 
 
+def test_run_bounds_with_gaps_and_tail():
+    from gemjax.sparse.fused_update import run_bounds
+    rng = np.random.default_rng(4)
+    for n, k in [(1, 1), (50, 8), (200, 40)]:
+        seg = np.sort(rng.integers(0, k + 3, n)).astype(np.int32)    # gaps, values >= k
+        starts, ends = (np.asarray(x) for x in jax.jit(run_bounds, static_argnums=1)(seg, k))
+        for u in range(k):
+            at = np.nonzero(seg == u)[0]
+            want = (at[0], at[-1] + 1) if at.size else (0, 0)
+            assert (starts[u], ends[u]) == want, (n, k, u)
+
+
 def test_routing_pallas_equals_xla_path():
     # the collection's local path (bucketed, pooled src_index) and the owner's
     # update_rows (unsorted rows with duplicates and -1 slots), both impls

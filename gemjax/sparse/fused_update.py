@@ -156,17 +156,20 @@ def _update(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, interp
 def run_bounds(seg: Array, num_segments: int) -> tuple[Array, Array]:
     """seg [N] non-decreasing -> (starts, ends) [num_segments] int32: run u is [starts[u], ends[u]).
 
-    Segments absent from seg get an empty run; positions with seg >= num_segments
-    belong to no run.
+    Two scatters at the run boundaries (no scan). Segments absent from seg get the
+    empty run [0, 0); positions with seg outside [0, num_segments) belong to no run.
     """
     n = seg.shape[0]
     k = num_segments
     pos = jnp.arange(n, dtype=jnp.int32)
-    first = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
-    at = jnp.where(first & (seg >= 0) & (seg <= k), seg, k + 1)
-    b = jnp.full((k + 1,), n, jnp.int32).at[at].set(pos, mode="drop", unique_indices=True)
-    b = lax.cummin(b, axis=0, reverse=True)     # an absent segment starts where the next does
-    return b[:-1], b[1:]
+    change = seg[1:] != seg[:-1]
+    ok = (seg >= 0) & (seg < k)
+    first = jnp.concatenate([jnp.ones((1,), bool), change]) & ok
+    last = jnp.concatenate([change, jnp.ones((1,), bool)]) & ok
+    zeros = jnp.zeros((k,), jnp.int32)
+    starts = zeros.at[jnp.where(first, seg, k)].set(pos, mode="drop", unique_indices=True)
+    ends = zeros.at[jnp.where(last, seg, k)].set(pos + 1, mode="drop", unique_indices=True)
+    return starts, ends
 
 
 def _check(weights, accum, rows, seg, index, g):
@@ -225,11 +228,13 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
 
     # hot runs: items of <= split ids summed into partials, then one program per hot row
     n_items = jnp.where(hot, (length + split - 1) // split, 0)
-    item_end = jnp.cumsum(n_items, dtype=jnp.int32)              # inclusive, per unique index
+    # one scan over K for both: the hot rank and the inclusive item end of each row
+    scan = jnp.cumsum(jnp.stack([hot.astype(jnp.int32), n_items], axis=1), axis=0,
+                      dtype=jnp.int32)
+    rank, item_end = scan[:, 0] - 1, scan[:, 1]
     item_lo = item_end - n_items
     h_max = n // (split + 1)                                     # hot rows have > split ids
     w_max = 2 * n // split                                       # ceil(L/s) < 2 L / s per hot row
-    rank = jnp.cumsum(hot, dtype=jnp.int32) - 1
     at = jnp.where(hot, rank, h_max)
     hot_rows = jnp.full((h_max,), -1, jnp.int32).at[at].set(rows, mode="drop")
     total = item_end[-1]
