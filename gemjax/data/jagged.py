@@ -100,10 +100,9 @@ def layout_from_lengths(lengths: Sequence[int] | np.ndarray, capacity: int):
     segment_ids = np.empty(capacity, np.int32)
     segment_ids[:total] = np.repeat(np.arange(b, dtype=np.int32), lengths)
     segment_ids[total:] = b
-    positions = np.empty(capacity, np.int32)            # arange minus each sample's start
+    positions = np.zeros(capacity, np.int32)            # arange minus each sample's start
     positions[:total] = np.repeat(offsets[:-1], lengths)
     np.subtract(np.arange(total, dtype=np.int32), positions[:total], out=positions[:total])
-    positions[total:] = 0
     return offsets, segment_ids, positions
 
 

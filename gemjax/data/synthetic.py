@@ -212,9 +212,8 @@ class SyntheticStream:
             fields = (("item", items[keep]), ("cat", cats[keep]), ("event", events[keep]))
         vals = {}
         for f, v in fields:
-            buf = np.empty(capacity, np.int32)
+            buf = np.zeros(capacity, np.int32)            # calloc: the padding tail is never touched
             buf[:v.shape[0]] = v
-            buf[v.shape[0]:] = 0
             vals[f] = buf
         jag = Jagged(vals, off, seg_ids, posn)
         return jag, (seg_r, cats_r), over_cap, n_cut
