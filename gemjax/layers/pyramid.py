@@ -7,7 +7,8 @@ sequences of thousands of events without details. Our reading:
             -> SequenceEncoder with block attention (each `block`-token run of a
                sample attends only within itself, RoPE)
             -> pool every block into `pooled` tokens: `pooled` learned queries
-               attend (softmax) over the block's tokens (PMA per block)
+               attend (softmax) over the block's tokens (PMA per block), computed
+               block-locally in a padded [NB, block] layout: O(NB * pooled * block * d)
             -> tokens [T_{l+1}, d]: sample b now has ceil(L_b / block) * pooled
                tokens, in time order of its blocks
   the top level may skip pooling (pooled=None): encode only.
@@ -119,17 +120,61 @@ class PyramidLevel(nnx.Module):
             x = self.encoder(x, jagged)
         if self.pool is None:
             return x.astype(self.dtype), jagged.with_values(None)
+        y = self._pool_blocks(x, jagged)
+        off = jnp.asarray(jagged.offsets, jnp.int32)
+        nxt = -(-(off[1:] - off[:-1]) // self.block) * self.pooled
+        nxt_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nxt).astype(jnp.int32)])
+        return y, jagged_from_offsets(y, nxt_off).with_values(None)
+
+    def _pool_blocks(self, x: jax.Array, jagged: Jagged) -> jax.Array:
+        """Block-local pooling: x [T, d] -> [NB * pooled, d] in self.dtype.
+
+        Same function and parameters as _pool_packed, in O(NB * pooled * block * d):
+        the `pooled` learned queries are projected once ([k, H, dh]); K/V are projected
+        on the packed tokens and gathered into a per-block padded [NB, block, H, dh]
+        layout; scores, masked softmax and P V run in float32 as the jagged_attention
+        reference does. Row j * pooled + i is block j's query i (nonempty blocks come
+        first, sample after sample); rows of empty trailing blocks are 0.
+        """
+        pool, blk, k_q = self.pool, self.block, self.pooled
+        h, dh = pool.num_heads, pool.head_dim
+        t = x.shape[0]
+        kv_off = block_offsets(jagged.offsets, jagged.capacity, blk)            # [NB+1]
+        nb = kv_off.shape[0] - 1
+        q = pool.q_proj(self.queries[...].astype(self.dtype)).reshape(k_q, h, dh)
+        xs = x.astype(pool.dtype)
+        k = pool.k_proj(xs).reshape(t, h, dh)
+        v = pool.v_proj(xs).reshape(t, h, dh)
+        idx = kv_off[:-1, None] + jnp.arange(blk, dtype=jnp.int32)[None, :]      # [NB, block]
+        filled = idx < kv_off[1:, None]                                          # [NB, block]
+        idx = jnp.clip(jnp.where(filled, idx, 0), 0, max(t - 1, 0))
+        kb = jnp.take(k, idx, axis=0).astype(jnp.float32)                        # [NB, block, H, dh]
+        vb = jnp.take(v, idx, axis=0).astype(jnp.float32)
+        s = jnp.einsum("phd,nkhd->nhpk", q.astype(jnp.float32), kb) * (dh ** -0.5)
+        m = filled[:, None, None, :]
+        s = jnp.where(m, s, -jnp.inf)
+        mx = jnp.max(s, axis=-1, keepdims=True)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        p = jnp.where(m, jnp.exp(s - mx), 0.0)
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        o = jnp.einsum("nhpk,nkhd->nphd", p, vb).astype(q.dtype)                 # [NB, k, H, dh]
+        out = pool.out_proj(o.reshape(nb * k_q, self.dim).astype(pool.dtype))
+        nonempty = jnp.repeat(kv_off[1:] > kv_off[:-1], k_q)                      # [NB * k]
+        return jnp.where(nonempty[:, None], out, 0).astype(pool.dtype)
+
+    def _pool_packed(self, x: jax.Array, jagged: Jagged) -> jax.Array:
+        """The former pooling, kept as the tests' second path: x [T, d] -> [NB * pooled, d].
+
+        Tiles the learned queries over all NB blocks and runs JaggedCrossAttention over
+        the whole packed buffer (O(NB * pooled * T) masked work on the CPU reference).
+        """
         kv_off = block_offsets(jagged.offsets, jagged.capacity, self.block)       # [NB+1]
         nb = kv_off.shape[0] - 1
         nonempty = (kv_off[1:] > kv_off[:-1]).astype(jnp.int32)
         q_off = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                  jnp.cumsum(nonempty * self.pooled)]).astype(jnp.int32)
         q = jnp.tile(self.queries[...].astype(self.dtype), (nb, 1))                # [NB*k, d]
-        y = self.pool(q, q_off, x, kv_off)
-        off = jnp.asarray(jagged.offsets, jnp.int32)
-        nxt = -(-(off[1:] - off[:-1]) // self.block) * self.pooled
-        nxt_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nxt).astype(jnp.int32)])
-        return y, jagged_from_offsets(y, nxt_off).with_values(None)
+        return self.pool(q, q_off, x, kv_off)
 
 
 class PyramidEncoder(nnx.Module):
