@@ -193,7 +193,8 @@ except ImportError:  # pragma: no cover
     _reg = None
 
 
-def test_lowers_to_verified_triton_sm90(monkeypatch):
+@pytest.mark.parametrize("dim", [16, 128])
+def test_lowers_to_verified_triton_sm90(monkeypatch, dim):
     if _reg is None or not hasattr(_reg, "lowering"):
         pytest.skip("JAX internals for the Triton lowering moved")
     lower = _reg.lowering.lower_jaxpr_to_triton_module
@@ -209,7 +210,7 @@ def test_lowers_to_verified_triton_sm90(monkeypatch):
     monkeypatch.setattr(_reg.gpu_info_lib, "get_gpu_info",
                         lambda: types.SimpleNamespace(compute_capability=90))
     # a 1e8-row table: > 4 GiB, so the row offsets must be 64-bit
-    v, d, n = 100_000_000, 128, 5000
+    v, d, n = 100_000_000, dim, 5000
     sds = jax.ShapeDtypeStruct
     fn = lambda w, a, r, s, i, g: row_wise_adagrad_fused(w, a, r, s, i, g, lr=LR, eps=EPS,
                                                           interpret=False)
