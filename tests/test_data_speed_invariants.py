@@ -147,3 +147,19 @@ def test_feeder_errors_name_the_step_shard_and_leaf():
 
     with pytest.raises(ValueError, match=r"step 0: shard 1 leaf .*views.*same shapes"):
         list(Feeder(ragged, _mesh((2,), ("data",)), workers=1).batches(0, 1))
+
+
+@pytest.mark.parametrize("a", [0.8, 1.0, 1.05])
+def test_zipf_ranks_into_int32_out_equals_the_int64_ranks(a):
+    from gemjax.data.synthetic import zipf_ranks
+    ref = zipf_ranks(np.random.default_rng(4), 5000, a, 20_000)
+    out = np.full(20_000, -7, np.int32)
+    got = zipf_ranks(np.random.default_rng(4), 5000, a, 20_000, out=out)
+    assert got is out and ref.dtype == np.int64
+    np.testing.assert_array_equal(out, ref)
+    # float64 reference of the inverse CDF, floored, computed without the in-place path
+    u = np.random.default_rng(4).random(20_000).astype(np.float64)
+    x = np.exp(u * np.log(5001.0)) if a == 1.0 else ((5001.0 ** (1 - a) - 1) * u + 1) ** (1 / (1 - a))
+    np.testing.assert_array_equal(ref, np.clip(np.floor(x) - 1, 0, 4999).astype(np.int64))
+    with pytest.raises(ValueError, match="zipf_ranks: out must be an integer array"):
+        zipf_ranks(np.random.default_rng(4), 5000, a, 10, out=np.zeros(10, np.float32))

@@ -52,11 +52,13 @@ def _multiplier(v: int) -> int:
     return m
 
 
-def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size) -> np.ndarray:
+def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size,
+               out: np.ndarray | None = None) -> np.ndarray:
     """Ranks in [0, vocab) with P(rank r) ~ (r + 1)^-a (continuous inverse CDF, floored).
 
-    int64 array of shape `size`. The arithmetic runs in place on the uniform
-    draws (one float64 buffer, no temporaries).
+    int64 array of shape `size`, or written into `out` (an integer array of that
+    shape, e.g. an int32 slice of a packed buffer) and returned. The arithmetic
+    runs in place on the uniform draws (one float64 buffer, no temporaries).
     """
     x = rng.random(size)
     if abs(a - 1.0) < 1e-9:
@@ -67,7 +69,14 @@ def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size) -> np.ndarr
         x += 1
         x **= 1 / (1 - a)
     np.floor(x, out=x)
-    r = x.astype(np.int64)
+    if out is None:
+        r = x.astype(np.int64)
+    else:
+        if out.shape != x.shape or out.dtype.kind not in "iu":
+            raise ValueError(f"zipf_ranks: out must be an integer array of shape {x.shape}, got "
+                             f"{out.dtype} {out.shape}")
+        r = out
+        np.copyto(r, x, casting="unsafe")                 # exact: integral values < vocab + 2
     r -= 1
     return np.clip(r, 0, vocab - 1, out=r)
 
@@ -142,11 +151,12 @@ class SyntheticStream:
         ks = np.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D], np.int64)
         return ((user[:, None] * ks[None, :] + (user[:, None] >> 7)) % 2_147_483_647) % c
 
-    def _items_of(self, rng, cats: np.ndarray) -> np.ndarray:
-        """int64 item ids: category + num_categories * Zipf rank within the category."""
+    def _items_of(self, rng, cats: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Item ids: category + num_categories * Zipf rank within the category (int64, or
+        written into the integer array `out`)."""
         c = self.cfg
         per_cat = c.vocab_item // c.num_categories
-        items = zipf_ranks(rng, per_cat, c.zipf, cats.shape)
+        items = zipf_ranks(rng, per_cat, c.zipf, cats.shape, out=out)
         items *= c.num_categories
         items += cats
         return items
@@ -180,7 +190,8 @@ class SyntheticStream:
         cats = rng.integers(0, c.num_categories, total)
         np.copyto(cats, fav.ravel().astype(np.int32).take(fav_slot), where=use_fav)
         del fav_slot, use_fav
-        items = self._items_of(rng, cats)
+        item_buf = np.zeros(capacity, np.int32) if fits else np.empty(total, np.int32)
+        self._items_of(rng, cats, out=item_buf[:total])   # written in place when the batch fits
         events = rng.integers(0, c.num_event_types, total)
         ends = np.cumsum(lengths)                         # offsets[1:] of the uncut sequence
         # the teacher's recency window: tokens [end - min(L, recent), end) of each sample
@@ -194,7 +205,7 @@ class SyntheticStream:
         cats_r = cats[idx_r]
         n_cut = 0
         if fits:
-            fields = (("item", items), ("cat", cats), ("event", events))
+            fields = (("cat", cats), ("event", events))
         else:
             # packed batch must fit `capacity`: cut the longest sequences (oldest events first)
             lo, hi = 0, int(lengths.max())
@@ -209,8 +220,11 @@ class SyntheticStream:
             pos_from_end = ends[seg] - 1 - np.arange(total)
             keep = pos_from_end < cut[seg]
             off, seg_ids, posn = layout_from_lengths(cut, capacity)
-            fields = (("item", items[keep]), ("cat", cats[keep]), ("event", events[keep]))
-        vals = {}
+            fields = (("cat", cats[keep]), ("event", events[keep]))
+            items = item_buf[keep]
+            item_buf = np.zeros(capacity, np.int32)
+            item_buf[:items.shape[0]] = items
+        vals = {"item": item_buf}
         for f, v in fields:
             buf = np.zeros(capacity, np.int32)            # calloc: the padding tail is never touched
             buf[:v.shape[0]] = v
