@@ -121,10 +121,13 @@ def regroup(make_shard: Callable[[int, int, int], tuple[Batch, Any]], source_sha
 class Feeder:
     """Global batches for `step` on `mesh`, from `make_shard(step, shard, num_shards)`.
 
-    make_shard returns (Batch of numpy arrays, info); info objects are kept in
-    `last_infos` (for counters such as truncations). axis: the mesh axes the
-    batch is sharded over (default: all, in mesh order); they must cover the
-    whole mesh, so every device holds its own shard.
+    make_shard returns (Batch of numpy arrays, info); `batches` yields the info
+    objects of each step (for counters such as truncations). axis: the mesh axes
+    the batch is sharded over (default: all, in mesh order); they must cover the
+    whole mesh, so every device holds its own shard. make_shard must be thread
+    safe: `workers` threads (data.host_workers in the trainer) build, validate
+    and device_put (step, shard) pieces, up to max(prefetch, workers) steps
+    ahead of the consumer; every piece of a step must have the same shapes.
     """
 
     def __init__(self, make_shard: Callable[[int, int, int], tuple[Batch, Any]], mesh: Mesh,
