@@ -108,9 +108,8 @@ def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray]) -> list[Att
             for j in range(layers):
                 add("pyramid", f"{s}.level{li}.attn{j}", "block", lengths, lengths, b)
             if pooled is not None:
-                runs = [np.minimum(b, np.maximum(n - b * np.arange(-(-n // b)), 0)) for n in lengths]
-                kv = np.concatenate(runs) if runs else np.zeros(0, np.int64)
-                add("pyramid", f"{s}.level{li}.pool", "softmax", np.full(kv.shape, pooled), kv)
+                # the per-block pooling is a plain einsum (gemjax.layers.pyramid._pool_blocks):
+                # XLA counts it, so it is no kernel call here
                 lengths = -(-lengths // b) * pooled
         top.append(lengths)
     merged = np.sum(top, axis=0)
