@@ -4,7 +4,8 @@
     ckpt.save(step, state, meta)          # returns once arrays are on the host; the
                                           # write continues in the background
     ckpt.latest_step() -> int | None      # newest finished checkpoint
-    step, state, meta = ckpt.restore(target)    # newest (or step=...)
+    step, state, meta = ckpt.restore(target)    # newest (or step=..., resizable=...)
+    step, meta = ckpt.metadata()                # meta alone, no arrays read
     ckpt.wait(); ckpt.close()             # or `with Checkpointer(...) as ckpt:`
 
 What a state may hold: any pytree (nested dicts, lists, tuples, optax namedtuple
@@ -27,8 +28,10 @@ Restoring: `target` is a pytree of the same structure whose leaves are
 concrete arrays (their shape, dtype and sharding are used), numpy arrays or
 python scalars. Arrays are restored directly onto the target shardings, so a
 checkpoint written on one mesh restores onto any other mesh (e.g. 8 devices
-to 4). The target's structure (the pytree containers, e.g. optax namedtuples)
-is what comes back. A missing or unexpected leaf, or a shape or kind mismatch,
+to 4); leaves under `resizable` paths may also differ in their leading
+dimension (zero padded or truncated), as embedding tables saved in logical row
+order need (gemjax.train.loop). The target's structure (the pytree containers,
+e.g. optax namedtuples) is what comes back. A missing or unexpected leaf, or a shape or kind mismatch,
 raises ValueError listing the offending paths before anything is read.
 
 Crash safety: orbax writes each step into a temporary directory and renames it
@@ -188,8 +191,7 @@ class Checkpointer:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
-    def restore(self, target, step: int | None = None):
-        """(step, state, meta) of `step` (default: latest), laid out like `target`."""
+    def _resolve_step(self, step: int | None) -> int:
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -197,16 +199,35 @@ class Checkpointer:
         elif int(step) not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} "
                                     f"(have {self.all_steps()})")
-        step = int(step)
+        return int(step)
+
+    def metadata(self, step: int | None = None) -> tuple[int, dict]:
+        """(step, meta) of `step` (default: latest) without reading any array."""
+        step = self._resolve_step(step)
+        return step, self._manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def restore(self, target, step: int | None = None, *, resizable: tuple[str, ...] = ()):
+        """(step, state, meta) of `step` (default: latest), laid out like `target`.
+
+        resizable: key-path prefixes (e.g. ("tables",)) of array leaves whose leading
+        dimension may differ from the saved one: rows past the saved length come back
+        zero, saved rows past the target length are dropped (row-padded arrays such
+        as logical-order embedding tables restored onto another mesh). Every other
+        dimension must still match.
+        """
+        step = self._resolve_step(step)
         layout = self._manager.restore(
             step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
         saved = layout["leaves"]
         paths, leaves, treedef = _flatten(target)
-        self._check_target(step, saved, paths, leaves)
+        resized = self._check_target(step, saved, paths, leaves, tuple(resizable))
 
         abstract = [_key_data_target(x) if _is_key(x) else _array_target(x) for x in leaves]
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_nest(paths, abstract)),
+            # strict=False lets orbax pad / truncate; _check_target allowed that only
+            # on the leading dim of resizable leaves
+            state=ocp.args.StandardRestore(_nest(paths, abstract), strict=not resized),
             meta=ocp.args.JsonRestore(),
         ))
         values = _unnest(restored["state"], paths)
@@ -219,8 +240,11 @@ class Checkpointer:
             out.append(value)
         return step, jax.tree_util.tree_unflatten(treedef, out), restored["meta"]
 
-    def _check_target(self, step: int, saved: dict, paths: list[str], leaves: list[Any]) -> None:
+    def _check_target(self, step: int, saved: dict, paths: list[str], leaves: list[Any],
+                      resizable: tuple[str, ...] = ()) -> bool:
+        """Raise on any mismatch; True if a resizable leaf's leading dim differs."""
         wanted = dict(zip(paths, leaves))
+        resized = False
         missing = sorted(set(wanted) - set(saved))
         unexpected = sorted(set(saved) - set(wanted))
         problems = []
@@ -234,6 +258,11 @@ class Checkpointer:
             want, have = _describe(wanted[path]), saved[path]
             if want["kind"] != have["kind"] and {want["kind"], have["kind"]} != {"scalar", "array"}:
                 problems.append(f"{path}: checkpoint holds a {have['kind']}, target a {want['kind']}")
+            elif (want["kind"] == have["kind"] == "array" and want["shape"] != have["shape"]
+                  and any(path == r or path.startswith(r + "/") for r in resizable)
+                  and len(want["shape"]) == len(have["shape"]) >= 1
+                  and want["shape"][1:] == have["shape"][1:]):
+                resized = True
             elif want["kind"] != "scalar" and have["kind"] != "scalar" and \
                     want["shape"] != have["shape"]:
                 problems.append(f"{path}: checkpoint shape {tuple(have['shape'])}, "
@@ -244,6 +273,7 @@ class Checkpointer:
         if problems:
             raise ValueError(f"restore target does not match checkpoint step {step} in "
                              f"{self.directory}:\n  " + "\n  ".join(problems))
+        return resized
 
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
