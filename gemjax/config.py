@@ -33,7 +33,7 @@ class DataConfig:
     recent: int = 32                 # the teacher's recency window over sequences
     capacity_slack: float = 1.3      # packed capacity = slack * expected tokens per batch
     eval_batches: int = 16
-    host_workers: int = 1            # threads building host batches ahead of the device
+    host_workers: int = 1            # Feeder threads: each builds, checks and device_puts (step, shard) pieces
     # planted teacher strengths (logit units)
     first_order: float = 0.4         # segment and context biases
     item_bias: float = 0.0           # per-item biases (many rare ids: slow to learn)
