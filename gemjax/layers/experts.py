@@ -45,13 +45,37 @@ rounding of C_local can also keep a few more). Drops are counted per device in
 aux["dropped_fraction"] (the same per-shard routing as the non-EP path under
 shard_map, so EP and gathered experts give identical outputs and drops).
 
-aux (all f32 scalars except expert_load; under shard_map each device's own):
+aux (all f32 scalars except expert_load):
   load_balance_loss  E * sum_e f_e P_e  (Switch Transformer, top-k form):
                      f_e = share of the B k assignments routed to e, P_e = mean
                      router prob of e; 1.0 when perfectly balanced.
   router_z_loss      mean(logsumexp(logits)^2), keeps router logits small.
   dropped_fraction   dropped assignments / (B k).
   expert_load        [E] f_e.
+
+Global figures under a sharded batch. Inside `jax.shard_map` the layer sees only
+this device's B_local samples, and f_e P_e summed per shard is not the global
+loss (a product of means is not a mean of products). A caller that runs the
+model per batch shard says over which manual mesh axes the batch is split:
+
+    with sharded_batch(("replica", "fsdp", "expert")):   # the trainer: every mesh axis
+        y, aux = experts(x)
+
+and route_top_k psums its per-shard sums (assignment counts [E], router prob sums
+[E], sum of logsumexp^2, kept assignments) over those axes and divides by the
+global counts (B = N B_local, N the product of the axes' sizes), so every aux
+figure equals the one-device value on the whole batch, identical on each shard.
+The routing itself (top-k, capacity queues, drops) stays per shard: drops depend
+on C_local = expert_capacity(B_local) exactly as described above (none with
+capacity_factor None, the default). Without the context aux is the shard's own.
+
+Gradient of a global aux. With the trainer's shard_map(check_vma=False) the
+transpose of psum is psum: a cotangent c placed on the global aux on each of the
+N shards reaches every shard's local sums as N c. A caller that adds coef * aux
+to its loss on every shard (models.interformer.attach_aux_loss) must therefore
+weight it by `aux_loss_scale(local)` = 1/N, so the parameters get d(coef * aux)
+once in total (under check_vma=True the batch axes are typed as varying, psum
+transposes to pvary, and the scale is 1).
 """
 
 from __future__ import annotations
@@ -72,6 +96,16 @@ from gemjax.parallel.rules import with_logical_constraint
 _EXPERT_AXIS = {nnx.PARTITION_NAME: "expert"}
 _EP_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "gemjax_expert_parallel_axes", default=None)
+_BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "gemjax_sharded_batch_axes", default=None)
+
+
+def _axis_tuple(axis_name, who: str) -> tuple[str, ...]:
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise ValueError(f"{who}: axis_name must be a mesh axis name or a tuple of them, "
+                         f"got {axis_name!r}")
+    return axes
 
 
 @contextlib.contextmanager
@@ -82,10 +116,7 @@ def expert_parallel(axis_name: str | Sequence[str]) -> Iterator[tuple[str, ...]]
     ep, device order row-major as in a PartitionSpec). Expert params must be the
     local shard [E/ep, ...] of that axis. See the module docstring.
     """
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if not axes or not all(isinstance(a, str) for a in axes):
-        raise ValueError(f"expert_parallel: axis_name must be a mesh axis name or a tuple of "
-                         f"them, got {axis_name!r}")
+    axes = _axis_tuple(axis_name, "expert_parallel")
     token = _EP_AXES.set(axes)
     try:
         yield axes
@@ -98,18 +129,63 @@ def active_expert_axes() -> tuple[str, ...] | None:
     return _EP_AXES.get()
 
 
-def _ep_size(axes: tuple[str, ...]) -> int:
-    """ep = product of `axes`' sizes; they must be manual axes of the current shard_map."""
+@contextlib.contextmanager
+def sharded_batch(axis_name: str | Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """While tracing inside, the router's aux figures are global over mesh axes `axis_name`.
+
+    axis_name: the manual (shard_map) mesh axes the batch is split over, or one of
+    them; each device holds an equal B_local share. See the module docstring.
+    """
+    axes = _axis_tuple(axis_name, "sharded_batch")
+    token = _BATCH_AXES.set(axes)
+    try:
+        yield axes
+    finally:
+        _BATCH_AXES.reset(token)
+
+
+def active_batch_axes() -> tuple[str, ...] | None:
+    """The axes set by the innermost `sharded_batch` context, or None."""
+    return _BATCH_AXES.get()
+
+
+def _manual_axes_size(axes: tuple[str, ...], who: str) -> int:
+    """Product of `axes`' sizes; they must be manual axes of the current shard_map."""
     mesh = jax.sharding.get_abstract_mesh()
     names = () if mesh is None or mesh.empty else mesh.axis_names
     manual = {n for n, t in zip(names, () if mesh is None or mesh.empty else mesh.axis_types)
               if t == jax.sharding.AxisType.Manual}
     missing = [a for a in axes if a not in manual]
     if missing:
-        raise ValueError(f"expert_parallel({axes}): axes {missing} are not manual axes of an "
-                         f"enclosing jax.shard_map (mesh axes {names}); EP runs only inside "
+        raise ValueError(f"{who}({axes}): axes {missing} are not manual axes of an "
+                         f"enclosing jax.shard_map (mesh axes {names}); it works only inside "
                          f"shard_map")
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def _ep_size(axes: tuple[str, ...]) -> int:
+    """ep = product of `axes`' sizes; they must be manual axes of the current shard_map."""
+    return _manual_axes_size(axes, "expert_parallel")
+
+
+def aux_loss_scale(local: jax.Array) -> float:
+    """Per-shard weight of a global aux loss whose gradient every shard injects.
+
+    1.0 without a `sharded_batch` context. Inside one, 1 / (product of the sizes of
+    the batch axes along which psum transposes to psum): the axes `local` (any
+    per-shard array of this shard_map, e.g. the logits) is not typed as varying
+    along, i.e. all of them under check_vma=False (the trainer), none under
+    check_vma=True. See "Gradient of a global aux" in the module docstring.
+    """
+    axes = active_batch_axes()
+    if not axes:
+        return 1.0
+    _manual_axes_size(axes, "sharded_batch")
+    mat = getattr(jax.typeof(local), "manual_axis_type", None)
+    varying = getattr(mat, "varying", frozenset()) or frozenset()
+    summed = tuple(a for a in axes if a not in varying)
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1.0 / math.prod(mesh.shape[a] for a in summed)
 
 
 def _constrain(x: jax.Array, names) -> jax.Array:
@@ -132,13 +208,22 @@ def expert_capacity(batch: int, num_experts: int, top_k: int,
     return max(1, min(batch, math.ceil(capacity_factor * top_k * batch / num_experts)))
 
 
-def route_top_k(logits: jax.Array, top_k: int, capacity: int):
+def route_top_k(logits: jax.Array, top_k: int, capacity: int,
+                batch_axes: Sequence[str] = ()):
     """Top-k routing with per-expert capacity.
 
     logits [B, E] -> (dispatch_index [E, C] int32 sample ids (B = empty slot),
     combine [E, C] f32 gates, aux dict). Pure function; see the module docstring.
+    batch_axes: manual shard_map axes the batch is split over (logits is this
+    shard's [B_local, E]); aux is then the global figures (psum over them).
     """
     b, e = logits.shape
+    batch_axes = tuple(batch_axes)
+    n_shards = _manual_axes_size(batch_axes, "sharded_batch") if batch_axes else 1
+
+    def total(x):                                     # sum over the batch shards
+        return jax.lax.psum(x, batch_axes) if batch_axes else x
+
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     top_p, top_i = jax.lax.top_k(probs, top_k)                            # [B, k]
@@ -154,11 +239,15 @@ def route_top_k(logits: jax.Array, top_k: int, capacity: int):
     index = jnp.full((e, capacity + 1), b, jnp.int32).at[cols, slot].set(rows)[:, :capacity]
     combine = jnp.zeros((e, capacity + 1), jnp.float32).at[cols, slot].set(
         jnp.where(keep, gate_be, 0.0))[:, :capacity]
-    load = jnp.sum(sel, axis=0).astype(jnp.float32) / (b * top_k)
+    b_all = b * n_shards                                                  # global batch
+    load = total(jnp.sum(sel, axis=0)).astype(jnp.float32) / (b_all * top_k)   # f_e [E]
+    mean_prob = total(jnp.sum(probs, axis=0)) / b_all                     # P_e [E]
+    z_sum = total(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2))
+    kept = total(jnp.sum(keep, dtype=jnp.int32)).astype(jnp.float32)
     aux = {
-        "load_balance_loss": e * jnp.sum(load * jnp.mean(probs, axis=0)),
-        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-        "dropped_fraction": 1.0 - jnp.sum(keep) / (b * top_k),
+        "load_balance_loss": e * jnp.sum(load * mean_prob),
+        "router_z_loss": z_sum / b_all,
+        "dropped_fraction": 1.0 - kept / (b_all * top_k),
         "expert_load": load,
     }
     return index, combine, aux
@@ -210,7 +299,7 @@ class WukongExperts(nnx.Module):
         b = x.shape[0]
         cap = expert_capacity(b, self.num_experts, self.top_k, self.capacity_factor)
         logits = self.router(x.reshape(b, -1).astype(jnp.float32))
-        index, combine, aux = route_top_k(logits, self.top_k, cap)
+        index, combine, aux = route_top_k(logits, self.top_k, cap, active_batch_axes() or ())
         xpad = jnp.concatenate([x.astype(self.dtype), jnp.zeros((1,) + x.shape[1:], self.dtype)])
         xin = _constrain(jnp.take(xpad, index, axis=0),                    # [E, C, n, d]
                          ("expert", "batch", None, None))

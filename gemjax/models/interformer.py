@@ -16,8 +16,13 @@ Tokens per sample, each [D]:
 Experts' router losses: the trainer's loss only sees logits, so the weighted
 load-balancing loss is attached to the logits by `attach_aux_loss` (identity in
 the forward pass; in the backward pass it adds d(coef * aux)/d(params)), i.e. the
-parameters get the gradient of loss + coef * aux. Under shard_map each shard
-adds its own, so the effective weight is coef x (number of shards).
+parameters get the gradient of loss + coef * aux. Under the trainer's shard_map
+the model runs per batch shard inside `experts.sharded_batch(axes)`, so aux is the
+global-batch figure (psum of per-shard sums, the same on every shard) and every
+shard attaches it with weight coef * experts.aux_loss_scale(logits) = coef / N:
+shard_map's backward (check_vma=False) transposes the psum into a psum over the N
+shards, so the total gradient is d(coef * aux_global) exactly once, the one-device
+gradient (tests/test_sharded_aux_loss.py).
 
 Teacher hyper-parameters are config.ModelConfig fields (TEACHER_FIELDS); the Sequence
 Arch self-attention kind is model.attention ("block" | "softmax" | "gdpa").
@@ -33,6 +38,7 @@ from gemjax.config import ModelConfig
 from gemjax.data.batch import Batch
 from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
 from gemjax.layers.axes import linear
+from gemjax.layers.experts import aux_loss_scale
 from gemjax.layers.heads import MultiDomainHead
 from gemjax.layers.interformer import InterFormer
 from gemjax.layers.pyramid import ParallelPyramid
@@ -115,5 +121,6 @@ class GEMTeacher(nnx.Module):
         summary, aux = self.interformer(x, seq, jag)
         logits = self.head(summary.reshape(b, -1), batch.surface)
         if "load_balance_loss" in aux and self.lb_coef:
-            logits = attach_aux_loss(logits, aux["load_balance_loss"], self.lb_coef)
+            logits = attach_aux_loss(logits, aux["load_balance_loss"],
+                                     self.lb_coef * aux_loss_scale(logits))
         return logits

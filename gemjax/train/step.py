@@ -25,6 +25,9 @@ Layout (DESIGN 3.3), for a mesh such as replica=2,fsdp=2,expert=2:
            back per owner (reduce-scattered over fsdp, summed over replica by
            shard_map's transpose, never summed over the EP axes). Off with
            `Trainer.expert_parallel = False` (every device then runs all experts).
+  router   the forward runs under `experts.sharded_batch(batch axes)`: the experts'
+  aux      aux (load-balancing loss, z-loss, drops, load) are global-batch figures
+           and their gradient is added once, as on one device (experts.py).
   tables   `EmbeddingCollection(specs, mesh, replica_axes=table_replica_axes)`:
            row-wise over the other (model-parallel) axes, replicated ("2d") or
            sharded ("fs2d") over the replica axes, per the sparse planner.
@@ -48,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gemjax.config import Config
 from gemjax.data.batch import Batch, id_features
 from gemjax.layers.experts import expert_parallel as expert_parallel_context
+from gemjax.layers.experts import sharded_batch
 from gemjax.models.gem import build_model, sequence_id_fields, table_specs
 from gemjax.parallel import rules as rules_lib
 from gemjax.sparse import EmbeddingCollection
@@ -212,7 +216,7 @@ class Trainer:
         def local(params, acts, batch):
             full = jax.tree.map(gather_param, params, p_specs, local_dims)
             ctx = expert_parallel_context(ep_axes) if ep_axes else contextlib.nullcontext()
-            with ctx:
+            with ctx, sharded_batch(axes):    # router aux over the global batch
                 logits = nnx.merge(graphdef, full)(acts, batch)
             sums = masked_bce_sums(logits, batch)
             return jax.tree.map(lambda s: jax.lax.psum(s, axes), sums), logits
