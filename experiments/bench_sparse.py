@@ -32,8 +32,6 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
 The pieces (dedup, dupsum, update) run on all N rows whatever the variant's buckets;
 the *_pallas variants without buckets add "fused" rows: the fused kernel alone over the
 N sorted ids (replacing dupsum + update), once per --fused_sweep setting.
-update_impl is not an EmbeddingCollection option yet: the bench passes it by wrapping
-routing.update_unique_bucketed / update_rows while the variant's programs trace.
 
 Ids: Zipf(--zipf) over [0, vocab) (truncated by resampling), scattered over the
 table by a multiplicative hash, N = batch * ids_per_sample per step, U = the
@@ -55,7 +53,6 @@ The table (last) lists every row; the JSON (--out) holds the rows and flags.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
@@ -102,19 +99,6 @@ VARIANTS = {"scatter": dict(dedup="scatter", unique_buckets=()),
             "sort_buckets_bf16": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16),
             "sort_buckets_pallas": dict(dedup="sort", unique_buckets=BUCKETS, update_impl="pallas"),
             "sort_pallas": dict(dedup="sort", unique_buckets=(1.0,), update_impl="pallas")}
-
-
-@contextlib.contextmanager
-def routing_update_impl(impl):
-    """Trace EmbeddingCollection programs with routing's update_impl set to `impl`."""
-    saved = routing.update_unique_bucketed, routing.update_rows
-    if impl != "xla":
-        routing.update_unique_bucketed = functools.partial(saved[0], update_impl=impl)
-        routing.update_rows = functools.partial(saved[1], update_impl=impl)
-    try:
-        yield
-    finally:
-        routing.update_unique_bucketed, routing.update_rows = saved
 
 
 def zipf_ids(rng, n, vocab, a):
@@ -184,8 +168,7 @@ def make_coll(vocab, mesh, variant):
     spec = TableSpec("t", vocab, FLAGS.dim, features=("f",), pooling=pooling,
                      optimizer=RowWiseAdagrad(lr=0.01), bounds="clamp")
     plan = TablePlan("row_wise", "mod", tuple(mesh.axis_names), (), FLAGS.capacity_factor)
-    kw = {k: v for k, v in VARIANTS[variant].items() if k != "update_impl"}
-    return EmbeddingCollection([spec], plan, mesh, **kw)
+    return EmbeddingCollection([spec], plan, mesh, **VARIANTS[variant])
 
 
 def bench_variant(coll, state, batches, steps):
@@ -338,8 +321,7 @@ def main(_):
     for v in FLAGS.variants:
         coll = make_coll(FLAGS.vocab, mesh, v)
         t0 = time.perf_counter()
-        with routing_update_impl(VARIANTS[v].get("update_impl", "xla")):
-            state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps)
+        state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps)
         extra = {"overflow": over, "finite": finite, "wall_s": time.perf_counter() - t0}
         for kind in ("step", "lookup", "apply"):
             record(kind, v, FLAGS.vocab, ts[kind], ids, extra if kind == "step" else None)
