@@ -10,6 +10,8 @@
 #   sparse_mgpu  gpu-marked sparse tests over all GPUs + bench sharded over them (~3)
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7)
 #   movielens    MovieLens-1M with the defaults (~4)
+#   teacher_small  the `small` teacher (the ablation's model) on one device: step time and
+#                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000) and ABLATE_OVERRIDE (e.g. data.batch_size=1024) scale it. Slow: on
@@ -49,6 +51,10 @@ for s in "$@"; do
     sweep)
         section sweep_mesh 540 $PY experiments/sweep_mesh.py --config=h200 \
             --override=model.kind=teacher,model.num_experts=4,model.top_k=2 --workdir="$OUT/sweep" ;;
+    teacher_small)
+        section teacher_small 240 $PY experiments/sweep_mesh.py --config=small \
+            --override=model.kind=teacher,model.num_experts=4,model.attention=block \
+            --shapes="replica=1" --workdir="$OUT/teacher_small" ;;
     feed)
         section feed 120 $PY experiments/bench_feed.py --config=h200 --workers=1,2,4,8 --step_ms=190 \
             --out="$OUT/bench_feed.json" ;;
@@ -66,6 +72,6 @@ for s in "$@"; do
         section ablate_table 120 $PY experiments/ablate.py --config=small --steps=${ABLATE_STEPS:-2000} \
             --override="${ABLATE_OVERRIDE:-}" --seeds=0,1,2 --workdir="$OUT/ablate" ;;
     *)
-        echo "unknown section $s (kernels sparse sparse_mgpu sweep feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
     esac
 done
