@@ -19,7 +19,6 @@ Run on a GPU machine: `python -m pytest -m gpu tests/test_sparse_gpu.py`.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +26,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gemjax.sparse import Adagrad, EmbeddingCollection, LazyAdam, RowWiseAdagrad, TableSpec, routing
-import test_sparse_reference as ref
+from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TableSpec, routing
 import test_sparse_sharded as sharded
 
 pytestmark = pytest.mark.gpu
@@ -87,12 +85,7 @@ def test_2d_plans_sgd_exact(plan, dedup):
 
 
 @needs_2
-@pytest.mark.parametrize("plan,opt,update", [
-    ("row_wise_mod", RowWiseAdagrad(lr=0.1, eps=1e-6),
-     functools.partial(ref.rowwise_adagrad, lr=0.1, eps=1e-6)),
-    ("fs2d", Adagrad(lr=0.1, eps=1e-6), functools.partial(ref.adagrad, lr=0.1, eps=1e-6)),
-    ("2d", LazyAdam(lr=0.01), functools.partial(ref.lazy_adam, lr=0.01, b1=0.9, b2=0.999, eps=1e-8)),
-])
+@pytest.mark.parametrize("plan,opt,update", sharded.OPTIMIZER_CASES)
 def test_optimizers_match_reference(plan, opt, update):
     for mesh in meshes_2d():
         sharded.run_case(mesh, plan, ("replica",), opt, update, exact=False)

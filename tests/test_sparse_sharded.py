@@ -248,12 +248,16 @@ def test_batch_copies_along_a_non_batch_axis_count_once():
     run_case(mesh, "row_wise", (), *SGD_EXACT, exact=True, batch_axes=("replica",))
 
 
-@pytest.mark.parametrize("plan,opt,update", [
+# (plan, optimizer, numpy reference update): also run on real GPUs by tests/test_sparse_gpu.py
+OPTIMIZER_CASES = [
     ("row_wise_mod", RowWiseAdagrad(lr=0.1, eps=1e-6),
      functools.partial(ref.rowwise_adagrad, lr=0.1, eps=1e-6)),
     ("fs2d", Adagrad(lr=0.1, eps=1e-6), functools.partial(ref.adagrad, lr=0.1, eps=1e-6)),
     ("2d", LazyAdam(lr=0.01), functools.partial(ref.lazy_adam, lr=0.01, b1=0.9, b2=0.999, eps=1e-8)),
-])
+]
+
+
+@pytest.mark.parametrize("plan,opt,update", OPTIMIZER_CASES)
 def test_optimizers_match_reference(plan, opt, update):
     mesh = mesh_of((2, 4), ("replica", "model"))
     run_case(mesh, plan, ("replica",), opt, update, exact=False)

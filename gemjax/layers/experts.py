@@ -109,19 +109,24 @@ def _axis_tuple(axis_name, who: str) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def expert_parallel(axis_name: str | Sequence[str]) -> Iterator[tuple[str, ...]]:
+def _axes_context(var: contextvars.ContextVar, axis_name, who: str) -> Iterator[tuple[str, ...]]:
+    """Set `var` to the axis tuple while inside; restores the outer value on exit."""
+    axes = _axis_tuple(axis_name, who)
+    token = var.set(axes)
+    try:
+        yield axes
+    finally:
+        var.reset(token)
+
+
+def expert_parallel(axis_name: str | Sequence[str]) -> contextlib.AbstractContextManager[tuple[str, ...]]:
     """While tracing inside, WukongExperts exchange tokens over mesh axis `axis_name`.
 
     axis_name: a manual (shard_map) mesh axis, or a tuple of them (their product is
     ep, device order row-major as in a PartitionSpec). Expert params must be the
     local shard [E/ep, ...] of that axis. See the module docstring.
     """
-    axes = _axis_tuple(axis_name, "expert_parallel")
-    token = _EP_AXES.set(axes)
-    try:
-        yield axes
-    finally:
-        _EP_AXES.reset(token)
+    return _axes_context(_EP_AXES, axis_name, "expert_parallel")
 
 
 def active_expert_axes() -> tuple[str, ...] | None:
@@ -129,19 +134,13 @@ def active_expert_axes() -> tuple[str, ...] | None:
     return _EP_AXES.get()
 
 
-@contextlib.contextmanager
-def sharded_batch(axis_name: str | Sequence[str]) -> Iterator[tuple[str, ...]]:
+def sharded_batch(axis_name: str | Sequence[str]) -> contextlib.AbstractContextManager[tuple[str, ...]]:
     """While tracing inside, the router's aux figures are global over mesh axes `axis_name`.
 
     axis_name: the manual (shard_map) mesh axes the batch is split over, or one of
     them; each device holds an equal B_local share. See the module docstring.
     """
-    axes = _axis_tuple(axis_name, "sharded_batch")
-    token = _BATCH_AXES.set(axes)
-    try:
-        yield axes
-    finally:
-        _BATCH_AXES.reset(token)
+    return _axes_context(_BATCH_AXES, axis_name, "sharded_batch")
 
 
 def active_batch_axes() -> tuple[str, ...] | None:
