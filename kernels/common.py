@@ -186,6 +186,15 @@ def pow2_at_least(n, lo):
     return n >= lo and n & (n - 1) == 0
 
 
+def default_impl(op, head_dim, backend=None):
+    """impl=None's choice for `op`: "pallas" on GPU when the Triton tiles fit the head
+    dim (D a power of 2 >= 16; D/2 for "block_attention", whose RoPE works on halves),
+    else "reference". backend: default jax.default_backend()."""
+    d = head_dim // 2 if op == "block_attention" else head_dim
+    gpu = (backend or jax.default_backend()) == "gpu"
+    return "pallas" if gpu and pow2_at_least(d, 16) else "reference"
+
+
 def check_impl(op, impl):
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")

@@ -43,6 +43,7 @@ from flax import nnx
 from gemjax.config import Config
 from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
 from gemjax.train import mfu
+from kernels.common import default_impl
 
 # --------------------------------------------------------------------------- attention calls
 
@@ -71,14 +72,13 @@ class AttentionCall:
                                    head_dim=self.head_dim, block=self.block_size)
 
 
-def runs_in_pallas(op: str, head_dim: int, backend: str | None = None) -> bool:
-    """Whether kernels/ picks its Pallas kernel for ``op`` (impl=None) on ``backend``.
+_KERNEL_OPS = {"gdpa": "gdpa", "softmax": "jagged_attention", "block": "block_attention"}
 
-    Mirrors the ops' rule: GPU only, head dim a multiple of 32 for block_attention,
-    of 16 for gdpa and jagged_attention.
-    """
-    backend = backend or jax.default_backend()
-    return backend == "gpu" and head_dim % (32 if op == "block" else 16) == 0
+
+def runs_in_pallas(op: str, head_dim: int, backend: str | None = None) -> bool:
+    """Whether kernels/ picks its Pallas kernel for ``op`` (impl=None) on ``backend``
+    (the ops' own rule, kernels.common.default_impl)."""
+    return default_impl(_KERNEL_OPS[op], head_dim, backend) == "pallas"
 
 
 def _hp(cfg: Config, name: str):

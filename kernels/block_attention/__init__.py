@@ -3,10 +3,9 @@
 Exact semantics in kernels/block_attention/reference.py.
 """
 
-import jax
 import jax.numpy as jnp
 
-from kernels.common import check_attention_inputs, check_impl, pow2_at_least
+from kernels.common import check_attention_inputs, check_impl, default_impl
 from kernels.block_attention.reference import (block_attention_reference,
                                                block_attention_reference_dense)
 
@@ -37,8 +36,7 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
             raise ValueError(f"block_attention: positions must be int [T={q.shape[0]}], got "
                              f"{positions.dtype}{list(positions.shape)}")
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
-        fits = pow2_at_least(q.shape[-1] // 2, 16)  # Triton blocks: D/2 a power of 2
-        impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
+        impl = default_impl("block_attention", q.shape[-1])
     if impl == "reference":
         return block_attention_reference(q, k, v, offsets, block=block, positions=positions,
                                          rope_theta=rope_theta, sm_scale=sm_scale)

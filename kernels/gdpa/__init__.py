@@ -1,8 +1,6 @@
 """gdpa: generalized dot-product attention over jagged tokens."""
 
-import jax
-
-from kernels.common import check_attention_inputs, check_impl, check_mask_args, pow2_at_least
+from kernels.common import check_attention_inputs, check_impl, check_mask_args, default_impl
 from kernels.gdpa.reference import ACTIVATIONS, gdpa_reference, gdpa_reference_dense
 
 __all__ = ["ACTIVATIONS", "gdpa", "gdpa_reference", "gdpa_reference_dense"]
@@ -23,8 +21,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
     if activation not in ACTIVATIONS:
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
-        fits = pow2_at_least(q.shape[-1], 16)  # Triton blocks: D a power of 2
-        impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
+        impl = default_impl("gdpa", q.shape[-1])
     if impl == "reference":
         return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,
                               scale=scale, causal=causal, window=window)

@@ -1,8 +1,6 @@
 """jagged_attention: softmax attention over jagged tokens (flash-style on GPU)."""
 
-import jax
-
-from kernels.common import check_attention_inputs, check_impl, check_mask_args, pow2_at_least
+from kernels.common import check_attention_inputs, check_impl, check_mask_args, default_impl
 from kernels.jagged_attention.reference import (jagged_attention_reference,
                                                 jagged_attention_reference_dense)
 
@@ -22,8 +20,7 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
     check_attention_inputs("jagged_attention", q, k, v, q_offsets, kv_offsets)
     check_mask_args("jagged_attention", causal, window)
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
-        fits = pow2_at_least(q.shape[-1], 16)  # Triton blocks: D a power of 2
-        impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
+        impl = default_impl("jagged_attention", q.shape[-1])
     if impl == "reference":
         return jagged_attention_reference(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
                                           causal=causal, window=window)
