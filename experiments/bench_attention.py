@@ -15,7 +15,6 @@ forward), skips what is left once its share of --sweep_budget_s has passed, and 
 best per workload and op before the main table.
 """
 
-import itertools
 import json
 import time
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -114,9 +114,8 @@ def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray]) -> list[Att
         top.append(lengths)
     merged = np.sum(top, axis=0)
     b_samples = merged.shape[0]
-    c, p, r = (_hp(cfg, k) for k in ("cls_tokens", "pma_tokens", "recent_tokens"))
+    c, p = _hp(cfg, "cls_tokens"), _hp(cfg, "pma_tokens")
     msum = _hp(cfg, "summary_tokens")
-    del r
 
     def cross(block):
         if p:
@@ -221,7 +220,6 @@ class Block:
     name: str
     fn: Callable
     args: tuple
-    pallas_flops: float = 0.0      # 3 x forward attention FLOPs run in Pallas (invisible to XLA)
 
 
 def _inputs_call(model, acts, dense, sequences):
@@ -324,9 +322,9 @@ def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, 
         p = pallas.get(blk.name, 0.0)
         extra[blk.name] = (xla, p)
         layers.append((blk.name, compiled, blk.args, xla + p))
-    kw = {} if timer is not None else {"timer": lambda f, *a: mfu.time_fn(f, *a, warmup=warmup, iters=iters,
-                                                                         jit=False)}
-    report = mfu.local_mfu_report(layers, peak, **({"timer": timer} if timer is not None else kw))
+    if timer is None:       # the blocks are compiled already
+        timer = lambda f, *a: mfu.time_fn(f, *a, warmup=warmup, iters=iters, jit=False)  # noqa: E731
+    report = mfu.local_mfu_report(layers, peak, timer=timer)
     for row in report["layers"]:
         row["xla_flops"], row["pallas_flops"] = extra[row["name"]]
     report["model_flops"] = float(sum(r["flops"] for r in report["layers"]))
