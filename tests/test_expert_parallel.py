@@ -196,8 +196,8 @@ def test_ep_bad_use_fails_with_a_clear_error():
 
 
 # The smallest full teacher with a mixture of 4 experts (top-2, no capacity drops). The
-# load-balancing loss is off: it is computed per shard (models/interformer.py), so its
-# gradient depends on the sharding with or without EP.
+# load-balancing loss is off here, to test EP alone; tests/test_sharded_aux_loss.py runs
+# the same teacher with it on (global-batch aux, its gradient added once).
 TEACHER = ("model.kind=teacher,model.num_experts=4,model.top_k=2,model.lb_coef=0,"
            "model.interformer_layers=1,model.pyramid_levels=16:none:1,model.attention=softmax,"
            "model.head_towers=shared,model.cls_tokens=1,model.pma_tokens=0,model.recent_tokens=1,"
