@@ -153,20 +153,15 @@ class Feeder:
         self.prefetch, self.workers = max(prefetch, workers), max(workers, 1)
 
     def _checked_shard(self, step: int, shard: int):
-        """(Batch of numpy arrays, info) for one shard, validated."""
+        """(Batch of numpy arrays, info, real tokens) for one shard, validated."""
         b, info = self.make_shard(step, shard, self.num_shards)
         validate_batch(b, self.check_ids, self.id_fields, where=f"step {step} shard {shard}")
-        return b, info
+        return b, info, sum(int(np.asarray(seq.offsets)[-1]) for seq in b.sequences.values())
 
     def host_batch(self, step: int):
         """(Batch of this process's shards concatenated, [info per shard], real tokens)."""
-        shards, infos = [], []
-        for s in self.local_shards:
-            b, info = self._checked_shard(step, s)
-            shards.append(b)
-            infos.append(info)
-        tokens = sum(int(np.asarray(seq.offsets)[-1]) for b in shards for seq in b.sequences.values())
-        return concat_shards(shards), infos, tokens
+        shards, infos, tokens = zip(*(self._checked_shard(step, s) for s in self.local_shards))
+        return concat_shards(list(shards)), list(infos), sum(tokens)
 
     def to_device(self, batch: Batch) -> Batch:
         """This process's shards (concatenated, as host_batch returns them) -> global arrays."""
@@ -183,8 +178,7 @@ class Feeder:
         """One shard built, validated and sent to its device (the copy runs asynchronously).
 
         Returns (Batch of single-device arrays, info, real tokens)."""
-        b, info = self._checked_shard(step, shard)
-        tokens = sum(int(np.asarray(seq.offsets)[-1]) for seq in b.sequences.values())
+        b, info, tokens = self._checked_shard(step, shard)
         return jax.device_put(b, device), info, tokens
 
     def assemble(self, parts: list[Batch], step: int | None = None) -> Batch:
