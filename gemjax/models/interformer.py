@@ -54,6 +54,13 @@ def _hp(cfg, name):
     return getattr(cfg.model, name, getattr(ModelConfig, name))
 
 
+def pyramid_levels(cfg) -> tuple:
+    """The teacher's pyramid levels ((block, pooled, layers), ...): model.pyramid_levels,
+    or by default two levels of model.block tokens (pool each block to 4, then encode only)."""
+    block = int(getattr(cfg.model, "block", 64))
+    return tuple(_hp(cfg, "pyramid_levels") or ((block, 4, 1), (block, None, 1)))
+
+
 @jax.custom_vjp
 def _attach(x, aux, coef):
     return x
@@ -92,8 +99,7 @@ class GEMTeacher(nnx.Module):
         self.dense_proj = linear(d.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
         n_tokens = len(SPARSE_FEATURES) + m.dense_tokens
         block = int(getattr(m, "block", 64))
-        levels = _hp(cfg, "pyramid_levels") or ((block, 4, 1), (block, None, 1))
-        self.pyramid = ParallelPyramid(SEQUENCES, m.dim, levels=tuple(levels),
+        self.pyramid = ParallelPyramid(SEQUENCES, m.dim, levels=pyramid_levels(cfg),
                                        num_heads=m.seq_heads, dtype=dtype, rngs=rngs)
         fmb = m.fmb_tokens if m.fmb_tokens < n_tokens else n_tokens // 2
         self.interformer = InterFormer(

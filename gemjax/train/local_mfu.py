@@ -94,7 +94,8 @@ def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray]) -> list[Att
     m = cfg.model
     heads, hd = m.seq_heads, m.dim // m.seq_heads
     blk = int(m.block)
-    levels = _hp(cfg, "pyramid_levels") or ((blk, 4, 1), (blk, None, 1))
+    from gemjax.models.interformer import pyramid_levels
+    levels = pyramid_levels(cfg)
     calls: list[AttentionCall] = []
 
     def add(block, name, op, q, kv, block_size=None):
