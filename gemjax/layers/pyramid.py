@@ -36,6 +36,7 @@ from gemjax.layers.attention import JaggedCrossAttention
 from gemjax.layers.axes import param
 from gemjax.layers.sequence import SequenceEncoder
 from kernels.common import segment_layout
+from kernels.jagged_attention.reference import masked_softmax_av
 
 
 def jagged_from_offsets(values: jax.Array, offsets: jax.Array) -> Jagged:
@@ -132,9 +133,10 @@ class PyramidLevel(nnx.Module):
         Same function and parameters as _pool_packed, in O(NB * pooled * block * d):
         the `pooled` learned queries are projected once ([k, H, dh]); K/V are projected
         on the packed tokens and gathered into a per-block padded [NB, block, H, dh]
-        layout; scores, masked softmax and P V run in float32 as the jagged_attention
-        reference does. Row j * pooled + i is block j's query i (nonempty blocks come
-        first, sample after sample); rows of empty trailing blocks are 0.
+        layout; scores, masked softmax and P V run in float32 (the jagged_attention
+        reference's masked_softmax_av, per block). Row j * pooled + i is block j's
+        query i (nonempty blocks come first, sample after sample); rows of empty
+        trailing blocks are 0.
         """
         pool, blk, k_q = self.pool, self.block, self.pooled
         h, dh = pool.num_heads, pool.head_dim
@@ -151,13 +153,8 @@ class PyramidLevel(nnx.Module):
         kb = jnp.take(k, idx, axis=0).astype(jnp.float32)                        # [NB, block, H, dh]
         vb = jnp.take(v, idx, axis=0).astype(jnp.float32)
         s = jnp.einsum("phd,nkhd->nhpk", q.astype(jnp.float32), kb) * (dh ** -0.5)
-        m = filled[:, None, None, :]
-        s = jnp.where(m, s, -jnp.inf)
-        mx = jnp.max(s, axis=-1, keepdims=True)
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        p = jnp.where(m, jnp.exp(s - mx), 0.0)
-        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-        o = jnp.einsum("nhpk,nkhd->nphd", p, vb).astype(q.dtype)                 # [NB, k, H, dh]
+        o = jax.vmap(lambda sn, fn, vn: masked_softmax_av(sn, jnp.broadcast_to(fn, (k_q, blk)), vn))(
+            s, filled, vb).astype(q.dtype)                                       # [NB, k, H, dh]
         out = pool.out_proj(o.reshape(nb * k_q, self.dim).astype(pool.dtype))
         nonempty = jnp.repeat(kv_off[1:] > kv_off[:-1], k_q)                      # [NB * k]
         return jnp.where(nonempty[:, None], out, 0).astype(pool.dtype)
