@@ -151,8 +151,9 @@ def active_batch_axes() -> tuple[str, ...] | None:
 def _manual_axes_size(axes: tuple[str, ...], who: str) -> int:
     """Product of `axes`' sizes; they must be manual axes of the current shard_map."""
     mesh = jax.sharding.get_abstract_mesh()
-    names = () if mesh is None or mesh.empty else mesh.axis_names
-    manual = {n for n, t in zip(names, () if mesh is None or mesh.empty else mesh.axis_types)
+    live = mesh is not None and not mesh.empty
+    names = mesh.axis_names if live else ()
+    manual = {n for n, t in zip(names, mesh.axis_types if live else ())
               if t == jax.sharding.AxisType.Manual}
     missing = [a for a in axes if a not in manual]
     if missing:
@@ -160,11 +161,6 @@ def _manual_axes_size(axes: tuple[str, ...], who: str) -> int:
                          f"enclosing jax.shard_map (mesh axes {names}); it works only inside "
                          f"shard_map")
     return math.prod(mesh.shape[a] for a in axes)
-
-
-def _ep_size(axes: tuple[str, ...]) -> int:
-    """ep = product of `axes`' sizes; they must be manual axes of the current shard_map."""
-    return _manual_axes_size(axes, "expert_parallel")
 
 
 def aux_loss_scale(local: jax.Array) -> float:
@@ -320,7 +316,7 @@ class WukongExperts(nnx.Module):
     def _exchange_and_run(self, run, xin: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         """EP: xin [E, C, n, d] (slots for every expert) -> yout [E, C, n_out, d] via
         all_to_all over `axes`, this device's E/ep experts run on [E/ep, ep*C, n, d]."""
-        ep, e = _ep_size(axes), self.num_experts
+        ep, e = _manual_axes_size(axes, "expert_parallel"), self.num_experts
         if e % ep:
             raise ValueError(f"WukongExperts: expert_parallel over {axes} (ep={ep}) must divide "
                              f"num_experts={e}")
