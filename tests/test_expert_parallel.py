@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gemjax.layers.experts import (WukongExperts, active_expert_axes, expert_capacity,
                                    expert_parallel)
+from gemjax.parallel.equivalence import max_rel_diff
 from gemjax.parallel.mesh import build_mesh
 from gemjax.parallel.rules import param_shardings
 from gemjax.train.step import (CHECK_VMA, expert_param_mask, expert_parallel_axes,
@@ -59,11 +60,6 @@ def sharded_layer(graphdef, state, mesh, ep=True):
     return jax.jit(fn), placed, ep_axes, NamedSharding(mesh, P(axes))
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
 @pytest.mark.parametrize("spec", ["replica=2,fsdp=2,expert=2", "fsdp=2,expert=4"])
 def test_ep_layer_matches_one_device_forward_and_backward(spec):
     mesh = build_mesh(spec)
@@ -86,13 +82,13 @@ def test_ep_layer_matches_one_device_forward_and_backward(spec):
     assert jaxpr.count("all_to_all") == 2          # dispatch + combine (the layer checks E/ep)
     y = fn(placed, xs)[0]
     g = jax.jit(jax.grad(lambda p, x: jnp.sum(fn(p, x)[0] * w), argnums=(0, 1)))(placed, xs)
-    assert rel(y, y1) < 1e-5
-    assert rel(g[1], g1[1]) < 1e-5                                       # d loss / d x
+    assert max_rel_diff(y, y1) < 1e-5
+    assert max_rel_diff(g[1], g1[1]) < 1e-5                                       # d loss / d x
     n_expert = 0
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g[0]), jax.tree.leaves(g1[0])):
         assert a.shape == b.shape, jax.tree_util.keystr(path)
         assert np.max(np.abs(np.asarray(b))) > 0, jax.tree_util.keystr(path)   # a real gradient
-        assert rel(a, b) < 1e-5, (jax.tree_util.keystr(path), rel(a, b))
+        assert max_rel_diff(a, b) < 1e-5, (jax.tree_util.keystr(path), max_rel_diff(a, b))
         n_expert += "experts" in jax.tree_util.keystr(path)
     assert n_expert > 0 and len(jax.tree.leaves(g[0])) > n_expert       # experts and router
 
@@ -123,7 +119,7 @@ def test_ep_capacity_is_per_device_and_overflow_is_counted():
     assert (c_loc, c_glob) == (1, 8)
     plain = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
     shards = [plain(params, x[d * b_loc:(d + 1) * b_loc]) for d in range(ndev)]
-    assert rel(y, jnp.concatenate([s[0] for s in shards])) < 1e-5
+    assert max_rel_diff(y, jnp.concatenate([s[0] for s in shards])) < 1e-5
     want = [overflow_np(params, x[d * b_loc:(d + 1) * b_loc], k, c_loc) / (b_loc * k)
             for d in range(ndev)]
     np.testing.assert_allclose(np.asarray(dropped), want, atol=1e-7)
@@ -209,7 +205,7 @@ def test_trainer_with_ep_matches_one_device_and_exchanges_tokens():
     """(c) 3 train steps of the teacher on replica=2,fsdp=2,expert=2 with EP equal one
     device; (d) the compiled step all_to_alls over `expert` and never all-gathers over it
     (tables are replicated here, so no other collective touches that axis)."""
-    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
+    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, train_steps
 
     single = train_steps(None, 3, overrides=TEACHER)
     res = train_steps("replica=2,fsdp=2,expert=2", 3, overrides=TEACHER,

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gemjax.layers.experts import (active_batch_axes, aux_loss_scale, route_top_k,
                                    sharded_batch)
 from gemjax.models.interformer import attach_aux_loss
+from gemjax.parallel.equivalence import max_rel_diff
 from gemjax.parallel.mesh import build_mesh
 
 E, K, B = 6, 2, 64
@@ -40,11 +41,6 @@ def aux_np(logits, top_k, capacity, shards):
     grad_lb = e / b * p * (f[None, :] - (p @ f)[:, None])        # d lb / d logits [B, E]
     return {"load_balance_loss": lb, "router_z_loss": np.mean(lse ** 2),
             "dropped_fraction": dropped / (b * top_k), "expert_load": f}, grad_lb
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 @pytest.mark.parametrize("spec,check_vma,cap", [("replica=2,fsdp=2,expert=2", False, None),
@@ -86,12 +82,12 @@ def test_global_router_aux_and_its_gradient_equal_the_whole_batch_formula(spec, 
     assert want["load_balance_loss"] > 1.05        # not the balanced value 1.0
     # d aux / d logits through the shard_map output: psum's transpose routes it per shard
     g_out = jax.jit(jax.grad(lambda x: smap(aux_of, P())(x)["load_balance_loss"]))(x)
-    assert rel(g_out, grad_lb) < 1e-5
+    assert max_rel_diff(g_out, grad_lb) < 1e-5
     # the injected gradient: w + COEF * d lb once (not N times, not a per-shard lb)
     g_inj = jax.jit(jax.grad(smap(injected, P())))(x)
     w64 = np.asarray(w, np.float64)
-    assert rel(g_inj, w64 + COEF * grad_lb) < 1e-5
-    assert rel(w64 + n * COEF * grad_lb, w64 + COEF * grad_lb) > 0.1   # N-fold would fail
+    assert max_rel_diff(g_inj, w64 + COEF * grad_lb) < 1e-5
+    assert max_rel_diff(w64 + n * COEF * grad_lb, w64 + COEF * grad_lb) > 0.1   # N-fold would fail
 
 
 def test_per_shard_aux_without_the_context_and_bad_axes():
@@ -132,7 +128,7 @@ def test_trainer_with_load_balancing_loss_matches_one_device():
     up to 2.5e-5 here with lb_coef 0.05 and 1.2e-5 with lb_coef 0, on a pyramid bias
     the router does not touch; key biases, true gradient 0, see equivalence.KEY_BIAS).
     Before the global aux (per-shard loss, attached N times) router leaves differed O(1)."""
-    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
+    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, train_steps
 
     single = train_steps(None, 3, overrides=TEACHER)
     assert max_rel_diff(single["init_params"], single["params"]) > 1e-3   # the steps do train
