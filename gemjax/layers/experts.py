@@ -41,9 +41,10 @@ and an expert receives ep*C slots. A device's assignments past C are dropped eve
 when a peer left slots empty, so per expert kept = sum_dev min(n_dev,e, C_local)
 rather than the global path's min(sum_dev n_dev,e, C_global): equal when no
 device overflows; more drops when one device's samples crowd an expert (ceil
-rounding of C_local can also keep a few more). Drops are counted per device in
-aux["dropped_fraction"] (the same per-shard routing as the non-EP path under
-shard_map, so EP and gathered experts give identical outputs and drops).
+rounding of C_local can also keep a few more). Drops happen per device and are
+counted in aux["dropped_fraction"] (this shard's, or the global batch's under
+`sharded_batch` below); the routing is the same per-shard routing as the non-EP
+path under shard_map, so EP and gathered experts give identical outputs and drops.
 
 aux (all f32 scalars except expert_load):
   load_balance_loss  E * sum_e f_e P_e  (Switch Transformer, top-k form):
