@@ -22,6 +22,7 @@ and per GPU:
   dense params    all-gather over fsdp (fwd and again in bwd), reduce-scatter of
                   gradients over fsdp, all-reduce of the gradient shard over replica
   expert params   the same over fsdp/replica, for the 1/expert share a GPU holds
+                  (the all-reduce leaves out the expert axes: each shard has one owner)
   expert tokens   4 all-to-alls over expert (dispatch + combine, fwd + bwd)
   sparse ids      all-to-all over the sparse model-parallel axes
   embeddings      all-to-all back (fwd) and of their gradients (bwd)
