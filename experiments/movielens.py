@@ -288,7 +288,7 @@ def fit(r: Recipe, ml, seqs, epochs: int, *, seed: int, valid=None, deadline=Non
             if stop:
                 info["stopped_by"] = "patience"
         info["history"].append(row)
-        if epoch % r.eval_every == 0 or epoch == epochs or "hr@10" in row:
+        if epoch % r.eval_every == 0 or epoch == epochs:     # every evaluation falls here too
             log(line, flush=True)
         if info["stopped_by"] == "patience":
             break
