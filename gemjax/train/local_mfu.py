@@ -126,8 +126,7 @@ def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray]) -> list[Att
         cross(f"interformer{i}.cross")
         blk_name = f"interformer{i}.sequence"
         add(blk_name, "pffn", "gdpa", merged, np.full(b_samples, msum))
-        op = {"block": "block", "softmax": "softmax", "gdpa": "gdpa"}[m.attention]
-        add(blk_name, "self_attn", op, merged, merged, blk if op == "block" else None)
+        add(blk_name, "self_attn", m.attention, merged, merged, blk if m.attention == "block" else None)
         if c:
             add(blk_name, "cls_attn", "softmax", np.full(b_samples, c), merged)
     cross("final_cross")
