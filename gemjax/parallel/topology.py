@@ -164,15 +164,15 @@ def step_collectives(spec: MeshSpec, work: Workload, layout: Layout = Layout(),
     dense_full = work.dense_params
     expert_local = work.expert_params / n_exp
     out = []
-    for label, params in (("dense", dense_full), ("expert", expert_local)):
+    expert_replica = tuple(a for a in layout.replica if a not in layout.expert)   # one owner per shard
+    for label, params, replica in (("dense", dense_full, layout.replica),
+                                   ("expert", expert_local, expert_replica)):
         if params <= 0:
             continue
         out.append(collective(f"{label} param all-gather", "all_gather", spec, layout.fsdp,
                               params * work.param_bytes, net, count=2))
         out.append(collective(f"{label} grad reduce-scatter", "reduce_scatter", spec, layout.fsdp,
                               params * work.grad_bytes, net))
-        replica = layout.replica if label == "dense" else tuple(a for a in layout.replica
-                                                                 if a not in layout.expert)
         out.append(collective(f"{label} grad all-reduce", "all_reduce", spec, replica,
                               params * work.grad_bytes / n_fsdp, net))
     if work.expert_tokens_per_sample and work.d_model:
