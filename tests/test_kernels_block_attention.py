@@ -93,6 +93,9 @@ def test_bad_inputs_name_the_input():
         block_attention(q, q, q, off, block=0)
     with pytest.raises(ValueError, match="impl"):
         block_attention(q, q, q, off, impl="mosaic")
+    q96 = jnp.zeros((16, 1, 96), jnp.float32)       # D/2 = 48: no power-of-two Triton tile
+    with pytest.raises(ValueError, match="twice a power of two"):
+        block_attention(q96, q96, q96, off, impl="pallas")
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.common import rope_angle, rope_freq_parts, segment_layout
+from kernels.common import pow2_at_least, rope_angle, rope_freq_parts, segment_layout
 from kernels.jagged_flash import LOG2E, FlashConfig, jagged_flash
 
 F32 = jnp.float32
@@ -241,9 +241,10 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
                           interpret=interpret, **{**TILES, **knobs})
         return jagged_flash(cfg, q, k, v, offsets, offsets, rope_positions=positions,
                             rope_theta=float(rope_theta))
-    if d % 32:
-        raise ValueError(f"pallas block_attention: head dim D={d} must be a multiple of 32 "
-                         "(Triton dots need D/2 >= 16); use impl='reference'")
+    if not pow2_at_least(d // 2, 16) or d % 2:
+        raise ValueError(f"pallas block_attention: head dim D={d} must be twice a power of two "
+                         ">= 16 (RoPE works on halves; Triton block shapes are powers of two); "
+                         "use impl='reference'")
     unknown = set(knobs) - set(BLOCK_KNOBS)
     if unknown:
         raise ValueError(f"block_attention_pallas: unknown knobs {sorted(unknown)} for the "
