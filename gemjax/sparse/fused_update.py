@@ -56,6 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels.common import pow2_at_least
+
 Array = Any
 F32 = jnp.float32
 # block_ids: ids per gather step; split: longest run a single program sums (longer
@@ -63,10 +65,6 @@ F32 = jnp.float32
 # Defaults are a guess for H200 (small programs, many resident: 1-2 warps); the bench's
 # --fused_sweep times the alternatives.
 KNOBS = dict(block_ids=16, split=1024, num_warps=2, num_stages=1)
-
-
-def _pow2_at_least_16(x: int) -> bool:
-    return x >= 16 and x & (x - 1) == 0
 
 
 def _run_sum(lo, hi, index_ref, g_ref, block_ids: int, dim: int):
@@ -180,7 +178,7 @@ def _check(weights, accum, rows, seg, index, g):
         raise ValueError(f"accum must be float32 [{v}], got {accum.dtype} {accum.shape}")
     if g.ndim != 2 or g.shape[1] != d:
         raise ValueError(f"g must be [M, {d}], got shape {g.shape}")
-    if not _pow2_at_least_16(d):
+    if not pow2_at_least(d, 16):
         raise ValueError(f"fused row update: D={d} must be a power of two >= 16 (Triton "
                          "tiles); use update_impl='xla'")
     if rows.ndim != 1 or seg.ndim != 1 or index.shape != seg.shape:
@@ -207,7 +205,7 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
         raise ValueError(f"row_wise_adagrad_fused: unknown knobs {sorted(unknown)} (have {sorted(KNOBS)})")
     knobs = {**KNOBS, **knobs}
     c, split = knobs["block_ids"], knobs["split"]
-    if not _pow2_at_least_16(c):
+    if not pow2_at_least(c, 16):
         raise ValueError(f"block_ids must be a power of two >= 16, got {c}")
     if split < c:
         raise ValueError(f"split must be >= block_ids ({c}), got {split}")
