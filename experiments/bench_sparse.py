@@ -20,7 +20,7 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
   scatter               dedup="scatter", no buckets: the original jnp.unique + unsorted scatter-add
   sort                  dedup="sort", no buckets: stable sort reused by the backward, sorted segment_sum
   sort_scatter          dedup="sort_scatter", no buckets: the sort's dedupe, unsorted scatter-add
-  sort_buckets          the collection's default: dedup="sort" + unique_buckets=(1/4, 3/8, 1/2):
+  sort_buckets          dedup="sort" + unique_buckets=(1/4, 3/8, 1/2) (the default's update):
                         dup-sum and update sized to the smallest bucket >= the unique count
                         (of the N ids on a local table, of the S_m * C received slots at a
                         sharded table's owner)
@@ -29,6 +29,11 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
   sort_buckets_pallas   sort_buckets with update_impl="pallas": duplicate sum + row-wise Adagrad
                         fused in one Pallas Triton pass (gemjax/sparse/fused_update.py)
   sort_pallas           the same with one bucket of N (one program per id slot, early exit past U)
+  sort_buckets_xb       sort_buckets + exchange_buckets=(1/8, 1/4, 1/2) (the collection's default
+                        since exchange buckets): the all_to_all (ids, rows, grads) runs at the
+                        smallest capacity >= the largest per-destination unique count (--shard);
+                        every other variant keeps the static capacity C (exchange_buckets=())
+  sort_buckets_bf16_xb  sort_buckets_bf16 + the same exchange buckets
 The pieces (dedup, dupsum, update) run on all N rows whatever the variant's buckets;
 the *_pallas variants without buckets add "fused" rows: the fused kernel alone over the
 N sorted ids (replacing dupsum + update), once per --fused_sweep setting.
@@ -75,7 +80,7 @@ flags.DEFINE_float("zipf", 1.05, "Zipf exponent of id popularity")
 flags.DEFINE_integer("steps", 10, "timed steps")
 flags.DEFINE_string("pooling", "sum", "'sum' (bags pooled to [B, D]) or 'none' ([B, L, D])")
 flags.DEFINE_list("variants", ["scatter", "sort", "sort_scatter", "sort_buckets", "sort_scatter_buckets",
-                                "sort_buckets_bf16"], "gemjax variants to time")
+                                "sort_buckets_bf16", "sort_buckets_xb"], "gemjax variants to time")
 flags.DEFINE_bool("shard", False, "shard the table row-wise over every local device")
 flags.DEFINE_float("capacity_factor", 2.0, "all_to_all capacity factor of the row-wise plan (--shard): "
                    "C = factor * ids per device / shards; overflow is counted in the table")
@@ -91,6 +96,7 @@ flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
 
 BUCKETS = routing.DEFAULT_BUCKETS
+XB = routing.DEFAULT_EXCHANGE_BUCKETS
 VARIANTS = {"scatter": dict(dedup="scatter", unique_buckets=()),
             "sort": dict(dedup="sort", unique_buckets=()),
             "sort_scatter": dict(dedup="sort_scatter", unique_buckets=()),
@@ -98,7 +104,12 @@ VARIANTS = {"scatter": dict(dedup="scatter", unique_buckets=()),
             "sort_scatter_buckets": dict(dedup="sort_scatter", unique_buckets=BUCKETS),
             "sort_buckets_bf16": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16),
             "sort_buckets_pallas": dict(dedup="sort", unique_buckets=BUCKETS, update_impl="pallas"),
-            "sort_pallas": dict(dedup="sort", unique_buckets=(1.0,), update_impl="pallas")}
+            "sort_pallas": dict(dedup="sort", unique_buckets=(1.0,), update_impl="pallas"),
+            "sort_buckets_xb": dict(dedup="sort", unique_buckets=BUCKETS, exchange_buckets=XB),
+            "sort_buckets_bf16_xb": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16,
+                                         exchange_buckets=XB)}
+for _kw in VARIANTS.values():      # the variants without _xb keep the static all_to_all capacity
+    _kw.setdefault("exchange_buckets", ())
 
 
 def zipf_ids(rng, n, vocab, a):

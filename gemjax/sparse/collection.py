@@ -2,7 +2,8 @@
 
     coll = EmbeddingCollection(specs, plan=None, mesh=None, replica_axes=(),
                                dedup="sort", grad_dtype=jnp.float32,
-                               unique_buckets=routing.DEFAULT_BUCKETS)
+                               unique_buckets=routing.DEFAULT_BUCKETS,
+                               exchange_buckets=routing.DEFAULT_EXCHANGE_BUCKETS)
     print(coll.describe())                       # the plan as a table
     state = coll.init(key)                       # {table: {"weights": [Vp, D], <opt state [Vp, ...]>}}
                                                  # (table_wise tables: one "@table_wise_<i>" stack)
@@ -49,6 +50,14 @@ owner of a sharded table): `routing.update_unique_bucketed`, one lax.switch
 branch per bucket (default routing.DEFAULT_BUCKETS; () = off). The switch
 returns the updated table through a `cond`; the update stays in place
 (tests/test_train.py checks the step's jaxpr and compiled temp memory).
+exchange_buckets: fractions of the all_to_all capacity C, e.g.
+routing.DEFAULT_EXCHANGE_BUCKETS = (1/8, 1/4, 1/2), full C always last: per table
+per step the exchange (ids and rows forward, grads and the replica all-gathers
+backward) runs at the smallest capacity holding the largest per-destination
+unique count over the mesh (a pmax, then one lax.switch branch per capacity;
+the backward reuses the forward's branch). Same rows, updates and overflow as
+() = off (tests/test_sparse_exchange_buckets.py); the traffic follows the
+unique ids instead of C.
 update_impl: "xla" (default) or "pallas": the duplicate sum and row-wise Adagrad
 fused in one Pallas kernel (gemjax.sparse.fused_update; tables whose optimizer
 is not RowWiseAdagrad or whose dim is not a power of two >= 16 keep "xla").
@@ -84,6 +93,7 @@ class EmbeddingCollection:
                  *, replica_axes: Sequence[str] = (), batch_axes: Sequence[str] | None = None,
                  dedup: str = "sort", grad_dtype: Any = jnp.float32,
                  unique_buckets: Sequence[float] = routing.DEFAULT_BUCKETS, update_impl: str = "xla",
+                 exchange_buckets: Sequence[float] = routing.DEFAULT_EXCHANGE_BUCKETS,
                  **planner_kw):
         if dedup not in routing.DEDUPS:
             raise ValueError(f"dedup must be one of {routing.DEDUPS}, got {dedup!r}")
@@ -93,6 +103,8 @@ class EmbeddingCollection:
         self.grad_dtype = jnp.dtype(grad_dtype)
         routing.bucket_sizes(1, unique_buckets)          # validates
         self.unique_buckets = tuple(unique_buckets)
+        routing.exchange_caps(1, exchange_buckets)       # validates
+        self.exchange_buckets = tuple(exchange_buckets)
         if update_impl not in routing.UPDATE_IMPLS:
             raise ValueError(f"update_impl must be one of {routing.UPDATE_IMPLS}, got {update_impl!r}")
         self.update_impl = update_impl
@@ -398,7 +410,8 @@ class EmbeddingCollection:
                 model, fs_axes, _ = self._axes(name)
                 rows, res[name], over = routing.lookup_rows(
                     state[self.unit_of[name]]["weights"], ids, valid, lay, caps[name], model, fs_axes,
-                    dedup=self.dedup)
+                    dedup=self.dedup, exchange_buckets=self.exchange_buckets,
+                    group_axes=tuple(self.mesh.axis_names))
                 stats["ids_overflow"] += over
                 start = 0
                 for f, size in zip(fs, sizes):
@@ -481,6 +494,12 @@ class EmbeddingCollection:
                     new[unit] = routing.update_unique_bucketed(
                         new.get(unit, state[unit]), g, route[name], spec.optimizer,
                         self.unique_buckets, src_index=src_index, update_impl=impl)
+                    continue
+                if "xb" in route[name]:     # exchange at the lookup's bucket capacity
+                    new[unit] = routing.route_update_bucketed(
+                        new.get(unit, state[unit]), g, route[name], lay, caps[name], model, fs_axes,
+                        sync, self.exchange_buckets, spec.optimizer, src_index=src_index,
+                        dedup=self.dedup, buckets=self.unique_buckets, update_impl=impl)
                     continue
                 rows, grads = routing.route_grads(g, route[name], self.layouts[name], caps[name],
                                                   model, fs_axes, sync, src_index=src_index)

@@ -47,6 +47,17 @@ run on the smallest static bucket of unique rows >= the batch's actual count
 sorted segment_sum is the fastest (H200, 1e8 x 128, Zipf 1.05, 1.3M ids:
 step 1.98 ms vs 2.74 ms sort_scatter with buckets off).
 
+Exchange capacity buckets (`lookup_rows(exchange_buckets=...)`,
+`route_update_bucketed`): C is sized for the worst case, but Zipf ids dedupe
+to far fewer unique ids per destination. With buckets (fractions of C, full C
+last, `exchange_caps`), the largest per-destination unique count, pmax'd over
+the mesh so every device of an all_to_all agrees, picks the smallest capacity
+c that holds it; a lax.switch runs the exchange at [S_m, c] ids / [S_m, c, D]
+rows, and the backward reuses the branch (residual "xb") for the grads and
+the replica all-gathers. Slots stay in full-C coordinates in the residual
+(`rebucket_slots` maps them per branch), so results and overflow are those of
+the static path; only the full-C branch can overflow.
+
 Shapes (per device): ids [N] int32, weights [rows_per_shard, D], C static.
 Row indices use -1 for "no row".
 """
@@ -67,6 +78,7 @@ Array = Any
 INVALID = jnp.iinfo(jnp.int32).max
 DEDUPS = ("sort", "sort_scatter", "scatter")
 DEFAULT_BUCKETS = (0.25, 0.375, 0.5)
+DEFAULT_EXCHANGE_BUCKETS = (0.125, 0.25, 0.5)
 UPDATE_IMPLS = ("xla", "pallas")
 
 
@@ -135,12 +147,51 @@ def _gather(weights: Array, rows: Array) -> Array:
     return jnp.where(ok[..., None], out, jnp.zeros((), weights.dtype))
 
 
+def exchange_caps(cap: int, buckets) -> list[int]:
+    """Static exchange capacities: ceil(f * cap) for f in buckets (0 < f <= 1), plus cap, ascending."""
+    for f in buckets:
+        if not 0 < f <= 1:
+            raise ValueError(f"exchange_buckets must lie in (0, 1], got {f}")
+    return sorted({max(1, min(cap, math.ceil(f * cap))) for f in buckets} | {cap})
+
+
+def rebucket_slots(slot: Array, cap: int, c: int, s_m: int) -> Array:
+    """Slots owner * cap + rank (s_m * cap = none) -> owner * c + rank (s_m * c = none,
+    also where rank >= c)."""
+    owner, rank = slot // cap, slot % cap
+    return jnp.where((slot < s_m * cap) & (rank < c), owner * c + rank, s_m * c)
+
+
+def _exchange(weights: Array, slot: Array, l: Array, lay: Layout, c: int,
+              model_axes: tuple[str, ...], fs_axes: tuple[str, ...]):
+    """One request/reply exchange at per-destination capacity c.
+
+    slot [N] (s_m * c = none), l [N] local rows -> (rows per unique id [N, D],
+    recv [S_m, c] the rows this device served, -1 = none).
+    """
+    s_m = lay.num_model
+    send = jnp.full((s_m * c,), -1, jnp.int32).at[slot].set(l.astype(jnp.int32), mode="drop")
+    recv = jax.lax.all_to_all(send.reshape(s_m, c), model_axes, 0, 0, tiled=True)
+    rows = _serve(weights, recv, lay, fs_axes)                        # [S_m, c, D]
+    back = jax.lax.all_to_all(rows, model_axes, 0, 0, tiled=True).reshape(s_m * c, -1)
+    return _gather(back, jnp.where(slot < s_m * c, slot, -1)), recv
+
+
 def lookup_rows(weights: Array, ids: Array, valid: Array, lay: Layout, cap: int,
-                model_axes: tuple[str, ...], fs_axes: tuple[str, ...], dedup: str = "sort"):
+                model_axes: tuple[str, ...], fs_axes: tuple[str, ...], dedup: str = "sort",
+                exchange_buckets=(), group_axes: tuple[str, ...] = ()):
     """Rows for ids [N] (invalid where ~valid) -> (rows [N, D], residual, overflow count).
 
     residual: {"uniq": [N], "slot": [N], "recv": [S_m * C]} int32, plus the
-    dedup residual ({"inv"} or {"perm", "seg"}, see `dedup_ids`).
+    dedup residual ({"inv"} or {"perm", "seg"}, see `dedup_ids`). Slots are
+    always in full-C coordinates (owner * C + rank).
+    exchange_buckets (fractions of C, see `exchange_caps`): the exchange runs at
+    the smallest capacity c >= the largest per-destination unique count over
+    `group_axes` (a pmax; every device of an all_to_all must pick the same
+    branch: pass all mesh axes), one lax.switch branch per capacity; recv is
+    padded to [S_m, C] with -1 (local memory, not traffic) and the branch index
+    is kept in residual["xb"] [1] int32 for `route_update_bucketed`. Only the
+    full-C branch can overflow; rows and overflow equal the unbucketed path's.
     """
     n = ids.shape[0]
     key = jnp.where(valid, ids, INVALID)
@@ -165,15 +216,29 @@ def lookup_rows(weights: Array, ids: Array, valid: Array, lay: Layout, cap: int,
     keep = (m_sorted < s_m) & (rank < cap)
     slot_sorted = jnp.where(keep, m_sorted * cap + rank, s_m * cap)
     slot = jnp.zeros((n,), jnp.int32).at[order].set(slot_sorted)
-    send = jnp.full((s_m * cap,), -1, jnp.int32).at[slot].set(l.astype(jnp.int32), mode="drop")
-    recv = jax.lax.all_to_all(send.reshape(s_m, cap), model_axes, 0, 0, tiled=True)
-    rows = _serve(weights, recv, lay, fs_axes)                        # [S_m, C, D]
-    back = jax.lax.all_to_all(rows, model_axes, 0, 0, tiled=True).reshape(s_m * cap, -1)
-    rows_u = _gather(back, jnp.where(slot < s_m * cap, slot, -1))
     dropped = uvalid & (slot >= s_m * cap)
     overflow = jnp.sum(dropped[inv] & valid, dtype=jnp.int32)
-    res = {**dres, "uniq": uniq, "slot": slot, "recv": recv.reshape(-1)}
-    return rows_u[inv], res, overflow
+    res = {**dres, "uniq": uniq, "slot": slot}
+    if not exchange_buckets:
+        rows_u, recv = _exchange(weights, slot, l, lay, cap, model_axes, fs_axes)
+        return rows_u[inv], {**res, "recv": recv.reshape(-1)}, overflow
+    caps = exchange_caps(cap, exchange_buckets)
+    need = jnp.max(counts[:s_m])                      # largest per-destination unique count
+    if group_axes:
+        need = jax.lax.pmax(need, group_axes)
+    which = jnp.minimum(jnp.searchsorted(jnp.asarray(caps, jnp.int32), need),
+                        len(caps) - 1).astype(jnp.int32)
+
+    def branch(c):
+        def run(weights, slot, l):
+            rows_u, recv = _exchange(weights, rebucket_slots(slot, cap, c, s_m), l, lay, c,
+                                     model_axes, fs_axes)
+            recv = jnp.pad(recv, ((0, 0), (0, cap - c)), constant_values=-1)
+            return rows_u, recv.reshape(-1)
+        return run
+
+    rows_u, recv = jax.lax.switch(which, [branch(c) for c in caps], weights, slot, l)
+    return rows_u[inv], {**res, "recv": recv, "xb": which[None]}, overflow
 
 
 def _serve(weights: Array, recv: Array, lay: Layout, fs_axes: tuple[str, ...]) -> Array:
@@ -224,6 +289,35 @@ def route_grads(g: Array, res: dict, lay: Layout, cap: int, model_axes: tuple[st
         rows = jax.lax.all_gather(rows, sync_axes, axis=0, tiled=True)
         grads = jax.lax.all_gather(grads, sync_axes, axis=0, tiled=True)
     return rows, grads
+
+
+def route_update_bucketed(state: dict[str, Array], g: Array, res: dict, lay: Layout, cap: int,
+                          model_axes: tuple[str, ...], fs_axes: tuple[str, ...],
+                          sync_axes: tuple[str, ...], exchange_buckets, optimizer,
+                          src_index: Array | None = None, **update_kw) -> dict[str, Array]:
+    """`route_grads` + `update_rows` at the exchange capacity the lookup chose.
+
+    res: the residual of `lookup_rows` with exchange_buckets (same buckets and cap);
+    the branch res["xb"][0] (the same on every device) routes the grads at capacity
+    c: the [S_m, c, D] all_to_all and the replica all-gathers of [S_m * c] rows,
+    then updates the owner's rows (update_kw: `update_rows` options; the unique
+    buckets only in the full-C branch, the others are sized by c already, and
+    nesting both switches multiplies the compiled update bodies). Exact: the
+    same rows and grads in the same order as the full-C path, minus empty slots.
+    """
+    caps = exchange_caps(cap, exchange_buckets)
+    s_m = lay.num_model
+
+    def branch(c):
+        def run(state):
+            r = {**res, "slot": rebucket_slots(res["slot"], cap, c, s_m),
+                 "recv": res["recv"].reshape(s_m, cap)[:, :c].reshape(-1)}
+            rows, grads = route_grads(g, r, lay, c, model_axes, fs_axes, sync_axes, src_index)
+            kw = update_kw if c == cap else {**update_kw, "buckets": ()}
+            return update_rows(state, rows, grads, optimizer, **kw)
+        return run
+
+    return jax.lax.switch(res["xb"][0], [branch(c) for c in caps], state)
 
 
 def _check_impl(update_impl: str, optimizer, state: dict[str, Array]) -> None:
