@@ -29,10 +29,11 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
   sort_buckets_pallas   sort_buckets with update_impl="pallas": duplicate sum + row-wise Adagrad
                         fused in one Pallas Triton pass (gemjax/sparse/fused_update.py)
   sort_pallas           the same with one bucket of N (one program per id slot, early exit past U)
-  sort_buckets_xb       sort_buckets + exchange_buckets=(1/8, 1/4, 1/2) (the collection's default
-                        since exchange buckets): the all_to_all (ids, rows, grads) runs at the
-                        smallest capacity >= the largest per-destination unique count (--shard);
-                        every other variant keeps the static capacity C (exchange_buckets=())
+  sort_buckets_xb       sort_buckets + exchange_buckets=(1/8, 1/4, 1/2) (what the trainer's
+                        train.sparse_exchange_buckets turns on): the all_to_all (ids, rows,
+                        grads) runs at the smallest capacity >= the largest per-destination
+                        unique count (--shard); every other variant keeps the static capacity C
+                        (exchange_buckets=())
   sort_buckets_bf16_xb  sort_buckets_bf16 + the same exchange buckets
 The pieces (dedup, dupsum, update) run on all N rows whatever the variant's buckets;
 the *_pallas variants without buckets add "fused" rows: the fused kernel alone over the

@@ -100,6 +100,9 @@ class TrainConfig:
     seed: int = 0
     dense_lr: float = 4e-3
     sparse_lr: float = 0.5
+    # sparse all_to_all capacity picked per step from the unique ids (EmbeddingCollection
+    # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS); off until measured on GPUs
+    sparse_exchange_buckets: bool = False
     warmup_steps: int = 100
     log_every: int = 100
     eval_every: int = 500

@@ -170,3 +170,11 @@ def test_exchange_caps_and_bad_fractions():
     np.testing.assert_array_equal(routing.rebucket_slots(slot, 64, 8, 2), [0, 3, 10, 16, 16])
     with pytest.raises(ValueError, match="exchange_buckets"):
         EmbeddingCollection(tss.make_specs(SGD()), exchange_buckets=(0.5, 1.5))
+
+
+def test_trainer_config_turns_exchange_buckets_on():
+    from gemjax.config import get_config
+    from gemjax.train.step import Trainer
+    assert Trainer.create(get_config("tiny")).coll.exchange_buckets == ()
+    on = Trainer.create(get_config("tiny", "train.sparse_exchange_buckets=true"))
+    assert on.coll.exchange_buckets == tuple(routing.DEFAULT_EXCHANGE_BUCKETS)

@@ -3,7 +3,7 @@
     coll = EmbeddingCollection(specs, plan=None, mesh=None, replica_axes=(),
                                dedup="sort", grad_dtype=jnp.float32,
                                unique_buckets=routing.DEFAULT_BUCKETS,
-                               exchange_buckets=routing.DEFAULT_EXCHANGE_BUCKETS)
+                               exchange_buckets=())
     print(coll.describe())                       # the plan as a table
     state = coll.init(key)                       # {table: {"weights": [Vp, D], <opt state [Vp, ...]>}}
                                                  # (table_wise tables: one "@table_wise_<i>" stack)
@@ -57,7 +57,8 @@ backward) runs at the smallest capacity holding the largest per-destination
 unique count over the mesh (a pmax, then one lax.switch branch per capacity;
 the backward reuses the forward's branch). Same rows, updates and overflow as
 () = off (tests/test_sparse_exchange_buckets.py); the traffic follows the
-unique ids instead of C.
+unique ids instead of C. Default () for now: collectives inside lax.switch have
+not run on GPUs yet (the trainer turns it on with train.sparse_exchange_buckets).
 update_impl: "xla" (default) or "pallas": the duplicate sum and row-wise Adagrad
 fused in one Pallas kernel (gemjax.sparse.fused_update; tables whose optimizer
 is not RowWiseAdagrad or whose dim is not a power of two >= 16 keep "xla").
@@ -93,7 +94,7 @@ class EmbeddingCollection:
                  *, replica_axes: Sequence[str] = (), batch_axes: Sequence[str] | None = None,
                  dedup: str = "sort", grad_dtype: Any = jnp.float32,
                  unique_buckets: Sequence[float] = routing.DEFAULT_BUCKETS, update_impl: str = "xla",
-                 exchange_buckets: Sequence[float] = routing.DEFAULT_EXCHANGE_BUCKETS,
+                 exchange_buckets: Sequence[float] = (),
                  **planner_kw):
         if dedup not in routing.DEDUPS:
             raise ValueError(f"dedup must be one of {routing.DEDUPS}, got {dedup!r}")

@@ -54,7 +54,7 @@ from gemjax.layers.experts import expert_parallel as expert_parallel_context
 from gemjax.layers.experts import sharded_batch
 from gemjax.models.gem import build_model, sequence_id_fields, table_specs
 from gemjax.parallel import rules as rules_lib
-from gemjax.sparse import EmbeddingCollection
+from gemjax.sparse import EmbeddingCollection, routing
 
 BATCH_AXIS = "batch"
 # The Pallas kernels' outputs carry no varying-manual-axes type, which check_vma=True
@@ -165,8 +165,10 @@ class Trainer:
         o_abs = jax.eval_shape(tx.init, abstract.to_pure_dict())
         o_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, o_abs, p_sh,
                                                 transform_non_params=lambda _: replicated)
+        xb = routing.DEFAULT_EXCHANGE_BUCKETS if cfg.train.sparse_exchange_buckets else ()
         coll = EmbeddingCollection(table_specs(cfg), table_plan, mesh=mesh,
-                                   replica_axes=tuple(table_replica_axes), **planner_kw)
+                                   replica_axes=tuple(table_replica_axes), exchange_buckets=xb,
+                                   **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
 
     @property
