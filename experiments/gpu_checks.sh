@@ -8,7 +8,8 @@
 #   kernels      gpu-marked kernel tests + bench_attention with its tile sweep (~8)
 #   sparse       bench_sparse on one GPU, every variant incl. the fused Pallas update (~2)
 #   sparse_mgpu  gpu-marked sparse tests over all GPUs + bench sharded over them (~3)
-#   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7)
+#   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
+#                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_exchange_buckets=true
 #   movielens    MovieLens-1M with the defaults (~4)
 #   teacher_small  the `small` teacher (the ablation's model) on one device: step time and
 #                each block timed alone, to see where its step goes (~2)
@@ -47,10 +48,12 @@ for s in "$@"; do
     sparse_mgpu)
         section sparse_tests 150 $PY -m pytest -m gpu -q -rfE tests/test_sparse_gpu.py tests/test_sparse_fused.py
         section sparse_bench_sharded 60 $PY experiments/bench_sparse.py --shard --probe_rows= \
-            --variants=scatter,sort_scatter,sort_buckets --out="$OUT/bench_sparse_sharded.json" ;;
+            --variants=sort_buckets,sort_buckets_xb,sort_buckets_bf16_xb \
+            --out="$OUT/bench_sparse_sharded.json" ;;
     sweep)
         section sweep_mesh 540 $PY experiments/sweep_mesh.py --config=h200 \
-            --override=model.kind=teacher,model.num_experts=4,model.top_k=2 --workdir="$OUT/sweep" ;;
+            --override=model.kind=teacher,model.num_experts=4,model.top_k=2${SWEEP_OVERRIDE:+,$SWEEP_OVERRIDE} \
+            --workdir="$OUT/sweep" ;;
     teacher_small)
         section teacher_small 240 $PY experiments/sweep_mesh.py --config=small \
             --override=model.kind=teacher,model.num_experts=4,model.attention=block \
