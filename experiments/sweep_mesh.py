@@ -182,24 +182,9 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
 def workload(cfg, row: dict, base: dict, local_batch: int):
     """topology.Workload of one device of ``row``'s run (FLOPs per sample from the 1-device base row)."""
     from gemjax.parallel import topology
-    from gemjax.data.synthetic import SEQUENCE_FIELDS, SPARSE_FEATURES
-    m = cfg.model
-    from gemjax.layers.experts import expert_capacity
-    n_in = len(SPARSE_FEATURES) + m.dense_tokens + m.cls_tokens + m.pma_tokens + m.recent_tokens
-    n_out = m.fmb_tokens + m.lcb_tokens
-    # EP exchange per MoE layer (gemjax.layers.experts): the [E, C, n, d] buffer goes out (n_in tokens)
-    # and comes back (n_out), forward and backward; topology counts 4 x local_batch x tokens x d, so
-    # tokens per sample = layers * (E * C / B) * (n_in + n_out) / 2.
-    slots = (m.num_experts * expert_capacity(local_batch, m.num_experts, m.top_k, m.capacity_factor)
-             / local_batch) if m.num_experts and row["expert_params"] else 0
-    ep_tokens = m.interformer_layers * slots * (n_in + n_out) / 2
-    lookups = len(SPARSE_FEATURES) + len(SEQUENCE_FIELDS) * base["seq_tokens_per_sample"]
-    act_bytes = 2 if m.dtype == "bfloat16" else 4
-    return topology.Workload(
-        dense_params=row["dense_params"], expert_params=row["expert_params"], param_bytes=4, grad_bytes=4,
-        local_batch=local_batch, lookups_per_sample=int(round(lookups)), emb_dim=m.dim, emb_bytes=4,
-        id_bytes=4, expert_tokens_per_sample=int(round(ep_tokens)), d_model=m.dim, act_bytes=act_bytes,
-        forward_flops_per_sample=base["step_flops"] / 3 / base["global_batch"])
+    return topology.workload_for(cfg, dense_params=row["dense_params"], expert_params=row["expert_params"],
+                                 local_batch=local_batch, seq_tokens_per_sample=base["seq_tokens_per_sample"],
+                                 forward_flops_per_sample=base["step_flops"] / 3 / base["global_batch"])
 
 
 def plot(rows: list[dict], path: str) -> str:

@@ -169,6 +169,7 @@ def test_time_fn_and_local_mfu_report_with_a_fake_clock():
 from gemjax.config import get_config  # noqa: E402
 from gemjax.data.synthetic import SEQUENCES, SyntheticStream  # noqa: E402
 from gemjax.train import local_mfu as L  # noqa: E402
+from gemjax.models.interformer import interaction_tokens  # noqa: E402
 
 _SMALL = ("model.kind=teacher,model.block=8,data.batch_size=8,data.seq_median=10,data.seq_cap=40")
 
@@ -257,10 +258,9 @@ def test_local_mfu_layer_list_on_tiny_teacher():
                                                          [r["seconds"] for r in rep["layers"]], 1e12))
     # the interaction block is one Wukong layer on [x | s_sum]: XLA's fwd+bwd vs 3x the analytic count
     m = cfg.model
-    n_in = 5 + m.dense_tokens + m.cls_tokens + m.pma_tokens + m.recent_tokens
-    fmb = m.fmb_tokens if m.fmb_tokens < 5 + m.dense_tokens else (5 + m.dense_tokens) // 2
+    n_in, n, fmb = interaction_tokens(cfg)
     analytic = M.train_step_flops(M.wukong_flops(8, n_in, m.dim, num_layers=1, fmb_tokens=fmb,
-                                                 lcb_tokens=5 + m.dense_tokens - fmb, rank=m.fm_rank,
+                                                 lcb_tokens=n - fmb, rank=m.fm_rank,
                                                  mlp_hidden=m.wukong_mlp))
     xla = rows["interformer0.interaction"]["xla_flops"]
     assert analytic <= xla <= 1.15 * analytic, (analytic, xla)

@@ -47,3 +47,25 @@ def test_sweep_tiny_on_two_cpu_devices(tmp_path):
     assert cm["max_abs_rel_error_multi_device"] == pytest.approx(abs(two["predicted_rel_error"]))
     assert cm["workload"]["local_batch"] == 8 and cm["workload"]["emb_dim"] == 8
     assert "best:" in r.stdout.splitlines()[-1] and "pred err" in r.stdout
+
+
+def test_cost_model_expert_tokens_follow_the_built_experts():
+    """topology.workload_for's EP exchange: per MoE layer the [E, C, n_in, d] dispatch out and
+    [E, C, n_out, d] back, with n_in / n_out read from the model the trainer builds."""
+    from flax import nnx
+
+    from gemjax.config import get_config
+    from gemjax.layers.experts import expert_capacity
+    from gemjax.models.gem import build_model
+    from gemjax.parallel.topology import workload_for
+    cfg = get_config("tiny", "model.kind=teacher,model.num_experts=4,model.top_k=2,"
+                     "model.capacity_factor=1.5")
+    experts = build_model(cfg, nnx.Rngs(0)).interformer.layers[0].interaction
+    b, m = 64, cfg.model
+    work = workload_for(cfg, dense_params=10, expert_params=10, local_batch=b, seq_tokens_per_sample=5.0,
+                        forward_flops_per_sample=1.0)
+    slots = m.num_experts * expert_capacity(b, m.num_experts, m.top_k, m.capacity_factor)
+    want = m.interformer_layers * slots * (experts.num_tokens + experts.out_tokens) / 2 / b
+    assert work.expert_tokens_per_sample == round(want) > 0
+    assert workload_for(cfg, dense_params=10, expert_params=0, local_batch=b, seq_tokens_per_sample=5.0,
+                        forward_flops_per_sample=1.0).expert_tokens_per_sample == 0

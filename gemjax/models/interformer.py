@@ -61,6 +61,17 @@ def pyramid_levels(cfg) -> tuple:
     return tuple(_hp(cfg, "pyramid_levels") or ((block, 4, 1), (block, None, 1)))
 
 
+def interaction_tokens(cfg) -> tuple[int, int, int]:
+    """The teacher's Interaction Arch (Wukong, or the experts) per sample:
+    (input tokens n + summary tokens [X | S_sum], output tokens n, FMB tokens), with
+    n the non-sequence tokens (one per sparse feature, model.dense_tokens dense)."""
+    m = cfg.model
+    n = len(SPARSE_FEATURES) + m.dense_tokens
+    fmb = m.fmb_tokens if m.fmb_tokens < n else n // 2
+    summary = sum(_hp(cfg, k) for k in ("cls_tokens", "pma_tokens", "recent_tokens"))
+    return n + summary, n, fmb
+
+
 @jax.custom_vjp
 def _attach(x, aux, coef):
     return x
@@ -97,11 +108,10 @@ class GEMTeacher(nnx.Module):
         self.dim, self.dense_tokens, self.dtype = m.dim, m.dense_tokens, dtype
         self.lb_coef = float(_hp(cfg, "lb_coef"))
         self.dense_proj = linear(d.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
-        n_tokens = len(SPARSE_FEATURES) + m.dense_tokens
+        _, n_tokens, fmb = interaction_tokens(cfg)
         block = int(getattr(m, "block", 64))
         self.pyramid = ParallelPyramid(SEQUENCES, m.dim, levels=pyramid_levels(cfg),
                                        num_heads=m.seq_heads, dtype=dtype, rngs=rngs)
-        fmb = m.fmb_tokens if m.fmb_tokens < n_tokens else n_tokens // 2
         self.interformer = InterFormer(
             n_tokens, m.dim, num_layers=_hp(cfg, "interformer_layers"), num_heads=m.seq_heads,
             summary_tokens=_hp(cfg, "summary_tokens"), cls_tokens=_hp(cfg, "cls_tokens"),

@@ -82,6 +82,33 @@ class Workload:
     forward_flops_per_sample: float = 0.0
 
 
+def workload_for(cfg, *, dense_params: float, expert_params: float, local_batch: int,
+                 seq_tokens_per_sample: float, forward_flops_per_sample: float) -> Workload:
+    """The Workload of one device training ``cfg`` (gemjax.config.Config) at ``local_batch``.
+
+    Parameter counts and FLOPs come from the caller (measured); the traffic shapes from
+    the config: one embedding row per sparse feature and per sequence token and field,
+    fp32 rows; the EP exchange per MoE layer sends the [E, C, n_in, d] dispatch buffer
+    and gets [E, C, n_out, d] back (gemjax.layers.experts), forward and backward, i.e.
+    layers * (E * C / B) * (n_in + n_out) / 2 tokens per sample for the 4 all-to-alls
+    `step_collectives` counts.
+    """
+    from gemjax.data.synthetic import SEQUENCE_FIELDS, SPARSE_FEATURES
+    from gemjax.layers.experts import expert_capacity
+    from gemjax.models.interformer import interaction_tokens
+    m = cfg.model
+    n_in, n_out, _ = interaction_tokens(cfg)
+    slots = (m.num_experts * expert_capacity(local_batch, m.num_experts, m.top_k, m.capacity_factor)
+             / local_batch) if m.num_experts and expert_params else 0
+    ep_tokens = m.interformer_layers * slots * (n_in + n_out) / 2
+    lookups = len(SPARSE_FEATURES) + len(SEQUENCE_FIELDS) * seq_tokens_per_sample
+    return Workload(dense_params=dense_params, expert_params=expert_params, param_bytes=4, grad_bytes=4,
+                    local_batch=local_batch, lookups_per_sample=int(round(lookups)), emb_dim=m.dim,
+                    emb_bytes=4, id_bytes=4, expert_tokens_per_sample=int(round(ep_tokens)), d_model=m.dim,
+                    act_bytes=2 if m.dtype == "bfloat16" else 4,
+                    forward_flops_per_sample=forward_flops_per_sample)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Which physical axes carry each parallelism dimension (names from the mesh spec)."""
