@@ -21,6 +21,7 @@ from gemjax.layers.experts import (active_batch_axes, aux_loss_scale, route_top_
 from gemjax.models.interformer import attach_aux_loss
 from gemjax.parallel.equivalence import max_rel_diff
 from gemjax.parallel.mesh import build_mesh
+from test_expert_parallel import TEACHER as EP_TEACHER
 
 E, K, B = 6, 2, 64
 COEF = 0.3
@@ -111,13 +112,10 @@ def test_per_shard_aux_without_the_context_and_bad_axes():
             pass
 
 
-# The smallest full teacher with 4 experts (top-2, no capacity drops) and the
-# load-balancing loss ON (lb_coef 0.05, 5x the default, so a wrong scale shows).
-TEACHER = ("model.kind=teacher,model.num_experts=4,model.top_k=2,model.lb_coef=0.05,"
-           "model.interformer_layers=1,model.pyramid_levels=16:none:1,model.attention=softmax,"
-           "model.head_towers=shared,model.cls_tokens=1,model.pma_tokens=0,model.recent_tokens=1,"
-           "model.qk_norm=false,model.rope=false,model.cross_layer_attention=false,"
-           "data.batch_size=32,data.seq_cap=16")
+# test_expert_parallel's smallest full teacher (4 experts, top-2, no capacity drops) with
+# the load-balancing loss ON (lb_coef 0.05, 5x the default, so a wrong scale shows).
+TEACHER = EP_TEACHER.replace("model.lb_coef=0,", "model.lb_coef=0.05,")
+assert TEACHER != EP_TEACHER
 
 
 def test_trainer_with_load_balancing_loss_matches_one_device():
