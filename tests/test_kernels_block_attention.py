@@ -42,11 +42,20 @@ def test_block64(impl):
 
 @pytest.mark.parametrize("block,lens,t,knobs", [
     (32, [31, 32, 33, 0, 1, 100], 197, None),       # per-block kernel, no tail (T = sum)
-    (16, [0, 15, 16, 17, 40, 2], 160, dict(group=3)),  # tail of several blocks, 3 per program
+    (16, [0, 15, 16, 17, 40, 2], 160, dict(group=3, group_bwd=2)),  # tails; 3 / 2 per program
     (48, [0, 1, 47, 48, 49, 100], 384, None),       # other block sizes: tiled engine
 ])
 def test_pallas_block_sizes_and_tails(block, lens, t, knobs):
     _check("pallas", lens, t, block=block, h=1, d=32, seed=2, knobs=knobs)
+
+
+def test_pallas_engines_agree_and_bad_engine_is_named():
+    _check("pallas", LENS, 384, seed=3, knobs=dict(engine="tiled"))
+    _check("pallas", LENS, 384, seed=3, knobs=dict(engine="per_block", fast_trig=False))
+    from kernels.block_attention.pallas import block_attention_pallas
+    q = jnp.zeros((64, 1, 32), jnp.float32)
+    with pytest.raises(ValueError, match="engine"):
+        block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), engine="mosaic")
 
 
 def test_reference_block16_custom_positions():
@@ -103,6 +112,21 @@ def test_gpu_last_sample_ends_at_capacity():
     """Block reads run past T (masked lanes): must not fault or leak; T = sum(lens)."""
     lens = [0, 1, 63, 64, 65, 700, 37]
     _check("pallas", lens, sum(lens), dtype=jnp.bfloat16, h=4, d=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["per_block", "tiled"])
+@pytest.mark.parametrize("fast_trig", [True, False])
+def test_gpu_engines_bf16(engine, fast_trig):
+    """Both engines (and the per-block kernel's MUFU and libdevice RoPE trig) on GPU."""
+    if engine == "tiled" and not fast_trig:
+        pytest.skip("fast_trig is a per-block kernel knob")
+    rng = np.random.default_rng(8)
+    lens = np.clip(rng.lognormal(np.log(300), 0.8, 10).astype(int), 0, 1500)
+    lens[:4] = [0, 1, 63, 65]
+    t = int(-(-sum(lens) // 128) * 128)
+    knobs = dict(engine=engine) if engine == "tiled" else dict(engine=engine, fast_trig=fast_trig)
+    _check("pallas", lens, t, dtype=jnp.bfloat16, h=2, d=128, knobs=knobs)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ memset. Blocks other than 16/32/64 (or 128 in 16-bit) use the tiled engine
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +36,19 @@ F32 = jnp.float32
 TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
              num_warps_bwd=4, num_stages_bwd=2)
 # Per-block kernel knobs (defaults; benchmarks override them).
-# group: blocks per program (a loop inside the program; > 1 amortises the launch).
-BLOCK_KNOBS = dict(num_warps=4, num_stages=1, num_warps_bwd=4, num_stages_bwd=1, group=1)
+# group / group_bwd: blocks per program of the forward / backward kernel (a loop inside
+# the program; > 1 amortises the launch).
+# fast_trig: RoPE cos/sin through cos.approx / sin.approx (one MUFU op each; the angle
+# is already reduced to [-pi, pi], where their absolute error is ~1e-6) for 16-bit
+# inputs; float32 keeps libdevice cosf / sinf.
+# Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128): forward 4 warps,
+# 2 stages, 2 blocks per program (0.114 ms); backward 4 warps, 1 stage, 1 block (0.246 ms
+# forward+backward).
+BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=2, num_warps_bwd=4, num_stages_bwd=1,
+                   group_bwd=1, fast_trig=True)
+# Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
+# jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
+ENGINE = "per_block"
 
 
 def per_block_kernel_fits(block, dtype):
@@ -92,7 +104,20 @@ def _rotated(ref, rows, valid, cos, sin):
     return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
 
 
-def _setup(tab_refs, n, pos_ref, f_refs, block, cs):
+def _approx(op, x):
+    [y] = plgpu.elementwise_inline_asm(f"{op}.approx.f32 $0, $1;", args=[x], constraints="=f,f",
+                                       pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct.like(x)])
+    return y
+
+
+def _cos_sin(a, fast):
+    """(cos, sin) of angles in [-pi, pi]: MUFU approximations when fast, else libdevice."""
+    if fast:
+        return _approx("cos", a), _approx("sin", a)
+    return jnp.cos(a), jnp.sin(a)
+
+
+def _setup(tab_refs, n, pos_ref, f_refs, block, cs, fast_trig=False):
     """(rows, valid [block], write [block], cos, sin [block, D/2]) of block n."""
     start_ref, len_ref, wlen_ref = tab_refs
     start, ln, wl = start_ref[n], len_ref[n], wlen_ref[n]
@@ -102,7 +127,7 @@ def _setup(tab_refs, n, pos_ref, f_refs, block, cs):
     p = plgpu.load(pos_ref.at[rows], mask=valid, other=0).astype(F32)[:, None]
     f1, f2, f3 = (f[...][None, :] for f in f_refs)
     a = rope_angle(p, f1, f2, f3, cs)
-    return rows, valid, write, jnp.cos(a), jnp.sin(a)
+    return (rows, valid, write) + _cos_sin(a, fast_trig)
 
 
 def _probs(q1, q2, k1, k2, valid, scale):
@@ -142,18 +167,20 @@ def _each_block(group, fn):
     lax.fori_loop(0, group, body, 0)
 
 
-def _fwd_kernel(*refs, block, scale, cs, group):
-    _each_block(group, lambda n: _fwd_block(n, *refs, block=block, scale=scale, cs=cs))
+def _fwd_kernel(*refs, block, scale, cs, group, fast_trig):
+    _each_block(group, lambda n: _fwd_block(n, *refs, block=block, scale=scale, cs=cs,
+                                            fast_trig=fast_trig))
 
 
-def _bwd_kernel(*refs, block, scale, cs, group):
-    _each_block(group, lambda n: _bwd_block(n, *refs, block=block, scale=scale, cs=cs))
+def _bwd_kernel(*refs, block, scale, cs, group, fast_trig):
+    _each_block(group, lambda n: _bwd_block(n, *refs, block=block, scale=scale, cs=cs,
+                                            fast_trig=fast_trig))
 
 
 def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-               o_ref, *, block, scale, cs):
+               o_ref, *, block, scale, cs, fast_trig):
     rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), n, pos_ref,
-                                          (f1_ref, f2_ref, f3_ref), block, cs)
+                                          (f1_ref, f2_ref, f3_ref), block, cs, fast_trig)
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
@@ -162,9 +189,9 @@ def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
 
 
 def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-               do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs):
+               do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs, fast_trig):
     rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), n, pos_ref,
-                                          (f1_ref, f2_ref, f3_ref), block, cs)
+                                          (f1_ref, f2_ref, f3_ref), block, cs, fast_trig)
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
@@ -194,9 +221,11 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
     sfx = "_bwd" if bwd else ""
     params = plgpu.CompilerParams(num_warps=knobs["num_warps" + sfx],
                                   num_stages=knobs["num_stages" + sfx])
-    group = knobs["group"]
+    group = knobs["group" + sfx]
+    fast_trig = bool(knobs["fast_trig"]) and xs[0].dtype.itemsize == 2 and not interpret
     out = pl.pallas_call(
-        functools.partial(kernel, block=block, scale=scale, cs=cs, group=group),
+        functools.partial(kernel, block=block, scale=scale, cs=cs, group=group,
+                          fast_trig=fast_trig),
         grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
@@ -230,13 +259,18 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
                            sm_scale=None, **knobs):
     """Same contract as kernels.block_attention.block_attention.
 
-    knobs: num_warps, num_stages, num_warps_bwd, num_stages_bwd of the per-block
-    kernel, or FlashConfig tiles when the block goes to the tiled engine.
+    knobs: engine ("per_block" or "tiled"; default ENGINE), then BLOCK_KNOBS of the
+    per-block kernel, or FlashConfig tiles when the block goes to the tiled engine
+    (engine="tiled", or a block size the per-block kernel does not take).
     """
     t, _, d = q.shape
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
     interpret = jax.default_backend() != "gpu"
-    if not per_block_kernel_fits(block, q.dtype):
+    knobs = dict(knobs)
+    engine = knobs.pop("engine", ENGINE)
+    if engine not in ("per_block", "tiled"):
+        raise ValueError(f"block_attention_pallas: engine must be 'per_block' or 'tiled', got {engine!r}")
+    if engine == "tiled" or not per_block_kernel_fits(block, q.dtype):
         cfg = FlashConfig(mode="softmax", scale=float(sm_scale), block=block, rope=True,
                           interpret=interpret, **{**TILES, **knobs})
         return jagged_flash(cfg, q, k, v, offsets, offsets, rope_positions=positions,
@@ -252,11 +286,12 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
     offsets = offsets.astype(jnp.int32)
     if positions is None:
         positions = segment_layout(offsets, t)[1]
-    group = int(knobs.get("group", BLOCK_KNOBS["group"]))
-    if group < 1:
-        raise ValueError(f"block_attention_pallas: group must be >= 1, got {group}")
+    groups = [int(knobs.get(g, BLOCK_KNOBS[g])) for g in ("group", "group_bwd")]
+    if min(groups) < 1:
+        raise ValueError(f"block_attention_pallas: group and group_bwd must be >= 1, got {groups}")
     tab = block_table(offsets, t, block)
-    extra = -tab[0].shape[0] % group  # idle programs (len 0, write 0) fill the last group
+    # idle programs (len 0, write 0) fill the last group of either kernel
+    extra = -tab[0].shape[0] % math.lcm(*groups)
     tab = tuple(jnp.pad(x, (0, extra)) for x in tab)
     # On GPU masked lanes never touch memory, so reads past T are harmless. Interpret
     # mode slices with clamped starts instead: pad there so every block read fits.
