@@ -72,6 +72,8 @@ flags.DEFINE_list("variants", ["all"], f"'all' or some of {list(VARIANTS)} (plus
 flags.DEFINE_bool("with_full", True, "also run the full model (the paired deltas need it); turn off only "
                   "to split one ablation over parallel processes sharing --workdir, then rerun "
                   "with it on to tabulate (finished runs are reused)")
+flags.DEFINE_bool("table_only", False, "train nothing: tabulate the runs already finished in --workdir "
+                  "(those with this config and --steps), e.g. after parallel processes hit a time cap")
 flags.DEFINE_string("workdir", "runs/ablate", "one subdirectory per variant and seed (reruns resume)")
 flags.DEFINE_string("out", "", "JSON results path (default WORKDIR/ablate.json)")
 
@@ -133,25 +135,35 @@ def _jsonable(cfg: Config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
+def finished(cfg: Config, workdir: str) -> dict | None:
+    """The summary of a finished run of cfg in workdir, or None (absent, unfinished or
+    stopped early). A workdir holding another config is an error."""
+    cfg_path, sum_path = (os.path.join(workdir, n) for n in ("config.json", "summary.json"))
+    if not os.path.exists(cfg_path):
+        return None
+    with open(cfg_path) as f:
+        saved = json.load(f)
+    if saved != _jsonable(cfg):
+        raise ValueError(f"{workdir} holds a run of another config ({cfg_path}); "
+                         f"use a fresh --workdir or remove it")
+    if os.path.exists(sum_path):
+        with open(sum_path) as f:
+            summary = json.load(f)
+        if summary.get("steps") == cfg.train.steps and not summary.get("stopped_early"):
+            return summary
+    return None
+
+
 def run(cfg: Config, workdir: str, log: Callable[[str], None] = print, **train_kw) -> dict:
     """Train cfg in workdir (resuming) and return its summary; a finished run with the
     same config is read back, not retrained. A workdir holding another config is an error.
     train_kw: passed to gemjax.train.loop.train (mesh, trainer_kw)."""
     from gemjax.train.loop import train
 
-    cfg_path, sum_path = (os.path.join(workdir, n) for n in ("config.json", "summary.json"))
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            saved = json.load(f)
-        if saved != _jsonable(cfg):
-            raise ValueError(f"{workdir} holds a run of another config ({cfg_path}); "
-                             f"use a fresh --workdir or remove it")
-        if os.path.exists(sum_path):
-            with open(sum_path) as f:
-                summary = json.load(f)
-            if summary.get("steps") == cfg.train.steps and not summary.get("stopped_early"):
-                log(f"[ablate] reusing {sum_path}")
-                return summary
+    summary = finished(cfg, workdir)
+    if summary is not None:
+        log(f"[ablate] reusing {os.path.join(workdir, 'summary.json')}")
+        return summary
     return train(cfg, workdir, log=log, **train_kw)
 
 
@@ -217,8 +229,14 @@ def main(argv):
     runs = []
     for (v, s), cfg in cfgs.items():
         wd = os.path.join(f.workdir, v, f"seed{s}")
-        print(f"[ablate] {v} seed {s} -> {wd}")
-        summary = run(cfg, wd, log=lambda line: print(f"  {line}"))
+        if f.table_only:
+            summary = finished(cfg, wd)
+            if summary is None:
+                print(f"[ablate] {v} seed {s}: not finished in {wd}, left out of the table")
+                continue
+        else:
+            print(f"[ablate] {v} seed {s} -> {wd}")
+            summary = run(cfg, wd, log=lambda line: print(f"  {line}"))
         runs.append({"variant": v, "seed": s, "workdir": wd, "summary": summary,
                      "overrides": VARIANTS[v][0]})
         with open(out, "w") as fh:   # after every run: partial ablations keep their results

@@ -6,6 +6,11 @@
 #
 # Sections (minutes on an H200, measured or estimated):
 #   kernels      gpu-marked kernel tests + bench_attention with its tile sweep (~8)
+#   kernel_tests_par  the same tests split over PAR parallel pytest processes sharing the GPU
+#                (KT_CAP seconds, KT_MEM of its memory each)
+#   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
+#   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
+#                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU, every variant incl. the fused Pallas update (~2)
 #   sparse_mgpu  gpu-marked sparse tests over all GPUs + bench sharded over them (~3)
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
@@ -15,9 +20,9 @@
 #                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
-#                (default 2000) and ABLATE_OVERRIDE (e.g. data.batch_size=1024) scale it. Slow: on
-#                `small` the teacher ran ~3 steps/s per process with 6 sharing one H200, so 2,000
-#                steps x 3 seeds is more than one 10-minute device call
+#                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
+#                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
+#                of an earlier call (reused); the table holds the runs finished so far
 # Each section prints its table last and keeps its full log in $OUT/<section>.log.
 set -u
 OUT=${OUT:-runs/gpu_checks}
@@ -42,6 +47,29 @@ for s in "$@"; do
             tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py
         section kernel_bench 300 $PY experiments/bench_attention.py --workloads=W4,W1,W2,W3 --sweep \
             --sweep_budget_s=40 --sweep_deadline_s=160 --out "$OUT/bench_attention.json" ;;
+    kernel_tests_par)
+        # the gpu-marked kernel tests split over PAR (default 3) pytest processes sharing the
+        # GPU: Triton compiles are CPU-bound, so they overlap
+        KT="tests/test_kernels_block_attention.py tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py"
+        # KT_SHARD=i/n keeps every n-th test from the i-th (e.g. one shard per GPU)
+        $PY -m pytest -m gpu --co -q -o addopts="" $KT 2>/dev/null | grep '::' \
+            | awk -v s="${KT_SHARD:-0/1}" 'BEGIN {split(s, a, "/")} (NR - 1) % a[2] == a[1]' \
+            > "$OUT/kernel_test_ids.txt"
+        split -n r/${PAR:-3} "$OUT/kernel_test_ids.txt" "$OUT/kernel_ids_"
+        for f in "$OUT"/kernel_ids_*; do
+            XLA_PYTHON_CLIENT_MEM_FRACTION=${KT_MEM:-0.25} timeout ${KT_CAP:-360} $PY -m pytest -m gpu -q -rfE $(cat "$f") > "$f.log" 2>&1 &
+        done
+        wait
+        echo "=== kernel_tests_par: $(wc -l < "$OUT/kernel_test_ids.txt") tests"
+        tail -n 4 "$OUT"/kernel_ids_*.log ;;
+    kernel_bench_w4)
+        section kernel_bench_w4 240 $PY experiments/bench_attention.py --workloads=W4 ${W4_SWEEP---sweep} \
+            --sweep_budget_s=90 --sweep_deadline_s=200 --out "$OUT/bench_attention_w4.json" ;;
+    teacher_h200)
+        # the full teacher at the h200 preset through the standard train script
+        section teacher_h200 330 $PY experiments/train.py --config=h200 --steps=${TEACHER_STEPS:-200} \
+            --override=model.kind=teacher,model.num_experts=4,model.top_k=2,train.log_every=25,train.eval_every=100000,train.checkpoint_every=100000 \
+            --workdir="$OUT/teacher_h200" ;;
     sparse)
         section sparse_bench 150 $PY experiments/bench_sparse.py --naive_rows=25000000 --probe_rows= \
             --out="$OUT/bench_sparse.json" ;;
@@ -64,17 +92,23 @@ for s in "$@"; do
     movielens)
         section movielens 300 $PY experiments/movielens.py --time_limit_s=240 --out="$OUT/movielens.json" ;;
     ablate)
+        # ABLATE_CAP (s, default 3000) caps every variant's process; ABLATE_WORKDIR (default
+        # $OUT/ablate) may hold earlier finished runs (config.json + summary.json), reused.
+        AWD=${ABLATE_WORKDIR:-$OUT/ablate}
+        mkdir -p "$AWD"
+        export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/gemjax-ablate-cache}
         for v in full no_sequences no_pma no_cross_layer no_experts softmax_attention gdpa_attention; do
             f=--nowith_full; [ "$v" = full ] && f=
-            XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 timeout 3000 $PY experiments/ablate.py --config=small \
-                --steps=${ABLATE_STEPS:-2000} --override="${ABLATE_OVERRIDE:-}" $f --variants=$v \
-                --seeds=0,1,2 --workdir="$OUT/ablate" \
-                --out="$OUT/ablate/$v.json" > "$OUT/ablate_$v.log" 2>&1 &
+            XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 timeout ${ABLATE_CAP:-3000} $PY experiments/ablate.py \
+                --config=small --steps=${ABLATE_STEPS:-2000} --override="${ABLATE_OVERRIDE:-}" $f \
+                --variants=$v --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
+                --out="$AWD/$v.json" > "$OUT/ablate_$v.log" 2>&1 &
         done
         wait
         section ablate_table 120 $PY experiments/ablate.py --config=small --steps=${ABLATE_STEPS:-2000} \
-            --override="${ABLATE_OVERRIDE:-}" --seeds=0,1,2 --workdir="$OUT/ablate" ;;
+            --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
+            --table_only --out="$OUT/ablate.json" ;;
     *)
-        echo "unknown section $s (kernels sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
     esac
 done

@@ -161,6 +161,10 @@ def test_one_variant_trains_two_steps_and_reruns_reuse(tmp_path):
     assert np.isfinite(summary["eval_ne"]) and 0 < summary["bayes_ne"] < summary["eval_ne"] + 1
     with open(os.path.join(wd, "summary.json")) as f:
         assert json.load(f)["eval_ne"] == summary["eval_ne"]
+    assert ablate.finished(cfg, wd) == summary        # what --table_only tabulates
+    with pytest.raises(ValueError, match="another config"):
+        ablate.finished(ablate.variant_config(full, "no_experts", seed=1, steps=3), wd)
+    assert ablate.finished(cfg, str(tmp_path / "absent")) is None
     lines.clear()
     assert ablate.run(cfg, wd, log=lines.append, mesh=mesh) == summary
     assert any("reusing" in line for line in lines)
