@@ -215,21 +215,55 @@ def test_attention_calls_match_the_kernels_the_teacher_runs(monkeypatch):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_pyramid_pooling_is_a_kernel_call_where_kernels_run_in_pallas(monkeypatch):
+    """Where jagged_attention picks Pallas, PyramidLevel pools through one kernel call over
+    the packed buffer (tile ranges skip other blocks), and attention_calls(backend) lists
+    it; the block-local einsum used elsewhere gives the same logits."""
+    import gemjax.layers.pyramid as P
+    from gemjax.models.gem import build_model
+    cfg = get_config("tiny", _SMALL + ",model.dim=32,model.seq_heads=2,model.interformer_layers=1,"
+                     "model.pyramid_levels=4:2:1/8:none:1")                # head dim 16
+    batch, _ = SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)
+    lens = {s: np.diff(batch.sequences[s].offsets) for s in SEQUENCES}
+    dev = jax.device_put(batch)
+    model = build_model(cfg, nnx.Rngs(0))
+    acts = L.random_acts(cfg, dev, jax.random.key(1))
+    monkeypatch.setattr(P, "default_impl", lambda op, head_dim, backend=None: "pallas")
+    calls = _recording(monkeypatch)
+    packed = model(acts, dev)
+    want = L.attention_calls(cfg, lens, backend="gpu")
+    assert calls == [(c.op, c.forward_flops) for c in want]
+    pools = [c for c in want if c.name.endswith(".pool")]
+    assert [c.name for c in pools] == [f"{s}.level0.pool" for s in SEQUENCES]
+    for c, s in zip(pools, SEQUENCES):     # 2 queries per 4-token block: 4 H D x 2 x tokens
+        assert c.forward_flops == 4 * 2 * 16 * 2 * int(lens[s].sum())
+    assert not any(c.name.endswith(".pool") for c in L.attention_calls(cfg, lens, backend="cpu"))
+    monkeypatch.setattr(P, "default_impl", lambda op, head_dim, backend=None: "reference")
+    np.testing.assert_allclose(np.asarray(model(acts, dev)), np.asarray(packed), rtol=1e-5, atol=1e-6)
+
+
+def test_block_lengths():
+    np.testing.assert_array_equal(L.block_lengths(np.array([0, 5, 8, 9, 1]), 4),
+                                  [4, 1, 4, 4, 4, 4, 1, 1])
+    assert L.block_lengths(np.array([0, 0]), 4).shape == (0,)
+
+
 def test_pallas_flops_only_for_calls_run_in_pallas():
     assert L.runs_in_pallas("block", 32, "gpu") and not L.runs_in_pallas("block", 16, "gpu")
     assert L.runs_in_pallas("gdpa", 16, "gpu") and not L.runs_in_pallas("softmax", 8, "gpu")
     assert not L.runs_in_pallas("gdpa", 32, "cpu")
     cfg = get_config("tiny", "model.kind=teacher,model.dim=32,model.seq_heads=2")   # head dim 16
     lens = {"clicks": np.array([0, 5, 40]), "views": np.array([3, 0, 70])}
-    calls = L.attention_calls(cfg, lens)
+    calls = L.attention_calls(cfg, lens, backend="gpu")
     got = L.pallas_attention_flops(calls, "gpu")
     # head dim 16: gdpa / softmax in Pallas, block attention (needs 32) on the jnp reference;
-    # the pyramid's per-block pooling is an einsum, so the pyramid has no Pallas FLOPs here
+    # so the pyramid's Pallas FLOPs are its pooling calls only
     want = {}
     for c in calls:
         if c.op != "block":
             want[c.block] = want.get(c.block, 0) + 3 * c.forward_flops
-    assert got == pytest.approx(want) and "pyramid" not in got and "interformer0.sequence" in got
+    pool = sum(3 * c.forward_flops for c in calls if c.name.endswith(".pool"))
+    assert got == pytest.approx(want) and got["pyramid"] == pool > 0 and "interformer0.sequence" in got
     assert L.pallas_attention_flops(calls, "cpu") == {}
     # per shard: a 2-shard host batch counts each shard's own samples
     cfg = get_config("tiny", _SMALL + ",model.dim=32,model.seq_heads=1")
@@ -238,7 +272,7 @@ def test_pallas_flops_only_for_calls_run_in_pallas():
     from gemjax.data.feeding import concat_shards
     total = L.step_attention_flops(cfg, concat_shards(shards), 2, backend="gpu")
     each = [sum(L.pallas_attention_flops(L.attention_calls(cfg, {s: np.diff(b.sequences[s].offsets)
-                                                                for s in SEQUENCES}), "gpu").values())
+                                                                for s in SEQUENCES}, "gpu"), "gpu").values())
             for b in shards]
     assert total == pytest.approx(sum(each)) and min(each) > 0
 

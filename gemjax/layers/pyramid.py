@@ -7,7 +7,9 @@ sequences of thousands of events without details. Our reading:
             -> SequenceEncoder with block attention (each `block`-token run of a
                sample attends only within itself, RoPE)
             -> pool every block into `pooled` tokens: `pooled` learned queries
-               attend (softmax) over the block's tokens (PMA per block), computed
+               attend (softmax) over the block's tokens (PMA per block). Where the
+               attention kernels run in Pallas (GPU), one jagged_attention call over
+               the packed buffer whose tile ranges skip other blocks' pairs; else
                block-locally in a padded [NB, block] layout: O(NB * pooled * block * d)
             -> tokens [T_{l+1}, d]: sample b now has ceil(L_b / block) * pooled
                tokens, in time order of its blocks
@@ -35,7 +37,7 @@ from gemjax.data.jagged import Jagged
 from gemjax.layers.attention import JaggedCrossAttention
 from gemjax.layers.axes import param
 from gemjax.layers.sequence import SequenceEncoder
-from kernels.common import segment_layout
+from kernels.common import default_impl, segment_layout
 from kernels.jagged_attention.reference import masked_softmax_av
 
 
@@ -121,11 +123,21 @@ class PyramidLevel(nnx.Module):
             x = self.encoder(x, jagged)
         if self.pool is None:
             return x.astype(self.dtype), jagged.with_values(None)
-        y = self._pool_blocks(x, jagged)
+        y = self._pool(x, jagged)
         off = jnp.asarray(jagged.offsets, jnp.int32)
         nxt = -(-(off[1:] - off[:-1]) // self.block) * self.pooled
         nxt_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nxt).astype(jnp.int32)])
         return y, jagged_from_offsets(y, nxt_off).with_values(None)
+
+    def pools_in_kernel(self) -> bool:
+        """Whether pooling runs the jagged_attention kernel over the packed buffer
+        (_pool_packed: where kernels/ picks Pallas, whose precomputed tile ranges skip
+        the pairs of other blocks) rather than the block-local einsum (_pool_blocks:
+        where the op would run its jnp reference, which visits every pair)."""
+        return default_impl("jagged_attention", self.pool.head_dim) == "pallas"
+
+    def _pool(self, x: jax.Array, jagged: Jagged) -> jax.Array:
+        return (self._pool_packed if self.pools_in_kernel() else self._pool_blocks)(x, jagged)
 
     def _pool_blocks(self, x: jax.Array, jagged: Jagged) -> jax.Array:
         """Block-local pooling: x [T, d] -> [NB * pooled, d] in self.dtype.

@@ -86,10 +86,23 @@ def _hp(cfg: Config, name: str):
     return hp(cfg, name)
 
 
-def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray]) -> list[AttentionCall]:
+def block_lengths(lengths: np.ndarray, block: int) -> np.ndarray:
+    """[B] sample lengths -> [sum ceil(L / block)] lengths of their `block`-token blocks."""
+    lengths = np.asarray(lengths, np.int64)
+    n = -(-lengths // block)
+    out = np.full(int(n.sum()), block, np.int64)
+    last = np.cumsum(n)[n > 0] - 1
+    out[last] = lengths[n > 0] - (n[n > 0] - 1) * block
+    return out
+
+
+def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray],
+                    backend: str | None = None) -> list[AttentionCall]:
     """Every attention call of GEMTeacher's forward on one device's batch, in call order.
 
     seq_lengths: {sequence name: [B] tokens per sample} (the batch's jagged lengths).
+    backend (default jax.default_backend()): the pyramid's per-block pooling is a
+    kernel call only where jagged_attention runs in Pallas there.
     """
     m = cfg.model
     heads, hd = m.seq_heads, m.dim // m.seq_heads
@@ -109,8 +122,12 @@ def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray]) -> list[Att
             for j in range(layers):
                 add("pyramid", f"{s}.level{li}.attn{j}", "block", lengths, lengths, b)
             if pooled is not None:
-                # the per-block pooling is a plain einsum (gemjax.layers.pyramid._pool_blocks):
-                # XLA counts it, so it is no kernel call here
+                # per-block pooling (PyramidLevel.pools_in_kernel): a jagged_attention call
+                # (pooled queries per block over its tokens) where that kernel runs in
+                # Pallas on `backend`, else a plain einsum that XLA counts itself
+                if runs_in_pallas("softmax", hd, backend):
+                    kv = block_lengths(lengths, b)
+                    add("pyramid", f"{s}.level{li}.pool", "softmax", np.full(kv.shape, pooled), kv)
                 lengths = -(-lengths // b) * pooled
         top.append(lengths)
     merged = np.sum(top, axis=0)
@@ -160,7 +177,7 @@ def step_attention_flops(cfg: Config, batch, num_shards: int, backend: str | Non
     """
     if cfg.model.kind != "teacher":
         raise ValueError(f"step_attention_flops: model.kind must be 'teacher', got {cfg.model.kind!r}")
-    return float(sum(sum(pallas_attention_flops(attention_calls(cfg, lens), backend).values())
+    return float(sum(sum(pallas_attention_flops(attention_calls(cfg, lens, backend), backend).values())
                      for lens in shard_seq_lengths(batch, num_shards)))
 
 
@@ -314,7 +331,7 @@ def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, 
     acts = random_acts(cfg, dev_batch, jax.random.key(seed + 1))
     blocks = teacher_blocks(model, acts, dev_batch, seed)
     lens = {s: np.diff(np.asarray(batch.sequences[s].offsets)) for s in SEQUENCES}
-    pallas = pallas_attention_flops(attention_calls(cfg, lens), backend)
+    pallas = pallas_attention_flops(attention_calls(cfg, lens, backend), backend)
     layers, extra = [], {}
     for blk in blocks:
         compiled = jax.jit(blk.fn).lower(*blk.args).compile()
