@@ -14,7 +14,8 @@
 #   sparse       bench_sparse on one GPU, every variant incl. the fused Pallas update (~2)
 #   sparse_mgpu  gpu-marked sparse tests over all GPUs + bench sharded over them (~3)
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
-#                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_exchange_buckets=true
+#                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_exchange_buckets=true;
+#                SWEEP_PROFILE=N traces N steps per mesh and prints where device time goes
 #   movielens    MovieLens-1M with the defaults (~4)
 #   teacher_small  the `small` teacher (the ablation's model) on one device: step time and
 #                each block timed alone, to see where its step goes (~2)
@@ -81,7 +82,7 @@ for s in "$@"; do
     sweep)
         section sweep_mesh 540 $PY experiments/sweep_mesh.py --config=h200 \
             --override=model.kind=teacher,model.num_experts=4,model.top_k=2${SWEEP_OVERRIDE:+,$SWEEP_OVERRIDE} \
-            --workdir="$OUT/sweep" ;;
+            ${SWEEP_PROFILE:+--profile_steps=$SWEEP_PROFILE} --workdir="$OUT/sweep" ;;
     teacher_small)
         section teacher_small 240 $PY experiments/sweep_mesh.py --config=small \
             --override=model.kind=teacher,model.num_experts=4,model.attention=block \

@@ -69,6 +69,9 @@ flags.DEFINE_bool("local_mfu", True, "measure Local MFU (teacher blocks alone on
 flags.DEFINE_integer("local_iters", 10, "timed calls per block for Local MFU")
 flags.DEFINE_integer("steps", 10, "timed steps per shape (after 1 warm-up step)")
 flags.DEFINE_integer("batches", 2, "distinct host batches cycled through")
+flags.DEFINE_integer("profile_steps", 0, "> 0: after timing, trace this many steps per mesh with "
+                     "jax.profiler (WORKDIR/profile/<mesh>) and print where device time goes "
+                     "(experiments/profile_summary.py)")
 flags.DEFINE_float("peak_flops", None, "peak FLOP/s per device (default: table by device kind)")
 flags.DEFINE_string("dtype", "bf16", "peak table column")
 flags.DEFINE_float("nvlink_gbps", 450.0, "cost model: NVLink GB/s per GPU per direction")
@@ -162,6 +165,18 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
         state, m = step(state, device_batches[i % len(device_batches)])
     jax.block_until_ready((state, m))
     step_s = (time.perf_counter() - t0) / steps
+    profile = None
+    if FLAGS.profile_steps > 0:   # after the timing: the trace's overhead stays out of step_s
+        profile = os.path.join(os.path.abspath(FLAGS.workdir), "profile", short(spec).replace(",", "_"))
+        with jax.profiler.trace(profile, create_perfetto_trace=True):
+            for i in range(FLAGS.profile_steps):
+                state, m = step(state, device_batches[i % len(device_batches)])
+            jax.block_until_ready((state, m))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import profile_summary
+        print(f"[sweep] {short(spec)}: device time of {FLAGS.profile_steps} traced steps ({profile})\n"
+              + profile_summary.format_summary(profile_summary.summarize(
+                  profile_summary.load_events(profile), FLAGS.profile_steps), top=12), flush=True)
     stats = [d.memory_stats() or {} for d in mesh.devices.flat]
     peak = max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) or None
     leaves = jax.tree_util.tree_leaves_with_path(state["params"])
@@ -176,7 +191,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
             "compiled_bytes_per_device": compiled_bytes, "running_peak_bytes_per_device": peak,
             "loss": float(np.asarray(m["loss"])), "ids_overflow": int(np.asarray(m["ids_overflow"])),
             "dense_params": int(sum(x.size for _, x in leaves)) - int(expert), "expert_params": int(expert),
-            "shards": shards}
+            "shards": shards, "profile": profile}
 
 
 def workload(cfg, row: dict, base: dict, local_batch: int):

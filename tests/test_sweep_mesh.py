@@ -20,7 +20,7 @@ def test_sweep_tiny_on_two_cpu_devices(tmp_path):
         [sys.executable, os.path.join(ROOT, "experiments", "sweep_mesh.py"), "--config=tiny",
          "--override=data.batch_size=8,data.seq_median=4,data.seq_cap=8,model.wukong_layers=1",
          "--cpu_devices=2", "--shapes=replica=2,fsdp=1,expert=1", "--steps=1", "--batches=1",
-         "--peak_flops=1e11", "--predict_gpus=64,1024", f"--workdir={tmp_path}"],
+         "--peak_flops=1e11", "--predict_gpus=64,1024", "--profile_steps=1", f"--workdir={tmp_path}"],
         capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.load(open(tmp_path / "sweep_mesh.json"))
@@ -47,6 +47,11 @@ def test_sweep_tiny_on_two_cpu_devices(tmp_path):
     assert cm["max_abs_rel_error_multi_device"] == pytest.approx(abs(two["predicted_rel_error"]))
     assert cm["workload"]["local_batch"] == 8 and cm["workload"]["emb_dim"] == 8
     assert "best:" in r.stdout.splitlines()[-1] and "pred err" in r.stdout
+    # --profile_steps: a perfetto trace per mesh, summarised (host-only on CPU)
+    for x in rows:
+        assert x["profile"].startswith(str(tmp_path))
+        assert any(f == "perfetto_trace.json.gz" for _, _, fs in os.walk(x["profile"]) for f in fs)
+    assert r.stdout.count("no device events in the trace") == 2
 
 
 def test_cost_model_expert_tokens_follow_the_built_experts():
