@@ -103,6 +103,9 @@ class TrainConfig:
     # sparse all_to_all capacity picked per step from the unique ids (EmbeddingCollection
     # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS); off until measured on GPUs
     sparse_exchange_buckets: bool = False
+    # replicas of a local table copy all-gather unique rows only (EmbeddingCollection
+    # sync_buckets); off until measured on GPUs
+    sparse_sync_buckets: bool = False
     warmup_steps: int = 100
     log_every: int = 100
     eval_every: int = 500

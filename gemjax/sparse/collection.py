@@ -59,6 +59,12 @@ the backward reuses the forward's branch). Same rows, updates and overflow as
 () = off (tests/test_sparse_exchange_buckets.py); the traffic follows the
 unique ids instead of C. Default () for now: collectives inside lax.switch have
 not run on GPUs yet (the trainer turns it on with train.sparse_exchange_buckets).
+sync_buckets (with unique_buckets): local copies kept in sync over replicas
+(replicated, or 2d with a one-device model group) all-gather only the smallest
+unique bucket of rows and their summed grads, sized by the largest unique count
+over the replicas (`routing.sync_update_bucketed`), instead of all N per-id
+slots; same updates (tests/test_sparse_sync_buckets.py). Default off until it
+has run on GPUs (the trainer turns it on with train.sparse_sync_buckets).
 update_impl: "xla" (default) or "pallas": the duplicate sum and row-wise Adagrad
 fused in one Pallas kernel (gemjax.sparse.fused_update; tables whose optimizer
 is not RowWiseAdagrad or whose dim is not a power of two >= 16 keep "xla").
@@ -94,7 +100,7 @@ class EmbeddingCollection:
                  *, replica_axes: Sequence[str] = (), batch_axes: Sequence[str] | None = None,
                  dedup: str = "sort", grad_dtype: Any = jnp.float32,
                  unique_buckets: Sequence[float] = routing.DEFAULT_BUCKETS, update_impl: str = "xla",
-                 exchange_buckets: Sequence[float] = (),
+                 exchange_buckets: Sequence[float] = (), sync_buckets: bool = False,
                  **planner_kw):
         if dedup not in routing.DEDUPS:
             raise ValueError(f"dedup must be one of {routing.DEDUPS}, got {dedup!r}")
@@ -106,6 +112,7 @@ class EmbeddingCollection:
         self.unique_buckets = tuple(unique_buckets)
         routing.exchange_caps(1, exchange_buckets)       # validates
         self.exchange_buckets = tuple(exchange_buckets)
+        self.sync_buckets = bool(sync_buckets)
         if update_impl not in routing.UPDATE_IMPLS:
             raise ValueError(f"update_impl must be one of {routing.UPDATE_IMPLS}, got {update_impl!r}")
         self.update_impl = update_impl
@@ -495,6 +502,13 @@ class EmbeddingCollection:
                     new[unit] = routing.update_unique_bucketed(
                         new.get(unit, state[unit]), g, route[name], spec.optimizer,
                         self.unique_buckets, src_index=src_index, update_impl=impl)
+                    continue
+                if lay.num_model == 1 and lay.num_fs == 1 and sync and self.sync_buckets and self.unique_buckets:
+                    # a local copy synced over replicas: they all-gather unique rows only
+                    new[unit] = routing.sync_update_bucketed(
+                        new.get(unit, state[unit]), g, route[name], sync, spec.optimizer,
+                        src_index=src_index, dedup=self.dedup,
+                        buckets=self.unique_buckets, update_impl=impl)
                     continue
                 if "xb" in route[name]:     # exchange at the lookup's bucket capacity
                     new[unit] = routing.route_update_bucketed(

@@ -168,7 +168,7 @@ class Trainer:
         xb = routing.DEFAULT_EXCHANGE_BUCKETS if cfg.train.sparse_exchange_buckets else ()
         coll = EmbeddingCollection(table_specs(cfg), table_plan, mesh=mesh,
                                    replica_axes=tuple(table_replica_axes), exchange_buckets=xb,
-                                   **planner_kw)
+                                   sync_buckets=cfg.train.sparse_sync_buckets, **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
 
     @property
