@@ -186,13 +186,56 @@ def pow2_at_least(n, lo):
     return n >= lo and n & (n - 1) == 0
 
 
+# Largest padded head dim (block_attention: per RoPE half) the kernels run at.
+MAX_PADDED = {"gdpa": 128, "jagged_attention": 128, "block_attention": 64}
+# Smallest padded size: the smallest run on a GPU so far (head dim 32 in the teacher
+# ablation; block_attention halves of 16).
+MIN_PADDED = {"gdpa": 32, "jagged_attention": 32, "block_attention": 16}
+
+
+def padded_head_dim(op, head_dim):
+    """Head dim the Pallas kernels run `op` at, or None when they cannot.
+
+    A power of two >= 16 runs as is (block_attention: each RoPE half D/2); other
+    sizes are zero-padded to the next power of two, at least MIN_PADDED[op] and at
+    most MAX_PADDED[op] (block_attention pads each half: [x1 | 0 | x2 | 0]). Zero
+    lanes change no dot product, so only the cost grows.
+    """
+    if op == "block_attention":
+        if head_dim % 2:
+            return None
+        half = _padded(head_dim // 2, MIN_PADDED[op], MAX_PADDED[op])
+        return None if half is None else 2 * half
+    return _padded(head_dim, MIN_PADDED[op], MAX_PADDED[op])
+
+
+def _padded(d, lo, hi):
+    if pow2_at_least(d, 16):
+        return d
+    p = max(lo, 1 << max(d - 1, 0).bit_length())
+    return p if p <= hi else None
+
+
+def pad_head_dim(x, to):
+    """[T, H, D] -> [T, H, to]: zero lanes appended."""
+    return x if x.shape[-1] == to else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, to - x.shape[-1])])
+
+
+def pad_halves(x, to):
+    """[T, H, D] -> [T, H, to] as [x1 | 0 | x2 | 0], x1 / x2 the RoPE halves of x."""
+    d = x.shape[-1]
+    if d == to:
+        return x
+    h, ht = d // 2, to // 2
+    return jnp.concatenate([pad_head_dim(x[..., :h], ht), pad_head_dim(x[..., h:], ht)], axis=-1)
+
+
 def default_impl(op, head_dim, backend=None):
-    """impl=None's choice for `op`: "pallas" on GPU when the Triton tiles fit the head
-    dim (D a power of 2 >= 16; D/2 for "block_attention", whose RoPE works on halves),
-    else "reference". backend: default jax.default_backend()."""
-    d = head_dim // 2 if op == "block_attention" else head_dim
+    """impl=None's choice for `op`: "pallas" on GPU when the Triton kernels take the head
+    dim, padded if need be (`padded_head_dim`), else "reference". backend: default
+    jax.default_backend()."""
     gpu = (backend or jax.default_backend()) == "gpu"
-    return "pallas" if gpu and pow2_at_least(d, 16) else "reference"
+    return "pallas" if gpu and padded_head_dim(op, head_dim) is not None else "reference"
 
 
 def check_impl(op, impl):

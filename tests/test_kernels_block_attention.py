@@ -58,6 +58,25 @@ def test_pallas_engines_agree_and_bad_engine_is_named():
         block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), engine="mosaic")
 
 
+@pytest.mark.parametrize("d,block", [(8, 64), (24, 32), (48, 16)])
+def test_pallas_pads_rope_halves(d, block):
+    """Each RoPE half zero-padded to a power of two (zero frequencies on the zero
+    lanes), the real D's frequencies and scale; custom positions."""
+    rng = np.random.default_rng(9)
+    pos = rng.integers(0, 3000, size=384)
+    _check("pallas", LENS, 384, d=d, block=block, positions=pos, seed=4)
+
+
+def test_padded_head_dims_only_through_the_per_block_kernel():
+    from kernels.block_attention.pallas import block_attention_pallas
+    q = jnp.zeros((64, 1, 24), jnp.float32)
+    off = jnp.array([0, 64], jnp.int32)
+    with pytest.raises(ValueError, match="tiled engine"):
+        block_attention_pallas(q, q, q, off, engine="tiled")
+    with pytest.raises(ValueError, match="tiled engine"):
+        block_attention_pallas(q, q, q, off, block=48)
+
+
 def test_reference_block16_custom_positions():
     rng = np.random.default_rng(5)
     pos = rng.integers(0, 5000, size=256)
@@ -102,9 +121,9 @@ def test_bad_inputs_name_the_input():
         block_attention(q, q, q, off, block=0)
     with pytest.raises(ValueError, match="impl"):
         block_attention(q, q, q, off, impl="mosaic")
-    q96 = jnp.zeros((16, 1, 96), jnp.float32)       # D/2 = 48: no power-of-two Triton tile
-    with pytest.raises(ValueError, match="twice a power of two"):
-        block_attention(q96, q96, q96, off, impl="pallas")
+    q300 = jnp.zeros((16, 1, 300), jnp.float32)     # D/2 = 150: would pad past 64 per half
+    with pytest.raises(ValueError, match="head dim D=300"):
+        block_attention(q300, q300, q300, off, impl="pallas")
 
 
 @pytest.mark.gpu
@@ -112,6 +131,16 @@ def test_gpu_last_sample_ends_at_capacity():
     """Block reads run past T (masked lanes): must not fault or leak; T = sum(lens)."""
     lens = [0, 1, 63, 64, 65, 700, 37]
     _check("pallas", lens, sum(lens), dtype=jnp.bfloat16, h=4, d=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [8, 24, 96])
+def test_gpu_padded_rope_halves(d):
+    rng = np.random.default_rng(10)
+    lens = np.clip(rng.lognormal(np.log(300), 0.8, 10).astype(int), 0, 1500)
+    lens[:4] = [0, 1, 63, 65]
+    t = int(-(-sum(lens) // 128) * 128)
+    _check("pallas", lens, t, dtype=jnp.bfloat16, h=2, d=d)
 
 
 @pytest.mark.gpu

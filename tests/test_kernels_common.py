@@ -313,3 +313,22 @@ def test_default_references_do_not_build_the_dense_score_matrix():
         assert mem.temp_size_in_bytes < dense_bytes / 2, (
             f"{name}: {mem.temp_size_in_bytes / 2**20:.0f} MiB temp vs dense "
             f"{dense_bytes / 2**20:.0f} MiB")
+
+
+def test_padded_head_dims_and_the_default_impl():
+    from kernels.common import (default_impl, pad_halves, pad_head_dim, padded_head_dim)
+    want = {"gdpa": {8: 32, 16: 16, 24: 32, 48: 64, 96: 128, 128: 128, 130: None, 256: 256},
+            "block_attention": {7: None, 8: 32, 16: 32, 32: 32, 48: 64, 96: 128, 130: None,
+                                256: 256}}
+    for op, table in want.items():
+        for d, p in table.items():
+            assert padded_head_dim(op, d) == p, (op, d)
+            assert default_impl(op, d, "gpu") == ("reference" if p is None else "pallas")
+            assert default_impl(op, d, "cpu") == "reference"
+    x = jnp.arange(2 * 1 * 6, dtype=jnp.float32).reshape(2, 1, 6)
+    np.testing.assert_array_equal(pad_head_dim(x, 8)[..., :6], x)
+    assert float(jnp.abs(pad_head_dim(x, 8)[..., 6:]).sum()) == 0
+    h = pad_halves(x, 10)                             # [x1 | 0 0 | x2 | 0 0]
+    np.testing.assert_array_equal(h[..., :3], x[..., :3])
+    np.testing.assert_array_equal(h[..., 5:8], x[..., 3:])
+    assert float(jnp.abs(h[..., 3:5]).sum() + jnp.abs(h[..., 8:]).sum()) == 0

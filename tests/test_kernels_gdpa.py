@@ -69,6 +69,12 @@ def test_pallas_pma_short_q():
     _check("pallas", PMA_Q, SELF, 128, 256, activation="gelu_tanh", d=64, h=1)
 
 
+@pytest.mark.parametrize("d", [8, 24, 48])
+def test_pallas_pads_head_dims_the_tiles_do_not_take(d):
+    """D zero-padded to a power of two (kernels.common.padded_head_dim), sliced back."""
+    _check("pallas", SELF, CROSS_KV, 256, 128, d=d, activation="gelu", scale=0.2)
+
+
 @pytest.mark.parametrize("activation", ["silu"])
 def test_pallas_bf16(activation):  # 16-bit: the tanh.approx form (jnp.tanh in interpret mode)
     _check("pallas", SELF, SELF, 256, 256, dtype=jnp.bfloat16, activation=activation)
@@ -123,14 +129,25 @@ def test_bad_inputs_name_the_input():
         gdpa(q, q, q, off.astype(jnp.float32), off)
     with pytest.raises(ValueError, match="window"):
         gdpa(q, q, q, off, off, window=0)
+    q130 = jnp.zeros(q.shape[:2] + (130,), q.dtype)  # past the largest padded head dim (128)
     with pytest.raises(ValueError, match="head dim"):
-        gdpa(q[..., :24], q[..., :24], q[..., :24], off, off, impl="pallas")
+        gdpa(q130, q130, q130, off, off, impl="pallas")
 
 
 # ---------------------------------------------------------------- GPU, real sizes
 
 def _lognormal_lengths(rng, n, median, cap):
     return np.clip(rng.lognormal(np.log(median), 0.8, n).astype(int), 0, cap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [8, 24, 96])
+def test_gpu_padded_head_dims(d):
+    rng = np.random.default_rng(4)
+    lens = _lognormal_lengths(rng, 12, 300, 1500)
+    lens[:3] = [0, 1, 64]
+    t = int(-(-lens.sum() // 128) * 128)
+    _check("pallas", lens, lens, t, t, d=d, h=2, dtype=jnp.bfloat16, activation="silu", scale=1 / 1500)
 
 
 @pytest.mark.gpu

@@ -52,6 +52,12 @@ def test_pallas_cross_with_empty_key_samples():
     _check("pallas", SELF, CROSS_KV, 256, 128, sm_scale=0.3)
 
 
+@pytest.mark.parametrize("d", [8, 24])
+def test_pallas_pads_head_dims_with_the_real_scale(d):
+    """D zero-padded to a power of two; the default scale stays 1/sqrt(real D)."""
+    _check("pallas", SELF, SELF, 256, 256, d=d, causal=True)
+
+
 def test_pallas_bf16_d64():
     _check("pallas", SELF, SELF, 256, 256, dtype=jnp.bfloat16, d=64, h=1, causal=True)
 

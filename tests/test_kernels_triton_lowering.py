@@ -56,13 +56,21 @@ OFF = jnp.array([0, 1, 64, 128, 300, 700, 1000], jnp.int32)
 
 
 @pytest.mark.parametrize("case", ["block", "block_group4_f32", "gdpa_silu_fast",
-                                  "gdpa_gelu_tanh_causal_window", "softmax_causal"])
+                                  "gdpa_gelu_tanh_causal_window", "softmax_causal",
+                                  "gdpa_d24_padded", "block_d48_padded", "softmax_d8_padded"])
 def test_kernels_lower_to_verified_triton(cuda_lowering, case):
     from kernels.block_attention.pallas import block_attention_pallas
     from kernels.gdpa.pallas import gdpa_pallas
     from kernels.jagged_attention.pallas import jagged_attention_pallas
-    dtype, n_kernels = jnp.bfloat16, 3
-    if case == "block":
+    from kernels import block_attention, gdpa, jagged_attention
+    dtype, n_kernels, d = jnp.bfloat16, 3, 128
+    if case == "gdpa_d24_padded":      # the public ops pad D to a power of two
+        fn, d = (lambda q, k, v: gdpa(q, k, v, OFF, OFF, scale=0.01, impl="pallas")), 24
+    elif case == "block_d48_padded":
+        fn, n_kernels, d = (lambda q, k, v: block_attention(q, k, v, OFF, impl="pallas")), 2, 48
+    elif case == "softmax_d8_padded":
+        fn, d = (lambda q, k, v: jagged_attention(q, k, v, OFF, OFF, impl="pallas")), 8
+    elif case == "block":
         fn, n_kernels = (lambda q, k, v: block_attention_pallas(q, k, v, OFF)), 2
     elif case == "block_group4_f32":
         fn, dtype, n_kernels = (lambda q, k, v: block_attention_pallas(q, k, v, OFF, group=4),
@@ -74,6 +82,6 @@ def test_kernels_lower_to_verified_triton(cuda_lowering, case):
                                          causal=True, window=100)
     else:
         fn = lambda q, k, v: jagged_attention_pallas(q, k, v, OFF, OFF, causal=True)
-    exp = _lower_train(fn, 1024, 2, 128, dtype)
+    exp = _lower_train(fn, 1024, 2, d, dtype)
     assert cuda_lowering[0] == n_kernels
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == n_kernels

@@ -5,7 +5,7 @@ Exact semantics in kernels/block_attention/reference.py.
 
 import jax.numpy as jnp
 
-from kernels.common import check_attention_inputs, check_impl, default_impl
+from kernels.common import check_attention_inputs, check_impl, default_impl, padded_head_dim
 from kernels.block_attention.reference import (block_attention_reference,
                                                block_attention_reference_dense)
 
@@ -20,8 +20,9 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
     int (RoPE positions; default the index within the sample). Token p of a sample
     attends (softmax, non-causal) to tokens p' of the same sample with
     p' // block == p // block. sm_scale defaults to 1/sqrt(D). Returns [T,H,D] in
-    q.dtype; padding rows are 0. impl: None (Pallas on GPU if D/2 is a power of 2
-    >= 16, else the reference), "reference", "pallas".
+    q.dtype; padding rows are 0. impl: None (Pallas on GPU if its kernels take D:
+    each RoPE half zero-padded to a power of two by the per-block kernel,
+    kernels.common.padded_head_dim; else the reference), "reference", "pallas".
     """
     check_impl("block_attention", impl)
     check_attention_inputs("block_attention", q, k, v, offsets, offsets)
@@ -35,8 +36,12 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
         if positions.shape != q.shape[:1] or not jnp.issubdtype(positions.dtype, jnp.integer):
             raise ValueError(f"block_attention: positions must be int [T={q.shape[0]}], got "
                              f"{positions.dtype}{list(positions.shape)}")
-    if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
+    if impl is None:  # Pallas on GPU when its kernels take D (padded if need be), else jnp
         impl = default_impl("block_attention", q.shape[-1])
+        if impl == "pallas" and padded_head_dim("block_attention", q.shape[-1]) != q.shape[-1]:
+            from kernels.block_attention.pallas import per_block_kernel_fits
+            if not per_block_kernel_fits(block, q.dtype):   # only that kernel pads
+                impl = "reference"
     if impl == "reference":
         return block_attention_reference(q, k, v, offsets, block=block, positions=positions,
                                          rope_theta=rope_theta, sm_scale=sm_scale)

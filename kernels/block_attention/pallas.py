@@ -23,11 +23,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.common import pow2_at_least, rope_angle, rope_freq_parts, segment_layout
+from kernels.common import (MAX_PADDED, pad_halves, pad_head_dim, padded_head_dim, rope_angle,
+                            rope_freq_parts, segment_layout)
 from kernels.jagged_flash import LOG2E, FlashConfig, jagged_flash
 
 F32 = jnp.float32
@@ -271,13 +273,19 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
     if engine not in ("per_block", "tiled"):
         raise ValueError(f"block_attention_pallas: engine must be 'per_block' or 'tiled', got {engine!r}")
     if engine == "tiled" or not per_block_kernel_fits(block, q.dtype):
+        if padded_head_dim("block_attention", d) != d:
+            raise ValueError(f"pallas block_attention: the tiled engine (block={block}, "
+                             f"engine={engine!r}) needs D/2 a power of two >= 16, got D={d}; "
+                             "use impl='reference' or a block of 16, 32 or 64")
         cfg = FlashConfig(mode="softmax", scale=float(sm_scale), block=block, rope=True,
                           interpret=interpret, **{**TILES, **knobs})
         return jagged_flash(cfg, q, k, v, offsets, offsets, rope_positions=positions,
                             rope_theta=float(rope_theta))
-    if not pow2_at_least(d // 2, 16) or d % 2:
-        raise ValueError(f"pallas block_attention: head dim D={d} must be twice a power of two "
-                         ">= 16 (RoPE works on halves; Triton block shapes are powers of two); "
+    dp = padded_head_dim("block_attention", d)
+    if dp is None:
+        raise ValueError(f"pallas block_attention: head dim D={d} must be even with D/2 at most "
+                         f"{MAX_PADDED['block_attention']} or a power of two >= 16 (RoPE works on "
+                         "halves, each zero-padded to a power of two; Triton block shapes); "
                          "use impl='reference'")
     unknown = set(knobs) - set(BLOCK_KNOBS)
     if unknown:
@@ -297,8 +305,12 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
     # mode slices with clamped starts instead: pad there so every block read fits.
     pad = (lambda x: jnp.pad(x, [(0, block)] + [(0, 0)] * (x.ndim - 1))) if interpret else (
         lambda x: x)
-    (f1, f2, f3), cs = rope_freq_parts(d, rope_theta)
-    freqs = tuple(jnp.asarray(f) for f in (f1, f2, f3))
+    (f1, f2, f3), cs = rope_freq_parts(d, rope_theta)     # the real D's frequencies
+    # padded halves [x1 | 0 | x2 | 0]: zero frequencies on the zero lanes (cos 1, sin 0)
+    freqs = tuple(jnp.asarray(np.pad(f, (0, (dp - d) // 2))) for f in (f1, f2, f3))
+    if dp != d:
+        q, k = pad_halves(q, dp), pad_halves(k, dp)
+        v = pad_head_dim(v, dp)
     cfg = (block, {**BLOCK_KNOBS, **knobs}, interpret, float(sm_scale), cs)
     out = _block_attn(cfg, pad(q), pad(k), pad(v), tab, pad(positions.astype(jnp.int32)), freqs)
-    return out[:t]
+    return out[:t, :, :d]

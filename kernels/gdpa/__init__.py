@@ -1,6 +1,7 @@
 """gdpa: generalized dot-product attention over jagged tokens."""
 
-from kernels.common import check_attention_inputs, check_impl, check_mask_args, default_impl
+from kernels.common import (check_attention_inputs, check_impl, check_mask_args, default_impl,
+                            pad_head_dim, padded_head_dim)
 from kernels.gdpa.reference import ACTIVATIONS, gdpa_reference, gdpa_reference_dense
 
 __all__ = ["ACTIVATIONS", "gdpa", "gdpa_reference", "gdpa_reference_dense"]
@@ -12,8 +13,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
 
     q [Tq,H,D], k/v [Tk,H,D] (same float dtype), q_offsets/kv_offsets [B+1] int32
     (same B). Returns [Tq,H,D] in q.dtype; rows past q_offsets[-1] are 0. Masks as
-    in kernels.common. impl: None (Pallas on GPU if D is a power of 2 >= 16, else
-    the reference), "reference", "pallas" (interpret mode off GPU).
+    in kernels.common. impl: None (Pallas on GPU if its kernels take D, zero-padded
+    to a power of two if need be: kernels.common.padded_head_dim; else the
+    reference), "reference", "pallas" (interpret mode off GPU).
     """
     check_impl("gdpa", impl)
     check_attention_inputs("gdpa", q, k, v, q_offsets, kv_offsets)
@@ -26,5 +28,8 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
         return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,
                               scale=scale, causal=causal, window=window)
     from kernels.gdpa.pallas import gdpa_pallas
+    d, dp = q.shape[-1], padded_head_dim("gdpa", q.shape[-1])
+    if dp is not None and dp != d:   # zero lanes: same scores, output sliced back
+        q, k, v = (pad_head_dim(x, dp) for x in (q, k, v))
     return gdpa_pallas(q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale,
-                       causal=causal, window=window)
+                       causal=causal, window=window)[..., :d]

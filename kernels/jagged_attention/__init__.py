@@ -1,6 +1,7 @@
 """jagged_attention: softmax attention over jagged tokens (flash-style on GPU)."""
 
-from kernels.common import check_attention_inputs, check_impl, check_mask_args, default_impl
+from kernels.common import (check_attention_inputs, check_impl, check_mask_args, default_impl,
+                            pad_head_dim, padded_head_dim)
 from kernels.jagged_attention.reference import (jagged_attention_reference,
                                                 jagged_attention_reference_dense)
 
@@ -13,8 +14,9 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
 
     q [Tq,H,D], k/v [Tk,H,D] (same float dtype), offsets [B+1] int32 (same B).
     Returns [Tq,H,D] in q.dtype; rows with no valid key (incl. padding) are 0.
-    impl: None (Pallas on GPU if D is a power of 2 >= 16, else the reference),
-    "reference", "pallas".
+    impl: None (Pallas on GPU if its kernels take D, zero-padded to a power of two
+    if need be: kernels.common.padded_head_dim; else the reference), "reference",
+    "pallas".
     """
     check_impl("jagged_attention", impl)
     check_attention_inputs("jagged_attention", q, k, v, q_offsets, kv_offsets)
@@ -25,5 +27,9 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
         return jagged_attention_reference(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
                                           causal=causal, window=window)
     from kernels.jagged_attention.pallas import jagged_attention_pallas
+    d, dp = q.shape[-1], padded_head_dim("jagged_attention", q.shape[-1])
+    if dp is not None and dp != d:   # zero lanes: same scores (scale of the real D)
+        sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+        q, k, v = (pad_head_dim(x, dp) for x in (q, k, v))
     return jagged_attention_pallas(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
-                                   causal=causal, window=window)
+                                   causal=causal, window=window)[..., :d]
