@@ -11,7 +11,8 @@
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
-#   sparse       bench_sparse on one GPU, every variant incl. the fused Pallas update (~2)
+#   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
+#                fused Pallas update with and without buckets, sort_scatter, scatter) (~2)
 #   sparse_mgpu  gpu-marked sparse tests over all GPUs + bench sharded over them (~3)
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
 #                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_exchange_buckets=true;
@@ -73,6 +74,7 @@ for s in "$@"; do
             --workdir="$OUT/teacher_h200" ;;
     sparse)
         section sparse_bench 150 $PY experiments/bench_sparse.py --naive_rows=25000000 --probe_rows= \
+            --variants=${SPARSE_VARIANTS:-sort_buckets,sort_buckets_pallas,sort_pallas,sort_scatter_buckets,scatter} \
             --out="$OUT/bench_sparse.json" ;;
     sparse_mgpu)
         section sparse_tests 150 $PY -m pytest -m gpu -q -rfE tests/test_sparse_gpu.py tests/test_sparse_fused.py
