@@ -9,6 +9,7 @@
 #   kernel_tests_par  the same tests split over PAR parallel pytest processes sharing the GPU
 #                (KT_CAP seconds, KT_MEM of its memory each)
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
+#   triton_report the compiler's resource report of every kernel (experiments/triton_report.py) (~1)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
@@ -67,6 +68,10 @@ for s in "$@"; do
     kernel_bench_w4)
         section kernel_bench_w4 240 $PY experiments/bench_attention.py --workloads=W4 ${W4_SWEEP---sweep} \
             --sweep_budget_s=90 --sweep_deadline_s=200 --out "$OUT/bench_attention_w4.json" ;;
+    triton_report)
+        # the compiler's resource report of every kernel (registers, spills, shared memory,
+        # occupancy) with the triton package of the device image
+        section triton_report 240 $PY experiments/triton_report.py --out="$OUT/triton_report" ;;
     teacher_h200)
         # the full teacher at the h200 preset through the standard train script
         section teacher_h200 330 $PY experiments/train.py --config=h200 --steps=${TEACHER_STEPS:-200} \
@@ -112,6 +117,6 @@ for s in "$@"; do
             --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
             --table_only --out="$OUT/ablate.json" ;;
     *)
-        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
     esac
 done
