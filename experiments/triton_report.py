@@ -3,8 +3,8 @@
     python experiments/triton_report.py --ops=gdpa,softmax,block --out=runs/triton_report
     python experiments/triton_report.py --triton_python=/path/to/venv/bin/python   # triton elsewhere
 
-Step 1 (needs jax, no GPU): lower forward + backward of each op on the bench's
-W1 lengths (W4 for block) for platform "cuda", compute capability 9.0, through
+Step 1 (needs jax, no GPU): lower forward + backward of each op on a bench
+workload's lengths (--workload; W1's are W4's too) for platform "cuda", sm_90, through
 jax.export, as XLA would receive them, and keep every Triton module (.ttir) with
 its num_warps / num_stages / grid. Uses JAX internals (the GPU info lookup and
 the Triton lowering entry point, as tests/test_kernels_triton_lowering.py does):
@@ -55,7 +55,10 @@ def occupancy(regs: int, shared: int, warps: int) -> dict:
 # ----------------------------------------------------------------------------- step 1: lower
 
 
-def lower(ops, head_dim: int, out_dir: str) -> list[dict]:
+def lower(ops, head_dim: int, out_dir: str, workload: str = "W1") -> list[dict]:
+    """Lower each op's forward + backward on bench_attention's `workload` lengths
+    (block attention: self-attention workloads only) -> one row per Triton kernel."""
+    import importlib.util
     import types
 
     import jax
@@ -85,36 +88,43 @@ def lower(ops, head_dim: int, out_dir: str) -> list[dict]:
     reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
     real_backend = jax.default_backend
     jax.default_backend = lambda: "gpu"          # the kernels' non-interpret path
-    rng = np.random.default_rng(0)               # W1 / W4 lengths of bench_attention
-    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(np.int64), 16, 4096)
-    off = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-    t = int(-(-lens.sum() // 128) * 128)
-    fns = {"gdpa": lambda q, k, v: gdpa_pallas(q, k, v, off, off, activation="silu", scale=1 / 4096),
-           "softmax": lambda q, k, v: jagged_attention_pallas(q, k, v, off, off),
-           "block": lambda q, k, v: block_attention_pallas(q, k, v, off)}
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_attention.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _, ql, kl = bench.workload(workload)      # bench_attention's lengths (seed 0)
+    q_off, kv_off = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (ql, kl))
+    tq, tk = (int(-(-x.sum() // 128) * 128) for x in (ql, kl))
+    fns = {"gdpa": lambda q, k, v: gdpa_pallas(q, k, v, q_off, kv_off, activation="silu", scale=1 / 4096),
+           "softmax": lambda q, k, v: jagged_attention_pallas(q, k, v, q_off, kv_off),
+           "block": lambda q, k, v: block_attention_pallas(q, k, v, q_off)}
     rows = []
     try:
         for op in ops:
             if op not in fns:
                 raise ValueError(f"unknown op {op!r}; choose from {sorted(fns)}")
+            if op == "block" and tq != tk:
+                raise ValueError(f"block attention is self-attention: workload {workload} is cross")
             modules.clear()
-            x = jax.ShapeDtypeStruct((t, 4, head_dim), jnp.bfloat16)
+            xq = jax.ShapeDtypeStruct((tq, 4, head_dim), jnp.bfloat16)
+            xk = jax.ShapeDtypeStruct((tk, 4, head_dim), jnp.bfloat16)
 
             def train(q, k, v, fn=fns[op]):
                 o, vjp = jax.vjp(fn, q, k, v)
                 return o, vjp(o)
             exp = export.export(jax.jit(train), platforms=["cuda"], disabled_checks=[
-                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(x, x, x)
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(xq, xk, xk)
             calls = re.findall(r'name = "([^"]+)"[^}]*?num_stages = (\d+)[^}]*?num_warps = (\d+)',
                                exp.mlir_module())
             if len(calls) != len(modules):
                 raise RuntimeError(f"{op}: {len(modules)} Triton modules but {len(calls)} custom calls")
             for m, (name, stages, warps) in zip(modules, calls):
-                path = os.path.join(out_dir, f"{name}.ttir")
+                path = os.path.join(out_dir, f"{workload}_{name}.ttir")
                 with open(path, "w") as f:
                     f.write(str(m.module))
-                rows.append({"op": op, "kernel": name, "ttir": path, "num_warps": int(warps),
-                             "num_stages": int(stages), "grid": list(m.grid), "head_dim": head_dim})
+                rows.append({"op": op, "workload": workload, "kernel": name, "ttir": path,
+                             "num_warps": int(warps), "num_stages": int(stages), "grid": list(m.grid),
+                             "head_dim": head_dim})
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = real_lower
         reg.gpu_info_lib.get_gpu_info = real_info
@@ -175,6 +185,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="gdpa,softmax,block", help="comma-separated: gdpa, softmax, block")
     ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--workload", default="W1", help="bench_attention workload whose lengths (and "
+                    "so adapted tiles) are lowered: W1, W2, W3 (block: W1 = W4's lengths)")
     ap.add_argument("--out", default="runs/triton_report", help="directory for .ttir files and report.json")
     ap.add_argument("--triton_python", default=sys.executable,
                     help="interpreter with the triton package for step 2 (default: this one)")
@@ -186,7 +198,7 @@ def main(argv: list[str]) -> int:
         json.dump(compile_report(rows), sys.stdout)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    rows = lower([o for o in args.ops.split(",") if o], args.head_dim, args.out)
+    rows = lower([o for o in args.ops.split(",") if o], args.head_dim, args.out, args.workload)
     lowered = os.path.join(args.out, "lowered.json")
     with open(lowered, "w") as f:
         json.dump(rows, f, indent=1)
@@ -200,7 +212,7 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"Triton {report[0]['triton'] if report else '?'} for sm_90, head dim {args.head_dim}, "
-          f"bf16 (W1 lengths; block: W4):")
+          f"bf16, {args.workload} lengths:")
     print(format_report(report))
     return 0
 

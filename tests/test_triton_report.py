@@ -42,6 +42,10 @@ def test_lowering_keeps_every_kernel_with_its_launch_parameters(tmp_path):
         assert text.startswith(f"module @{r['kernel']}") and "tt.dot" in text
     with pytest.raises(ValueError, match="unknown op"):
         R.lower(["mosaic"], 64, str(tmp_path))
+    with pytest.raises(ValueError, match="self-attention"):
+        R.lower(["block"], 64, str(tmp_path), workload="W2")
+    cross = R.lower(["softmax"], 64, str(tmp_path), workload="W2")      # 32 keys per sample
+    assert [r["workload"] for r in cross] == ["W2"] * 3 and os.path.exists(cross[0]["ttir"])
     import jax
     assert jax.default_backend() == "cpu"          # the patches are undone
 
