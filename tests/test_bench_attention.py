@@ -1,0 +1,57 @@
+"""experiments/bench_attention.py on CPU (Pallas interpret mode, 3 samples): the figures it
+reports follow the issue's accounting, recomputed here from the workload lengths:
+useful FLOPs 4 H D sum(Lq Lkv) over valid pairs (64-token blocks for W4), 3.5x for
+forward+backward, the HBM floor max(FLOPs / 625 TF/s, bytes / 3.6 TB/s)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _lengths(name, n):
+    rng = np.random.default_rng(0)
+    draw = lambda k, med: np.clip(rng.lognormal(np.log(med), 0.8, k).astype(np.int64), 16, 4096)  # noqa: E731
+    if name == "W2":
+        return draw(256, 256)[:n], np.full(n, 32)
+    lens = draw(64, 512)[:n]
+    return lens, lens
+
+
+def test_reported_figures_follow_the_accounting(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_attention.py"),
+                        "--workloads=W2,W4", "--max_samples=3", "--iters=1", "--nobaselines",
+                        f"--out={out}"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = {x["meta"]["workload"]: x for x in json.load(open(out))["results"]}
+    h, d = 4, 128
+    for name in ("W2", "W4"):
+        ql, kl = _lengths(name, 3)
+        if name == "W4":
+            pairs = int(np.sum((ql // 64) * 64 * 64 + (ql % 64) ** 2))
+        else:
+            pairs = int(np.sum(ql * kl))
+        meta = res[name]["meta"]
+        assert meta["valid_pairs"] == pairs and meta["samples"] == 3
+        flops = 4 * h * d * pairs
+        assert meta["fwd_gflop"] == pytest.approx(flops / 1e9)
+        nq, nk = int(ql.sum()), int(kl.sum())
+        assert meta["bytes_fwd"] == (2 * nq + 2 * nk) * h * d * 2
+        rows = {x["impl"]: x for x in res[name]["rows"]}
+        assert ("pallas_gdpa_silu" in rows) == (name == "W2") and ("pallas_block" in rows) == (name == "W4")
+        for impl, x in rows.items():
+            if "fwd_ms" not in x or impl.endswith("_W1"):
+                continue
+            assert x["fwd_tflops"] == pytest.approx(flops / (x["fwd_ms"] * 1e-3) / 1e12, rel=1e-6)
+            assert x["fwd_bwd_tflops"] == pytest.approx(3.5 * flops / (x["fwd_bwd_ms"] * 1e-3) / 1e12,
+                                                        rel=1e-6)
+            floor = max(flops / 625e12, meta["bytes_fwd"] / 3.6e12) * 1e3
+            assert x["fwd_floor_ms"] == pytest.approx(floor, rel=1e-6)
+    assert "wl  impl" in r.stdout
