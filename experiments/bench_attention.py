@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from attention_workloads import workload  # experiments/, next to this script
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import BLOCK_KNOBS, block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
@@ -62,23 +63,6 @@ BWD_GRID = ["64:32:4:2", "64:32:8:2", "64:64:4:2", "64:64:8:2", "32:64:4:2", "64
 BLOCK_FWD_GRID = ["4:1:1", "8:1:1", "4:1:4", "8:1:4", "4:2:2"]   # 2:1:1 was 2.6x slower
 BLOCK_BWD_GRID = ["8:1:1", "8:1:4", "4:1:1", "8:2:2"]
 _START = time.perf_counter()
-
-
-def lognormal_lengths(rng, n, median, sigma=0.8, lo=16, hi=4096):
-    return np.clip(rng.lognormal(np.log(median), sigma, n).astype(np.int64), lo, hi)
-
-
-def workload(name):
-    """(kind, q_lengths, kv_lengths) with lengths drawn from seed 0."""
-    rng = np.random.default_rng(0)
-    if name in ("W1", "W4"):
-        lens = lognormal_lengths(rng, 64, 512)
-        return ("self" if name == "W1" else "block"), lens, lens
-    if name == "W2":
-        return "cross", lognormal_lengths(rng, 256, 256), np.full(256, 32)
-    if name == "W3":
-        return "pma", np.full(256, 16), lognormal_lengths(rng, 256, 512)
-    raise ValueError(f"unknown workload {name!r}")
 
 
 def valid_pairs(kind, ql, kl, block=64):

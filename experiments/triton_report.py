@@ -58,7 +58,6 @@ def occupancy(regs: int, shared: int, warps: int) -> dict:
 def lower(ops, head_dim: int, out_dir: str, workload: str = "W1") -> list[dict]:
     """Lower each op's forward + backward on bench_attention's `workload` lengths
     (block attention: self-attention workloads only) -> one row per Triton kernel."""
-    import importlib.util
     import types
 
     import jax
@@ -88,14 +87,9 @@ def lower(ops, head_dim: int, out_dir: str, workload: str = "W1") -> list[dict]:
     reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
     real_backend = jax.default_backend
     jax.default_backend = lambda: "gpu"          # the kernels' non-interpret path
-    bench = sys.modules.get("bench_attention")    # loaded once: it defines absl flags
-    if bench is None:
-        spec = importlib.util.spec_from_file_location(
-            "bench_attention", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_attention.py"))
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        sys.modules["bench_attention"] = bench
-    _, ql, kl = bench.workload(workload)      # bench_attention's lengths (seed 0)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from attention_workloads import workload as lengths_of
+    _, ql, kl = lengths_of(workload)          # bench_attention's lengths (seed 0)
     q_off, kv_off = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (ql, kl))
     tq, tk = (int(-(-x.sum() // 128) * 128) for x in (ql, kl))
     fns = {"gdpa": lambda q, k, v: gdpa_pallas(q, k, v, q_off, kv_off, activation="silu", scale=1 / 4096),

@@ -3,7 +3,6 @@ names are refused, one variant trains through the script's run function; the tea
 ModelConfig fields parse from override strings."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,11 +16,10 @@ from jax.sharding import Mesh
 
 from gemjax.config import get_config
 from gemjax.models.gem import build_model
+import experiment_scripts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("ablate", os.path.join(ROOT, "experiments", "ablate.py"))
-ablate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablate)
+ablate = experiment_scripts.load("ablate")
 
 # What each variant must change in the full model's ModelConfig, written out by hand.
 EXPECTED = {

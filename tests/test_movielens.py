@@ -2,10 +2,8 @@
 learned positions and l2 norm, history exclusion, and the whole protocol on a tiny
 synthetic catalogue (every recipe flag, both selection modes)."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +13,9 @@ from flax import nnx
 
 from gemjax.data.jagged import pack
 from gemjax.data.movielens import MovieLens, exclude_history, leave_last_out, ranking_metrics
+import experiment_scripts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("movielens_experiment",
-                                               os.path.join(ROOT, "experiments", "movielens.py"))
-mlx = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = mlx
-_spec.loader.exec_module(mlx)
+mlx = experiment_scripts.load("movielens")
 
 
 def tiny_movielens(users=12, items=30, seed=0):
@@ -168,10 +162,7 @@ def test_protocol_runs_every_flag(kw):
 
 
 def test_summary_table_reads_results_and_flags_broken_files(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "movielens_table", os.path.join(ROOT, "experiments", "movielens_table.py"))
-    tbl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tbl)
+    tbl = experiment_scripts.load("movielens_table")
     res = {"test": {"hr@10": 0.3125, "ndcg@10": 0.1875, "hr@50": 0.5625, "ndcg@50": 0.25},
            "test_unmasked": {"hr@10": 0.2813}, "test_from": "refit", "epochs_picked": 35,
            "test_early_stopped": {"hr@10": 0.2969}, "wall_s": 321.0,

@@ -2,17 +2,12 @@
 perfetto trace; host events ignored; files found under a directory."""
 
 import gzip
-import importlib.util
 import json
-import os
 
 import pytest
+import experiment_scripts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("profile_summary",
-                                               os.path.join(ROOT, "experiments", "profile_summary.py"))
-P = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(P)
+P = experiment_scripts.load("profile_summary")
 
 
 def _trace():

@@ -2,16 +2,12 @@
 kernels for sm_90 on this CPU) keeps one Triton module per kernel with the launch
 parameters the kernels ask for. Step 2 needs the triton package (not in CI)."""
 
-import importlib.util
 import os
 
 import pytest
+import experiment_scripts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("triton_report",
-                                               os.path.join(ROOT, "experiments", "triton_report.py"))
-R = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(R)
+R = experiment_scripts.load("triton_report")
 
 
 def test_occupancy_by_hand():

@@ -1,0 +1,29 @@
+"""The attention benchmark workloads of issue 6 (bf16, 4 heads, head dim 128; lengths seed 0).
+
+  W1 jagged self: 64 samples, log-normal lengths, median 512, sigma 0.8, in [16, 4096]
+  W2 cross, short K/V: 256 samples, Q median 256 (same sigma and clip), 32 K/V each
+  W3 PMA, short Q: 256 samples, 16 queries each, K/V lengths drawn as W1's
+  W4 BlockAttention on W1's lengths
+
+Shared by bench_attention.py (times them) and triton_report.py (lowers the kernels
+on their shapes); no flags here, so both can import it.
+"""
+
+import numpy as np
+
+
+def lognormal_lengths(rng, n, median, sigma=0.8, lo=16, hi=4096):
+    return np.clip(rng.lognormal(np.log(median), sigma, n).astype(np.int64), lo, hi)
+
+
+def workload(name):
+    """(kind, q_lengths, kv_lengths) with lengths drawn from seed 0."""
+    rng = np.random.default_rng(0)
+    if name in ("W1", "W4"):
+        lens = lognormal_lengths(rng, 64, 512)
+        return ("self" if name == "W1" else "block"), lens, lens
+    if name == "W2":
+        return "cross", lognormal_lengths(rng, 256, 256), np.full(256, 32)
+    if name == "W3":
+        return "pma", np.full(256, 16), lognormal_lengths(rng, 256, 512)
+    raise ValueError(f"unknown workload {name!r}")
