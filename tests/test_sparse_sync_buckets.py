@@ -96,3 +96,9 @@ def test_same_update_as_the_all_n_gather(shape, names, plan, replica_axes, narro
         for k in want[n]:
             np.testing.assert_array_equal(got[n][k], want[n][k], err_msg=f"{n}.{k}")
         assert not np.array_equal(want[n]["weights"], tables[n]["weights"]), f"{n} was not updated"
+
+
+def test_sync_buckets_need_unique_buckets():
+    specs = tss.make_specs(SGD(lr=0.5))
+    with pytest.raises(ValueError, match="needs unique_buckets"):
+        EmbeddingCollection(specs, unique_buckets=(), sync_buckets=True)

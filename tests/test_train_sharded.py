@@ -95,3 +95,14 @@ def test_merge_shards_keeps_every_sample():
                 i += 1
         assert i == len(off) - 1 and (np.asarray(seq.segment_ids)[off[-1]:] == i).all()
         assert seq.capacity == sum(p.sequences[name].capacity for p in parts)
+
+
+def test_replica_sync_buckets_match_one_device(single):
+    """train.sparse_sync_buckets on 8 replicas of every table (a one-device model group):
+    the replicas all-gather unique rows only, and training equals one device."""
+    res = train_steps("replica=8", 3, overrides="train.sparse_sync_buckets=true",
+                      table_replica_axes=("replica",), tables0=single["init_tables"], **SPARSE)
+    assert res["devices"] == 8 and set(res["plans"].values()) <= {"2d", "replicated"}
+    np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
+    assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 1e-5
+    assert max_rel_diff(res["tables"], single["tables"]) < 1e-5

@@ -112,6 +112,9 @@ class EmbeddingCollection:
         self.unique_buckets = tuple(unique_buckets)
         routing.exchange_caps(1, exchange_buckets)       # validates
         self.exchange_buckets = tuple(exchange_buckets)
+        if sync_buckets and not self.unique_buckets:
+            raise ValueError("sync_buckets sizes the replica all-gather by unique_buckets; "
+                             "it needs unique_buckets (e.g. routing.DEFAULT_BUCKETS), got ()")
         self.sync_buckets = bool(sync_buckets)
         if update_impl not in routing.UPDATE_IMPLS:
             raise ValueError(f"update_impl must be one of {routing.UPDATE_IMPLS}, got {update_impl!r}")
@@ -503,7 +506,7 @@ class EmbeddingCollection:
                         new.get(unit, state[unit]), g, route[name], spec.optimizer,
                         self.unique_buckets, src_index=src_index, update_impl=impl)
                     continue
-                if lay.num_model == 1 and lay.num_fs == 1 and sync and self.sync_buckets and self.unique_buckets:
+                if self.sync_buckets and sync and lay.num_model == 1 and lay.num_fs == 1:
                     # a local copy synced over replicas: they all-gather unique rows only
                     new[unit] = routing.sync_update_bucketed(
                         new.get(unit, state[unit]), g, route[name], sync, spec.optimizer,
