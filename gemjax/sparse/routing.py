@@ -44,8 +44,9 @@ Row update, `update_impl=` (`update_rows`, `update_unique_bucketed`):
 `sync_update_bucketed` (a local copy kept in sync over replicas: replicated, or
 2d with a one-device model group): each replica sums its duplicates, then the
 replicas all-gather only the smallest bucket holding every replica's unique
-rows (pmax), not all N per-id slots; on two H200s the all-N gather of the h200
-teacher's sequence tables moved ~5.6 GB per device per step.
+rows (pmax), not all N per-id slots (for the h200 teacher on two replicas the
+all-N gathers send ~2.9 GB per device per step, estimated from the compiled
+step's shapes).
 
 `update_unique_bucketed` (local tables): the duplicate sum and the row update
 run on the smallest static bucket of unique rows >= the batch's actual count
