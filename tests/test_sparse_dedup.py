@@ -61,13 +61,18 @@ def test_sorted_unique_segments_are_non_decreasing_and_consistent():
     np.testing.assert_array_equal(perm, np.argsort(key, kind="stable"))
 
 
+@pytest.mark.parametrize("v,caps,counts", [
+    (500, [7, 16, 32, 64], (3, 7, 8, 16, 17, 40, 64)),
+    (12, [7, 12], (3, 7, 8, 12)),             # a 12-row table: no bucket past its rows
+])
 @pytest.mark.parametrize("dedup", routing.DEDUPS)
-def test_bucketed_update_equals_full_update(dedup):
+def test_bucketed_update_equals_full_update(dedup, v, caps, counts):
     """update_unique_bucketed == dedupe + update on all N rows, for unique counts that
-    select every bucket (few distinct ids ... all distinct), with padding and a src_index."""
+    select every bucket (few distinct ids ... all distinct), with padding and a src_index;
+    the buckets stop at the table's rows."""
     from gemjax.sparse import RowWiseAdagrad
     rng = np.random.default_rng(3)
-    opt, n, v, d, buckets = RowWiseAdagrad(lr=0.1, eps=1e-6), 64, 500, 4, (0.1, 0.25, 0.5)
+    opt, n, d, buckets = RowWiseAdagrad(lr=0.1, eps=1e-6), 64, 4, (0.1, 0.25, 0.5)
     state = {"weights": jnp.asarray(rng.standard_normal((v, d)), jnp.float32),
              "accum": jnp.asarray(rng.random(v), jnp.float32)}
     src = jnp.asarray(rng.standard_normal((10, d)), jnp.float32)
@@ -79,8 +84,12 @@ def test_bucketed_update_equals_full_update(dedup):
         uniq, res = routing.dedup_ids(key, dedup)
         return routing.update_unique_bucketed(s, src, {**res, "uniq": uniq}, opt, buckets, src_index=si)
 
-    assert routing.bucket_sizes(n, buckets) == [7, 16, 32, 64]
-    for distinct in (3, 7, 8, 16, 17, 40, n):
+    assert routing.bucket_sizes(n, buckets, rows=v) == caps
+    args = (state, jnp.full((n,), INVALID, jnp.int32), jnp.zeros((n,), jnp.int32))
+    conds = [e for e in jax.make_jaxpr(bucketed)(*args).jaxpr.eqns[0].params["jaxpr"].eqns
+             if e.primitive.name == "cond"]
+    assert [len(e.params["branches"]) for e in conds] == [len(caps)]   # one branch per bucket
+    for distinct in counts:
         key = rng.permutation(np.resize(rng.choice(v, distinct, replace=False), n)).astype(np.int32)
         key[rng.random(n) < 0.1] = INVALID
         si = rng.integers(0, 10, n).astype(np.int32)

@@ -343,7 +343,8 @@ def sync_update_bucketed(state: dict[str, Array], g: Array, res: dict, sync_axes
     also size the gather, and the update's own buckets run in the full-N branch only.
     """
     uniq = res["uniq"]
-    caps = bucket_sizes(uniq.shape[0], update_kw.get("buckets", ()))
+    caps = bucket_sizes(uniq.shape[0], update_kw.get("buckets", ()),
+                        rows=state["weights"].shape[0])
 
     def branch(cap):
         def run(state):
@@ -351,7 +352,7 @@ def sync_update_bucketed(state: dict[str, Array], g: Array, res: dict, sync_axes
             rows = jnp.where(uniq[:cap] != INVALID, uniq[:cap], -1)
             rows = jax.lax.all_gather(rows, sync_axes, axis=0, tiled=True)
             g_u = jax.lax.all_gather(g_u, sync_axes, axis=0, tiled=True)
-            kw = update_kw if cap == uniq.shape[0] else {**update_kw, "buckets": ()}
+            kw = update_kw if cap == caps[-1] else {**update_kw, "buckets": ()}
             return update_rows(state, rows, g_u, optimizer, **kw)
         return run
 
@@ -442,12 +443,14 @@ def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
     return out
 
 
-def bucket_sizes(n: int, buckets) -> list[int]:
-    """Static unique-row capacities: ceil(f * n) for f in buckets (0 < f <= 1), plus n, ascending."""
+def bucket_sizes(n: int, buckets, rows: int | None = None) -> list[int]:
+    """Static unique-row capacities: ceil(f * n) for f in buckets (0 < f <= 1), plus n,
+    ascending; each at most `rows` (the table's rows: no batch touches more)."""
     for f in buckets:
         if not 0 < f <= 1:
             raise ValueError(f"unique_buckets must lie in (0, 1], got {f}")
-    return sorted({max(1, min(n, math.ceil(f * n))) for f in buckets} | {n})
+    top = n if rows is None else max(1, min(n, rows))
+    return sorted({max(1, min(top, math.ceil(f * n))) for f in buckets} | {top})
 
 
 def update_unique_bucketed(state: dict[str, Array], g: Array, res: dict, optimizer, buckets,
@@ -465,7 +468,7 @@ def update_unique_bucketed(state: dict[str, Array], g: Array, res: dict, optimiz
     _check_impl(update_impl, optimizer, state)
     uniq = res["uniq"]
     n = uniq.shape[0]
-    caps = bucket_sizes(n, buckets)
+    caps = bucket_sizes(n, buckets, rows=state["weights"].shape[0])
     u = jnp.sum(uniq != INVALID, dtype=jnp.int32)
     if update_impl == "pallas":
         perm, seg = _sort_residual(res)
