@@ -59,7 +59,8 @@ FWD_GRID = ["64:64:8:3", "64:64:4:3", "64:64:8:2", "64:64:4:2", "64:32:4:3", "64
 # 32-key dK/dV tiles remove its register spill (884 B per thread for GDPA at 64:64:4).
 BWD_GRID = ["64:32:4:2", "64:32:8:2", "64:64:4:2", "64:64:8:2", "32:64:4:2", "64:128:8:2",
             "128:64:8:2"]
-# Per-block kernel (W4): num_warps:num_stages:group for the forward, num_warps_bwd:num_stages_bwd:group_bwd for the backward.
+# Per-block kernel (W4): num_warps:num_stages:group for the forward,
+# num_warps_bwd:num_stages_bwd:group_bwd for the backward.
 BLOCK_FWD_GRID = ["4:1:1", "8:1:1", "4:1:4", "8:1:4", "4:2:2"]   # 2:1:1 was 2.6x slower
 BLOCK_BWD_GRID = ["8:1:1", "8:1:4", "4:1:1", "8:2:2"]
 _START = time.perf_counter()

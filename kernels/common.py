@@ -221,6 +221,16 @@ def pad_head_dim(x, to):
     return x if x.shape[-1] == to else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, to - x.shape[-1])])
 
 
+def with_padded_head_dim(op, q, k, v, call):
+    """call(q, k, v) at the head dim the kernels run `op` at (`padded_head_dim`; zero
+    lanes appended), its [..., D] output sliced back to the real D."""
+    d = q.shape[-1]
+    dp = padded_head_dim(op, d)
+    if dp is None or dp == d:
+        return call(q, k, v)
+    return call(*(pad_head_dim(x, dp) for x in (q, k, v)))[..., :d]
+
+
 def pad_halves(x, to):
     """[T, H, D] -> [T, H, to] as [x1 | 0 | x2 | 0], x1 / x2 the RoPE halves of x."""
     d = x.shape[-1]

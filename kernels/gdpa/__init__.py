@@ -1,7 +1,7 @@
 """gdpa: generalized dot-product attention over jagged tokens."""
 
 from kernels.common import (check_attention_inputs, check_impl, check_mask_args, default_impl,
-                            pad_head_dim, padded_head_dim)
+                            with_padded_head_dim)
 from kernels.gdpa.reference import ACTIVATIONS, gdpa_reference, gdpa_reference_dense
 
 __all__ = ["ACTIVATIONS", "gdpa", "gdpa_reference", "gdpa_reference_dense"]
@@ -28,8 +28,6 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
         return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,
                               scale=scale, causal=causal, window=window)
     from kernels.gdpa.pallas import gdpa_pallas
-    d, dp = q.shape[-1], padded_head_dim("gdpa", q.shape[-1])
-    if dp is not None and dp != d:   # zero lanes: same scores, output sliced back
-        q, k, v = (pad_head_dim(x, dp) for x in (q, k, v))
-    return gdpa_pallas(q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale,
-                       causal=causal, window=window)[..., :d]
+    return with_padded_head_dim("gdpa", q, k, v, lambda q, k, v: gdpa_pallas(
+        q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, causal=causal,
+        window=window))

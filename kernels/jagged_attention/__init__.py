@@ -1,7 +1,7 @@
 """jagged_attention: softmax attention over jagged tokens (flash-style on GPU)."""
 
 from kernels.common import (check_attention_inputs, check_impl, check_mask_args, default_impl,
-                            pad_head_dim, padded_head_dim)
+                            with_padded_head_dim)
 from kernels.jagged_attention.reference import (jagged_attention_reference,
                                                 jagged_attention_reference_dense)
 
@@ -27,9 +27,7 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
         return jagged_attention_reference(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
                                           causal=causal, window=window)
     from kernels.jagged_attention.pallas import jagged_attention_pallas
-    d, dp = q.shape[-1], padded_head_dim("jagged_attention", q.shape[-1])
-    if dp is not None and dp != d:   # zero lanes: same scores (scale of the real D)
-        sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-        q, k, v = (pad_head_dim(x, dp) for x in (q, k, v))
-    return jagged_attention_pallas(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
-                                   causal=causal, window=window)[..., :d]
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale   # the real D's, if padded
+    call = lambda q, k, v: jagged_attention_pallas(q, k, v, q_offsets, kv_offsets,  # noqa: E731
+                                                   sm_scale=sm_scale, causal=causal, window=window)
+    return with_padded_head_dim("jagged_attention", q, k, v, call)
