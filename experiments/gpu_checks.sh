@@ -16,7 +16,7 @@
 #                fused Pallas update with and without buckets, sort_scatter, scatter) (~2)
 #   sparse_mgpu  gpu-marked sparse tests over all GPUs + bench sharded over them (~3)
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
-#                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_exchange_buckets=true;
+#                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_sync_buckets=false;
 #                SWEEP_PROFILE=N traces N steps per mesh and prints where device time goes
 #   movielens    MovieLens-1M with the defaults (~4)
 #   teacher_small  the `small` teacher (the ablation's model) on one device: step time and

@@ -12,6 +12,14 @@ no device process: the summary says so.
 
 sweep_mesh.py --profile_steps=N traces N timed steps of every mesh and prints
 this summary, so a 1-device and an N-device step can be compared op by op.
+
+Idle device time: per device, the span from its first event to its last, the
+part of it covered by some event (busy) and the rest (idle), per step, with the
+largest gaps and the ops around them. A device that idles while the step is
+not communicating waits for the host: e.g. a lax.switch around collectives,
+which XLA:GPU runs as a host conditional (a MemcpyD2H of the branch index, then
+the host waits for the device), stops the host from queuing the next step; on
+2 H200s that showed as a 20-30 ms gap at every step boundary.
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ def summarize(events: list[dict], steps: int = 1) -> dict:
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     devices = {pid: n for pid, n in names.items() if n.startswith("/device:")}
     out: dict[str, dict] = {}
+    spans: dict[str, list] = collections.defaultdict(list)
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in devices:
             continue
@@ -85,7 +94,30 @@ def summarize(events: list[dict], steps: int = 1) -> dict:
         d["total_ms"] += ms
         d["by_kind"][kind_of(e.get("name", ""))] += ms
         d["by_name"][e.get("name", "")] += ms
+        spans[devices[e["pid"]]].append((float(e.get("ts", 0.0)), float(e.get("dur", 0.0)),
+                                         e.get("name", "")))
+    for dev, evs in spans.items():
+        out[dev].update(idle(evs, steps))
     return out
+
+
+def idle(evs: list[tuple[float, float, str]], steps: int = 1, keep: int = 5) -> dict:
+    """(start us, duration us, name) of one device -> {"span_ms", "busy_ms", "idle_ms"
+    (per step), "gaps": the `keep` largest [(ms, name before, name after)]}."""
+    evs = sorted(evs)
+    start, end, last = evs[0][0], evs[0][0] + evs[0][1], evs[0][2]
+    busy, run_start, gaps = 0.0, start, []
+    for ts, dur, name in evs[1:]:
+        if ts > end:                     # nothing ran between end and ts
+            gaps.append(((ts - end) / 1e3, last, name))
+            busy += end - run_start
+            run_start = ts
+        if ts + dur > end:
+            end, last = ts + dur, name
+    busy += end - run_start
+    span = end - start
+    return {"span_ms": span / 1e3 / steps, "busy_ms": busy / 1e3 / steps,
+            "idle_ms": (span - busy) / 1e3 / steps, "gaps": sorted(gaps, reverse=True)[:keep]}
 
 
 def format_summary(summary: dict, top: int = 15) -> str:
@@ -96,6 +128,11 @@ def format_summary(summary: dict, top: int = 15) -> str:
         d = summary[dev]
         lines.append(f"{dev}: {d['total_ms']:.2f} ms of device events per step (streams overlap: "
                      f"a sum, not wall time)")
+        if "span_ms" in d:
+            lines.append(f"  span {d['span_ms']:.2f} ms per step: busy {d['busy_ms']:.2f}, "
+                         f"idle {d['idle_ms']:.2f}" + (", largest gaps:" if d["gaps"] else ""))
+            for ms, before, after in d["gaps"][:3]:
+                lines.append(f"    {ms:>9.3f} ms  after {before[:45]}  before {after[:45]}")
         for kind, ms in sorted(d["by_kind"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  {kind:<22}{ms:>10.3f} ms")
         lines.append(f"  top {top} ops:")

@@ -15,7 +15,10 @@ batch is the global batch (strong scaling).
 Per mesh (bench style, like experiments/bench_step.py: `--batches` host batches
 built once and cycled, the jitted Trainer step timed on device only; no input
 pipeline in the timing): step ms, samples/s, E2E MFU, Local MFU, Scaling Ratio =
-E2E / Local, weak-scaling efficiency = E2E MFU / E2E MFU of 1 device, memory per
+E2E / Local, weak-scaling efficiency = samples/s per device / samples/s of 1
+device (from the step times alone: XLA's FLOP count of the same step varied 1.6x
+between two H200 compiles, so an MFU ratio could report 0.97 where the step
+times give 0.83), memory per
 device (the compiled step's arguments + outputs + temporaries; XLA buffers only),
 and the topology model's predicted step.
 
@@ -158,11 +161,13 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
     if mem is not None:
         compiled_bytes = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                              + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
-    state, m = step(state, device_batches[0])
+    nb = len(device_batches)
+    for i in range(nb):      # warm-up: every batch's branch plan compiled before the clock
+        state, m = step(state, device_batches[i], next_batch=device_batches[(i + 1) % nb])
     jax.block_until_ready(m)
     t0 = time.perf_counter()
-    for i in range(steps):
-        state, m = step(state, device_batches[i % len(device_batches)])
+    for i in range(steps):   # next_batch: the host plans the next step's sparse branches ahead
+        state, m = step(state, device_batches[i % nb], next_batch=device_batches[(i + 1) % nb])
     jax.block_until_ready((state, m))
     step_s = (time.perf_counter() - t0) / steps
     profile = None
@@ -170,7 +175,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
         profile = os.path.join(os.path.abspath(FLAGS.workdir), "profile", short(spec).replace(",", "_"))
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             for i in range(FLAGS.profile_steps):
-                state, m = step(state, device_batches[i % len(device_batches)])
+                state, m = step(state, device_batches[i % nb], next_batch=device_batches[(i + 1) % nb])
             jax.block_until_ready((state, m))
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import profile_summary
@@ -185,6 +190,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
             "axis_names": list(mesh.axis_names),
             "table_plans": sorted({p.kind for p in trainer.coll.plans.values()}),
             "step_s": step_s, "compile_s": compile_s, "tokens_per_step": tokens,
+            "sparse_branch_plans": [list(p) for p in step.plans],
             "seq_tokens_per_sample": tokens / cfg.data.batch_size, "num_sequences": len(SEQUENCES),
             "xla_flops_per_device": flops_per_device, "pallas_attention_flops": attn,
             "step_flops": flops_per_device * mesh.size + attn,
@@ -342,8 +348,7 @@ def main(argv):
         eff = topology.calibrate_compute(work, base["step_s"], cm_peak)
         errors = []
         for r in ok:
-            r["weak_scaling_efficiency"] = (r["e2e_mfu"] / base["e2e_mfu"]
-                                            if r["e2e_mfu"] is not None and base["e2e_mfu"] else None)
+            r["weak_scaling_efficiency"] = r["samples_per_s"] / r["devices"] / base["samples_per_s"]
             spec = resolve_mesh_spec(r["spec"], r["devices"], min(per_host, r["devices"]))
             pred = topology.predict(spec, workload(cfg, r, base, r["local_batch"]), peak=cm_peak,
                                     local_mfu=eff, overlap=FLAGS.overlap, net=net,

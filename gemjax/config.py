@@ -101,10 +101,11 @@ class TrainConfig:
     dense_lr: float = 4e-3
     sparse_lr: float = 0.5
     # sparse all_to_all capacity picked per step from the unique ids (EmbeddingCollection
-    # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS); off until measured on GPUs
+    # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS), and replicas of a local table
+    # copy all-gathering unique rows only (sync_buckets). On in the h200 preset (its
+    # 1-GPU step: 132 ms with both, 159 ms without); off here so small CPU runs keep
+    # one compiled step (the branches are fixed per batch, TrainStep)
     sparse_exchange_buckets: bool = False
-    # replicas of a local table copy all-gather unique rows only (EmbeddingCollection
-    # sync_buckets); off until measured on GPUs
     sparse_sync_buckets: bool = False
     warmup_steps: int = 100
     log_every: int = 100
@@ -140,7 +141,7 @@ PRESETS: dict[str, Config] = {
                           fmb_tokens=32, lcb_tokens=32, fm_rank=32, wukong_mlp=(1024,),
                           head_mlp=(512,), dtype="bfloat16"),
         train=TrainConfig(steps=2_000, log_every=50, eval_every=500, dense_lr=1e-3, sparse_lr=0.1,
-                          baselines=False)),
+                          baselines=False, sparse_exchange_buckets=True, sparse_sync_buckets=True)),
 }
 
 

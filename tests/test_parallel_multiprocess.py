@@ -88,3 +88,26 @@ def test_real_train_step_two_processes_match_one():
         assert max_rel_diff(res["params"], one["params"], skip=KEY_BIAS) < 1e-5
         assert global_rel_diff(res["params"], one["params"]) < 1e-5
         assert max_rel_diff(res["tables"], one["tables"]) < 1e-5
+
+
+def test_fixed_sparse_branches_two_processes_match_one():
+    """Exchange + sync buckets on 2d tables (replica crossing the processes): every
+    process reads the same replicated branch needs, so both compile the same plan,
+    and the run equals one process."""
+    from gemjax.parallel.equivalence import KEY_BIAS, max_rel_diff, train_steps
+    kw = dict(steps=3, table_replica_axes=["replica"], replicate_below_bytes=0, capacity_factor=None,
+              device_budget_bytes=1 << 40,
+              overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true")
+    one = train_steps("replica=2,fsdp=4", **kw)
+    assert set(one["plans"].values()) == {"2d"} and one["branch_plans"]
+    import jax
+    cache = {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"} if jax.config.jax_compilation_cache_dir else {}
+    results = launch.launch("gemjax.parallel.equivalence:train_steps", 2, cpu_devices=4,
+                            kwargs=dict(mesh_spec="replica=2,fsdp=4", **kw), timeout_s=400, env=cache)
+    for res in results:
+        assert res["processes"] == 2 and res["ids_overflow"] == 0
+        assert res["branch_plans"] == one["branch_plans"]
+        np.testing.assert_allclose(res["losses"], one["losses"], rtol=1e-5)
+        assert max_rel_diff(res["params"], one["params"], skip=KEY_BIAS) < 1e-5
+        assert max_rel_diff(res["tables"], one["tables"]) < 1e-5

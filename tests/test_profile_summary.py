@@ -45,3 +45,20 @@ def test_trace_found_under_a_directory_and_host_only_said(tmp_path):
     assert P.format_summary(P.summarize(events)).startswith("no device events")
     with pytest.raises(FileNotFoundError, match="perfetto_trace"):
         P.load_events(str(tmp_path / "nothing"))
+
+
+def test_idle_time_and_gaps_per_device():
+    """Busy = the union of the events (overlapping streams count once), idle = the rest of
+    the span, the largest gap named by the ops around it."""
+    evs = [(0.0, 1000.0, "a"), (500.0, 1000.0, "b"),      # overlap: busy 0-1500
+           (4500.0, 500.0, "c"),                          # gap 3000 us after b
+           (5100.0, 100.0, "d"), (5150.0, 10.0, "e")]     # gap 100 us after c; e inside d
+    r = P.idle(evs, steps=2)
+    assert r["span_ms"] == pytest.approx(5.2 / 2)
+    assert r["busy_ms"] == pytest.approx((1.5 + 0.5 + 0.1) / 2)
+    assert r["idle_ms"] == pytest.approx((3.0 + 0.1) / 2)
+    assert r["gaps"][0] == pytest.approx((3.0, "b", "c")) or r["gaps"][0][1:] == ("b", "c")
+    assert [g[1:] for g in r["gaps"]] == [("b", "c"), ("c", "d")]
+    s = P.summarize(_trace(), steps=1)["/device:GPU:0 (pid 2)"]
+    assert s["idle_ms"] == 0.0 and s["busy_ms"] == pytest.approx(3.0)   # all events start at 0
+    assert "idle 0.00" in P.format_summary(P.summarize(_trace()))

@@ -37,7 +37,8 @@ def test_sweep_tiny_on_two_cpu_devices(tmp_path):
         assert x["local_mfu"] is None and x["scaling_ratio"] is None   # model v0: no teacher blocks
         assert x["pallas_attention_flops"] == 0                         # CPU: XLA sees all attention
     base, two = rows
-    assert two["weak_scaling_efficiency"] == pytest.approx(two["e2e_mfu"] / base["e2e_mfu"])
+    # from the step times: per-device samples/s vs one device (not FLOP counts, which drift)
+    assert two["weak_scaling_efficiency"] == pytest.approx(base["step_s"] / two["step_s"])
     # calibrated on the 1-device step alone: it is reproduced exactly, the other mesh adds comm only
     assert base["predicted_step_s"] == pytest.approx(base["step_s"]) and abs(base["predicted_rel_error"]) < 1e-9
     assert two["predicted_step_s"] > base["step_s"] and two["predicted_collectives"]

@@ -55,19 +55,21 @@ def train_steps(mesh_spec: str | None, steps: int = 3, *, config: str = "tiny", 
                     check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields)
     step = trainer.make_train_step()
     losses, overflow, extra = [], 0, {}
-    for i in range(steps):
-        batch = feeder.to_device(feeder.host_batch(i)[0])
+    batches = [feeder.to_device(feeder.host_batch(i)[0]) for i in range(steps)]
+    for i, batch in enumerate(batches):
         if hlo and i == 0:
             extra["hlo"] = step.lower(state, batch).compile().as_text()
             extra["shardings"] = jax.tree.map(lambda x: str(x.sharding.spec), state)
-        state, m = step(state, batch)
+        # next_batch as the train loop passes it (its sparse branch plan is made ahead)
+        state, m = step(state, batch, next_batch=batches[i + 1] if i + 1 < steps else None)
         losses.append(float(np.asarray(m["loss"])))
         overflow += int(np.asarray(m["ids_overflow"]))
     return {"losses": losses, "ids_overflow": overflow,
             "params": multihost.to_host(state["params"]), "init_params": init_params,
             "tables": trainer.coll.to_logical(multihost.to_host(state["tables"])),
             "init_tables": init_tables, "plans": {n: p.kind for n, p in trainer.coll.plans.items()},
-            "devices": mesh.size, "processes": jax.process_count(), **extra}
+            "devices": mesh.size, "processes": jax.process_count(),
+            "branch_plans": step.plans, **extra}
 
 
 def max_rel_diff(a: Any, b: Any, skip: Sequence[str] = ()) -> float:

@@ -165,6 +165,17 @@ def _all_processes(*arrays):
     return tuple(np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in arrays)
 
 
+def _with_next(items):
+    """(item, the next item's batch or None), one item ahead of the consumer."""
+    prev = None
+    for item in items:
+        if prev is not None:
+            yield prev, item[1]
+        prev = item
+    if prev is not None:
+        yield prev, None
+
+
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
           mesh=None, stop_after: int | None = None, trainer_kw: dict | None = None) -> dict:
     """Train cfg.train.steps steps (resuming from workdir); returns the summary dict.
@@ -228,8 +239,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
 
     step = start
     try:
-        for step, batch, infos, tokens in feeder.batches(start, end):
-            state, m = train_step(state, batch)
+        for (step, batch, infos, tokens), nxt in _with_next(feeder.batches(start, end)):
+            state, m = train_step(state, batch, next_batch=nxt)   # nxt: see TrainStep
             pending.append(m)
             window_tokens += tokens
             for i in infos:

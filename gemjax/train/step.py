@@ -233,8 +233,9 @@ class Trainer:
 
         return loss_fn
 
-    def make_train_step(self) -> Callable:
-        """jit((state, batch) -> (state, metrics)); state donated, outputs placed like the input."""
+    def make_train_step(self) -> "TrainStep":
+        """(state, batch[, next_batch]) -> (state, metrics), jitted; state donated, outputs
+        placed like the input. See `TrainStep` for next_batch."""
         loss_fn = self._sharded_forward()
         coll, tx, id_fields = self.coll, self.tx, self.id_fields
 
@@ -253,7 +254,15 @@ class Trainer:
             return new_state, metrics
 
         replicated = NamedSharding(self.mesh, P())
-        return jax.jit(step, donate_argnums=(0,), out_shardings=(self.state_shardings(), replicated))
+        shardings = (self.state_shardings(), replicated)
+
+        def build(plan: tuple) -> Callable:
+            def fixed(state, batch):
+                with coll.fixed_branches(plan):
+                    return step(state, batch)
+            return jax.jit(fixed, donate_argnums=(0,), out_shardings=shardings)
+
+        return TrainStep(coll, id_fields, build)
 
     def make_eval_step(self) -> Callable:
         """(state, batch) -> sigmoid probabilities [rows of this process's shards, K] (numpy).
@@ -284,3 +293,67 @@ class Trainer:
             return np.concatenate(rows)
 
         return local_rows
+
+
+class TrainStep:
+    """The jitted train step, one program per sparse branch plan.
+
+    Tables whose bucketed exchange or replica sync hold collectives inside a
+    lax.switch (EmbeddingCollection.has_switches: train.sparse_exchange_buckets on
+    model-parallel tables, train.sparse_sync_buckets on replicated ones) would make
+    XLA:GPU stop the host at that conditional until the device reaches it, so the
+    host could not queue the next step while this one runs (2 H200s: 20-30 ms of
+    idle device per step). Instead the step is traced with the branches fixed
+    (`coll.fixed_branches`), from the batch's `branch_plan`: a small jitted count
+    of unique ids per table. Call with next_batch= and that count for the next
+    batch is queued before this step and read after it is queued, so the host
+    stays one step ahead. A plan at least as large as the batch needs in every
+    table that is compiled already is reused (same results, fewer compiles);
+    `plans` lists the compiled ones. Without switched tables: one program.
+    """
+
+    def __init__(self, coll: EmbeddingCollection, id_fields, build: Callable[[tuple], Callable]):
+        self.coll, self.id_fields, self._build = coll, id_fields, build
+        self._fns: dict[tuple, Callable] = {}
+        self._ahead: tuple[Any, tuple] | None = None     # (next batch, its plan)
+        self._switched = coll.has_switches()
+
+    @property
+    def plans(self) -> list[tuple]:
+        return list(self._fns)
+
+    def _fn(self, plan: tuple) -> Callable:
+        if plan not in self._fns:
+            self._fns[plan] = self._build(plan)
+        return self._fns[plan]
+
+    def _needs(self, batch: Batch):
+        return self.coll.branch_needs(id_features(batch, self.id_fields))
+
+    def plan(self, batch: Batch, needs: Any = None) -> tuple:
+        """The branch plan the step runs `batch` with (reads `needs` to the host)."""
+        if not self._switched:
+            return ()
+        feats = id_features(batch, self.id_fields)
+        if needs is None:
+            needs = self.coll.branch_needs(feats)
+        want = self.coll.branch_plan(feats, jax.device_get(needs))
+        covers = [p for p in self._fns if len(p) == len(want) and all(
+            a[0] == b[0] and a[1] >= b[1] and a[2] >= b[2] for a, b in zip(p, want))]
+        return min(covers, key=lambda p: sum(x + y for _, x, y in p)) if covers else want
+
+    def __call__(self, state, batch: Batch, next_batch: Batch | None = None):
+        if not self._switched:
+            return self._fn(())(state, batch)
+        if self._ahead is not None and self._ahead[0] is batch:
+            plan = self._ahead[1]
+        else:
+            plan = self.plan(batch)
+        needs = self._needs(next_batch) if next_batch is not None else None  # queued first
+        out = self._fn(plan)(state, batch)
+        self._ahead = None if next_batch is None else (next_batch, self.plan(next_batch, needs))
+        return out
+
+    def lower(self, state, batch: Batch):
+        """The jitted program `batch` runs with, lowered (e.g. .compile().memory_analysis())."""
+        return self._fn(self.plan(batch)).lower(state, batch)
