@@ -72,6 +72,8 @@ flags.DEFINE_bool("local_mfu", True, "measure Local MFU (teacher blocks alone on
 flags.DEFINE_integer("local_iters", 10, "timed calls per block for Local MFU")
 flags.DEFINE_integer("steps", 10, "timed steps per shape (after 1 warm-up step)")
 flags.DEFINE_integer("batches", 2, "distinct host batches cycled through")
+flags.DEFINE_bool("save_hlo", True, "write each mesh's compiled step (optimized HLO text, with the "
+                  "fusion names the profile shows) to workdir/hlo/<mesh>.txt.gz")
 flags.DEFINE_integer("profile_steps", 0, "> 0: after timing, trace this many steps per mesh with "
                      "jax.profiler (WORKDIR/profile/<mesh>) and print where device time goes "
                      "(experiments/profile_summary.py)")
@@ -155,6 +157,13 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
     t0 = time.perf_counter()
     compiled = step.lower(state, device_batches[0]).compile()
     compile_s = time.perf_counter() - t0
+    hlo_path = None
+    if FLAGS.save_hlo:   # the optimized per-device program: fusion names match the profile's ops
+        import gzip
+        hlo_path = os.path.join(os.path.abspath(FLAGS.workdir), "hlo", short(spec).replace(",", "_") + ".txt.gz")
+        os.makedirs(os.path.dirname(hlo_path), exist_ok=True)
+        with gzip.open(hlo_path, "wt") as f:
+            f.write(compiled.as_text())
     flops_per_device = mfu.compiled_flops(compiled, default=float("nan"))
     mem = compiled.memory_analysis()
     compiled_bytes = None
@@ -197,7 +206,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
             "compiled_bytes_per_device": compiled_bytes, "running_peak_bytes_per_device": peak,
             "loss": float(np.asarray(m["loss"])), "ids_overflow": int(np.asarray(m["ids_overflow"])),
             "dense_params": int(sum(x.size for _, x in leaves)) - int(expert), "expert_params": int(expert),
-            "shards": shards, "profile": profile}
+            "shards": shards, "profile": profile, "hlo": hlo_path}
 
 
 def workload(cfg, row: dict, base: dict, local_batch: int):

@@ -53,6 +53,10 @@ def test_sweep_tiny_on_two_cpu_devices(tmp_path):
         assert x["profile"].startswith(str(tmp_path))
         assert any(f == "perfetto_trace.json.gz" for _, _, fs in os.walk(x["profile"]) for f in fs)
     assert r.stdout.count("no device events in the trace") == 2
+    # --save_hlo (default): each mesh's optimized program, the 2-device one with its collectives
+    import gzip
+    texts = [gzip.open(x["hlo"], "rt").read() for x in rows]
+    assert all("ENTRY" in t for t in texts) and "'replica'=2" in texts[1] and "'replica'=2" not in texts[0]
 
 
 def test_cost_model_expert_tokens_follow_the_built_experts():
