@@ -3,8 +3,11 @@
     python experiments/bench_step.py --config=h200 --override=model.kind=teacher --out=step.json
 
 Reports step time, samples/s, sequence tokens/s, the dense FLOPs per sample of the
-train step (XLA's cost analysis of the compiled step, divided by the batch; the
-sparse side counts ~0 FLOPs) and the resulting MFU against the device's peak.
+train step and the resulting MFU against the device's peak. FLOPs: for the
+teacher the analytic model count (gemjax.train.model_flops; XLA's GPU cost
+analysis drops GEMMs and misses Pallas calls, see experiments/sweep_mesh.py),
+otherwise XLA's cost analysis of the compiled step; both are printed, the sparse
+side counts ~0 FLOPs.
 Compare with experiments/train.py's samples/s to see what the input pipeline costs.
 """
 
@@ -69,7 +72,14 @@ def main(argv):
     except (KeyError, ValueError):
         peak = float("nan")
     b = cfg.data.batch_size
+    xla = flops
+    if cfg.model.kind == "teacher":
+        from gemjax.train import model_flops
+        flops = float(np.mean([model_flops.batch_step_flops(cfg, h[0], trainer.num_shards)
+                               for h in hosts]))
     res = {"config": cfg.name, "model": cfg.model.kind, "devices": n_dev,
+           "flops_source": "analytic" if cfg.model.kind == "teacher" else "xla",
+           "xla_train_step_flops_per_sample": xla / b,
            "device_kind": jax.devices()[0].device_kind, "batch": b, "tokens_per_batch": tokens,
            "step_ms": step_s * 1e3, "samples_per_sec": b / step_s, "tokens_per_sec": tokens / step_s,
            "train_step_flops_per_sample": flops / b, "forward_flops_per_sample": flops / b / 3,

@@ -22,14 +22,16 @@ times give 0.83), memory per
 device (the compiled step's arguments + outputs + temporaries; XLA buffers only),
 and the topology model's predicted step.
 
-FLOPs (model.kind=teacher): E2E step FLOPs = XLA's cost analysis of the compiled
-per-device step x devices + the attention FLOPs run in Pallas kernels
-(gemjax.train.local_mfu.step_attention_flops: 3 x 4 H D x valid jagged pairs,
-per device shard), which XLA cannot see. That XLA count includes the optimizer
-update and the sparse lookup / row-wise Adagrad element-wise work; the layers of
-Local MFU do not. Local MFU (--local_mfu): each top-level teacher block timed
-alone on one device at the per-device batch (gemjax.train.local_mfu), FLOPs
-counted the same way (XLA per block + Pallas attention).
+FLOPs (model.kind=teacher): E2E step FLOPs = the analytic model count of the
+global batch (gemjax.train.model_flops.batch_step_flops: matmuls and valid-pair
+attention, 3 x forward, padding and embeddings not counted); Local MFU
+(--local_mfu): each top-level teacher block timed alone on one device at the
+per-device batch (gemjax.train.local_mfu), the same analytic count per block.
+XLA's count is kept beside it ("xla_step_flops": its cost analysis of the compiled
+per-device step x devices + the Pallas attention FLOPs it cannot see,
+local_mfu.step_attention_flops) but not used: on H200s it read 1,905 and 1,167
+GFLOP for the same 1-GPU step in two compiles, against 4,755 analytic (it drops
+GEMMs). Other models: XLA's count (flops_source says which).
 
 Cost model (gemjax.parallel.topology): a Workload from the run (dense / expert
 params, embedding lookups per sample from the batches' real tokens, emb dim,
@@ -149,6 +151,11 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
     device_batches = [feeder.to_device(h[0]) for h in hosts]
     tokens = float(np.mean([h[2] for h in hosts])) * jax.process_count()   # local tokens per process
     shards = feeder.num_shards
+    analytic = None
+    if cfg.model.kind == "teacher":   # model FLOPs of this process's shards (x processes)
+        from gemjax.train import model_flops
+        analytic = float(np.mean([model_flops.batch_step_flops(cfg, h[0], len(feeder.local_shards))
+                                  for h in hosts])) * jax.process_count()
     attn = 0.0
     if cfg.model.kind == "teacher":   # Pallas attention FLOPs, this process's shards (x processes)
         attn = float(np.mean([local_mfu.step_attention_flops(cfg, h[0], len(feeder.local_shards))
@@ -202,7 +209,9 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
             "sparse_branch_plans": [list(p) for p in step.plans],
             "seq_tokens_per_sample": tokens / cfg.data.batch_size, "num_sequences": len(SEQUENCES),
             "xla_flops_per_device": flops_per_device, "pallas_attention_flops": attn,
-            "step_flops": flops_per_device * mesh.size + attn,
+            "xla_step_flops": flops_per_device * mesh.size + attn,
+            "step_flops": analytic if analytic is not None else flops_per_device * mesh.size + attn,
+            "flops_source": "analytic" if analytic is not None else "xla",
             "compiled_bytes_per_device": compiled_bytes, "running_peak_bytes_per_device": peak,
             "loss": float(np.asarray(m["loss"])), "ids_overflow": int(np.asarray(m["ids_overflow"])),
             "dense_params": int(sum(x.size for _, x in leaves)) - int(expert), "expert_params": int(expert),

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from gemjax.train import mfu as M
+from gemjax.train import model_flops as MF
 from kernels.common import pair_mask
 
 
@@ -292,6 +293,10 @@ def test_local_mfu_layer_list_on_tiny_teacher():
                      "interformer0.sequence", "final_cross", "head"]
     rows = {r["name"]: r for r in rep["layers"]}
     assert all(r["xla_flops"] > 0 and r["pallas_flops"] == 0 for r in rep["layers"])   # CPU: no Pallas
+    # the numerator is the analytic model count (3 x forward), not XLA's
+    lens = {s: np.diff(np.asarray(batch.sequences[s].offsets)) for s in batch.sequences}
+    fwd = MF.teacher_block_flops(cfg, lens)
+    assert [r["flops"] for r in rep["layers"]] == [3 * fwd[n] for n in names]
     assert rep["local_mfu"] == pytest.approx(M.local_mfu([r["flops"] for r in rep["layers"]],
                                                          [r["seconds"] for r in rep["layers"]], 1e12))
     # the interaction block is one Wukong layer on [x | s_sum]: XLA's fwd+bwd vs 3x the analytic count

@@ -36,6 +36,7 @@ def test_sweep_tiny_on_two_cpu_devices(tmp_path):
         assert x["e2e_mfu"] == pytest.approx(x["step_flops"] / (x["step_s"] * x["devices"] * 1e11))
         assert x["local_mfu"] is None and x["scaling_ratio"] is None   # model v0: no teacher blocks
         assert x["pallas_attention_flops"] == 0                         # CPU: XLA sees all attention
+        assert x["flops_source"] == "xla" and x["step_flops"] == x["xla_step_flops"]  # not a teacher
     base, two = rows
     # from the step times: per-device samples/s vs one device (not FLOP counts, which drift)
     assert two["weak_scaling_efficiency"] == pytest.approx(base["step_s"] / two["step_s"])

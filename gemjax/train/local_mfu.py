@@ -321,9 +321,13 @@ def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, 
     """Local MFU of the teacher on one device's ``batch`` (numpy or device Batch).
 
     Returns mfu.local_mfu_report's dict, each layer row extended with xla_flops and
-    pallas_flops (flops = their sum), plus "model_flops" (sum over layers).
+    pallas_flops, plus "model_flops" (sum over layers). A layer's flops (the MFU
+    numerator) are its analytic model FLOPs, 3 x gemjax.train.model_flops'
+    forward count: XLA's GPU cost analysis of the same block varied 4x between two
+    H200 compiles (it dropped GEMMs), and it never sees inside Pallas calls.
     """
     from gemjax.models.gem import build_model
+    from gemjax.train import model_flops
     if cfg.model.kind != "teacher":
         raise ValueError(f"local_mfu.measure: model.kind must be 'teacher', got {cfg.model.kind!r}")
     dev_batch = jax.device_put(batch)
@@ -332,13 +336,14 @@ def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, 
     blocks = teacher_blocks(model, acts, dev_batch, seed)
     lens = {s: np.diff(np.asarray(batch.sequences[s].offsets)) for s in SEQUENCES}
     pallas = pallas_attention_flops(attention_calls(cfg, lens, backend), backend)
+    analytic = model_flops.teacher_block_flops(cfg, lens)
     layers, extra = [], {}
     for blk in blocks:
         compiled = jax.jit(blk.fn).lower(*blk.args).compile()
         xla = mfu.compiled_flops(compiled)
         p = pallas.get(blk.name, 0.0)
         extra[blk.name] = (xla, p)
-        layers.append((blk.name, compiled, blk.args, xla + p))
+        layers.append((blk.name, compiled, blk.args, float(mfu.train_step_flops(analytic[blk.name]))))
     if timer is None:       # the blocks are compiled already
         timer = lambda f, *a: mfu.time_fn(f, *a, warmup=warmup, iters=iters, jit=False)  # noqa: E731
     report = mfu.local_mfu_report(layers, peak, timer=timer)
