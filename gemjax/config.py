@@ -107,6 +107,9 @@ class TrainConfig:
     # one compiled step (the branches are fixed per batch, TrainStep)
     sparse_exchange_buckets: bool = False
     sparse_sync_buckets: bool = False
+    # their branches fixed per batch before the step (TrainStep) instead of a lax.switch
+    # around collectives inside it, which XLA:GPU runs as a host-synced conditional
+    sparse_fixed_branches: bool = True
     warmup_steps: int = 100
     log_every: int = 100
     eval_every: int = 500

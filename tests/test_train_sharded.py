@@ -137,17 +137,23 @@ def collectives_in_conditionals(hlo: str) -> int:
     return n
 
 
-def test_exchange_and_sync_buckets_match_one_device(single):
+@pytest.mark.parametrize("fixed", [True, False])
+def test_exchange_and_sync_buckets_match_one_device(single, fixed):
     """train.sparse_exchange_buckets + sparse_sync_buckets on 2d tables over replica=2,
-    fsdp=4 (the exchange buckets switch all_to_alls): the step runs with its branches
-    fixed from each batch ahead of time (TrainStep), no collective inside a cond,
-    and training equals one device."""
+    fsdp=4 (the exchange buckets switch all_to_alls): by default the step runs with its
+    branches fixed from each batch ahead of time (TrainStep), no collective inside a
+    cond; with train.sparse_fixed_branches=false the switches stay in the step. Both
+    train as one device."""
     res = train_steps("replica=2,fsdp=4", 3, hlo=True, table_replica_axes=("replica",),
-                      overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true",
+                      overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true,"
+                                f"train.sparse_fixed_branches={str(fixed).lower()}",
                       tables0=single["init_tables"], device_budget_bytes=1 << 40, **SPARSE)
     assert set(res["plans"].values()) == {"2d"}
-    assert res["branch_plans"] and all(x >= 0 for p in res["branch_plans"] for _, x, _ in p)
-    assert collectives_in_conditionals(res["hlo"]) == 0
+    if fixed:
+        assert res["branch_plans"] and all(x >= 0 for p in res["branch_plans"] for _, x, _ in p)
+        assert collectives_in_conditionals(res["hlo"]) == 0
+    else:
+        assert res["branch_plans"] == [()] and collectives_in_conditionals(res["hlo"]) > 0
     np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
     assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 1e-5
     assert max_rel_diff(res["tables"], single["tables"]) < 1e-5

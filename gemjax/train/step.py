@@ -262,7 +262,7 @@ class Trainer:
                     return step(state, batch)
             return jax.jit(fixed, donate_argnums=(0,), out_shardings=shardings)
 
-        return TrainStep(coll, id_fields, build)
+        return TrainStep(coll, id_fields, build, fixed=self.cfg.train.sparse_fixed_branches)
 
     def make_eval_step(self) -> Callable:
         """(state, batch) -> sigmoid probabilities [rows of this process's shards, K] (numpy).
@@ -309,14 +309,16 @@ class TrainStep:
     batch is queued before this step and read after it is queued, so the host
     stays one step ahead. A plan at least as large as the batch needs in every
     table that is compiled already is reused (same results, fewer compiles);
-    `plans` lists the compiled ones. Without switched tables: one program.
+    `plans` lists the compiled ones. Without switched tables, or with fixed=False
+    (train.sparse_fixed_branches: the switches stay in the step): one program.
     """
 
-    def __init__(self, coll: EmbeddingCollection, id_fields, build: Callable[[tuple], Callable]):
+    def __init__(self, coll: EmbeddingCollection, id_fields, build: Callable[[tuple], Callable],
+                 fixed: bool = True):
         self.coll, self.id_fields, self._build = coll, id_fields, build
         self._fns: dict[tuple, Callable] = {}
         self._ahead: tuple[Any, tuple] | None = None     # (next batch, its plan)
-        self._switched = coll.has_switches()
+        self._switched = fixed and coll.has_switches()
 
     @property
     def plans(self) -> list[tuple]:
