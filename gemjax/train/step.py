@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
@@ -326,6 +327,9 @@ class TrainStep:
 
     def _fn(self, plan: tuple) -> Callable:
         if plan not in self._fns:
+            if self._fns:   # a batch needing larger buckets than any compiled plan: say why it stalls
+                logging.warning("gemjax: compiling the train step for sparse branch plan %d %s "
+                                "(table, exchange index, sync index)", len(self._fns) + 1, plan)
             self._fns[plan] = self._build(plan)
         return self._fns[plan]
 
