@@ -382,10 +382,7 @@ class EmbeddingCollection:
         n_dev = int(np.prod([self.mesh.shape[a] for a in self.batch_axes]))
         caps = {}
         for name, fs in groups.items():
-            n = 0
-            for f in fs:
-                a = feats[f].values if isinstance(feats[f], Jagged) else feats[f]
-                n += int(np.prod(a.shape)) // n_dev
+            n = sum(_size(feats[f]) // n_dev for f in fs)
             caps[name] = plans_lib.capacity(n, self.layouts[name], self.plans[name])
         return caps
 
@@ -452,9 +449,9 @@ class EmbeddingCollection:
                 c = routing.exchange_caps(caps[name], self.exchange_buckets)
                 xb = min(int(np.searchsorted(c, int(need[0]))), len(c) - 1)
             if ss:
-                n = sum(_size(feats[f]) for f in groups[name]) // n_dev
-                rows = lay.padded_vocab if self.plans[name].kind == "replicated" else lay.rows_per_shard
-                c = routing.bucket_sizes(n, self.unique_buckets, rows=rows)
+                n = sum(_size(feats[f]) // n_dev for f in groups[name])
+                c = routing.bucket_sizes(n, self.unique_buckets,
+                                         rows=plans_lib.local_rows(lay, self.plans[name]))
                 sb = min(int(np.searchsorted(c, int(need[1]))), len(c) - 1)
             plan.append((name, xb, sb))
         return tuple(plan)

@@ -175,13 +175,16 @@ def stacks(specs: Sequence[TableSpec], plans: Mapping[str, TablePlan], mesh):
     return units, layouts
 
 
+def local_rows(lay: Layout, plan: TablePlan) -> int:
+    """Rows of the table each device stores (not table_wise, whose owner holds the stack)."""
+    return lay.padded_vocab if plan.kind == "replicated" else lay.rows_per_shard
+
+
 def bytes_per_device(spec: TableSpec, plan: TablePlan, mesh) -> int:
     """Table + optimizer-state bytes held by each device under the plan (table_wise: its owner)."""
     if plan.kind == "table_wise":
         return spec.vocab * spec.row_bytes
-    lay = layout(spec, plan, mesh)
-    rows = lay.padded_vocab if plan.kind == "replicated" else lay.rows_per_shard
-    return rows * spec.row_bytes
+    return local_rows(layout(spec, plan, mesh), plan) * spec.row_bytes
 
 
 def resolve(plan: Any, specs: Sequence[TableSpec], mesh, replica_axes: Sequence[str] = (),
