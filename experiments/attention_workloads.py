@@ -5,9 +5,12 @@
   W3 PMA, short Q: 256 samples, 16 queries each, K/V lengths drawn as W1's
   W4 BlockAttention on W1's lengths
 
-Shared by bench_attention.py (times them) and triton_report.py (lowers the kernels
-on their shapes); no flags here, so both can import it.
+Shared by bench_attention.py and bench_gdpa_mosaic.py (time them) and
+triton_report.py (lowers the kernels on their shapes); no flags here, so all can
+import it.
 """
+
+import time
 
 import numpy as np
 
@@ -27,3 +30,22 @@ def workload(name):
     if name == "W3":
         return "pma", np.full(256, 16), lognormal_lengths(rng, 256, 512)
     raise ValueError(f"unknown workload {name!r}")
+
+
+def time_calls(fn, *args, iters: int = 20) -> float:
+    """Seconds per call: `iters` calls issued back to back, one sync at the end.
+
+    Dispatch overlaps with execution, so this is device time per call for anything
+    longer than the ~10 us dispatch (median of 3 such rounds, after 2 warm-up calls).
+    """
+    import jax
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    rounds = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - t0) / iters)
+    return float(np.median(rounds))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import workload  # experiments/, next to this script
+from attention_workloads import time_calls, workload  # experiments/, next to this script
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import BLOCK_KNOBS, block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
@@ -74,21 +74,8 @@ def valid_pairs(kind, ql, kl, block=64):
 
 
 def timeit(fn, *args):
-    """Seconds per call: FLAGS.iters calls issued back to back, one sync at the end.
-
-    Dispatch overlaps with execution, so this is device time per call for anything
-    longer than the ~10 us dispatch (median of 3 such rounds).
-    """
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    rounds = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(FLAGS.iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        rounds.append((time.perf_counter() - t0) / FLAGS.iters)
-    return float(np.median(rounds))
+    """Seconds per call (attention_workloads.time_calls with --iters)."""
+    return time_calls(fn, *args, iters=FLAGS.iters)
 
 
 def fwd_and_train(fn):

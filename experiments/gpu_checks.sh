@@ -10,6 +10,8 @@
 #                (KT_CAP seconds, KT_MEM of its memory each)
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
 #   triton_report the compiler's resource report of every kernel (experiments/triton_report.py) (~1)
+#   mosaic       the Mosaic GPU GDPA forward (kernels/gdpa/mosaic.py): its gpu tests, then
+#                experiments/bench_gdpa_mosaic.py against the Triton forward on W1 (~3)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
@@ -72,6 +74,10 @@ for s in "$@"; do
         # the compiler's resource report of every kernel (registers, spills, shared memory,
         # occupancy) with the triton package of the device image
         section triton_report 240 $PY experiments/triton_report.py --out="$OUT/triton_report" ;;
+    mosaic)
+        section mosaic_tests 110 $PY -m pytest -m gpu -q -rfE tests/test_kernels_gdpa_mosaic.py
+        section mosaic_bench 90 $PY experiments/bench_gdpa_mosaic.py --sweep --sweep_deadline_s=50 \
+            --out="$OUT/bench_gdpa_mosaic.json" ;;
     teacher_h200)
         # the full teacher at the h200 preset through the standard train script
         section teacher_h200 330 $PY experiments/train.py --config=h200 --steps=${TEACHER_STEPS:-200} \
@@ -117,6 +123,6 @@ for s in "$@"; do
             --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
             --table_only --out="$OUT/ablate.json" ;;
     *)
-        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
     esac
 done

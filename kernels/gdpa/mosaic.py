@@ -1,0 +1,461 @@
+"""GDPA forward on Pallas Mosaic GPU (Hopper): TMA loads, one producer warpgroup, two
+consumer warpgroups issuing wgmma (the FlashAttention-3 layout). Forward only; not
+wired into kernels.gdpa yet.
+
+    out = gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, activation="silu", scale=s)
+
+Shapes (the contract of kernels.gdpa.gdpa_reference): q [Tq,H,D], k/v [Tk,H,D] (bf16
+or f16, one dtype), q_offsets / kv_offsets [B+1] int32 (same B). Returns [Tq,H,D] in
+q.dtype: per sample b, out_b = (act(Q_b K_b^T) * scale) @ V_b, no softmax, no
+1/sqrt(D); query rows of other samples never mix; rows past q_offsets[-1] are 0.
+
+Schedule
+  * Work item = (CTA tile of 2 * block_q query rows, head). Default launch: grid
+    (tile, head), head fastest, one item per CTA. `persistent=True`: num_ctas CTAs
+    (default the SM count) take the items round-robin in heaviest-first order; the
+    K/V ring and its barrier phases run on across items (slot = the CTA's global
+    key step % num_stages), so the producer prefetches the next item's keys while
+    the consumers finish the current one; a consumer's output leaves through its Q
+    tile (TMA store) and its next Q lands there once the store has read it.
+  * A CTA runs 3 warpgroups. Warpgroups 0 and 1 (consumers, 232 registers) own
+    block_q = 64 rows each (wgmma's M); warpgroup 2 (producer, 40 registers) streams
+    K and V tiles [block_kv, D] with TMA into a ring of `num_stages` shared-memory
+    slots (default 128 keys x 2 stages: 32 KB Q + 128 KB K/V at D=128). Each slot has
+    a "loaded" mbarrier per operand (TMA completion) and a "free" mbarrier per operand
+    that both consumers arrive on; the producer waits on "free" before refilling a
+    slot. Each consumer loads its Q tile once (TMA) and writes its output back
+    through the same shared-memory tile (TMA store).
+  * Per key step, a consumer: S = Q K^T (wgmma, both operands in shared memory, f32
+    accumulator), P = act(S) * scale in registers (silu as h + h tanh(h), h = S/2:
+    one tanh.approx through approx_math, no exp and no divide), the mask where the
+    step needs it, P cast to the input dtype, acc += P V (wgmma with P from
+    registers; `p_via_smem` stages P in shared memory instead). With
+    `schedule_barrier` the two consumers ping-pong as in FA3: a 2-arrival mbarrier
+    passed twice per step, consumer 1 one phase ahead, so one warpgroup's activation
+    overlaps the other's matmuls.
+  * Jagged ranges, computed in XLA from the offsets (`build_layout`): per query row
+    its sample's key interval [start, end) = [kv_offsets[b], kv_offsets[b+1])
+    (padding rows, samples without keys: empty). Per consumer tile (64 rows) the key
+    tiles [lo, hi) holding a valid pair and the interior [flo, fhi) whose pairs are
+    all valid (kernels.jagged_flash.tile_ranges / interior_ranges); per CTA the union
+    [c_lo, c_hi) of its consumers' ranges, which the producer streams. A consumer
+    walks [c_lo, c_hi) in five loops: skip [c_lo, lo) (wait and release the slots,
+    no math), masked [lo, flo), unmasked [flo, fhi), masked [fhi, hi), skip
+    [hi, c_hi): every consumer passes every barrier phase, so the per-thread phase
+    bits stay in step. The mask is per row: key index in [start, end). CTA tiles
+    are launched heaviest-first (longest [c_lo, c_hi) first, `heavy_first`).
+  * Tq a multiple of 2 * block_q and Tk of block_kv avoid a padding copy (bench
+    capacities are multiples of 128).
+
+Unsupported (NotImplementedError, so callers fall back to the Triton path): causal,
+window, float32 inputs, D other than 64 / 128, gradients (forward only). Every
+activation of kernels.gdpa.reference.ACTIVATIONS runs (gelu through an erf
+polynomial: Mosaic GPU has no erf lowering).
+
+Tuning knobs (keyword arguments, MosaicConfig): block_q (64 or 128 rows per
+consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrier,
+heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
+persistent, num_ctas. Shared memory over the 227 KB budget fails at lowering
+("exceeds available shared memory").
+
+`interpret=True` (or an InterpretGPUParams) runs the kernel in Mosaic GPU's
+interpreter on CPU: warpgroups as threads, TMA copies, mbarriers and wgmma simulated,
+exact math (jnp.tanh). Its wgmma takes shared-memory operands only, so interpret
+mode forces p_via_smem.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels.common import check_attention_inputs, segment_layout
+from kernels.gdpa.reference import ACTIVATIONS
+from kernels.jagged_flash import interior_ranges, tile_ranges
+
+F32 = jnp.float32
+BIG = 1 << 30            # start of an empty key interval (padding query rows)
+NUM_CONSUMERS = 2        # consumer warpgroups per CTA; the producer is warpgroup 2
+TABLE_COLS = 3 + 4 * NUM_CONSUMERS  # tile, c_lo, c_hi, then (lo, flo, fhi, hi) per consumer
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    activation: str = "silu"
+    scale: float = 1.0
+    block_q: int = 64             # rows per consumer warpgroup (wgmma M = 64)
+    block_kv: int = 128           # keys per pipeline step
+    num_stages: int = 2           # K/V shared-memory slots
+    schedule_barrier: bool = True  # FA3 ping-pong between the two consumers
+    heavy_first: bool = True
+    interior: bool = True         # unmasked loop over tiles whose pairs are all valid
+    consumer_registers: int = 232
+    producer_registers: int = 40
+    p_via_smem: bool = False      # P V with P staged in shared memory (forced in interpret mode)
+    persistent: bool = False      # grid of num_ctas CTAs looping over the work items
+    num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
+
+    @property
+    def cta_rows(self):
+        return NUM_CONSUMERS * self.block_q
+
+
+def check_config(cfg, d, dtype):
+    """NotImplementedError (callers fall back) for what the kernel does not take."""
+    if cfg.activation not in ACTIVATIONS:
+        raise ValueError(f"gdpa_mosaic: activation must be one of {sorted(ACTIVATIONS)}, "
+                         f"got {cfg.activation!r}")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(f"gdpa_mosaic: only bf16 / f16 inputs, got {jnp.dtype(dtype)}")
+    if d not in (64, 128):
+        raise NotImplementedError(f"gdpa_mosaic: head dim D={d} must be 64 or 128")
+    if cfg.block_q not in (64, 128):
+        raise NotImplementedError(f"gdpa_mosaic: block_q={cfg.block_q} must be 64 or 128")
+    if cfg.block_kv not in (64, 128, 192, 256):
+        raise NotImplementedError(f"gdpa_mosaic: block_kv={cfg.block_kv} must be 64, 128, 192 "
+                                  "or 256")
+    if cfg.num_stages < 2:
+        raise NotImplementedError(f"gdpa_mosaic: num_stages={cfg.num_stages} must be >= 2")
+    regs = (cfg.consumer_registers, cfg.producer_registers)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs) or (
+            NUM_CONSUMERS * regs[0] + regs[1]) * 128 > 65536:
+        raise NotImplementedError(f"gdpa_mosaic: registers {regs} must be multiples of 8 in "
+                                  "[24, 256] and fit 64K per SM")
+
+
+# ----------------------------------------------------------------- layout (XLA side)
+
+def row_key_intervals(q_offsets, kv_offsets, tq):
+    """Per query row the valid key interval [start, end) (its sample's keys); padding
+    rows and rows of samples without keys get an empty interval (BIG, 0)."""
+    b = q_offsets.shape[0] - 1
+    seg, _ = segment_layout(q_offsets, tq)
+    s = jnp.clip(seg, 0, b - 1)
+    start = jnp.take(kv_offsets, s)
+    end = jnp.take(kv_offsets, s + 1)
+    ok = (seg < b) & (start < end)
+    return jnp.where(ok, start, BIG).astype(jnp.int32), jnp.where(ok, end, 0).astype(jnp.int32)
+
+
+def tile_table(cfg, start, end):
+    """[n_cta, TABLE_COLS] int32, one row per CTA in launch order.
+
+    Columns: query CTA tile index, [c_lo, c_hi) key tiles the producer streams, then
+    per consumer w (rows tile*cta_rows + w*block_q ...) its key tiles [lo, hi) and
+    interior [flo, fhi), with c_lo <= lo <= flo <= fhi <= hi <= c_hi (an empty
+    consumer range is collapsed onto c_lo).
+    """
+    bq, bk = cfg.block_q, cfg.block_kv
+    lo, hi = tile_ranges(start, end, bq, bk)                    # [n_wg]
+    flo, fhi = interior_ranges(start, end, bq, bk, lo, hi)
+    if not cfg.interior:
+        flo = fhi = hi
+    n = lo.shape[0] // NUM_CONSUMERS
+    lo, hi, flo, fhi = (x.reshape(n, NUM_CONSUMERS) for x in (lo, hi, flo, fhi))
+    empty = hi <= lo
+    c_lo = jnp.min(jnp.where(empty, BIG, lo), axis=1)
+    c_hi = jnp.max(jnp.where(empty, 0, hi), axis=1)
+    cta_empty = c_hi <= c_lo
+    c_lo = jnp.where(cta_empty, 0, c_lo)
+    c_hi = jnp.where(cta_empty, 0, c_hi)
+    collapse = lambda x: jnp.where(empty, c_lo[:, None], x)
+    lo, flo, fhi, hi = (collapse(x) for x in (lo, flo, fhi, hi))
+    per_wg = jnp.stack([lo, flo, fhi, hi], axis=2).reshape(n, 4 * NUM_CONSUMERS)
+    tile = jnp.arange(n, dtype=jnp.int32)
+    table = jnp.concatenate([tile[:, None], c_lo[:, None], c_hi[:, None], per_wg], axis=1)
+    if cfg.heavy_first:
+        table = table[jnp.argsort(c_lo - c_hi, stable=True)]
+    return table.astype(jnp.int32)
+
+
+# -------------------------------------------------------------------- kernel pieces
+
+# Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7): Mosaic GPU has no erf lowering.
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def _erf(x):
+    a = jnp.abs(x)
+    t = 1.0 / (1.0 + _ERF_P * a)
+    poly = _ERF_A[4]
+    for c in _ERF_A[3::-1]:
+        poly = poly * t + c
+    y = 1.0 - poly * t * jnp.exp(-(a * a))
+    return jnp.where(x >= 0.0, y, -y)
+
+
+def activation_times_scale(s, activation, scale):
+    """act(s) * scale in float32, written with ops Mosaic GPU lowers (tanh is one
+    tanh.approx with approx_math; silu needs no exp and no divide)."""
+    if activation == "silu":       # s * sigmoid(s) = h + h tanh(h), h = s / 2
+        t = jnp.tanh(s * 0.5)
+        hs = s * (0.5 * scale)
+        return hs + hs * t
+    if activation == "gelu_tanh":
+        c = math.sqrt(2.0 / math.pi)
+        t = jnp.tanh(s * (c + (c * 0.044715) * (s * s)))
+        hs = s * (0.5 * scale)
+        return hs + hs * t
+    if activation == "gelu":
+        hs = s * (0.5 * scale)
+        return hs + hs * _erf(s * (1.0 / math.sqrt(2.0)))
+    if activation == "relu":
+        return jnp.maximum(s, 0.0) * scale
+    if activation == "identity":
+        return s * scale
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def _items(cfg, n_tiles, n_heads):
+    """This CTA's work items as (count, item(i) -> (table row, head)).
+
+    A work item is one (CTA tile, head); items are numbered t = row * H + head in table
+    (heaviest-first) order. Non-persistent: one item per CTA (grid (tile, head)).
+    Persistent: grid (G = num_ctas,), round r hands items [r G, (r + 1) G) to the CTAs
+    in snake order (c, then G - 1 - c on odd rounds), so no CTA gets the heaviest item
+    of every round (W1 estimate: makespan 12% over the mean load, round-robin 18%).
+    """
+    if not cfg.persistent:
+        row, head = lax.axis_index("tile"), lax.axis_index("head")
+        return 1, lambda i: (row, head)
+    c = lax.axis_index("cta")
+    g = cfg.num_ctas
+    full, rem = divmod(n_tiles * n_heads, g)
+    last = c if full % 2 == 0 else g - 1 - c          # position in the partial round
+    count = full + (last < rem).astype(jnp.int32)
+
+    def item(i):
+        t = i * g + jnp.where(lax.rem(i, 2) == 0, c, g - 1 - c)
+        return lax.div(t, jnp.int32(n_heads)), lax.rem(t, jnp.int32(n_heads))
+    return count, item
+
+
+def _for_items(count, item, body):
+    """carry = body(row, head, carry) over the items, from carry 0 (the global key step)."""
+    if isinstance(count, int) and count == 1:
+        return body(*item(0), jnp.int32(0))
+    return pl.loop(0, count, init_carry=jnp.int32(0))(lambda i, g0: body(*item(i), g0))
+
+
+def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref,
+            qo_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, k_free, v_free, sched_bar, *,
+            cfg, n_tiles, n_heads):
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    d = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    wg = lax.axis_index("wg")
+    count, item = _items(cfg, n_tiles, n_heads)
+
+    # The K/V ring is indexed by the CTA's global key step g (over all its items), so
+    # slot g % stages and every barrier phase follow one sequence in all three threads.
+    def sched():
+        if cfg.schedule_barrier:
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(sched_bar)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        q_smem = qo_smem.at[wg]
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+        def one_item(row, head, g0):
+            c_lo = table_ref[row, 1]
+            c_hi = table_ref[row, 2]
+            lo, flo, fhi, hi = (table_ref[row, 3 + 4 * wg + c] for c in range(4))
+            row0 = table_ref[row, 0] * cfg.cta_rows + wg * bq
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last output has left q_smem
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_smem, q_bar.at[wg])
+            start = plgpu.load(start_ref.at[pl.ds(row0, bq)], layout=row_layout,
+                               optimized=False)
+            end = plgpu.load(end_ref.at[pl.ds(row0, bq)], layout=row_layout, optimized=False)
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            def step(j, kind, acc_ref):
+                slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+                if kind == "skip":       # keep the barrier phases in step, no math
+                    sched()
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if cfg.schedule_barrier:
+                        plgpu.barrier_arrive(sched_bar)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    if cfg.schedule_barrier:
+                        plgpu.barrier_wait(sched_bar)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    sched()
+                    return s_ref[...]             # waits for the wgmma
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                pr = activation_times_scale(s, cfg.activation, cfg.scale)
+                if kind == "masked":
+                    col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                                 layout=plgpu.Layout.WGMMA)
+                    a = lax.broadcast_in_dim(start - j * bk, (bq, bk), [0])
+                    b = lax.broadcast_in_dim(end - j * bk, (bq, bk), [0])
+                    pr = jnp.where((col >= a) & (col < b), pr, 0.0)
+                p16 = pr.astype(dtype)
+                if cfg.schedule_barrier:
+                    plgpu.barrier_arrive(sched_bar)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if cfg.schedule_barrier:
+                    plgpu.barrier_wait(sched_bar)
+                if p_smem is None:
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])    # P from registers (FA3)
+                else:
+                    p_smem.at[wg][...] = p16
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                plgpu.wgmma_wait(0)               # V's slot is read: release it
+                plgpu.barrier_arrive(v_free.at[slot])
+
+            def walk(acc_ref):
+                for a, b, kind in ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
+                                   (fhi, hi, "masked"), (hi, c_hi, "skip")):
+                    @pl.loop(a, b)
+                    def _(j, kind=kind):
+                        step(j, kind, acc_ref)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
+            q_smem[...] = acc.astype(dtype)   # Q's tile is free: stage the output there
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, bq), head])
+            return g0 + (c_hi - c_lo)
+
+        pl.when(wg == 1)(sched)   # consumer 1 runs one schedule phase ahead
+        _for_items(count, item, one_item)
+        pl.when(wg == 0)(sched)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+
+        def one_item(row, head, g0):
+            c_lo = table_ref[row, 1]
+            c_hi = table_ref[row, 2]
+
+            @pl.loop(c_lo, c_hi)
+            def _(j):
+                g = g0 + j - c_lo
+                slot = lax.rem(g, jnp.int32(stages))
+                rows = pl.ds(j * bk, bk)
+                # step g - stages used this slot: wait until both consumers released it
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[rows, head], k_smem.at[slot], k_bar.at[slot])
+                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                plgpu.copy_gmem_to_smem(v_ref.at[rows, head], v_smem.at[slot], v_bar.at[slot])
+            return g0 + (c_hi - c_lo)
+
+        total = _for_items(count, item, one_item)
+
+        # Observe the last releases too: harmless on the GPU, and the interpreter wants
+        # every phase of a barrier a thread waits on to be seen by that thread.
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(g):
+            plgpu.barrier_wait(k_free.at[lax.rem(g, jnp.int32(stages))])
+            plgpu.barrier_wait(v_free.at[lax.rem(g, jnp.int32(stages))])
+
+
+def run_kernel(cfg, layout, q, k, v, interpret=False):
+    """The pallas kernel alone: layout = build_layout(...), q [Tq,H,D] with Tq a multiple
+    of cfg.cta_rows, k / v [Tk,H,D] with Tk a multiple of cfg.block_kv -> [Tq,H,D]."""
+    table, start, end = layout
+    tq, h, d = q.shape
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    if tq % cfg.cta_rows or k.shape[0] % bk:
+        raise ValueError(f"gdpa_mosaic: Tq={tq} / Tk={k.shape[0]} must be multiples of "
+                         f"{cfg.cta_rows} / {bk}")
+    if interpret:   # the interpreter's wgmma takes shared-memory operands only
+        cfg = dataclasses.replace(cfg, p_via_smem=True)
+    n_tiles = table.shape[0]
+    if cfg.persistent:
+        g = cfg.num_ctas or getattr(jax.local_devices()[0], "core_count", None) or 132
+        cfg = dataclasses.replace(cfg, num_ctas=max(1, min(int(g), n_tiles * h)))
+        grid, names = (cfg.num_ctas,), ("cta",)
+    else:
+        grid, names = (n_tiles, h), ("tile", "head")   # last axis fastest: heads together
+    # 16-bit rows of 64 / 128 / 256 elements: 128-byte swizzle, (8, 64) tiles.
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)  # noqa: E731
+    scratch = [
+        smem(NUM_CONSUMERS, bq, d),                     # Q per consumer, then its output
+        smem(stages, bk, d), smem(stages, bk, d),       # K, V ring
+        smem(NUM_CONSUMERS, bq, bk) if cfg.p_via_smem else None,   # P per consumer
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),      # Q loaded
+        plgpu.Barrier(num_barriers=stages),             # K loaded
+        plgpu.Barrier(num_barriers=stages),             # V loaded
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),  # V slot free
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),      # consumer ping-pong
+    ]
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    return plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles, n_heads=h),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=names,
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None,
+    )(table, start, end, q, k, v)
+
+
+def mosaic_config(d, dtype, *, activation="silu", scale=1.0, **tuning):
+    """MosaicConfig from the tuning knobs, checked (TypeError for an unknown knob,
+    NotImplementedError for what the kernel does not take)."""
+    unknown = set(tuning) - {f.name for f in dataclasses.fields(MosaicConfig)}
+    if unknown:
+        raise TypeError(f"gdpa_mosaic: unknown tuning knobs {sorted(unknown)}")
+    cfg = MosaicConfig(activation=activation, scale=float(scale), **tuning)
+    check_config(cfg, d, dtype)
+    return cfg
+
+
+def build_layout(cfg, q_offsets, kv_offsets, tq):
+    """(table, start, end) for run_kernel, from the offsets (XLA); tq: padded capacity."""
+    start, end = row_key_intervals(q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32), tq)
+    return tile_table(cfg, start, end), start, end
+
+
+def _pad_rows(x, n):
+    return x if x.shape[0] == n else jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0,
+                        interpret=False, causal=False, window=None, **tuning):
+    """out = (act(Q K^T) * scale) @ V per jagged sample; see the module docstring.
+
+    q [Tq,H,D], k/v [Tk,H,D] bf16/f16, offsets [B+1] int32 -> [Tq,H,D] in q.dtype.
+    `tuning` overrides MosaicConfig fields (block_q, block_kv, num_stages, ...).
+    interpret: False (compile for the GPU), True or an InterpretGPUParams (CPU).
+    causal / window: not supported (NotImplementedError), accepted so that callers
+    can pass gdpa's arguments through and fall back.
+    """
+    check_attention_inputs("gdpa_mosaic", q, k, v, q_offsets, kv_offsets)
+    if causal or window is not None:
+        raise NotImplementedError("gdpa_mosaic: causal / window masks are not supported")
+    tq, _, d = q.shape
+    cfg = mosaic_config(d, q.dtype, activation=activation, scale=scale, **tuning)
+    if q_offsets.shape[0] == 1 or tq == 0:   # no samples
+        return jnp.zeros_like(q)
+    tqp = -(-tq // cfg.cta_rows) * cfg.cta_rows            # a copy unless already a multiple
+    tkp = -(-max(k.shape[0], 1) // cfg.block_kv) * cfg.block_kv
+    layout = build_layout(cfg, q_offsets, kv_offsets, tqp)
+    out = run_kernel(cfg, layout, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp),
+                     interpret)
+    return out[:tq]

@@ -1,0 +1,368 @@
+"""GDPA forward on Pallas Mosaic GPU (kernels/gdpa/mosaic.py) against gdpa_reference.
+
+CPU (default suite):
+  * export: the kernel traces and lowers for cuda (jax.export, platforms=["cuda"]):
+    Pallas -> Mosaic GPU lowering, wgmma / TMA / layout checks and the shared-memory
+    budget all run at export; PTX / ptxas only run on a GPU.
+  * interpreter: Mosaic GPU's interpreter (jax/_src/pallas/mosaic_gpu/interpret) runs
+    the kernel on CPU with its 3 warpgroups as threads, TMA copies, mbarriers (phase
+    bookkeeping checked: a skipped or extra wait deadlocks or raises) and wgmma
+    (synchronous, exact f32 math). One difference from the GPU path: the
+    interpreter's wgmma takes shared-memory operands only, so in interpret mode
+    P is staged through shared memory (`p_via_smem`, forced), where the GPU default
+    feeds P to the P @ V wgmma from registers; the GPU tests below cover that path
+    (and p_via_smem on the GPU). The interpreter also cannot run `pl.run_state` over
+    a wgmma accumulator (jax's FA3 example's form), so the kernel keeps its output
+    accumulator in one `run_scoped` ACC ref per work item, on the GPU too. Its race
+    detector (detect_races) runs on two cases. Not modelled: wgmma asynchrony (a
+    slot released before its wgmma completes would pass here), tanh.approx (exact
+    tanh here). Realistic sizes are GPU-only (one 3.7k-token case ran > 15 min).
+GPU (`-m gpu`, one H200): the same cases compiled, plus realistic lengths and the
+knob variants the benchmark sweeps, and a W1 comparison with the Triton forward.
+"""
+
+import faulthandler
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.gdpa import gdpa_reference
+from kernels.gdpa.mosaic import (BIG, MosaicConfig, gdpa_mosaic_forward, row_key_intervals,
+                                 tile_table)
+
+# Lengths around the tiles (64-row consumer tile, 128-row CTA, 64 / 128-key tiles):
+# empty, 1, tile - 1 / tile / tile + 1; 580 tokens in capacity 768: a 188-row
+# all-padding tail, the last 128-row CTA entirely padding.
+SELF = [0, 1, 63, 64, 65, 127, 128, 129, 3]
+# Cross: q and kv lengths differ, samples without keys (1, 3, 6) and without queries (1).
+CROSS_Q = [5, 0, 300, 2, 64, 1, 40]
+CROSS_KV = [1, 7, 64, 0, 200, 129, 0]
+TOL = 2e-2  # bf16
+
+
+def offsets_of(lengths):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def make_case(q_lens, kv_lens, tq, tk, h, d, seed=0, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(tq, h, d)) * 0.5, dtype)
+    k = jnp.asarray(rng.normal(size=(tk, h, d)) * 0.5, dtype)
+    v = jnp.asarray(rng.normal(size=(tk, h, d)), dtype)
+    return q, k, v, offsets_of(q_lens), offsets_of(kv_lens)
+
+
+def check(q_lens, kv_lens, tq, tk, *, h, d, activation, scale, interpret, seed=0, **tuning):
+    q, k, v, qo, ko = make_case(q_lens, kv_lens, tq, tk, h, d, seed)
+    got = jax.jit(lambda q, k, v, qo, ko: gdpa_mosaic_forward(
+        q, k, v, qo, ko, activation=activation, scale=scale, interpret=interpret,
+        **tuning))(q, k, v, qo, ko)
+    want = gdpa_reference(q, k, v, qo, ko, activation=activation, scale=scale)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+    what = f"gdpa_mosaic {activation} d={d} {tuning}"
+    assert err < TOL, f"{what}: relative error {err:.2e} >= {TOL}"
+    end = int(qo[-1])
+    assert np.all(got[end:] == 0), f"{what}: rows past q_offsets[-1] not 0"
+    return err
+
+
+# ------------------------------------------------------------------ CPU: export
+
+def _export(d, tuning, activation="silu", h=4, tq=1024, b=8):
+    sds = [jax.ShapeDtypeStruct((tq, h, d), jnp.bfloat16)] * 3
+    sds += [jax.ShapeDtypeStruct((b + 1,), jnp.int32)] * 2
+    f = jax.jit(lambda q, k, v, qo, ko: gdpa_mosaic_forward(
+        q, k, v, qo, ko, activation=activation, scale=0.5, **tuning))
+    return jax.export.export(f, platforms=["cuda"])(*sds).mlir_module()
+
+
+@pytest.mark.parametrize("tuning", [{}, dict(block_kv=64, num_stages=3)],
+                         ids=["bk128_s2", "bk64_s3"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_exports_for_cuda(d, tuning):
+    mlir = _export(d, tuning)
+    assert "mosaic_gpu" in mlir
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "identity"])
+def test_exports_every_activation(activation):
+    assert "mosaic_gpu" in _export(128, {}, activation=activation)
+
+
+@pytest.mark.parametrize("tuning", [dict(block_kv=128, num_stages=3), dict(p_via_smem=True),
+                                    dict(schedule_barrier=False, interior=False),
+                                    dict(block_q=128, block_kv=64), dict(persistent=True),
+                                    dict(persistent=True, block_kv=64, num_stages=4)],
+                         ids=["bk128_s3", "p_smem", "no_sched_no_interior", "bq128",
+                              "persistent", "persistent_bk64_s4"])
+def test_exports_sweep_knobs(tuning):
+    """The benchmark's sweep entries lower too (D=128 is the W1 head dim)."""
+    assert "mosaic_gpu" in _export(128, tuning)
+
+
+def test_shared_memory_overflow_is_caught_at_export():
+    with pytest.raises(ValueError, match="shared memory"):
+        _export(128, dict(block_kv=256, num_stages=3))
+
+
+# ------------------------------------------------------ CPU: tile table (pure XLA)
+
+@pytest.mark.parametrize("heavy_first", [True, False])
+@pytest.mark.parametrize("cfg_kw", [dict(), dict(block_kv=64), dict(interior=False)])
+def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
+    """Every valid (row, key) pair lies in its consumer's [lo, hi); interior tiles hold
+    only valid pairs; c_lo <= lo <= flo <= fhi <= hi <= c_hi; each CTA tile once."""
+    cfg = MosaicConfig(heavy_first=heavy_first, **cfg_kw)
+    for q_lens, kv_lens, tq in ((SELF, SELF, 768), (CROSS_Q, CROSS_KV, 512)):
+        qo, ko = offsets_of(q_lens), offsets_of(kv_lens)
+        start, end = (np.asarray(x) for x in row_key_intervals(qo, ko, tq))
+        table = np.asarray(tile_table(cfg, jnp.asarray(start), jnp.asarray(end)))
+        bq, bk = cfg.block_q, cfg.block_kv
+        assert sorted(table[:, 0]) == list(range(tq // cfg.cta_rows))
+        if heavy_first:
+            work = table[:, 2] - table[:, 1]
+            assert np.all(work[:-1] >= work[1:])
+        seg = np.searchsorted(np.asarray(qo), np.arange(tq), side="right") - 1
+        ko = np.asarray(ko)
+        for row in table:
+            tile, c_lo, c_hi = row[:3]
+            for w in range(2):
+                lo, flo, fhi, hi = row[3 + 4 * w: 7 + 4 * w]
+                assert c_lo <= lo <= flo <= fhi <= hi <= c_hi, row
+                rows = tile * cfg.cta_rows + w * bq + np.arange(bq)
+                for r in rows:
+                    b = seg[r]
+                    valid = b < len(q_lens) and ko[b] < ko[b + 1]
+                    assert (start[r], end[r]) == ((int(ko[b]), int(ko[b + 1])) if valid
+                                                  else (BIG, 0))
+                    if valid:  # its keys lie in the consumer's key tiles
+                        assert lo * bk <= start[r] and end[r] <= hi * bk, (row, r)
+                    # interior tiles: every key valid for this row
+                    assert not (fhi > flo and not (start[r] <= flo * bk and fhi * bk <= end[r]))
+
+
+# ---------------------------------------------------------- CPU: interpreter
+
+@pytest.fixture
+def interpreter_guard():
+    """The interpreter deadlocks on a barrier protocol bug: abort (with tracebacks)
+    instead of hanging; reset its global state if a kernel failed."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        yield ipc
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        ipc.reset_gpu_interpret_mode_state()
+
+
+INTERPRET_CASES = [
+    # (q lens, kv lens, Tq, Tk, h, d, activation, scale, tuning)
+    (SELF, SELF, 768, 768, 2, 64, "silu", 0.3, {}),
+    (SELF, SELF, 768, 768, 1, 128, "gelu", 0.2, dict(block_kv=64, num_stages=3)),
+    (SELF, SELF, 768, 768, 1, 64, "gelu_tanh", 0.3, dict(schedule_barrier=False,
+                                                          interior=False)),
+    (SELF, SELF, 768, 768, 1, 64, "relu", 0.5, dict(heavy_first=False, block_kv=64)),
+    (SELF, SELF, 768, 768, 1, 64, "identity", 0.1, dict(block_q=128, block_kv=64)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, "silu", 1.0, dict(block_kv=64)),
+    (CROSS_Q, CROSS_KV, 512, 512, 1, 128, "gelu_tanh", 0.3, {}),
+    # persistent: few CTAs looping over (tile, head) items, the K/V ring running on
+    (SELF, SELF, 768, 768, 2, 64, "silu", 0.3, dict(persistent=True, num_ctas=3)),
+    # 8 items over 5 CTAs: one full round and a partial snake round (odd)
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 128, "gelu", 0.2, dict(persistent=True, num_ctas=5,
+                                                             block_kv=64, num_stages=3)),
+]
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES,
+                         ids=[f"{c[6]}-d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
+                              + ("_".join(f"{k}{v}" for k, v in c[8].items()) or "default")
+                              for c in INTERPRET_CASES])
+def test_interpreter_matches_reference(case, interpreter_guard):
+    ql, kl, tq, tk, h, d, act, scale, tuning = case
+    check(ql, kl, tq, tk, h=h, d=d, activation=act, scale=scale, interpret=True, **tuning)
+
+
+@pytest.mark.parametrize("tuning", [dict(block_kv=64), dict(persistent=True, num_ctas=3)],
+                         ids=["grid", "persistent"])
+def test_interpreter_finds_no_races(tuning, interpreter_guard):
+    """Happens-before race detector over TMA copies / barriers / shared memory (three
+    warpgroups; persistent: the output store vs the next item's Q load)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    check(SELF, SELF, 768, 768, h=2, d=64, activation="silu", scale=0.3, interpret=params,
+          **tuning)
+    assert not interpreter_guard.get_races().races_found
+
+
+def test_interpreter_float16(interpreter_guard):
+    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=4, dtype=jnp.float16)
+    got = gdpa_mosaic_forward(q, k, v, qo, ko, activation="gelu_tanh", interpret=True)
+    want = gdpa_reference(q, k, v, qo, ko, activation="gelu_tanh")
+    assert got.dtype == jnp.float16
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < TOL
+
+
+def test_interpreter_isolates_samples(interpreter_guard):
+    """Changing one sample's q, k, v changes only that sample's rows."""
+    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=3)
+    f = jax.jit(lambda q, k, v: gdpa_mosaic_forward(q, k, v, qo, ko, interpret=True))
+    a = np.asarray(f(q, k, v), np.float32)
+    lo, hi = int(qo[6]), int(qo[7])           # the 128-token sample
+    bump = lambda x: x.at[lo:hi].set(x[lo:hi] * -1.5)
+    b = np.asarray(f(bump(q), bump(k), bump(v)), np.float32)
+    changed = np.any(a != b, axis=(1, 2))
+    assert changed[lo:hi].any() and not changed[:lo].any() and not changed[hi:].any()
+
+
+# ------------------------------------------------------------ CPU: fall-backs
+
+@pytest.mark.parametrize("kw,dtype,d,match", [
+    (dict(causal=True), jnp.bfloat16, 64, "causal"),
+    (dict(window=8), jnp.bfloat16, 64, "window"),
+    ({}, jnp.float32, 64, "bf16"),
+    ({}, jnp.bfloat16, 32, "head dim"),
+    (dict(block_kv=96), jnp.bfloat16, 64, "block_kv"),
+    (dict(num_stages=1), jnp.bfloat16, 64, "num_stages"),
+])
+def test_unsupported_options_raise(kw, dtype, d, match):
+    q = jnp.zeros((128, 1, d), dtype)
+    off = jnp.array([0, 100], jnp.int32)
+    with pytest.raises(NotImplementedError, match=match):
+        gdpa_mosaic_forward(q, q, q, off, off, **kw)
+
+
+def test_bad_knob_and_activation():
+    q = jnp.zeros((128, 1, 64), jnp.bfloat16)
+    off = jnp.array([0, 100], jnp.int32)
+    with pytest.raises(TypeError, match="tuning"):
+        gdpa_mosaic_forward(q, q, q, off, off, bq=64)
+    with pytest.raises(ValueError, match="activation"):
+        gdpa_mosaic_forward(q, q, q, off, off, activation="tanh")
+
+
+def test_no_samples_gives_zeros():
+    q = jnp.ones((128, 1, 64), jnp.bfloat16)
+    off = jnp.zeros((1,), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(gdpa_mosaic_forward(q, q, q, off, off), np.float32), 0)
+
+
+# ------------------------------------------------------------------ GPU (H200)
+
+def _require_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.fail("gpu-marked test needs a CUDA GPU (jax.default_backend() != 'gpu')")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", INTERPRET_CASES,
+                         ids=[f"{c[6]}-d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
+                              + ("_".join(f"{k}{v}" for k, v in c[8].items()) or "default")
+                              for c in INTERPRET_CASES])
+def test_gpu_edge_cases(case):
+    _require_gpu()
+    ql, kl, tq, tk, h, d, act, scale, tuning = case
+    check(ql, kl, tq, tk, h=h, d=d, activation=act, scale=scale, interpret=False, **tuning)
+
+
+def _lognormal_lengths(rng, n, median, cap):
+    return np.clip(rng.lognormal(np.log(median), 0.8, n).astype(int), 0, cap)
+
+
+GPU_TUNINGS = {
+    "default": {}, "bk64_s4": dict(block_kv=64, num_stages=4),
+    "bk128_s3": dict(block_kv=128, num_stages=3), "p_smem": dict(p_via_smem=True),
+    "no_sched": dict(schedule_barrier=False, interior=False),
+    "persistent": dict(persistent=True),
+    "persistent_bk64_s4": dict(persistent=True, block_kv=64, num_stages=4),
+}
+GPU_REALISTIC = [(128, name) for name in GPU_TUNINGS] + [(64, "default"), (64, "persistent")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,name", GPU_REALISTIC, ids=[f"d{d}-{n}" for d, n in GPU_REALISTIC])
+def test_gpu_realistic_lengths(d, name):
+    tuning = GPU_TUNINGS[name]
+    _require_gpu()
+    rng = np.random.default_rng(2)
+    lens = _lognormal_lengths(rng, 12, 300, 1500)
+    lens[:3] = [0, 1, 64]
+    t = int(-(-lens.sum() // 128) * 128 + 128)
+    check(lens, lens, t, t, h=3, d=d, activation="silu", scale=1 / 1500, interpret=False,
+          **tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "identity"])
+def test_gpu_activations_cross(activation):
+    _require_gpu()
+    rng = np.random.default_rng(5)
+    ql = _lognormal_lengths(rng, 12, 300, 1500)
+    kl = _lognormal_lengths(rng, 12, 200, 1000)
+    ql[:2], kl[2:4] = [0, 1], [0, 1]
+    tq = int(-(-ql.sum() // 128) * 128)
+    tk = int(-(-kl.sum() // 128) * 128)
+    check(ql, kl, tq, tk, h=2, d=128, activation=activation, scale=0.02, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_triton_path_on_w1_lengths():
+    """W1 lengths (bench workload), bf16, H=4, D=128: Mosaic vs our Triton forward."""
+    _require_gpu()
+    from kernels.gdpa import gdpa
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    t = int(-(-lens.sum() // 128) * 128)
+    q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
+    scale = 1.0 / int(lens.max())
+    mine = jax.jit(lambda *a: gdpa_mosaic_forward(*a, scale=scale))(q, k, v, qo, ko)
+    triton = jax.jit(lambda *a: gdpa(*a, scale=scale, impl="pallas"))(q, k, v, qo, ko)
+    mine, triton = np.asarray(mine, np.float64), np.asarray(triton, np.float64)
+    err = float(np.max(np.abs(mine - triton)) / np.max(np.abs(triton)))
+    assert err < TOL, f"mosaic vs triton relative difference {err:.2e}"
+
+
+# ------------------------------------------------ CPU: experiments/bench_gdpa_mosaic.py
+
+def _bench(args, tmp_path, platforms="cpu"):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS=platforms)
+    script = os.path.join(root, "experiments", "bench_gdpa_mosaic.py")
+    return subprocess.run([sys.executable, script, f"--out={tmp_path / 'bench.json'}", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_bench_without_gpu_exits_with_a_message(tmp_path):
+    r = _bench([], tmp_path)
+    assert r.returncode != 0
+    assert "no GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_bench_smoke_in_interpret_mode(tmp_path):
+    """The script end to end on CPU (1 sample, 1 head, interpreter): rows, knobs, JSON."""
+    import json
+    r = _bench(["--interpret", "--max_samples=1", "--heads=1", "--iters=1", "--sweep",
+                "--configs=block_kv=64+num_stages=3,bogus"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(tmp_path / "bench.json"))
+    rows = {x["impl"]: x for x in res["rows"]}
+    assert set(rows) == {"triton_gdpa_fwd", "mosaic_gdpa_fwd", "mosaic_gdpa_fwd_kernel_only",
+                         "mosaic[block_kv=64+num_stages=3]", "mosaic[bogus]"}
+    assert rows["mosaic[block_kv=64+num_stages=3]"]["knobs"] == dict(block_kv=64, num_stages=3)
+    assert "bad spec" in rows["mosaic[bogus]"]["error"]
+    for name in ("mosaic_gdpa_fwd", "mosaic_gdpa_fwd_kernel_only",
+                 "mosaic[block_kv=64+num_stages=3]"):
+        assert rows[name]["rel_diff_vs_triton"] < TOL, rows[name]
+    meta = res["meta"]
+    lens = np.clip(np.random.default_rng(0).lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    assert meta["valid_pairs"] == int(lens[0]) ** 2
+    assert meta["fwd_gflop"] == pytest.approx(4 * 1 * 128 * lens[0] ** 2 / 1e9)
