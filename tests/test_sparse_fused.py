@@ -276,3 +276,22 @@ def test_collection_update_impl_pallas_equals_xla(devices):
     assert not np.allclose(out["xla"]["a"]["weights"], w["a"])          # the step did update
     with pytest.raises(ValueError, match="update_impl"):
         EmbeddingCollection(specs, "row_wise", mesh, update_impl="cuda")
+
+
+def test_trainer_with_the_fused_update_equals_xla():
+    """train.sparse_update_impl=pallas (interpret mode here) trains the tiny teacher's
+    tables like the XLA update: 2 steps, tables and loss within float32 rounding."""
+    from gemjax.config import get_config
+    from gemjax.parallel.equivalence import max_rel_diff, train_steps
+    from gemjax.train.step import Trainer
+    over = "model.kind=gem,model.dim=16,data.batch_size=16"
+    coll = Trainer.create(get_config("tiny", over + ",train.sparse_update_impl=pallas")).coll
+    assert {coll._update_impl(s) for s in coll.specs.values()} == {"pallas"}   # every table fused
+    xla = train_steps(None, 2, overrides=over)
+    fused = train_steps(None, 2, overrides=over + ",train.sparse_update_impl=pallas",
+                        tables0=xla["init_tables"])
+    assert max_rel_diff(xla["init_tables"], xla["tables"]) > 1e-3      # rows really moved
+    np.testing.assert_allclose(fused["losses"], xla["losses"], rtol=1e-6)
+    assert max_rel_diff(fused["tables"], xla["tables"]) < 1e-5
+    with pytest.raises(ValueError, match="sparse_update_impl"):
+        get_config("tiny", "train.sparse_update_impl=triton")
