@@ -49,3 +49,24 @@ def time_calls(fn, *args, iters: int = 20) -> float:
         jax.block_until_ready(out)
         rounds.append((time.perf_counter() - t0) / iters)
     return float(np.median(rounds))
+
+
+def valid_pairs(kind, ql, kl, block=64):
+    """Valid (query, key) pairs of a workload: sum Lq * Lk, or within 64-token blocks."""
+    if kind != "block":
+        return int(np.sum(ql.astype(np.int64) * kl))
+    full, rem = ql // block, ql % block
+    return int(np.sum(full * block * block + rem * rem))
+
+
+def pack_arrays(ql, kl, h, d, dtype, rng):
+    """Random packed q [Tq,H,D], k, v [Tk,H,D], do [Tq,H,D] (capacities rounded up to 128)
+    and int32 offsets qo, ko [B+1] for the lengths ql, kl."""
+    import jax.numpy as jnp
+    tq = int(-(-ql.sum() // 128) * 128)
+    tk = int(-(-kl.sum() // 128) * 128)
+    mk = lambda t: jnp.asarray(rng.normal(size=(t, h, d)) * 0.5, dtype)  # noqa: E731
+    q, k, v, do = mk(tq), mk(tk), mk(tk), mk(tq)
+    qo = jnp.asarray(np.concatenate([[0], np.cumsum(ql)]), jnp.int32)
+    ko = jnp.asarray(np.concatenate([[0], np.cumsum(kl)]), jnp.int32)
+    return q, k, v, do, qo, ko

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import time_calls, workload  # experiments/, next to this script
+from attention_workloads import (pack_arrays, time_calls, valid_pairs,  # experiments/
+                                 workload)
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import BLOCK_KNOBS, block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
@@ -66,13 +67,6 @@ BLOCK_BWD_GRID = ["8:1:1", "8:1:4", "4:1:1", "8:2:2"]
 _START = time.perf_counter()
 
 
-def valid_pairs(kind, ql, kl, block=64):
-    if kind != "block":
-        return int(np.sum(ql.astype(np.int64) * kl))
-    full, rem = ql // block, ql % block
-    return int(np.sum(full * block * block + rem * rem))
-
-
 def timeit(fn, *args):
     """Seconds per call (attention_workloads.time_calls with --iters)."""
     return time_calls(fn, *args, iters=FLAGS.iters)
@@ -86,16 +80,6 @@ def fwd_and_train(fn):
         o, vjp = jax.vjp(fn, q, k, v)
         return vjp(do)
     return fwd, jax.jit(train)
-
-
-def pack_arrays(ql, kl, h, d, dtype, rng):
-    tq = int(-(-ql.sum() // 128) * 128)
-    tk = int(-(-kl.sum() // 128) * 128)
-    mk = lambda t: jnp.asarray(rng.normal(size=(t, h, d)) * 0.5, dtype)
-    q, k, v, do = mk(tq), mk(tk), mk(tk), mk(tq)
-    qo = jnp.asarray(np.concatenate([[0], np.cumsum(ql)]), jnp.int32)
-    ko = jnp.asarray(np.concatenate([[0], np.cumsum(kl)]), jnp.int32)
-    return q, k, v, do, qo, ko
 
 
 def padded(x, off, lens, lmax):

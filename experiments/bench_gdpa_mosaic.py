@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import time_calls, workload  # experiments/, next to this script
+from attention_workloads import (pack_arrays, time_calls, valid_pairs,  # experiments/
+                                 workload)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_gdpa_mosaic.json", "JSON output path")
@@ -101,15 +102,6 @@ def rel_diff(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def inputs(ql, kl, h, d, rng):
-    tq = int(-(-ql.sum() // 128) * 128)
-    tk = int(-(-kl.sum() // 128) * 128)
-    mk = lambda t: jnp.asarray(rng.normal(size=(t, h, d)) * 0.5, jnp.bfloat16)  # noqa: E731
-    qo = jnp.asarray(np.concatenate([[0], np.cumsum(ql)]), jnp.int32)
-    ko = jnp.asarray(np.concatenate([[0], np.cumsum(kl)]), jnp.int32)
-    return mk(tq), mk(tk), mk(tk), qo, ko
-
-
 def row(name, fn, args, flops, want, knobs=None):
     r = dict(impl=name)
     if knobs is not None:
@@ -144,8 +136,8 @@ def main(_):
     if FLAGS.max_samples:
         ql, kl = ql[:FLAGS.max_samples], kl[:FLAGS.max_samples]
     h, d, act = FLAGS.heads, FLAGS.head_dim, FLAGS.activation
-    q, k, v, qo, ko = inputs(ql, kl, h, d, np.random.default_rng(0))
-    pairs = int(np.sum(ql.astype(np.int64) * kl))
+    q, k, v, _, qo, ko = pack_arrays(ql, kl, h, d, jnp.bfloat16, np.random.default_rng(0))
+    pairs = valid_pairs(kind, ql, kl)
     flops = 4.0 * h * d * pairs
     scale = 1.0 / int(kl.max())
     dev = jax.devices()[0]
