@@ -69,6 +69,8 @@ flags.DEFINE_integer("replicate_below_bytes", None, "sparse planner: replicate t
                      "(default: the planner's 32 MiB; 0 shards every table)")
 flags.DEFINE_integer("devices_per_host", None, "devices per host (default: one process's devices)")
 flags.DEFINE_bool("list_only", False, "print the valid shapes and exit")
+flags.DEFINE_bool("with_base", True, "add the 1-device mesh when --shapes lacks one (the base of the "
+                  "scaling figures and the cost model's calibration); false for quick A/B runs")
 flags.DEFINE_bool("weak_scaling", True, "preset batch = per-device batch; global batch = it x devices")
 flags.DEFINE_bool("local_mfu", True, "measure Local MFU (teacher blocks alone on one device)")
 flags.DEFINE_integer("local_iters", 10, "timed calls per block for Local MFU")
@@ -289,7 +291,7 @@ def main(argv):
     per_host = FLAGS.devices_per_host or jax.local_device_count()
     one = enumerate_specs(FLAGS.axes, 1, 1)[0]
     specs = [s for s in FLAGS.shapes.split(";") if s.strip()] or enumerate_specs(FLAGS.axes, n_all, per_host)
-    if all(spec_devices(s, n_all) != 1 for s in specs):
+    if FLAGS.with_base and all(spec_devices(s, n_all) != 1 for s in specs):
         specs = [one] + specs                       # the 1-device base of the scaling figures
     specs.sort(key=lambda s: spec_devices(s, n_all))
     if FLAGS.list_only:

@@ -112,8 +112,13 @@ class TrainConfig:
     sparse_fixed_branches: bool = True
     # duplicate sum + row-wise Adagrad of the touched rows: "xla", or "pallas" (one fused
     # kernel: 1.60 vs 2.07 ms per lookup + update step on one H200, experiments/bench_sparse.py;
-    # not yet timed inside the trainer, and interpret mode, slow, off GPU)
+    # but inside the h200 teacher's step it is slower, 142.3 vs 133.3 ms on one H200, so "xla"
+    # stays the default; interpret mode, slow, off GPU)
     sparse_update_impl: str = "xla"
+    # pin sparse activations and their gradients to row-major (EmbeddingCollection
+    # row_major): else XLA:GPU may lay a sequence stack out feature-major and transpose
+    # every per-id gradient (15 ms of the 2-GPU h200 step); false for A/B runs
+    sparse_row_major: bool = True
     warmup_steps: int = 100
     log_every: int = 100
     eval_every: int = 500

@@ -68,12 +68,19 @@ trainer turns it on with train.sparse_sync_buckets, on in the h200 preset).
 Both switches hold collectives; `branch_needs` + `branch_plan` + `fixed_branches`
 fix their branches per batch before the step, which the trainer does (TrainStep;
 tests/test_sparse_fixed_branches.py): see "Fixed branches" in routing.
+row_major (default True): the activations a lookup returns and the gradients
+apply_gradients reads are pinned to a row-major physical layout
+(`jax.experimental.layout.with_layout_constraint`). Without it XLA:GPU's layout
+assignment may make a whole sequence stack feature-major ([D, T] in memory) and
+then transpose every per-id gradient before its row gather: an 11 ms transpose
+and a 4 ms strided gather per step in the 2-GPU h200 program. A no-op on CPU.
 update_impl: "xla" (default) or "pallas": the duplicate sum and row-wise Adagrad
 fused in one Pallas kernel (gemjax.sparse.fused_update; tables whose optimizer
 is not RowWiseAdagrad or whose dim is not a power of two >= 16 keep "xla").
 Tested in interpret mode on CPU and lowered for sm_90; on one H200 (below) the
 lookup + update step takes 1.60 ms with it vs 2.07 ms with "xla" (36% vs 28% of
-3.6 TB/s counting every id's row).
+3.6 TB/s counting every id's row); inside the h200 teacher's train step on one
+H200 it is slower (142.3 vs 133.3 ms per step), so "xla" stays the default.
 Measured on one H200 (1e8 x 128 table, Zipf 1.05, 1.3M ids, pooled bags,
 experiments/bench_sparse.py), lookup + update step: dedup="sort" with
 DEFAULT_BUCKETS 1.98 ms; sort_scatter 2.74 ms; scatter 2.80 ms; sort without
@@ -89,6 +96,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
@@ -107,7 +115,7 @@ class EmbeddingCollection:
                  dedup: str = "sort", grad_dtype: Any = jnp.float32,
                  unique_buckets: Sequence[float] = routing.DEFAULT_BUCKETS, update_impl: str = "xla",
                  exchange_buckets: Sequence[float] = (), sync_buckets: bool = False,
-                 **planner_kw):
+                 row_major: bool = True, **planner_kw):
         if dedup not in routing.DEDUPS:
             raise ValueError(f"dedup must be one of {routing.DEDUPS}, got {dedup!r}")
         if jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -125,6 +133,7 @@ class EmbeddingCollection:
         if update_impl not in routing.UPDATE_IMPLS:
             raise ValueError(f"update_impl must be one of {routing.UPDATE_IMPLS}, got {update_impl!r}")
         self.update_impl = update_impl
+        self.row_major = bool(row_major)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in {names}")
@@ -508,6 +517,8 @@ class EmbeddingCollection:
                         acts[f] = _pool(r, ids_f, spec.pooling)
                     else:
                         acts[f] = r.reshape(ids_f.shape + (spec.dim,))
+                    if self.row_major:
+                        acts[f] = _row_major(acts[f])
             return acts, res, {k: v[None] for k, v in stats.items()}
 
         names = list(groups)
@@ -558,10 +569,11 @@ class EmbeddingCollection:
                         n_f = ids.capacity if isinstance(ids, Jagged) else int(np.prod(ids.shape))
                         index.append(jnp.full((n_f,), -1, jnp.int32))
                         continue
+                    g_f = _row_major(g_acts[f]) if self.row_major else g_acts[f]
                     if isinstance(ids, Jagged):
-                        src, idx = _unpool_source(ids, g_acts[f].astype(jnp.float32), spec.pooling)
+                        src, idx = _unpool_source(ids, g_f.astype(jnp.float32), spec.pooling)
                     else:
-                        src = g_acts[f].astype(jnp.float32).reshape(-1, spec.dim)
+                        src = g_f.astype(jnp.float32).reshape(-1, spec.dim)
                         idx = jnp.arange(src.shape[0], dtype=jnp.int32)
                     srcs.append(src)
                     index.append(jnp.where(idx >= 0, idx + off, -1))
@@ -612,6 +624,11 @@ class EmbeddingCollection:
         )({u: state[u] for u in units}, {n: residuals["route"][n] for n in names},
           {f: feats[f] for f in used}, {f: g_acts[f] for f in used if f in g_acts})
         return {**state, **new}
+
+
+def _row_major(x: Array) -> Array:
+    """x with its physical layout pinned to row-major (last dim minor); same values."""
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
 def _size(ids: Any) -> int:

@@ -170,7 +170,8 @@ class Trainer:
         coll = EmbeddingCollection(table_specs(cfg), table_plan, mesh=mesh,
                                    replica_axes=tuple(table_replica_axes), exchange_buckets=xb,
                                    sync_buckets=cfg.train.sparse_sync_buckets,
-                                   update_impl=cfg.train.sparse_update_impl, **planner_kw)
+                                   update_impl=cfg.train.sparse_update_impl,
+                                   row_major=cfg.train.sparse_row_major, **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
 
     @property
