@@ -248,9 +248,10 @@ def default_impl(op, head_dim, backend=None):
     return "pallas" if gpu and padded_head_dim(op, head_dim) is not None else "reference"
 
 
-def check_impl(op, impl):
-    if impl not in IMPLS:
-        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+def check_impl(op, impl, extra=()):
+    """ValueError unless impl is one of IMPLS or of the op's own `extra` impls."""
+    if impl not in IMPLS + tuple(extra):
+        raise ValueError(f"{op}: impl must be one of {IMPLS + tuple(extra)}, got {impl!r}")
 
 
 def check_attention_inputs(op, q, k, v, q_offsets, kv_offsets):

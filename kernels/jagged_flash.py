@@ -59,6 +59,10 @@ class FlashConfig:
     interior: bool = True          # tiles whose pairs are all valid skip the mask
     fast_act: bool = False         # gdpa silu / gelu_tanh through tanh.approx (16-bit inputs)
     interpret: bool = False
+    # gdpa forward engine: "triton" (this module's kernel) or "mosaic" (the Mosaic GPU
+    # kernel, kernels/gdpa/mosaic.py, where it applies: flash_forward; Triton elsewhere);
+    # the backward is always the Triton dQ and dK/dV kernels
+    forward: str = "triton"
 
 
 # ----------------------------------------------------------------------------- math
@@ -432,6 +436,12 @@ def _forward(cfg, q, k, v, lay):
             refs.append(None)  # lse_ref
         _fwd_kernel(*refs, cfg=cfg)
 
+    if cfg.forward == "mosaic" and not softmax:
+        from kernels.gdpa.mosaic import flash_forward  # here: that module imports this one
+        kern = flash_forward(cfg, q.dtype, d, tq, tk)
+        if kern is not None:
+            return kern(q, k, v, lay), None
+
     outs = pl.pallas_call(
         _adapt(kernel, cfg, 0, None, len(out_shape)), grid=(nq, h),
         in_specs=_specs(cfg, tq, tk, d, nq), out_specs=out_specs, out_shape=out_shape,
@@ -563,7 +573,8 @@ def interior_ranges(start, end, row_tile, col_tile, lo, hi):
 
 
 def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rope_theta=None):
-    """Everything the kernels read besides q/k/v: segment ids, positions, tile ranges, RoPE."""
+    """Everything the kernels read besides q/k/v: segment ids, positions, per query row
+    its key interval [q_start, q_end) (empty: BIG, 0), tile ranges, RoPE."""
     b = q_offsets.shape[0] - 1
     q_offsets = q_offsets.astype(jnp.int32)
     kv_offsets = kv_offsets.astype(jnp.int32)
@@ -579,7 +590,8 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
     if cfg.rope:
         pos = qp if rope_positions is None else rope_positions
         cos, sin = rope_tables(pos, d, rope_theta)
-    return dict(qs=qs, qp=qp, ks=ks, kp=kp, q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
+    return dict(qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb,
+                q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
                 q_flo=q_flo, q_fhi=q_fhi, k_flo=k_flo, k_fhi=k_fhi,
                 q_perm=_heaviest_first(q_lo, q_hi, cfg), k_perm=_heaviest_first(k_lo, k_hi, cfg),
                 cos=cos, sin=sin)
@@ -631,6 +643,8 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
     if d % step:
         raise ValueError(f"pallas attention: head dim D={d} must be a multiple of {step} "
                          "(Triton dots need every dim >= 16); use impl='reference'")
+    if cfg.forward not in ("triton", "mosaic"):
+        raise ValueError(f"pallas attention: forward must be 'triton' or 'mosaic', got {cfg.forward!r}")
     for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
         if t < 16 or PAD_MULTIPLE % t:
             raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")

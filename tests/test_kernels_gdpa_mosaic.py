@@ -328,6 +328,122 @@ def test_gpu_matches_triton_path_on_w1_lengths():
     assert err < TOL, f"mosaic vs triton relative difference {err:.2e}"
 
 
+# ------------------------- gdpa(impl="mosaic"): Mosaic forward + Triton backward
+
+def _loss_and_grads(impl, q, k, v, qo, ko, w, **kw):
+    from kernels.gdpa import gdpa
+
+    def loss(q, k, v):
+        return jnp.sum(gdpa(q, k, v, qo, ko, impl=impl, **kw).astype(jnp.float32) * w)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _count_mosaic_calls(monkeypatch):
+    from kernels.gdpa import mosaic
+    calls, run = [], mosaic.MosaicFlashForward.__call__
+    monkeypatch.setattr(mosaic.MosaicFlashForward, "__call__",
+                        lambda self, *a: calls.append(self.cfg) or run(self, *a))
+    return calls
+
+
+def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkeypatch):
+    """Lengths around every tile edge, an empty sample, a padding tail: value and all
+    three gradients of gdpa(impl="mosaic") (interpreter forward, Triton interpret-mode
+    backward) against the jnp reference; the Mosaic forward really ran."""
+    calls = _count_mosaic_calls(monkeypatch)
+    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=3)
+    w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=0.3)
+    want = _loss_and_grads("reference", q, k, v, qo, ko, w, scale=0.3)
+    assert calls and calls[0].block_q == 64, calls
+    assert abs(float(got[0]) - float(want[0])) <= TOL * abs(float(want[0])) + 1e-3
+    for name, g, r in zip("qkv", got[1], want[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+        # rows past the last offset get no gradient
+        assert not np.any(np.asarray(g, np.float32)[int(qo[-1]):]), name
+
+
+@pytest.mark.parametrize("case", ["float32", "causal", "short_samples", "window", "d32"])
+def test_impl_mosaic_falls_back_to_triton_where_the_kernel_does_not_apply(case):
+    """flash_forward says None (the Triton forward runs) for what the kernel lacks."""
+    from kernels.gdpa.mosaic import flash_forward
+    from kernels.gdpa.pallas import TILES
+    from kernels.jagged_flash import FlashConfig, adapt_tiles
+    base = dict(mode="gdpa", activation="silu", scale=0.5, forward="mosaic", **TILES)
+    d, dtype, tq, b = 64, jnp.bfloat16, 1024, 8
+    if case == "float32":
+        dtype = jnp.float32
+    if case == "causal":
+        base["causal"] = True
+    if case == "window":
+        base["window"] = 32
+    if case == "short_samples":   # PMA: 16 queries per sample -> 16-row Triton tiles
+        b = tq // 16
+    if case == "d32":
+        d = 32
+    plain = adapt_tiles(FlashConfig(**{**base, "causal": False, "window": None}), 1024, 1024, 8,
+                        jnp.bfloat16)
+    assert flash_forward(plain, jnp.bfloat16, 64, 1024, 1024) is not None
+    cfg = adapt_tiles(FlashConfig(**base), tq, tq, b, dtype)
+    assert flash_forward(cfg, dtype, d, tq, tq) is None
+
+
+def test_impl_mosaic_with_a_mask_equals_the_triton_path(monkeypatch):
+    """causal: the Triton forward runs under impl="mosaic" (no Mosaic call), same values."""
+    from kernels.gdpa import gdpa
+    calls = _count_mosaic_calls(monkeypatch)
+    q, k, v, qo, ko = make_case([40, 0, 70], [40, 0, 70], 128, 128, 1, 64, seed=5)
+    f = lambda impl: jax.jit(lambda q, k, v: gdpa(q, k, v, qo, ko, causal=True, impl=impl))  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(f("mosaic")(q, k, v), np.float32),
+                                  np.asarray(f("pallas")(q, k, v), np.float32))
+    assert not calls
+
+
+def test_impl_mosaic_is_for_gdpa_only():
+    from kernels.jagged_attention import jagged_attention
+    q, k, v, qo, ko = make_case([3], [3], 128, 128, 1, 64)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        jagged_attention(q, k, v, qo, ko, impl="mosaic")
+
+
+@pytest.mark.gpu
+def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
+    """W1 lengths, bf16, H=4, D=128: gdpa(impl="mosaic") value and gradients vs the
+    Triton path (impl="pallas") and, on a 16-sample slice, vs the f32 reference."""
+    _require_gpu()
+    calls = _count_mosaic_calls(monkeypatch)
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    lens[:3] = [0, 1, 129]
+    t = int(-(-lens.sum() // 128) * 128)
+    q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    scale = 1.0 / int(lens.max())
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=scale)
+    tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, scale=scale)
+    assert calls
+    n = len(calls)      # impl=None on a GPU: the Mosaic forward too, same values
+    default = _loss_and_grads(None, q, k, v, qo, ko, w, scale=scale)
+    assert len(calls) > n
+    np.testing.assert_array_equal(np.asarray(default[1][0]), np.asarray(got[1][0]))
+    for name, g, r in zip("qkv", got[1], tri[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    small = lens[:16]
+    ts = int(-(-small.sum() // 128) * 128)
+    q, k, v, qo, ko = make_case(small, small, ts, ts, 2, 128, seed=2)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=0.01)
+    ref = _loss_and_grads("reference", q.astype(jnp.float32), k.astype(jnp.float32),
+                          v.astype(jnp.float32), qo, ko, w, scale=0.01)
+    for name, g, r in zip("qkv", got[1], ref[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+
+
 # ------------------------------------------------ CPU: experiments/bench_gdpa_mosaic.py
 
 def _bench(args, tmp_path, platforms="cpu"):

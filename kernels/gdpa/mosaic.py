@@ -1,6 +1,7 @@
 """GDPA forward on Pallas Mosaic GPU (Hopper): TMA loads, one producer warpgroup, two
-consumer warpgroups issuing wgmma (the FlashAttention-3 layout). Forward only; not
-wired into kernels.gdpa yet.
+consumer warpgroups issuing wgmma (the FlashAttention-3 layout). Forward only:
+kernels.gdpa.gdpa(impl="mosaic") runs it as jagged_flash's forward (flash_forward,
+MosaicFlashForward) with the Triton backward.
 
     out = gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, activation="silu", scale=s)
 
@@ -430,6 +431,40 @@ def build_layout(cfg, q_offsets, kv_offsets, tq):
     """(table, start, end) for run_kernel, from the offsets (XLA); tq: padded capacity."""
     start, end = row_key_intervals(q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32), tq)
     return tile_table(cfg, start, end), start, end
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicFlashForward:
+    """The Mosaic kernel as jagged_flash's forward (FlashConfig.forward_kernel): reads the
+    per-row key intervals jagged_flash.build_layout already made (q_start, q_end), so
+    the Triton backward and this forward share one layout."""
+    cfg: MosaicConfig
+    interpret: bool = False
+
+    def __call__(self, q, k, v, lay):
+        start, end = lay["q_start"], lay["q_end"]
+        return run_kernel(self.cfg, (tile_table(self.cfg, start, end), start, end), q, k, v,
+                          self.interpret)
+
+
+def flash_forward(flash_cfg, dtype, d, tq, tk):
+    """MosaicFlashForward for a gdpa FlashConfig (its tiles adapted) and padded capacities
+    tq / tk, or None where this kernel does not apply and the Triton forward runs:
+    causal / window, inputs not bf16 / f16, D not 64 / 128, short samples (adapted
+    Triton tiles below 64: cross-attention on a few keys, PMA), capacities not
+    multiples of its tiles."""
+    if flash_cfg.mode != "gdpa" or flash_cfg.causal or flash_cfg.window is not None \
+            or flash_cfg.block is not None or flash_cfg.rope:
+        return None
+    if min(flash_cfg.bq, flash_cfg.bk) < 64:
+        return None
+    try:
+        cfg = mosaic_config(d, dtype, activation=flash_cfg.activation, scale=flash_cfg.scale)
+    except NotImplementedError:
+        return None
+    if tq % cfg.cta_rows or tk % cfg.block_kv:
+        return None
+    return MosaicFlashForward(cfg, interpret=flash_cfg.interpret)
 
 
 def _pad_rows(x, n):
