@@ -89,10 +89,11 @@ flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
                   "vocab sizes for the naive path, largest first (1 device only; empty to skip)")
 flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
                   "vocab sizes to probe (empty to skip)")
-flags.DEFINE_list("fused_sweep", ["16/1024/2", "16/1024/1", "16/1024/4", "32/1024/2", "32/1024/4",
-                                   "16/256/2", "64/4096/4"],
-                  "fused kernel knobs block_ids/split/num_warps timed as 'fused' rows (*_pallas "
-                  "variants without buckets, 1 device)")
+flags.DEFINE_list("fused_sweep", ["16/1024/2/0", "16/1024/2/16/16", "16/1024/2/32/32",
+                                   "16/1024/4/16/32", "16/1024/1/16/16", "16/256/2/16/16",
+                                   "32/1024/4/0", "16/1024/2/64/16"],
+                  "fused kernel knobs block_ids/split/num_warps[/short[/rows_per_program]] "
+                  "(short 0: one program per row; omitted: fused_update.KNOBS)")
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
 
@@ -239,12 +240,12 @@ def bench_pieces(state, ids, variant, steps):
         del g_u
         perm, seg = res["perm"], res["seg"]
         for knob in FLAGS.fused_sweep:
-            c, s, w = (int(x) for x in knob.split("/"))
+            names = ("block_ids", "split", "num_warps", "short", "rows_per_program")
+            kn = dict(zip(names, (int(x) for x in knob.split("/"))))
 
-            def fused(st, rows, seg, perm, g, c=c, s=s, w=w):
+            def fused(st, rows, seg, perm, g, kn=kn):
                 wt, ac = fused_update.row_wise_adagrad_fused(
-                    st["weights"], st["accum"], rows, seg, perm, g, lr=opt.lr, eps=opt.eps,
-                    block_ids=c, split=s, num_warps=w)
+                    st["weights"], st["accum"], rows, seg, perm, g, lr=opt.lr, eps=opt.eps, **kn)
                 return {"weights": wt, "accum": ac}
             try:
                 state["t"], out[f"fused {knob}"] = timed_donated(

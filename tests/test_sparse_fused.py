@@ -110,6 +110,28 @@ def test_hot_row_split_into_items():
     _assert_matches(c, *_run(c, u + 3, interpret=True, split=1024))
 
 
+@pytest.mark.parametrize("knobs", [dict(short=0), dict(short=4, split=32),
+                                   dict(short=32, split=32, rows_per_program=32)],
+                         ids=["one_row_per_program", "three_tiers", "short_is_split"])
+def test_short_medium_and_hot_runs(knobs):
+    """Run lengths 1..~600 (Zipf ids) plus a 2,000-id hot row: with short=4, split=32
+    every tier runs (R rows per program, one row per program, items + partials)."""
+    c = _case(4, vocab=5000, dim=32, n=6000, hot=2000, n_src=300, invalid=7, zipf=1.3)
+    u = int(np.sum(c["uniq"] != routing.INVALID))
+    seg = c["seg"][c["key"][c["perm"]] != routing.INVALID]
+    lengths = np.bincount(seg)
+    assert lengths.max() > 32 and np.any((lengths > 4) & (lengths <= 32)) and np.any(lengths == 1)
+    _assert_matches(c, *_run(c, u + 5, interpret=True, **knobs))
+
+
+def test_bad_tier_knobs_are_named():
+    c = _case(0, vocab=50, dim=16, n=40)
+    with pytest.raises(ValueError, match="short must be"):
+        _run(c, 40, interpret=True, short=2000)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        _run(c, 40, interpret=True, rows_per_program=12)
+
+
 def test_empty_segments_and_unordered_rows():
     # rows with no ids keep their values; rows need not be ascending
     rng = np.random.default_rng(3)
@@ -193,8 +215,8 @@ except ImportError:  # pragma: no cover
     _reg = None
 
 
-@pytest.mark.parametrize("dim", [16, 128])
-def test_lowers_to_verified_triton_sm90(monkeypatch, dim):
+@pytest.mark.parametrize("dim,short", [(16, 16), (128, 16), (128, 0)])
+def test_lowers_to_verified_triton_sm90(monkeypatch, dim, short):
     if _reg is None or not hasattr(_reg, "lowering"):
         pytest.skip("JAX internals for the Triton lowering moved")
     lower = _reg.lowering.lower_jaxpr_to_triton_module
@@ -213,15 +235,17 @@ def test_lowers_to_verified_triton_sm90(monkeypatch, dim):
     v, d, n = 100_000_000, dim, 5000
     sds = jax.ShapeDtypeStruct
     fn = lambda w, a, r, s, i, g: row_wise_adagrad_fused(w, a, r, s, i, g, lr=LR, eps=EPS,
-                                                          interpret=False)
+                                                          interpret=False, short=short)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exp = export.export(jax.jit(fn, donate_argnums=(0, 1)), platforms=["cuda"],
                         disabled_checks=checks)(
         sds((v, d), jnp.float32), sds((v,), jnp.float32), sds((n,), jnp.int32),
         sds((n,), jnp.int32), sds((n,), jnp.int32), sds((n // 20, d), jnp.float32))
-    assert len(names) == 3                       # item sums, short rows, hot rows
+    # short rows R per program (short > 0), rows one per program, item sums, hot rows
+    launches = 4 if short else 3
+    assert len(names) == launches
     assert all(k > 0 for k in names)
-    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 3
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == launches
 
 
 # ----------------------------------------------------------------------------- GPU (compiled)

@@ -33,9 +33,19 @@ needs every contribution first, which atomics would only give with a grid-wide
 "last arriver" counter and fences that Pallas Triton cannot express. The extra
 traffic is the partials: <= 2N/split rows (5 MB at N = 1.3M, split 1024).
 
-Three launches: items (sum mode), short rows (update mode, runs <= split), hot
-rows (update mode over the partials). Rows with an empty run are not written;
-rows no run touches are never read or written (bit-identical).
+Short runs (the Zipf tail: most unique rows have 1-3 ids) would leave one
+program per row waiting on a chain of dependent loads (run bounds, index, one
+gradient row, the row itself) with a [block_ids, D] tile mostly masked. So runs
+of <= `short` ids are taken `rows_per_program` rows at a time: one program loads
+its R rows' bounds, table rows and accumulators as [R] / [R, D] gathers, adds
+the j-th gradient row of every run in one [R, D] gather per j (j < the longest
+run of the R), and scatters the R updated rows back. `short=0` turns this off.
+
+Up to four launches: short rows (R per program), medium rows (update mode, one
+program per row, short < run <= split; their slots compacted to <= N/(short+1)),
+items (sum mode) and hot rows (update mode over the partials). Rows with an
+empty run are not written; rows no run touches are never read or written
+(bit-identical).
 
 Triton constraints: tiles are [block_ids, D] with block_ids and D powers of two
 >= 16 (smaller Triton tiles are silently wrong on GPU). On CPU the kernels run
@@ -64,7 +74,9 @@ F32 = jnp.float32
 # runs go through the partials pass); num_warps / num_stages: Triton launch knobs.
 # Defaults are a guess for H200 (small programs, many resident: 1-2 warps); the bench's
 # --fused_sweep times the alternatives.
-KNOBS = dict(block_ids=16, split=1024, num_warps=2, num_stages=1)
+# short / rows_per_program: runs of <= short ids are updated rows_per_program rows per
+# program (0: every row in its own program, the first version).
+KNOBS = dict(block_ids=16, split=1024, num_warps=2, num_stages=1, short=16, rows_per_program=16)
 
 
 def _run_sum(lo, hi, index_ref, g_ref, block_ids: int, dim: int):
@@ -113,6 +125,55 @@ def _update_kernel(row_ref, start_ref, end_ref, index_ref, g_ref, w_in, a_in, w_
         a_ref[row] = a
 
 
+def _short_kernel(row_ref, start_ref, end_ref, index_ref, g_ref, w_in, a_in, w_ref, a_ref, *,
+                  rows_per_program, lr, eps, interpret):
+    """Unique indices [p R, (p + 1) R): their runs summed side by side, rows updated in place.
+
+    Slots with row -1 or an empty run are masked out (not read, not written); the
+    caller sets row -1 for runs handled elsewhere (longer than `short`).
+    """
+    del w_in, a_in                       # aliased to w_ref / a_ref
+    r = rows_per_program
+    dim = g_ref.shape[-1]
+    sl = pl.ds(pl.program_id(0) * r, r)
+    rows, lo, hi = row_ref[sl], start_ref[sl], end_ref[sl]
+    live = (rows >= 0) & (hi > lo)
+    n = jnp.where(live, hi - lo, 0)
+    safe = jnp.where(live, rows, 0)
+    cols = lax.broadcasted_iota(jnp.int32, (r, dim), 1)
+    rows2 = jnp.broadcast_to(safe[:, None], (r, dim))
+    live2 = jnp.broadcast_to(live[:, None], (r, dim))
+    # the rows and their state first: their loads overlap the gradient gathers
+    w = plgpu.load(w_ref.at[rows2, cols], mask=live2, other=0)
+    a = plgpu.load(a_ref.at[safe], mask=live, other=0)
+
+    def step(j, acc):
+        ok = j < n
+        src = plgpu.load(index_ref.at[jnp.where(ok, lo + j, 0)], mask=ok, other=0)
+        src2 = jnp.broadcast_to(jnp.where(ok, src, 0)[:, None], (r, dim))
+        x = plgpu.load(g_ref.at[src2, cols], mask=jnp.broadcast_to(ok[:, None], (r, dim)),
+                       other=0)
+        return acc + x.astype(F32)
+
+    g = lax.fori_loop(0, jnp.max(n), step, jnp.zeros((r, dim), F32))
+    a = a + jnp.sum(g * g, axis=1) / dim
+    w = (w.astype(F32) - lr * g / (jnp.sqrt(a)[:, None] + eps)).astype(w_ref.dtype)
+    if not interpret:
+        plgpu.store(w_ref.at[rows2, cols], w, mask=live2)
+        plgpu.store(a_ref.at[safe], a, mask=live)
+        return
+    # interpret mode: a masked store writes the old value back at the masked lanes'
+    # index (row 0 here), which could land after a live lane's write of row 0; store
+    # lane by lane instead (a masked GPU store writes nothing)
+    def put(i, carry):
+        @pl.when(live[i])
+        def _():
+            w_ref[rows[i], :] = w[i]
+            a_ref[rows[i]] = a[i]
+        return carry
+    lax.fori_loop(0, r, put, 0)
+
+
 def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
@@ -149,6 +210,34 @@ def _update(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, interp
         input_output_aliases={5: 0, 6: 1},
         compiler_params=_params(knobs), interpret=interpret, name="sparse_fused_row_update",
     )(*ins)
+
+
+def _update_short(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, interpret):
+    """Programs [ceil(K / R)]: _short_kernel over rows [K] (padded to a multiple of R)."""
+    r = knobs["rows_per_program"]
+    pad = -rows.shape[0] % r
+    if pad:
+        rows = jnp.concatenate([rows, jnp.full((pad,), -1, jnp.int32)])
+        starts, ends = (jnp.concatenate([x, jnp.zeros((pad,), jnp.int32)]) for x in (starts, ends))
+    ins = (rows, starts, ends, index, g, weights, accum)
+    return pl.pallas_call(
+        functools.partial(_short_kernel, rows_per_program=r, lr=lr, eps=eps,
+                          interpret=bool(interpret)),
+        grid=(rows.shape[0] // r,), in_specs=[_full(x.shape) for x in ins],
+        out_specs=[_full(weights.shape), _full(accum.shape)],
+        out_shape=[jax.ShapeDtypeStruct(weights.shape, weights.dtype),
+                   jax.ShapeDtypeStruct(accum.shape, accum.dtype)],
+        input_output_aliases={5: 0, 6: 1},
+        compiler_params=_params(knobs), interpret=interpret, name="sparse_fused_short_rows",
+    )(*ins)
+
+
+def _compact(flag: Array, size: int, fill: Array, *values: Array) -> list[Array]:
+    """The entries of each of values [K] where flag [K], in order, in arrays of `size`
+    (size >= the number of flags), the rest `fill` (one per value)."""
+    at = jnp.where(flag, jnp.cumsum(flag.astype(jnp.int32)) - 1, size)
+    return [jnp.full((size,), f, x.dtype).at[at].set(x, mode="drop")
+            for x, f in zip(values, fill)]
 
 
 def run_bounds(seg: Array, num_segments: int) -> tuple[Array, Array]:
@@ -204,11 +293,15 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
     if unknown:
         raise ValueError(f"row_wise_adagrad_fused: unknown knobs {sorted(unknown)} (have {sorted(KNOBS)})")
     knobs = {**KNOBS, **knobs}
-    c, split = knobs["block_ids"], knobs["split"]
+    c, split, short, r = knobs["block_ids"], knobs["split"], knobs["short"], knobs["rows_per_program"]
     if not pow2_at_least(c, 16):
         raise ValueError(f"block_ids must be a power of two >= 16, got {c}")
     if split < c:
         raise ValueError(f"split must be >= block_ids ({c}), got {split}")
+    if not 0 <= short <= split:
+        raise ValueError(f"short must be in [0, split={split}], got {short}")
+    if not pow2_at_least(r, 16):
+        raise ValueError(f"rows_per_program must be a power of two >= 16, got {r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     lr, eps = float(lr), float(eps)
@@ -218,9 +311,21 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
     hot = (rows >= 0) & (length > split)
     idx = _pad_index(index, c)
 
-    # short runs: one program each sums its run and updates its row
-    weights, accum = _update(weights, accum, jnp.where(hot, -1, rows), starts, ends, idx, g,
-                             lr, eps, knobs, interpret)
+    if short:
+        # runs of <= short ids: R rows per program
+        is_short = (rows >= 0) & (length <= short)
+        weights, accum = _update_short(weights, accum, jnp.where(is_short, rows, -1), starts,
+                                       ends, idx, g, lr, eps, knobs, interpret)
+        # the rest (> short ids, <= split): one program each, over their compacted slots
+        medium = (rows >= 0) & (length > short) & ~hot
+        m_rows, m_starts, m_ends = _compact(medium, max(1, n // (short + 1)), (-1, 0, 0),
+                                            rows, starts, ends)
+        weights, accum = _update(weights, accum, m_rows, m_starts, m_ends, idx, g, lr, eps,
+                                 knobs, interpret)
+    else:
+        # one program per row sums its run and updates it
+        weights, accum = _update(weights, accum, jnp.where(hot, -1, rows), starts, ends, idx,
+                                 g, lr, eps, knobs, interpret)
     if n <= split:                      # no run can be hot
         return weights, accum
 
