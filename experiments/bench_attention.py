@@ -153,13 +153,17 @@ def run_workload(wname, rng):
         lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale)),
         args, flops, bytes_fwd, bytes_bwd))
     if kind == "self" and jax.default_backend() == "gpu":
-        # the Mosaic GPU forward (kernels/gdpa/mosaic.py) with the Triton backward
+        # the Mosaic GPU forward (kernels/mosaic_flash.py) with the Triton backward
         rows.append(measure(f"mosaic_fwd_gdpa_{act}", fwd_and_train(
             lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
                                         forward="mosaic")), args, flops, bytes_fwd, bytes_bwd))
     rows.append(measure("pallas_softmax", fwd_and_train(
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
+    if kind == "self" and jax.default_backend() == "gpu":
+        rows.append(measure("mosaic_fwd_softmax", fwd_and_train(
+            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic")), args,
+            flops, bytes_fwd, bytes_bwd))
     # where the forward time goes: layout (XLA) vs the Pallas kernel alone
     b = len(ql)
     cfg = adapt_tiles(FlashConfig(mode="gdpa", activation=act, scale=scale, **GDPA_TILES,

@@ -1,4 +1,4 @@
-"""GDPA forward on W1: the Mosaic GPU kernel (kernels/gdpa/mosaic.py) vs our Triton one.
+"""GDPA forward on W1: the Mosaic GPU kernel (kernels/mosaic_flash.py) vs our Triton one.
 
 W1 (experiments/attention_workloads.py): bf16, 4 heads, head dim 128, 64 samples of
 log-normal lengths (median 512), packed jagged tokens, self-attention, silu,
@@ -130,7 +130,7 @@ def main(_):
         sys.exit("bench_gdpa_mosaic: no GPU (jax.default_backend() is "
                  f"{jax.default_backend()!r}); the Mosaic GPU kernel runs on an H100/H200 only.")
     from kernels.gdpa import gdpa
-    from kernels.gdpa.mosaic import build_layout, gdpa_mosaic_forward, mosaic_config, run_kernel
+    from kernels.mosaic_flash import build_layout, gdpa_mosaic_forward, mosaic_config, run_kernel
 
     kind, ql, kl = workload(FLAGS.workload)
     if FLAGS.max_samples:

@@ -59,9 +59,9 @@ class FlashConfig:
     interior: bool = True          # tiles whose pairs are all valid skip the mask
     fast_act: bool = False         # gdpa silu / gelu_tanh through tanh.approx (16-bit inputs)
     interpret: bool = False
-    # gdpa forward engine: "triton" (this module's kernel) or "mosaic" (the Mosaic GPU
-    # kernel, kernels/gdpa/mosaic.py, where it applies: flash_forward; Triton elsewhere);
-    # the backward is always the Triton dQ and dK/dV kernels
+    # forward engine: "triton" (this module's kernel) or "mosaic" (the Mosaic GPU kernel,
+    # kernels/mosaic_flash.py, gdpa and softmax, where it applies: flash_forward; Triton
+    # elsewhere); the backward is always the Triton dQ and dK/dV kernels
     forward: str = "triton"
 
 
@@ -436,11 +436,12 @@ def _forward(cfg, q, k, v, lay):
             refs.append(None)  # lse_ref
         _fwd_kernel(*refs, cfg=cfg)
 
-    if cfg.forward == "mosaic" and not softmax:
-        from kernels.gdpa.mosaic import flash_forward  # here: that module imports this one
+    if cfg.forward == "mosaic":
+        from kernels.mosaic_flash import flash_forward  # here: that module imports this one
         kern = flash_forward(cfg, q.dtype, d, tq, tk)
         if kern is not None:
-            return kern(q, k, v, lay), None
+            out = kern(q, k, v, lay)
+            return out if softmax else (out, None)
 
     outs = pl.pallas_call(
         _adapt(kernel, cfg, 0, None, len(out_shape)), grid=(nq, h),

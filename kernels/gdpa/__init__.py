@@ -17,7 +17,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
     zero-padded to a power of two if need be: kernels.common.padded_head_dim; else
     the reference), "reference", "pallas" (the Triton forward and backward;
     interpret mode off GPU), "mosaic" (the forward on the Mosaic GPU kernel,
-    kernels/gdpa/mosaic.py, with the Triton backward; where that kernel does not
+    kernels/mosaic_flash.py, with the Triton backward; where that kernel does not
     apply, mosaic.flash_forward's list, the Triton forward runs; the Mosaic GPU
     interpreter off GPU).
     """

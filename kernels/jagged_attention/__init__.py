@@ -16,9 +16,12 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
     Returns [Tq,H,D] in q.dtype; rows with no valid key (incl. padding) are 0.
     impl: None (Pallas on GPU if its kernels take D, zero-padded to a power of two
     if need be: kernels.common.padded_head_dim; else the reference), "reference",
-    "pallas".
+    "pallas", "mosaic" (the forward on the Mosaic GPU kernel, kernels/mosaic_flash.py,
+    with the Triton backward; the Triton forward where that kernel does not apply,
+    mosaic_flash.flash_forward's list; the Mosaic GPU interpreter off GPU; not yet
+    timed on a GPU, so not the default).
     """
-    check_impl("jagged_attention", impl)
+    check_impl("jagged_attention", impl, extra=("mosaic",))
     check_attention_inputs("jagged_attention", q, k, v, q_offsets, kv_offsets)
     check_mask_args("jagged_attention", causal, window)
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
@@ -28,6 +31,8 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
                                           causal=causal, window=window)
     from kernels.jagged_attention.pallas import jagged_attention_pallas
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale   # the real D's, if padded
+    forward = "mosaic" if impl == "mosaic" else "triton"
     call = lambda q, k, v: jagged_attention_pallas(q, k, v, q_offsets, kv_offsets,  # noqa: E731
-                                                   sm_scale=sm_scale, causal=causal, window=window)
+                                                   sm_scale=sm_scale, causal=causal, window=window,
+                                                   forward=forward)
     return with_padded_head_dim("jagged_attention", q, k, v, call)

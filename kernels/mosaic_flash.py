@@ -1,14 +1,19 @@
-"""GDPA forward on Pallas Mosaic GPU (Hopper): TMA loads, one producer warpgroup, two
-consumer warpgroups issuing wgmma (the FlashAttention-3 layout). Forward only:
-kernels.gdpa.gdpa(impl="mosaic") runs it as jagged_flash's forward (flash_forward,
+"""Jagged attention forward on Pallas Mosaic GPU (Hopper), GDPA and softmax: TMA loads,
+one producer warpgroup, two consumer warpgroups issuing wgmma (the FlashAttention-3
+layout). Forward only: gdpa(impl="mosaic") (gdpa's GPU default) and
+jagged_attention(impl="mosaic") run it as jagged_flash's forward (flash_forward,
 MosaicFlashForward) with the Triton backward.
 
     out = gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, activation="silu", scale=s)
+    out, lse = softmax_mosaic_forward(q, k, v, q_offsets, kv_offsets, sm_scale=None)
 
-Shapes (the contract of kernels.gdpa.gdpa_reference): q [Tq,H,D], k/v [Tk,H,D] (bf16
-or f16, one dtype), q_offsets / kv_offsets [B+1] int32 (same B). Returns [Tq,H,D] in
-q.dtype: per sample b, out_b = (act(Q_b K_b^T) * scale) @ V_b, no softmax, no
-1/sqrt(D); query rows of other samples never mix; rows past q_offsets[-1] are 0.
+Shapes (the contract of kernels.gdpa.gdpa_reference / jagged_attention_reference):
+q [Tq,H,D], k/v [Tk,H,D] (bf16 or f16, one dtype), q_offsets / kv_offsets [B+1]
+int32 (same B). Returns [Tq,H,D] in q.dtype: per sample b, GDPA out_b =
+(act(Q_b K_b^T) * scale) @ V_b (no softmax, no 1/sqrt(D)); softmax out_b =
+softmax(Q_b K_b^T * sm_scale) V_b plus lse [H, Tq] float32, the base-2 log-sum-exp
+the Triton backward reads (0 for rows without keys). Query rows of other samples
+never mix; rows past q_offsets[-1] (and softmax rows without keys) are 0.
 
 Schedule
   * Work item = (CTA tile of 2 * block_q query rows, head). Default launch: grid
@@ -26,7 +31,11 @@ Schedule
     that both consumers arrive on; the producer waits on "free" before refilling a
     slot. Each consumer loads its Q tile once (TMA) and writes its output back
     through the same shared-memory tile (TMA store).
-  * Per key step, a consumer: S = Q K^T (wgmma, both operands in shared memory, f32
+  * Softmax: the consumer carries the running row max m, row sum l and the output
+    accumulator through its loops (online softmax in base 2, exp2; rescaled by
+    exp2(m_old - m_new) each step); P V goes into the carried accumulator as in
+    FA3 (`pv_in_place`, pl.run_state) or into a fresh one added in registers.
+  * Per key step, a GDPA consumer: S = Q K^T (wgmma, both operands in shared memory, f32
     accumulator), P = act(S) * scale in registers (silu as h + h tanh(h), h = S/2:
     one tanh.approx through approx_math, no exp and no divide), the mask where the
     step needs it, P cast to the input dtype, acc += P V (wgmma with P from
@@ -56,13 +65,14 @@ polynomial: Mosaic GPU has no erf lowering).
 Tuning knobs (keyword arguments, MosaicConfig): block_q (64 or 128 rows per
 consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrier,
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
-persistent, num_ctas. Shared memory over the 227 KB budget fails at lowering
+persistent, num_ctas, pv_in_place (softmax). Shared memory over the 227 KB budget fails at lowering
 ("exceeds available shared memory").
 
 `interpret=True` (or an InterpretGPUParams) runs the kernel in Mosaic GPU's
 interpreter on CPU: warpgroups as threads, TMA copies, mbarriers and wgmma simulated,
-exact math (jnp.tanh). Its wgmma takes shared-memory operands only, so interpret
-mode forces p_via_smem.
+exact math (jnp.tanh). Its wgmma takes shared-memory operands only and it cannot
+run a wgmma into a run_state accumulator, so interpret mode forces p_via_smem and
+pv_in_place=False.
 """
 
 import dataclasses
@@ -80,6 +90,8 @@ from kernels.gdpa.reference import ACTIVATIONS
 from kernels.jagged_flash import interior_ranges, tile_ranges
 
 F32 = jnp.float32
+LOG2E = math.log2(math.e)
+NEG = -1e30              # softmax: the score of a masked pair
 BIG = 1 << 30            # start of an empty key interval (padding query rows)
 NUM_CONSUMERS = 2        # consumer warpgroups per CTA; the producer is warpgroup 2
 TABLE_COLS = 3 + 4 * NUM_CONSUMERS  # tile, c_lo, c_hi, then (lo, flo, fhi, hi) per consumer
@@ -87,8 +99,9 @@ TABLE_COLS = 3 + 4 * NUM_CONSUMERS  # tile, c_lo, c_hi, then (lo, flo, fhi, hi) 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    activation: str = "silu"
-    scale: float = 1.0
+    mode: str = "gdpa"            # "gdpa" | "softmax" (online, base 2; also returns lse)
+    activation: str = "silu"      # gdpa
+    scale: float = 1.0            # gdpa: after the activation; softmax: on the scores
     block_q: int = 64             # rows per consumer warpgroup (wgmma M = 64)
     block_kv: int = 128           # keys per pipeline step
     num_stages: int = 2           # K/V shared-memory slots
@@ -98,6 +111,9 @@ class MosaicConfig:
     consumer_registers: int = 232
     producer_registers: int = 40
     p_via_smem: bool = False      # P V with P staged in shared memory (forced in interpret mode)
+    pv_in_place: bool = True      # softmax: P V into the carried accumulator (FA3's
+                                  # run_state form; off: a fresh one added in registers,
+                                  # forced in interpret mode, whose wgmma cannot run it)
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -108,6 +124,8 @@ class MosaicConfig:
 
 def check_config(cfg, d, dtype):
     """NotImplementedError (callers fall back) for what the kernel does not take."""
+    if cfg.mode not in ("gdpa", "softmax"):
+        raise ValueError(f"gdpa_mosaic: mode must be gdpa or softmax, got {cfg.mode!r}")
     if cfg.activation not in ACTIVATIONS:
         raise ValueError(f"gdpa_mosaic: activation must be one of {sorted(ACTIVATIONS)}, "
                          f"got {cfg.activation!r}")
@@ -244,9 +262,14 @@ def _for_items(count, item, body):
     return pl.loop(0, count, init_carry=jnp.int32(0))(lambda i, g0: body(*item(i), g0))
 
 
-def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref,
-            qo_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, k_free, v_free, sched_bar, *,
-            cfg, n_tiles, n_heads):
+def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_tiles, n_heads):
+    softmax = cfg.mode == "softmax"
+    if softmax:
+        (o_ref, lse_ref, qo_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
+         v_free, sched_bar) = refs
+    else:
+        (o_ref, qo_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, k_free, v_free,
+         sched_bar) = refs
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -278,7 +301,16 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref,
             end = plgpu.load(end_ref.at[pl.ds(row0, bq)], layout=row_layout, optimized=False)
             plgpu.barrier_wait(q_bar.at[wg])
 
-            def step(j, kind, acc_ref):
+            def pv(acc_ref, p16, slot):
+                if p_smem is None:
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])    # P from registers (FA3)
+                else:
+                    p_smem.at[wg][...] = p16
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+
+            def step(j, kind, carry, acc_ref=None):
+                """One key step; gdpa accumulates into acc_ref, softmax carries (acc, m, l)."""
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 if kind == "skip":       # keep the barrier phases in step, no math
@@ -290,7 +322,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref,
                     if cfg.schedule_barrier:
                         plgpu.barrier_wait(sched_bar)
                     plgpu.barrier_arrive(v_free.at[slot])
-                    return
+                    return carry
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -298,40 +330,75 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref,
                     return s_ref[...]             # waits for the wgmma
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                pr = activation_times_scale(s, cfg.activation, cfg.scale)
+                valid = None
                 if kind == "masked":
                     col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                                  layout=plgpu.Layout.WGMMA)
                     a = lax.broadcast_in_dim(start - j * bk, (bq, bk), [0])
                     b = lax.broadcast_in_dim(end - j * bk, (bq, bk), [0])
-                    pr = jnp.where((col >= a) & (col < b), pr, 0.0)
+                    valid = (col >= a) & (col < b)
+                if softmax:   # online softmax in base 2 (the Triton kernels' lse convention)
+                    acc, m, l = carry
+                    s = s * (cfg.scale * LOG2E)
+                    if valid is not None:
+                        s = jnp.where(valid, s, NEG)
+                    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                    pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, bk), [0]))
+                    if valid is not None:   # a row with no valid key yet: exp2(0) = 1 there
+                        pr = jnp.where(valid, pr, 0.0)
+                    alpha = jnp.exp2(m - m_new)
+                    l = l * alpha + jnp.sum(pr, axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, (bq, d), [0])
+                else:
+                    pr = activation_times_scale(s, cfg.activation, cfg.scale)
+                    if valid is not None:
+                        pr = jnp.where(valid, pr, 0.0)
                 p16 = pr.astype(dtype)
                 if cfg.schedule_barrier:
                     plgpu.barrier_arrive(sched_bar)
                 plgpu.barrier_wait(v_bar.at[slot])
                 if cfg.schedule_barrier:
                     plgpu.barrier_wait(sched_bar)
-                if p_smem is None:
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])    # P from registers (FA3)
-                else:
-                    p_smem.at[wg][...] = p16
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                if not softmax:
+                    pv(acc_ref, p16, slot)
+                elif cfg.pv_in_place:   # FA3: the carried accumulator is wgmma's
+                    acc = pl.run_state(lambda r: pv(r, p16, slot))(plgpu.ACC.init(acc))
+                else:                   # a fresh accumulator added in registers
+                    def fresh(r):
+                        pv(r, p16, slot)
+                        return r[...]
+                    acc = acc + pl.run_scoped(fresh, plgpu.ACC((bq, d), F32))
                 plgpu.wgmma_wait(0)               # V's slot is read: release it
                 plgpu.barrier_arrive(v_free.at[slot])
+                return (acc, m_new, l) if softmax else carry
 
-            def walk(acc_ref):
-                for a, b, kind in ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
-                                   (fhi, hi, "masked"), (hi, c_hi, "skip")):
-                    @pl.loop(a, b)
-                    def _(j, kind=kind):
-                        step(j, kind, acc_ref)
-                return acc_ref[...]
-
-            acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
+            ranges = ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
+                      (fhi, hi, "masked"), (hi, c_hi, "skip"))
+            if softmax:
+                carry = (plgpu.layout_cast(jnp.zeros((bq, d), F32), plgpu.Layout.WGMMA),
+                         plgpu.layout_cast(jnp.full((bq,), NEG, F32), row_layout),
+                         plgpu.layout_cast(jnp.zeros((bq,), F32), row_layout))
+                for a, b, kind in ranges:
+                    carry = pl.loop(a, b, init_carry=carry)(
+                        functools.partial(lambda j, c, kind: step(j, kind, c), kind=kind))
+                acc, m, l = carry
+                has = l > 0.0
+                l_safe = jnp.where(has, l, 1.0)
+                acc = acc / lax.broadcast_in_dim(l_safe, (bq, d), [0])
+                lse_smem.at[wg][...] = jnp.where(has, m + jnp.log(l_safe) * LOG2E, 0.0)
+            else:
+                def walk(acc_ref):
+                    for a, b, kind in ranges:
+                        @pl.loop(a, b)
+                        def _(j, kind=kind):
+                            step(j, kind, None, acc_ref)
+                    return acc_ref[...]
+                acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
             q_smem[...] = acc.astype(dtype)   # Q's tile is free: stage the output there
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, bq), head])
+            if softmax:
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[head, pl.ds(row0, bq)])
             return g0 + (c_hi - c_lo)
 
         pl.when(wg == 1)(sched)   # consumer 1 runs one schedule phase ahead
@@ -379,8 +446,9 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
         raise ValueError(f"gdpa_mosaic: Tq={tq} / Tk={k.shape[0]} must be multiples of "
                          f"{cfg.cta_rows} / {bk}")
     if interpret:   # the interpreter's wgmma takes shared-memory operands only
-        cfg = dataclasses.replace(cfg, p_via_smem=True)
+        cfg = dataclasses.replace(cfg, p_via_smem=True, pv_in_place=False)
     n_tiles = table.shape[0]
+    softmax = cfg.mode == "softmax"
     if cfg.persistent:
         g = cfg.num_ctas or getattr(jax.local_devices()[0], "core_count", None) or 132
         cfg = dataclasses.replace(cfg, num_ctas=max(1, min(int(g), n_tiles * h)))
@@ -394,6 +462,7 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
         smem(NUM_CONSUMERS, bq, d),                     # Q per consumer, then its output
         smem(stages, bk, d), smem(stages, bk, d),       # K, V ring
         smem(NUM_CONSUMERS, bq, bk) if cfg.p_via_smem else None,   # P per consumer
+        *([plgpu.SMEM((NUM_CONSUMERS, bq), F32)] if softmax else []),  # lse per consumer
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),      # Q loaded
         plgpu.Barrier(num_barriers=stages),             # K loaded
         plgpu.Barrier(num_barriers=stages),             # V loaded
@@ -403,9 +472,12 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
     ]
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if softmax:   # lse [H, Tq] float32, base 2, as jagged_flash's softmax forward
+        out_type = (out_type, jax.ShapeDtypeStruct((h, tq), F32))
     return plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles, n_heads=h),
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=out_type,
         scratch_types=scratch,
         grid=grid,
         grid_names=names,
@@ -416,13 +488,13 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
     )(table, start, end, q, k, v)
 
 
-def mosaic_config(d, dtype, *, activation="silu", scale=1.0, **tuning):
+def mosaic_config(d, dtype, *, mode="gdpa", activation="silu", scale=1.0, **tuning):
     """MosaicConfig from the tuning knobs, checked (TypeError for an unknown knob,
     NotImplementedError for what the kernel does not take)."""
     unknown = set(tuning) - {f.name for f in dataclasses.fields(MosaicConfig)}
     if unknown:
         raise TypeError(f"gdpa_mosaic: unknown tuning knobs {sorted(unknown)}")
-    cfg = MosaicConfig(activation=activation, scale=float(scale), **tuning)
+    cfg = MosaicConfig(mode=mode, activation=activation, scale=float(scale), **tuning)
     check_config(cfg, d, dtype)
     return cfg
 
@@ -435,9 +507,10 @@ def build_layout(cfg, q_offsets, kv_offsets, tq):
 
 @dataclasses.dataclass(frozen=True)
 class MosaicFlashForward:
-    """The Mosaic kernel as jagged_flash's forward (FlashConfig.forward_kernel): reads the
-    per-row key intervals jagged_flash.build_layout already made (q_start, q_end), so
-    the Triton backward and this forward share one layout."""
+    """The Mosaic kernel as jagged_flash's forward (FlashConfig.forward="mosaic"): reads
+    the per-row key intervals jagged_flash.build_layout already made (q_start, q_end),
+    so the Triton backward and this forward share one layout. Returns out (gdpa) or
+    (out, lse) (softmax)."""
     cfg: MosaicConfig
     interpret: bool = False
 
@@ -448,18 +521,19 @@ class MosaicFlashForward:
 
 
 def flash_forward(flash_cfg, dtype, d, tq, tk):
-    """MosaicFlashForward for a gdpa FlashConfig (its tiles adapted) and padded capacities
-    tq / tk, or None where this kernel does not apply and the Triton forward runs:
-    causal / window, inputs not bf16 / f16, D not 64 / 128, short samples (adapted
-    Triton tiles below 64: cross-attention on a few keys, PMA), capacities not
-    multiples of its tiles."""
-    if flash_cfg.mode != "gdpa" or flash_cfg.causal or flash_cfg.window is not None \
-            or flash_cfg.block is not None or flash_cfg.rope:
+    """MosaicFlashForward for a gdpa or softmax FlashConfig (its tiles adapted) and padded
+    capacities tq / tk, or None where this kernel does not apply and the Triton forward
+    runs: causal / window / block / RoPE, inputs not bf16 / f16, D not 64 / 128, short
+    samples (adapted Triton tiles below 64: cross-attention on a few keys, PMA),
+    capacities not multiples of its tiles."""
+    if flash_cfg.causal or flash_cfg.window is not None or flash_cfg.block is not None \
+            or flash_cfg.rope:
         return None
     if min(flash_cfg.bq, flash_cfg.bk) < 64:
         return None
     try:
-        cfg = mosaic_config(d, dtype, activation=flash_cfg.activation, scale=flash_cfg.scale)
+        cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
+                            scale=flash_cfg.scale)
     except NotImplementedError:
         return None
     if tq % cfg.cta_rows or tk % cfg.block_kv:
@@ -469,6 +543,25 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
 
 def _pad_rows(x, n):
     return x if x.shape[0] == n else jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def _mosaic_forward(name, mode, q, k, v, q_offsets, kv_offsets, causal, window, interpret,
+                    **cfg_kw):
+    check_attention_inputs(name, q, k, v, q_offsets, kv_offsets)
+    if causal or window is not None:
+        raise NotImplementedError(f"{name}: causal / window masks are not supported")
+    tq, h, d = q.shape
+    cfg = mosaic_config(d, q.dtype, mode=mode, **cfg_kw)
+    if q_offsets.shape[0] == 1 or tq == 0:   # no samples
+        return (jnp.zeros_like(q), jnp.zeros((h, tq), F32)) if mode == "softmax" else jnp.zeros_like(q)
+    tqp = -(-tq // cfg.cta_rows) * cfg.cta_rows            # a copy unless already a multiple
+    tkp = -(-max(k.shape[0], 1) // cfg.block_kv) * cfg.block_kv
+    layout = build_layout(cfg, q_offsets, kv_offsets, tqp)
+    out = run_kernel(cfg, layout, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp),
+                     interpret)
+    if mode == "softmax":
+        return out[0][:tq], out[1][:, :tq]
+    return out[:tq]
 
 
 def gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0,
@@ -481,16 +574,16 @@ def gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, *, activation="silu", sc
     causal / window: not supported (NotImplementedError), accepted so that callers
     can pass gdpa's arguments through and fall back.
     """
-    check_attention_inputs("gdpa_mosaic", q, k, v, q_offsets, kv_offsets)
-    if causal or window is not None:
-        raise NotImplementedError("gdpa_mosaic: causal / window masks are not supported")
-    tq, _, d = q.shape
-    cfg = mosaic_config(d, q.dtype, activation=activation, scale=scale, **tuning)
-    if q_offsets.shape[0] == 1 or tq == 0:   # no samples
-        return jnp.zeros_like(q)
-    tqp = -(-tq // cfg.cta_rows) * cfg.cta_rows            # a copy unless already a multiple
-    tkp = -(-max(k.shape[0], 1) // cfg.block_kv) * cfg.block_kv
-    layout = build_layout(cfg, q_offsets, kv_offsets, tqp)
-    out = run_kernel(cfg, layout, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp),
-                     interpret)
-    return out[:tq]
+    return _mosaic_forward("gdpa_mosaic", "gdpa", q, k, v, q_offsets, kv_offsets, causal,
+                           window, interpret, activation=activation, scale=scale, **tuning)
+
+
+def softmax_mosaic_forward(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, interpret=False,
+                           causal=False, window=None, **tuning):
+    """(out, lse): softmax(Q K^T * sm_scale) V per jagged sample (sm_scale default
+    1/sqrt(D)), and lse [H, Tq] float32, the base-2 log-sum-exp of the scaled scores
+    (0 for rows without keys), which jagged_flash's Triton backward reads. Shapes,
+    dtypes, knobs and interpret as gdpa_mosaic_forward; rows without keys give 0."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    return _mosaic_forward("softmax_mosaic", "softmax", q, k, v, q_offsets, kv_offsets, causal,
+                           window, interpret, scale=sm_scale, **tuning)

@@ -1,4 +1,5 @@
-"""GDPA forward on Pallas Mosaic GPU (kernels/gdpa/mosaic.py) against gdpa_reference.
+"""The Pallas Mosaic GPU forward (kernels/mosaic_flash.py), GDPA and softmax, against
+gdpa_reference / jagged_attention_reference.
 
 CPU (default suite):
   * export: the kernel traces and lowers for cuda (jax.export, platforms=["cuda"]):
@@ -29,8 +30,9 @@ import numpy as np
 import pytest
 
 from kernels.gdpa import gdpa_reference
-from kernels.gdpa.mosaic import (BIG, MosaicConfig, gdpa_mosaic_forward, row_key_intervals,
-                                 tile_table)
+from kernels.jagged_attention import jagged_attention_reference
+from kernels.mosaic_flash import (BIG, MosaicConfig, gdpa_mosaic_forward, row_key_intervals,
+                                  softmax_mosaic_forward, tile_table)
 
 # Lengths around the tiles (64-row consumer tile, 128-row CTA, 64 / 128-key tiles):
 # empty, 1, tile - 1 / tile / tile + 1; 580 tokens in capacity 768: a 188-row
@@ -344,7 +346,7 @@ def _rel(a, b):
 
 
 def _count_mosaic_calls(monkeypatch):
-    from kernels.gdpa import mosaic
+    from kernels import mosaic_flash as mosaic
     calls, run = [], mosaic.MosaicFlashForward.__call__
     monkeypatch.setattr(mosaic.MosaicFlashForward, "__call__",
                         lambda self, *a: calls.append(self.cfg) or run(self, *a))
@@ -371,7 +373,7 @@ def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkey
 @pytest.mark.parametrize("case", ["float32", "causal", "short_samples", "window", "d32"])
 def test_impl_mosaic_falls_back_to_triton_where_the_kernel_does_not_apply(case):
     """flash_forward says None (the Triton forward runs) for what the kernel lacks."""
-    from kernels.gdpa.mosaic import flash_forward
+    from kernels.mosaic_flash import flash_forward
     from kernels.gdpa.pallas import TILES
     from kernels.jagged_flash import FlashConfig, adapt_tiles
     base = dict(mode="gdpa", activation="silu", scale=0.5, forward="mosaic", **TILES)
@@ -404,11 +406,135 @@ def test_impl_mosaic_with_a_mask_equals_the_triton_path(monkeypatch):
     assert not calls
 
 
-def test_impl_mosaic_is_for_gdpa_only():
-    from kernels.jagged_attention import jagged_attention
+def test_impl_mosaic_is_not_for_block_attention():
+    from kernels.block_attention import block_attention
     q, k, v, qo, ko = make_case([3], [3], 128, 128, 1, 64)
     with pytest.raises(ValueError, match="impl must be one of"):
-        jagged_attention(q, k, v, qo, ko, impl="mosaic")
+        block_attention(q, k, v, qo, impl="mosaic")
+
+
+# ------------------------------------------------------- softmax (online, base-2 lse)
+
+def lse_reference(q, k, qo, ko, sm_scale):
+    """[H, Tq] float64: log2 sum_k exp(q.k * sm_scale) over each row's sample keys, 0
+    for rows without keys (the Triton forward's convention)."""
+    qf, kf = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    qo, ko = np.asarray(qo), np.asarray(ko)
+    out = np.zeros((q.shape[1], q.shape[0]))
+    for b in range(len(qo) - 1):
+        if ko[b + 1] > ko[b] and qo[b + 1] > qo[b]:
+            s = np.einsum("qhd,khd->hqk", qf[qo[b]:qo[b + 1]], kf[ko[b]:ko[b + 1]]) * sm_scale
+            mx = s.max(axis=-1, keepdims=True)
+            out[:, qo[b]:qo[b + 1]] = (np.log(np.exp(s - mx).sum(-1)) + mx[..., 0]) / np.log(2)
+    return out
+
+
+def check_softmax(q_lens, kv_lens, tq, tk, *, h, d, interpret, seed=0, sm_scale=None, **tuning):
+    q, k, v, qo, ko = make_case(q_lens, kv_lens, tq, tk, h, d, seed)
+    out, lse = jax.jit(lambda *a: softmax_mosaic_forward(*a, sm_scale=sm_scale,
+                                                          interpret=interpret, **tuning))(
+        q, k, v, qo, ko)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    want = np.asarray(jagged_attention_reference(q, k, v, qo, ko, sm_scale=scale), np.float64)
+    got = np.asarray(out, np.float64)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (h, tq)
+    err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+    assert err < TOL, f"softmax_mosaic d={d} {tuning}: relative error {err:.2e}"
+    assert np.all(got[int(qo[-1]):] == 0)
+    lse_err = float(np.max(np.abs(np.asarray(lse, np.float64) - lse_reference(q, k, qo, ko, scale))))
+    assert lse_err < 1e-3, f"softmax_mosaic lse: max abs error {lse_err:.2e}"
+
+
+SOFTMAX_CASES = [   # (q lens, kv lens, Tq, Tk, h, d, sm_scale, tuning)
+    (SELF, SELF, 768, 768, 2, 64, None, {}),
+    (SELF, SELF, 768, 768, 1, 128, 0.2, dict(block_kv=64, num_stages=3, interior=False)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, None, dict(block_kv=64)),
+    (SELF, SELF, 768, 768, 2, 64, None, dict(persistent=True, num_ctas=3)),
+    (SELF, SELF, 768, 768, 1, 64, 0.5, dict(schedule_barrier=False, heavy_first=False)),
+]
+SOFTMAX_IDS = [f"d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
+               + ("_".join(f"{k}{v}" for k, v in c[7].items()) or "default") for c in SOFTMAX_CASES]
+
+
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=SOFTMAX_IDS)
+def test_softmax_interpreter_matches_reference(case, interpreter_guard):
+    """Out and the base-2 lse against the references; empty samples, length 1, tile edges,
+    samples without keys (cross), padding tails."""
+    ql, kl, tq, tk, h, d, scale, tuning = case
+    check_softmax(ql, kl, tq, tk, h=h, d=d, sm_scale=scale, interpret=True, **tuning)
+
+
+@pytest.mark.parametrize("tuning", [{}, dict(persistent=True), dict(pv_in_place=False),
+                                    dict(p_via_smem=True)],
+                         ids=["default", "persistent", "fresh_acc", "p_smem"])
+def test_softmax_exports_for_cuda(tuning):
+    """The GPU form (P from registers into the carried accumulator, FA3's run_state) lowers."""
+    sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
+    sds += [jax.ShapeDtypeStruct((9,), jnp.int32)] * 2
+    f = jax.jit(lambda *a: softmax_mosaic_forward(*a, **tuning))
+    assert "mosaic_gpu" in jax.export.export(f, platforms=["cuda"])(*sds).mlir_module()
+
+
+def test_softmax_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkeypatch):
+    """jagged_attention(impl="mosaic"): the Mosaic forward's out and lse feed the Triton
+    backward (interpret mode); value and dQ, dK, dV against the jnp reference."""
+    from kernels.jagged_attention import jagged_attention
+    calls = _count_mosaic_calls(monkeypatch)
+    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=6)
+    w = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
+
+    def grads(impl):
+        def loss(q, k, v):
+            return jnp.sum(jagged_attention(q, k, v, qo, ko, impl=impl).astype(jnp.float32) * w)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    got, want = grads("mosaic"), grads("reference")
+    assert calls and calls[0].mode == "softmax", calls
+    for name, g, r in zip("qkv", got[1], want[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=SOFTMAX_IDS)
+def test_gpu_softmax_edge_cases(case):
+    _require_gpu()
+    ql, kl, tq, tk, h, d, scale, tuning = case
+    check_softmax(ql, kl, tq, tk, h=h, d=d, sm_scale=scale, interpret=False, **tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["default", "persistent", "p_smem", "bk64_s4", "fresh_acc"])
+def test_gpu_softmax_realistic_lengths(name):
+    _require_gpu()
+    tuning = {**GPU_TUNINGS, "fresh_acc": dict(pv_in_place=False)}[name]
+    rng = np.random.default_rng(3)
+    lens = _lognormal_lengths(rng, 12, 300, 1500)
+    lens[:3] = [0, 1, 64]
+    t = int(-(-lens.sum() // 128) * 128 + 128)
+    check_softmax(lens, lens, t, t, h=3, d=128, interpret=False, **tuning)
+
+
+@pytest.mark.gpu
+def test_gpu_softmax_impl_mosaic_on_w1_lengths(monkeypatch):
+    """W1 lengths, bf16, H=4, D=128: jagged_attention(impl="mosaic") value and gradients
+    vs the Triton path (impl="pallas")."""
+    _require_gpu()
+    from kernels.jagged_attention import jagged_attention
+    calls = _count_mosaic_calls(monkeypatch)
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    lens[:3] = [0, 1, 129]
+    t = int(-(-lens.sum() // 128) * 128)
+    q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def grads(impl):
+        def loss(q, k, v):
+            return jnp.sum(jagged_attention(q, k, v, qo, ko, impl=impl).astype(jnp.float32) * w)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    got, tri = grads("mosaic"), grads("pallas")
+    assert calls
+    for name, g, r in zip("qkv", got[1], tri[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
 
 
 @pytest.mark.gpu
