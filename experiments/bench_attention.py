@@ -157,12 +157,21 @@ def run_workload(wname, rng):
         rows.append(measure(f"mosaic_fwd_gdpa_{act}", fwd_and_train(
             lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
                                         forward="mosaic")), args, flops, bytes_fwd, bytes_bwd))
+        # and the Mosaic backward (dQ, dK / dV kernels) too
+        rows.append(measure(f"mosaic_fwd_bwd_gdpa_{act}", fwd_and_train(
+            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
+                                        forward="mosaic", backward="mosaic")),
+            args, flops, bytes_fwd, bytes_bwd))
     rows.append(measure("pallas_softmax", fwd_and_train(
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
     if kind == "self" and jax.default_backend() == "gpu":
         rows.append(measure("mosaic_fwd_softmax", fwd_and_train(
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic")), args,
+            flops, bytes_fwd, bytes_bwd))
+        rows.append(measure("mosaic_fwd_bwd_softmax", fwd_and_train(
+            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic",
+                                                    backward="mosaic")), args,
             flops, bytes_fwd, bytes_bwd))
     # where the forward time goes: layout (XLA) vs the Pallas kernel alone
     b = len(ql)

@@ -63,6 +63,10 @@ class FlashConfig:
     # kernels/mosaic_flash.py, gdpa and softmax, where it applies: flash_forward; Triton
     # elsewhere); the backward is always the Triton dQ and dK/dV kernels
     forward: str = "triton"
+    # backward engine: "triton" (the dQ and dK/dV kernels here) or "mosaic" (the Mosaic
+    # GPU dQ and dK/dV kernels, kernels/mosaic_flash.py run_backward, where they apply:
+    # flash_backward; Triton elsewhere)
+    backward: str = "triton"
 
 
 # ----------------------------------------------------------------------------- math
@@ -493,7 +497,19 @@ def _flash_fwd(cfg, q, k, v, lay):
 
 def _flash_bwd(cfg, res, do):
     q, k, v, lay, o, lse = res
-    dq, dk, dv = _backward(cfg, q, k, v, lay, o, lse, do)
+    mcfg = None
+    if cfg.backward == "mosaic":
+        from kernels.mosaic_flash import flash_backward, run_backward  # here: it imports this
+        mcfg = flash_backward(cfg, q.dtype, q.shape[-1], q.shape[0], k.shape[0])
+    if mcfg is None:
+        dq, dk, dv = _backward(cfg, q, k, v, lay, o, lse, do)
+    else:
+        h, tq = q.shape[1], q.shape[0]
+        if cfg.mode == "softmax":
+            delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1).T   # [H, Tq]
+        else:
+            lse = delta = jnp.zeros((h, tq), F32)                         # unread
+        dq, dk, dv = run_backward(mcfg, lay, q, k, v, do, lse, delta, interpret=cfg.interpret)
     zero_lay = jax.tree.map(_zero_cotangent, lay)
     return dq, dk, dv, zero_lay
 
@@ -575,7 +591,8 @@ def interior_ranges(start, end, row_tile, col_tile, lo, hi):
 
 def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rope_theta=None):
     """Everything the kernels read besides q/k/v: segment ids, positions, per query row
-    its key interval [q_start, q_end) (empty: BIG, 0), tile ranges, RoPE."""
+    its key interval [q_start, q_end) and per key row its query interval [k_start,
+    k_end) (empty: BIG, 0), tile ranges, RoPE."""
     b = q_offsets.shape[0] - 1
     q_offsets = q_offsets.astype(jnp.int32)
     kv_offsets = kv_offsets.astype(jnp.int32)
@@ -591,7 +608,7 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
     if cfg.rope:
         pos = qp if rope_positions is None else rope_positions
         cos, sin = rope_tables(pos, d, rope_theta)
-    return dict(qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb,
+    return dict(qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb, k_start=ka, k_end=kb,
                 q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
                 q_flo=q_flo, q_fhi=q_fhi, k_flo=k_flo, k_fhi=k_fhi,
                 q_perm=_heaviest_first(q_lo, q_hi, cfg), k_perm=_heaviest_first(k_lo, k_hi, cfg),
@@ -644,8 +661,9 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
     if d % step:
         raise ValueError(f"pallas attention: head dim D={d} must be a multiple of {step} "
                          "(Triton dots need every dim >= 16); use impl='reference'")
-    if cfg.forward not in ("triton", "mosaic"):
-        raise ValueError(f"pallas attention: forward must be 'triton' or 'mosaic', got {cfg.forward!r}")
+    for name, engine in (("forward", cfg.forward), ("backward", cfg.backward)):
+        if engine not in ("triton", "mosaic"):
+            raise ValueError(f"pallas attention: {name} must be 'triton' or 'mosaic', got {engine!r}")
     for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
         if t < 16 or PAD_MULTIPLE % t:
             raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")

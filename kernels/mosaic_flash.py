@@ -1,8 +1,10 @@
 """Jagged attention forward on Pallas Mosaic GPU (Hopper), GDPA and softmax: TMA loads,
 one producer warpgroup, two consumer warpgroups issuing wgmma (the FlashAttention-3
-layout). Forward only: gdpa(impl="mosaic") (gdpa's GPU default) and
-jagged_attention(impl="mosaic") run it as jagged_flash's forward (flash_forward,
-MosaicFlashForward) with the Triton backward.
+layout). gdpa(impl="mosaic") (gdpa's GPU default) and jagged_attention(impl="mosaic")
+run the forward as jagged_flash's (flash_forward, MosaicFlashForward) with the
+Triton backward. The backward kernels here (run_backward: dQ, and dK / dV with keys
+as the stationary rows) are reached through FlashConfig.backward="mosaic"
+(flash_backward), e.g. gdpa_pallas(..., backward="mosaic"); not yet timed on a GPU.
 
     out = gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, activation="silu", scale=s)
     out, lse = softmax_mosaic_forward(q, k, v, q_offsets, kv_offsets, sm_scale=None)
@@ -231,6 +233,27 @@ def activation_times_scale(s, activation, scale):
     raise ValueError(f"unknown activation {activation!r}")
 
 
+def activation_grad_times_scale(s, activation, scale):
+    """d act(s) / ds * scale in float32, in ops Mosaic GPU lowers (the backward's dS)."""
+    zero = s * 0.0
+    if activation == "silu":       # sig (1 + s (1 - sig)), sig = 1/2 + tanh(s/2)/2
+        sig = 0.5 + 0.5 * jnp.tanh(s * 0.5)
+        return sig * (1.0 + s * (1.0 - sig)) * scale
+    if activation == "gelu_tanh":
+        c = math.sqrt(2.0 / math.pi)
+        t = jnp.tanh(s * (c + (c * 0.044715) * (s * s)))
+        du = c + (3.0 * c * 0.044715) * (s * s)
+        return (0.5 * (1.0 + t) + (0.5 * s) * (1.0 - t * t) * du) * scale
+    if activation == "gelu":       # Phi(s) + s phi(s)
+        phi = jnp.exp(s * s * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
+        return (0.5 + 0.5 * _erf(s * (1.0 / math.sqrt(2.0))) + s * phi) * scale
+    if activation == "relu":
+        return jnp.where(s > 0.0, zero + scale, zero)
+    if activation == "identity":
+        return zero + scale
+    raise ValueError(f"unknown activation {activation!r}")
+
+
 def _items(cfg, n_tiles, n_heads):
     """This CTA's work items as (count, item(i) -> (table row, head)).
 
@@ -409,31 +432,274 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        _produce(table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free,
+                 tile=bk, stages=stages, count=count, item=item)
+
+
+def _produce(table_ref, a_ref, b_ref, a_smem, b_smem, a_bar, b_bar, a_free, b_free, *, tile,
+             stages, count, item):
+    """The producer warpgroup: per work item, tiles [c_lo, c_hi) of a_ref and b_ref
+    ([T, H, D], `tile` rows each) into the slot ring, slot = global step % stages."""
+    def one_item(row, head, g0):
+        c_lo = table_ref[row, 1]
+        c_hi = table_ref[row, 2]
+
+        @pl.loop(c_lo, c_hi)
+        def _(j):
+            g = g0 + j - c_lo
+            slot = lax.rem(g, jnp.int32(stages))
+            rows = pl.ds(j * tile, tile)
+            # step g - stages used this slot: wait until both consumers released it
+            pl.when(g >= stages)(lambda: plgpu.barrier_wait(a_free.at[slot]))
+            plgpu.copy_gmem_to_smem(a_ref.at[rows, head], a_smem.at[slot], a_bar.at[slot])
+            pl.when(g >= stages)(lambda: plgpu.barrier_wait(b_free.at[slot]))
+            plgpu.copy_gmem_to_smem(b_ref.at[rows, head], b_smem.at[slot], b_bar.at[slot])
+        return g0 + (c_hi - c_lo)
+
+    total = _for_items(count, item, one_item)
+
+    # Observe the last releases too: harmless on the GPU, and the interpreter wants
+    # every phase of a barrier a thread waits on to be seen by that thread.
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _drain(g):
+        plgpu.barrier_wait(a_free.at[lax.rem(g, jnp.int32(stages))])
+        plgpu.barrier_wait(b_free.at[lax.rem(g, jnp.int32(stages))])
+
+
+def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
+    """(P, dS) of one tile from the scores s and dP (float32): softmax P = exp2(s * scale
+    log2 e - lse) and dS = P (dP - delta) scale; gdpa P = act(s) scale and dS =
+    dP act'(s) scale; masked pairs 0. stat / delta: lse and delta along the query
+    dim (rows, or columns if `transposed`: dK / dV's [keys, queries] tiles)."""
+    shape = s.shape
+    bcast = lambda x: lax.broadcast_in_dim(x, shape, [1 if transposed else 0])  # noqa: E731
+    if cfg.mode == "softmax":
+        p = jnp.exp2(s * (cfg.scale * LOG2E) - bcast(stat))
+        if valid is not None:
+            p = jnp.where(valid, p, 0.0)
+        return p, p * (dp - bcast(delta)) * cfg.scale
+    p = activation_times_scale(s, cfg.activation, cfg.scale)
+    ds = dp * activation_grad_times_scale(s, cfg.activation, cfg.scale)
+    if valid is not None:
+        p, ds = jnp.where(valid, p, 0.0), jnp.where(valid, ds, 0.0)
+    return p, ds
+
+
+def _tile_mask(start, end, j, rows, cols):
+    """valid [rows, cols]: column j * cols + c lies in its row's [start, end)."""
+    col = plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=plgpu.Layout.WGMMA)
+    a = lax.broadcast_in_dim(start - j * cols, (rows, cols), [0])
+    b = lax.broadcast_in_dim(end - j * cols, (rows, cols), [0])
+    return (col >= a) & (col < b)
+
+
+def _mma_from(acc_ref, x16, stage, b_smem):
+    """acc += x16 @ b_smem with x16 from registers, or staged in shared memory (stage)."""
+    if stage is None:
+        plgpu.wgmma(acc_ref, x16, b_smem)
+    else:
+        stage[...] = x16
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, stage, b_smem)
+
+
+def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, q_bar, k_bar, v_bar, k_free,
+               v_free, *, cfg, n_tiles, n_heads):
+    """dQ = dS K over each query tile's key tiles (K / V streamed as in the forward)."""
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    d, dtype = q_ref.shape[-1], q_ref.dtype
+    wg = lax.axis_index("wg")
+    count, item = _items(cfg, n_tiles, n_heads)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        qs, dos = q_smem.at[wg], do_smem.at[wg]
+        stage = None if ds_smem is None else ds_smem.at[wg]
 
         def one_item(row, head, g0):
-            c_lo = table_ref[row, 1]
-            c_hi = table_ref[row, 2]
+            c_lo, c_hi = table_ref[row, 1], table_ref[row, 2]
+            lo, flo, fhi, hi = (table_ref[row, 3 + 4 * wg + c] for c in range(4))
+            row0 = table_ref[row, 0] * cfg.cta_rows + wg * bq
+            rows = pl.ds(row0, bq)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            # one barrier per copy: each TMA copy arrives on its barrier once
+            plgpu.copy_gmem_to_smem(q_ref.at[rows, head], qs, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows, head], dos, q_bar.at[NUM_CONSUMERS + wg])
+            load = lambda ref: plgpu.load(ref, layout=row_layout, optimized=False)  # noqa: E731
+            start, end = load(start_ref.at[rows]), load(end_ref.at[rows])
+            lse, delta = load(lse_ref.at[head, rows]), load(delta_ref.at[head, rows])
+            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[NUM_CONSUMERS + wg])
 
-            @pl.loop(c_lo, c_hi)
-            def _(j):
-                g = g0 + j - c_lo
-                slot = lax.rem(g, jnp.int32(stages))
-                rows = pl.ds(j * bk, bk)
-                # step g - stages used this slot: wait until both consumers released it
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                plgpu.copy_gmem_to_smem(k_ref.at[rows, head], k_smem.at[slot], k_bar.at[slot])
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                plgpu.copy_gmem_to_smem(v_ref.at[rows, head], v_smem.at[slot], v_bar.at[slot])
+            def step(j, kind, acc_ref):
+                slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                if kind != "skip":
+                    def mm(a_smem, b_smem):
+                        def f(r):
+                            plgpu.wgmma(r, a_smem, b_smem.transpose((1, 0)))
+                            return r[...]
+                        return pl.run_scoped(f, plgpu.ACC((bq, bk), F32))
+                    s = mm(qs, k_smem.at[slot])                  # Q K^T
+                    dp = mm(dos, v_smem.at[slot])                # dO V^T
+                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                    _, ds = _grad_tiles(cfg, s, dp, lse, delta, valid, False)
+                    _mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
+                    plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+
+            def walk(acc_ref):
+                for a, b, kind in ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
+                                   (fhi, hi, "masked"), (hi, c_hi, "skip")):
+                    @pl.loop(a, b)
+                    def _(j, kind=kind):
+                        step(j, kind, acc_ref)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))
+            qs[...] = acc.astype(dtype)        # Q's tile is free: stage dQ there
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qs, dq_ref.at[rows, head])
             return g0 + (c_hi - c_lo)
 
-        total = _for_items(count, item, one_item)
+        _for_items(count, item, one_item)
+        plgpu.wait_smem_to_gmem(0)
 
-        # Observe the last releases too: harmless on the GPU, and the interpreter wants
-        # every phase of a barrier a thread waits on to be seen by that thread.
-        @pl.loop(jnp.maximum(total - stages, 0), total)
-        def _drain(g):
-            plgpu.barrier_wait(k_free.at[lax.rem(g, jnp.int32(stages))])
-            plgpu.barrier_wait(v_free.at[lax.rem(g, jnp.int32(stages))])
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        _produce(table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free,
+                 tile=bk, stages=stages, count=count, item=item)
+
+
+def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, q_bar,
+                do_bar, q_free, do_free, *, cfg, n_tiles, n_heads):
+    """dK = dS^T Q and dV = P^T dO over each key tile's query tiles (Q / dO streamed).
+
+    Rows are keys here: the table's CTA tiles are key tiles, start / end each key's
+    query interval, block_kv the streamed query tile."""
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    d, dtype = k_ref.shape[-1], k_ref.dtype
+    wg = lax.axis_index("wg")
+    count, item = _items(cfg, n_tiles, n_heads)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        col_layout = plgpu.Layout.WGMMA.reduce(0)
+        ks, vs = k_smem.at[wg], v_smem.at[wg]
+        p_stage = None if p_smem is None else p_smem.at[wg]
+        ds_stage = None if ds_smem is None else ds_smem.at[wg]
+
+        def one_item(row, head, g0):
+            c_lo, c_hi = table_ref[row, 1], table_ref[row, 2]
+            lo, flo, fhi, hi = (table_ref[row, 3 + 4 * wg + c] for c in range(4))
+            row0 = table_ref[row, 0] * cfg.cta_rows + wg * bq
+            rows = pl.ds(row0, bq)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, head], ks, kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, head], vs, kv_bar.at[NUM_CONSUMERS + wg])
+            start = plgpu.load(start_ref.at[rows], layout=row_layout, optimized=False)
+            end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
+            plgpu.barrier_wait(kv_bar.at[wg])
+            plgpu.barrier_wait(kv_bar.at[NUM_CONSUMERS + wg])
+
+            def step(j, kind, dk_ref_acc, dv_ref_acc):
+                slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
+                plgpu.barrier_wait(q_bar.at[slot])
+                plgpu.barrier_wait(do_bar.at[slot])
+                if kind != "skip":
+                    def mm(a_smem, b_smem):
+                        def f(r):
+                            plgpu.wgmma(r, a_smem, b_smem.transpose((1, 0)))
+                            return r[...]
+                        return pl.run_scoped(f, plgpu.ACC((bq, bk), F32))
+                    st = mm(ks, q_smem.at[slot])                  # (Q K^T)^T
+                    dpt = mm(vs, do_smem.at[slot])                # (dO V^T)^T
+                    cols = pl.ds(j * bk, bk)
+                    load = lambda ref: plgpu.load(ref, layout=col_layout, optimized=False)  # noqa: E731
+                    lse, delta = load(lse_ref.at[head, cols]), load(delta_ref.at[head, cols])
+                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                    pt, dst = _grad_tiles(cfg, st, dpt, lse, delta, valid, True)
+                    _mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
+                    _mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
+                    plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(q_free.at[slot])
+                plgpu.barrier_arrive(do_free.at[slot])
+
+            def walk(dk_acc, dv_acc):
+                for a, b, kind in ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
+                                   (fhi, hi, "masked"), (hi, c_hi, "skip")):
+                    @pl.loop(a, b)
+                    def _(j, kind=kind):
+                        step(j, kind, dk_acc, dv_acc)
+                return dk_acc[...], dv_acc[...]
+
+            dk, dv = pl.run_scoped(walk, plgpu.ACC((bq, d), F32), plgpu.ACC((bq, d), F32))
+            ks[...] = dk.astype(dtype)         # K's and V's tiles are free: stage dK, dV there
+            vs[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ks, dk_ref.at[rows, head])
+            plgpu.copy_smem_to_gmem(vs, dv_ref.at[rows, head])
+            return g0 + (c_hi - c_lo)
+
+        _for_items(count, item, one_item)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        _produce(table_ref, q_ref, do_ref, q_smem, do_smem, q_bar, do_bar, q_free, do_free,
+                 tile=bk, stages=stages, count=count, item=item)
+
+
+def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False):
+    """(dQ, dK, dV) of the forward `cfg` ran: lay from kernels.jagged_flash.build_layout
+    (q_start / q_end, k_start / k_end), lse / delta [H, Tq] float32 (softmax; any
+    [H, Tq] for gdpa, unread). Tq, Tk multiples of cfg.cta_rows and cfg.block_kv."""
+    tq, h, d = q.shape
+    tk = k.shape[0]
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    if tq % cfg.cta_rows or tk % cfg.cta_rows or tq % bk or tk % bk:
+        raise ValueError(f"mosaic backward: Tq={tq} / Tk={tk} must be multiples of "
+                         f"{cfg.cta_rows} and {bk}")
+    stage_p = interpret or cfg.p_via_smem
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)  # noqa: E731
+    params = plgpu.CompilerParams(approx_math=True)
+    interp = (plgpu.InterpretGPUParams() if interpret is True else interpret) or None
+
+    def launch(kernel, table, start, end, outs, scratch):
+        return plgpu.kernel(
+            functools.partial(kernel, cfg=cfg, n_tiles=table.shape[0], n_heads=h),
+            out_type=outs, scratch_types=scratch, grid=(table.shape[0], h),
+            grid_names=("tile", "head"), num_threads=NUM_CONSUMERS + 1, thread_name="wg",
+            compiler_params=params, interpret=interp,
+        )(table, start, end, q, k, v, do, lse, delta)
+
+    ring = [smem(stages, bk, d), smem(stages, bk, d)]
+    free = [plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)] * 2
+    loaded = [plgpu.Barrier(num_barriers=stages)] * 2
+    qa, qb = lay["q_start"], lay["q_end"]
+    dq = launch(_dq_kernel, tile_table(cfg, qa, qb), qa, qb, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                [smem(NUM_CONSUMERS, bq, d), smem(NUM_CONSUMERS, bq, d), *ring,
+                 smem(NUM_CONSUMERS, bq, bk) if stage_p else None,
+                 plgpu.Barrier(num_barriers=2 * NUM_CONSUMERS), loaded[0], loaded[1], *free])
+    ka, kb = lay["k_start"], lay["k_end"]
+    dk, dv = launch(_dkv_kernel, tile_table(cfg, ka, kb), ka, kb,
+                    (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+                    [smem(NUM_CONSUMERS, bq, d), smem(NUM_CONSUMERS, bq, d), *ring,
+                     smem(NUM_CONSUMERS, bq, bk) if stage_p else None,
+                     smem(NUM_CONSUMERS, bq, bk) if stage_p else None,
+                     plgpu.Barrier(num_barriers=2 * NUM_CONSUMERS), *loaded, *free])
+    return dq, dk, dv
 
 
 def run_kernel(cfg, layout, q, k, v, interpret=False):
@@ -539,6 +805,23 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
     if tq % cfg.cta_rows or tk % cfg.block_kv:
         return None
     return MosaicFlashForward(cfg, interpret=flash_cfg.interpret)
+
+
+# The backward's streamed tile: 64 queries (dK / dV) or keys (dQ). dK and dV hold two
+# [64, D] float32 accumulators per consumer; 128-wide score tiles would not fit too.
+BACKWARD_TUNING = dict(block_kv=64)
+
+
+def flash_backward(flash_cfg, dtype, d, tq, tk):
+    """MosaicConfig of run_backward for a FlashConfig (tiles adapted) and padded
+    capacities, or None where those kernels do not apply (flash_forward's list)."""
+    if flash_forward(flash_cfg, dtype, d, tq, tk) is None:
+        return None
+    cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
+                        scale=flash_cfg.scale, **BACKWARD_TUNING)
+    if tq % cfg.cta_rows or tk % cfg.cta_rows or tq % cfg.block_kv or tk % cfg.block_kv:
+        return None
+    return cfg
 
 
 def _pad_rows(x, n):

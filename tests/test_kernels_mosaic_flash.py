@@ -608,3 +608,126 @@ def test_bench_smoke_in_interpret_mode(tmp_path):
     lens = np.clip(np.random.default_rng(0).lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
     assert meta["valid_pairs"] == int(lens[0]) ** 2
     assert meta["fwd_gflop"] == pytest.approx(4 * 1 * 128 * lens[0] ** 2 / 1e9)
+
+
+# ------------------------------------- the Mosaic backward (run_backward, dQ and dK / dV)
+
+def _engines_grads(mode, q, k, v, qo, ko, w, engine, **kw):
+    """Value-and-grad of sum(out * w) through jagged_flash with both engines = `engine`
+    ("triton" / "mosaic"), or the jnp reference (engine None)."""
+    from kernels.gdpa.pallas import gdpa_pallas
+    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    if engine is None:
+        f = ((lambda q, k, v: jagged_attention_reference(q, k, v, qo, ko, **kw)) if mode == "softmax"
+             else (lambda q, k, v: gdpa_reference(q, k, v, qo, ko, **kw)))
+    elif mode == "softmax":
+        f = lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward=engine,  # noqa: E731
+                                                    backward=engine, **kw)
+    else:
+        f = lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, forward=engine, backward=engine,  # noqa: E731
+                                        **kw)
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v).astype(jnp.float32) * w)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+BACKWARD_CASES = [   # (mode, kwargs, q lens, kv lens, Tq, Tk, h, d)
+    ("softmax", {}, SELF, SELF, 768, 768, 2, 64),
+    ("softmax", dict(sm_scale=0.3), CROSS_Q, CROSS_KV, 512, 512, 1, 128),
+    ("gdpa", dict(activation="silu", scale=0.3), SELF, SELF, 768, 768, 1, 64),
+    ("gdpa", dict(activation="gelu", scale=0.2), CROSS_Q, CROSS_KV, 512, 512, 2, 64),
+    ("gdpa", dict(activation="relu", scale=0.5), SELF, SELF, 768, 768, 1, 128),
+    ("gdpa", dict(activation="identity", scale=0.1), SELF, SELF, 768, 768, 1, 64),
+]
+BACKWARD_IDS = [f"{c[0]}-{c[1].get('activation', '')}-d{c[7]}-{'self' if c[2] is SELF else 'cross'}"
+                for c in BACKWARD_CASES]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=BACKWARD_IDS)
+def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeypatch):
+    """Mosaic forward + Mosaic dQ and dK / dV (interpreter) vs the jnp reference's
+    gradients: tile-edge lengths, empty samples, samples without keys or queries."""
+    from kernels import mosaic_flash
+    mode, kw, ql, kl, tq, tk, h, d = case
+    ran = []
+    run = mosaic_flash.run_backward
+    monkeypatch.setattr(mosaic_flash, "run_backward", lambda *a, **k: ran.append(1) or run(*a, **k))
+    q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
+    w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
+    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
+    want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
+    assert ran, "the Mosaic backward did not run"
+    for name, g, r in zip("qkv", got[1], want[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("mode", ["softmax", "gdpa"])
+@pytest.mark.parametrize("d,tuning", [(64, {}), (128, {}), (128, dict(p_via_smem=True))])
+def test_backward_exports_for_cuda(mode, d, tuning):
+    """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower."""
+    from kernels.jagged_flash import FlashConfig, build_layout
+    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    cfg = mosaic_config(d, jnp.bfloat16, mode=mode, activation="gelu", scale=0.1,
+                        **BACKWARD_TUNING, **tuning)
+
+    def f(q, k, v, do, lse, delta, qo, ko):
+        lay = build_layout(FlashConfig(mode=mode), qo, ko, 1024, 1024, d)
+        return run_backward(cfg, lay, q, k, v, do, lse, delta)
+    sds = [jax.ShapeDtypeStruct((1024, 4, d), jnp.bfloat16)] * 4
+    sds += [jax.ShapeDtypeStruct((4, 1024), jnp.float32)] * 2
+    sds += [jax.ShapeDtypeStruct((9,), jnp.int32)] * 2
+    module = jax.export.export(jax.jit(f), platforms=["cuda"])(*sds).mlir_module()
+    assert module.count("mosaic_gpu") >= 2
+
+
+def test_backward_falls_back_where_the_kernels_do_not_apply():
+    from kernels.jagged_flash import FlashConfig
+    from kernels.mosaic_flash import flash_backward
+    ok = FlashConfig(mode="softmax", scale=0.1, bq=64, bk=64, backward="mosaic")
+    assert flash_backward(ok, jnp.bfloat16, 64, 1024, 1024) is not None
+    for cfg, dtype, d in [(FlashConfig(mode="softmax", causal=True, bq=64, bk=64), jnp.bfloat16, 64),
+                          (ok, jnp.float32, 64), (ok, jnp.bfloat16, 96),
+                          (FlashConfig(mode="gdpa", bq=16, bk=16), jnp.bfloat16, 64)]:
+        assert flash_backward(cfg, dtype, d, 1024, 1024) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["softmax", "gdpa"])
+def test_gpu_backward_on_w1_lengths(mode):
+    """W1 lengths, bf16, H=4, D=128: the Mosaic forward + backward vs the Triton engines,
+    and on a 16-sample slice vs the f32 reference."""
+    _require_gpu()
+    kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    lens[:3] = [0, 1, 129]
+    t = int(-(-lens.sum() // 128) * 128)
+    q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
+    tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)
+    for name, g, r in zip("qkv", got[1], tri[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    small = lens[:16]
+    ts = int(-(-small.sum() // 128) * 128)
+    q, k, v, qo, ko = make_case(small, small, ts, ts, 2, 128, seed=2)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref = _engines_grads(mode, f32(q), f32(k), f32(v), qo, ko, w, None, **kw)
+    for name, g, r in zip("qkv", got[1], ref[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=BACKWARD_IDS)
+def test_gpu_backward_edge_cases(case):
+    _require_gpu()
+    mode, kw, ql, kl, tq, tk, h, d = case
+    q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
+    w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
+    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
+    want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
+    for name, g, r in zip("qkv", got[1], want[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
