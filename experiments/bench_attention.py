@@ -44,6 +44,7 @@ flags.DEFINE_string("activation", "silu", "GDPA activation")
 flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (XLA, H200)")
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
+flags.DEFINE_list("rows", [], "time only the rows whose name contains one of these (empty: all)")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
 flags.DEFINE_float("sweep_budget_s", 50.0, "per workload, split evenly over its (op, pass) "
@@ -93,6 +94,9 @@ def measure(name, fns, args, flops, bytes_fwd, bytes_bwd, only=None):
     """Row with fwd and fwd_bwd times / TF/s / floors; only='fwd' | 'fwd_bwd' times one."""
     fwd, train = fns
     row = dict(impl=name)
+    if FLAGS.rows and not any(r in name for r in FLAGS.rows):
+        row["skipped"] = "--rows"
+        return row
     for tag, f, a, fl, by in (("fwd", fwd, args[:3], flops, bytes_fwd),
                               ("fwd_bwd", train, args, 3.5 * flops, bytes_fwd + bytes_bwd)):
         if only is not None and tag != only:
