@@ -38,8 +38,9 @@ params, embedding lookups per sample from the batches' real tokens, emb dim,
 local batch, EP tokens, forward FLOPs per sample from the 1-device step), the
 compute scale calibrated on the 1-device step ONLY, then the predicted step of
 every other mesh vs measured (relative error), and the calibrated prediction for
---predict_gpus GPUs (GEM's layout: expert=2 NVLink, FSDP in a zone, replicas
-across zones) with the --*_gbps link speeds.
+--predict_gpus GPUs with the --*_gbps link speeds, on GEM's layout (expert=2
+NVLink, FSDP in a zone, replicas across zones) and on the predicted-fastest shape
+(topology.best_mesh).
 
 Writes WORKDIR/sweep_mesh.json (+ sweep_mesh.png when matplotlib imports); prints
 the tables last.
@@ -380,19 +381,23 @@ def main(argv):
             if r["devices"] > 1:
                 errors.append(abs(r["predicted_rel_error"]))
         big_net = dataclasses.replace(net, gpus_per_host=FLAGS.predict_gpus_per_host)
-        table = []
+        table, best_table = [], []
         for g in (int(x) for x in FLAGS.predict_gpus.split(",") if x.strip()):
             spec = topology.default_mesh(g)
             table.append(topology.predict(spec, work, peak=cm_peak, local_mfu=eff, overlap=FLAGS.overlap,
                                           net=big_net, layout=topology.layout_for(spec.names, fsdp_axes,
                                                                                   replica_axes)))
+            best, _ = topology.best_mesh(g, work, fsdp_axes=fsdp_axes, table_replica_axes=replica_axes,
+                                         net=big_net, peak=cm_peak, local_mfu=eff, overlap=FLAGS.overlap)
+            best_table.append(best)
         out["cost_model"] = {
             "workload": dataclasses.asdict(work), "calibrated_compute_mfu": eff, "peak_used": cm_peak,
             "network": dataclasses.asdict(net), "overlap": FLAGS.overlap,
             "max_abs_rel_error_multi_device": max(errors) if errors else None,
             "within_25pct": all(e <= 0.25 for e in errors) if errors else None,
             "predicted": [{**{k: v for k, v in t.items() if k != "collectives"},
-                           "collectives": [dataclasses.asdict(c) for c in t["collectives"]]} for t in table]}
+                           "collectives": [dataclasses.asdict(c) for c in t["collectives"]]} for t in table],
+            "predicted_best_mesh": [{k: v for k, v in t.items() if k != "collectives"} for t in best_table]}
     if jax.process_index() != 0:
         return
     os.makedirs(FLAGS.workdir, exist_ok=True)
@@ -413,6 +418,8 @@ def main(argv):
               f"predicted for {FLAGS.predict_gpus} GPUs ({FLAGS.predict_gpus_per_host}/host, overlap "
               f"{FLAGS.overlap:.0%}):")
         print(topology.format_table(table))
+        print("  the predicted-fastest replica / fsdp / expert shape at each size (topology.best_mesh):")
+        print(topology.format_table(best_table))
     print(f"\n{'mesh':<26} {'dev':>3} {'local/global B':>15} {'step ms':>8} {'samples/s':>10} {'E2E MFU':>8} "
           f"{'Local':>7} {'Scaling':>7} {'weak eff':>8} {'MB/dev':>8} {'pred ms':>8} {'pred err':>8}")
     for r in rows:

@@ -120,3 +120,28 @@ def test_layout_for_follows_the_trainer():
     got = {c.name: c for c in T.step_collectives(spec, work, lay, net)}
     assert got["dense grad all-reduce"].bytes == pytest.approx(2 * 0.5 * 50 * 4)
     assert got["expert grad all-reduce"].ranks == 1 and got["expert grad all-reduce"].bytes == 0
+
+
+def test_best_mesh_searches_every_valid_shape():
+    """best_mesh beats or ties GEM's default layout, its shape respects hosts and zones,
+    and it follows the traffic: a sparse-heavy workload keeps its embedding all-to-all
+    (over fsdp x expert) inside one NVLink host, a dense-heavy one shards its
+    parameters (fsdp > 1)."""
+    net = T.Network(gpus_per_host=8, gpus_per_zone=64)
+    for work in (T.GEM_LIKE,
+                 T.Workload(dense_params=1e6, lookups_per_sample=4000, local_batch=1024,
+                            forward_flops_per_sample=1e9),
+                 T.Workload(dense_params=8e9, local_batch=64, forward_flops_per_sample=1e9)):
+        best, tried = T.best_mesh(256, work, net=net, peak=989e12, local_mfu=0.4)
+        default = T.default_mesh(256, fsdp_max=64)
+        ref = T.predict(default, work, net=net, peak=989e12, local_mfu=0.4,
+                        layout=T.layout_for(default.names))
+        assert tried > 5 and best["step_s"] <= ref["step_s"] * (1 + 1e-12)
+        sizes = dict(p.split("=") for p in best["mesh"].split(","))
+        assert int(sizes["expert"]) <= 8 and int(sizes["fsdp"]) * int(sizes["expert"]) <= 64
+        if work.lookups_per_sample == 4000:
+            assert int(sizes["fsdp"]) * int(sizes["expert"]) <= 8, best["mesh"]
+        if work.dense_params == 8e9:
+            assert int(sizes["fsdp"]) > 1, best["mesh"]
+    with pytest.raises(ValueError, match="no shape"):
+        T.best_mesh(12, T.GEM_LIKE, axes="expert", net=T.Network(gpus_per_host=8))

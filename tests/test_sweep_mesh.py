@@ -46,6 +46,9 @@ def test_sweep_tiny_on_two_cpu_devices(tmp_path):
     assert two["predicted_rel_error"] == pytest.approx(two["predicted_step_s"] / two["step_s"] - 1)
     cm = out["cost_model"]
     assert [p["devices"] for p in cm["predicted"]] == [64, 1024]
+    assert [p["devices"] for p in cm["predicted_best_mesh"]] == [64, 1024]
+    for best, default in zip(cm["predicted_best_mesh"], cm["predicted"]):
+        assert best["step_s"] <= default["step_s"] * (1 + 1e-9)
     assert cm["max_abs_rel_error_multi_device"] == pytest.approx(abs(two["predicted_rel_error"]))
     assert cm["workload"]["local_batch"] == 8 and cm["workload"]["emb_dim"] == 8
     assert "best:" in r.stdout.splitlines()[-1] and "pred err" in r.stdout

@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from gemjax.parallel.mesh import TIERS, MeshSpec, parse_mesh_spec, resolve_mesh_spec
+from gemjax.parallel.mesh import TIERS, MeshSpec, parse_mesh_spec, resolve_mesh_spec, valid_shapes
 
 DEFAULT_BANDWIDTH = {"host": 450e9, "zone": 50e9, "cross_zone": 12.5e9}  # bytes/s per GPU per direction
 DEFAULT_LATENCY = {"host": 3e-6, "zone": 10e-6, "cross_zone": 30e-6}     # seconds per ring step
@@ -303,6 +303,35 @@ def default_mesh(n_gpus: int, expert: int = 2, fsdp_max: int = 128) -> MeshSpec:
     """GEM's layout: expert on NVLink, FSDP up to fsdp_max GPUs in a zone, replicas across zones."""
     fsdp = min(fsdp_max, n_gpus // expert)
     return resolve_mesh_spec(f"replica=-1,fsdp={fsdp},expert={expert}", n_gpus, 8 if n_gpus >= 8 else n_gpus)
+
+
+def best_mesh(n_gpus: int, work: Workload, *, axes: str = "replica,fsdp,expert",
+              fsdp_axes: tuple[str, ...] = ("fsdp",), table_replica_axes: tuple[str, ...] = ("replica",),
+              net: Network = Network(), max_zone_axes: tuple[str, ...] = ("fsdp", "expert"),
+              **predict_kw) -> tuple[dict, int]:
+    """The predicted-fastest shape of ``axes`` on n_gpus -> (predict() result, shapes tried).
+
+    Every factorisation whose axes fit the hosts (mesh.valid_shapes, net.gpus_per_host)
+    and whose max_zone_axes together stay inside one zone (net.gpus_per_zone) is
+    predicted with the trainer's layout (layout_for); ties go to the earlier shape.
+    predict_kw: peak, local_mfu, overlap (as predict).
+    """
+    spec = parse_mesh_spec(",".join(f"{a}=1" if "=" not in a else a for a in axes.split(",")))
+    per_host = min(net.gpus_per_host, n_gpus)
+    best, tried = None, 0
+    for shape in valid_shapes(spec, n_gpus, per_host):
+        sized = spec.with_shape(shape)
+        if math.prod(s for n, s in zip(sized.names, shape) if n in max_zone_axes) > net.gpus_per_zone:
+            continue
+        tried += 1
+        r = predict(sized, work, net=net, layout=layout_for(sized.names, fsdp_axes, table_replica_axes),
+                    **predict_kw)
+        if best is None or r["step_s"] < best["step_s"]:
+            best = r
+    if best is None:
+        raise ValueError(f"best_mesh: no shape of {axes} fits {n_gpus} GPUs "
+                         f"({per_host}/host, {net.gpus_per_zone}/zone)")
+    return best, tried
 
 
 # Illustrative GEM-scale workload (our assumption, not published): 2B dense + 4B expert params,
