@@ -324,13 +324,10 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
             end = plgpu.load(end_ref.at[pl.ds(row0, bq)], layout=row_layout, optimized=False)
             plgpu.barrier_wait(q_bar.at[wg])
 
-            def pv(acc_ref, p16, slot):
-                if p_smem is None:
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])    # P from registers (FA3)
-                else:
-                    p_smem.at[wg][...] = p16
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+            p_stage = None if p_smem is None else p_smem.at[wg]
+
+            def pv(acc_ref, p16, slot):   # P from registers (FA3), or staged
+                _mma_from(acc_ref, p16, p_stage, v_smem.at[slot])
 
             def step(j, kind, carry, acc_ref=None):
                 """One key step; gdpa accumulates into acc_ref, softmax carries (acc, m, l)."""
@@ -353,13 +350,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                     return s_ref[...]             # waits for the wgmma
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                valid = None
-                if kind == "masked":
-                    col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
-                                                 layout=plgpu.Layout.WGMMA)
-                    a = lax.broadcast_in_dim(start - j * bk, (bq, bk), [0])
-                    b = lax.broadcast_in_dim(end - j * bk, (bq, bk), [0])
-                    valid = (col >= a) & (col < b)
+                valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
                 if softmax:   # online softmax in base 2 (the Triton kernels' lse convention)
                     acc, m, l = carry
                     s = s * (cfg.scale * LOG2E)
@@ -395,8 +386,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                 plgpu.barrier_arrive(v_free.at[slot])
                 return (acc, m_new, l) if softmax else carry
 
-            ranges = ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
-                      (fhi, hi, "masked"), (hi, c_hi, "skip"))
+            ranges = _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi)
             if softmax:
                 carry = (plgpu.layout_cast(jnp.zeros((bq, d), F32), plgpu.Layout.WGMMA),
                          plgpu.layout_cast(jnp.full((bq,), NEG, F32), row_layout),
@@ -485,6 +475,21 @@ def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
     return p, ds
 
 
+def _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi):
+    """A consumer's five loops over its CTA's tiles [c_lo, c_hi) (module docstring):
+    (first, last, kind) with kind "skip" (barriers only), "masked" or "plain"."""
+    return ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"), (fhi, hi, "masked"),
+            (hi, c_hi, "skip"))
+
+
+def _scores_nt(a_smem, b_smem, rows, cols):
+    """a_smem [rows, D] @ b_smem [cols, D]^T as a float32 register tile (wgmma, waited)."""
+    def f(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(f, plgpu.ACC((rows, cols), F32))
+
+
 def _tile_mask(start, end, j, rows, cols):
     """valid [rows, cols]: column j * cols + c lies in its row's [start, end)."""
     col = plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=plgpu.Layout.WGMMA)
@@ -539,13 +544,8 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 if kind != "skip":
-                    def mm(a_smem, b_smem):
-                        def f(r):
-                            plgpu.wgmma(r, a_smem, b_smem.transpose((1, 0)))
-                            return r[...]
-                        return pl.run_scoped(f, plgpu.ACC((bq, bk), F32))
-                    s = mm(qs, k_smem.at[slot])                  # Q K^T
-                    dp = mm(dos, v_smem.at[slot])                # dO V^T
+                    s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
+                    dp = _scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
                     valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
                     _, ds = _grad_tiles(cfg, s, dp, lse, delta, valid, False)
                     _mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
@@ -554,8 +554,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 plgpu.barrier_arrive(v_free.at[slot])
 
             def walk(acc_ref):
-                for a, b, kind in ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
-                                   (fhi, hi, "masked"), (hi, c_hi, "skip")):
+                for a, b, kind in _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi):
                     @pl.loop(a, b)
                     def _(j, kind=kind):
                         step(j, kind, acc_ref)
@@ -616,13 +615,8 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 plgpu.barrier_wait(q_bar.at[slot])
                 plgpu.barrier_wait(do_bar.at[slot])
                 if kind != "skip":
-                    def mm(a_smem, b_smem):
-                        def f(r):
-                            plgpu.wgmma(r, a_smem, b_smem.transpose((1, 0)))
-                            return r[...]
-                        return pl.run_scoped(f, plgpu.ACC((bq, bk), F32))
-                    st = mm(ks, q_smem.at[slot])                  # (Q K^T)^T
-                    dpt = mm(vs, do_smem.at[slot])                # (dO V^T)^T
+                    st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
+                    dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
                     cols = pl.ds(j * bk, bk)
                     load = lambda ref: plgpu.load(ref, layout=col_layout, optimized=False)  # noqa: E731
                     lse, delta = load(lse_ref.at[head, cols]), load(delta_ref.at[head, cols])
@@ -635,8 +629,7 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 plgpu.barrier_arrive(do_free.at[slot])
 
             def walk(dk_acc, dv_acc):
-                for a, b, kind in ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"),
-                                   (fhi, hi, "masked"), (hi, c_hi, "skip")):
+                for a, b, kind in _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi):
                     @pl.loop(a, b)
                     def _(j, kind=kind):
                         step(j, kind, dk_acc, dv_acc)

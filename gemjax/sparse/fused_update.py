@@ -232,10 +232,14 @@ def _update_short(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, 
     )(*ins)
 
 
-def _compact(flag: Array, size: int, fill: Array, *values: Array) -> list[Array]:
+def _compact(flag: Array, size: int, fill: tuple, *values: Array,
+             rank: Array | None = None) -> list[Array]:
     """The entries of each of values [K] where flag [K], in order, in arrays of `size`
-    (size >= the number of flags), the rest `fill` (one per value)."""
-    at = jnp.where(flag, jnp.cumsum(flag.astype(jnp.int32)) - 1, size)
+    (size >= the number of flags), the rest `fill` (one per value). rank: the
+    flags' exclusive running count, if the caller has it."""
+    if rank is None:
+        rank = jnp.cumsum(flag.astype(jnp.int32)) - 1
+    at = jnp.where(flag, rank, size)
     return [jnp.full((size,), f, x.dtype).at[at].set(x, mode="drop")
             for x, f in zip(values, fill)]
 
@@ -338,14 +342,10 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
     item_lo = item_end - n_items
     h_max = n // (split + 1)                                     # hot rows have > split ids
     w_max = 2 * n // split                                       # ceil(L/s) < 2 L / s per hot row
-    at = jnp.where(hot, rank, h_max)
-    hot_rows = jnp.full((h_max,), -1, jnp.int32).at[at].set(rows, mode="drop")
     total = item_end[-1]
     # unused hot slots: empty item ranges at the end, so hot_hi stays ascending
-    hot_lo = jnp.full((h_max,), total).at[at].set(item_lo, mode="drop")
-    hot_hi = jnp.full((h_max,), total).at[at].set(item_end, mode="drop")
-    hot_start = jnp.zeros((h_max,), jnp.int32).at[at].set(starts, mode="drop")
-    hot_end = jnp.zeros((h_max,), jnp.int32).at[at].set(ends, mode="drop")
+    hot_rows, hot_lo, hot_hi, hot_start, hot_end = _compact(
+        hot, h_max, (-1, total, total, 0, 0), rows, item_lo, item_end, starts, ends, rank=rank)
     item = jnp.arange(w_max, dtype=jnp.int32)
     owner = jnp.clip(jnp.searchsorted(hot_hi, item, side="right"), 0, h_max - 1)
     live = (item < total) & (hot_rows[owner] >= 0)
