@@ -58,7 +58,7 @@ def main(argv):
     compile_s = time.perf_counter() - t0
     flops = mfu.compiled_flops(compiled, default=float("nan"))
     nb = len(batches)
-    for i in range(nb):      # warm-up: every batch's sparse branch plan compiled (TrainStep)
+    for i in range(nb):      # warm-up: every batch's sparse branch plan compiled (PlannedStep)
         state, m = step(state, batches[i], next_batch=batches[(i + 1) % nb])
     jax.block_until_ready(m)
     t0 = time.perf_counter()

@@ -104,10 +104,10 @@ class TrainConfig:
     # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS), and replicas of a local table
     # copy all-gathering unique rows only (sync_buckets). On in the h200 preset (its
     # 1-GPU step: 132 ms with both, 159 ms without); off here so small CPU runs keep
-    # one compiled step (the branches are fixed per batch, TrainStep)
+    # one compiled step (the branches are fixed per batch, PlannedStep)
     sparse_exchange_buckets: bool = False
     sparse_sync_buckets: bool = False
-    # their branches fixed per batch before the step (TrainStep) instead of a lax.switch
+    # their branches fixed per batch before the step (PlannedStep) instead of a lax.switch
     # around collectives inside it, which XLA:GPU runs as a host-synced conditional
     sparse_fixed_branches: bool = True
     # duplicate sum + row-wise Adagrad of the touched rows: "xla", or "pallas" (one fused

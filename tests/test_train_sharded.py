@@ -141,7 +141,7 @@ def collectives_in_conditionals(hlo: str) -> int:
 def test_exchange_and_sync_buckets_match_one_device(single, fixed):
     """train.sparse_exchange_buckets + sparse_sync_buckets on 2d tables over replica=2,
     fsdp=4 (the exchange buckets switch all_to_alls): by default the step runs with its
-    branches fixed from each batch ahead of time (TrainStep), no collective inside a
+    branches fixed from each batch ahead of time (PlannedStep), no collective inside a
     cond; with train.sparse_fixed_branches=false the switches stay in the step. Both
     train as one device."""
     res = train_steps("replica=2,fsdp=4", 3, hlo=True, table_replica_axes=("replica",),
@@ -149,11 +149,14 @@ def test_exchange_and_sync_buckets_match_one_device(single, fixed):
                                 f"train.sparse_fixed_branches={str(fixed).lower()}",
                       tables0=single["init_tables"], device_budget_bytes=1 << 40, **SPARSE)
     assert set(res["plans"].values()) == {"2d"}
-    if fixed:
+    if fixed:   # the eval step too
         assert res["branch_plans"] and all(x >= 0 for p in res["branch_plans"] for _, x, _ in p)
         assert collectives_in_conditionals(res["hlo"]) == 0
+        assert collectives_in_conditionals(res["eval_hlo"]) == 0
     else:
         assert res["branch_plans"] == [()] and collectives_in_conditionals(res["hlo"]) > 0
+        assert collectives_in_conditionals(res["eval_hlo"]) > 0
+    np.testing.assert_allclose(res["eval_probs"], single["eval_probs"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
     assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 1e-5
     assert max_rel_diff(res["tables"], single["tables"]) < 1e-5

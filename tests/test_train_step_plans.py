@@ -1,11 +1,11 @@
-"""TrainStep's sparse branch plans, with a stand-in collection (no model, no jit):
+"""PlannedStep's sparse branch plans, with a stand-in collection (no model, no jit):
 which plan each batch runs with, when a program is compiled, and the order in which
 the next batch's needs are queued (before this step, so the host stays ahead)."""
 
 import logging
 import types
 
-from gemjax.train.step import TrainStep
+from gemjax.train.step import PlannedStep
 
 
 class FakeColl:
@@ -37,7 +37,7 @@ def make(log, fixed=True):
             log.append(("run", plan, b.sparse["need"]))
             return state + 1, plan
         return fn
-    return TrainStep(FakeColl(log), {}, build, fixed=fixed)
+    return PlannedStep(FakeColl(log), {}, build, fixed=fixed)
 
 
 def test_plans_are_reused_when_they_cover_the_batch(caplog):

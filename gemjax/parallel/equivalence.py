@@ -40,8 +40,9 @@ def train_steps(mesh_spec: str | None, steps: int = 3, *, config: str = "tiny", 
     arguments (e.g. replicate_below_bytes=0, capacity_factor=None).
     tables0: logical tables to start from instead of the mesh's own init (table
     init is drawn in storage order, which depends on the shard count).
-    hlo: also return the compiled step's HLO text ("hlo") and the state's
-    shardings ("shardings", PartitionSpec strings).
+    hlo: also return the compiled step's HLO text ("hlo"), the compiled eval step's
+    ("eval_hlo") and the state's shardings ("shardings", PartitionSpec strings).
+    "eval_probs": the eval step's probabilities on the first batch after training.
     """
     cfg = get_config(config, overrides)
     mesh = default_mesh(jax.devices()[:1]) if mesh_spec is None else build_mesh(mesh_spec)
@@ -64,6 +65,10 @@ def train_steps(mesh_spec: str | None, steps: int = 3, *, config: str = "tiny", 
         state, m = step(state, batch, next_batch=batches[i + 1] if i + 1 < steps else None)
         losses.append(float(np.asarray(m["loss"])))
         overflow += int(np.asarray(m["ids_overflow"]))
+    evaluate = trainer.make_eval_step()
+    if hlo:
+        extra["eval_hlo"] = evaluate.lower(state, batches[0]).compile().as_text()
+    extra["eval_probs"] = np.asarray(evaluate(state, batches[0]))
     return {"losses": losses, "ids_overflow": overflow,
             "params": multihost.to_host(state["params"]), "init_params": init_params,
             "tables": trainer.coll.to_logical(multihost.to_host(state["tables"])),

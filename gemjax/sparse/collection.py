@@ -66,7 +66,7 @@ over the replicas (`routing.sync_update_bucketed`), instead of all N per-id
 slots; same updates (tests/test_sparse_sync_buckets.py). Default off (the
 trainer turns it on with train.sparse_sync_buckets, on in the h200 preset).
 Both switches hold collectives; `branch_needs` + `branch_plan` + `fixed_branches`
-fix their branches per batch before the step, which the trainer does (TrainStep;
+fix their branches per batch before the step, which the trainer does (PlannedStep;
 tests/test_sparse_fixed_branches.py): see "Fixed branches" in routing.
 row_major (default True): the activations a lookup returns and the gradients
 apply_gradients reads are pinned to a row-major physical layout

@@ -240,7 +240,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     step = start
     try:
         for (step, batch, infos, tokens), nxt in _with_next(feeder.batches(start, end)):
-            state, m = train_step(state, batch, next_batch=nxt)   # nxt: see TrainStep
+            state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
             pending.append(m)
             window_tokens += tokens
             for i in infos:

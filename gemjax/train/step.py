@@ -236,9 +236,9 @@ class Trainer:
 
         return loss_fn
 
-    def make_train_step(self) -> "TrainStep":
+    def make_train_step(self) -> "PlannedStep":
         """(state, batch[, next_batch]) -> (state, metrics), jitted; state donated, outputs
-        placed like the input. See `TrainStep` for next_batch."""
+        placed like the input. See `PlannedStep` for next_batch."""
         loss_fn = self._sharded_forward()
         coll, tx, id_fields = self.coll, self.tx, self.id_fields
 
@@ -259,19 +259,28 @@ class Trainer:
         replicated = NamedSharding(self.mesh, P())
         shardings = (self.state_shardings(), replicated)
 
+        return self._planned(step, donate_argnums=(0,), out_shardings=shardings)
+
+    def _planned(self, step: Callable, **jit_kw) -> "PlannedStep":
+        """PlannedStep of `step` (state, batch) -> ..., traced with each sparse branch plan
+        fixed and jitted with jit_kw."""
+        coll = self.coll
+
         def build(plan: tuple) -> Callable:
             def fixed(state, batch):
                 with coll.fixed_branches(plan):
                     return step(state, batch)
-            return jax.jit(fixed, donate_argnums=(0,), out_shardings=shardings)
+            return jax.jit(fixed, **jit_kw)
 
-        return TrainStep(coll, id_fields, build, fixed=self.cfg.train.sparse_fixed_branches)
+        return PlannedStep(coll, self.id_fields, build, fixed=self.cfg.train.sparse_fixed_branches)
 
     def make_eval_step(self) -> Callable:
         """(state, batch) -> sigmoid probabilities [rows of this process's shards, K] (numpy).
 
         On one process that is the whole batch; with several, each process gets
-        the rows of its own devices' shards, in the order it fed them.
+        the rows of its own devices' shards, in the order it fed them. The sparse
+        branches are fixed per batch as in training (a PlannedStep: no host-synced
+        conditional in the program).
         """
         loss_fn = self._sharded_forward()
         coll, id_fields = self.coll, self.id_fields
@@ -281,12 +290,12 @@ class Trainer:
             _, (_, _, _, logits) = loss_fn(state["params"], acts, batch)
             return jax.nn.sigmoid(logits)
 
-        jitted = jax.jit(step)
+        planned = self._planned(step)
         if jax.process_count() == 1:
-            return jitted
+            return planned
 
         def local_rows(state, batch):
-            out = jitted(state, batch)
+            out = planned(state, batch)
             shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
             seen, rows = set(), []
             for s in shards:
@@ -298,8 +307,8 @@ class Trainer:
         return local_rows
 
 
-class TrainStep:
-    """The jitted train step, one program per sparse branch plan.
+class PlannedStep:
+    """A jitted step (the train step, the eval step), one program per sparse branch plan.
 
     Tables whose bucketed exchange or replica sync hold collectives inside a
     lax.switch (EmbeddingCollection.has_switches: train.sparse_exchange_buckets on
