@@ -660,6 +660,8 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False):
     tq, h, d = q.shape
     tk = k.shape[0]
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    if cfg.persistent:
+        raise NotImplementedError("mosaic backward: persistent CTAs are forward-only")
     if tq % cfg.cta_rows or tk % cfg.cta_rows or tq % bk or tk % bk:
         raise ValueError(f"mosaic backward: Tq={tq} / Tk={tk} must be multiples of "
                          f"{cfg.cta_rows} and {bk}")
