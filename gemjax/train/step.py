@@ -259,11 +259,11 @@ class Trainer:
         replicated = NamedSharding(self.mesh, P())
         shardings = (self.state_shardings(), replicated)
 
-        return self._planned(step, donate_argnums=(0,), out_shardings=shardings)
+        return self._planned(step, "train step", donate_argnums=(0,), out_shardings=shardings)
 
-    def _planned(self, step: Callable, **jit_kw) -> "PlannedStep":
-        """PlannedStep of `step` (state, batch) -> ..., traced with each sparse branch plan
-        fixed and jitted with jit_kw."""
+    def _planned(self, step: Callable, name: str, **jit_kw) -> "PlannedStep":
+        """PlannedStep `name` of `step` (state, batch) -> ..., traced with each sparse branch
+        plan fixed and jitted with jit_kw."""
         coll = self.coll
 
         def build(plan: tuple) -> Callable:
@@ -272,7 +272,8 @@ class Trainer:
                     return step(state, batch)
             return jax.jit(fixed, **jit_kw)
 
-        return PlannedStep(coll, self.id_fields, build, fixed=self.cfg.train.sparse_fixed_branches)
+        return PlannedStep(coll, self.id_fields, build, fixed=self.cfg.train.sparse_fixed_branches,
+                           name=name)
 
     def make_eval_step(self) -> Callable:
         """(state, batch) -> sigmoid probabilities [rows of this process's shards, K] (numpy).
@@ -290,7 +291,7 @@ class Trainer:
             _, (_, _, _, logits) = loss_fn(state["params"], acts, batch)
             return jax.nn.sigmoid(logits)
 
-        planned = self._planned(step)
+        planned = self._planned(step, "eval step")
         if jax.process_count() == 1:
             return planned
 
@@ -326,8 +327,8 @@ class PlannedStep:
     """
 
     def __init__(self, coll: EmbeddingCollection, id_fields, build: Callable[[tuple], Callable],
-                 fixed: bool = True):
-        self.coll, self.id_fields, self._build = coll, id_fields, build
+                 fixed: bool = True, name: str = "step"):
+        self.coll, self.id_fields, self._build, self.name = coll, id_fields, build, name
         self._fns: dict[tuple, Callable] = {}
         self._ahead: tuple[Any, tuple] | None = None     # (next batch, its plan)
         self._switched = fixed and coll.has_switches()
@@ -339,8 +340,9 @@ class PlannedStep:
     def _fn(self, plan: tuple) -> Callable:
         if plan not in self._fns:
             if self._fns:   # a batch needing larger buckets than any compiled plan: say why it stalls
-                logging.warning("gemjax: compiling the train step for sparse branch plan %d %s "
-                                "(table, exchange index, sync index)", len(self._fns) + 1, plan)
+                logging.warning("gemjax: compiling the %s for sparse branch plan %d %s "
+                                "(table, exchange index, sync index)", self.name,
+                                len(self._fns) + 1, plan)
             self._fns[plan] = self._build(plan)
         return self._fns[plan]
 
