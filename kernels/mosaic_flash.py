@@ -803,8 +803,10 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
 
 
 # The backward's streamed tile: 64 queries (dK / dV) or keys (dQ). dK and dV hold two
-# [64, D] float32 accumulators per consumer; 128-wide score tiles would not fit too.
-BACKWARD_TUNING = dict(block_kv=64)
+# [64, D] float32 accumulators per consumer (128 registers a thread at D = 128) beside
+# S^T and dP^T; 128-wide score tiles would not fit too. The producer needs few
+# registers: 240 / 24 (FA3's split for its backward) leaves the consumers the most.
+BACKWARD_TUNING = dict(block_kv=64, consumer_registers=240, producer_registers=24)
 
 
 def flash_backward(flash_cfg, dtype, d, tq, tk):
