@@ -62,6 +62,8 @@ SWEEP = [
     "heavy_first=0",
     "p_via_smem=1",
     "consumer_registers=240+producer_registers=24",
+    "pallas_layout=1",
+    "pallas_layout=1+heavy_first=0",
 ]
 # Not in the default sweep (a capacity that is not a multiple of the tile costs a padding
 # copy inside the timed call): block_q=128 (256-row CTAs), block_kv=192.
@@ -74,7 +76,8 @@ def parse_config(spec):
     for part in filter(None, spec.split("+")):
         key, _, val = part.partition("=")
         knobs[key.strip()] = int(val)
-    bools = {"schedule_barrier", "heavy_first", "interior", "p_via_smem", "persistent"}
+    bools = {"schedule_barrier", "heavy_first", "interior", "p_via_smem", "persistent",
+             "pallas_layout"}
     return {k: bool(v) if k in bools else v for k, v in knobs.items()}
 
 

@@ -590,9 +590,9 @@ def interior_ranges(start, end, row_tile, col_tile, lo, hi):
 
 
 def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rope_theta=None):
-    """Everything the kernels read besides q/k/v: segment ids, positions, per query row
-    its key interval [q_start, q_end) and per key row its query interval [k_start,
-    k_end) (empty: BIG, 0), tile ranges, RoPE."""
+    """Everything the kernels read besides q/k/v: the offsets, segment ids, positions,
+    per query row its key interval [q_start, q_end) and per key row its query interval
+    [k_start, k_end) (empty: BIG, 0), tile ranges, RoPE."""
     b = q_offsets.shape[0] - 1
     q_offsets = q_offsets.astype(jnp.int32)
     kv_offsets = kv_offsets.astype(jnp.int32)
@@ -608,7 +608,8 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
     if cfg.rope:
         pos = qp if rope_positions is None else rope_positions
         cos, sin = rope_tables(pos, d, rope_theta)
-    return dict(qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb, k_start=ka, k_end=kb,
+    return dict(q_offsets=q_offsets, kv_offsets=kv_offsets,
+                qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb, k_start=ka, k_end=kb,
                 q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
                 q_flo=q_flo, q_fhi=q_fhi, k_flo=k_flo, k_fhi=k_fhi,
                 q_perm=_heaviest_first(q_lo, q_hi, cfg), k_perm=_heaviest_first(k_lo, k_hi, cfg),

@@ -67,7 +67,8 @@ polynomial: Mosaic GPU has no erf lowering).
 Tuning knobs (keyword arguments, MosaicConfig): block_q (64 or 128 rows per
 consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrier,
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
-persistent, num_ctas, pv_in_place (softmax). Shared memory over the 227 KB budget fails at lowering
+persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
+Triton launch, `pallas_layout`, instead of XLA ops). Shared memory over the 227 KB budget fails at lowering
 ("exceeds available shared memory").
 
 `interpret=True` (or an InterpretGPUParams) runs the kernel in Mosaic GPU's
@@ -86,6 +87,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plgpu_triton
 
 from kernels.common import check_attention_inputs, segment_layout
 from kernels.gdpa.reference import ACTIVATIONS
@@ -116,6 +118,8 @@ class MosaicConfig:
     pv_in_place: bool = True      # softmax: P V into the carried accumulator (FA3's
                                   # run_state form; off: a fresh one added in registers,
                                   # forced in interpret mode, whose wgmma cannot run it)
+    pallas_layout: bool = False   # the tile table and row intervals from the offsets in
+                                  # one Pallas Triton kernel (pallas_layout) instead of XLA ops
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -760,10 +764,81 @@ def mosaic_config(d, dtype, *, mode="gdpa", activation="silu", scale=1.0, **tuni
     return cfg
 
 
-def build_layout(cfg, q_offsets, kv_offsets, tq):
-    """(table, start, end) for run_kernel, from the offsets (XLA); tq: padded capacity."""
-    start, end = row_key_intervals(q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32), tq)
+def build_layout(cfg, q_offsets, kv_offsets, tq, interpret=False):
+    """(table, start, end) for run_kernel, from the offsets; tq: padded capacity.
+    XLA ops, or one Pallas kernel with cfg.pallas_layout (interpret: as run_kernel's)."""
+    q_offsets, kv_offsets = q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32)
+    if cfg.pallas_layout:
+        return pallas_layout(cfg, q_offsets, kv_offsets, tq, interpret=bool(interpret))
+    start, end = row_key_intervals(q_offsets, kv_offsets, tq)
     return tile_table(cfg, start, end), start, end
+
+
+def _layout_kernel(qo_ref, ko_ref, table_ref, start_ref, end_ref, *, cfg, b):
+    """CTA tile p: its rows' key intervals (row_key_intervals) and its table row
+    (tile_table's columns, padded to 16; launch order = tile order)."""
+    bq, bk = cfg.block_q, cfg.block_kv
+    p = pl.program_id(0)
+    cols = []
+    for w in range(NUM_CONSUMERS):
+        row = p * cfg.cta_rows + w * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+        lo, hi = jnp.zeros((bq,), jnp.int32), jnp.full((bq,), b, jnp.int32)
+        for _ in range(max(1, b).bit_length()):   # seg: the last i with q_offsets[i] <= row
+            mid = (lo + hi + 1) // 2
+            ok = plgpu_triton.load(qo_ref.at[mid]) <= row
+            lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+        seg = jnp.minimum(lo, b - 1)
+        ks, ke = plgpu_triton.load(ko_ref.at[seg]), plgpu_triton.load(ko_ref.at[seg + 1])
+        ok = (lo < b) & (ks < ke)
+        start, end = jnp.where(ok, ks, BIG), jnp.where(ok, ke, 0)
+        start_ref[pl.ds(p * cfg.cta_rows + w * bq, bq)] = start
+        end_ref[pl.ds(p * cfg.cta_rows + w * bq, bq)] = end
+        # tile_ranges / interior_ranges of this consumer's rows (scalars)
+        s_min, e_max, s_max, e_min = jnp.min(start), jnp.max(end), jnp.max(start), jnp.min(end)
+        empty = e_max <= s_min
+        t_lo = jnp.where(empty, 0, s_min // bk)
+        t_hi = jnp.where(empty, 0, (e_max + bk - 1) // bk)
+        f_lo = jnp.clip((s_max + bk - 1) // bk, t_lo, t_hi)
+        f_hi = jnp.clip(e_min // bk, f_lo, t_hi)
+        f_empty = f_hi <= f_lo
+        f_lo, f_hi = jnp.where(f_empty, t_hi, f_lo), jnp.where(f_empty, t_hi, f_hi)
+        if not cfg.interior:
+            f_lo = f_hi = t_hi
+        cols.append((empty, t_lo, f_lo, f_hi, t_hi))
+    c_lo = functools.reduce(jnp.minimum, [jnp.where(e, BIG, a) for e, a, *_ in cols])
+    c_hi = functools.reduce(jnp.maximum, [jnp.where(e, 0, c[-1]) for e, *c in cols])
+    cta_empty = c_hi <= c_lo
+    c_lo, c_hi = jnp.where(cta_empty, 0, c_lo), jnp.where(cta_empty, 0, c_hi)
+    vals = [p, c_lo, c_hi]
+    for empty, *ranges in cols:          # an empty consumer's range collapses onto c_lo
+        vals += [jnp.where(empty, c_lo, x) for x in ranges]
+    lane = lax.broadcasted_iota(jnp.int32, (16,), 0)
+    out = jnp.zeros((16,), jnp.int32)
+    for c, x in enumerate(vals):
+        out = jnp.where(lane == c, x, out)
+    table_ref[p, :] = out
+
+
+def pallas_layout(cfg, q_offsets, kv_offsets, tq, interpret=False):
+    """build_layout's (table [n_cta, 16], start, end [tq]) in one Pallas Triton launch
+    (a binary search of each row's sample in q_offsets); table rows in tile order,
+    or heaviest-first (an XLA argsort) with cfg.heavy_first."""
+    b = q_offsets.shape[0] - 1
+    n = tq // cfg.cta_rows
+    full = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
+    table, start, end = pl.pallas_call(
+        functools.partial(_layout_kernel, cfg=cfg, b=b), grid=(n,),
+        in_specs=[full(q_offsets), full(kv_offsets)],
+        out_specs=[pl.BlockSpec((n, 16), lambda i: (0, 0)), pl.BlockSpec((tq,), lambda i: (0,)),
+                   pl.BlockSpec((tq,), lambda i: (0,))],
+        out_shape=[jax.ShapeDtypeStruct((n, 16), jnp.int32),
+                   jax.ShapeDtypeStruct((tq,), jnp.int32), jax.ShapeDtypeStruct((tq,), jnp.int32)],
+        compiler_params=plgpu_triton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="mosaic_flash_layout",
+    )(q_offsets, kv_offsets)
+    if cfg.heavy_first:
+        table = table[jnp.argsort(table[:, 1] - table[:, 2], stable=True)]
+    return table, start, end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -776,9 +851,13 @@ class MosaicFlashForward:
     interpret: bool = False
 
     def __call__(self, q, k, v, lay):
-        start, end = lay["q_start"], lay["q_end"]
-        return run_kernel(self.cfg, (tile_table(self.cfg, start, end), start, end), q, k, v,
-                          self.interpret)
+        if self.cfg.pallas_layout:
+            layout = build_layout(self.cfg, lay["q_offsets"], lay["kv_offsets"], q.shape[0],
+                                  self.interpret)
+        else:
+            start, end = lay["q_start"], lay["q_end"]
+            layout = tile_table(self.cfg, start, end), start, end
+        return run_kernel(self.cfg, layout, q, k, v, self.interpret)
 
 
 def flash_forward(flash_cfg, dtype, d, tq, tk):
@@ -836,7 +915,7 @@ def _mosaic_forward(name, mode, q, k, v, q_offsets, kv_offsets, causal, window, 
         return (jnp.zeros_like(q), jnp.zeros((h, tq), F32)) if mode == "softmax" else jnp.zeros_like(q)
     tqp = -(-tq // cfg.cta_rows) * cfg.cta_rows            # a copy unless already a multiple
     tkp = -(-max(k.shape[0], 1) // cfg.block_kv) * cfg.block_kv
-    layout = build_layout(cfg, q_offsets, kv_offsets, tqp)
+    layout = build_layout(cfg, q_offsets, kv_offsets, tqp, interpret)
     out = run_kernel(cfg, layout, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp),
                      interpret)
     if mode == "softmax":

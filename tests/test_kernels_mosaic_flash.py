@@ -148,6 +148,68 @@ def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
                     assert not (fhi > flo and not (start[r] <= flo * bk and fhi * bk <= end[r]))
 
 
+# ------------------------------------------------- CPU: the Pallas layout kernel
+
+@pytest.mark.parametrize("lens", [(SELF, SELF, 768), (CROSS_Q, CROSS_KV, 512), ([7], [0], 128),
+                                  ([300] * 3, [1, 500, 2], 1024)],
+                         ids=["self", "cross", "no_keys", "long"])
+@pytest.mark.parametrize("kw", [dict(heavy_first=False), dict(), dict(interior=False),
+                                dict(block_kv=64, heavy_first=False)],
+                         ids=["in_order", "heavy_first", "no_interior", "bk64"])
+def test_pallas_layout_equals_the_xla_layout(lens, kw):
+    """pallas_layout (Pallas Triton, interpret mode) = row_key_intervals + tile_table."""
+    from kernels.mosaic_flash import pallas_layout
+    ql, kl, tq = lens
+    qo, ko = offsets_of(ql), offsets_of(kl)
+    cfg = MosaicConfig(**kw)
+    table, start, end = jax.jit(lambda a, b: pallas_layout(cfg, a, b, tq, interpret=True))(qo, ko)
+    s2, e2 = row_key_intervals(qo, ko, tq)
+    np.testing.assert_array_equal(np.asarray(start), np.asarray(s2))
+    np.testing.assert_array_equal(np.asarray(end), np.asarray(e2))
+    np.testing.assert_array_equal(np.asarray(table)[:, :11], np.asarray(tile_table(cfg, s2, e2)))
+
+
+def test_flash_forward_with_the_pallas_layout(interpreter_guard):
+    """MosaicFlashForward reads the offsets jagged_flash's layout carries when its config
+    asks for the Pallas layout; same output as the XLA layout's."""
+    from kernels.jagged_flash import FlashConfig, build_layout
+    from kernels.mosaic_flash import MosaicFlashForward
+    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=12)
+    lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 768, 768, 64)
+    outs = [jax.jit(MosaicFlashForward(MosaicConfig(scale=0.3, pallas_layout=p), interpret=True))(
+        q, k, v, lay) for p in (True, False)]
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+    want = np.asarray(gdpa_reference(q, k, v, qo, ko, scale=0.3), np.float64)
+    assert np.max(np.abs(np.asarray(outs[0], np.float64) - want)) / np.max(np.abs(want)) < TOL
+
+
+def test_pallas_layout_lowers_to_verified_triton(monkeypatch):
+    """Exported for cuda on this CPU: the layout is one verified Triton module beside the
+    Mosaic kernel (as tests/test_sparse_fused.py checks its kernels)."""
+    import types
+    from jax import export
+    try:
+        import jax._src.pallas.triton.pallas_call_registration as reg
+    except ImportError:  # pragma: no cover
+        pytest.skip("JAX internals for the Triton lowering moved")
+    lower, seen = reg.lowering.lower_jaxpr_to_triton_module, []
+
+    def verified(*args, **kwargs):
+        out = lower(*args, **kwargs)
+        assert out.module.operation.verify(), "Triton module does not verify"
+        seen.append(1)
+        return out
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+    sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
+    sds += [jax.ShapeDtypeStruct((9,), jnp.int32)] * 2
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    f = jax.jit(lambda *a: gdpa_mosaic_forward(*a, pallas_layout=True))
+    module = export.export(f, platforms=["cuda"], disabled_checks=checks)(*sds).mlir_module()
+    assert seen and module.count("__gpu$xla.gpu.triton") == 1 and "mosaic_gpu" in module
+
+
 # ---------------------------------------------------------- CPU: interpreter
 
 @pytest.fixture
@@ -178,6 +240,9 @@ INTERPRET_CASES = [
     # 8 items over 5 CTAs: one full round and a partial snake round (odd)
     (CROSS_Q, CROSS_KV, 512, 512, 2, 128, "gelu", 0.2, dict(persistent=True, num_ctas=5,
                                                              block_kv=64, num_stages=3)),
+    # the layout from one Pallas kernel instead of XLA ops
+    (SELF, SELF, 768, 768, 1, 64, "silu", 0.3, dict(pallas_layout=True)),
+    (CROSS_Q, CROSS_KV, 512, 512, 1, 64, "silu", 0.5, dict(pallas_layout=True, heavy_first=False)),
 ]
 
 
@@ -283,6 +348,7 @@ GPU_TUNINGS = {
     "no_sched": dict(schedule_barrier=False, interior=False),
     "persistent": dict(persistent=True),
     "persistent_bk64_s4": dict(persistent=True, block_kv=64, num_stages=4),
+    "pallas_layout": dict(pallas_layout=True),
 }
 GPU_REALISTIC = [(128, name) for name in GPU_TUNINGS] + [(64, "default"), (64, "persistent")]
 
