@@ -317,16 +317,12 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def one_item(row, head, g0):
-            c_lo = table_ref[row, 1]
-            c_hi = table_ref[row, 2]
-            lo, flo, fhi, hi = (table_ref[row, 3 + 4 * wg + c] for c in range(4))
-            row0 = table_ref[row, 0] * cfg.cta_rows + wg * bq
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last output has left q_smem
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_smem, q_bar.at[wg])
-            start = plgpu.load(start_ref.at[pl.ds(row0, bq)], layout=row_layout,
-                               optimized=False)
-            end = plgpu.load(end_ref.at[pl.ds(row0, bq)], layout=row_layout, optimized=False)
-            plgpu.barrier_wait(q_bar.at[wg])
+            c_lo, c_hi, (lo, flo, fhi, hi), row0 = _item_tiles(table_ref, row, wg, cfg)
+            rows = pl.ds(row0, bq)
+            wait = _load_stationary(((q_ref.at[rows, head], q_smem),), q_bar, wg)
+            start = plgpu.load(start_ref.at[rows], layout=row_layout, optimized=False)
+            end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
+            wait()
 
             p_stage = None if p_smem is None else p_smem.at[wg]
 
@@ -413,9 +409,9 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                 acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
             q_smem[...] = acc.astype(dtype)   # Q's tile is free: stage the output there
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, bq), head])
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[rows, head])
             if softmax:
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[head, pl.ds(row0, bq)])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[head, rows])
             return g0 + (c_hi - c_lo)
 
         pl.when(wg == 1)(sched)   # consumer 1 runs one schedule phase ahead
@@ -479,6 +475,28 @@ def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
     return p, ds
 
 
+def _item_tiles(table_ref, row, wg, cfg):
+    """Consumer wg's part of CTA table row `row`: (c_lo, c_hi, (lo, flo, fhi, hi), row0),
+    row0 its first stationary row."""
+    ranges = tuple(table_ref[row, 3 + 4 * wg + c] for c in range(4))
+    return (table_ref[row, 1], table_ref[row, 2], ranges,
+            table_ref[row, 0] * cfg.cta_rows + wg * cfg.block_q)
+
+
+def _load_stationary(copies, bar, wg):
+    """TMA each (gmem, smem) of `copies` on its own barrier (bar.at[i * NUM_CONSUMERS + wg]:
+    a copy arrives once) after the last output store has left shared memory; returns the
+    wait for all of them."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[i * NUM_CONSUMERS + wg])
+
+    def wait():
+        for i in range(len(copies)):
+            plgpu.barrier_wait(bar.at[i * NUM_CONSUMERS + wg])
+    return wait
+
+
 def _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi):
     """A consumer's five loops over its CTA's tiles [c_lo, c_hi) (module docstring):
     (first, last, kind) with kind "skip" (barriers only), "masked" or "plain"."""
@@ -529,19 +547,14 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
         stage = None if ds_smem is None else ds_smem.at[wg]
 
         def one_item(row, head, g0):
-            c_lo, c_hi = table_ref[row, 1], table_ref[row, 2]
-            lo, flo, fhi, hi = (table_ref[row, 3 + 4 * wg + c] for c in range(4))
-            row0 = table_ref[row, 0] * cfg.cta_rows + wg * bq
+            c_lo, c_hi, (lo, flo, fhi, hi), row0 = _item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            # one barrier per copy: each TMA copy arrives on its barrier once
-            plgpu.copy_gmem_to_smem(q_ref.at[rows, head], qs, q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows, head], dos, q_bar.at[NUM_CONSUMERS + wg])
+            wait = _load_stationary(((q_ref.at[rows, head], qs), (do_ref.at[rows, head], dos)),
+                                    q_bar, wg)
             load = lambda ref: plgpu.load(ref, layout=row_layout, optimized=False)  # noqa: E731
             start, end = load(start_ref.at[rows]), load(end_ref.at[rows])
             lse, delta = load(lse_ref.at[head, rows]), load(delta_ref.at[head, rows])
-            plgpu.barrier_wait(q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[NUM_CONSUMERS + wg])
+            wait()
 
             def step(j, kind, acc_ref):
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
@@ -602,17 +615,13 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
         ds_stage = None if ds_smem is None else ds_smem.at[wg]
 
         def one_item(row, head, g0):
-            c_lo, c_hi = table_ref[row, 1], table_ref[row, 2]
-            lo, flo, fhi, hi = (table_ref[row, 3 + 4 * wg + c] for c in range(4))
-            row0 = table_ref[row, 0] * cfg.cta_rows + wg * bq
+            c_lo, c_hi, (lo, flo, fhi, hi), row0 = _item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows, head], ks, kv_bar.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows, head], vs, kv_bar.at[NUM_CONSUMERS + wg])
+            wait = _load_stationary(((k_ref.at[rows, head], ks), (v_ref.at[rows, head], vs)),
+                                    kv_bar, wg)
             start = plgpu.load(start_ref.at[rows], layout=row_layout, optimized=False)
             end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
-            plgpu.barrier_wait(kv_bar.at[wg])
-            plgpu.barrier_wait(kv_bar.at[NUM_CONSUMERS + wg])
+            wait()
 
             def step(j, kind, dk_ref_acc, dv_ref_acc):
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))

@@ -398,17 +398,25 @@ def test_gpu_matches_triton_path_on_w1_lengths():
 
 # ------------------------- gdpa(impl="mosaic"): Mosaic forward + Triton backward
 
-def _loss_and_grads(impl, q, k, v, qo, ko, w, **kw):
-    from kernels.gdpa import gdpa
+def _loss_and_grads(impl, q, k, v, qo, ko, w, op=None, **kw):
+    """Value and (dQ, dK, dV) of sum(op(...) * w) for op (default kernels.gdpa.gdpa)."""
+    if op is None:
+        from kernels.gdpa import gdpa as op
 
     def loss(q, k, v):
-        return jnp.sum(gdpa(q, k, v, qo, ko, impl=impl, **kw).astype(jnp.float32) * w)
+        return jnp.sum(op(q, k, v, qo, ko, impl=impl, **kw).astype(jnp.float32) * w)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _assert_grads_close(got, want):
+    """(value, (dQ, dK, dV)) pairs: each gradient within TOL relative."""
+    for name, g, r in zip("qkv", got[1], want[1]):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
 
 
 def _count_mosaic_calls(monkeypatch):
@@ -430,9 +438,8 @@ def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkey
     want = _loss_and_grads("reference", q, k, v, qo, ko, w, scale=0.3)
     assert calls and calls[0].block_q == 64, calls
     assert abs(float(got[0]) - float(want[0])) <= TOL * abs(float(want[0])) + 1e-3
-    for name, g, r in zip("qkv", got[1], want[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
-        # rows past the last offset get no gradient
+    _assert_grads_close(got, want)
+    for name, g in zip("qkv", got[1]):   # rows past the last offset get no gradient
         assert not np.any(np.asarray(g, np.float32)[int(qo[-1]):]), name
 
 
@@ -548,15 +555,10 @@ def test_softmax_impl_mosaic_forward_and_grads_match_reference(interpreter_guard
     calls = _count_mosaic_calls(monkeypatch)
     q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=6)
     w = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(q, k, v):
-            return jnp.sum(jagged_attention(q, k, v, qo, ko, impl=impl).astype(jnp.float32) * w)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    got, want = grads("mosaic"), grads("reference")
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
+    want = _loss_and_grads("reference", q, k, v, qo, ko, w, op=jagged_attention)
     assert calls and calls[0].mode == "softmax", calls
-    for name, g, r in zip("qkv", got[1], want[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _assert_grads_close(got, want)
 
 
 @pytest.mark.gpu
@@ -592,15 +594,10 @@ def test_gpu_softmax_impl_mosaic_on_w1_lengths(monkeypatch):
     t = int(-(-lens.sum() // 128) * 128)
     q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
     w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-
-    def grads(impl):
-        def loss(q, k, v):
-            return jnp.sum(jagged_attention(q, k, v, qo, ko, impl=impl).astype(jnp.float32) * w)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    got, tri = grads("mosaic"), grads("pallas")
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
+    tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, op=jagged_attention)
     assert calls
-    for name, g, r in zip("qkv", got[1], tri[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _assert_grads_close(got, tri)
 
 
 @pytest.mark.gpu
@@ -623,8 +620,7 @@ def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
     default = _loss_and_grads(None, q, k, v, qo, ko, w, scale=scale)
     assert len(calls) > n
     np.testing.assert_array_equal(np.asarray(default[1][0]), np.asarray(got[1][0]))
-    for name, g, r in zip("qkv", got[1], tri[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _assert_grads_close(got, tri)
     small = lens[:16]
     ts = int(-(-small.sum() // 128) * 128)
     q, k, v, qo, ko = make_case(small, small, ts, ts, 2, 128, seed=2)
@@ -632,8 +628,7 @@ def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=0.01)
     ref = _loss_and_grads("reference", q.astype(jnp.float32), k.astype(jnp.float32),
                           v.astype(jnp.float32), qo, ko, w, scale=0.01)
-    for name, g, r in zip("qkv", got[1], ref[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _assert_grads_close(got, ref)
 
 
 # ------------------------------------------------ CPU: experiments/bench_gdpa_mosaic.py
@@ -710,10 +705,9 @@ BACKWARD_IDS = [f"{c[0]}-{c[1].get('activation', '')}-d{c[7]}-{'self' if c[2] is
                 for c in BACKWARD_CASES]
 
 
-@pytest.mark.parametrize("case", BACKWARD_CASES, ids=BACKWARD_IDS)
-def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeypatch):
-    """Mosaic forward + Mosaic dQ and dK / dV (interpreter) vs the jnp reference's
-    gradients: tile-edge lengths, empty samples, samples without keys or queries."""
+def _check_backward_case(case, monkeypatch):
+    """Mosaic forward + Mosaic dQ and dK / dV vs the jnp reference's gradients; the Mosaic
+    backward really ran."""
     from kernels import mosaic_flash
     mode, kw, ql, kl, tq, tk, h, d = case
     ran = []
@@ -724,8 +718,14 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
     assert ran, "the Mosaic backward did not run"
-    for name, g, r in zip("qkv", got[1], want[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _assert_grads_close(got, want)
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=BACKWARD_IDS)
+def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeypatch):
+    """In the interpreter: tile-edge lengths, empty samples, samples without keys or
+    queries."""
+    _check_backward_case(case, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["softmax", "gdpa"])
@@ -773,8 +773,7 @@ def test_gpu_backward_on_w1_lengths(mode):
     w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)
-    for name, g, r in zip("qkv", got[1], tri[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _assert_grads_close(got, tri)
     small = lens[:16]
     ts = int(-(-small.sum() // 128) * 128)
     q, k, v, qo, ko = make_case(small, small, ts, ts, 2, 128, seed=2)
@@ -782,18 +781,11 @@ def test_gpu_backward_on_w1_lengths(mode):
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref = _engines_grads(mode, f32(q), f32(k), f32(v), qo, ko, w, None, **kw)
-    for name, g, r in zip("qkv", got[1], ref[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _assert_grads_close(got, ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", BACKWARD_CASES, ids=BACKWARD_IDS)
-def test_gpu_backward_edge_cases(case):
+def test_gpu_backward_edge_cases(case, monkeypatch):
     _require_gpu()
-    mode, kw, ql, kl, tq, tk, h, d = case
-    q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
-    w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
-    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
-    want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
-    for name, g, r in zip("qkv", got[1], want[1]):
-        assert _rel(g, r) < TOL, (name, _rel(g, r))
+    _check_backward_case(case, monkeypatch)
