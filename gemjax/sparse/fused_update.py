@@ -198,18 +198,26 @@ def _sum_items(starts, ends, index, g, knobs, interpret):
     )(*ins)
 
 
-def _update(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, interpret):
-    """Programs [K]: fused sum + row-wise Adagrad of rows[u] over run [starts[u], ends[u])."""
+def _row_update(kernel, grid, name, weights, accum, rows, starts, ends, index, g, knobs,
+                interpret):
+    """pallas_call of an update kernel (rows, starts, ends, index, g, weights, accum) ->
+    (weights, accum), the table and its state aliased in place."""
     ins = (rows, starts, ends, index, g, weights, accum)
     return pl.pallas_call(
-        functools.partial(_update_kernel, block_ids=knobs["block_ids"], lr=lr, eps=eps),
-        grid=(rows.shape[0],), in_specs=[_full(x.shape) for x in ins],
+        kernel, grid=grid, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(weights.shape), _full(accum.shape)],
         out_shape=[jax.ShapeDtypeStruct(weights.shape, weights.dtype),
                    jax.ShapeDtypeStruct(accum.shape, accum.dtype)],
         input_output_aliases={5: 0, 6: 1},
-        compiler_params=_params(knobs), interpret=interpret, name="sparse_fused_row_update",
+        compiler_params=_params(knobs), interpret=interpret, name=name,
     )(*ins)
+
+
+def _update(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, interpret):
+    """Programs [K]: fused sum + row-wise Adagrad of rows[u] over run [starts[u], ends[u])."""
+    kernel = functools.partial(_update_kernel, block_ids=knobs["block_ids"], lr=lr, eps=eps)
+    return _row_update(kernel, (rows.shape[0],), "sparse_fused_row_update", weights, accum, rows,
+                       starts, ends, index, g, knobs, interpret)
 
 
 def _update_short(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, interpret):
@@ -219,17 +227,10 @@ def _update_short(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, 
     if pad:
         rows = jnp.concatenate([rows, jnp.full((pad,), -1, jnp.int32)])
         starts, ends = (jnp.concatenate([x, jnp.zeros((pad,), jnp.int32)]) for x in (starts, ends))
-    ins = (rows, starts, ends, index, g, weights, accum)
-    return pl.pallas_call(
-        functools.partial(_short_kernel, rows_per_program=r, lr=lr, eps=eps,
-                          interpret=bool(interpret)),
-        grid=(rows.shape[0] // r,), in_specs=[_full(x.shape) for x in ins],
-        out_specs=[_full(weights.shape), _full(accum.shape)],
-        out_shape=[jax.ShapeDtypeStruct(weights.shape, weights.dtype),
-                   jax.ShapeDtypeStruct(accum.shape, accum.dtype)],
-        input_output_aliases={5: 0, 6: 1},
-        compiler_params=_params(knobs), interpret=interpret, name="sparse_fused_short_rows",
-    )(*ins)
+    kernel = functools.partial(_short_kernel, rows_per_program=r, lr=lr, eps=eps,
+                               interpret=bool(interpret))
+    return _row_update(kernel, (rows.shape[0] // r,), "sparse_fused_short_rows", weights, accum,
+                       rows, starts, ends, index, g, knobs, interpret)
 
 
 def _compact(flag: Array, size: int, fill: tuple, *values: Array,
