@@ -419,6 +419,17 @@ def _assert_grads_close(got, want):
         assert _rel(g, r) < TOL, (name, _rel(g, r))
 
 
+def _w1_case():
+    """(rng, lengths, (q, k, v, q_offsets, kv_offsets), w): W1's 64 lengths (bench
+    workload) with an empty sample, length 1 and 129 first; bf16, H=4, D=128."""
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    lens[:3] = [0, 1, 129]
+    t = int(-(-lens.sum() // 128) * 128)
+    case = make_case(lens, lens, t, t, 4, 128, seed=1)
+    return rng, lens, case, jnp.asarray(rng.normal(size=case[0].shape), jnp.float32)
+
+
 def _count_mosaic_calls(monkeypatch):
     from kernels import mosaic_flash as mosaic
     calls, run = [], mosaic.MosaicFlashForward.__call__
@@ -588,12 +599,7 @@ def test_gpu_softmax_impl_mosaic_on_w1_lengths(monkeypatch):
     _require_gpu()
     from kernels.jagged_attention import jagged_attention
     calls = _count_mosaic_calls(monkeypatch)
-    rng = np.random.default_rng(0)
-    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
-    lens[:3] = [0, 1, 129]
-    t = int(-(-lens.sum() // 128) * 128)
-    q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
-    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
     tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, op=jagged_attention)
     assert calls
@@ -606,12 +612,7 @@ def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
     Triton path (impl="pallas") and, on a 16-sample slice, vs the f32 reference."""
     _require_gpu()
     calls = _count_mosaic_calls(monkeypatch)
-    rng = np.random.default_rng(0)
-    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
-    lens[:3] = [0, 1, 129]
-    t = int(-(-lens.sum() // 128) * 128)
-    q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
-    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    rng, lens, (q, k, v, qo, ko), w = _w1_case()
     scale = 1.0 / int(lens.max())
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=scale)
     tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, scale=scale)
@@ -765,12 +766,7 @@ def test_gpu_backward_on_w1_lengths(mode):
     and on a 16-sample slice vs the f32 reference."""
     _require_gpu()
     kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
-    rng = np.random.default_rng(0)
-    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
-    lens[:3] = [0, 1, 129]
-    t = int(-(-lens.sum() // 128) * 128)
-    q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
-    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)
     _assert_grads_close(got, tri)
