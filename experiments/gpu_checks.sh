@@ -12,7 +12,7 @@
 #   triton_report the compiler's resource report of every kernel (experiments/triton_report.py) (~1)
 #   mosaic       the Mosaic GPU forward (kernels/mosaic_flash.py, GDPA and softmax): its gpu
 #                tests, experiments/bench_gdpa_mosaic.py against the Triton GDPA forward on W1,
-#                then bench_attention on W1 (gdpa / softmax, Triton vs Mosaic forward, cuDNN) (~5)
+#                then bench_attention on W1 (gdpa / softmax, Triton vs Mosaic forward and backward, cuDNN) (~8)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
@@ -76,7 +76,7 @@ for s in "$@"; do
         # occupancy) with the triton package of the device image
         section triton_report 240 $PY experiments/triton_report.py --out="$OUT/triton_report" ;;
     mosaic)
-        section mosaic_tests 180 $PY -m pytest -m gpu -q -rfE tests/test_kernels_mosaic_flash.py
+        section mosaic_tests 300 $PY -m pytest -m gpu -q -rfE tests/test_kernels_mosaic_flash.py
         section mosaic_bench 90 $PY experiments/bench_gdpa_mosaic.py --sweep --sweep_deadline_s=50 \
             --out="$OUT/bench_gdpa_mosaic.json"
         section mosaic_w1 150 $PY experiments/bench_attention.py --workloads=W1 \
