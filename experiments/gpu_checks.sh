@@ -10,9 +10,9 @@
 #                (KT_CAP seconds, KT_MEM of its memory each)
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
 #   triton_report the compiler's resource report of every kernel (experiments/triton_report.py) (~1)
-#   mosaic       the Mosaic GPU forward (kernels/mosaic_flash.py, GDPA and softmax): its gpu
-#                tests, experiments/bench_gdpa_mosaic.py against the Triton GDPA forward on W1,
-#                then bench_attention on W1 (gdpa / softmax, Triton vs Mosaic forward and backward, cuDNN) (~8)
+#   mosaic       the Mosaic GPU engine (kernels/mosaic_flash.py, GDPA and softmax, forward and
+#                backward): its gpu tests, experiments/bench_gdpa_mosaic.py against the Triton
+#                GDPA forward on W1, then bench_attention on W1 (Triton vs Mosaic, cuDNN) (~8)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
