@@ -61,7 +61,7 @@ class FlashConfig:
     interpret: bool = False
     # forward engine: "triton" (this module's kernel) or "mosaic" (the Mosaic GPU kernel,
     # kernels/mosaic_flash.py, gdpa and softmax, where it applies: flash_forward; Triton
-    # elsewhere); the backward is always the Triton dQ and dK/dV kernels
+    # elsewhere); either engine's forward feeds either backward
     forward: str = "triton"
     # backward engine: "triton" (the dQ and dK/dV kernels here) or "mosaic" (the Mosaic
     # GPU dQ and dK/dV kernels, kernels/mosaic_flash.py run_backward, where they apply:
