@@ -869,12 +869,27 @@ class MosaicFlashForward:
         return run_kernel(self.cfg, layout, q, k, v, self.interpret)
 
 
+def is_hopper(device=None) -> bool:
+    """Whether `device` (default: the first) runs these kernels: wgmma and TMA need an
+    sm_90 GPU (H100 / H200); Ampere has neither, Blackwell has no wgmma."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None:
+        return str(cc).split(".")[0] == "9"
+    return any(name in device.device_kind for name in ("H100", "H200", "H800", "GH200"))
+
+
 def flash_forward(flash_cfg, dtype, d, tq, tk):
     """MosaicFlashForward for a gdpa or softmax FlashConfig (its tiles adapted) and padded
     capacities tq / tk, or None where this kernel does not apply and the Triton forward
     runs: causal / window / block / RoPE, inputs not bf16 / f16, D not 64 / 128, short
     samples (adapted Triton tiles below 64: cross-attention on a few keys, PMA),
-    capacities not multiples of its tiles."""
+    capacities not multiples of its tiles, a GPU other than Hopper (is_hopper; interpret
+    mode runs anywhere)."""
+    if not flash_cfg.interpret and not is_hopper():
+        return None
     if flash_cfg.causal or flash_cfg.window is not None or flash_cfg.block is not None \
             or flash_cfg.rope:
         return None

@@ -22,6 +22,7 @@ GPU (`-m gpu`, one H200): the same cases compiled, plus realistic lengths and th
 knob variants the benchmark sweeps, and a W1 comparison with the Triton forward.
 """
 
+import dataclasses
 import faulthandler
 
 import jax
@@ -460,7 +461,7 @@ def test_impl_mosaic_falls_back_to_triton_where_the_kernel_does_not_apply(case):
     from kernels.mosaic_flash import flash_forward
     from kernels.gdpa.pallas import TILES
     from kernels.jagged_flash import FlashConfig, adapt_tiles
-    base = dict(mode="gdpa", activation="silu", scale=0.5, forward="mosaic", **TILES)
+    base = dict(mode="gdpa", activation="silu", scale=0.5, forward="mosaic", interpret=True, **TILES)
     d, dtype, tq, b = 64, jnp.bfloat16, 1024, 8
     if case == "float32":
         dtype = jnp.float32
@@ -751,12 +752,27 @@ def test_backward_exports_for_cuda(mode, d, tuning):
 def test_backward_falls_back_where_the_kernels_do_not_apply():
     from kernels.jagged_flash import FlashConfig
     from kernels.mosaic_flash import flash_backward
-    ok = FlashConfig(mode="softmax", scale=0.1, bq=64, bk=64, backward="mosaic")
+    ok = FlashConfig(mode="softmax", scale=0.1, bq=64, bk=64, backward="mosaic", interpret=True)
     assert flash_backward(ok, jnp.bfloat16, 64, 1024, 1024) is not None
-    for cfg, dtype, d in [(FlashConfig(mode="softmax", causal=True, bq=64, bk=64), jnp.bfloat16, 64),
+    for cfg, dtype, d in [(FlashConfig(mode="softmax", causal=True, bq=64, bk=64, interpret=True),
+                           jnp.bfloat16, 64),
                           (ok, jnp.float32, 64), (ok, jnp.bfloat16, 96),
-                          (FlashConfig(mode="gdpa", bq=16, bk=16), jnp.bfloat16, 64)]:
+                          (FlashConfig(mode="gdpa", bq=16, bk=16, interpret=True), jnp.bfloat16, 64),
+                          (dataclasses.replace(ok, interpret=False), jnp.bfloat16, 64)]:  # CPU
         assert flash_backward(cfg, dtype, d, 1024, 1024) is None
+
+
+@pytest.mark.parametrize("platform,cc,kind,want", [
+    ("gpu", "9.0", "NVIDIA H200", True), ("gpu", "8.0", "NVIDIA A100-SXM4-80GB", False),
+    ("gpu", "10.0", "NVIDIA B200", False), ("gpu", None, "NVIDIA H100 80GB HBM3", True),
+    ("gpu", None, "NVIDIA A100", False), ("cpu", None, "cpu", False)])
+def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
+    """wgmma / TMA are sm_90 only: elsewhere flash_forward says None (Triton runs)."""
+    import types
+    from kernels.mosaic_flash import is_hopper
+    dev = types.SimpleNamespace(platform=platform, device_kind=kind,
+                                **({} if cc is None else {"compute_capability": cc}))
+    assert is_hopper(dev) is want
 
 
 @pytest.mark.gpu
