@@ -456,13 +456,18 @@ def _forward(cfg, q, k, v, lay):
     return outs[0], (outs[1] if softmax else None)
 
 
+def softmax_delta(o, do):
+    """[H, Tq] float32: rowsum(dO * O), the softmax backward's per-row term."""
+    return jnp.sum(o.astype(F32) * do.astype(F32), axis=-1).T
+
+
 def _backward(cfg, q, k, v, lay, o, lse, do):
     tq, h, d = q.shape
     tk = k.shape[0]
     softmax = cfg.mode == "softmax"
     stats, stat_specs = [], []
     if softmax:
-        delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1).T  # [H, Tq]
+        delta = softmax_delta(o, do)
         stats, stat_specs = [lse, delta], [_stat_spec(tq)] * 2
 
     nq = tq // cfg.bq
@@ -506,7 +511,7 @@ def _flash_bwd(cfg, res, do):
     else:
         h, tq = q.shape[1], q.shape[0]
         if cfg.mode == "softmax":
-            delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1).T   # [H, Tq]
+            delta = softmax_delta(o, do)
         else:
             lse = delta = jnp.zeros((h, tq), F32)                         # unread
         dq, dk, dv = run_backward(mcfg, lay, q, k, v, do, lse, delta, interpret=cfg.interpret)

@@ -530,18 +530,34 @@ def _mma_from(acc_ref, x16, stage, b_smem):
         plgpu.wgmma(acc_ref, stage, b_smem)
 
 
-def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, q_bar, k_bar, v_bar, k_free,
-               v_free, *, cfg, n_tiles, n_heads):
-    """dQ = dS K over each query tile's key tiles (K / V streamed as in the forward)."""
-    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
-    d, dtype = q_ref.shape[-1], q_ref.dtype
+def _backward_roles(cfg, n_tiles, n_heads, make_item, stream):
+    """The backward kernels' warpgroups: each consumer wg runs make_item(wg) (its
+    one_item(row, head, g0) -> g0') over this CTA's items and waits for its stores; the
+    producer streams `stream` (_produce's table, two gmem refs, their rings, loaded and
+    free barriers)."""
     wg = lax.axis_index("wg")
     count, item = _items(cfg, n_tiles, n_heads)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+        _for_items(count, item, make_item(wg))
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
+        _produce(*stream, tile=cfg.block_kv, stages=cfg.num_stages, count=count, item=item)
+
+
+def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, q_bar, k_bar, v_bar, k_free,
+               v_free, *, cfg, n_tiles, n_heads):
+    """dQ = dS K over each query tile's key tiles (K / V streamed as in the forward)."""
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
+    d, dtype = q_ref.shape[-1], q_ref.dtype
+
+    def make_item(wg):
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         qs, dos = q_smem.at[wg], do_smem.at[wg]
         stage = None if ds_smem is None else ds_smem.at[wg]
@@ -582,15 +598,10 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qs, dq_ref.at[rows, head])
             return g0 + (c_hi - c_lo)
+        return one_item
 
-        _for_items(count, item, one_item)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == NUM_CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-        _produce(table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free,
-                 tile=bk, stages=stages, count=count, item=item)
+    _backward_roles(cfg, n_tiles, n_heads, make_item,
+                    (table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free))
 
 
 def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -602,12 +613,8 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
     query interval, block_kv the streamed query tile."""
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     d, dtype = k_ref.shape[-1], k_ref.dtype
-    wg = lax.axis_index("wg")
-    count, item = _items(cfg, n_tiles, n_heads)
 
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumer():
-        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
+    def make_item(wg):
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         col_layout = plgpu.Layout.WGMMA.reduce(0)
         ks, vs = k_smem.at[wg], v_smem.at[wg]
@@ -655,15 +662,10 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
             plgpu.copy_smem_to_gmem(ks, dk_ref.at[rows, head])
             plgpu.copy_smem_to_gmem(vs, dv_ref.at[rows, head])
             return g0 + (c_hi - c_lo)
+        return one_item
 
-        _for_items(count, item, one_item)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == NUM_CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-        _produce(table_ref, q_ref, do_ref, q_smem, do_smem, q_bar, do_bar, q_free, do_free,
-                 tile=bk, stages=stages, count=count, item=item)
+    _backward_roles(cfg, n_tiles, n_heads, make_item,
+                    (table_ref, q_ref, do_ref, q_smem, do_smem, q_bar, do_bar, q_free, do_free))
 
 
 def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False):
