@@ -70,3 +70,16 @@ def pack_arrays(ql, kl, h, d, dtype, rng):
     qo = jnp.asarray(np.concatenate([[0], np.cumsum(ql)]), jnp.int32)
     ko = jnp.asarray(np.concatenate([[0], np.cumsum(kl)]), jnp.int32)
     return q, k, v, do, qo, ko
+
+
+def parse_mosaic_knobs(spec):
+    """'block_kv=64+num_stages=4' -> {'block_kv': 64, 'num_stages': 4}: MosaicConfig knobs
+    (kernels/mosaic_flash.py) as ints, 0 / 1 for its bool fields; ValueError if malformed."""
+    import dataclasses
+    from kernels.mosaic_flash import MosaicConfig
+    bools = {f.name for f in dataclasses.fields(MosaicConfig) if f.type in (bool, "bool")}
+    knobs = {}
+    for part in filter(None, spec.split("+")):
+        key, _, val = part.partition("=")
+        knobs[key.strip()] = int(val)
+    return {k: bool(v) if k in bools else v for k, v in knobs.items()}

@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (pack_arrays, time_calls, valid_pairs,  # experiments/
-                                 workload)
+from attention_workloads import (pack_arrays, parse_mosaic_knobs, time_calls,  # experiments/
+                                 valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import BLOCK_KNOBS, block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
+from kernels.jagged_attention import jagged_attention
 from kernels.jagged_attention.pallas import jagged_attention_pallas
 from kernels.jagged_flash import FlashConfig, _forward, adapt_tiles, build_layout, jagged_flash
 from kernels.gdpa.pallas import TILES as GDPA_TILES
@@ -45,6 +46,10 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_list("rows", [], "time only the rows whose name contains one of these (empty: all)")
+flags.DEFINE_list("mosaic_bwd_variants", ["fused_delta=1", "dkv_overlap=1",
+                                          "fused_delta=1+dkv_overlap=1"],
+                  "W1: extra Mosaic forward + backward rows (softmax and GDPA) with these "
+                  "MosaicConfig knobs for the backward, knob=int joined by '+'")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
 flags.DEFINE_float("sweep_budget_s", 50.0, "per workload, split evenly over its (op, pass) "
@@ -74,12 +79,14 @@ def timeit(fn, *args):
 
 
 def fwd_and_train(fn):
-    """(jit forward, jit forward+backward) of fn(q, k, v)."""
+    """(jit forward, jit forward+backward) of fn(q, k, v). forward+backward returns the
+    output beside the gradients, as a training step uses both: GDPA's backward does not
+    read the forward's output, so without it XLA would drop the forward."""
     fwd = jax.jit(fn)
 
     def train(q, k, v, do):
         o, vjp = jax.vjp(fn, q, k, v)
-        return vjp(do)
+        return o, vjp(do)
     return fwd, jax.jit(train)
 
 
@@ -134,6 +141,11 @@ def run_workload(wname, rng):
     if kind == "block":
         rows.append(measure("pallas_block", fwd_and_train(
             lambda q, k, v: block_attention_pallas(q, k, v, qo)), args, flops, bytes_fwd, bytes_bwd))
+        for group in (2, 1, 4):   # the Mosaic forward (TMA, wgmma), the Triton backward
+            rows.append(measure(f"mosaic_block_fwd_group{group}", fwd_and_train(
+                lambda q, k, v, group=group: block_attention_pallas(
+                    q, k, v, qo, forward="mosaic", group=group)), args, flops, bytes_fwd,
+                bytes_bwd))
         rows.append(measure("pallas_block_per_block_exact_trig", fwd_and_train(
             lambda q, k, v: block_attention_pallas(q, k, v, qo, engine="per_block", fast_trig=False)),
             args, flops, bytes_fwd, bytes_bwd))
@@ -151,6 +163,10 @@ def run_workload(wname, rng):
         rows.append(measure("pallas_softmax_W1", fwd_and_train(
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, w1, bytes_fwd,
             bytes_bwd))
+        # the W4 target's yardstick: W1 jagged softmax through the public op's default
+        # (the Mosaic kernels on a Hopper GPU)
+        rows.append(measure("default_softmax_W1", fwd_and_train(
+            lambda q, k, v: jagged_attention(q, k, v, qo, ko)), args, w1, bytes_fwd, bytes_bwd))
         meta["w1_over_w4_flops"] = w1 / flops
         return meta, rows
     rows.append(measure(f"pallas_gdpa_{act}", fwd_and_train(
@@ -177,6 +193,16 @@ def run_workload(wname, rng):
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic",
                                                     backward="mosaic")), args,
             flops, bytes_fwd, bytes_bwd))
+        for spec in FLAGS.mosaic_bwd_variants:   # backward knobs, side by side
+            knobs = tuple(sorted(parse_mosaic_knobs(spec).items()))
+            rows.append(measure(f"mosaic_fwd_bwd_softmax[{spec}]", fwd_and_train(
+                lambda q, k, v, knobs=knobs: jagged_attention_pallas(
+                    q, k, v, qo, ko, forward="mosaic", backward="mosaic", mosaic_bwd=knobs)),
+                args, flops, bytes_fwd, bytes_bwd))
+            rows.append(measure(f"mosaic_fwd_bwd_gdpa_{act}[{spec}]", fwd_and_train(
+                lambda q, k, v, knobs=knobs: gdpa_pallas(
+                    q, k, v, qo, ko, activation=act, scale=scale, forward="mosaic",
+                    backward="mosaic", mosaic_bwd=knobs)), args, flops, bytes_fwd, bytes_bwd))
     # where the forward time goes: layout (XLA) vs the Pallas kernel alone
     b = len(ql)
     cfg = adapt_tiles(FlashConfig(mode="gdpa", activation=act, scale=scale, **GDPA_TILES,
@@ -334,16 +360,37 @@ def main(_):
                     if bst:
                         print(f"{res['meta']['workload']:3} {op:8} {pas:4} {bst['spec']:>14} "
                               f"{bst['ms']:8.3f} {bst['tflops']:6.0f}")
-    print(f"\n{'wl':3} {'impl':28} {'fwd ms':>8} {'TF/s':>6} {'floor':>7} "
+    print(f"\n{'wl':3} {'impl':40} {'fwd ms':>8} {'TF/s':>6} {'floor':>7} "
           f"{'f+b ms':>8} {'TF/s':>6} {'floor':>7}")
     for res in results:
         for r in res["rows"]:
             if r["impl"].startswith("sweep_"):
                 continue  # in the JSON and the sweep summary
             g = lambda key: r.get(key, float("nan"))
-            print(f"{res['meta']['workload']:3} {r['impl'][:28]:28} {g('fwd_ms'):8.3f} "
+            print(f"{res['meta']['workload']:3} {r['impl'][:40]:40} {g('fwd_ms'):8.3f} "
                   f"{g('fwd_tflops'):6.0f} {g('fwd_floor_ms'):7.3f} {g('fwd_bwd_ms'):8.3f} "
                   f"{g('fwd_bwd_tflops'):6.0f} {g('fwd_bwd_floor_ms'):7.3f}")
+    for res in results:
+        if "w1_over_w4_flops" in res["meta"]:
+            print(w4_speedup_line(res["meta"], res["rows"]))
+
+
+def w4_speedup_line(meta, rows):
+    """W4's target: BlockAttention (the default engine's row) faster than W1 jagged
+    softmax (the public op's default) by at least their FLOP ratio / 4."""
+    by = {r["impl"]: r for r in rows}
+    w1 = by.get("default_softmax_W1", {})
+    want = meta["w1_over_w4_flops"] / 4
+    parts = []
+    for tag in ("fwd", "fwd_bwd"):
+        # the fastest block row of each pass (the default engine, the Mosaic forward)
+        a = min((r[tag + "_ms"] for name, r in by.items()
+                 if name in ("pallas_block", "mosaic_block_fwd_group2") and tag + "_ms" in r),
+                default=None)
+        b = w1.get(tag + "_ms")
+        parts.append(f"{tag} {b / a:.2f}x" if a and b else f"{tag} n/a")
+    return (f"W4 (best of pallas_block / mosaic_block_fwd_group2) vs W1 softmax (default "
+            f"impl): {', '.join(parts)}; target FLOPs / 4 = {want:.2f}x")
 
 
 if __name__ == "__main__":

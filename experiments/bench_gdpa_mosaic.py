@@ -1,4 +1,5 @@
-"""GDPA forward on W1: the Mosaic GPU kernel (kernels/mosaic_flash.py) vs our Triton one.
+"""GDPA (or softmax) forward on W1: the Mosaic GPU kernel (kernels/mosaic_flash.py) vs our
+Triton one.
 
 W1 (experiments/attention_workloads.py): bf16, 4 heads, head dim 128, 64 samples of
 log-normal lengths (median 512), packed jagged tokens, self-attention, silu,
@@ -6,9 +7,11 @@ scale 1 / max length (as bench_attention.py). One GPU.
 
     PYTHONPATH=. python3 experiments/bench_gdpa_mosaic.py --out /tmp/bench_gdpa_mosaic.json
     PYTHONPATH=. python3 experiments/bench_gdpa_mosaic.py --sweep --sweep_deadline_s=90
+    PYTHONPATH=. python3 experiments/bench_gdpa_mosaic.py --mode=softmax --sweep
 
-Rows: Triton forward (kernels.gdpa.gdpa(impl="pallas"), layout included), Mosaic
-forward (gdpa_mosaic_forward, layout included), Mosaic kernel alone (layout
+Rows: Triton forward (kernels.gdpa.gdpa(impl="pallas"), or jagged_attention's with
+--mode=softmax; layout included), Mosaic forward (gdpa_mosaic_forward or
+softmax_mosaic_forward, layout included), Mosaic kernel alone (layout
 precomputed), and with --sweep one row per tuning config. Each row: ms per call
 (FLAGS.iters calls back to back, one sync, median of 3 rounds), useful TFLOP/s
 (4 H D valid_pairs / time), the relative difference to the Triton output (a fast
@@ -26,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (pack_arrays, time_calls, valid_pairs,  # experiments/
-                                 workload)
+from attention_workloads import (pack_arrays, parse_mosaic_knobs, time_calls,  # experiments/
+                                 valid_pairs, workload)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_gdpa_mosaic.json", "JSON output path")
@@ -36,13 +39,15 @@ flags.DEFINE_integer("iters", 20, "calls per timing round (median of 3 rounds)")
 flags.DEFINE_integer("heads", 4, "heads")
 flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_string("activation", "silu", "GDPA activation")
+flags.DEFINE_enum("mode", "gdpa", ["gdpa", "softmax"], "the kernel's mode: GDPA (--activation, "
+                  "scale 1 / max length) or online softmax (scale 1 / sqrt(D))")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples; 0 = all")
 flags.DEFINE_bool("sweep", False, "also time the tuning configs of --configs")
 flags.DEFINE_list("configs", None, "sweep configs, each knob=value joined by '+', e.g. "
                   "block_kv=64+num_stages=4 (default: SWEEP below)")
 flags.DEFINE_float("sweep_deadline_s", 120.0, "start no sweep config after this many seconds")
 flags.DEFINE_bool("cupti", True, "also report CUPTI device time (mosaic.gpu.profiler)")
-flags.DEFINE_float("target_tflops", 450.0, "issue target for the W1 GDPA forward")
+flags.DEFINE_float("target_tflops", 450.0, "issue target for the W1 GDPA forward (gdpa mode)")
 flags.DEFINE_bool("interpret", False, "CPU smoke test of this script: Mosaic in its interpreter, "
                   "Triton in interpret mode (use tiny --max_samples / --heads; times meaningless)")
 
@@ -68,17 +73,6 @@ SWEEP = [
 # Not in the default sweep (a capacity that is not a multiple of the tile costs a padding
 # copy inside the timed call): block_q=128 (256-row CTAs), block_kv=192.
 _START = time.perf_counter()
-
-
-def parse_config(spec):
-    """'block_kv=64+num_stages=4' -> {'block_kv': 64, 'num_stages': 4} (ints; 0/1 for bools)."""
-    knobs = {}
-    for part in filter(None, spec.split("+")):
-        key, _, val = part.partition("=")
-        knobs[key.strip()] = int(val)
-    bools = {"schedule_barrier", "heavy_first", "interior", "p_via_smem", "persistent",
-             "pallas_layout"}
-    return {k: bool(v) if k in bools else v for k, v in knobs.items()}
 
 
 def timeit(fn, *args):
@@ -133,7 +127,9 @@ def main(_):
         sys.exit("bench_gdpa_mosaic: no GPU (jax.default_backend() is "
                  f"{jax.default_backend()!r}); the Mosaic GPU kernel runs on an H100/H200 only.")
     from kernels.gdpa import gdpa
-    from kernels.mosaic_flash import build_layout, gdpa_mosaic_forward, mosaic_config, run_kernel
+    from kernels.jagged_attention import jagged_attention
+    from kernels.mosaic_flash import (build_layout, gdpa_mosaic_forward, mosaic_config,
+                                      run_kernel, softmax_mosaic_forward)
 
     kind, ql, kl = workload(FLAGS.workload)
     if FLAGS.max_samples:
@@ -142,11 +138,14 @@ def main(_):
     q, k, v, _, qo, ko = pack_arrays(ql, kl, h, d, jnp.bfloat16, np.random.default_rng(0))
     pairs = valid_pairs(kind, ql, kl)
     flops = 4.0 * h * d * pairs
-    scale = 1.0 / int(kl.max())
+    softmax = FLAGS.mode == "softmax"
+    scale = d ** -0.5 if softmax else 1.0 / int(kl.max())
+    tag = FLAGS.mode
     dev = jax.devices()[0]
     meta = dict(workload=FLAGS.workload, kind=kind, samples=len(ql), q_tokens=int(ql.sum()),
                 kv_tokens=int(kl.sum()), capacity_q=q.shape[0], capacity_kv=k.shape[0],
-                heads=h, head_dim=d, activation=act, scale=scale, valid_pairs=pairs,
+                heads=h, head_dim=d, mode=FLAGS.mode, activation=None if softmax else act,
+                scale=scale, valid_pairs=pairs,
                 fwd_gflop=flops / 1e9, device=getattr(dev, "device_kind", str(dev)),
                 jax=jax.__version__, target_tflops=FLAGS.target_tflops)
     print(f"{FLAGS.workload}: {len(ql)} samples, {meta['q_tokens']} tokens, H={h} D={d}, "
@@ -157,24 +156,33 @@ def main(_):
         with open(FLAGS.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
-    triton = jax.jit(lambda q, k, v, qo, ko: gdpa(q, k, v, qo, ko, activation=act, scale=scale,
-                                                  impl="pallas"))
+    if softmax:
+        triton = jax.jit(lambda q, k, v, qo, ko: jagged_attention(q, k, v, qo, ko, sm_scale=scale,
+                                                                  impl="pallas"))
+    else:
+        triton = jax.jit(lambda q, k, v, qo, ko: gdpa(q, k, v, qo, ko, activation=act,
+                                                      scale=scale, impl="pallas"))
     want = jax.block_until_ready(triton(q, k, v, qo, ko))
     args = (q, k, v, qo, ko)
-    rows.append(row("triton_gdpa_fwd", triton, args, flops, None))
+    rows.append(row(f"triton_{tag}_fwd", triton, args, flops, None))
     save()
 
     def mosaic(knobs):
+        if softmax:
+            return jax.jit(lambda q, k, v, qo, ko: softmax_mosaic_forward(
+                q, k, v, qo, ko, sm_scale=scale, interpret=FLAGS.interpret, **knobs)[0])
         return jax.jit(lambda q, k, v, qo, ko: gdpa_mosaic_forward(
             q, k, v, qo, ko, activation=act, scale=scale, interpret=FLAGS.interpret, **knobs))
-    rows.append(row("mosaic_gdpa_fwd", mosaic({}), args, flops, want, {}))
+    rows.append(row(f"mosaic_{tag}_fwd", mosaic({}), args, flops, want, {}))
     save()
 
-    cfg = mosaic_config(d, q.dtype, activation=act, scale=scale)
+    cfg = mosaic_config(d, q.dtype, mode=FLAGS.mode, activation=act, scale=scale)
     layout = jax.block_until_ready(jax.jit(
         lambda qo, ko: build_layout(cfg, qo, ko, q.shape[0]))(qo, ko))
-    kern = jax.jit(lambda q, k, v, layout: run_kernel(cfg, layout, q, k, v, FLAGS.interpret))
-    rows.append(row("mosaic_gdpa_fwd_kernel_only", kern, (q, k, v, layout), flops, want, {}))
+    out_of = (lambda r: r[0]) if softmax else (lambda r: r)   # softmax: (out, lse)
+    kern = jax.jit(lambda q, k, v, layout: out_of(run_kernel(cfg, layout, q, k, v,
+                                                             FLAGS.interpret)))
+    rows.append(row(f"mosaic_{tag}_fwd_kernel_only", kern, (q, k, v, layout), flops, want, {}))
     save()
 
     if FLAGS.sweep:
@@ -184,7 +192,7 @@ def main(_):
                 rows.append(dict(impl=f"mosaic[{spec}]", skipped="deadline"))
                 continue
             try:
-                knobs = parse_config(spec)
+                knobs = parse_mosaic_knobs(spec)
             except ValueError as e:
                 print(f"[bench] bad config {spec!r} (knob=int joined by '+'): {e}")
                 rows.append(dict(impl=f"mosaic[{spec}]", error=f"bad spec: {e}"))
@@ -201,9 +209,9 @@ def main(_):
         meta["best_mosaic_tflops"] = best["tflops"]
         meta["speedup_vs_triton"] = base / best["ms"]
         met = "met" if best["tflops"] >= FLAGS.target_tflops else "missed"
+        target = "" if softmax else f"; target {FLAGS.target_tflops:.0f} TF/s {met}"
         print(f"best correct Mosaic: {best['impl']} {best['ms']:.3f} ms {best['tflops']:.1f} "
-              f"TF/s = {base / best['ms']:.2f}x Triton ({rows[0]['tflops']:.1f} TF/s); target "
-              f"{FLAGS.target_tflops:.0f} TF/s {met}")
+              f"TF/s = {base / best['ms']:.2f}x Triton ({rows[0]['tflops']:.1f} TF/s){target}")
     elif not timed:
         print("no Mosaic row both ran and matched the Triton output (rel diff < 2e-2)")
     save()

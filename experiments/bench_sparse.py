@@ -89,9 +89,9 @@ flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
                   "vocab sizes for the naive path, largest first (1 device only; empty to skip)")
 flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
                   "vocab sizes to probe (empty to skip)")
-flags.DEFINE_list("fused_sweep", ["16/1024/2/0", "16/1024/2/16/16", "16/1024/2/32/32",
-                                   "16/1024/4/16/32", "16/1024/1/16/16", "16/256/2/16/16",
-                                   "32/1024/4/0", "16/1024/2/64/16"],
+flags.DEFINE_list("fused_sweep", ["16/256/2/0", "16/1024/2/16/16", "16/256/2/16/16",
+                                   "16/128/2/16/16", "16/64/2/16/16", "16/256/2/8/8",
+                                   "16/256/2/16/8", "16/256/4/16/16"],
                   "fused kernel knobs block_ids/split/num_warps[/short[/rows_per_program]] "
                   "(short 0: one program per row; omitted: fused_update.KNOBS)")
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")

@@ -7,12 +7,17 @@
 # Sections (minutes on an H200, measured or estimated):
 #   kernels      gpu-marked kernel tests + bench_attention with its tile sweep (~8)
 #   kernel_tests_par  the same tests split over PAR parallel pytest processes sharing the GPU
-#                (KT_CAP seconds, KT_MEM of its memory each)
+#                (KT_CAP seconds, KT_MEM of its memory each; KT: other test files)
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
 #   triton_report the compiler's resource report of every kernel (experiments/triton_report.py) (~1)
-#   mosaic       the Mosaic GPU engine (kernels/mosaic_flash.py, GDPA and softmax, forward and
-#                backward): its gpu tests, experiments/bench_gdpa_mosaic.py against the Triton
-#                GDPA forward on W1, then bench_attention on W1 (Triton vs Mosaic, cuDNN) (~8)
+#   mosaic       the Mosaic GPU kernels (kernels/mosaic_flash.py: GDPA and softmax, forward and
+#                backward; kernels/block_attention/mosaic.py: the BlockAttention forward):
+#                their gpu tests (with block_attention's) over 3 pytest processes (~10 min
+#                serial), experiments/bench_gdpa_mosaic.py's sweeps against the Triton
+#                forwards on W1 (GDPA, then softmax), kernel_times.py (each kernel's device
+#                time with the Mosaic backward's knobs), then bench_attention on W1 and W4
+#                (Triton vs Mosaic, cuDNN, the Mosaic backward's knobs side by side) (~14);
+#                its halves mosaic_tests (~5) and mosaic_bench (~9) fit one GPU each
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
@@ -56,18 +61,20 @@ for s in "$@"; do
     kernel_tests_par)
         # the gpu-marked kernel tests split over PAR (default 3) pytest processes sharing the
         # GPU: Triton compiles are CPU-bound, so they overlap
-        KT="tests/test_kernels_block_attention.py tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py"
-        # KT_SHARD=i/n keeps every n-th test from the i-th (e.g. one shard per GPU)
+        KT=${KT:-tests/test_kernels_block_attention.py tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py}
+        # KT_SHARD=i/n keeps every n-th test from the i-th (e.g. one shard per GPU); files
+        # under $OUT/$KT_TAG* (default kernel)
+        T="$OUT/${KT_TAG:-kernel}"
         $PY -m pytest -m gpu --co -q -o addopts="" $KT 2>/dev/null | grep '::' \
             | awk -v s="${KT_SHARD:-0/1}" 'BEGIN {split(s, a, "/")} (NR - 1) % a[2] == a[1]' \
-            > "$OUT/kernel_test_ids.txt"
-        split -n r/${PAR:-3} "$OUT/kernel_test_ids.txt" "$OUT/kernel_ids_"
-        for f in "$OUT"/kernel_ids_*; do
-            XLA_PYTHON_CLIENT_MEM_FRACTION=${KT_MEM:-0.25} timeout ${KT_CAP:-360} $PY -m pytest -m gpu -q -rfE $(cat "$f") > "$f.log" 2>&1 &
+            > "${T}_test_ids.txt"
+        split -n r/${PAR:-3} "${T}_test_ids.txt" "${T}_ids_"
+        for f in "${T}"_ids_??; do
+            XLA_PYTHON_CLIENT_MEM_FRACTION=${KT_MEM:-0.25} timeout ${KT_CAP:-360} $PY -m pytest -m gpu -q -rfE --durations=5 $(cat "$f") > "$f.log" 2>&1 &
         done
         wait
-        echo "=== kernel_tests_par: $(wc -l < "$OUT/kernel_test_ids.txt") tests"
-        tail -n 4 "$OUT"/kernel_ids_*.log ;;
+        echo "=== ${KT_TAG:-kernel}_tests_par: $(wc -l < "${T}_test_ids.txt") tests"
+        tail -n 12 "${T}"_ids_??.log ;;
     kernel_bench_w4)
         section kernel_bench_w4 240 $PY experiments/bench_attention.py --workloads=W4 ${W4_SWEEP---sweep} \
             --sweep_budget_s=90 --sweep_deadline_s=200 --out "$OUT/bench_attention_w4.json" ;;
@@ -76,11 +83,20 @@ for s in "$@"; do
         # occupancy) with the triton package of the device image
         section triton_report 240 $PY experiments/triton_report.py --out="$OUT/triton_report" ;;
     mosaic)
-        section mosaic_tests 300 $PY -m pytest -m gpu -q -rfE tests/test_kernels_mosaic_flash.py
+        OUT="$OUT" bash "$0" mosaic_tests mosaic_bench ;;
+    mosaic_tests)
+        KT="tests/test_kernels_mosaic_flash.py tests/test_kernels_block_attention.py" KT_TAG=mosaic \
+            KT_CAP=${KT_CAP:-300} OUT="$OUT" bash "$0" kernel_tests_par ;;
+    mosaic_bench)
         section mosaic_bench 90 $PY experiments/bench_gdpa_mosaic.py --sweep --sweep_deadline_s=50 \
             --out="$OUT/bench_gdpa_mosaic.json"
-        section mosaic_w1 150 $PY experiments/bench_attention.py --workloads=W1 \
-            --out="$OUT/bench_attention_w1.json" ;;
+        section mosaic_bench_softmax 90 $PY experiments/bench_gdpa_mosaic.py --mode=softmax --sweep \
+            --sweep_deadline_s=50 --out="$OUT/bench_gdpa_mosaic_softmax.json"
+        section kernel_times 120 $PY experiments/kernel_times.py --out="$OUT/kernel_times.json" \
+            --variants="softmax_mosaic,softmax_mosaic[fused_delta=1],softmax_mosaic[dkv_overlap=1],softmax_mosaic[fused_delta=1+dkv_overlap=1],gdpa_mosaic,gdpa_mosaic[dkv_overlap=1]"
+        section mosaic_w1_w4 240 $PY experiments/bench_attention.py --workloads=W1,W4 \
+            --rows=mosaic,cudnn,pallas_softmax,pallas_gdpa_silu,block,softmax_W1 \
+            --out="$OUT/bench_attention_w1_w4.json" ;;
     teacher_h200)
         # the full teacher at the h200 preset through the standard train script
         section teacher_h200 330 $PY experiments/train.py --config=h200 --steps=${TEACHER_STEPS:-200} \
@@ -126,6 +142,6 @@ for s in "$@"; do
             --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
             --table_only --out="$OUT/ablate.json" ;;
     *)
-        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
     esac
 done

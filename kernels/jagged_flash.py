@@ -67,6 +67,10 @@ class FlashConfig:
     # GPU dQ and dK/dV kernels, kernels/mosaic_flash.py run_backward, where they apply:
     # flash_backward; Triton elsewhere)
     backward: str = "triton"
+    # MosaicConfig overrides, ((knob, value), ...), for the Mosaic forward and backward
+    # (benchmarks and tests: e.g. (("fused_delta", True),))
+    mosaic_fwd: tuple = ()
+    mosaic_bwd: tuple = ()
 
 
 # ----------------------------------------------------------------------------- math
@@ -510,11 +514,14 @@ def _flash_bwd(cfg, res, do):
         dq, dk, dv = _backward(cfg, q, k, v, lay, o, lse, do)
     else:
         h, tq = q.shape[1], q.shape[0]
-        if cfg.mode == "softmax":
-            delta = softmax_delta(o, do)
-        else:
+        if cfg.mode != "softmax":
             lse = delta = jnp.zeros((h, tq), F32)                         # unread
-        dq, dk, dv = run_backward(mcfg, lay, q, k, v, do, lse, delta, interpret=cfg.interpret)
+        elif mcfg.fused_delta:
+            delta = None                                  # the dQ kernel computes it from o
+        else:
+            delta = softmax_delta(o, do)
+        dq, dk, dv = run_backward(mcfg, lay, q, k, v, do, lse, delta, interpret=cfg.interpret,
+                                  o=o)
     zero_lay = jax.tree.map(_zero_cotangent, lay)
     return dq, dk, dv, zero_lay
 

@@ -1,10 +1,10 @@
-"""Jagged attention forward on Pallas Mosaic GPU (Hopper), GDPA and softmax: TMA loads,
-one producer warpgroup, two consumer warpgroups issuing wgmma (the FlashAttention-3
-layout). gdpa(impl="mosaic") (gdpa's GPU default) and jagged_attention(impl="mosaic")
-run the forward as jagged_flash's (flash_forward, MosaicFlashForward) with the
-Triton backward. The backward kernels here (run_backward: dQ, and dK / dV with keys
-as the stationary rows) are reached through FlashConfig.backward="mosaic"
-(flash_backward), e.g. gdpa_pallas(..., backward="mosaic"); not yet timed on a GPU.
+"""Jagged attention on Pallas Mosaic GPU (Hopper), GDPA and softmax, forward and
+backward: TMA loads, one producer warpgroup, two consumer warpgroups issuing wgmma
+(the FlashAttention-3 layout). gdpa(impl="mosaic") and jagged_attention(impl="mosaic")
+(both ops' default on a Hopper GPU) run these kernels as jagged_flash's forward
+(flash_forward, MosaicFlashForward) and backward (flash_backward, run_backward: dQ,
+and dK / dV with keys as the stationary rows), the Triton kernels where they do not
+apply. Timings: kernels/NOTES.md.
 
     out = gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, activation="silu", scale=s)
     out, lse = softmax_mosaic_forward(q, k, v, q_offsets, kv_offsets, sm_scale=None)
@@ -14,7 +14,7 @@ q [Tq,H,D], k/v [Tk,H,D] (bf16 or f16, one dtype), q_offsets / kv_offsets [B+1]
 int32 (same B). Returns [Tq,H,D] in q.dtype: per sample b, GDPA out_b =
 (act(Q_b K_b^T) * scale) @ V_b (no softmax, no 1/sqrt(D)); softmax out_b =
 softmax(Q_b K_b^T * sm_scale) V_b plus lse [H, Tq] float32, the base-2 log-sum-exp
-the Triton backward reads (0 for rows without keys). Query rows of other samples
+either backward reads (0 for rows without keys). Query rows of other samples
 never mix; rows past q_offsets[-1] (and softmax rows without keys) are 0.
 
 Schedule
@@ -60,7 +60,7 @@ Schedule
     capacities are multiples of 128).
 
 Unsupported (NotImplementedError, so callers fall back to the Triton path): causal,
-window, float32 inputs, D other than 64 / 128, gradients (forward only). Every
+window, float32 inputs, D other than 64 / 128. Every
 activation of kernels.gdpa.reference.ACTIVATIONS runs (gelu through an erf
 polynomial: Mosaic GPU has no erf lowering).
 
@@ -68,8 +68,10 @@ Tuning knobs (keyword arguments, MosaicConfig): block_q (64 or 128 rows per
 consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrier,
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
-Triton launch, `pallas_layout`, instead of XLA ops). Shared memory over the 227 KB budget fails at lowering
-("exceeds available shared memory").
+Triton launch, `pallas_layout`, instead of XLA ops); the backward's dq_block_kv,
+fused_delta and dkv_overlap (MosaicConfig's comments; FlashConfig.mosaic_fwd /
+mosaic_bwd pass knobs through jagged_flash). Shared memory over the 227 KB budget
+fails at lowering ("exceeds available shared memory").
 
 `interpret=True` (or an InterpretGPUParams) runs the kernel in Mosaic GPU's
 interpreter on CPU: warpgroups as threads, TMA copies, mbarriers and wgmma simulated,
@@ -120,6 +122,12 @@ class MosaicConfig:
                                   # forced in interpret mode, whose wgmma cannot run it)
     pallas_layout: bool = False   # the tile table and row intervals from the offsets in
                                   # one Pallas Triton kernel (pallas_layout) instead of XLA ops
+    dq_block_kv: int | None = None  # backward: the dQ kernel's streamed key tile (None:
+                                    # block_kv, the dK / dV kernel's streamed query tile)
+    fused_delta: bool = False     # softmax backward: delta = rowsum(O dO) in the dQ kernel
+                                  # (which writes it for dK / dV) instead of an XLA reduce
+    dkv_overlap: bool = False     # dK / dV step: S^T, P^T, then dV's wgmma issued with
+                                  # dP^T's (one wait; jax's attention_mgpu order), then dK
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -141,9 +149,10 @@ def check_config(cfg, d, dtype):
         raise NotImplementedError(f"gdpa_mosaic: head dim D={d} must be 64 or 128")
     if cfg.block_q not in (64, 128):
         raise NotImplementedError(f"gdpa_mosaic: block_q={cfg.block_q} must be 64 or 128")
-    if cfg.block_kv not in (64, 128, 192, 256):
-        raise NotImplementedError(f"gdpa_mosaic: block_kv={cfg.block_kv} must be 64, 128, 192 "
-                                  "or 256")
+    for name in ("block_kv", "dq_block_kv"):
+        if getattr(cfg, name) not in (64, 128, 192, 256) + ((None,) if name[0] == "d" else ()):
+            raise NotImplementedError(f"gdpa_mosaic: {name}={getattr(cfg, name)} must be 64, "
+                                      "128, 192 or 256")
     if cfg.num_stages < 2:
         raise NotImplementedError(f"gdpa_mosaic: num_stages={cfg.num_stages} must be >= 2")
     regs = (cfg.consumer_registers, cfg.producer_registers)
@@ -456,23 +465,34 @@ def _produce(table_ref, a_ref, b_ref, a_smem, b_smem, a_bar, b_bar, a_free, b_fr
         plgpu.barrier_wait(b_free.at[lax.rem(g, jnp.int32(stages))])
 
 
-def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
-    """(P, dS) of one tile from the scores s and dP (float32): softmax P = exp2(s * scale
-    log2 e - lse) and dS = P (dP - delta) scale; gdpa P = act(s) scale and dS =
-    dP act'(s) scale; masked pairs 0. stat / delta: lse and delta along the query
-    dim (rows, or columns if `transposed`: dK / dV's [keys, queries] tiles)."""
-    shape = s.shape
-    bcast = lambda x: lax.broadcast_in_dim(x, shape, [1 if transposed else 0])  # noqa: E731
+def _grad_p(cfg, s, stat, valid, transposed):
+    """P of one tile from the scores s (float32): softmax exp2(s * scale log2 e - lse),
+    gdpa act(s) scale; masked pairs 0. stat: lse along the query dim (rows, or columns
+    if `transposed`: dK / dV's [keys, queries] tiles)."""
     if cfg.mode == "softmax":
-        p = jnp.exp2(s * (cfg.scale * LOG2E) - bcast(stat))
-        if valid is not None:
-            p = jnp.where(valid, p, 0.0)
-        return p, p * (dp - bcast(delta)) * cfg.scale
-    p = activation_times_scale(s, cfg.activation, cfg.scale)
+        p = jnp.exp2(s * (cfg.scale * LOG2E) - _along_queries(stat, s.shape, transposed))
+    else:
+        p = activation_times_scale(s, cfg.activation, cfg.scale)
+    return p if valid is None else jnp.where(valid, p, 0.0)
+
+
+def _grad_ds(cfg, s, p, dp, delta, valid, transposed):
+    """dS of one tile from s, its P (_grad_p) and dP: softmax P (dP - delta) scale
+    (P's masked zeros carry over), gdpa dP act'(s) scale, masked pairs 0."""
+    if cfg.mode == "softmax":
+        return p * (dp - _along_queries(delta, s.shape, transposed)) * cfg.scale
     ds = dp * activation_grad_times_scale(s, cfg.activation, cfg.scale)
-    if valid is not None:
-        p, ds = jnp.where(valid, p, 0.0), jnp.where(valid, ds, 0.0)
-    return p, ds
+    return ds if valid is None else jnp.where(valid, ds, 0.0)
+
+
+def _along_queries(x, shape, transposed):
+    return lax.broadcast_in_dim(x, shape, [1 if transposed else 0])
+
+
+def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
+    """(P, dS) of one tile (_grad_p, _grad_ds)."""
+    p = _grad_p(cfg, s, stat, valid, transposed)
+    return p, _grad_ds(cfg, s, p, dp, delta, valid, transposed)
 
 
 def _item_tiles(table_ref, row, wg, cfg):
@@ -551,9 +571,18 @@ def _backward_roles(cfg, n_tiles, n_heads, make_item, stream):
 
 
 def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, q_bar, k_bar, v_bar, k_free,
-               v_free, *, cfg, n_tiles, n_heads):
-    """dQ = dS K over each query tile's key tiles (K / V streamed as in the forward)."""
+               *refs, cfg, n_tiles, n_heads):
+    """dQ = dS K over each query tile's key tiles (K / V streamed as in the forward).
+
+    With cfg.fused_delta (softmax): delta_ref is the forward's output O [Tq, H, D]; each
+    consumer loads its rows of O beside Q and dO, computes delta = rowsum(O * dO) there
+    and writes it out [H, Tq] float32 for the dK / dV kernel."""
+    fused = cfg.fused_delta and cfg.mode == "softmax"
+    if fused:
+        (dq_ref, delta_out_ref, q_smem, do_smem, o_smem, delta_smem, k_smem, v_smem, ds_smem,
+         q_bar, k_bar, v_bar, k_free, v_free) = refs
+    else:
+        dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     d, dtype = q_ref.shape[-1], q_ref.dtype
 
@@ -565,12 +594,25 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
         def one_item(row, head, g0):
             c_lo, c_hi, (lo, flo, fhi, hi), row0 = _item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
-            wait = _load_stationary(((q_ref.at[rows, head], qs), (do_ref.at[rows, head], dos)),
-                                    q_bar, wg)
+            copies = [(q_ref.at[rows, head], qs), (do_ref.at[rows, head], dos)]
+            if fused:
+                copies.append((delta_ref.at[rows, head], o_smem.at[wg]))
+            wait = _load_stationary(copies, q_bar, wg)
             load = lambda ref: plgpu.load(ref, layout=row_layout, optimized=False)  # noqa: E731
             start, end = load(start_ref.at[rows]), load(end_ref.at[rows])
-            lse, delta = load(lse_ref.at[head, rows]), load(delta_ref.at[head, rows])
+            lse = delta = None
+            if cfg.mode == "softmax":
+                lse = load(lse_ref.at[head, rows])
+                if not fused:
+                    delta = load(delta_ref.at[head, rows])
             wait()
+            if fused:   # delta = rowsum(O dO) in float32, as jagged_flash.softmax_delta
+                tile = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA,  # noqa: E731
+                                              optimized=False).astype(F32)
+                delta = jnp.sum(tile(o_smem.at[wg]) * tile(dos), axis=1)
+                delta_smem.at[wg][...] = delta
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_out_ref.at[head, rows])
 
             def step(j, kind, acc_ref):
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
@@ -632,14 +674,33 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
 
             def step(j, kind, dk_ref_acc, dv_ref_acc):
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
-                plgpu.barrier_wait(q_bar.at[slot])
-                plgpu.barrier_wait(do_bar.at[slot])
-                if kind != "skip":
-                    st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
-                    dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
+                lse = delta = None
+                if kind != "skip" and cfg.mode == "softmax":
+                    # the streamed queries' lse / delta straight from global memory,
+                    # issued before the barrier waits and the two wgmmas so that their
+                    # latency hides behind them
                     cols = pl.ds(j * bk, bk)
                     load = lambda ref: plgpu.load(ref, layout=col_layout, optimized=False)  # noqa: E731
                     lse, delta = load(lse_ref.at[head, cols]), load(delta_ref.at[head, cols])
+                plgpu.barrier_wait(q_bar.at[slot])
+                plgpu.barrier_wait(do_bar.at[slot])
+                if kind != "skip" and cfg.dkv_overlap:
+                    # S^T, then P^T, then dV += P^T dO issued with dP^T = V dO^T (one wait)
+                    st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
+                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                    pt = _grad_p(cfg, st, lse, valid, True)
+
+                    def dv_and_dpt(dpt_ref):
+                        _mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])
+                        plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))
+                        return dpt_ref[...]                           # waits for both
+                    dpt = pl.run_scoped(dv_and_dpt, plgpu.ACC((bq, bk), F32))
+                    dst = _grad_ds(cfg, st, pt, dpt, delta, valid, True)
+                    _mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
+                    plgpu.wgmma_wait(0)
+                elif kind != "skip":
+                    st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
+                    dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
                     valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
                     pt, dst = _grad_tiles(cfg, st, dpt, lse, delta, valid, True)
                     _mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
@@ -668,47 +729,63 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     (table_ref, q_ref, do_ref, q_smem, do_smem, q_bar, do_bar, q_free, do_free))
 
 
-def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False):
+def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
     """(dQ, dK, dV) of the forward `cfg` ran: lay from kernels.jagged_flash.build_layout
     (q_start / q_end, k_start / k_end), lse / delta [H, Tq] float32 (softmax; any
-    [H, Tq] for gdpa, unread). Tq, Tk multiples of cfg.cta_rows and cfg.block_kv."""
+    [H, Tq] for gdpa, unread). Tq, Tk multiples of cfg.cta_rows and of both streamed
+    tiles (cfg.block_kv for dK / dV, cfg.dq_block_kv for dQ). cfg.fused_delta
+    (softmax): delta is not read (None is fine) but computed in the dQ kernel from o,
+    the forward's output [Tq, H, D]."""
     tq, h, d = q.shape
     tk = k.shape[0]
-    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     if cfg.persistent:
         raise NotImplementedError("mosaic backward: persistent CTAs are forward-only")
-    if tq % cfg.cta_rows or tk % cfg.cta_rows or tq % bk or tk % bk:
-        raise ValueError(f"mosaic backward: Tq={tq} / Tk={tk} must be multiples of "
-                         f"{cfg.cta_rows} and {bk}")
+    dq_cfg = dataclasses.replace(cfg, block_kv=cfg.dq_block_kv or cfg.block_kv)
+    for t in {cfg.cta_rows, cfg.block_kv, dq_cfg.block_kv}:
+        if tq % t or tk % t:
+            raise ValueError(f"mosaic backward: Tq={tq} / Tk={tk} must be multiples of "
+                             f"{cfg.cta_rows}, {cfg.block_kv} and {dq_cfg.block_kv}")
+    bq, stages = cfg.block_q, cfg.num_stages
     stage_p = interpret or cfg.p_via_smem
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)  # noqa: E731
     params = plgpu.CompilerParams(approx_math=True)
     interp = (plgpu.InterpretGPUParams() if interpret is True else interpret) or None
 
-    def launch(kernel, table, start, end, outs, scratch):
+    def launch(kernel, kcfg, start, end, outs, staged, extra=(), loads=2, delta_in=None):
+        """kernel over kcfg's tile table of rows [start, end): scratch = two stationary
+        [NC, block_q, D] tiles and `extra` (`loads` stationary tiles in all, each with
+        its barriers, then any other scratch), the ring of two streamed [stages, kcfg.block_kv, D]
+        tiles, `staged` P / dS staging tiles (interpret mode, p_via_smem), the
+        stationary loads' barriers, the ring's loaded / free barriers."""
+        table, bk = tile_table(kcfg, start, end), kcfg.block_kv
+        ring = [smem(stages, bk, d), smem(stages, bk, d)]
+        bars = ([plgpu.Barrier(num_barriers=stages)] * 2
+                + [plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)] * 2)
+        stationary = [smem(NUM_CONSUMERS, bq, d), smem(NUM_CONSUMERS, bq, d), *extra]
+        stage = [smem(NUM_CONSUMERS, bq, bk) if stage_p else None] * staged
         return plgpu.kernel(
-            functools.partial(kernel, cfg=cfg, n_tiles=table.shape[0], n_heads=h),
-            out_type=outs, scratch_types=scratch, grid=(table.shape[0], h),
+            functools.partial(kernel, cfg=kcfg, n_tiles=table.shape[0], n_heads=h),
+            out_type=outs, grid=(table.shape[0], h),
+            scratch_types=[*stationary, *ring, *stage,
+                           plgpu.Barrier(num_barriers=loads * NUM_CONSUMERS), *bars],
             grid_names=("tile", "head"), num_threads=NUM_CONSUMERS + 1, thread_name="wg",
             compiler_params=params, interpret=interp,
-        )(table, start, end, q, k, v, do, lse, delta)
+        )(table, start, end, q, k, v, do, lse, delta if delta_in is None else delta_in)
 
-    ring = [smem(stages, bk, d), smem(stages, bk, d)]
-    free = [plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)] * 2
-    loaded = [plgpu.Barrier(num_barriers=stages)] * 2
-    qa, qb = lay["q_start"], lay["q_end"]
-    dq = launch(_dq_kernel, tile_table(cfg, qa, qb), qa, qb, jax.ShapeDtypeStruct(q.shape, q.dtype),
-                [smem(NUM_CONSUMERS, bq, d), smem(NUM_CONSUMERS, bq, d), *ring,
-                 smem(NUM_CONSUMERS, bq, bk) if stage_p else None,
-                 plgpu.Barrier(num_barriers=2 * NUM_CONSUMERS), loaded[0], loaded[1], *free])
-    ka, kb = lay["k_start"], lay["k_end"]
-    dk, dv = launch(_dkv_kernel, tile_table(cfg, ka, kb), ka, kb,
-                    (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
-                    [smem(NUM_CONSUMERS, bq, d), smem(NUM_CONSUMERS, bq, d), *ring,
-                     smem(NUM_CONSUMERS, bq, bk) if stage_p else None,
-                     smem(NUM_CONSUMERS, bq, bk) if stage_p else None,
-                     plgpu.Barrier(num_barriers=2 * NUM_CONSUMERS), *loaded, *free])
+    if cfg.fused_delta and cfg.mode == "softmax":
+        if o is None:
+            raise ValueError("mosaic backward: fused_delta needs the forward's output o")
+        dq, delta = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"],
+                           (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            jax.ShapeDtypeStruct((h, tq), F32)), 1,
+                           extra=[smem(NUM_CONSUMERS, bq, d),
+                                  plgpu.SMEM((NUM_CONSUMERS, bq), F32)], loads=3, delta_in=o)
+    else:
+        dq = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"],
+                    jax.ShapeDtypeStruct(q.shape, q.dtype), 1)
+    dk, dv = launch(_dkv_kernel, cfg, lay["k_start"], lay["k_end"],
+                    (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, 2)
     return dq, dk, dv
 
 
@@ -899,7 +976,7 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
         return None
     try:
         cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
-                            scale=flash_cfg.scale)
+                            scale=flash_cfg.scale, **dict(flash_cfg.mosaic_fwd))
     except NotImplementedError:
         return None
     if tq % cfg.cta_rows or tk % cfg.block_kv:
@@ -909,7 +986,9 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
 
 # The backward's streamed tile: 64 queries (dK / dV) or keys (dQ). dK and dV hold two
 # [64, D] float32 accumulators per consumer (128 registers a thread at D = 128) beside
-# S^T and dP^T; 128-wide score tiles would not fit too. The producer needs few
+# S^T and dP^T; 128-wide score tiles would not fit too. dQ holds one accumulator and
+# could take 128 keys (dq_block_kv=128), but measured slower on W1 (H200, same run:
+# 0.337 vs 0.310 ms GDPA, 0.293 vs 0.281 softmax). The producer needs few
 # registers: 240 / 24 (FA3's split for its backward) leaves the consumers the most.
 BACKWARD_TUNING = dict(block_kv=64, consumer_registers=240, producer_registers=24)
 
@@ -919,9 +998,11 @@ def flash_backward(flash_cfg, dtype, d, tq, tk):
     capacities, or None where those kernels do not apply (flash_forward's list)."""
     if flash_forward(flash_cfg, dtype, d, tq, tk) is None:
         return None
+    tuning = {**BACKWARD_TUNING, **dict(flash_cfg.mosaic_bwd)}
     cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
-                        scale=flash_cfg.scale, **BACKWARD_TUNING)
-    if tq % cfg.cta_rows or tk % cfg.cta_rows or tq % cfg.block_kv or tk % cfg.block_kv:
+                        scale=flash_cfg.scale, **tuning)
+    tiles = (cfg.cta_rows, cfg.block_kv, cfg.dq_block_kv or cfg.block_kv)
+    if any(tq % t or tk % t for t in tiles):
         return None
     return cfg
 
@@ -967,7 +1048,7 @@ def softmax_mosaic_forward(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, int
                            causal=False, window=None, **tuning):
     """(out, lse): softmax(Q K^T * sm_scale) V per jagged sample (sm_scale default
     1/sqrt(D)), and lse [H, Tq] float32, the base-2 log-sum-exp of the scaled scores
-    (0 for rows without keys), which jagged_flash's Triton backward reads. Shapes,
+    (0 for rows without keys), which either backward reads. Shapes,
     dtypes, knobs and interpret as gdpa_mosaic_forward; rows without keys give 0."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     return _mosaic_forward("softmax_mosaic", "softmax", q, k, v, q_offsets, kv_offsets, causal,

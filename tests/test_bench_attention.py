@@ -55,3 +55,10 @@ def test_reported_figures_follow_the_accounting(tmp_path):
             floor = max(flops / 625e12, meta["bytes_fwd"] / 3.6e12) * 1e3
             assert x["fwd_floor_ms"] == pytest.approx(floor, rel=1e-6)
     assert "wl  impl" in r.stdout
+    # W4's yardstick: W1 softmax through the public op's default, ratio and target printed
+    w4 = {x["impl"]: x for x in res["W4"]["rows"]}
+    best = min(w4[n]["fwd_ms"] for n in ("pallas_block", "mosaic_block_fwd_group2"))
+    ratio = w4["default_softmax_W1"]["fwd_ms"] / best
+    want = res["W4"]["meta"]["w1_over_w4_flops"] / 4
+    assert f"vs W1 softmax (default impl): fwd {ratio:.2f}x" in r.stdout, r.stdout[-800:]
+    assert f"target FLOPs / 4 = {want:.2f}x" in r.stdout

@@ -167,3 +167,89 @@ def test_gpu_compiled(d, dtype):
     lens[:4] = [0, 1, 63, 65]
     t = int(-(-sum(lens) // 128) * 128 + 128)
     _check("pallas", lens, t, dtype=dtype, h=3, d=d)
+
+
+# ------------------------------------ the Mosaic GPU forward (kernels/block_attention/mosaic.py)
+
+def _count_mosaic(monkeypatch):
+    from kernels.block_attention import mosaic
+    calls, fwd = [], mosaic.block_mosaic_forward
+    monkeypatch.setattr(mosaic, "block_mosaic_forward",
+                        lambda *a, **kw: calls.append(kw["group"]) or fwd(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("d,t,group,positions", [
+    (128, 384, 2, None),          # tile-edge lengths, an empty sample, a 58-row padding tail
+    (64, 384, 3, "random"),       # 3 blocks per program, custom RoPE positions
+    (128, 326, 1, None),          # the last sample ends at the capacity: windows past T
+])
+def test_mosaic_forward_interpreter(d, t, group, positions, monkeypatch):
+    """forward="mosaic" (Mosaic GPU interpreter) with the Triton backward: out and all
+    gradients against the float64 formula; padding rows 0; the kernel really ran."""
+    calls = _count_mosaic(monkeypatch)
+    pos = None if positions is None else np.random.default_rng(11).integers(0, 3000, size=t)
+    _check("pallas", LENS, t, dtype=jnp.bfloat16, h=2, d=d, positions=pos, seed=12,
+           knobs=dict(forward="mosaic", group=group))
+    assert calls and set(calls) == {group}, calls
+
+
+@pytest.mark.parametrize("case", ["block32", "float32", "d32"])
+def test_mosaic_forward_falls_back_to_triton(case, monkeypatch):
+    """Shapes the Mosaic kernel does not take run the Triton per-block forward."""
+    calls = _count_mosaic(monkeypatch)
+    kw = dict(block=32, d=64, dtype=jnp.bfloat16) if case == "block32" else (
+        dict(d=64, dtype=jnp.float32) if case == "float32" else dict(d=32, dtype=jnp.bfloat16))
+    _check("pallas", LENS, 384, h=1, seed=13, knobs=dict(forward="mosaic"), **kw)
+    assert not calls
+
+
+def test_mosaic_forward_bad_value_is_named():
+    from kernels.block_attention.pallas import block_attention_pallas
+    q = jnp.zeros((64, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="forward must be 'triton' or 'mosaic'"):
+        block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), forward="cudnn")
+
+
+@pytest.mark.parametrize("d,group", [(128, 2), (64, 1), (128, 4)])
+def test_mosaic_forward_exports_for_cuda(d, group):
+    """The kernel lowers for cuda on this CPU (Mosaic GPU's layout, TMA and wgmma checks):
+    TMA at unaligned starts into plain buffers, RoPE into swizzled halves, per-row stores."""
+    from kernels.block_attention.mosaic import block_mosaic_forward
+    from kernels.block_attention.pallas import block_table
+    from kernels.common import rope_freq_parts
+    freqs, cs = rope_freq_parts(d, 10_000.0)
+
+    def f(q, k, v, off):
+        tab = block_table(off, 2048, 64)
+        tab = tuple(jnp.pad(x, (0, -x.shape[0] % group)) for x in tab)
+        pos = jnp.zeros((2048 + 64,), jnp.int32)
+        return block_mosaic_forward(q, k, v, tab, pos, freqs, block=64, scale=0.1, cs=cs,
+                                    group=group)
+    sds = [jax.ShapeDtypeStruct((2048, 4, d), jnp.bfloat16)] * 3
+    sds += [jax.ShapeDtypeStruct((9,), jnp.int32)]
+    assert "mosaic_gpu" in jax.export.export(jax.jit(f), platforms=["cuda"])(*sds).mlir_module()
+
+
+def test_floor_by_truncation_is_floor():
+    from kernels.common import floor_by_truncation
+    x = jnp.asarray([-2.5, -2.0, -0.5, -0.0, 0.5, 1.0, 1.999, 7e5 + 0.5, 65535.5], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(floor_by_truncation(x)), np.floor(np.asarray(x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ends_at_capacity", [False, True])
+def test_gpu_mosaic_forward(ends_at_capacity, monkeypatch):
+    """The Mosaic forward on an H200: W4-like lengths (bf16, H=4, D=128), out and grads vs
+    the float64 formula; with the last sample ending at T, the last windows read past
+    the tensor (TMA zero fill)."""
+    from kernels.mosaic_flash import is_hopper
+    if not is_hopper():
+        pytest.skip("the Mosaic kernels need a Hopper GPU")
+    calls = _count_mosaic(monkeypatch)
+    rng = np.random.default_rng(14)
+    lens = np.clip(rng.lognormal(np.log(300), 0.8, 10).astype(int), 0, 1500)
+    lens[:4] = [0, 1, 63, 65]
+    t = int(sum(lens)) if ends_at_capacity else int(-(-sum(lens) // 128) * 128)
+    _check("pallas", lens, t, dtype=jnp.bfloat16, h=4, d=128, knobs=dict(forward="mosaic"))
+    assert calls

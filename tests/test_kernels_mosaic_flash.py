@@ -397,7 +397,7 @@ def test_gpu_matches_triton_path_on_w1_lengths():
     assert err < TOL, f"mosaic vs triton relative difference {err:.2e}"
 
 
-# ------------------------- gdpa(impl="mosaic"): Mosaic forward + Triton backward
+# ------------------------- gdpa(impl="mosaic"): Mosaic forward + Mosaic backward
 
 def _loss_and_grads(impl, q, k, v, qo, ko, w, op=None, **kw):
     """Value and (dQ, dK, dV) of sum(op(...) * w) for op (default kernels.gdpa.gdpa)."""
@@ -432,23 +432,28 @@ def _w1_case():
 
 
 def _count_mosaic_calls(monkeypatch):
+    """The MosaicConfig of every Mosaic forward traced from now on; the Mosaic backward's
+    traces append ("backward", cfg)."""
     from kernels import mosaic_flash as mosaic
-    calls, run = [], mosaic.MosaicFlashForward.__call__
+    calls, run, back = [], mosaic.MosaicFlashForward.__call__, mosaic.run_backward
     monkeypatch.setattr(mosaic.MosaicFlashForward, "__call__",
                         lambda self, *a: calls.append(self.cfg) or run(self, *a))
+    monkeypatch.setattr(mosaic, "run_backward",
+                        lambda cfg, *a, **kw: calls.append(("backward", cfg)) or back(cfg, *a, **kw))
     return calls
 
 
 def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkeypatch):
     """Lengths around every tile edge, an empty sample, a padding tail: value and all
-    three gradients of gdpa(impl="mosaic") (interpreter forward, Triton interpret-mode
-    backward) against the jnp reference; the Mosaic forward really ran."""
+    three gradients of gdpa(impl="mosaic") (the interpreter's forward and backward)
+    against the jnp reference; the Mosaic forward and backward really ran."""
     calls = _count_mosaic_calls(monkeypatch)
     q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=3)
     w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=0.3)
     want = _loss_and_grads("reference", q, k, v, qo, ko, w, scale=0.3)
     assert calls and calls[0].block_q == 64, calls
+    assert any(isinstance(c, tuple) and c[1].mode == "gdpa" for c in calls), calls
     assert abs(float(got[0]) - float(want[0])) <= TOL * abs(float(want[0])) + 1e-3
     _assert_grads_close(got, want)
     for name, g in zip("qkv", got[1]):   # rows past the last offset get no gradient
@@ -561,8 +566,8 @@ def test_softmax_exports_for_cuda(tuning):
 
 
 def test_softmax_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkeypatch):
-    """jagged_attention(impl="mosaic"): the Mosaic forward's out and lse feed the Triton
-    backward (interpret mode); value and dQ, dK, dV against the jnp reference."""
+    """jagged_attention(impl="mosaic"): the Mosaic forward's out and lse feed the Mosaic
+    backward (interpreter); value and dQ, dK, dV against the jnp reference."""
     from kernels.jagged_attention import jagged_attention
     calls = _count_mosaic_calls(monkeypatch)
     q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=6)
@@ -570,6 +575,7 @@ def test_softmax_impl_mosaic_forward_and_grads_match_reference(interpreter_guard
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
     want = _loss_and_grads("reference", q, k, v, qo, ko, w, op=jagged_attention)
     assert calls and calls[0].mode == "softmax", calls
+    assert any(isinstance(c, tuple) and c[1].mode == "softmax" for c in calls), calls
     _assert_grads_close(got, want)
 
 
@@ -603,7 +609,12 @@ def test_gpu_softmax_impl_mosaic_on_w1_lengths(monkeypatch):
     rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
     tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, op=jagged_attention)
-    assert calls
+    assert calls and any(isinstance(c, tuple) for c in calls), calls
+    n = len(calls)      # impl=None on a GPU: the Mosaic kernels too, same values
+    default = _loss_and_grads(None, q, k, v, qo, ko, w, op=jagged_attention)
+    assert len(calls) > n
+    for g, m in zip(default[1], got[1]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(m))
     _assert_grads_close(got, tri)
 
 
@@ -617,11 +628,12 @@ def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
     scale = 1.0 / int(lens.max())
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=scale)
     tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, scale=scale)
-    assert calls
-    n = len(calls)      # impl=None on a GPU: the Mosaic forward too, same values
+    assert calls and any(isinstance(c, tuple) for c in calls), calls
+    n = len(calls)      # impl=None on a GPU: the Mosaic kernels too, same values
     default = _loss_and_grads(None, q, k, v, qo, ko, w, scale=scale)
     assert len(calls) > n
-    np.testing.assert_array_equal(np.asarray(default[1][0]), np.asarray(got[1][0]))
+    for g, m in zip(default[1], got[1]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(m))
     _assert_grads_close(got, tri)
     small = lens[:16]
     ts = int(-(-small.sum() // 128) * 128)
@@ -673,6 +685,23 @@ def test_bench_smoke_in_interpret_mode(tmp_path):
     assert meta["fwd_gflop"] == pytest.approx(4 * 1 * 128 * lens[0] ** 2 / 1e9)
 
 
+def test_bench_smoke_softmax_mode(tmp_path):
+    """--mode=softmax: the softmax rows (Triton jagged_attention vs the Mosaic softmax
+    forward), matching each other, scale 1 / sqrt(D)."""
+    import json
+    r = _bench(["--interpret", "--mode=softmax", "--max_samples=1", "--heads=1", "--iters=1",
+                "--sweep", "--configs=block_kv=64"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(tmp_path / "bench.json"))
+    rows = {x["impl"]: x for x in res["rows"]}
+    assert set(rows) == {"triton_softmax_fwd", "mosaic_softmax_fwd",
+                         "mosaic_softmax_fwd_kernel_only", "mosaic[block_kv=64]"}
+    for name in set(rows) - {"triton_softmax_fwd"}:
+        assert rows[name]["rel_diff_vs_triton"] < TOL, rows[name]
+    assert res["meta"]["mode"] == "softmax" and res["meta"]["scale"] == pytest.approx(128 ** -0.5)
+    assert "target" not in r.stdout.split("best correct Mosaic")[-1]
+
+
 # ------------------------------------- the Mosaic backward (run_backward, dQ and dK / dV)
 
 def _engines_grads(mode, q, k, v, qo, ko, w, engine, **kw):
@@ -680,7 +709,8 @@ def _engines_grads(mode, q, k, v, qo, ko, w, engine, **kw):
     ("triton" / "mosaic"), or the jnp reference (engine None)."""
     from kernels.gdpa.pallas import gdpa_pallas
     from kernels.jagged_attention.pallas import jagged_attention_pallas
-    if engine is None:
+    if engine is None:   # the Mosaic engines' knobs (mosaic_fwd / mosaic_bwd) do not apply
+        kw = {key: val for key, val in kw.items() if not key.startswith("mosaic_")}
         f = ((lambda q, k, v: jagged_attention_reference(q, k, v, qo, ko, **kw)) if mode == "softmax"
              else (lambda q, k, v: gdpa_reference(q, k, v, qo, ko, **kw)))
     elif mode == "softmax":
@@ -731,22 +761,71 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
 
 
 @pytest.mark.parametrize("mode", ["softmax", "gdpa"])
-@pytest.mark.parametrize("d,tuning", [(64, {}), (128, {}), (128, dict(p_via_smem=True))])
+@pytest.mark.parametrize("d,tuning", [(64, {}), (128, {}), (128, dict(p_via_smem=True)),
+                                      (128, dict(dq_block_kv=128)), (64, dict(fused_delta=True)),
+                                      (128, dict(fused_delta=True)), (128, dict(dkv_overlap=True)),
+                                      (64, dict(dkv_overlap=True, fused_delta=True))])
 def test_backward_exports_for_cuda(mode, d, tuning):
-    """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower."""
+    """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower;
+    the dQ kernel with 64-key (default) and 128-key tiles, computing delta from O
+    (fused_delta: O's tile beside Q and dO, delta's TMA store), dK / dV's dkv_overlap."""
     from kernels.jagged_flash import FlashConfig, build_layout
     from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
     cfg = mosaic_config(d, jnp.bfloat16, mode=mode, activation="gelu", scale=0.1,
-                        **BACKWARD_TUNING, **tuning)
+                        **{**BACKWARD_TUNING, **tuning})
 
     def f(q, k, v, do, lse, delta, qo, ko):
         lay = build_layout(FlashConfig(mode=mode), qo, ko, 1024, 1024, d)
-        return run_backward(cfg, lay, q, k, v, do, lse, delta)
+        return run_backward(cfg, lay, q, k, v, do, lse, delta, o=do)
     sds = [jax.ShapeDtypeStruct((1024, 4, d), jnp.bfloat16)] * 4
     sds += [jax.ShapeDtypeStruct((4, 1024), jnp.float32)] * 2
     sds += [jax.ShapeDtypeStruct((9,), jnp.int32)] * 2
     module = jax.export.export(jax.jit(f), platforms=["cuda"])(*sds).mlir_module()
     assert module.count("mosaic_gpu") >= 2
+
+
+# (knobs, case index in BACKWARD_CASES): the backward's optional knobs on tile-edge cases
+KNOB_CASES = [(dict(fused_delta=True), 0), (dict(fused_delta=True), 1),
+              (dict(dkv_overlap=True), 0), (dict(dkv_overlap=True), 2),
+              (dict(dkv_overlap=True), 3), (dict(dkv_overlap=True, fused_delta=True), 1)]
+
+
+@pytest.mark.parametrize("knobs,i", KNOB_CASES,
+                         ids=[f"{'+'.join(kn)}-{BACKWARD_IDS[i]}" for kn, i in KNOB_CASES])
+def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard, monkeypatch):
+    """mosaic_bwd knobs: fused_delta (delta = rowsum(O dO) in the dQ kernel, no XLA
+    reduce) and dkv_overlap (dK / dV's step order), the same gradients as the
+    reference; the kernels really ran with them."""
+    _check_backward_knobs(knobs, i, monkeypatch)
+
+
+def _check_backward_knobs(knobs, i, monkeypatch):
+    """BACKWARD_CASES[i] with the Mosaic backward's `knobs` vs the jnp reference."""
+    from kernels import mosaic_flash
+    mode, kw, ql, kl, tq, tk, h, d = BACKWARD_CASES[i]
+    seen, dq_kernel, dkv_kernel = [], mosaic_flash._dq_kernel, mosaic_flash._dkv_kernel
+    monkeypatch.setattr(mosaic_flash, "_dq_kernel",
+                        lambda *a, cfg, **k: seen.append(cfg) or dq_kernel(*a, cfg=cfg, **k))
+    monkeypatch.setattr(mosaic_flash, "_dkv_kernel",
+                        lambda *a, cfg, **k: seen.append(cfg) or dkv_kernel(*a, cfg=cfg, **k))
+    q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
+    w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
+    kw = dict(kw, mosaic_bwd=tuple(knobs.items()))
+    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
+    want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
+    assert len(seen) == 2 and all(getattr(c, kn) == val for c in seen
+                                  for kn, val in knobs.items()), seen
+    _assert_grads_close(got, want)
+
+
+def test_backward_fused_delta_needs_the_output():
+    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    cfg = mosaic_config(64, jnp.bfloat16, mode="softmax", **{**BACKWARD_TUNING, "fused_delta": True})
+    x = jnp.zeros((256, 1, 64), jnp.bfloat16)
+    lay = dict(q_start=jnp.zeros(256, jnp.int32), q_end=jnp.zeros(256, jnp.int32),
+               k_start=jnp.zeros(256, jnp.int32), k_end=jnp.zeros(256, jnp.int32))
+    with pytest.raises(ValueError, match="fused_delta needs the forward's output"):
+        run_backward(cfg, lay, x, x, x, x, jnp.zeros((1, 256)), None, interpret=True)
 
 
 def test_backward_falls_back_where_the_kernels_do_not_apply():
@@ -776,12 +855,16 @@ def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["softmax", "gdpa"])
+@pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs"])
 def test_gpu_backward_on_w1_lengths(mode):
     """W1 lengths, bf16, H=4, D=128: the Mosaic forward + backward vs the Triton engines,
-    and on a 16-sample slice vs the f32 reference."""
+    and on a 16-sample slice vs the f32 reference (also with the knobs fused_delta and
+    dkv_overlap)."""
     _require_gpu()
+    mode, _, knobs = mode.partition("_")
     kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
+    if knobs:
+        kw["mosaic_bwd"] = (("dkv_overlap", True), ("fused_delta", True))
     rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)
@@ -801,3 +884,11 @@ def test_gpu_backward_on_w1_lengths(mode):
 def test_gpu_backward_edge_cases(case, monkeypatch):
     _require_gpu()
     _check_backward_case(case, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs,i", KNOB_CASES,
+                         ids=[f"{'+'.join(kn)}-{BACKWARD_IDS[i]}" for kn, i in KNOB_CASES])
+def test_gpu_backward_knobs(knobs, i, monkeypatch):
+    _require_gpu()
+    _check_backward_knobs(knobs, i, monkeypatch)

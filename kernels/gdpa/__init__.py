@@ -16,10 +16,9 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
     in kernels.common. impl: None ("mosaic" on GPU if the Pallas kernels take D,
     zero-padded to a power of two if need be: kernels.common.padded_head_dim; else
     the reference), "reference", "pallas" (the Triton forward and backward;
-    interpret mode off GPU), "mosaic" (the forward on the Mosaic GPU kernel,
-    kernels/mosaic_flash.py, with the Triton backward; where that kernel does not
-    apply, mosaic.flash_forward's list, the Triton forward runs; the Mosaic GPU
-    interpreter off GPU).
+    interpret mode off GPU), "mosaic" (forward and backward on the Mosaic GPU kernels,
+    kernels/mosaic_flash.py; where they do not apply, mosaic_flash.flash_forward's
+    list, the Triton kernels run; the Mosaic GPU interpreter off GPU).
     """
     check_impl("gdpa", impl, extra=("mosaic",))
     check_attention_inputs("gdpa", q, k, v, q_offsets, kv_offsets)
@@ -28,13 +27,13 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
         raise ValueError(f"gdpa: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
         impl = default_impl("gdpa", q.shape[-1])
-        if impl == "pallas":   # W1 forward 0.241 vs 0.285 ms (kernels/NOTES.md); Triton
-            impl = "mosaic"    # forward where the Mosaic kernel does not apply
+        if impl == "pallas":   # W1 forward 0.235 vs 0.278 ms, forward + backward 0.738 vs
+            impl = "mosaic"    # 0.969 ms (kernels/NOTES.md); Triton where Mosaic does not apply
     if impl == "reference":
         return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,
                               scale=scale, causal=causal, window=window)
     from kernels.gdpa.pallas import gdpa_pallas
-    forward = "mosaic" if impl == "mosaic" else "triton"
+    engine = "mosaic" if impl == "mosaic" else "triton"
     return with_padded_head_dim("gdpa", q, k, v, lambda q, k, v: gdpa_pallas(
         q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, causal=causal,
-        window=window, forward=forward))
+        window=window, forward=engine, backward=engine))

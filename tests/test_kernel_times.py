@@ -1,0 +1,31 @@
+"""experiments/kernel_times.py on CPU: its variant specs and its no-GPU exit."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+
+def test_variant_specs():
+    from kernel_times import parse_variant
+    assert parse_variant("gdpa_triton") == ("gdpa", "triton", ())
+    assert parse_variant("softmax_mosaic[fused_delta=1+dkv_overlap=1]") == (
+        "softmax", "mosaic", (("dkv_overlap", True), ("fused_delta", True)))
+    assert parse_variant("gdpa_mosaic[dq_block_kv=128]") == (
+        "gdpa", "mosaic", (("dq_block_kv", 128),))
+    for bad in ("block_mosaic", "gdpa_cudnn", "softmax_mosaic[fused_delta=1", "gdpa_mosaic[x]"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+
+
+def test_without_gpu_exits_with_a_message(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernel_times.py"),
+                        f"--out={tmp_path / 'k.json'}"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode != 0
+    assert "no GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
