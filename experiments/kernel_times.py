@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import pack_arrays, parse_mosaic_knobs, workload  # experiments/
+from attention_workloads import pack_arrays, parse_variant, workload  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py (self or cross)")
@@ -30,17 +30,6 @@ flags.DEFINE_list("variants", ["gdpa_triton", "gdpa_mosaic", "softmax_triton", "
 flags.DEFINE_integer("iters", 5, "calls timed per variant and pass")
 flags.DEFINE_float("min_us", 3.0, "launches shorter than this are not printed")
 flags.DEFINE_string("out", "kernel_times.json", "JSON output path")
-
-
-def parse_variant(spec):
-    """'softmax_mosaic[fused_delta=1]' -> ('softmax', 'mosaic', (('fused_delta', True),))."""
-    name, _, knobs = spec.partition("[")
-    op, _, engine = name.partition("_")
-    if op not in ("gdpa", "softmax") or engine not in ("triton", "mosaic"):
-        raise ValueError(f"variant {spec!r}: want gdpa|softmax _ triton|mosaic [knobs]")
-    if knobs and not knobs.endswith("]"):
-        raise ValueError(f"variant {spec!r}: unclosed '['")
-    return op, engine, tuple(sorted(parse_mosaic_knobs(knobs[:-1]).items()))
 
 
 def op_fn(op, engine, knobs, qo, ko, scale):

@@ -1,4 +1,5 @@
-"""experiments/kernel_times.py on CPU: its variant specs and its no-GPU exit."""
+"""experiments/kernel_times.py on CPU: its variant specs (attention_workloads.parse_variant)
+and its no-GPU exit."""
 
 import os
 import subprocess
@@ -11,7 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 
 def test_variant_specs():
-    from kernel_times import parse_variant
+    from attention_workloads import parse_variant
     assert parse_variant("gdpa_triton") == ("gdpa", "triton", ())
     assert parse_variant("softmax_mosaic[fused_delta=1+dkv_overlap=1]") == (
         "softmax", "mosaic", (("dkv_overlap", True), ("fused_delta", True)))
