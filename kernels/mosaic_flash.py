@@ -336,7 +336,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
             p_stage = None if p_smem is None else p_smem.at[wg]
 
             def pv(acc_ref, p16, slot):   # P from registers (FA3), or staged
-                _mma_from(acc_ref, p16, p_stage, v_smem.at[slot])
+                mma_from(acc_ref, p16, p_stage, v_smem.at[slot])
 
             def step(j, kind, carry, acc_ref=None):
                 """One key step; gdpa accumulates into acc_ref, softmax carries (acc, m, l)."""
@@ -540,7 +540,7 @@ def _tile_mask(start, end, j, rows, cols):
     return (col >= a) & (col < b)
 
 
-def _mma_from(acc_ref, x16, stage, b_smem):
+def mma_from(acc_ref, x16, stage, b_smem):
     """acc += x16 @ b_smem with x16 from registers, or staged in shared memory (stage)."""
     if stage is None:
         plgpu.wgmma(acc_ref, x16, b_smem)
@@ -623,7 +623,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                     dp = _scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
                     valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
                     _, ds = _grad_tiles(cfg, s, dp, lse, delta, valid, False)
-                    _mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
+                    mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
                     plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -691,20 +691,20 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     pt = _grad_p(cfg, st, lse, valid, True)
 
                     def dv_and_dpt(dpt_ref):
-                        _mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])
+                        mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])
                         plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))
                         return dpt_ref[...]                           # waits for both
                     dpt = pl.run_scoped(dv_and_dpt, plgpu.ACC((bq, bk), F32))
                     dst = _grad_ds(cfg, st, pt, dpt, delta, valid, True)
-                    _mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
+                    mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
                     plgpu.wgmma_wait(0)
                 elif kind != "skip":
                     st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
                     dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
                     valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
                     pt, dst = _grad_tiles(cfg, st, dpt, lse, delta, valid, True)
-                    _mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
-                    _mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
+                    mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
+                    mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
                     plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(q_free.at[slot])
                 plgpu.barrier_arrive(do_free.at[slot])

@@ -605,13 +605,20 @@ def test_gpu_softmax_impl_mosaic_on_w1_lengths(monkeypatch):
     vs the Triton path (impl="pallas")."""
     _require_gpu()
     from kernels.jagged_attention import jagged_attention
+    _w1_mosaic_vs_triton_and_default(monkeypatch, _w1_case(), op=jagged_attention)
+
+
+def _w1_mosaic_vs_triton_and_default(monkeypatch, case, **kw):
+    """W1 lengths: value and gradients of impl="mosaic" (its forward and backward ran)
+    against impl="pallas" within TOL, and against impl=None bit for bit (on a Hopper
+    GPU the default runs the same Mosaic kernels)."""
     calls = _count_mosaic_calls(monkeypatch)
-    rng, lens, (q, k, v, qo, ko), w = _w1_case()
-    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
-    tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, op=jagged_attention)
+    rng, lens, (q, k, v, qo, ko), w = case
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, **kw)
+    tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, **kw)
     assert calls and any(isinstance(c, tuple) for c in calls), calls
-    n = len(calls)      # impl=None on a GPU: the Mosaic kernels too, same values
-    default = _loss_and_grads(None, q, k, v, qo, ko, w, op=jagged_attention)
+    n = len(calls)
+    default = _loss_and_grads(None, q, k, v, qo, ko, w, **kw)
     assert len(calls) > n
     for g, m in zip(default[1], got[1]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(m))
@@ -623,18 +630,9 @@ def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
     """W1 lengths, bf16, H=4, D=128: gdpa(impl="mosaic") value and gradients vs the
     Triton path (impl="pallas") and, on a 16-sample slice, vs the f32 reference."""
     _require_gpu()
-    calls = _count_mosaic_calls(monkeypatch)
-    rng, lens, (q, k, v, qo, ko), w = _w1_case()
-    scale = 1.0 / int(lens.max())
-    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=scale)
-    tri = _loss_and_grads("pallas", q, k, v, qo, ko, w, scale=scale)
-    assert calls and any(isinstance(c, tuple) for c in calls), calls
-    n = len(calls)      # impl=None on a GPU: the Mosaic kernels too, same values
-    default = _loss_and_grads(None, q, k, v, qo, ko, w, scale=scale)
-    assert len(calls) > n
-    for g, m in zip(default[1], got[1]):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(m))
-    _assert_grads_close(got, tri)
+    case = _w1_case()
+    rng, lens = case[:2]
+    _w1_mosaic_vs_triton_and_default(monkeypatch, case, scale=1.0 / int(lens.max()))
     small = lens[:16]
     ts = int(-(-small.sum() // 128) * 128)
     q, k, v, qo, ko = make_case(small, small, ts, ts, 2, 128, seed=2)

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.common import floor_by_truncation, rope_angle
+from kernels.mosaic_flash import mma_from
 
 F32 = jnp.float32
 LOG2E = 1.4426950408889634
@@ -111,12 +112,7 @@ def _kernel(start_ref, len_ref, wlen_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
         p16 = pr.astype(dt)
 
         def pv(acc):
-            if p_smem is None:
-                plgpu.wgmma(acc, p16, vs)
-            else:
-                p_smem[...] = p16
-                plgpu.commit_smem()
-                plgpu.wgmma(acc, p_smem, vs)
+            mma_from(acc, p16, p_smem, vs)    # P from registers (staged in interpret mode)
             return acc[...]
         o = pl.run_scoped(pv, plgpu.ACC((block, d), F32))
         o = o / lax.broadcast_in_dim(jnp.where(l > 0.0, l, 1.0), (block, d), [0])
