@@ -67,9 +67,8 @@ class FlashConfig:
     # GPU dQ and dK/dV kernels, kernels/mosaic_flash.py run_backward, where they apply:
     # flash_backward; Triton elsewhere)
     backward: str = "triton"
-    # MosaicConfig overrides, ((knob, value), ...), for the Mosaic forward and backward
-    # (benchmarks and tests: e.g. (("fused_delta", True),))
-    mosaic_fwd: tuple = ()
+    # MosaicConfig overrides, ((knob, value), ...), for the Mosaic backward (benchmarks
+    # and tests: e.g. (("fused_delta", True),))
     mosaic_bwd: tuple = ()
 
 

@@ -69,8 +69,8 @@ consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrie
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
 Triton launch, `pallas_layout`, instead of XLA ops); the backward's dq_block_kv,
-fused_delta and dkv_overlap (MosaicConfig's comments; FlashConfig.mosaic_fwd /
-mosaic_bwd pass knobs through jagged_flash). Shared memory over the 227 KB budget
+fused_delta and dkv_overlap (MosaicConfig's comments; FlashConfig.mosaic_bwd passes
+them through jagged_flash). Shared memory over the 227 KB budget
 fails at lowering ("exceeds available shared memory").
 
 `interpret=True` (or an InterpretGPUParams) runs the kernel in Mosaic GPU's
@@ -976,7 +976,7 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
         return None
     try:
         cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
-                            scale=flash_cfg.scale, **dict(flash_cfg.mosaic_fwd))
+                            scale=flash_cfg.scale)
     except NotImplementedError:
         return None
     if tq % cfg.cta_rows or tk % cfg.block_kv:

@@ -707,7 +707,7 @@ def _engines_grads(mode, q, k, v, qo, ko, w, engine, **kw):
     ("triton" / "mosaic"), or the jnp reference (engine None)."""
     from kernels.gdpa.pallas import gdpa_pallas
     from kernels.jagged_attention.pallas import jagged_attention_pallas
-    if engine is None:   # the Mosaic engines' knobs (mosaic_fwd / mosaic_bwd) do not apply
+    if engine is None:   # the Mosaic backward's knobs (mosaic_bwd) do not apply
         kw = {key: val for key, val in kw.items() if not key.startswith("mosaic_")}
         f = ((lambda q, k, v: jagged_attention_reference(q, k, v, qo, ko, **kw)) if mode == "softmax"
              else (lambda q, k, v: gdpa_reference(q, k, v, qo, ko, **kw)))
