@@ -46,8 +46,8 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_list("rows", [], "time only the rows whose name contains one of these (empty: all)")
-flags.DEFINE_list("mosaic_bwd_variants", ["fused_delta=1", "dkv_overlap=1",
-                                          "fused_delta=1+dkv_overlap=1"],
+flags.DEFINE_list("mosaic_bwd_variants", ["fused_delta=1", "overlap_dp=1",
+                                          "fused_delta=1+overlap_dp=1"],
                   "W1: extra Mosaic forward + backward rows (softmax and GDPA) with these "
                   "MosaicConfig knobs for the backward, knob=int joined by '+'")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")

@@ -69,7 +69,7 @@ consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrie
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
 Triton launch, `pallas_layout`, instead of XLA ops); the backward's dq_block_kv,
-fused_delta and dkv_overlap (MosaicConfig's comments; FlashConfig.mosaic_bwd passes
+fused_delta and overlap_dp (MosaicConfig's comments; FlashConfig.mosaic_bwd passes
 them through jagged_flash). Shared memory over the 227 KB budget
 fails at lowering ("exceeds available shared memory").
 
@@ -126,8 +126,9 @@ class MosaicConfig:
                                     # block_kv, the dK / dV kernel's streamed query tile)
     fused_delta: bool = False     # softmax backward: delta = rowsum(O dO) in the dQ kernel
                                   # (which writes it for dK / dV) instead of an XLA reduce
-    dkv_overlap: bool = False     # dK / dV step: S^T, P^T, then dV's wgmma issued with
-                                  # dP^T's (one wait; jax's attention_mgpu order), then dK
+    overlap_dp: bool = False      # backward step: dP's wgmma issued right after S's wait,
+                                  # what needs S alone (P; dV's wgmma in dK / dV) done
+                                  # while it runs, one wait, then dS and its wgmma
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -480,9 +481,24 @@ def _grad_ds(cfg, s, p, dp, delta, valid, transposed):
     """dS of one tile from s, its P (_grad_p) and dP: softmax P (dP - delta) scale
     (P's masked zeros carry over), gdpa dP act'(s) scale, masked pairs 0."""
     if cfg.mode == "softmax":
-        return p * (dp - _along_queries(delta, s.shape, transposed)) * cfg.scale
+        return _ds_apply(cfg, p, dp, delta, transposed)
     ds = dp * activation_grad_times_scale(s, cfg.activation, cfg.scale)
     return ds if valid is None else jnp.where(valid, ds, 0.0)
+
+
+def _ds_factor(cfg, s, p, valid):
+    """What dS takes from S alone: softmax P (masked), gdpa act'(s) scale (masked 0)."""
+    if cfg.mode == "softmax":
+        return p
+    f = activation_grad_times_scale(s, cfg.activation, cfg.scale)
+    return f if valid is None else jnp.where(valid, f, 0.0)
+
+
+def _ds_apply(cfg, factor, dp, delta, transposed):
+    """dS from _ds_factor's factor and dP: softmax factor (dP - delta) scale, gdpa dP factor."""
+    if cfg.mode == "softmax":
+        return factor * (dp - _along_queries(delta, dp.shape, transposed)) * cfg.scale
+    return dp * factor
 
 
 def _along_queries(x, shape, transposed):
@@ -618,7 +634,19 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                if kind != "skip":
+                if kind != "skip" and cfg.overlap_dp:
+                    s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
+                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+
+                    def overlapped(dp_ref):
+                        plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))  # dO V^T
+                        p = _grad_p(cfg, s, lse, valid, False) if cfg.mode == "softmax" else None
+                        return _ds_factor(cfg, s, p, valid), dp_ref[...]   # factor: while dP runs
+                    factor, dp = pl.run_scoped(overlapped, plgpu.ACC((bq, bk), F32))
+                    ds = _ds_apply(cfg, factor, dp, delta, False)
+                    mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
+                    plgpu.wgmma_wait(0)
+                elif kind != "skip":
                     s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
                     dp = _scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
                     valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
@@ -684,17 +712,16 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     lse, delta = load(lse_ref.at[head, cols]), load(delta_ref.at[head, cols])
                 plgpu.barrier_wait(q_bar.at[slot])
                 plgpu.barrier_wait(do_bar.at[slot])
-                if kind != "skip" and cfg.dkv_overlap:
-                    # S^T, then P^T, then dV += P^T dO issued with dP^T = V dO^T (one wait)
+                if kind != "skip" and cfg.overlap_dp:
                     st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
                     valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
-                    pt = _grad_p(cfg, st, lse, valid, True)
 
-                    def dv_and_dpt(dpt_ref):
+                    def overlapped(dpt_ref):
+                        plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))  # dP^T
+                        pt = _grad_p(cfg, st, lse, valid, True)       # while dP^T runs
                         mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])
-                        plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))
-                        return dpt_ref[...]                           # waits for both
-                    dpt = pl.run_scoped(dv_and_dpt, plgpu.ACC((bq, bk), F32))
+                        return pt, dpt_ref[...]                       # waits for both
+                    pt, dpt = pl.run_scoped(overlapped, plgpu.ACC((bq, bk), F32))
                     dst = _grad_ds(cfg, st, pt, dpt, delta, valid, True)
                     mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
                     plgpu.wgmma_wait(0)

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 def test_variant_specs():
     from attention_workloads import parse_variant
     assert parse_variant("gdpa_triton") == ("gdpa", "triton", ())
-    assert parse_variant("softmax_mosaic[fused_delta=1+dkv_overlap=1]") == (
-        "softmax", "mosaic", (("dkv_overlap", True), ("fused_delta", True)))
+    assert parse_variant("softmax_mosaic[fused_delta=1+overlap_dp=1]") == (
+        "softmax", "mosaic", (("fused_delta", True), ("overlap_dp", True)))
     assert parse_variant("gdpa_mosaic[dq_block_kv=128]") == (
         "gdpa", "mosaic", (("dq_block_kv", 128),))
     for bad in ("block_mosaic", "gdpa_cudnn", "softmax_mosaic[fused_delta=1", "gdpa_mosaic[x]"):
