@@ -11,7 +11,7 @@
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
 #   triton_report the compiler's resource report of every kernel (experiments/triton_report.py) (~1)
 #   mosaic       the Mosaic GPU kernels (kernels/mosaic_flash.py: GDPA and softmax, forward and
-#                backward; kernels/block_attention/mosaic.py: the BlockAttention forward):
+#                backward):
 #                their gpu tests (with block_attention's) over 3 pytest processes (~10 min
 #                serial), experiments/bench_gdpa_mosaic.py's sweeps against the Triton
 #                forwards on W1 (GDPA, then softmax), kernel_times.py (each kernel's device
@@ -55,13 +55,14 @@ for s in "$@"; do
     case $s in
     kernels)
         section kernel_tests 180 $PY -m pytest -m gpu -q -rfE tests/test_kernels_block_attention.py \
-            tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py
+            tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py \
+            tests/test_kernels_fused_backward.py
         section kernel_bench 300 $PY experiments/bench_attention.py --workloads=W4,W1,W2,W3 --sweep \
             --sweep_budget_s=40 --sweep_deadline_s=160 --out "$OUT/bench_attention.json" ;;
     kernel_tests_par)
         # the gpu-marked kernel tests split over PAR (default 3) pytest processes sharing the
         # GPU: Triton compiles are CPU-bound, so they overlap
-        KT=${KT:-tests/test_kernels_block_attention.py tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py}
+        KT=${KT:-tests/test_kernels_block_attention.py tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py tests/test_kernels_fused_backward.py}
         # KT_SHARD=i/n keeps every n-th test from the i-th (e.g. one shard per GPU); files
         # under $OUT/$KT_TAG* (default kernel)
         T="$OUT/${KT_TAG:-kernel}"
@@ -93,7 +94,7 @@ for s in "$@"; do
         section mosaic_bench_softmax 90 $PY experiments/bench_gdpa_mosaic.py --mode=softmax --sweep \
             --sweep_deadline_s=50 --out="$OUT/bench_gdpa_mosaic_softmax.json"
         section kernel_times 120 $PY experiments/kernel_times.py --out="$OUT/kernel_times.json" \
-            --variants="softmax_mosaic,softmax_mosaic[fused_delta=1],softmax_mosaic[overlap_dp=1],softmax_mosaic[fused_delta=1+overlap_dp=1],gdpa_mosaic,gdpa_mosaic[overlap_dp=1]"
+            --variants="softmax_mosaic,softmax_mosaic[fused_delta=0],softmax_mosaic[overlap_dp=1],gdpa_mosaic,gdpa_mosaic[overlap_dp=1]"
         section mosaic_w1_w4 240 $PY experiments/bench_attention.py --workloads=W1,W4 \
             --rows=mosaic,cudnn,pallas_softmax,pallas_gdpa_silu,block,softmax_W1 \
             --out="$OUT/bench_attention_w1_w4.json" ;;

@@ -152,24 +152,17 @@ def rope_freq_parts(d, theta):
     return (f1, f2, f3), (float(c1), float(c2), float(c3))
 
 
-def rope_angle(p, f1, f2, f3, cs, floor=jnp.floor):
+def rope_angle(p, f1, f2, f3, cs):
     """Angle pos * freq reduced to about [-pi, pi] (Cody-Waite), float32.
 
     p [..., 1] float32 integer-valued positions, f1/f2/f3 [1, D/2] from
     rope_freq_parts, cs = its (c1, c2, c3). Written with ops the Pallas Triton
-    lowering has (floor, not round), so kernels share it; `floor` for a backend
-    without one (floor_by_truncation).
+    lowering has (floor, not round), so kernels share it.
     """
     c1, c2, c3 = (np.float32(c) for c in cs)
     a1, a2 = p * f1, p * f2                                 # exact for pos < 2^16
-    n = floor((a1 + a2) * np.float32(1 / (2 * np.pi)) + np.float32(0.5))
+    n = jnp.floor((a1 + a2) * np.float32(1 / (2 * np.pi)) + np.float32(0.5))
     return (((a1 - n * c1) - n * c2) + a2) - n * c3 + p * f3
-
-
-def floor_by_truncation(x):
-    """floor(x) for float32 |x| < 2^31 through an int32 cast (Pallas Mosaic GPU has no floor)."""
-    t = x.astype(jnp.int32).astype(jnp.float32)
-    return t - jnp.where(t > x, 1.0, 0.0)
 
 
 def rope_tables(positions, d, theta):

@@ -17,14 +17,18 @@ back before storing: the RoPE backward is fused. GDPA silu / gelu_tanh can run
 through tanh.approx (fast_act, for 16-bit inputs).
 
 Backward: dQ kernel (grid over query tiles) and dK/dV kernel (grid over key
-tiles) are separate, no atomics. Softmax needs delta = rowsum(dO * O), computed
-in XLA. Triton dots need every dim >= 16, so tiles are >= 16 and D (D/2 with
-rope) must be a multiple of 16.
+tiles), no atomics; where the query side is short (at most SHORT_SIDE tokens per
+sample: PMA's 16 learned queries) the dK/dV kernel does all of it instead
+(`fused_bwd`), adding dQ shares into a float32 buffer with atomics, so the long
+K/V side is read once. Softmax needs delta = rowsum(dO * O), computed in XLA.
+Triton dots need every dim >= 16, so tiles are >= 16 and D (D/2 with rope) must
+be a multiple of 16.
 """
 
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +40,10 @@ from kernels.common import key_layout, rope_tables, segment_layout
 
 F32 = jnp.float32
 PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
+# Tokens per sample (capacity / B) at or below which a side counts as short: tiles over
+# the other side launch in order (one or two tiles of inner loop each, no sort), and a
+# short query side gets the fused backward (fused_bwd="auto": "k").
+SHORT_SIDE = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +78,12 @@ class FlashConfig:
     # MosaicConfig overrides, ((knob, value), ...), for the Mosaic backward (benchmarks
     # and tests: e.g. (("fused_delta", True),))
     mosaic_bwd: tuple = ()
+    # Triton backward as one kernel: "k" (grid over key tiles: dK / dV stored, dQ shares
+    # added into a float32 buffer by atomics; for short query sides), "q" (over query
+    # tiles, dK / dV by atomics; measured slower), "off" (the dQ and dK/dV kernels),
+    # "auto" (fused_backward_side: "k" for short query sides, else off; off with RoPE or
+    # when XLA_FLAGS asks for deterministic ops: atomics add in no fixed order)
+    fused_bwd: str = "auto"
 
 
 # ----------------------------------------------------------------------------- math
@@ -301,8 +315,10 @@ def _probs_and_dscores(cfg, s, m, lse, delta, dp):
 
 
 def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref, cq_ref,
-               sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               cfg):
+               sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               dk_ref=None, dv_ref=None, *, cfg):
+    """dQ of one query tile; with dk_ref / dv_ref (float32, fused_bwd="q") also each key
+    tile's dK / dV shares, added atomically (no RoPE there)."""
     i = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
@@ -319,8 +335,11 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref
         m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
         s = _scores(qparts, kparts)
         dp = _dot_nt(do, v_ref[rows, :])
-        _, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
+        p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
         ds = ds.astype(kparts[0].dtype)
+        if dk_ref is not None:
+            plgpu.atomic_add(dv_ref, (rows, slice(None)), _dot_tn(p.astype(do.dtype), do))
+            plgpu.atomic_add(dk_ref, (rows, slice(None)), _dot_tn(ds, qparts[0]))
         return tuple(a + _dot_nn(ds, kp) for a, kp in zip(acc, kparts))
 
     init = tuple(jnp.zeros(p.shape, F32) for p in qparts)
@@ -330,7 +349,9 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref
 
 def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
                 cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, cfg):
+                dk_ref, dv_ref, dq_ref=None, *, cfg):
+    """dK, dV of one key tile; with dq_ref (float32, fused_bwd="k") also each query
+    tile's dQ share, added atomically (no RoPE there)."""
     j = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
     krows = pl.ds(j * bk, bk)
@@ -352,6 +373,8 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
         p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
         dv = dv + _dot_tn(p.astype(do.dtype), do)
         ds = ds.astype(qparts[0].dtype)
+        if dq_ref is not None:
+            plgpu.atomic_add(dq_ref, (rows, slice(None)), _dot_nn(ds, kparts[0]))
         return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
 
     init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
@@ -472,6 +495,8 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
     if softmax:
         delta = softmax_delta(o, do)
         stats, stat_specs = [lse, delta], [_stat_spec(tq)] * 2
+    if cfg.fused_bwd in ("q", "k"):
+        return _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs)
 
     nq = tq // cfg.bq
     dq = pl.pallas_call(
@@ -491,6 +516,47 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
         name=f"jagged_flash_dkv_{cfg.mode}",
     )(*_inputs(lay, q, k, v, False), do, *stats)
     return dq, dk, dv
+
+
+def _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs):
+    """The whole backward in one kernel (cfg.fused_bwd "k": the dK/dV kernel, dQ by
+    atomics; "q": the dQ kernel over query tiles, dK / dV by atomics). The atomic
+    outputs are float32 buffers aliased to zeros, cast at the end."""
+    tq, h, d = q.shape
+    tk = k.shape[0]
+    over_q = cfg.fused_bwd == "q"
+    ins = _inputs(lay, q, k, v, over_q)
+    n_atomic = 2 if over_q else 1
+    t_atomic, t_plain = (tk, tq) if over_q else (tq, tk)
+    zeros = [jnp.zeros((t_atomic, h, d), F32) for _ in range(n_atomic)]
+    base = _dq_kernel if over_q else _dkv_kernel
+    n_plain = 1 if over_q else 2
+
+    def kernel(*refs, cfg):
+        # _adapt's order: 9 layout refs, 4 cos / sin (None), q, k, v, then do, the zero
+        # buffers (aliased by the atomic outputs, not read), lse, delta (None), outputs
+        lse_delta = refs[17 + n_atomic:19 + n_atomic]
+        base(*refs[:17], *lse_delta, *refs[19 + n_atomic:], cfg=cfg)
+
+    ntile = tq // cfg.bq if over_q else tk // cfg.bk_dkv
+    alias = {len(ins) + 1 + i: n_plain + i for i in range(n_atomic)}
+    outs = pl.pallas_call(
+        _adapt(kernel, cfg, 1 + n_atomic, cfg.mode == "softmax", n_plain + n_atomic),
+        grid=(ntile, h),
+        in_specs=(_specs(cfg, tq, tk, d, ntile) + [_x_spec(tq, d)]
+                  + [_x_spec(t_atomic, d)] * n_atomic + stat_specs),
+        out_specs=[_x_spec(t_plain, d)] * n_plain + [_x_spec(t_atomic, d)] * n_atomic,
+        out_shape=([jax.ShapeDtypeStruct((t_plain, h, d), q.dtype)] * n_plain
+                   + [jax.ShapeDtypeStruct((t_atomic, h, d), F32)] * n_atomic),
+        input_output_aliases=alias,
+        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        name=f"jagged_flash_bwd_fused_{cfg.fused_bwd}_{cfg.mode}",
+    )(*ins, do, *zeros, *stats)
+    if over_q:
+        dq, dk, dv = outs
+        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+    dk, dv, dq = outs
+    return dq.astype(q.dtype), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -623,13 +689,16 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
                 qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb, k_start=ka, k_end=kb,
                 q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
                 q_flo=q_flo, q_fhi=q_fhi, k_flo=k_flo, k_fhi=k_fhi,
-                q_perm=_heaviest_first(q_lo, q_hi, cfg), k_perm=_heaviest_first(k_lo, k_hi, cfg),
+                q_perm=_heaviest_first(q_lo, q_hi, cfg, short=tk <= SHORT_SIDE * b),
+                k_perm=_heaviest_first(k_lo, k_hi, cfg, short=tq <= SHORT_SIDE * b),
                 cos=cos, sin=sin)
 
 
-def _heaviest_first(lo, hi, cfg):
-    """Tile launch order: most inner-loop work first (shorter tail of long samples)."""
-    if not cfg.heavy_first:
+def _heaviest_first(lo, hi, cfg, short=False):
+    """Tile launch order: most inner-loop work first (shorter tail of long samples).
+    In order where the inner loop runs over a short side (at most SHORT_SIDE tokens per
+    sample: one or two tiles for every tile, nothing to balance), saving the sort."""
+    if not cfg.heavy_first or short:
         return jnp.arange(lo.shape[0], dtype=jnp.int32)
     return jnp.argsort(lo - hi, stable=True).astype(jnp.int32)
 
@@ -660,6 +729,29 @@ def adapt_tiles(cfg, tq, tk, b, dtype):
     return dataclasses.replace(cfg, **r)
 
 
+def fused_backward_side(cfg, tq, tk, b):
+    """cfg.fused_bwd resolved for capacities tq / tk and B samples: "q", "k" or "off".
+
+    "auto": "k" where queries per sample are at most SHORT_SIDE (PMA's 16: W3 on an
+    H200, one fused kernel 0.413 ms against dK/dV 0.296 + dQ 0.161), else "off". Never
+    "q": on W2 (32 keys per sample) its atomics onto the few key rows every query tile of
+    a sample shares measured 0.445 ms against dQ 0.106 + dK/dV 0.132. Also "off" with
+    RoPE or under XLA_FLAGS=--xla_gpu_deterministic_ops=true (the atomics add in no
+    fixed order, so the gradients are not bitwise reproducible).
+    """
+    if cfg.fused_bwd not in ("auto", "off", "q", "k"):
+        raise ValueError(f"pallas attention: fused_bwd must be 'auto', 'off', 'q' or 'k', "
+                         f"got {cfg.fused_bwd!r}")
+    if cfg.fused_bwd != "auto":
+        if cfg.rope and cfg.fused_bwd != "off":
+            raise ValueError("pallas attention: fused_bwd 'q' / 'k' does not take RoPE; "
+                             "use 'off' or 'auto'")
+        return cfg.fused_bwd
+    if cfg.rope or "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""):
+        return "off"
+    return "k" if tq <= SHORT_SIDE * max(b, 1) else "off"
+
+
 def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_theta=None):
     """q [Tq,H,D], k/v [Tk,H,D], offsets [B+1] -> [Tq,H,D] in q.dtype; differentiable.
 
@@ -669,6 +761,8 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
     tq, h, d = q.shape
     tk = k.shape[0]
     cfg = adapt_tiles(cfg, tq, tk, q_offsets.shape[0] - 1, q.dtype)
+    cfg = dataclasses.replace(cfg, fused_bwd=fused_backward_side(cfg, tq, tk,
+                                                                 q_offsets.shape[0] - 1))
     step = 16 * (2 if cfg.rope else 1)
     if d % step:
         raise ValueError(f"pallas attention: head dim D={d} must be a multiple of {step} "

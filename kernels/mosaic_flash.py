@@ -1017,7 +1017,12 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
 # could take 128 keys (dq_block_kv=128), but measured slower on W1 (H200, same run:
 # 0.337 vs 0.310 ms GDPA, 0.293 vs 0.281 softmax). The producer needs few
 # registers: 240 / 24 (FA3's split for its backward) leaves the consumers the most.
-BACKWARD_TUNING = dict(block_kv=64, consumer_registers=240, producer_registers=24)
+# fused_delta (softmax): W1 on an H200, CUPTI device time of the whole forward + backward
+# 0.970 vs 0.980 ms (the XLA delta reduce, 0.025 ms, gone; dQ 0.013 ms longer), wall
+# 1.009 vs 1.012 ms. overlap_dp measured slower (dK / dV 0.441 vs 0.400 ms softmax,
+# 0.425 vs 0.391 GDPA): off. (kernels/NOTES.md, session 7.)
+BACKWARD_TUNING = dict(block_kv=64, consumer_registers=240, producer_registers=24,
+                       fused_delta=True)
 
 
 def flash_backward(flash_cfg, dtype, d, tq, tk):

@@ -760,13 +760,16 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
 
 @pytest.mark.parametrize("mode", ["softmax", "gdpa"])
 @pytest.mark.parametrize("d,tuning", [(64, {}), (128, {}), (128, dict(p_via_smem=True)),
-                                      (128, dict(dq_block_kv=128)), (64, dict(fused_delta=True)),
-                                      (128, dict(fused_delta=True)), (128, dict(overlap_dp=True)),
-                                      (64, dict(overlap_dp=True, fused_delta=True))])
+                                      (128, dict(dq_block_kv=128, fused_delta=False)),
+                                      (64, dict(fused_delta=False)),
+                                      (128, dict(fused_delta=False)), (128, dict(overlap_dp=True)),
+                                      (64, dict(overlap_dp=True, fused_delta=False))])
 def test_backward_exports_for_cuda(mode, d, tuning):
     """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower;
-    the dQ kernel with 64-key (default) and 128-key tiles, computing delta from O
-    (fused_delta: O's tile beside Q and dO, delta's TMA store), overlap_dp in both kernels."""
+    the dQ kernel with 64-key (default) and 128-key tiles (with fused_delta off: O's tile
+    does not fit beside them at D = 128), computing delta from O (fused_delta, the
+    default: O's tile beside Q and dO, delta's TMA store) or reading it, overlap_dp in
+    both kernels."""
     from kernels.jagged_flash import FlashConfig, build_layout
     from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
     cfg = mosaic_config(d, jnp.bfloat16, mode=mode, activation="gelu", scale=0.1,
@@ -783,17 +786,17 @@ def test_backward_exports_for_cuda(mode, d, tuning):
 
 
 # (knobs, case index in BACKWARD_CASES): the backward's optional knobs on tile-edge cases
-KNOB_CASES = [(dict(fused_delta=True), 0), (dict(fused_delta=True), 1),
+KNOB_CASES = [(dict(fused_delta=False), 0), (dict(fused_delta=False), 1),
               (dict(overlap_dp=True), 0), (dict(overlap_dp=True), 2),
               (dict(overlap_dp=True), 3), (dict(overlap_dp=True), 4),
-              (dict(overlap_dp=True, fused_delta=True), 1)]
+              (dict(overlap_dp=True, fused_delta=False), 1)]
 
 
 @pytest.mark.parametrize("knobs,i", KNOB_CASES,
                          ids=[f"{'+'.join(kn)}-{BACKWARD_IDS[i]}" for kn, i in KNOB_CASES])
 def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard, monkeypatch):
-    """mosaic_bwd knobs: fused_delta (delta = rowsum(O dO) in the dQ kernel, no XLA
-    reduce) and overlap_dp (dP's wgmma overlapping the work on S), the same gradients as the
+    """mosaic_bwd knobs: fused_delta off (delta = rowsum(O dO) by an XLA reduce, not in
+    the dQ kernel) and overlap_dp (dP's wgmma overlapping the work on S), the same gradients as the
     reference; the kernels really ran with them."""
     _check_backward_knobs(knobs, i, monkeypatch)
 
@@ -857,13 +860,13 @@ def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
 @pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs"])
 def test_gpu_backward_on_w1_lengths(mode):
     """W1 lengths, bf16, H=4, D=128: the Mosaic forward + backward vs the Triton engines,
-    and on a 16-sample slice vs the f32 reference (also with the knobs fused_delta and
-    overlap_dp)."""
+    and on a 16-sample slice vs the f32 reference (also with the knobs overlap_dp on and
+    fused_delta off: delta from an XLA reduce)."""
     _require_gpu()
     mode, _, knobs = mode.partition("_")
     kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
     if knobs:
-        kw["mosaic_bwd"] = (("overlap_dp", True), ("fused_delta", True))
+        kw["mosaic_bwd"] = (("overlap_dp", True), ("fused_delta", False))
     rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)

@@ -46,10 +46,8 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128): forward 4 warps,
 # 2 stages, 2 blocks per program (0.114 ms); backward 4 warps, 1 stage, 1 block (0.246 ms
 # forward+backward).
-# forward: "triton" (the kernel here) or "mosaic" (kernels/block_attention/mosaic.py: TMA,
-# wgmma; Hopper, block 64, D 64 / 128, 16-bit; else this kernel), the backward always here.
 BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=2, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True, forward="triton")
+                   group_bwd=1, fast_trig=True)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
 # jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
 ENGINE = "per_block"
@@ -241,19 +239,7 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _block_attn(cfg, q, k, v, tab, pos, freqs):
-    block, knobs, interpret, scale, cs = cfg
-    if knobs["forward"] == "mosaic" and _mosaic_applies(block, q, interpret):
-        from kernels.block_attention.mosaic import block_mosaic_forward
-        pos = jnp.pad(pos, (0, block))     # each block's window reads `block` positions
-        return block_mosaic_forward(q, k, v, tab, pos, freqs, block=block, scale=scale, cs=cs,
-                                    group=knobs["group"], interpret=interpret)
     return _call(_fwd_kernel, 1, cfg, tab, pos, freqs, (q, k, v), False)[0]
-
-
-def _mosaic_applies(block, q, interpret):
-    from kernels.block_attention.mosaic import supports
-    from kernels.mosaic_flash import is_hopper
-    return supports(block, q.shape[-1], q.dtype) and (interpret or is_hopper())
 
 
 def _block_attn_fwd(cfg, q, k, v, tab, pos, freqs):
@@ -301,9 +287,6 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
                          f"{MAX_PADDED['block_attention']} or a power of two >= 16 (RoPE works on "
                          "halves, each zero-padded to a power of two; Triton block shapes); "
                          "use impl='reference'")
-    if knobs.get("forward", "triton") not in ("triton", "mosaic"):
-        raise ValueError(f"block_attention_pallas: forward must be 'triton' or 'mosaic', got "
-                         f"{knobs['forward']!r}")
     unknown = set(knobs) - set(BLOCK_KNOBS)
     if unknown:
         raise ValueError(f"block_attention_pallas: unknown knobs {sorted(unknown)} for the "
