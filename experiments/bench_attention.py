@@ -222,15 +222,17 @@ def run_workload(wname, rng):
     rows.append(measure("pallas_softmax", fwd_and_train(
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
-    if kind != "self":   # the fused backward's other setting beside the default
-        alt = "q" if kind == "cross" else "off"   # default: off on W2, "k" on W3
-        rows.append(measure(f"pallas_gdpa_{act}_fused_bwd_{alt}", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        fused_bwd=alt)), args, flops, bytes_fwd, bytes_bwd,
-            only="fwd_bwd"))
-        rows.append(measure(f"pallas_softmax_fused_bwd_{alt}", fwd_and_train(
-            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, fused_bwd=alt)), args,
-            flops, bytes_fwd, bytes_bwd, only="fwd_bwd"))
+    if kind != "self":   # the fused backward's other settings beside the default
+        # (default: off on W2, "k" on W3; "*_rows": no atomics)
+        for alt in {"cross": ("q", "k_rows"), "pma": ("off", "q_rows")}[kind]:
+            rows.append(measure(f"pallas_gdpa_{act}_fused_bwd_{alt}", fwd_and_train(
+                lambda q, k, v, alt=alt: gdpa_pallas(q, k, v, qo, ko, activation=act,
+                                                     scale=scale, fused_bwd=alt)),
+                args, flops, bytes_fwd, bytes_bwd, only="fwd_bwd"))
+            rows.append(measure(f"pallas_softmax_fused_bwd_{alt}", fwd_and_train(
+                lambda q, k, v, alt=alt: jagged_attention_pallas(q, k, v, qo, ko,
+                                                                 fused_bwd=alt)),
+                args, flops, bytes_fwd, bytes_bwd, only="fwd_bwd"))
     if kind == "self" and jax.default_backend() == "gpu":
         rows.append(measure("mosaic_fwd_softmax", fwd_and_train(
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic")), args,

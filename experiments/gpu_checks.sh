@@ -18,6 +18,9 @@
 #                time with the Mosaic backward's knobs), then bench_attention on W1 and W4
 #                (Triton vs Mosaic, cuDNN, the Mosaic backward's knobs side by side) (~14);
 #                its halves mosaic_tests (~5) and mosaic_bench (~9) fit one GPU each
+#   fused_bwd    the Triton fused backwards (kernels/jagged_flash.py fused_bwd: atomic "k" / "q",
+#                no-atomics "k_rows" / "q_rows"): their gpu tests, then bench_attention on W2
+#                and W3 with every setting side by side (~4)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
@@ -98,6 +101,10 @@ for s in "$@"; do
         section mosaic_w1_w4 240 $PY experiments/bench_attention.py --workloads=W1,W4 \
             --rows=mosaic,cudnn,pallas_softmax,pallas_gdpa_silu,block,softmax_W1 \
             --out="$OUT/bench_attention_w1_w4.json" ;;
+    fused_bwd)
+        section fused_bwd_tests 240 $PY -m pytest -m gpu -q -rfE tests/test_kernels_fused_backward.py
+        section fused_bwd_bench 200 $PY experiments/bench_attention.py --workloads=W2,W3 --nobaselines \
+            --out="$OUT/bench_attention_w2_w3.json" ;;
     teacher_h200)
         # the full teacher at the h200 preset through the standard train script
         section teacher_h200 330 $PY experiments/train.py --config=h200 --steps=${TEACHER_STEPS:-200} \
@@ -143,6 +150,6 @@ for s in "$@"; do
             --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
             --table_only --out="$OUT/ablate.json" ;;
     *)
-        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench fused_bwd teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
     esac
 done

@@ -44,6 +44,7 @@ PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
 # the other side launch in order (one or two tiles of inner loop each, no sort), and a
 # short query side gets the fused backward (fused_bwd="auto": "k").
 SHORT_SIDE = 32
+FUSED_BWD = ("auto", "off", "q", "k", "q_rows", "k_rows")   # FlashConfig.fused_bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +79,13 @@ class FlashConfig:
     # MosaicConfig overrides, ((knob, value), ...), for the Mosaic backward (benchmarks
     # and tests: e.g. (("fused_delta", True),))
     mosaic_bwd: tuple = ()
-    # Triton backward as one kernel: "k" (grid over key tiles: dK / dV stored, dQ shares
-    # added into a float32 buffer by atomics; for short query sides), "q" (over query
-    # tiles, dK / dV by atomics; measured slower), "off" (the dQ and dK/dV kernels),
-    # "auto" (fused_backward_side: "k" for short query sides, else off; off with RoPE or
-    # when XLA_FLAGS asks for deterministic ops: atomics add in no fixed order)
+    # Triton backward, FUSED_BWD: "k" (one kernel over key tiles: dK / dV stored, dQ
+    # shares added into a float32 buffer by atomics; for short query sides), "q" (over
+    # query tiles, dK / dV by atomics; measured slower), "k_rows" / "q_rows" (no atomics:
+    # rows of one side whose whole interval lies in one tile of the other get their
+    # gradient from that tile's program, the rest from their own kernel; not yet timed),
+    # "off" (the dQ and dK/dV kernels), "auto" (fused_backward_side: "k" for short query
+    # sides, else off; off with RoPE or when XLA_FLAGS asks for deterministic ops)
     fused_bwd: str = "auto"
 
 
@@ -316,71 +319,122 @@ def _probs_and_dscores(cfg, s, m, lse, delta, dp):
 
 def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref, cq_ref,
                sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               dk_ref=None, dv_ref=None, *, cfg):
-    """dQ of one query tile; with dk_ref / dv_ref (float32, fused_bwd="q") also each key
-    tile's dK / dV shares, added atomically (no RoPE there)."""
+               dk_ref=None, dv_ref=None, *, cfg, other_own=None, own=None, need=None):
+    """dQ of one query tile. With dk_ref / dv_ref (fused_bwd "q" / "q_rows", no RoPE) also
+    each key tile's dK / dV: "q" adds the shares atomically (float32 buffers), "q_rows"
+    stores the key rows other_own assigns to this query tile (all their queries are in
+    it). With own / need ("k_rows": the dK/dV kernel stores the rest) only the rows own
+    marks -1, and only tiles need marks run the key loop (else their rows get zeros)."""
     i = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
-    qs, qpos = qs_ref[qrows], qp_ref[qrows]
-    cs_q = _load_cs(cq_ref, sq_ref, qrows, cfg)
-    qparts = _load_parts(q_ref, qrows, cs_q, cfg)
-    do = do_ref[qrows, :]
-    lse = lse_ref[qrows] if lse_ref is not None else None
-    delta = delta_ref[qrows] if delta_ref is not None else None
 
-    def body(j, acc, masked):
-        rows = pl.ds(j * bk, bk)
-        kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
-        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
-        s = _scores(qparts, kparts)
-        dp = _dot_nt(do, v_ref[rows, :])
-        p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
-        ds = ds.astype(kparts[0].dtype)
-        if dk_ref is not None:
-            plgpu.atomic_add(dv_ref, (rows, slice(None)), _dot_tn(p.astype(do.dtype), do))
-            plgpu.atomic_add(dk_ref, (rows, slice(None)), _dot_tn(ds, qparts[0]))
-        return tuple(a + _dot_nn(ds, kp) for a, kp in zip(acc, kparts))
+    def compute():
+        qs, qpos = qs_ref[qrows], qp_ref[qrows]
+        cs_q = _load_cs(cq_ref, sq_ref, qrows, cfg)
+        qparts = _load_parts(q_ref, qrows, cs_q, cfg)
+        do = do_ref[qrows, :]
+        lse = lse_ref[qrows] if lse_ref is not None else None
+        delta = delta_ref[qrows] if delta_ref is not None else None
 
-    init = tuple(jnp.zeros(p.shape, F32) for p in qparts)
-    acc = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, init, cfg)
-    _store_parts(dq_ref, qrows, acc, cs_q, cfg)
+        def body(j, acc, masked):
+            rows = pl.ds(j * bk, bk)
+            kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
+            m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
+            s = _scores(qparts, kparts)
+            dp = _dot_nt(do, v_ref[rows, :])
+            p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
+            ds = ds.astype(kparts[0].dtype)
+            if dk_ref is not None and other_own is None:
+                plgpu.atomic_add(dv_ref, (rows, slice(None)), _dot_tn(p.astype(do.dtype), do))
+                plgpu.atomic_add(dk_ref, (rows, slice(None)), _dot_tn(ds, qparts[0]))
+            elif dk_ref is not None:
+                mine = other_own[rows] == i
+                _store_rows(dv_ref, rows, _dot_tn(p.astype(do.dtype), do), mine)
+                _store_rows(dk_ref, rows, _dot_tn(ds, qparts[0]), mine)
+            return tuple(a + _dot_nn(ds, kp) for a, kp in zip(acc, kparts))
+
+        init = tuple(jnp.zeros(p.shape, F32) for p in qparts)
+        acc = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, init, cfg)
+        if own is None:
+            _store_parts(dq_ref, qrows, acc, cs_q, cfg)
+        else:
+            _store_rows(dq_ref, qrows, acc[0], own[qrows] == -1)
+
+    _only_needed(compute, need, i, lambda: _store_rows(
+        dq_ref, qrows, jnp.zeros((bq, dq_ref.shape[-1]), F32), own[qrows] == -1))
+
+
+def _store_rows(ref, rows, x, mask):
+    """ref[rows] = x where mask (a [rows] bool), in ref's dtype."""
+    plgpu.store(ref.at[rows, :], x.astype(ref.dtype), mask=mask[:, None])
+
+
+def _only_needed(compute, need, i, zeros):
+    """compute() for tile i, or with need (fused_bwd "*_rows"): compute() where need[i],
+    else zeros() (the tile's rows have no pairs left to this kernel)."""
+    if need is None:
+        compute()
+        return
+    pl.when(need[i] != 0)(compute)
+    pl.when(need[i] == 0)(zeros)
 
 
 def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
                 cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, dq_ref=None, *, cfg):
-    """dK, dV of one key tile; with dq_ref (float32, fused_bwd="k") also each query
-    tile's dQ share, added atomically (no RoPE there)."""
+                dk_ref, dv_ref, dq_ref=None, *, cfg, other_own=None, own=None, need=None):
+    """dK, dV of one key tile. With dq_ref (fused_bwd "k" / "k_rows", no RoPE) also each
+    query tile's dQ: "k" adds the shares atomically (a float32 buffer), "k_rows" stores
+    the query rows other_own assigns to this key tile (all their keys are in it). With
+    own / need ("q_rows": the dQ kernel stores the rest) only the rows own marks -1, and
+    only tiles need marks run the query loop (else their rows get zeros)."""
     j = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
     krows = pl.ds(j * bk, bk)
-    ks, kpos = ks_ref[krows], kp_ref[krows]
-    cs_k = _load_cs(ck_ref, sk_ref, krows, cfg)
-    kparts = _load_parts(k_ref, krows, cs_k, cfg)
-    v = v_ref[krows, :]
 
-    def body(i, carry, masked):
-        dks, dv = carry
-        rows = pl.ds(i * bq, bq)
-        qparts = _load_parts(q_ref, rows, _load_cs(cq_ref, sq_ref, rows, cfg), cfg)
-        m = _mask(cfg, qs_ref[rows], qp_ref[rows], ks, kpos, masked)
-        s = _scores(qparts, kparts)
-        do = do_ref[rows, :]
-        dp = _dot_nt(do, v)
-        lse = lse_ref[rows] if lse_ref is not None else None
-        delta = delta_ref[rows] if delta_ref is not None else None
-        p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
-        dv = dv + _dot_tn(p.astype(do.dtype), do)
-        ds = ds.astype(qparts[0].dtype)
-        if dq_ref is not None:
-            plgpu.atomic_add(dq_ref, (rows, slice(None)), _dot_nn(ds, kparts[0]))
-        return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
+    def compute():
+        ks, kpos = ks_ref[krows], kp_ref[krows]
+        cs_k = _load_cs(ck_ref, sk_ref, krows, cfg)
+        kparts = _load_parts(k_ref, krows, cs_k, cfg)
+        v = v_ref[krows, :]
 
-    init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
-    dks, dv = _three_loops(lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j], body, init, cfg)
-    _store_parts(dk_ref, krows, dks, cs_k, cfg)
-    dv_ref[krows, :] = dv.astype(dv_ref.dtype)
+        def body(i, carry, masked):
+            dks, dv = carry
+            rows = pl.ds(i * bq, bq)
+            qparts = _load_parts(q_ref, rows, _load_cs(cq_ref, sq_ref, rows, cfg), cfg)
+            m = _mask(cfg, qs_ref[rows], qp_ref[rows], ks, kpos, masked)
+            s = _scores(qparts, kparts)
+            do = do_ref[rows, :]
+            dp = _dot_nt(do, v)
+            lse = lse_ref[rows] if lse_ref is not None else None
+            delta = delta_ref[rows] if delta_ref is not None else None
+            p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
+            dv = dv + _dot_tn(p.astype(do.dtype), do)
+            ds = ds.astype(qparts[0].dtype)
+            if dq_ref is not None:
+                dq_part = _dot_nn(ds, kparts[0])
+                if other_own is None:
+                    plgpu.atomic_add(dq_ref, (rows, slice(None)), dq_part)
+                else:
+                    _store_rows(dq_ref, rows, dq_part, other_own[rows] == j)
+            return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
+
+        init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
+        dks, dv = _three_loops(lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j], body, init, cfg)
+        if own is None:
+            _store_parts(dk_ref, krows, dks, cs_k, cfg)
+            dv_ref[krows, :] = dv.astype(dv_ref.dtype)
+        else:
+            mine = own[krows] == -1
+            _store_rows(dk_ref, krows, dks[0], mine)
+            _store_rows(dv_ref, krows, dv, mine)
+
+    def zeros():
+        z, mine = jnp.zeros((bk, dk_ref.shape[-1]), F32), own[krows] == -1
+        _store_rows(dk_ref, krows, z, mine)
+        _store_rows(dv_ref, krows, z, mine)
+
+    _only_needed(compute, need, j, zeros)
 
 
 # ------------------------------------------------------------------- pallas calls
@@ -497,6 +551,8 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
         stats, stat_specs = [lse, delta], [_stat_spec(tq)] * 2
     if cfg.fused_bwd in ("q", "k"):
         return _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs)
+    if cfg.fused_bwd in ("q_rows", "k_rows"):
+        return _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs)
 
     nq = tq // cfg.bq
     dq = pl.pallas_call(
@@ -557,6 +613,78 @@ def _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs):
         return dq, dk.astype(k.dtype), dv.astype(v.dtype)
     dk, dv, dq = outs
     return dq.astype(q.dtype), dk, dv
+
+
+def row_owners(start, end, t_own, tile):
+    """fused_bwd "*_rows": per row (own [T] int32) the tile of size t_own of the other side
+    holding its whole [start, end) interval, -1 if it spans several or is empty; per tile
+    of `tile` rows (need [T / tile] int32) whether one of its rows spans several."""
+    single = (start < end) & (start // t_own == (end - 1) // t_own)
+    own = jnp.where(single, start // t_own, -1).astype(jnp.int32)
+    need = jnp.any(((own < 0) & (start < end)).reshape(-1, tile), axis=1).astype(jnp.int32)
+    return own, need
+
+
+def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
+    """fused_bwd "k_rows" / "q_rows": no atomics. "k_rows": a query row whose key interval
+    lies in one dK/dV key tile (e.g. cross-attention to 32 keys per sample, aligned) gets
+    its dQ stored by that tile's program; the dQ kernel runs first and stores only the
+    other rows (tiles with none skip their key loop) into the buffer the dK/dV kernel
+    then completes (aliased). "q_rows": the same with the sides swapped (key rows whose
+    query interval lies in one dQ query tile, e.g. PMA's 16 queries)."""
+    tq, h, d = q.shape
+    tk = k.shape[0]
+    k_rows = cfg.fused_bwd == "k_rows"
+    if k_rows:    # query rows, owned by dK/dV key tiles; B = the dQ kernel
+        start, end, t_own, t_b, tile_b = lay["q_start"], lay["q_end"], cfg.bk_dkv, tq, cfg.bq
+    else:         # key rows, owned by dQ query tiles; B = the dK/dV kernel
+        start, end, t_own, t_b, tile_b = lay["k_start"], lay["k_end"], cfg.bq, tk, cfg.bk_dkv
+    own, need = row_owners(start, end, t_own, tile_b)
+    n_b = t_b // tile_b
+    softmax = cfg.mode == "softmax"
+    b_base, a_base = (_dq_kernel, _dkv_kernel) if k_rows else (_dkv_kernel, _dq_kernel)
+    b_outs = [jax.ShapeDtypeStruct(q.shape, q.dtype)] if k_rows else [
+        jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    nb_out = len(b_outs)
+
+    def b_kernel(*refs, cfg):   # 16 layout / cos, sin / q, k, v; do, own, need, lse, delta; outs
+        b_base(*refs[:17], *refs[19:21], *refs[21:], cfg=cfg, own=refs[17], need=refs[18])
+
+    partial = pl.pallas_call(
+        _adapt(b_kernel, cfg, 3, softmax, nb_out), grid=(n_b, h),
+        in_specs=(_specs(cfg, tq, tk, d, n_b) + [_x_spec(tq, d), _full((t_b,)), _full((n_b,))]
+                  + stat_specs),
+        out_specs=[_x_spec(t_b, d)] * nb_out, out_shape=b_outs,
+        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        name=f"jagged_flash_bwd_{'dq' if k_rows else 'dkv'}_rest_{cfg.mode}",
+    )(*_inputs(lay, q, k, v, k_rows), do, own, need, *stats)
+
+    def a_kernel(*refs, cfg):   # 16; do, other_own, the partial buffers (unread), lse, delta; outs
+        n = 18 + nb_out
+        a_base(*refs[:17], *refs[n:n + 2], *refs[n + 2:], cfg=cfg, other_own=refs[17])
+
+    ins = _inputs(lay, q, k, v, not k_rows)
+    n_a = tk // cfg.bk_dkv if k_rows else tq // cfg.bq
+    if k_rows:    # outputs dK, dV, dQ (aliased to the dQ kernel's partial buffer)
+        a_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                    jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        a_specs, alias = [_x_spec(tk, d)] * 2 + [_x_spec(tq, d)], {len(ins) + 2: 2}
+    else:         # outputs dQ, dK, dV (dK, dV aliased to the dK/dV kernel's partial buffers)
+        a_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                    jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        a_specs, alias = [_x_spec(tq, d)] + [_x_spec(tk, d)] * 2, {len(ins) + 2: 1, len(ins) + 3: 2}
+    outs = pl.pallas_call(
+        _adapt(a_kernel, cfg, 2 + nb_out, softmax, 3), grid=(n_a, h),
+        in_specs=(_specs(cfg, tq, tk, d, n_a) + [_x_spec(tq, d), _full((t_b,))]
+                  + [_x_spec(t_b, d)] * nb_out + stat_specs),
+        out_specs=a_specs, out_shape=a_shapes, input_output_aliases=alias,
+        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        name=f"jagged_flash_bwd_{cfg.fused_bwd}_{cfg.mode}",
+    )(*ins, do, own, *partial, *stats)
+    if k_rows:
+        dk, dv, dq = outs
+        return dq, dk, dv
+    return tuple(outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -739,13 +867,13 @@ def fused_backward_side(cfg, tq, tk, b):
     RoPE or under XLA_FLAGS=--xla_gpu_deterministic_ops=true (the atomics add in no
     fixed order, so the gradients are not bitwise reproducible).
     """
-    if cfg.fused_bwd not in ("auto", "off", "q", "k"):
-        raise ValueError(f"pallas attention: fused_bwd must be 'auto', 'off', 'q' or 'k', "
+    if cfg.fused_bwd not in FUSED_BWD:
+        raise ValueError(f"pallas attention: fused_bwd must be one of {FUSED_BWD}, "
                          f"got {cfg.fused_bwd!r}")
     if cfg.fused_bwd != "auto":
         if cfg.rope and cfg.fused_bwd != "off":
-            raise ValueError("pallas attention: fused_bwd 'q' / 'k' does not take RoPE; "
-                             "use 'off' or 'auto'")
+            raise ValueError(f"pallas attention: fused_bwd {cfg.fused_bwd!r} does not take "
+                             "RoPE; use 'off' or 'auto'")
         return cfg.fused_bwd
     if cfg.rope or "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""):
         return "off"

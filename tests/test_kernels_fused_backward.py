@@ -1,7 +1,9 @@
-"""The fused Triton backward (kernels/jagged_flash.py, FlashConfig.fused_bwd): one kernel
+"""The fused Triton backwards (kernels/jagged_flash.py, FlashConfig.fused_bwd): one kernel
 over one side's tiles computes every gradient and adds the other side's by float32
-atomics ("k": over key tiles, the default for short query sides; "q": over query tiles).
-Against the float64 per-sample formula, forward and gradients."""
+atomics ("k": over key tiles, the default for short query sides; "q": over query tiles),
+or stores the other side's rows whose whole interval lies in its tile, the other
+kernel doing the rest ("k_rows", "q_rows"; no atomics). Against the float64 per-sample
+formula, forward and gradients."""
 
 import dataclasses
 
@@ -22,6 +24,10 @@ from test_kernels_common import check_against, np_attention, offsets_of, random_
 # fused_bwd="auto" fuses the PMA shape ("k").
 CROSS = ([70, 0, 5, 130, 33, 64, 1, 3], [32, 32, 0, 31, 33, 1, 17, 0])   # (q lens, kv lens)
 PMA = ([16, 16, 0, 15, 17, 1, 16, 16], [90, 0, 40, 129, 64, 1, 63, 5])
+# every sample's short side exactly one tile (32 keys / 16 queries, aligned): "*_rows"
+# leaves the other kernel only empty rows
+CROSS_ALIGNED = ([70, 0, 5, 130, 33, 64, 1, 3], [32, 32, 0, 32, 32, 32, 32, 0])
+PMA_ALIGNED = ([16, 16, 0, 16, 16, 16, 16, 16], PMA[1])
 
 
 def _fn(mode, qo, ko, fused_bwd, **kw):
@@ -33,9 +39,11 @@ def _fn(mode, qo, ko, fused_bwd, **kw):
 
 
 def _count_fused(monkeypatch):
-    calls, real = [], jagged_flash._backward_fused
-    monkeypatch.setattr(jagged_flash, "_backward_fused",
-                        lambda cfg, *a: calls.append(cfg.fused_bwd) or real(cfg, *a))
+    calls = []
+    for name in ("_backward_fused", "_backward_rows"):
+        real = getattr(jagged_flash, name)
+        monkeypatch.setattr(jagged_flash, name, lambda cfg, *a, real=real: (
+            calls.append(cfg.fused_bwd) or real(cfg, *a)))
     return calls
 
 
@@ -64,6 +72,37 @@ def test_fused_backward_matches_float64(mode, shape, fused, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("fused,lens", [
+    ("k_rows", CROSS), ("k_rows", CROSS_ALIGNED), ("q_rows", PMA), ("q_rows", PMA_ALIGNED),
+    ("k_rows", PMA), ("q_rows", CROSS)], ids=["k_rows-cross", "k_rows-cross_aligned",
+                                              "q_rows-pma", "q_rows-pma_aligned",
+                                              "k_rows-pma", "q_rows-cross"])
+def test_rows_backward_matches_float64(mode, fused, lens, monkeypatch):
+    """No atomics: rows owned by one tile of the other side come from that tile's program,
+    the rest (straddling, empty) from their own kernel, whose tiles without such rows
+    skip their loop; aligned, ragged and mismatched shapes; the path really ran."""
+    assert _check(mode, lens, fused, monkeypatch) == [fused]
+
+
+def test_row_owners_split_the_rows():
+    """CROSS's query rows (k_rows over 32-key tiles): owned rows, straddling rows (keys
+    31 + 33 across a tile edge) and empty rows; tiles that need the dQ kernel and
+    tiles that do not."""
+    from kernels.jagged_flash import build_layout, row_owners
+    ql, kl = CROSS
+    lay = build_layout(FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32),
+                       jnp.asarray(offsets_of(ql)), jnp.asarray(offsets_of(kl)), 384, 256, 32)
+    own, need = (np.asarray(x) for x in row_owners(lay["q_start"], lay["q_end"], 32, 64))
+    start, end = np.asarray(lay["q_start"]), np.asarray(lay["q_end"])
+    span = (start < end) & (own < 0)
+    assert (own >= 0).any() and span.any() and ((start >= end) & (own < 0)).any()
+    np.testing.assert_array_equal(own[own >= 0], start[own >= 0] // 32)
+    assert ((end - 1)[own >= 0] // 32 == own[own >= 0]).all()
+    np.testing.assert_array_equal(need, span.reshape(-1, 64).any(axis=1))
+    assert need.any() and not need.all()
+
+
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
 def test_auto_fuses_short_query_sides_only_and_off_does_not(mode, monkeypatch):
     assert _check(mode, PMA, "auto", monkeypatch, seed=1) == ["k"]
     assert _check(mode, CROSS, "auto", monkeypatch) == []
@@ -86,8 +125,9 @@ def test_fused_backward_side_resolution(monkeypatch):
     assert fused_backward_side(dataclasses.replace(cfg, fused_bwd="q"), 1, 1, 1) == "q"
     rope = FlashConfig(mode="softmax", rope=True)
     assert fused_backward_side(rope, 4096, 4096, 256) == "off"
-    with pytest.raises(ValueError, match="does not take RoPE"):
-        fused_backward_side(FlashConfig(mode="softmax", rope=True, fused_bwd="q"), 1, 1, 1)
+    for bad in ("q", "k_rows"):
+        with pytest.raises(ValueError, match="does not take RoPE"):
+            fused_backward_side(FlashConfig(mode="softmax", rope=True, fused_bwd=bad), 1, 1, 1)
     with pytest.raises(ValueError, match="fused_bwd must be"):
         fused_backward_side(FlashConfig(mode="gdpa", fused_bwd="yes"), 1, 1, 1)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
@@ -100,6 +140,18 @@ def _lognormal(rng, n, median, hi):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("shape,fused", [("W2", "k_rows"), ("W3", "q_rows")])
+def test_gpu_rows_backward_on_w2_w3_lengths(shape, fused, mode, monkeypatch):
+    """fused_bwd "k_rows" on W2 (32 keys per sample: every query row owned by one key
+    tile) and "q_rows" on W3 (16 queries: every key row by one query tile), bf16, H=4,
+    D=128, against the float64 formula."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _gpu_case(shape, mode, fused, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
 @pytest.mark.parametrize("shape", ["W2", "W3"])
 def test_gpu_fused_backward_on_w2_w3_lengths(shape, mode, monkeypatch):
     """bf16, H=4, D=128 on the issue's cross (32 keys) and PMA (16 queries) workloads,
@@ -107,6 +159,11 @@ def test_gpu_fused_backward_on_w2_w3_lengths(shape, mode, monkeypatch):
     default (auto: "k")."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
+    _gpu_case(shape, mode, "q" if shape == "W2" else "auto", monkeypatch,
+              want_path="q" if shape == "W2" else "k")
+
+
+def _gpu_case(shape, mode, fused, monkeypatch, want_path=None):
     rng = np.random.default_rng(5)
     if shape == "W2":
         ql, kl = _lognormal(rng, 64, 256, 4096), np.full(64, 32)
@@ -118,12 +175,12 @@ def test_gpu_fused_backward_on_w2_w3_lengths(shape, mode, monkeypatch):
     q, k, v, do = random_qkv(rng, tq, tk, 4, 128, jnp.bfloat16)
     qo, ko = offsets_of(ql), offsets_of(kl)
     calls = _count_fused(monkeypatch)
-    got = run_vjp(jax.jit(_fn(mode, qo, ko, "q" if shape == "W2" else "auto")), q, k, v, do)
-    assert calls == ["q" if shape == "W2" else "k"]
+    got = run_vjp(jax.jit(_fn(mode, qo, ko, fused)), q, k, v, do)
+    assert calls == [want_path or fused]
     want = np_attention(q, k, v, do, qo, ko, mode=mode,
                         **(dict(activation="silu", scale=0.3) if mode == "gdpa" else
                            dict(scale=128 ** -0.5)))
-    check_against(got, want, jnp.bfloat16, f"{shape} {mode} fused", q_end=qo[-1])
+    check_against(got, want, jnp.bfloat16, f"{shape} {mode} fused_bwd={fused}", q_end=qo[-1])
 
 
 def test_tiles_over_a_short_side_launch_in_order():

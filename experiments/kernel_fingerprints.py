@@ -1,0 +1,95 @@
+"""Fingerprints of the GPU programs the Triton attention kernels lower to, on any machine.
+
+Exports forward + backward of gdpa, jagged_attention (self, cross, PMA shapes; every
+FlashConfig.fused_bwd setting) and block_attention for platforms=["cuda"] (jax.export
+lowers the Pallas kernels without a GPU), strips source locations and prints a short
+hash per program. Equal hashes before and after a refactor mean the GPU runs the same
+kernels, so GPU test results and timings of the earlier code still stand.
+
+    PYTHONPATH=. python3 experiments/kernel_fingerprints.py --out=/tmp/after.json
+    git stash; ...; python3 experiments/kernel_fingerprints.py --out=/tmp/before.json
+    PYTHONPATH=. python3 experiments/kernel_fingerprints.py --compare=/tmp/before.json
+"""
+
+import hashlib
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from kernels.block_attention.pallas import block_attention_pallas
+from kernels.gdpa.pallas import gdpa_pallas
+from kernels.jagged_attention.pallas import jagged_attention_pallas
+from kernels.jagged_flash import FUSED_BWD
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "", "write {program: hash} JSON here")
+flags.DEFINE_string("compare", "", "a JSON of an earlier run: report the programs that differ")
+
+SHAPES = {"self": ([300, 0, 65, 700], [300, 0, 65, 700]),
+          "cross": ([300, 1, 65, 700], [32, 32, 32, 32]),
+          "pma": ([16, 16, 16, 16], [300, 1, 65, 700])}
+_LOC = re.compile(r"loc\([^()]*(\([^()]*\))*[^()]*\)")
+
+
+def fingerprint(fn, *shapes):
+    """Hash of fn's cuda export without source locations (line numbers move with edits)."""
+    sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()
+    text = "\n".join(line for line in _LOC.sub("", text).splitlines()
+                     if not line.startswith("#loc"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _train(op):
+    def f(q, k, v, do):
+        o, vjp = jax.vjp(op, q, k, v)
+        return o, vjp(do)
+    return f
+
+
+def programs():
+    """{name: (fwd + bwd function, shapes)} over the shapes and settings above."""
+    out = {}
+    off = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)  # noqa: E731
+    for shape, (ql, kl) in SHAPES.items():
+        qo, ko = off(ql), off(kl)
+        tq, tk = (-(-sum(x) // 128) * 128 for x in (ql, kl))
+        dims = [(tq, 4, 128), (tk, 4, 128), (tk, 4, 128), (tq, 4, 128)]
+        for fb in FUSED_BWD:
+            out[f"gdpa-{shape}-{fb}"] = (_train(lambda q, k, v, qo=qo, ko=ko, fb=fb: gdpa_pallas(
+                q, k, v, qo, ko, activation="silu", scale=0.1, fused_bwd=fb)), dims)
+            out[f"softmax-{shape}-{fb}"] = (_train(
+                lambda q, k, v, qo=qo, ko=ko, fb=fb: jagged_attention_pallas(
+                    q, k, v, qo, ko, fused_bwd=fb)), dims)
+    qo = off(SHAPES["self"][0])
+    t = -(-sum(SHAPES["self"][0]) // 128) * 128
+    out["block-self"] = (_train(lambda q, k, v: block_attention_pallas(q, k, v, qo)),
+                         [(t, 4, 128)] * 4)
+    return out
+
+
+def main(_):
+    hashes = {}
+    for name, (fn, dims) in programs().items():
+        hashes[name] = fingerprint(fn, *dims)
+        print(f"{name:28} {hashes[name]}", flush=True)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(hashes, f, indent=1)
+    if FLAGS.compare:
+        before = json.load(open(FLAGS.compare))
+        changed = sorted(n for n in hashes if n in before and before[n] != hashes[n])
+        new = sorted(n for n in hashes if n not in before)
+        print(f"\n{len(changed)} of {len(hashes) - len(new)} programs differ from "
+              f"{FLAGS.compare}" + (": " + ", ".join(changed) if changed else "")
+              + (f"; {len(new)} new: " + ", ".join(new) if new else ""))
+        sys.exit(1 if changed else 0)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,33 @@
+"""experiments/kernel_fingerprints.py: the hash of a kernel's cuda export ignores where the
+code sits in its file and changes when the program does."""
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "experiments"))
+from kernel_fingerprints import _train, fingerprint  # noqa: E402
+
+SRC = """
+from kernels.gdpa.pallas import gdpa_pallas
+def op(q, k, v):
+    return gdpa_pallas(q, k, v, QO, KO, activation="silu", scale=0.1, fused_bwd=FB)
+"""
+QO = jnp.asarray(np.array([0, 16, 32, 48, 64]), jnp.int32)
+KO = jnp.asarray(np.array([0, 100, 101, 166, 300]), jnp.int32)
+DIMS = [(128, 2, 64), (384, 2, 64), (384, 2, 64), (128, 2, 64)]
+
+
+def _op(fused_bwd, blank_lines):
+    scope = dict(QO=QO, KO=KO, FB=fused_bwd)
+    exec(compile("\n" * blank_lines + SRC, "<fingerprint test>", "exec"), scope)
+    return _train(scope["op"])
+
+
+def test_fingerprint_ignores_line_numbers_and_sees_program_changes():
+    a = fingerprint(_op("off", 0), *DIMS)
+    assert fingerprint(_op("off", 7), *DIMS) == a          # the same code, moved down
+    assert fingerprint(_op("k", 0), *DIMS) != a            # another backward program
