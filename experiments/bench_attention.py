@@ -73,12 +73,16 @@ FWD_GRID = ["64:64:8:3", "64:64:4:3", "64:64:8:2", "64:64:4:2", "64:32:4:3", "64
 # 32-key dK/dV tiles remove its register spill (884 B per thread for GDPA at 64:64:4).
 BWD_GRID = ["64:32:4:2", "64:32:8:2", "64:64:4:2", "64:64:8:2", "32:64:4:2", "64:128:8:2",
             "128:64:8:2"]
-# Per-block kernel (W4): num_warps:num_stages:group for the forward,
-# num_warps_bwd:num_stages_bwd:group_bwd for the backward.
-BLOCK_FWD_GRID = ["4:2:2", "4:1:1", "8:1:1", "4:1:4", "8:1:4", "4:1:2", "4:3:2", "4:2:4",
-                  "4:3:4", "8:2:2", "4:2:8"]   # 2:1:1 was 2.6x slower
-BLOCK_BWD_GRID = ["4:1:1", "8:1:1", "8:1:4", "8:2:2", "4:2:1", "4:1:2", "4:2:2", "4:3:2",
-                  "8:1:2"]
+# Per-block kernel (W4): num_warps:num_stages:group[:rope_chunks] for the forward,
+# num_warps_bwd:num_stages_bwd:group_bwd[:rope_chunks_bwd] for the backward. First the
+# chunked-RoPE sets (registers per the resource report: forward 8:1:1:4 80, 4:1:1:4 130;
+# backward 8:1:1:4 123, 4:1:1:2 168, against 244 / 255 + spill unchunked), then the
+# session-7 sweep's best (the defaults) and the rest. 2:1:1 was 2.6x slower.
+BLOCK_FWD_GRID = ["8:1:1:4", "4:1:1:4", "8:1:1:2", "4:1:1:2", "8:1:2:4", "4:2:2:4", "4:2:2",
+                  "4:1:1", "8:1:1", "4:1:4", "8:1:4", "4:1:2", "4:3:2", "4:2:4", "4:3:4",
+                  "8:2:2", "4:2:8"]
+BLOCK_BWD_GRID = ["8:1:1:4", "8:1:1:2", "4:1:1:2", "4:1:1:4", "8:1:2:4", "4:1:1", "8:1:1",
+                  "8:1:4", "8:2:2", "4:2:1", "4:1:2", "4:2:2", "4:3:2", "8:1:2"]
 _START = time.perf_counter()
 
 
@@ -369,23 +373,30 @@ def sweep_tiled(op, base, fn, shape, args, flops, bytes_fwd, bytes_bwd, rows, bu
                            budget))
 
 
+def block_knobs_fwd(spec):
+    """BLOCK_FWD_GRID entry 'warps:stages:group[:rope_chunks]' -> per-block kernel knobs."""
+    nw, ns, g, *ch = (int(x) for x in spec.split(":"))
+    return {**BLOCK_KNOBS, "num_warps": nw, "num_stages": ns, "group": g,
+            "rope_chunks": ch[0] if ch else 1}
+
+
+def block_knobs_bwd(spec):
+    """BLOCK_BWD_GRID entry 'warps:stages:group[:rope_chunks_bwd]' -> knobs."""
+    nw, ns, g, *ch = (int(x) for x in spec.split(":"))
+    return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group_bwd": g,
+            "rope_chunks_bwd": ch[0] if ch else 1}
+
+
 def sweep_block(qo, args, flops, bytes_fwd, bytes_bwd, rows):
     """Best per-block kernel knobs (W4) for the forward and the backward."""
-    def fwd_knobs(spec):
-        nw, ns, g = (int(x) for x in spec.split(":"))
-        return {**BLOCK_KNOBS, "num_warps": nw, "num_stages": ns, "group": g}
-
-    def bwd_knobs(spec):
-        nw, ns, g = (int(x) for x in spec.split(":"))
-        return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group_bwd": g}
-
     fn = lambda q, k, v, t: block_attention_pallas(q, k, v, qo, engine="per_block", **t)
     key = lambda t: tuple(sorted(t.items()))
     common = (fn, args, flops, bytes_fwd, bytes_bwd, rows)
     budget = FLAGS.sweep_budget_s / 2
     return {"block": dict(
-        fwd=_sweep("block_fwd", BLOCK_FWD_GRID, fwd_knobs, key, *common, "fwd", budget),
-        bwd=_sweep("block_bwd", BLOCK_BWD_GRID, bwd_knobs, key, *common, "fwd_bwd", budget))}
+        fwd=_sweep("block_fwd", BLOCK_FWD_GRID, block_knobs_fwd, key, *common, "fwd", budget),
+        bwd=_sweep("block_bwd", BLOCK_BWD_GRID, block_knobs_bwd, key, *common, "fwd_bwd",
+                   budget))}
 
 
 def main(_):

@@ -8,7 +8,8 @@
 #   kernels      gpu-marked kernel tests + bench_attention with its tile sweep (~8)
 #   kernel_tests_par  the same tests split over PAR parallel pytest processes sharing the GPU
 #                (KT_CAP seconds, KT_MEM of its memory each; KT: other test files)
-#   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep (~3)
+#   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep
+#                (chunked RoPE first) (~5)
 #   triton_report the compiler's resource report of every kernel (experiments/triton_report.py) (~1)
 #   mosaic       the Mosaic GPU kernels (kernels/mosaic_flash.py: GDPA and softmax, forward and
 #                backward):
@@ -80,8 +81,8 @@ for s in "$@"; do
         echo "=== ${KT_TAG:-kernel}_tests_par: $(wc -l < "${T}_test_ids.txt") tests"
         tail -n 12 "${T}"_ids_??.log ;;
     kernel_bench_w4)
-        section kernel_bench_w4 240 $PY experiments/bench_attention.py --workloads=W4 ${W4_SWEEP---sweep} \
-            --sweep_budget_s=90 --sweep_deadline_s=200 --out "$OUT/bench_attention_w4.json" ;;
+        section kernel_bench_w4 300 $PY experiments/bench_attention.py --workloads=W4 ${W4_SWEEP---sweep} \
+            --sweep_budget_s=200 --sweep_deadline_s=260 --out "$OUT/bench_attention_w4.json" ;;
     triton_report)
         # the compiler's resource report of every kernel (registers, spills, shared memory,
         # occupancy) with the triton package of the device image

@@ -27,8 +27,6 @@ from kernels.jagged_attention.pallas import jagged_attention_pallas
 from kernels.jagged_flash import FUSED_BWD
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "", "write {program: hash} JSON here")
-flags.DEFINE_string("compare", "", "a JSON of an earlier run: report the programs that differ")
 
 SHAPES = {"self": ([300, 0, 65, 700], [300, 0, 65, 700]),
           "cross": ([300, 1, 65, 700], [32, 32, 32, 32]),
@@ -70,6 +68,8 @@ def programs():
     t = -(-sum(SHAPES["self"][0]) // 128) * 128
     out["block-self"] = (_train(lambda q, k, v: block_attention_pallas(q, k, v, qo)),
                          [(t, 4, 128)] * 4)
+    out["block-self-rope_chunks4"] = (_train(lambda q, k, v: block_attention_pallas(
+        q, k, v, qo, rope_chunks=4, rope_chunks_bwd=4)), [(t, 4, 128)] * 4)
     return out
 
 
@@ -92,4 +92,7 @@ def main(_):
 
 
 if __name__ == "__main__":
+    # flags here, not at import: tests import this module beside other experiments'
+    flags.DEFINE_string("out", "", "write {program: hash} JSON here")
+    flags.DEFINE_string("compare", "", "a JSON of an earlier run: report the programs that differ")
     app.run(main)

@@ -126,6 +126,42 @@ def test_bad_inputs_name_the_input():
         block_attention(q300, q300, q300, off, impl="pallas")
 
 
+@pytest.mark.parametrize("d,chunks,chunks_bwd,kw", [
+    (64, 1, 2, {}), (64, 2, 1, {}), (128, 4, 4, dict(group=3, group_bwd=2)),  # 16-column chunks
+    (64, 2, 2, dict(positions="random")), (96, 2, 4, {}),     # custom positions; padded halves
+])
+def test_pallas_rope_chunks(d, chunks, chunks_bwd, kw):
+    """RoPE in column chunks (rope_chunks, rope_chunks_bwd): out and all gradients
+    against the float64 formula on the tile-edge lengths."""
+    pos = (np.random.default_rng(3).integers(0, 5000, size=384)
+           if kw.pop("positions", None) else None)
+    _check("pallas", LENS, 384, d=d, h=1, seed=5, positions=pos,
+           knobs=dict(rope_chunks=chunks, rope_chunks_bwd=chunks_bwd, **kw))
+
+
+def test_rope_chunks_must_leave_16_columns():
+    from kernels.block_attention.pallas import block_attention_pallas
+    q = jnp.zeros((64, 1, 64), jnp.float32)
+    for name in ("rope_chunks", "rope_chunks_bwd"):
+        for bad in (0, 3, 4):     # D/2 = 32: 4 chunks of 8 columns, 3 does not divide
+            with pytest.raises(ValueError, match=f"{name}={bad}"):
+                block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), **{name: bad})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks,warps", [(2, 4), (4, 4), (4, 8)])
+def test_gpu_rope_chunks(chunks, warps):
+    """rope_chunks / rope_chunks_bwd on an H200 (bf16, D=128, W4-like lengths), knob sets
+    of the W4 sweep."""
+    rng = np.random.default_rng(12)
+    lens = np.clip(rng.lognormal(np.log(300), 0.8, 10).astype(int), 0, 1500)
+    lens[:4] = [0, 1, 63, 65]
+    t = int(-(-sum(lens) // 128) * 128)
+    _check("pallas", lens, t, dtype=jnp.bfloat16, h=4, d=128,
+           knobs=dict(rope_chunks=chunks, num_warps=warps, num_stages=1, group=1,
+                      rope_chunks_bwd=chunks, num_warps_bwd=warps))
+
+
 @pytest.mark.gpu
 def test_gpu_last_sample_ends_at_capacity():
     """Block reads run past T (masked lanes): must not fault or leak; T = sum(lens)."""

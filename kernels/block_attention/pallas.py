@@ -46,8 +46,13 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128): forward 4 warps,
 # 2 stages, 2 blocks per program (0.114 ms); backward 4 warps, 1 stage, 1 block (0.246 ms
 # forward+backward).
+# rope_chunks (forward): RoPE in a loop over that many column chunks of each half (1: the
+# whole [block, D/2] cos / sin tables at once); the resource report for sm_90 (W4, D=128):
+# 1 chunk 244 registers at 4 warps, 2 stages (8 warps per SM); 4 chunks 130 at 4 warps
+# (12 per SM), 80 at 8 warps (24 per SM). rope_chunks_bwd: the same for the backward.
+# Not yet timed.
 BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=2, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True)
+                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=1)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
 # jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
 ENGINE = "per_block"
@@ -119,22 +124,60 @@ def _cos_sin(a, fast):
     return jnp.cos(a), jnp.sin(a)
 
 
-def _setup(tab_refs, n, pos_ref, f_refs, block, cs, fast_trig=False):
-    """(rows, valid [block], write [block], cos, sin [block, D/2]) of block n."""
+def _rows_of(tab_refs, n, pos_ref, block):
+    """(rows, valid [block], write [block], positions [block, 1] f32) of block n."""
     start_ref, len_ref, wlen_ref = tab_refs
     start, ln, wl = start_ref[n], len_ref[n], wlen_ref[n]
     rows = pl.ds(start, block)
     r = lax.broadcasted_iota(jnp.int32, (block,), 0)
     valid, write = r < ln, r < wl
     p = plgpu.load(pos_ref.at[rows], mask=valid, other=0).astype(F32)[:, None]
+    return rows, valid, write, p
+
+
+def _setup(tab_refs, n, pos_ref, f_refs, block, cs, fast_trig=False):
+    """(rows, valid [block], write [block], cos, sin [block, D/2]) of block n."""
+    rows, valid, write, p = _rows_of(tab_refs, n, pos_ref, block)
     f1, f2, f3 = (f[...][None, :] for f in f_refs)
     a = rope_angle(p, f1, f2, f3, cs)
     return (rows, valid, write) + _cos_sin(a, fast_trig)
 
 
+def _scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig, chunks):
+    """S = rot(q) rot(k)^T [block, block] f32 with RoPE applied in a loop over `chunks`
+    column chunks of each half: a chunk's angles, cos / sin and rotated columns die
+    before the next, so far fewer registers are live than with whole [block, D/2]
+    tables (the resource report: 244 -> 130 per thread at 4 warps, 80 at 8)."""
+    half = q_ref.shape[-1] // 2
+    w = half // chunks
+
+    def chunk(c, s):
+        cols = (pl.ds(c * w, w), pl.ds(half + c * w, w))
+        fs = (f[pl.ds(c * w, w)][None, :] for f in f_refs)
+        cos, sin = _cos_sin(rope_angle(pos, *fs, cs), fast_trig)
+        (q1, q2), (k1, k2) = (_rotated_cols(ref, rows, cols, valid, cos, sin)
+                              for ref in (q_ref, k_ref))
+        return s + _dot(q1, k1, ((1,), (1,))) + _dot(q2, k2, ((1,), (1,)))
+    block = valid.shape[0]
+    return lax.fori_loop(0, chunks, chunk, jnp.zeros((block, block), F32))
+
+
+def _rotated_cols(ref, rows, cols, valid, cos, sin):
+    """Columns cols = (first-half chunk, second-half chunk) of the block's rows of ref,
+    rotated by RoPE (ref dtype)."""
+    x1, x2 = (_load(ref, rows, c, valid).astype(F32) for c in cols)
+    dt = ref.dtype
+    return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
+
+
 def _probs(q1, q2, k1, k2, valid, scale):
     """Softmax probabilities [block, block] f32 of one block; invalid rows/cols are 0."""
-    s = (_dot(q1, k1, ((1,), (1,))) + _dot(q2, k2, ((1,), (1,)))) * (scale * LOG2E)
+    return _softmax(_dot(q1, k1, ((1,), (1,))) + _dot(q2, k2, ((1,), (1,))), valid, scale)
+
+
+def _softmax(s, valid, scale):
+    """Softmax of scores s [block, block] f32 (times scale); invalid rows/cols are 0."""
+    s = s * (scale * LOG2E)
     both = valid[:, None] & valid[None, :]
     s = jnp.where(both, s, -1e30)
     p = jnp.exp2(s - jnp.max(s, axis=1)[:, None])  # base 2: exp2 is one MUFU op
@@ -169,20 +212,27 @@ def _each_block(group, fn):
     lax.fori_loop(0, group, body, 0)
 
 
-def _fwd_kernel(*refs, block, scale, cs, group, fast_trig):
+def _fwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
     _each_block(group, lambda n: _fwd_block(n, *refs, block=block, scale=scale, cs=cs,
-                                            fast_trig=fast_trig))
+                                            fast_trig=fast_trig, rope_chunks=rope_chunks))
 
 
-def _bwd_kernel(*refs, block, scale, cs, group, fast_trig):
+def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
     _each_block(group, lambda n: _bwd_block(n, *refs, block=block, scale=scale, cs=cs,
-                                            fast_trig=fast_trig))
+                                            fast_trig=fast_trig, rope_chunks=rope_chunks))
 
 
 def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-               o_ref, *, block, scale, cs, fast_trig):
-    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), n, pos_ref,
-                                          (f1_ref, f2_ref, f3_ref), block, cs, fast_trig)
+               o_ref, *, block, scale, cs, fast_trig, rope_chunks):
+    tab, f_refs = (st_ref, ln_ref, wl_ref), (f1_ref, f2_ref, f3_ref)
+    if rope_chunks > 1:
+        rows, valid, write, pos = _rows_of(tab, n, pos_ref, block)
+        p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig,
+                                       rope_chunks), valid, scale)
+        v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
+        _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
+        return
+    rows, valid, write, cos, sin = _setup(tab, n, pos_ref, f_refs, block, cs, fast_trig)
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
@@ -191,9 +241,14 @@ def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
 
 
 def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-               do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs, fast_trig):
-    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), n, pos_ref,
-                                          (f1_ref, f2_ref, f3_ref), block, cs, fast_trig)
+               do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs, fast_trig, rope_chunks):
+    tab, f_refs = (st_ref, ln_ref, wl_ref), (f1_ref, f2_ref, f3_ref)
+    if rope_chunks > 1:
+        _bwd_block_by_chunks(tab, n, pos_ref, f_refs, q_ref, k_ref, v_ref, do_ref, dq_ref,
+                             dk_ref, dv_ref, block=block, scale=scale, cs=cs,
+                             fast_trig=fast_trig, chunks=rope_chunks)
+        return
+    rows, valid, write, cos, sin = _setup(tab, n, pos_ref, f_refs, block, cs, fast_trig)
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
@@ -206,6 +261,40 @@ def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
     nn, tn = ((1,), (0,)), ((0,), (0,))
     _store_halves(dq_ref, rows, write, _dot(ds, k1, nn), _dot(ds, k2, nn), cos, sin)
     _store_halves(dk_ref, rows, write, _dot(ds, q1, tn), _dot(ds, q2, tn), cos, sin)
+
+
+def _bwd_block_by_chunks(tab, n, pos_ref, f_refs, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref,
+                         dv_ref, *, block, scale, cs, fast_trig, chunks):
+    """The backward with RoPE in column chunks (rope_chunks_bwd): S from the chunk loop
+    of the forward, then dV and dS, then a second chunk loop that rotates q and k's
+    chunk again (angles recomputed, rows re-read, from cache) for that chunk's dQ and
+    dK columns, rotated back and stored. Only dS lives across the two loops."""
+    rows, valid, write, pos = _rows_of(tab, n, pos_ref, block)
+    p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig,
+                                   chunks), valid, scale)
+    do = _load(do_ref, rows, pl.ds(0, do_ref.shape[-1]), valid)
+    _store(dv_ref, rows, write, _dot(p.astype(do.dtype), do, ((0,), (0,))))
+    dp = _dot(do, _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid), ((1,), (1,)))
+    delta = jnp.sum(p * dp, axis=1)
+    ds = (p * (dp - delta[:, None]) * scale).astype(q_ref.dtype)
+    half = q_ref.shape[-1] // 2
+    w = half // chunks
+    nn, tn = ((1,), (0,)), ((0,), (0,))
+
+    def chunk(c, carry):
+        cols = (pl.ds(c * w, w), pl.ds(half + c * w, w))
+        fs = (f[pl.ds(c * w, w)][None, :] for f in f_refs)
+        cos, sin = _cos_sin(rope_angle(pos, *fs, cs), fast_trig)
+        q1, q2 = _rotated_cols(q_ref, rows, cols, valid, cos, sin)
+        k1, k2 = _rotated_cols(k_ref, rows, cols, valid, cos, sin)
+        for ref, g1, g2 in ((dq_ref, _dot(ds, k1, nn), _dot(ds, k2, nn)),
+                            (dk_ref, _dot(ds, q1, tn), _dot(ds, q2, tn))):
+            plgpu.store(ref.at[rows, cols[0]], (g1 * cos + g2 * sin).astype(ref.dtype),
+                        mask=write[:, None])
+            plgpu.store(ref.at[rows, cols[1]], (g2 * cos - g1 * sin).astype(ref.dtype),
+                        mask=write[:, None])
+        return carry
+    lax.fori_loop(0, chunks, chunk, 0)
 
 
 # ------------------------------------------------------------------------ pallas calls
@@ -225,9 +314,10 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
                                   num_stages=knobs["num_stages" + sfx])
     group = knobs["group" + sfx]
     fast_trig = bool(knobs["fast_trig"]) and xs[0].dtype.itemsize == 2 and not interpret
+    extra = dict(rope_chunks=int(knobs["rope_chunks" + sfx]))
     out = pl.pallas_call(
         functools.partial(kernel, block=block, scale=scale, cs=cs, group=group,
-                          fast_trig=fast_trig),
+                          fast_trig=fast_trig, **extra),
         grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
@@ -297,6 +387,11 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
     groups = [int(knobs.get(g, BLOCK_KNOBS[g])) for g in ("group", "group_bwd")]
     if min(groups) < 1:
         raise ValueError(f"block_attention_pallas: group and group_bwd must be >= 1, got {groups}")
+    for name in ("rope_chunks", "rope_chunks_bwd"):
+        chunks = int(knobs.get(name, BLOCK_KNOBS[name]))
+        if chunks < 1 or (dp // 2) % chunks or (chunks > 1 and dp // 2 // chunks < 16):
+            raise ValueError(f"block_attention_pallas: {name}={chunks} must divide D/2 = "
+                             f"{dp // 2} into chunks of at least 16 columns (Triton dots)")
     tab = block_table(offsets, t, block)
     # idle programs (len 0, write 0) fill the last group of either kernel
     extra = -tab[0].shape[0] % math.lcm(*groups)
