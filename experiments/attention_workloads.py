@@ -96,3 +96,31 @@ def parse_variant(spec):
     if knobs and not knobs.endswith("]"):
         raise ValueError(f"variant {spec!r}: unclosed '['")
     return op, engine, tuple(sorted(parse_mosaic_knobs(knobs[:-1]).items()))
+
+
+# Per-block kernel (W4): num_warps:num_stages:group[:rope_chunks] for the forward,
+# num_warps_bwd:num_stages_bwd:group_bwd[:rope_chunks_bwd] for the backward. First the
+# chunked-RoPE sets (registers per the resource report: forward 8:1:1:4 80, 4:1:1:4 130;
+# backward 8:1:1:4 123, 4:1:1:2 168, against 244 / 255 + spill unchunked), then the
+# session-7 sweep's best (the defaults) and the rest. 2:1:1 was 2.6x slower.
+BLOCK_FWD_GRID = ["8:1:1:4", "4:1:1:4", "8:1:1:2", "4:1:1:2", "8:1:2:4", "4:2:2:4", "4:2:2",
+                  "4:1:1", "8:1:1", "4:1:4", "8:1:4", "4:1:2", "4:3:2", "4:2:4", "4:3:4",
+                  "8:2:2", "4:2:8"]
+BLOCK_BWD_GRID = ["8:1:1:4", "8:1:1:2", "4:1:1:2", "4:1:1:4", "8:1:2:4", "4:1:1", "8:1:1",
+                  "8:1:4", "8:2:2", "4:2:1", "4:1:2", "4:2:2", "4:3:2", "8:1:2"]
+
+
+def block_knobs_fwd(spec):
+    """BLOCK_FWD_GRID entry 'warps:stages:group[:rope_chunks]' -> per-block kernel knobs."""
+    nw, ns, g, *ch = (int(x) for x in spec.split(":"))
+    from kernels.block_attention.pallas import BLOCK_KNOBS
+    return {**BLOCK_KNOBS, "num_warps": nw, "num_stages": ns, "group": g,
+            "rope_chunks": ch[0] if ch else 1}
+
+
+def block_knobs_bwd(spec):
+    """BLOCK_BWD_GRID entry 'warps:stages:group[:rope_chunks_bwd]' -> knobs."""
+    nw, ns, g, *ch = (int(x) for x in spec.split(":"))
+    from kernels.block_attention.pallas import BLOCK_KNOBS
+    return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group_bwd": g,
+            "rope_chunks_bwd": ch[0] if ch else 1}

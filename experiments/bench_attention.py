@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (pack_arrays, parse_mosaic_knobs, time_calls,  # experiments/
-                                 valid_pairs, workload)
+from attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,  # experiments/
+                                 block_knobs_bwd, block_knobs_fwd, pack_arrays,
+                                 parse_mosaic_knobs, time_calls, valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
-from kernels.block_attention.pallas import BLOCK_KNOBS, block_attention_pallas
+from kernels.block_attention.pallas import block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
 from kernels.jagged_attention import jagged_attention
 from kernels.jagged_attention.pallas import jagged_attention_pallas
@@ -73,16 +74,6 @@ FWD_GRID = ["64:64:8:3", "64:64:4:3", "64:64:8:2", "64:64:4:2", "64:32:4:3", "64
 # 32-key dK/dV tiles remove its register spill (884 B per thread for GDPA at 64:64:4).
 BWD_GRID = ["64:32:4:2", "64:32:8:2", "64:64:4:2", "64:64:8:2", "32:64:4:2", "64:128:8:2",
             "128:64:8:2"]
-# Per-block kernel (W4): num_warps:num_stages:group[:rope_chunks] for the forward,
-# num_warps_bwd:num_stages_bwd:group_bwd[:rope_chunks_bwd] for the backward. First the
-# chunked-RoPE sets (registers per the resource report: forward 8:1:1:4 80, 4:1:1:4 130;
-# backward 8:1:1:4 123, 4:1:1:2 168, against 244 / 255 + spill unchunked), then the
-# session-7 sweep's best (the defaults) and the rest. 2:1:1 was 2.6x slower.
-BLOCK_FWD_GRID = ["8:1:1:4", "4:1:1:4", "8:1:1:2", "4:1:1:2", "8:1:2:4", "4:2:2:4", "4:2:2",
-                  "4:1:1", "8:1:1", "4:1:4", "8:1:4", "4:1:2", "4:3:2", "4:2:4", "4:3:4",
-                  "8:2:2", "4:2:8"]
-BLOCK_BWD_GRID = ["8:1:1:4", "8:1:1:2", "4:1:1:2", "4:1:1:4", "8:1:2:4", "4:1:1", "8:1:1",
-                  "8:1:4", "8:2:2", "4:2:1", "4:1:2", "4:2:2", "4:3:2", "8:1:2"]
 _START = time.perf_counter()
 
 
@@ -255,6 +246,18 @@ def run_workload(wname, rng):
                 lambda q, k, v, knobs=knobs: gdpa_pallas(
                     q, k, v, qo, ko, activation=act, scale=scale, forward="mosaic",
                     backward="mosaic", mosaic_bwd=knobs)), args, flops, bytes_fwd, bytes_bwd))
+    if kind == "self" and jax.default_backend() == "gpu":
+        # Programmatic Dependent Launch in all three Mosaic kernels (MosaicConfig.pdl)
+        pdl = (("pdl", True),)
+        rows.append(measure("mosaic_fwd_bwd_softmax[pdl]", fwd_and_train(
+            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic",
+                                                    backward="mosaic", mosaic_fwd=pdl,
+                                                    mosaic_bwd=pdl)),
+            args, flops, bytes_fwd, bytes_bwd))
+        rows.append(measure(f"mosaic_fwd_bwd_gdpa_{act}[pdl]", fwd_and_train(
+            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
+                                        forward="mosaic", backward="mosaic", mosaic_fwd=pdl,
+                                        mosaic_bwd=pdl)), args, flops, bytes_fwd, bytes_bwd))
     # where the forward time goes: layout (XLA) vs the Pallas kernel alone
     b = len(ql)
     cfg = adapt_tiles(FlashConfig(mode="gdpa", activation=act, scale=scale, **GDPA_TILES,
@@ -371,20 +374,6 @@ def sweep_tiled(op, base, fn, shape, args, flops, bytes_fwd, bytes_bwd, rows, bu
     return dict(fwd=_sweep(f"{op}_fwd", FWD_GRID, fwd_knobs, adapted, *common, "fwd", budget),
                 bwd=_sweep(f"{op}_bwd", BWD_GRID, bwd_knobs, adapted, *common, "fwd_bwd",
                            budget))
-
-
-def block_knobs_fwd(spec):
-    """BLOCK_FWD_GRID entry 'warps:stages:group[:rope_chunks]' -> per-block kernel knobs."""
-    nw, ns, g, *ch = (int(x) for x in spec.split(":"))
-    return {**BLOCK_KNOBS, "num_warps": nw, "num_stages": ns, "group": g,
-            "rope_chunks": ch[0] if ch else 1}
-
-
-def block_knobs_bwd(spec):
-    """BLOCK_BWD_GRID entry 'warps:stages:group[:rope_chunks_bwd]' -> knobs."""
-    nw, ns, g, *ch = (int(x) for x in spec.split(":"))
-    return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group_bwd": g,
-            "rope_chunks_bwd": ch[0] if ch else 1}
 
 
 def sweep_block(qo, args, flops, bytes_fwd, bytes_bwd, rows):

@@ -1,8 +1,8 @@
 """Fingerprints of the GPU programs the Triton attention kernels lower to, on any machine.
 
 Exports forward + backward of gdpa, jagged_attention (self, cross, PMA shapes; every
-FlashConfig.fused_bwd setting) and block_attention for platforms=["cuda"] (jax.export
-lowers the Pallas kernels without a GPU), strips source locations and prints a short
+FlashConfig.fused_bwd setting), block_attention and the Mosaic GPU forward and backward
+kernels for platforms=["cuda"] (jax.export lowers the Pallas kernels without a GPU), strips source locations and prints a short
 hash per program. Equal hashes before and after a refactor mean the GPU runs the same
 kernels, so GPU test results and timings of the earlier code still stand.
 
@@ -32,14 +32,20 @@ SHAPES = {"self": ([300, 0, 65, 700], [300, 0, 65, 700]),
           "cross": ([300, 1, 65, 700], [32, 32, 32, 32]),
           "pma": ([16, 16, 16, 16], [300, 1, 65, 700])}
 _LOC = re.compile(r"loc\([^()]*(\([^()]*\))*[^()]*\)")
+_MOSAIC_BLOB = re.compile(r'(kernel_hash|module) = "(?:[^"\\]|\\.)*"')
 
 
 def fingerprint(fn, *shapes):
-    """Hash of fn's cuda export without source locations (line numbers move with edits)."""
+    """Hash of fn's cuda export without source locations (line numbers move with edits)
+    and of its jaxpr: a Mosaic GPU kernel travels as a serialized module that carries
+    its locations, so its export blob is left out and its jaxpr (the kernel body's
+    operations and the compiler parameters) stands for it."""
     sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*sds).mlir_module()
     text = "\n".join(line for line in _LOC.sub("", text).splitlines()
                      if not line.startswith("#loc"))
+    text = _MOSAIC_BLOB.sub(r'\1 = "<mosaic>"', text)
+    text += "\n" + str(jax.make_jaxpr(fn)(*sds))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -70,6 +76,32 @@ def programs():
                          [(t, 4, 128)] * 4)
     out["block-self-rope_chunks4"] = (_train(lambda q, k, v: block_attention_pallas(
         q, k, v, qo, rope_chunks=4, rope_chunks_bwd=4)), [(t, 4, 128)] * 4)
+    out.update(mosaic_programs(off(SHAPES["self"][0]), t))
+    return out
+
+
+def mosaic_programs(qo, t):
+    """The Mosaic GPU kernels (kernels/mosaic_flash.py: forward, and the dQ + dK/dV
+    backward at its default tuning) on the self shape, called directly: the public ops
+    pick them on a Hopper GPU only."""
+    from kernels.jagged_flash import FlashConfig, build_layout
+    from kernels.mosaic_flash import (BACKWARD_TUNING, gdpa_mosaic_forward, mosaic_config,
+                                      run_backward, softmax_mosaic_forward)
+    t = -(-t // 256) * 256
+    dims = [(t, 4, 128)] * 4
+    out = {"mosaic-fwd-gdpa": (lambda q, k, v, do: gdpa_mosaic_forward(
+               q, k, v, qo, qo, activation="silu", scale=0.1), dims),
+           "mosaic-fwd-softmax": (lambda q, k, v, do: softmax_mosaic_forward(
+               q, k, v, qo, qo), dims)}
+    for mode in ("gdpa", "softmax"):
+        cfg = mosaic_config(128, jnp.bfloat16, mode=mode, activation="silu", scale=0.1,
+                            **BACKWARD_TUNING)
+
+        def bwd(q, k, v, do, cfg=cfg, mode=mode):
+            lay = build_layout(FlashConfig(mode=mode), qo, qo, t, t, 128)
+            stat = jnp.zeros((4, t), jnp.float32)
+            return run_backward(cfg, lay, q, k, v, do, stat, stat, o=do)
+        out[f"mosaic-bwd-{mode}"] = (bwd, dims)
     return out
 
 

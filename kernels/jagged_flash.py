@@ -76,8 +76,9 @@ class FlashConfig:
     # GPU dQ and dK/dV kernels, kernels/mosaic_flash.py run_backward, where they apply:
     # flash_backward; Triton elsewhere)
     backward: str = "triton"
-    # MosaicConfig overrides, ((knob, value), ...), for the Mosaic backward (benchmarks
-    # and tests: e.g. (("fused_delta", True),))
+    # MosaicConfig overrides, ((knob, value), ...), for the Mosaic forward / backward
+    # (benchmarks and tests: e.g. (("fused_delta", True),), (("pdl", True),))
+    mosaic_fwd: tuple = ()
     mosaic_bwd: tuple = ()
     # Triton backward, FUSED_BWD: "k" (one kernel over key tiles: dK / dV stored, dQ
     # shares added into a float32 buffer by atomics; for short query sides), "q" (over

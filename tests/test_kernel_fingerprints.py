@@ -31,3 +31,17 @@ def test_fingerprint_ignores_line_numbers_and_sees_program_changes():
     a = fingerprint(_op("off", 0), *DIMS)
     assert fingerprint(_op("off", 7), *DIMS) == a          # the same code, moved down
     assert fingerprint(_op("k", 0), *DIMS) != a            # another backward program
+
+
+def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
+    """A Mosaic GPU kernel's export blob carries source locations, so the hash reads its
+    jaxpr: the same for the same kernel, different when a knob changes its body (pdl)."""
+    from kernels.mosaic_flash import gdpa_mosaic_forward
+    qo = jnp.asarray(np.array([0, 100, 356, 512]), jnp.int32)
+
+    def fwd(**tuning):
+        return lambda q, k, v, do: gdpa_mosaic_forward(q, k, v, qo, qo, **tuning)
+    dims = [(512, 2, 64)] * 4
+    a = fingerprint(fwd(), *dims)
+    assert fingerprint(fwd(), *dims) == a
+    assert fingerprint(fwd(pdl=True), *dims) != a
