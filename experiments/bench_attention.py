@@ -219,7 +219,7 @@ def run_workload(wname, rng):
         bytes_bwd))
     if kind != "self":   # the fused backward's other settings beside the default
         # (default: off on W2, "k" on W3; "*_rows": no atomics)
-        for alt in {"cross": ("q", "k_rows"), "pma": ("off", "q_rows")}[kind]:
+        for alt in {"cross": ("k", "k_rows"), "pma": ("off", "q_rows")}[kind]:
             rows.append(measure(f"pallas_gdpa_{act}_fused_bwd_{alt}", fwd_and_train(
                 lambda q, k, v, alt=alt: gdpa_pallas(q, k, v, qo, ko, activation=act,
                                                      scale=scale, fused_bwd=alt)),

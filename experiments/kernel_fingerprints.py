@@ -117,9 +117,11 @@ def main(_):
         before = json.load(open(FLAGS.compare))
         changed = sorted(n for n in hashes if n in before and before[n] != hashes[n])
         new = sorted(n for n in hashes if n not in before)
+        gone = sorted(n for n in before if n not in hashes)
         print(f"\n{len(changed)} of {len(hashes) - len(new)} programs differ from "
               f"{FLAGS.compare}" + (": " + ", ".join(changed) if changed else "")
-              + (f"; {len(new)} new: " + ", ".join(new) if new else ""))
+              + (f"; {len(new)} new: " + ", ".join(new) if new else "")
+              + (f"; {len(gone)} no longer built: " + ", ".join(gone) if gone else ""))
         sys.exit(1 if changed else 0)
 
 

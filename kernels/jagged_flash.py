@@ -44,7 +44,7 @@ PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
 # the other side launch in order (one or two tiles of inner loop each, no sort), and a
 # short query side gets the fused backward (fused_bwd="auto": "k").
 SHORT_SIDE = 32
-FUSED_BWD = ("auto", "off", "q", "k", "q_rows", "k_rows")   # FlashConfig.fused_bwd
+FUSED_BWD = ("auto", "off", "k", "q_rows", "k_rows")   # FlashConfig.fused_bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,8 @@ class FlashConfig:
     mosaic_fwd: tuple = ()
     mosaic_bwd: tuple = ()
     # Triton backward, FUSED_BWD: "k" (one kernel over key tiles: dK / dV stored, dQ
-    # shares added into a float32 buffer by atomics; for short query sides), "q" (over
-    # query tiles, dK / dV by atomics; measured slower), "k_rows" / "q_rows" (no atomics:
+    # shares added into a float32 buffer by atomics; for short query sides), "k_rows" /
+    # "q_rows" (no atomics:
     # rows of one side whose whole interval lies in one tile of the other get their
     # gradient from that tile's program, the rest from their own kernel; not yet timed),
     # "off" (the dQ and dK/dV kernels), "auto" (fused_backward_side: "k" for short query
@@ -321,10 +321,9 @@ def _probs_and_dscores(cfg, s, m, lse, delta, dp):
 def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref, cq_ref,
                sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                dk_ref=None, dv_ref=None, *, cfg, other_own=None, own=None, need=None):
-    """dQ of one query tile. With dk_ref / dv_ref (fused_bwd "q" / "q_rows", no RoPE) also
-    each key tile's dK / dV: "q" adds the shares atomically (float32 buffers), "q_rows"
-    stores the key rows other_own assigns to this query tile (all their queries are in
-    it). With own / need ("k_rows": the dK/dV kernel stores the rest) only the rows own
+    """dQ of one query tile. With dk_ref / dv_ref and other_own (fused_bwd "q_rows", no
+    RoPE) also each key tile's dK / dV, stored for the key rows other_own assigns to
+    this query tile (all their queries are in it). With own / need ("k_rows": the dK/dV kernel stores the rest) only the rows own
     marks -1, and only tiles need marks run the key loop (else their rows get zeros)."""
     i = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq, cfg.bk
@@ -346,10 +345,7 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref
             dp = _dot_nt(do, v_ref[rows, :])
             p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
             ds = ds.astype(kparts[0].dtype)
-            if dk_ref is not None and other_own is None:
-                plgpu.atomic_add(dv_ref, (rows, slice(None)), _dot_tn(p.astype(do.dtype), do))
-                plgpu.atomic_add(dk_ref, (rows, slice(None)), _dot_tn(ds, qparts[0]))
-            elif dk_ref is not None:
+            if dk_ref is not None:
                 mine = other_own[rows] == i
                 _store_rows(dv_ref, rows, _dot_tn(p.astype(do.dtype), do), mine)
                 _store_rows(dk_ref, rows, _dot_tn(ds, qparts[0]), mine)
@@ -550,7 +546,7 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
     if softmax:
         delta = softmax_delta(o, do)
         stats, stat_specs = [lse, delta], [_stat_spec(tq)] * 2
-    if cfg.fused_bwd in ("q", "k"):
+    if cfg.fused_bwd == "k":
         return _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs)
     if cfg.fused_bwd in ("q_rows", "k_rows"):
         return _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs)
@@ -576,43 +572,28 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
 
 
 def _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs):
-    """The whole backward in one kernel (cfg.fused_bwd "k": the dK/dV kernel, dQ by
-    atomics; "q": the dQ kernel over query tiles, dK / dV by atomics). The atomic
-    outputs are float32 buffers aliased to zeros, cast at the end."""
+    """fused_bwd "k": the whole backward in the dK/dV kernel, dQ added by atomics into a
+    float32 buffer aliased to zeros, cast at the end."""
     tq, h, d = q.shape
     tk = k.shape[0]
-    over_q = cfg.fused_bwd == "q"
-    ins = _inputs(lay, q, k, v, over_q)
-    n_atomic = 2 if over_q else 1
-    t_atomic, t_plain = (tk, tq) if over_q else (tq, tk)
-    zeros = [jnp.zeros((t_atomic, h, d), F32) for _ in range(n_atomic)]
-    base = _dq_kernel if over_q else _dkv_kernel
-    n_plain = 1 if over_q else 2
+    ins = _inputs(lay, q, k, v, False)
 
     def kernel(*refs, cfg):
         # _adapt's order: 9 layout refs, 4 cos / sin (None), q, k, v, then do, the zero
-        # buffers (aliased by the atomic outputs, not read), lse, delta (None), outputs
-        lse_delta = refs[17 + n_atomic:19 + n_atomic]
-        base(*refs[:17], *lse_delta, *refs[19 + n_atomic:], cfg=cfg)
+        # buffer (aliased by dQ, not read), lse, delta (None), outputs dK, dV, dQ
+        _dkv_kernel(*refs[:17], *refs[18:20], *refs[20:], cfg=cfg)
 
-    ntile = tq // cfg.bq if over_q else tk // cfg.bk_dkv
-    alias = {len(ins) + 1 + i: n_plain + i for i in range(n_atomic)}
-    outs = pl.pallas_call(
-        _adapt(kernel, cfg, 1 + n_atomic, cfg.mode == "softmax", n_plain + n_atomic),
-        grid=(ntile, h),
-        in_specs=(_specs(cfg, tq, tk, d, ntile) + [_x_spec(tq, d)]
-                  + [_x_spec(t_atomic, d)] * n_atomic + stat_specs),
-        out_specs=[_x_spec(t_plain, d)] * n_plain + [_x_spec(t_atomic, d)] * n_atomic,
-        out_shape=([jax.ShapeDtypeStruct((t_plain, h, d), q.dtype)] * n_plain
-                   + [jax.ShapeDtypeStruct((t_atomic, h, d), F32)] * n_atomic),
-        input_output_aliases=alias,
+    nk = tk // cfg.bk_dkv
+    dk, dv, dq = pl.pallas_call(
+        _adapt(kernel, cfg, 2, cfg.mode == "softmax", 3), grid=(nk, h),
+        in_specs=_specs(cfg, tq, tk, d, nk) + [_x_spec(tq, d)] * 2 + stat_specs,
+        out_specs=[_x_spec(tk, d)] * 2 + [_x_spec(tq, d)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   jax.ShapeDtypeStruct(q.shape, F32)],
+        input_output_aliases={len(ins) + 1: 2},
         compiler_params=_params(cfg, True), interpret=cfg.interpret,
-        name=f"jagged_flash_bwd_fused_{cfg.fused_bwd}_{cfg.mode}",
-    )(*ins, do, *zeros, *stats)
-    if over_q:
-        dq, dk, dv = outs
-        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
-    dk, dv, dq = outs
+        name=f"jagged_flash_bwd_fused_k_{cfg.mode}",
+    )(*ins, do, jnp.zeros(q.shape, F32), *stats)
     return dq.astype(q.dtype), dk, dv
 
 
@@ -859,14 +840,16 @@ def adapt_tiles(cfg, tq, tk, b, dtype):
 
 
 def fused_backward_side(cfg, tq, tk, b):
-    """cfg.fused_bwd resolved for capacities tq / tk and B samples: "q", "k" or "off".
+    """cfg.fused_bwd resolved for capacities tq / tk and B samples: one of FUSED_BWD but
+    "auto".
 
     "auto": "k" where queries per sample are at most SHORT_SIDE (PMA's 16: W3 on an
-    H200, one fused kernel 0.413 ms against dK/dV 0.296 + dQ 0.161), else "off". Never
-    "q": on W2 (32 keys per sample) its atomics onto the few key rows every query tile of
-    a sample shares measured 0.445 ms against dQ 0.106 + dK/dV 0.132. Also "off" with
-    RoPE or under XLA_FLAGS=--xla_gpu_deterministic_ops=true (the atomics add in no
-    fixed order, so the gradients are not bitwise reproducible).
+    H200, one fused kernel 0.413 ms against dK/dV 0.296 + dQ 0.161), else "off". (The
+    mirror with atomic dK / dV, for W2's 32 keys per sample, measured 0.445 ms against
+    dQ 0.106 + dK/dV 0.132: every query tile of a sample adds into the same key rows;
+    removed, "k_rows" is its atomic-free successor.) Also "off" with RoPE or under
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true (the atomics add in no fixed order, so
+    the gradients are not bitwise reproducible).
     """
     if cfg.fused_bwd not in FUSED_BWD:
         raise ValueError(f"pallas attention: fused_bwd must be one of {FUSED_BWD}, "
