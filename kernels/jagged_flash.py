@@ -82,11 +82,11 @@ class FlashConfig:
     mosaic_bwd: tuple = ()
     # Triton backward, FUSED_BWD: "k" (one kernel over key tiles: dK / dV stored, dQ
     # shares added into a float32 buffer by atomics; for short query sides), "k_rows" /
-    # "q_rows" (no atomics:
-    # rows of one side whose whole interval lies in one tile of the other get their
-    # gradient from that tile's program, the rest from their own kernel; not yet timed),
-    # "off" (the dQ and dK/dV kernels), "auto" (fused_backward_side: "k" for short query
-    # sides, else off; off with RoPE or when XLA_FLAGS asks for deterministic ops)
+    # "q_rows" (no atomics: rows of one side whose whole interval lies in one tile of the
+    # other get their gradient from that tile's program, the rest from their own kernel;
+    # not yet timed), "off" (the dQ and dK/dV kernels), "auto" (fused_backward_side: "k"
+    # for short query sides, else off; off with RoPE or when XLA_FLAGS asks for
+    # deterministic ops)
     fused_bwd: str = "auto"
 
 
@@ -323,8 +323,9 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref
                dk_ref=None, dv_ref=None, *, cfg, other_own=None, own=None, need=None):
     """dQ of one query tile. With dk_ref / dv_ref and other_own (fused_bwd "q_rows", no
     RoPE) also each key tile's dK / dV, stored for the key rows other_own assigns to
-    this query tile (all their queries are in it). With own / need ("k_rows": the dK/dV kernel stores the rest) only the rows own
-    marks -1, and only tiles need marks run the key loop (else their rows get zeros)."""
+    this query tile (all their queries are in it). With own / need ("k_rows": the dK/dV
+    kernel stores the rest) only the rows own marks -1, and only tiles need marks run
+    the key loop (else their rows get zeros)."""
     i = perm_ref[pl.program_id(0)]
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
@@ -799,8 +800,8 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
                 qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb, k_start=ka, k_end=kb,
                 q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
                 q_flo=q_flo, q_fhi=q_fhi, k_flo=k_flo, k_fhi=k_fhi,
-                q_perm=_heaviest_first(q_lo, q_hi, cfg, short=tk <= SHORT_SIDE * b),
-                k_perm=_heaviest_first(k_lo, k_hi, cfg, short=tq <= SHORT_SIDE * b),
+                q_perm=_heaviest_first(q_lo, q_hi, cfg, short=_is_short(tk, b)),
+                k_perm=_heaviest_first(k_lo, k_hi, cfg, short=_is_short(tq, b)),
                 cos=cos, sin=sin)
 
 
@@ -861,7 +862,12 @@ def fused_backward_side(cfg, tq, tk, b):
         return cfg.fused_bwd
     if cfg.rope or "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""):
         return "off"
-    return "k" if tq <= SHORT_SIDE * max(b, 1) else "off"
+    return "k" if _is_short(tq, b) else "off"
+
+
+def _is_short(capacity, b):
+    """Whether a side of `capacity` tokens over b samples is short (SHORT_SIDE per sample)."""
+    return capacity <= SHORT_SIDE * max(b, 1)
 
 
 def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_theta=None):

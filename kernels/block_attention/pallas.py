@@ -104,11 +104,13 @@ def _load(ref, rows, cols, valid):
 
 def _rotated(ref, rows, valid, cos, sin):
     """The block's rows of `ref` rotated by RoPE, as two [block, D/2] halves (ref dtype)."""
+    return _rotated_cols(ref, rows, _halves(ref), valid, cos, sin)
+
+
+def _halves(ref):
+    """Column slices of ref's two RoPE halves."""
     half = ref.shape[-1] // 2
-    x1 = _load(ref, rows, pl.ds(0, half), valid).astype(F32)
-    x2 = _load(ref, rows, pl.ds(half, half), valid).astype(F32)
-    dt = ref.dtype
-    return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
+    return pl.ds(0, half), pl.ds(half, half)
 
 
 def _approx(op, x):
@@ -190,13 +192,19 @@ def _store(ref, rows, write, x):
     plgpu.store(ref.at[rows, :], x.astype(ref.dtype), mask=write[:, None])
 
 
-def _store_halves(ref, rows, write, g1, g2, cos, sin):
-    """Store a gradient given w.r.t. the rotated halves, rotated back (RoPE^T)."""
-    half = ref.shape[-1] // 2
-    plgpu.store(ref.at[rows, pl.ds(0, half)], (g1 * cos + g2 * sin).astype(ref.dtype),
-                mask=write[:, None])
-    plgpu.store(ref.at[rows, pl.ds(half, half)], (g2 * cos - g1 * sin).astype(ref.dtype),
-                mask=write[:, None])
+def _store_halves(ref, rows, write, g1, g2, cos, sin, cols=None):
+    """Store a gradient given w.r.t. the rotated halves (or the half chunks `cols`),
+    rotated back (RoPE^T)."""
+    c1, c2 = cols or _halves(ref)
+    plgpu.store(ref.at[rows, c1], (g1 * cos + g2 * sin).astype(ref.dtype), mask=write[:, None])
+    plgpu.store(ref.at[rows, c2], (g2 * cos - g1 * sin).astype(ref.dtype), mask=write[:, None])
+
+
+def _dscores(p, dp, scale, dtype):
+    """dS = P (dP - rowsum(P dP)) scale of a softmax block, in dtype (rowsum(P dP) equals
+    rowsum(dO O), so O is not read)."""
+    delta = jnp.sum(p * dp, axis=1)
+    return (p * (dp - delta[:, None]) * scale).astype(dtype)
 
 
 def _each_block(group, fn):
@@ -255,9 +263,7 @@ def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
     do = _load(do_ref, rows, pl.ds(0, do_ref.shape[-1]), valid)
     p = _probs(q1, q2, k1, k2, valid, scale)
     _store(dv_ref, rows, write, _dot(p.astype(do.dtype), do, ((0,), (0,))))
-    dp = _dot(do, v, ((1,), (1,)))
-    delta = jnp.sum(p * dp, axis=1)
-    ds = (p * (dp - delta[:, None]) * scale).astype(q1.dtype)
+    ds = _dscores(p, _dot(do, v, ((1,), (1,))), scale, q1.dtype)
     nn, tn = ((1,), (0,)), ((0,), (0,))
     _store_halves(dq_ref, rows, write, _dot(ds, k1, nn), _dot(ds, k2, nn), cos, sin)
     _store_halves(dk_ref, rows, write, _dot(ds, q1, tn), _dot(ds, q2, tn), cos, sin)
@@ -275,8 +281,7 @@ def _bwd_block_by_chunks(tab, n, pos_ref, f_refs, q_ref, k_ref, v_ref, do_ref, d
     do = _load(do_ref, rows, pl.ds(0, do_ref.shape[-1]), valid)
     _store(dv_ref, rows, write, _dot(p.astype(do.dtype), do, ((0,), (0,))))
     dp = _dot(do, _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid), ((1,), (1,)))
-    delta = jnp.sum(p * dp, axis=1)
-    ds = (p * (dp - delta[:, None]) * scale).astype(q_ref.dtype)
+    ds = _dscores(p, dp, scale, q_ref.dtype)
     half = q_ref.shape[-1] // 2
     w = half // chunks
     nn, tn = ((1,), (0,)), ((0,), (0,))
@@ -287,12 +292,8 @@ def _bwd_block_by_chunks(tab, n, pos_ref, f_refs, q_ref, k_ref, v_ref, do_ref, d
         cos, sin = _cos_sin(rope_angle(pos, *fs, cs), fast_trig)
         q1, q2 = _rotated_cols(q_ref, rows, cols, valid, cos, sin)
         k1, k2 = _rotated_cols(k_ref, rows, cols, valid, cos, sin)
-        for ref, g1, g2 in ((dq_ref, _dot(ds, k1, nn), _dot(ds, k2, nn)),
-                            (dk_ref, _dot(ds, q1, tn), _dot(ds, q2, tn))):
-            plgpu.store(ref.at[rows, cols[0]], (g1 * cos + g2 * sin).astype(ref.dtype),
-                        mask=write[:, None])
-            plgpu.store(ref.at[rows, cols[1]], (g2 * cos - g1 * sin).astype(ref.dtype),
-                        mask=write[:, None])
+        _store_halves(dq_ref, rows, write, _dot(ds, k1, nn), _dot(ds, k2, nn), cos, sin, cols)
+        _store_halves(dk_ref, rows, write, _dot(ds, q1, tn), _dot(ds, q2, tn), cos, sin, cols)
         return carry
     lax.fori_loop(0, chunks, chunk, 0)
 
@@ -314,10 +315,9 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
                                   num_stages=knobs["num_stages" + sfx])
     group = knobs["group" + sfx]
     fast_trig = bool(knobs["fast_trig"]) and xs[0].dtype.itemsize == 2 and not interpret
-    extra = dict(rope_chunks=int(knobs["rope_chunks" + sfx]))
     out = pl.pallas_call(
         functools.partial(kernel, block=block, scale=scale, cs=cs, group=group,
-                          fast_trig=fast_trig, **extra),
+                          fast_trig=fast_trig, rope_chunks=int(knobs["rope_chunks" + sfx])),
         grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
