@@ -52,9 +52,10 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_list("rows", [], "time only the rows whose name contains one of these (empty: all)")
-flags.DEFINE_list("mosaic_bwd_variants", ["fused_delta=0", "overlap_dp=1"],
+flags.DEFINE_list("mosaic_variants", ["fused_delta=0", "overlap_dp=1", "pdl=1"],
                   "W1: extra Mosaic forward + backward rows (softmax and GDPA) with these "
-                  "MosaicConfig knobs for the backward, knob=int joined by '+'")
+                  "MosaicConfig knobs (knob=int joined by '+') in all three kernels; "
+                  "backward-only knobs leave the forward as it is")
 flags.DEFINE_integer("chain", 0, "also time CHAIN calls chained inside one jit (per-call "
                      "time, columns 'chain'): no per-dispatch gap between calls, as inside a "
                      "training step (e.g. 8); 0 = off")
@@ -236,28 +237,17 @@ def run_workload(wname, rng):
             lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic",
                                                     backward="mosaic")), args,
             flops, bytes_fwd, bytes_bwd))
-        for spec in FLAGS.mosaic_bwd_variants:   # backward knobs, side by side
-            knobs = tuple(sorted(parse_mosaic_knobs(spec).items()))
+        for spec in FLAGS.mosaic_variants:   # MosaicConfig knobs, side by side
+            kw = dict(forward="mosaic", backward="mosaic",
+                      mosaic_fwd=tuple(sorted(parse_mosaic_knobs(spec).items())))
+            kw["mosaic_bwd"] = kw["mosaic_fwd"]
             rows.append(measure(f"mosaic_fwd_bwd_softmax[{spec}]", fwd_and_train(
-                lambda q, k, v, knobs=knobs: jagged_attention_pallas(
-                    q, k, v, qo, ko, forward="mosaic", backward="mosaic", mosaic_bwd=knobs)),
+                lambda q, k, v, kw=kw: jagged_attention_pallas(q, k, v, qo, ko, **kw)),
                 args, flops, bytes_fwd, bytes_bwd))
             rows.append(measure(f"mosaic_fwd_bwd_gdpa_{act}[{spec}]", fwd_and_train(
-                lambda q, k, v, knobs=knobs: gdpa_pallas(
-                    q, k, v, qo, ko, activation=act, scale=scale, forward="mosaic",
-                    backward="mosaic", mosaic_bwd=knobs)), args, flops, bytes_fwd, bytes_bwd))
-    if kind == "self" and jax.default_backend() == "gpu":
-        # Programmatic Dependent Launch in all three Mosaic kernels (MosaicConfig.pdl)
-        pdl = (("pdl", True),)
-        rows.append(measure("mosaic_fwd_bwd_softmax[pdl]", fwd_and_train(
-            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, forward="mosaic",
-                                                    backward="mosaic", mosaic_fwd=pdl,
-                                                    mosaic_bwd=pdl)),
-            args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure(f"mosaic_fwd_bwd_gdpa_{act}[pdl]", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        forward="mosaic", backward="mosaic", mosaic_fwd=pdl,
-                                        mosaic_bwd=pdl)), args, flops, bytes_fwd, bytes_bwd))
+                lambda q, k, v, kw=kw: gdpa_pallas(q, k, v, qo, ko, activation=act,
+                                                   scale=scale, **kw)),
+                args, flops, bytes_fwd, bytes_bwd))
     # where the forward time goes: layout (XLA) vs the Pallas kernel alone
     b = len(ql)
     cfg = adapt_tiles(FlashConfig(mode="gdpa", activation=act, scale=scale, **GDPA_TILES,
