@@ -52,7 +52,7 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_list("rows", [], "time only the rows whose name contains one of these (empty: all)")
-flags.DEFINE_list("mosaic_variants", ["fused_delta=0", "overlap_dp=1", "pdl=1"],
+flags.DEFINE_list("mosaic_variants", ["fused_delta=0", "overlap_dp=1"],
                   "W1: extra Mosaic forward + backward rows (softmax and GDPA) with these "
                   "MosaicConfig knobs (knob=int joined by '+') in all three kernels; "
                   "backward-only knobs leave the forward as it is")
@@ -219,8 +219,8 @@ def run_workload(wname, rng):
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
     if kind != "self":   # the fused backward's other settings beside the default
-        # (default: off on W2, "k" on W3; "*_rows": no atomics)
-        for alt in {"cross": ("k", "k_rows"), "pma": ("off", "q_rows")}[kind]:
+        # (default "auto": "k_rows" on W2, "q_rows" on W3)
+        for alt in ("off",):
             rows.append(measure(f"pallas_gdpa_{act}_fused_bwd_{alt}", fwd_and_train(
                 lambda q, k, v, alt=alt: gdpa_pallas(q, k, v, qo, ko, activation=act,
                                                      scale=scale, fused_bwd=alt)),

@@ -4,7 +4,8 @@
         --vocab=100000000 --dim=128 --batch=65536 --ids_per_sample=20 --out=$OUT/bench_sparse.json
     ... --shard            the same table row-wise over every local GPU (global batch --batch)
 
-Rows (each timed as its own jitted program, median of --steps; no profiler):
+Rows (each timed as its own jitted program, median of --steps; the profiler only with
+--profile_steps, after the timing):
   step     lookup + apply_gradients of EmbeddingCollection, state donated, per variant
   lookup   coll.lookup alone
   apply    coll.apply_gradients alone (fixed residuals and grads, state donated)
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 
 import jax
@@ -94,6 +96,9 @@ flags.DEFINE_list("fused_sweep", ["16/256/2/0", "16/1024/2/16/16", "16/256/2/16/
                                    "16/256/2/16/8", "16/256/4/16/16"],
                   "fused kernel knobs block_ids/split/num_warps[/short[/rows_per_program]] "
                   "(short 0: one program per row; omitted: fused_update.KNOBS)")
+flags.DEFINE_integer("profile_steps", 0, "also trace this many steps of every variant (after its "
+                     "timed steps) into <--out>.profile/<variant> and print where device time goes "
+                     "(experiments/profile_summary.py); 0 = off")
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
 
@@ -184,7 +189,21 @@ def make_coll(vocab, mesh, variant):
     return EmbeddingCollection([spec], plan, mesh, **VARIANTS[variant])
 
 
-def bench_variant(coll, state, batches, steps):
+def profile_steps(step, state, batches, steps, variant):
+    """Trace `steps` more steps; print the device time per op kind and op (per step)."""
+    from experiments import profile_summary
+    path = os.path.join(FLAGS.out + ".profile", variant)
+    with jax.profiler.trace(path, create_perfetto_trace=True):
+        for k in range(steps):
+            state, _ = step(state, batches[k % len(batches)])
+        jax.block_until_ready(state)
+    events = profile_summary.load_events(path)
+    print(f"profile {variant} ({steps} steps, {path}):\n"
+          + profile_summary.format_summary(profile_summary.summarize(events, steps), top=20), flush=True)
+    return state
+
+
+def bench_variant(coll, state, batches, steps, variant=""):
     """-> (state, {"step", "lookup", "apply"} seconds, overflow, finite)."""
     def step(state, feats):
         acts, res = coll.lookup(state, feats)
@@ -204,6 +223,8 @@ def bench_variant(coll, state, batches, steps):
         jax.block_until_ready(state)
         ts.append(time.perf_counter() - t0)
     out = {"step": float(np.median(ts))}
+    if FLAGS.profile_steps:
+        state = profile_steps(step, state, batches, FLAGS.profile_steps, variant)
     lookup = jax.jit(lambda s, f: coll.lookup(s, f)[0])
     i = [0]
 
@@ -334,7 +355,7 @@ def main(_):
     for v in FLAGS.variants:
         coll = make_coll(FLAGS.vocab, mesh, v)
         t0 = time.perf_counter()
-        state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps)
+        state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps, v)
         extra = {"overflow": over, "finite": finite, "wall_s": time.perf_counter() - t0}
         for kind in ("step", "lookup", "apply"):
             record(kind, v, FLAGS.vocab, ts[kind], ids, extra if kind == "step" else None)

@@ -17,10 +17,11 @@ back before storing: the RoPE backward is fused. GDPA silu / gelu_tanh can run
 through tanh.approx (fast_act, for 16-bit inputs).
 
 Backward: dQ kernel (grid over query tiles) and dK/dV kernel (grid over key
-tiles), no atomics; where the query side is short (at most SHORT_SIDE tokens per
-sample: PMA's 16 learned queries) the dK/dV kernel does all of it instead
-(`fused_bwd`), adding dQ shares into a float32 buffer with atomics, so the long
-K/V side is read once. Softmax needs delta = rowsum(dO * O), computed in XLA.
+tiles), no atomics. Where one side is short (at most SHORT_SIDE tokens per sample:
+PMA's 16 learned queries, cross-attention to 32 keys) the kernel over the short
+side's tiles also stores the long side's gradient rows whose whole interval lies
+in its tile (`fused_bwd` "q_rows" / "k_rows"), so the other kernel only runs for
+tiles holding rows that straddle a tile edge. Softmax needs delta = rowsum(dO * O), computed in XLA.
 Triton dots need every dim >= 16, so tiles are >= 16 and D (D/2 with rope) must
 be a multiple of 16.
 """
@@ -28,7 +29,6 @@ be a multiple of 16.
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +42,9 @@ F32 = jnp.float32
 PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
 # Tokens per sample (capacity / B) at or below which a side counts as short: tiles over
 # the other side launch in order (one or two tiles of inner loop each, no sort), and a
-# short query side gets the fused backward (fused_bwd="auto": "k").
+# short side gets the fused backward (fused_bwd="auto": "q_rows" / "k_rows").
 SHORT_SIDE = 32
-FUSED_BWD = ("auto", "off", "k", "q_rows", "k_rows")   # FlashConfig.fused_bwd
+FUSED_BWD = ("auto", "off", "q_rows", "k_rows")   # FlashConfig.fused_bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +77,14 @@ class FlashConfig:
     # flash_backward; Triton elsewhere)
     backward: str = "triton"
     # MosaicConfig overrides, ((knob, value), ...), for the Mosaic forward / backward
-    # (benchmarks and tests: e.g. (("fused_delta", True),), (("pdl", True),))
+    # (benchmarks and tests: e.g. (("fused_delta", True),), (("overlap_dp", True),))
     mosaic_fwd: tuple = ()
     mosaic_bwd: tuple = ()
-    # Triton backward, FUSED_BWD: "k" (one kernel over key tiles: dK / dV stored, dQ
-    # shares added into a float32 buffer by atomics; for short query sides), "k_rows" /
-    # "q_rows" (no atomics: rows of one side whose whole interval lies in one tile of the
-    # other get their gradient from that tile's program, the rest from their own kernel;
-    # not yet timed), "off" (the dQ and dK/dV kernels), "auto" (fused_backward_side: "k"
-    # for short query sides, else off; off with RoPE or when XLA_FLAGS asks for
-    # deterministic ops)
+    # Triton backward, FUSED_BWD: "k_rows" / "q_rows" (rows of one side whose whole
+    # interval lies in one tile of the other get their gradient from that tile's
+    # program, the rest from their own kernel), "off" (the dQ and dK/dV kernels), "auto"
+    # (fused_backward_side: "q_rows" for short query sides, "k_rows" for short key sides,
+    # else off; off with RoPE)
     fused_bwd: str = "auto"
 
 
@@ -381,9 +379,9 @@ def _only_needed(compute, need, i, zeros):
 def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
                 cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref, dq_ref=None, *, cfg, other_own=None, own=None, need=None):
-    """dK, dV of one key tile. With dq_ref (fused_bwd "k" / "k_rows", no RoPE) also each
-    query tile's dQ: "k" adds the shares atomically (a float32 buffer), "k_rows" stores
-    the query rows other_own assigns to this key tile (all their keys are in it). With
+    """dK, dV of one key tile. With dq_ref and other_own (fused_bwd "k_rows", no RoPE)
+    also each query tile's dQ, stored for the query rows other_own assigns to this key
+    tile (all their keys are in it). With
     own / need ("q_rows": the dQ kernel stores the rest) only the rows own marks -1, and
     only tiles need marks run the query loop (else their rows get zeros)."""
     j = perm_ref[pl.program_id(0)]
@@ -410,11 +408,7 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
             dv = dv + _dot_tn(p.astype(do.dtype), do)
             ds = ds.astype(qparts[0].dtype)
             if dq_ref is not None:
-                dq_part = _dot_nn(ds, kparts[0])
-                if other_own is None:
-                    plgpu.atomic_add(dq_ref, (rows, slice(None)), dq_part)
-                else:
-                    _store_rows(dq_ref, rows, dq_part, other_own[rows] == j)
+                _store_rows(dq_ref, rows, _dot_nn(ds, kparts[0]), other_own[rows] == j)
             return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
 
         init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
@@ -547,8 +541,6 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
     if softmax:
         delta = softmax_delta(o, do)
         stats, stat_specs = [lse, delta], [_stat_spec(tq)] * 2
-    if cfg.fused_bwd == "k":
-        return _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs)
     if cfg.fused_bwd in ("q_rows", "k_rows"):
         return _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs)
 
@@ -570,32 +562,6 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
         name=f"jagged_flash_dkv_{cfg.mode}",
     )(*_inputs(lay, q, k, v, False), do, *stats)
     return dq, dk, dv
-
-
-def _backward_fused(cfg, q, k, v, lay, do, stats, stat_specs):
-    """fused_bwd "k": the whole backward in the dK/dV kernel, dQ added by atomics into a
-    float32 buffer aliased to zeros, cast at the end."""
-    tq, h, d = q.shape
-    tk = k.shape[0]
-    ins = _inputs(lay, q, k, v, False)
-
-    def kernel(*refs, cfg):
-        # _adapt's order: 9 layout refs, 4 cos / sin (None), q, k, v, then do, the zero
-        # buffer (aliased by dQ, not read), lse, delta (None), outputs dK, dV, dQ
-        _dkv_kernel(*refs[:17], *refs[18:20], *refs[20:], cfg=cfg)
-
-    nk = tk // cfg.bk_dkv
-    dk, dv, dq = pl.pallas_call(
-        _adapt(kernel, cfg, 2, cfg.mode == "softmax", 3), grid=(nk, h),
-        in_specs=_specs(cfg, tq, tk, d, nk) + [_x_spec(tq, d)] * 2 + stat_specs,
-        out_specs=[_x_spec(tk, d)] * 2 + [_x_spec(tq, d)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct(q.shape, F32)],
-        input_output_aliases={len(ins) + 1: 2},
-        compiler_params=_params(cfg, True), interpret=cfg.interpret,
-        name=f"jagged_flash_bwd_fused_k_{cfg.mode}",
-    )(*ins, do, jnp.zeros(q.shape, F32), *stats)
-    return dq.astype(q.dtype), dk, dv
 
 
 def row_owners(start, end, t_own, tile):
@@ -844,13 +810,11 @@ def fused_backward_side(cfg, tq, tk, b):
     """cfg.fused_bwd resolved for capacities tq / tk and B samples: one of FUSED_BWD but
     "auto".
 
-    "auto": "k" where queries per sample are at most SHORT_SIDE (PMA's 16: W3 on an
-    H200, one fused kernel 0.413 ms against dK/dV 0.296 + dQ 0.161), else "off". (The
-    mirror with atomic dK / dV, for W2's 32 keys per sample, measured 0.445 ms against
-    dQ 0.106 + dK/dV 0.132: every query tile of a sample adds into the same key rows;
-    removed, "k_rows" is its atomic-free successor.) Also "off" with RoPE or under
-    XLA_FLAGS=--xla_gpu_deterministic_ops=true (the atomics add in no fixed order, so
-    the gradients are not bitwise reproducible).
+    "auto": "q_rows" where queries per sample are at most SHORT_SIDE (PMA's 16: W3 on an
+    H200, forward+backward 0.519 ms against 0.610 unfused and 0.574 with dQ added by
+    float32 atomics in the dK/dV kernel, a mode since removed), else "k_rows" where keys
+    per sample are (W2's 32: 0.343 against 0.357 unfused), else "off"; "off" with RoPE
+    (the fused kernels do not rotate).
     """
     if cfg.fused_bwd not in FUSED_BWD:
         raise ValueError(f"pallas attention: fused_bwd must be one of {FUSED_BWD}, "
@@ -860,9 +824,11 @@ def fused_backward_side(cfg, tq, tk, b):
             raise ValueError(f"pallas attention: fused_bwd {cfg.fused_bwd!r} does not take "
                              "RoPE; use 'off' or 'auto'")
         return cfg.fused_bwd
-    if cfg.rope or "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""):
+    if cfg.rope:
         return "off"
-    return "k" if _is_short(tq, b) else "off"
+    if _is_short(tq, b):
+        return "q_rows"
+    return "k_rows" if _is_short(tk, b) else "off"
 
 
 def _is_short(capacity, b):

@@ -68,8 +68,8 @@ Tuning knobs (keyword arguments, MosaicConfig): block_q (64 or 128 rows per
 consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrier,
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
-Triton launch, `pallas_layout`, instead of XLA ops), pdl (Programmatic Dependent
-Launch, forward and backward); the backward's dq_block_kv, fused_delta and overlap_dp
+Triton launch, `pallas_layout`, instead of XLA ops); the backward's dq_block_kv,
+fused_delta and overlap_dp
 (MosaicConfig's comments; FlashConfig.mosaic_fwd / mosaic_bwd pass them through
 jagged_flash). Shared memory over the 227 KB budget
 fails at lowering ("exceeds available shared memory").
@@ -130,10 +130,6 @@ class MosaicConfig:
     overlap_dp: bool = False      # backward step: dP's wgmma issued right after S's wait,
                                   # what needs S alone (P; dV's wgmma in dK / dV) done
                                   # while it runs, one wait, then dS and its wgmma
-    pdl: bool = False             # Programmatic Dependent Launch: each CTA waits for the
-                                  # previous grid (griddepcontrol.wait) before its first
-                                  # read and at once lets the next grid launch, so the next
-                                  # kernel's launch and prologue overlap this one's tail
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -304,14 +300,6 @@ def _for_items(count, item, body):
     return pl.loop(0, count, init_carry=jnp.int32(0))(lambda i, g0: body(*item(i), g0))
 
 
-def _dependent_launch(cfg):
-    """cfg.pdl: wait for the grid before this one to finish (its outputs may be read
-    here), then let the grid after this one launch (it waits likewise)."""
-    if cfg.pdl:
-        plgpu.griddepcontrol_wait()
-        plgpu.griddepcontrol_launch_dependents()
-
-
 def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_tiles, n_heads):
     softmax = cfg.mode == "softmax"
     if softmax:
@@ -323,7 +311,6 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
-    _dependent_launch(cfg)
     wg = lax.axis_index("wg")
     count, item = _items(cfg, n_tiles, n_heads)
 
@@ -585,7 +572,6 @@ def _backward_roles(cfg, n_tiles, n_heads, make_item, stream):
     one_item(row, head, g0) -> g0') over this CTA's items and waits for its stores; the
     producer streams `stream` (_produce's table, two gmem refs, their rings, loaded and
     free barriers)."""
-    _dependent_launch(cfg)
     wg = lax.axis_index("wg")
     count, item = _items(cfg, n_tiles, n_heads)
 
@@ -782,8 +768,6 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
     tk = k.shape[0]
     if cfg.persistent:
         raise NotImplementedError("mosaic backward: persistent CTAs are forward-only")
-    if interpret:   # the interpreter has no grid dependency control
-        cfg = dataclasses.replace(cfg, pdl=False)
     dq_cfg = dataclasses.replace(cfg, block_kv=cfg.dq_block_kv or cfg.block_kv)
     for t in {cfg.cta_rows, cfg.block_kv, dq_cfg.block_kv}:
         if tq % t or tk % t:
@@ -842,8 +826,8 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
     if tq % cfg.cta_rows or k.shape[0] % bk:
         raise ValueError(f"gdpa_mosaic: Tq={tq} / Tk={k.shape[0]} must be multiples of "
                          f"{cfg.cta_rows} / {bk}")
-    if interpret:   # the interpreter's wgmma takes shared-memory operands only; no PDL
-        cfg = dataclasses.replace(cfg, p_via_smem=True, pv_in_place=False, pdl=False)
+    if interpret:   # the interpreter's wgmma takes shared-memory operands only
+        cfg = dataclasses.replace(cfg, p_via_smem=True, pv_in_place=False)
     n_tiles = table.shape[0]
     softmax = cfg.mode == "softmax"
     if cfg.persistent:

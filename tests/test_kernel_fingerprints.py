@@ -30,12 +30,12 @@ def _op(fused_bwd, blank_lines):
 def test_fingerprint_ignores_line_numbers_and_sees_program_changes():
     a = fingerprint(_op("off", 0), *DIMS)
     assert fingerprint(_op("off", 7), *DIMS) == a          # the same code, moved down
-    assert fingerprint(_op("k", 0), *DIMS) != a            # another backward program
+    assert fingerprint(_op("q_rows", 0), *DIMS) != a       # another backward program
 
 
 def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
     """A Mosaic GPU kernel's export blob carries source locations, so the hash reads its
-    jaxpr: the same for the same kernel, different when a knob changes its body (pdl)."""
+    jaxpr: the same for the same kernel, different when a knob changes its body (p_via_smem)."""
     from kernels.mosaic_flash import gdpa_mosaic_forward
     qo = jnp.asarray(np.array([0, 100, 356, 512]), jnp.int32)
 
@@ -44,4 +44,4 @@ def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
     dims = [(512, 2, 64)] * 4
     a = fingerprint(fwd(), *dims)
     assert fingerprint(fwd(), *dims) == a
-    assert fingerprint(fwd(pdl=True), *dims) != a
+    assert fingerprint(fwd(p_via_smem=True), *dims) != a

@@ -1,8 +1,7 @@
-"""The fused Triton backwards (kernels/jagged_flash.py, FlashConfig.fused_bwd): the dK/dV
-kernel computes every gradient and adds dQ by float32 atomics ("k", the default for
-short query sides), or one side's kernel stores the other side's rows whose whole
-interval lies in its tile, the other kernel doing the rest ("k_rows", "q_rows"; no
-atomics). Against the float64 per-sample formula, forward and gradients."""
+"""The fused Triton backwards (kernels/jagged_flash.py, FlashConfig.fused_bwd): one side's
+kernel stores the other side's rows whose whole interval lies in its tile, the other
+kernel doing the rest ("k_rows", "q_rows"; "auto" picks them for short key / query
+sides). Against the float64 per-sample formula, forward and gradients."""
 
 import dataclasses
 
@@ -20,7 +19,7 @@ from test_kernels_common import check_against, np_attention, offsets_of, random_
 # short sides at the 16 / 32-token tiles: 0, 1, tile - 1, tile, tile + 1; a sample with
 # no keys (cross) or no queries (PMA); long sides across the 64-token tiles. Capacities
 # (sums rounded up to 128) / 8 samples: 32 keys (cross) and 16 queries (PMA) per sample;
-# fused_bwd="auto" fuses the PMA shape ("k").
+# fused_bwd="auto" fuses both ("k_rows" / "q_rows").
 CROSS = ([70, 0, 5, 130, 33, 64, 1, 3], [32, 32, 0, 31, 33, 1, 17, 0])   # (q lens, kv lens)
 PMA = ([16, 16, 0, 15, 17, 1, 16, 16], [90, 0, 40, 129, 64, 1, 63, 5])
 # every sample's short side exactly one tile (32 keys / 16 queries, aligned): "*_rows"
@@ -39,10 +38,9 @@ def _fn(mode, qo, ko, fused_bwd, **kw):
 
 def _count_fused(monkeypatch):
     calls = []
-    for name in ("_backward_fused", "_backward_rows"):
-        real = getattr(jagged_flash, name)
-        monkeypatch.setattr(jagged_flash, name, lambda cfg, *a, real=real: (
-            calls.append(cfg.fused_bwd) or real(cfg, *a)))
+    real = jagged_flash._backward_rows
+    monkeypatch.setattr(jagged_flash, "_backward_rows", lambda cfg, *a: (
+        calls.append(cfg.fused_bwd) or real(cfg, *a)))
     return calls
 
 
@@ -58,14 +56,6 @@ def _check(mode, lens, fused_bwd, monkeypatch, dtype=jnp.float32, seed=0, **kw):
                            dict(scale=32 ** -0.5)), **kw)
     check_against(got, want, dtype, f"{mode} fused_bwd={fused_bwd}", q_end=qo[-1])
     return calls
-
-
-@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-@pytest.mark.parametrize("shape", ["cross", "pma"])
-def test_fused_backward_matches_float64(mode, shape, monkeypatch):
-    """"k" on both shapes, tile-edge and empty samples; the fused kernel really ran."""
-    calls = _check(mode, CROSS if shape == "cross" else PMA, "k", monkeypatch)
-    assert calls == ["k"]
 
 
 @pytest.mark.parametrize("mode", ["gdpa", "softmax"])
@@ -100,35 +90,37 @@ def test_row_owners_split_the_rows():
 
 
 @pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-def test_auto_fuses_short_query_sides_only_and_off_does_not(mode, monkeypatch):
-    assert _check(mode, PMA, "auto", monkeypatch, seed=1) == ["k"]
-    assert _check(mode, CROSS, "auto", monkeypatch) == []
+def test_auto_fuses_short_sides_and_off_does_not(mode, monkeypatch):
+    assert _check(mode, PMA, "auto", monkeypatch, seed=1) == ["q_rows"]
+    assert _check(mode, CROSS, "auto", monkeypatch) == ["k_rows"]
     assert _check(mode, PMA, "off", monkeypatch, seed=2) == []
+    assert _check(mode, CROSS, "off", monkeypatch, seed=3) == []
 
 
 def test_fused_backward_bf16_and_masks(monkeypatch):
-    """bf16 inputs (float32 atomics, cast once), a causal window on the PMA shape."""
-    assert _check("gdpa", CROSS, "k", monkeypatch, dtype=jnp.bfloat16) == ["k"]
-    assert _check("softmax", PMA, "k", monkeypatch, causal=True, window=9) == ["k"]
+    """bf16 inputs (float32 accumulators, cast once), a causal window on both shapes."""
+    assert _check("gdpa", CROSS, "k_rows", monkeypatch, dtype=jnp.bfloat16) == ["k_rows"]
+    assert _check("gdpa", PMA, "q_rows", monkeypatch, dtype=jnp.bfloat16) == ["q_rows"]
+    assert _check("softmax", PMA, "q_rows", monkeypatch, causal=True, window=9) == ["q_rows"]
+    assert _check("softmax", CROSS, "k_rows", monkeypatch, causal=True, window=9) == ["k_rows"]
 
 
-def test_fused_backward_side_resolution(monkeypatch):
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+def test_fused_backward_side_resolution():
     cfg = FlashConfig(mode="gdpa")
-    assert fused_backward_side(cfg, 82_000, 8192, 256) == "off"     # W2: 32 keys each
-    assert fused_backward_side(cfg, 4096, 150_000, 256) == "k"      # W3: 16 queries each
+    assert fused_backward_side(cfg, 82_000, 8192, 256) == "k_rows"  # W2: 32 keys each
+    assert fused_backward_side(cfg, 4096, 150_000, 256) == "q_rows"  # W3: 16 queries each
     assert fused_backward_side(cfg, 45_056, 45_056, 64) == "off"    # W1: long both
-    assert fused_backward_side(cfg, 8192, 4096, 256) == "k"         # both short
+    assert fused_backward_side(cfg, 8192, 4096, 256) == "q_rows"    # both short
     assert fused_backward_side(dataclasses.replace(cfg, fused_bwd="k_rows"), 1, 1, 1) == "k_rows"
     rope = FlashConfig(mode="softmax", rope=True)
     assert fused_backward_side(rope, 4096, 4096, 256) == "off"
-    for bad in ("k", "k_rows"):
+    assert fused_backward_side(rope, 4096, 150_000, 256) == "off"
+    for bad in ("q_rows", "k_rows"):
         with pytest.raises(ValueError, match="does not take RoPE"):
             fused_backward_side(FlashConfig(mode="softmax", rope=True, fused_bwd=bad), 1, 1, 1)
-    with pytest.raises(ValueError, match="fused_bwd must be"):
-        fused_backward_side(FlashConfig(mode="gdpa", fused_bwd="yes"), 1, 1, 1)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
-    assert fused_backward_side(cfg, 4096, 150_000, 256) == "off"    # atomics: no fixed order
+    for bad in ("yes", "k"):     # "k" (atomic dQ) was removed
+        with pytest.raises(ValueError, match="fused_bwd must be"):
+            fused_backward_side(FlashConfig(mode="gdpa", fused_bwd=bad), 1, 1, 1)
 
 
 def _lognormal(rng, n, median, hi):
@@ -139,23 +131,12 @@ def _lognormal(rng, n, median, hi):
 @pytest.mark.parametrize("mode", ["gdpa", "softmax"])
 @pytest.mark.parametrize("shape,fused", [("W2", "k_rows"), ("W3", "q_rows")])
 def test_gpu_rows_backward_on_w2_w3_lengths(shape, fused, mode, monkeypatch):
-    """fused_bwd "k_rows" on W2 (32 keys per sample: every query row owned by one key
-    tile) and "q_rows" on W3 (16 queries: every key row by one query tile), bf16, H=4,
-    D=128, against the float64 formula."""
+    """fused_bwd="auto" takes "k_rows" on W2 (32 keys per sample: every query row owned
+    by one key tile) and "q_rows" on W3 (16 queries: every key row by one query tile),
+    64 samples, bf16, H=4, D=128, against the float64 formula."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    _gpu_case(shape, mode, fused, monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-@pytest.mark.parametrize("shape", ["W2", "W3"])
-def test_gpu_fused_backward_on_w2_w3_lengths(shape, mode, monkeypatch):
-    """bf16, H=4, D=128 on the issue's cross (32 keys) and PMA (16 queries) workloads,
-    64 samples, against the float64 formula: "k" on both (W3: the default, auto)."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    _gpu_case(shape, mode, "k" if shape == "W2" else "auto", monkeypatch, want_path="k")
+    _gpu_case(shape, mode, "auto", monkeypatch, want_path=fused)
 
 
 def _gpu_case(shape, mode, fused, monkeypatch, want_path=None):

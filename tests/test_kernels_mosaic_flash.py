@@ -100,10 +100,9 @@ def test_exports_every_activation(activation):
 @pytest.mark.parametrize("tuning", [dict(block_kv=128, num_stages=3), dict(p_via_smem=True),
                                     dict(schedule_barrier=False, interior=False),
                                     dict(block_q=128, block_kv=64), dict(persistent=True),
-                                    dict(persistent=True, block_kv=64, num_stages=4),
-                                    dict(pdl=True)],
+                                    dict(persistent=True, block_kv=64, num_stages=4)],
                          ids=["bk128_s3", "p_smem", "no_sched_no_interior", "bq128",
-                              "persistent", "persistent_bk64_s4", "pdl"])
+                              "persistent", "persistent_bk64_s4"])
 def test_exports_sweep_knobs(tuning):
     """The benchmark's sweep entries lower too (D=128 is the W1 head dim)."""
     assert "mosaic_gpu" in _export(128, tuning)
@@ -556,8 +555,8 @@ def test_softmax_interpreter_matches_reference(case, interpreter_guard):
 
 
 @pytest.mark.parametrize("tuning", [{}, dict(persistent=True), dict(pv_in_place=False),
-                                    dict(p_via_smem=True), dict(pdl=True)],
-                         ids=["default", "persistent", "fresh_acc", "p_smem", "pdl"])
+                                    dict(p_via_smem=True)],
+                         ids=["default", "persistent", "fresh_acc", "p_smem"])
 def test_softmax_exports_for_cuda(tuning):
     """The GPU form (P from registers into the carried accumulator, FA3's run_state) lowers."""
     sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
@@ -764,8 +763,7 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
                                       (128, dict(dq_block_kv=128, fused_delta=False)),
                                       (64, dict(fused_delta=False)),
                                       (128, dict(fused_delta=False)), (128, dict(overlap_dp=True)),
-                                      (64, dict(overlap_dp=True, fused_delta=False)),
-                                      (128, dict(pdl=True))])
+                                      (64, dict(overlap_dp=True, fused_delta=False))])
 def test_backward_exports_for_cuda(mode, d, tuning):
     """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower;
     the dQ kernel with 64-key (default) and 128-key tiles (with fused_delta off: O's tile
@@ -859,20 +857,16 @@ def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs",
-                                  "softmax_pdl", "gdpa_pdl"])
+@pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs"])
 def test_gpu_backward_on_w1_lengths(mode):
     """W1 lengths, bf16, H=4, D=128: the Mosaic forward + backward vs the Triton engines,
     and on a 16-sample slice vs the f32 reference (also with the knobs overlap_dp on and
-    fused_delta off: delta from an XLA reduce; and with Programmatic Dependent Launch in
-    the forward and both backward kernels, each waiting for the kernel before it)."""
+    fused_delta off: delta from an XLA reduce)."""
     _require_gpu()
     mode, _, knobs = mode.partition("_")
     kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
     if knobs == "knobs":
         kw["mosaic_bwd"] = (("overlap_dp", True), ("fused_delta", False))
-    elif knobs == "pdl":
-        kw["mosaic_fwd"] = kw["mosaic_bwd"] = (("pdl", True),)
     rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)

@@ -43,16 +43,17 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # fast_trig: RoPE cos/sin through cos.approx / sin.approx (one MUFU op each; the angle
 # is already reduced to [-pi, pi], where their absolute error is ~1e-6) for 16-bit
 # inputs; float32 keeps libdevice cosf / sinf.
-# Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128): forward 4 warps,
-# 2 stages, 2 blocks per program (0.114 ms); backward 4 warps, 1 stage, 1 block (0.246 ms
-# forward+backward).
 # rope_chunks (forward): RoPE in a loop over that many column chunks of each half (1: the
 # whole [block, D/2] cos / sin tables at once); the resource report for sm_90 (W4, D=128):
 # 1 chunk 244 registers at 4 warps, 2 stages (8 warps per SM); 4 chunks 130 at 4 warps
-# (12 per SM), 80 at 8 warps (24 per SM). rope_chunks_bwd: the same for the backward.
-# Not yet timed.
+# (12 per SM), 80 at 8 warps (24 per SM). rope_chunks_bwd: the same for the backward
+# (1 chunk 255 registers and spills at 4 warps; 4 chunks 168).
+# Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128, session 8):
+# forward 4 warps, 2 stages, 2 blocks per program, 1 chunk (0.107 ms; 4 chunks 0.110);
+# backward 4 warps, 1 stage, 1 block, 2 chunks (forward+backward 0.297 ms; 1 chunk 0.347,
+# 4 chunks 0.333, 8 warps 0.54-0.59).
 BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=2, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=1)
+                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
 # jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
 ENGINE = "per_block"
@@ -388,7 +389,10 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
     if min(groups) < 1:
         raise ValueError(f"block_attention_pallas: group and group_bwd must be >= 1, got {groups}")
     for name in ("rope_chunks", "rope_chunks_bwd"):
-        chunks = int(knobs.get(name, BLOCK_KNOBS[name]))
+        if name not in knobs:   # the default, down to what D/2 splits into (>= 16 columns)
+            knobs[name] = max([c for c in range(1, BLOCK_KNOBS[name] + 1)
+                               if (dp // 2) % c == 0 and dp // 2 // c >= 16] or [1])
+        chunks = int(knobs[name])
         if chunks < 1 or (dp // 2) % chunks or (chunks > 1 and dp // 2 // chunks < 16):
             raise ValueError(f"block_attention_pallas: {name}={chunks} must divide D/2 = "
                              f"{dp // 2} into chunks of at least 16 columns (Triton dots)")
