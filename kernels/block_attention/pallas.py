@@ -49,10 +49,11 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # (12 per SM), 80 at 8 warps (24 per SM). rope_chunks_bwd: the same for the backward
 # (1 chunk 255 registers and spills at 4 warps; 4 chunks 168).
 # Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128, session 8):
-# forward 4 warps, 2 stages, 2 blocks per program, 1 chunk (0.107 ms; 4 chunks 0.110);
-# backward 4 warps, 1 stage, 1 block, 2 chunks (forward+backward 0.297 ms; 1 chunk 0.347,
-# 4 chunks 0.333, 8 warps 0.54-0.59).
-BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=2, num_warps_bwd=4, num_stages_bwd=1,
+# forward 4 warps, 2 stages, 4 blocks per program, 1 chunk (0.102-0.106 ms in two runs;
+# 2 blocks 0.106-0.107, 2 or 4 chunks 0.107-0.111, 8 warps >= 0.165); backward 4 warps,
+# 1 stage, 1 block, 2 chunks (forward+backward 0.293-0.297 ms; 1 chunk 0.342-0.347,
+# 4 chunks 0.331, 8 warps 0.54).
+BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
                    group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
 # jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
