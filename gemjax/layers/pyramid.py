@@ -61,7 +61,9 @@ def block_offsets(offsets: jax.Array, capacity: int, block: int) -> jax.Array:
     nblk = -(-(offsets[1:] - offsets[:-1]) // block)                       # [B]
     first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk).astype(jnp.int32)])
     j = jnp.arange(nb, dtype=jnp.int32)
-    owner = jnp.clip(jnp.searchsorted(first[1:], j, side="right"), 0, max(b - 1, 0))
+    # unrolled: the default binary search lowers to a while loop stepped from the host
+    owner = jnp.clip(jnp.searchsorted(first[1:], j, side="right", method="scan_unrolled"),
+                     0, max(b - 1, 0))
     start = jnp.where(j < first[-1], offsets[owner] + (j - first[owner]) * block, offsets[-1])
     return jnp.concatenate([start, offsets[-1:]]).astype(jnp.int32)
 

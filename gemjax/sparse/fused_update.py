@@ -349,7 +349,10 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
     hot_rows, hot_lo, hot_hi, hot_start, hot_end = _compact(
         hot, h_max, (-1, total, total, 0, 0), rows, item_lo, item_end, starts, ends, rank=rank)
     item = jnp.arange(w_max, dtype=jnp.int32)
-    owner = jnp.clip(jnp.searchsorted(hot_hi, item, side="right"), 0, h_max - 1)
+    # unrolled binary search: the default lowers to a while loop, which XLA:GPU steps
+    # from the host (measured: 13 iterations, ~0.45 ms of an H200 idling per step)
+    owner = jnp.clip(jnp.searchsorted(hot_hi, item, side="right", method="scan_unrolled"),
+                     0, h_max - 1)
     live = (item < total) & (hot_rows[owner] >= 0)
     i_start = hot_start[owner] + (item - hot_lo[owner]) * split
     i_end = jnp.minimum(i_start + split, hot_end[owner])

@@ -263,8 +263,7 @@ def lookup_rows(weights: Array, ids: Array, valid: Array, lay: Layout, cap: int,
     need = jnp.max(counts[:s_m])                      # largest per-destination unique count
     if group_axes:
         need = jax.lax.pmax(need, group_axes)
-    which = jnp.minimum(jnp.searchsorted(jnp.asarray(caps, jnp.int32), need),
-                        len(caps) - 1).astype(jnp.int32)
+    which = jnp.minimum(first_at_least(caps, need), len(caps) - 1).astype(jnp.int32)
     rows_u, recv = jax.lax.switch(which, [run_at(c) for c in caps], weights, slot, l)
     return rows_u[inv], {**res, "recv": recv, "xb": which[None]}, overflow
 
@@ -416,11 +415,18 @@ def sync_update_bucketed(state: dict[str, Array], g: Array, res: dict, sync_axes
     return jax.lax.switch(which, [run_at(c) for c in caps], state)
 
 
+def first_at_least(caps: Sequence[int], x: Array) -> Array:
+    """Index of the first of the static ascending `caps` >= the scalar x (len(caps) if
+    none), as compares: jnp.searchsorted's default lowers to an XLA while loop, which
+    XLA:GPU steps from the host (a device-to-host copy and a wait per iteration)."""
+    return jnp.sum(jnp.asarray(caps, jnp.int32) < x, dtype=jnp.int32)
+
+
 def sync_bucket(uniq: Array, caps: Sequence[int], sync_axes: tuple[str, ...]) -> Array:
     """Index of the first of `caps` (ascending) holding the largest unique count
     (uniq [N], INVALID = none) over `sync_axes`: the same on every replica."""
     u = jax.lax.pmax(jnp.sum(uniq != INVALID, dtype=jnp.int32), sync_axes)
-    return jnp.searchsorted(jnp.asarray(caps, jnp.int32), u)
+    return first_at_least(caps, u)
 
 
 def _check_impl(update_impl: str, optimizer, state: dict[str, Array]) -> None:
@@ -539,5 +545,5 @@ def update_unique_bucketed(state: dict[str, Array], g: Array, res: dict, optimiz
             return update_rows(state, rows, g_u, optimizer, rows_unique=True)
         return run
 
-    which = jnp.searchsorted(jnp.asarray(caps, jnp.int32), u)   # first cap >= u
+    which = first_at_least(caps, u)
     return jax.lax.switch(which, [branch(c) for c in caps], state)
