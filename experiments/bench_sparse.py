@@ -7,6 +7,12 @@
 Rows (each timed as its own jitted program, median of --steps; the profiler only with
 --profile_steps, after the timing):
   step     lookup + apply_gradients of EmbeddingCollection, state donated, per variant
+           (each step blocked on: host dispatch + device time)
+  step_pipe  the same step, --steps of them dispatched back to back and blocked on once
+           (per step), as in a training loop: the host queues step k + 1 while the
+           device runs step k, so host time hides behind device time, except where the
+           step itself waits for the host (a lax.switch on XLA:GPU: a device-to-host
+           copy of the branch index, then the host launches the branch)
   lookup   coll.lookup alone
   apply    coll.apply_gradients alone (fixed residuals and grads, state donated)
   dedup    the id dedupe alone (1 device): "sort" = one stable key-value sort +
@@ -204,7 +210,7 @@ def profile_steps(step, state, batches, steps, variant):
 
 
 def bench_variant(coll, state, batches, steps, variant=""):
-    """-> (state, {"step", "lookup", "apply"} seconds, overflow, finite)."""
+    """-> (state, {"step", "step_pipe", "lookup", "apply"} seconds, overflow, finite)."""
     def step(state, feats):
         acts, res = coll.lookup(state, feats)
         g_acts = {f: a * 1e-3 for f, a in acts.items()}
@@ -223,6 +229,11 @@ def bench_variant(coll, state, batches, steps, variant=""):
         jax.block_until_ready(state)
         ts.append(time.perf_counter() - t0)
     out = {"step": float(np.median(ts))}
+    t0 = time.perf_counter()
+    for k in range(steps):
+        state, over = step(state, batches[(k + 1) % len(batches)])
+    jax.block_until_ready(state)
+    out["step_pipe"] = (time.perf_counter() - t0) / steps
     if FLAGS.profile_steps:
         state = profile_steps(step, state, batches, FLAGS.profile_steps, variant)
     lookup = jax.jit(lambda s, f: coll.lookup(s, f)[0])
@@ -313,7 +324,7 @@ def bytes_per_step(kind, u, n, dim, acts):
         return look_u, look_n
     if kind in ("apply", "update", "fused"):
         return upd_u, upd_n
-    if kind in ("step", "naive", "probe"):
+    if kind in ("step", "step_pipe", "naive", "probe"):
         return look_u + upd_u, look_n + upd_n
     return None, None
 
@@ -357,7 +368,7 @@ def main(_):
         t0 = time.perf_counter()
         state, ts, over, finite = bench_variant(coll, state, feats, FLAGS.steps, v)
         extra = {"overflow": over, "finite": finite, "wall_s": time.perf_counter() - t0}
-        for kind in ("step", "lookup", "apply"):
+        for kind in ("step", "step_pipe", "lookup", "apply"):
             record(kind, v, FLAGS.vocab, ts[kind], ids, extra if kind == "step" else None)
         if n_dev == 1 and "buckets" not in v:
             state, ps = bench_pieces(state, ids[0], v, FLAGS.steps)
@@ -394,10 +405,10 @@ def main(_):
         json.dump(results, f, indent=1)
     print(f"\nbench_sparse: {n_dev} x {results['device']}, D={FLAGS.dim}, N={n} ids/step, "
           f"Zipf {FLAGS.zipf}, pooling {FLAGS.pooling}; %HBM of {FLAGS.hbm_tbps} TB/s x {n_dev}")
-    print(f"{'kind':7s} {'variant':22s} {'dev':>3s} {'vocab':>11s} {'ms':>8s} {'uniq TB/s':>9s} "
+    print(f"{'kind':9s} {'variant':22s} {'dev':>3s} {'vocab':>11s} {'ms':>8s} {'uniq TB/s':>9s} "
           f"{'%HBM':>6s} {'per-id TB/s':>11s} {'%HBM':>6s}  note")
     for r in rows:
-        head = f"{r['kind']:7s} {r['variant']:22s} {r['devices']:>3d} {r['vocab']:>11d}"
+        head = f"{r['kind']:9s} {r['variant']:22s} {r['devices']:>3d} {r['vocab']:>11d}"
         if r["ms"] is None:
             print(f"{head} {'FAILED':>8s}  {r.get('error', '')[:70]}")
             continue
