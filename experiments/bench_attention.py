@@ -219,15 +219,18 @@ def run_workload(wname, rng):
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
     if kind != "self":   # the fused backward's other settings beside the default
-        # (default "auto": "k_rows" on W2, "q_rows" on W3)
-        for alt in ("off",):
-            rows.append(measure(f"pallas_gdpa_{act}_fused_bwd_{alt}", fwd_and_train(
-                lambda q, k, v, alt=alt: gdpa_pallas(q, k, v, qo, ko, activation=act,
-                                                     scale=scale, fused_bwd=alt)),
+        # (default "auto": "k_rows" on W2, "q_rows" on W3), and on W2 the dK/dV kernel's
+        # query loop split over 2 / 4 programs per key tile (dkv_split)
+        alts = [("fused_bwd_off", dict(fused_bwd="off"))]
+        if kind == "cross":
+            alts += [(f"dkv_split{n}", dict(dkv_split=n)) for n in (2, 4)]
+        for tag, kw in alts:
+            rows.append(measure(f"pallas_gdpa_{act}_{tag}", fwd_and_train(
+                lambda q, k, v, kw=kw: gdpa_pallas(q, k, v, qo, ko, activation=act,
+                                                   scale=scale, **kw)),
                 args, flops, bytes_fwd, bytes_bwd, only="fwd_bwd"))
-            rows.append(measure(f"pallas_softmax_fused_bwd_{alt}", fwd_and_train(
-                lambda q, k, v, alt=alt: jagged_attention_pallas(q, k, v, qo, ko,
-                                                                 fused_bwd=alt)),
+            rows.append(measure(f"pallas_softmax_{tag}", fwd_and_train(
+                lambda q, k, v, kw=kw: jagged_attention_pallas(q, k, v, qo, ko, **kw)),
                 args, flops, bytes_fwd, bytes_bwd, only="fwd_bwd"))
     if kind == "self" and jax.default_backend() == "gpu":
         rows.append(measure("mosaic_fwd_softmax", fwd_and_train(

@@ -19,9 +19,9 @@
 #                time with the Mosaic backward's knobs), then bench_attention on W1 and W4
 #                (Triton vs Mosaic, cuDNN, the Mosaic backward's knobs side by side) (~14);
 #                its halves mosaic_tests (~5) and mosaic_bench (~9) fit one GPU each
-#   fused_bwd    the Triton fused backwards (kernels/jagged_flash.py fused_bwd: atomic "k" / "q",
-#                no-atomics "k_rows" / "q_rows"): their gpu tests, then bench_attention on W2
-#                and W3 with every setting side by side (~4)
+#   fused_bwd    the Triton fused backwards (kernels/jagged_flash.py fused_bwd "k_rows" /
+#                "q_rows", dkv_split): their gpu tests, then bench_attention on W2 and W3 with
+#                the settings side by side (~4)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the

@@ -86,6 +86,11 @@ class FlashConfig:
     # (fused_backward_side: "q_rows" for short query sides, "k_rows" for short key sides,
     # else off; off with RoPE)
     fused_bwd: str = "auto"
+    # Triton dK/dV kernel: each key tile's query loop cut into this many equal chunks, one
+    # program each, their float32 partial dK / dV summed in XLA after the kernel (a
+    # long sample's key tile is no longer one long serial program: W2's 2975 queries are
+    # 47 query tiles). 1 = off. Applies to the plain and "k_rows" backwards.
+    dkv_split: int = 1
 
 
 # ----------------------------------------------------------------------------- math
@@ -384,9 +389,22 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
     tile (all their keys are in it). With
     own / need ("q_rows": the dQ kernel stores the rest) only the rows own marks -1, and
     only tiles need marks run the query loop (else their rows get zeros)."""
-    j = perm_ref[pl.program_id(0)]
+    split = _dkv_split(cfg, own)
+    p = pl.program_id(0)
+    j = perm_ref[p // split] if split > 1 else perm_ref[p]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
     krows = pl.ds(j * bk, bk)
+    # where the partial dK / dV go: chunk c's at rows c * Tk + j * bk
+    orows = pl.ds(p % split * k_ref.shape[0] + j * bk, bk) if split > 1 else krows
+
+    def query_range():
+        """(lo, flo, fhi, hi) of the query loop: the tile's, or chunk p % split of it."""
+        lo, flo, fhi, hi = lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j]
+        if split == 1:
+            return lo, flo, fhi, hi
+        c = p % split
+        a, b = lo + (hi - lo) * c // split, lo + (hi - lo) * (c + 1) // split
+        return a, jnp.clip(flo, a, b), jnp.clip(fhi, a, b), b
 
     def compute():
         ks, kpos = ks_ref[krows], kp_ref[krows]
@@ -412,10 +430,10 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
             return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
 
         init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
-        dks, dv = _three_loops(lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j], body, init, cfg)
+        dks, dv = _three_loops(*query_range(), body, init, cfg)
         if own is None:
-            _store_parts(dk_ref, krows, dks, cs_k, cfg)
-            dv_ref[krows, :] = dv.astype(dv_ref.dtype)
+            _store_parts(dk_ref, orows, dks, cs_k, cfg)
+            dv_ref[orows, :] = dv.astype(dv_ref.dtype)
         else:
             mine = own[krows] == -1
             _store_rows(dk_ref, krows, dks[0], mine)
@@ -427,6 +445,28 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
         _store_rows(dv_ref, krows, z, mine)
 
     _only_needed(compute, need, j, zeros)
+
+
+def _dkv_split(cfg, own=None):
+    """Programs per key tile of the dK/dV kernel: cfg.dkv_split, 1 where the kernel stores
+    only some rows (own: "q_rows"'s rest kernel)."""
+    return 1 if own is not None else cfg.dkv_split
+
+
+def _dkv_outputs(k, split):
+    """(out_shape, out_spec) of dK or dV: [Tk, H, D] in k's dtype, or with split > 1 the
+    float32 partials [split * Tk, H, D] that _sum_partials reduces."""
+    tk, h, d = k.shape
+    if split == 1:
+        return jax.ShapeDtypeStruct(k.shape, k.dtype), _x_spec(tk, d)
+    return jax.ShapeDtypeStruct((split * tk, h, d), F32), _x_spec(split * tk, d)
+
+
+def _sum_partials(x, like, split):
+    """[split * Tk, H, D] float32 partials -> [Tk, H, D] in like's dtype."""
+    if split == 1:
+        return x
+    return x.reshape(split, *like.shape).sum(axis=0).astype(like.dtype)
 
 
 # ------------------------------------------------------------------- pallas calls
@@ -554,14 +594,16 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
     )(*_inputs(lay, q, k, v, True), do, *stats)
 
     nk = tk // cfg.bk_dkv
+    split = _dkv_split(cfg)
+    shape, spec = _dkv_outputs(k, split)
     dk, dv = pl.pallas_call(
-        _adapt(_dkv_kernel, cfg, 1, softmax, 2), grid=(nk, h),
+        _adapt(_dkv_kernel, cfg, 1, softmax, 2), grid=(nk * split, h),
         in_specs=_specs(cfg, tq, tk, d, nk) + [_x_spec(tq, d)] + stat_specs,
-        out_specs=[_x_spec(tk, d)] * 2, out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+        out_specs=[spec] * 2, out_shape=[shape] * 2,
         compiler_params=_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_dkv_{cfg.mode}",
     )(*_inputs(lay, q, k, v, False), do, *stats)
-    return dq, dk, dv
+    return dq, _sum_partials(dk, k, split), _sum_partials(dv, v, split)
 
 
 def row_owners(start, end, t_own, tile):
@@ -614,16 +656,17 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
 
     ins = _inputs(lay, q, k, v, not k_rows)
     n_a = tk // cfg.bk_dkv if k_rows else tq // cfg.bq
+    split = _dkv_split(cfg) if k_rows else 1
     if k_rows:    # outputs dK, dV, dQ (aliased to the dQ kernel's partial buffer)
-        a_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                    jax.ShapeDtypeStruct(q.shape, q.dtype)]
-        a_specs, alias = [_x_spec(tk, d)] * 2 + [_x_spec(tq, d)], {len(ins) + 2: 2}
+        shape, spec = _dkv_outputs(k, split)
+        a_shapes = [shape, shape, jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        a_specs, alias = [spec] * 2 + [_x_spec(tq, d)], {len(ins) + 2: 2}
     else:         # outputs dQ, dK, dV (dK, dV aliased to the dK/dV kernel's partial buffers)
         a_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                     jax.ShapeDtypeStruct(v.shape, v.dtype)]
         a_specs, alias = [_x_spec(tq, d)] + [_x_spec(tk, d)] * 2, {len(ins) + 2: 1, len(ins) + 3: 2}
     outs = pl.pallas_call(
-        _adapt(a_kernel, cfg, 2 + nb_out, softmax, 3), grid=(n_a, h),
+        _adapt(a_kernel, cfg, 2 + nb_out, softmax, 3), grid=(n_a * split, h),
         in_specs=(_specs(cfg, tq, tk, d, n_a) + [_x_spec(tq, d), _full((t_b,))]
                   + [_x_spec(t_b, d)] * nb_out + stat_specs),
         out_specs=a_specs, out_shape=a_shapes, input_output_aliases=alias,
@@ -632,7 +675,7 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
     )(*ins, do, own, *partial, *stats)
     if k_rows:
         dk, dv, dq = outs
-        return dq, dk, dv
+        return dq, _sum_partials(dk, k, split), _sum_partials(dv, v, split)
     return tuple(outs)
 
 
@@ -854,6 +897,8 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
     for name, engine in (("forward", cfg.forward), ("backward", cfg.backward)):
         if engine not in ("triton", "mosaic"):
             raise ValueError(f"pallas attention: {name} must be 'triton' or 'mosaic', got {engine!r}")
+    if not isinstance(cfg.dkv_split, int) or cfg.dkv_split < 1:
+        raise ValueError(f"pallas attention: dkv_split must be an int >= 1, got {cfg.dkv_split!r}")
     for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
         if t < 16 or PAD_MULTIPLE % t:
             raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")

@@ -44,13 +44,14 @@ def _count_fused(monkeypatch):
     return calls
 
 
-def _check(mode, lens, fused_bwd, monkeypatch, dtype=jnp.float32, seed=0, **kw):
+def _check(mode, lens, fused_bwd, monkeypatch, dtype=jnp.float32, seed=0, tiles=None, **kw):
+    """kw: masks (kernel and reference); tiles: FlashConfig overrides (kernel only)."""
     ql, kl = (np.asarray(x) for x in lens)
     tq, tk = (int(-(-x.sum() // 128) * 128) for x in (ql, kl))
     q, k, v, do = random_qkv(np.random.default_rng(seed), tq, tk, 2, 32, dtype)
     qo, ko = offsets_of(ql), offsets_of(kl)
     calls = _count_fused(monkeypatch)
-    got = run_vjp(jax.jit(_fn(mode, qo, ko, fused_bwd, **kw)), q, k, v, do)
+    got = run_vjp(jax.jit(_fn(mode, qo, ko, fused_bwd, **kw, **(tiles or {}))), q, k, v, do)
     want = np_attention(q, k, v, do, qo, ko, mode=mode,
                         **(dict(activation="silu", scale=0.3) if mode == "gdpa" else
                            dict(scale=32 ** -0.5)), **kw)
@@ -105,6 +106,39 @@ def test_fused_backward_bf16_and_masks(monkeypatch):
     assert _check("softmax", CROSS, "k_rows", monkeypatch, causal=True, window=9) == ["k_rows"]
 
 
+# long samples across many 32-query dK/dV steps (float32 tiles), so chunks split them
+LONG_CROSS = ([300, 0, 5, 190, 33, 64, 1, 3], [32, 32, 0, 31, 33, 1, 17, 0])
+LONG_SELF = ([300, 0, 1, 190, 33, 64], [300, 0, 1, 190, 33, 64])
+
+
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("fused,lens,split", [
+    ("off", LONG_CROSS, 2), ("k_rows", LONG_CROSS, 3), ("k_rows", CROSS_ALIGNED, 4),
+    ("off", LONG_SELF, 3), ("q_rows", PMA, 2)],
+    ids=["off-cross-2", "k_rows-cross-3", "k_rows-aligned-4", "off-self-3", "q_rows-pma-2"])
+def test_dkv_split_matches_float64(mode, fused, lens, split, monkeypatch):
+    """dkv_split: each key tile's query loop in `split` programs, their partial dK / dV
+    summed after the kernel; chunks that are empty, that start or end inside the masked
+    edge tiles, samples without keys or queries ("q_rows" keeps one program per tile)."""
+    calls = _check(mode, lens, fused, monkeypatch, tiles=dict(dkv_split=split))
+    assert calls == ([] if fused == "off" else [fused])
+
+
+def test_dkv_split_with_causal_window_and_bf16(monkeypatch):
+    _check("softmax", LONG_SELF, "off", monkeypatch, causal=True, window=40,
+           tiles=dict(dkv_split=3))
+    _check("gdpa", LONG_CROSS, "k_rows", monkeypatch, dtype=jnp.bfloat16,
+           tiles=dict(dkv_split=2))
+
+
+def test_dkv_split_must_be_a_positive_int():
+    q = jnp.zeros((128, 1, 32), jnp.float32)
+    o = jnp.array([0, 128], jnp.int32)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="dkv_split must be"):
+            gdpa_pallas(q, q, q, o, o, dkv_split=bad)
+
+
 def test_fused_backward_side_resolution():
     cfg = FlashConfig(mode="gdpa")
     assert fused_backward_side(cfg, 82_000, 8192, 256) == "k_rows"  # W2: 32 keys each
@@ -139,7 +173,17 @@ def test_gpu_rows_backward_on_w2_w3_lengths(shape, fused, mode, monkeypatch):
     _gpu_case(shape, mode, "auto", monkeypatch, want_path=fused)
 
 
-def _gpu_case(shape, mode, fused, monkeypatch, want_path=None):
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("split", [2, 4])
+def test_gpu_dkv_split_on_w2_lengths(split, mode, monkeypatch):
+    """W2 (auto: "k_rows") with each key tile's query loop in `split` programs, bf16."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _gpu_case("W2", mode, "auto", monkeypatch, want_path="k_rows", dkv_split=split)
+
+
+def _gpu_case(shape, mode, fused, monkeypatch, want_path=None, **tiles):
     rng = np.random.default_rng(5)
     if shape == "W2":
         ql, kl = _lognormal(rng, 64, 256, 4096), np.full(64, 32)
@@ -151,7 +195,7 @@ def _gpu_case(shape, mode, fused, monkeypatch, want_path=None):
     q, k, v, do = random_qkv(rng, tq, tk, 4, 128, jnp.bfloat16)
     qo, ko = offsets_of(ql), offsets_of(kl)
     calls = _count_fused(monkeypatch)
-    got = run_vjp(jax.jit(_fn(mode, qo, ko, fused)), q, k, v, do)
+    got = run_vjp(jax.jit(_fn(mode, qo, ko, fused, **tiles)), q, k, v, do)
     assert calls == [want_path or fused]
     want = np_attention(q, k, v, do, qo, ko, mode=mode,
                         **(dict(activation="silu", scale=0.3) if mode == "gdpa" else
