@@ -98,10 +98,11 @@ flags.DEFINE_list("naive_rows", ["100000000", "50000000", "25000000"],
 flags.DEFINE_list("probe_rows", ["200000000", "240000000", "260000000"],
                   "vocab sizes to probe (empty to skip)")
 flags.DEFINE_list("fused_sweep", ["16/256/2/0", "16/1024/2/16/16", "16/256/2/16/16",
-                                   "16/128/2/16/16", "16/64/2/16/16", "16/256/2/8/8",
-                                   "16/256/2/16/8", "16/256/4/16/16"],
-                  "fused kernel knobs block_ids/split/num_warps[/short[/rows_per_program]] "
-                  "(short 0: one program per row; omitted: fused_update.KNOBS)")
+                                   "16/128/2/16/16", "16/256/4/16/16", "16/256/2/16/16/1056",
+                                   "16/256/2/16/16/2112", "16/256/2/16/16/4224"],
+                  "fused kernel knobs block_ids/split/num_warps[/short[/rows_per_program"
+                  "[/short_programs]]] (short 0: one program per row; short_programs P: P "
+                  "programs looping over the short-row groups; omitted: fused_update.KNOBS)")
 flags.DEFINE_integer("profile_steps", 0, "also trace this many steps of every variant (after its "
                      "timed steps) into <--out>.profile/<variant> and print where device time goes "
                      "(experiments/profile_summary.py); 0 = off")
@@ -272,7 +273,8 @@ def bench_pieces(state, ids, variant, steps):
         del g_u
         perm, seg = res["perm"], res["seg"]
         for knob in FLAGS.fused_sweep:
-            names = ("block_ids", "split", "num_warps", "short", "rows_per_program")
+            names = ("block_ids", "split", "num_warps", "short", "rows_per_program",
+                     "short_programs")
             kn = dict(zip(names, (int(x) for x in knob.split("/"))))
 
             def fused(st, rows, seg, perm, g, kn=kn):

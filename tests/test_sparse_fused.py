@@ -111,8 +111,11 @@ def test_hot_row_split_into_items():
 
 
 @pytest.mark.parametrize("knobs", [dict(short=0), dict(short=4, split=32),
-                                   dict(short=32, split=32, rows_per_program=32)],
-                         ids=["one_row_per_program", "three_tiers", "short_is_split"])
+                                   dict(short=32, split=32, rows_per_program=32),
+                                   dict(short=4, split=32, short_programs=3),
+                                   dict(short=16, short_programs=1000)],
+                         ids=["one_row_per_program", "three_tiers", "short_is_split",
+                              "looped_3_programs", "looped_more_programs_than_groups"])
 def test_short_medium_and_hot_runs(knobs):
     """Run lengths 1..~600 (Zipf ids) plus a 2,000-id hot row: with short=4, split=32
     every tier runs (R rows per program, one row per program, items + partials)."""
@@ -124,8 +127,18 @@ def test_short_medium_and_hot_runs(knobs):
     _assert_matches(c, *_run(c, u + 5, interpret=True, **knobs))
 
 
+def test_looped_short_rows_at_k_n():
+    """short_programs with the static bound K = N (every id slot, most of them -1 past
+    the unique count): the looped programs stop at the last slot in use."""
+    c = _case(5, vocab=3000, dim=16, n=4000, n_src=200, invalid=3, zipf=1.2)
+    for p in (1, 7):
+        _assert_matches(c, *_run(c, c["ids"].size, interpret=True, short_programs=p))
+
+
 def test_bad_tier_knobs_are_named():
     c = _case(0, vocab=50, dim=16, n=40)
+    with pytest.raises(ValueError, match="short_programs"):
+        _run(c, 40, interpret=True, short_programs=-1)
     with pytest.raises(ValueError, match="short must be"):
         _run(c, 40, interpret=True, short=2000)
     with pytest.raises(ValueError, match="rows_per_program"):
@@ -215,8 +228,9 @@ except ImportError:  # pragma: no cover
     _reg = None
 
 
-@pytest.mark.parametrize("dim,short", [(16, 16), (128, 16), (128, 0)])
-def test_lowers_to_verified_triton_sm90(monkeypatch, dim, short):
+@pytest.mark.parametrize("dim,short,programs", [(16, 16, 0), (128, 16, 0), (128, 0, 0),
+                                                (128, 16, 2112)])
+def test_lowers_to_verified_triton_sm90(monkeypatch, dim, short, programs):
     if _reg is None or not hasattr(_reg, "lowering"):
         pytest.skip("JAX internals for the Triton lowering moved")
     lower = _reg.lowering.lower_jaxpr_to_triton_module
@@ -235,7 +249,8 @@ def test_lowers_to_verified_triton_sm90(monkeypatch, dim, short):
     v, d, n = 100_000_000, dim, 5000
     sds = jax.ShapeDtypeStruct
     fn = lambda w, a, r, s, i, g: row_wise_adagrad_fused(w, a, r, s, i, g, lr=LR, eps=EPS,
-                                                          interpret=False, short=short)
+                                                          interpret=False, short=short,
+                                                          short_programs=programs)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exp = export.export(jax.jit(fn, donate_argnums=(0, 1)), platforms=["cuda"],
                         disabled_checks=checks)(
@@ -259,7 +274,8 @@ def test_gpu_fused_matches_float64(dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [dict(), dict(block_ids=16, split=64, num_warps=1),
+@pytest.mark.parametrize("knobs", [dict(), dict(short_programs=2112),
+                                   dict(block_ids=16, split=64, num_warps=1),
                                    dict(block_ids=64, split=4096, num_warps=8)])
 def test_gpu_zipf_head_rows(knobs):
     # Zipf 1.05 as in the bench: the head row takes ~8% of the ids (hot-row path)

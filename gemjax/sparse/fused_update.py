@@ -73,11 +73,16 @@ F32 = jnp.float32
 # block_ids: ids per gather step; split: longest run a single program sums (longer
 # runs go through the partials pass); num_warps / num_stages: Triton launch knobs.
 # short / rows_per_program: runs of <= short ids are updated rows_per_program rows per
-# program (0: every row in its own program, the first version).
+# program (0: every row in its own program, the first version). short_programs: 0 = one
+# program per group of R slots (grid K / R); P > 0 = min(P, K / R) programs looping over
+# the groups up to the last slot in use, so a static bound K far above the unique count
+# (K = N, no unique-count buckets and so no lax.switch) launches no idle programs (not
+# yet timed).
 # Measured on one H200 (bench_sparse --fused_sweep, N = 1.3M Zipf ids, 400k unique rows,
 # same run): short=16 / R=16 1.14 ms against 1.80 with short=0; split 256 1.03 ms against
 # 1.14 with 1024; 32-row groups, 1 or 4 warps, short=64 were all slower (1.16-1.57 ms).
-KNOBS = dict(block_ids=16, split=256, num_warps=2, num_stages=1, short=16, rows_per_program=16)
+KNOBS = dict(block_ids=16, split=256, num_warps=2, num_stages=1, short=16, rows_per_program=16,
+             short_programs=0)
 
 
 def _run_sum(lo, hi, index_ref, g_ref, block_ids: int, dim: int):
@@ -134,9 +139,30 @@ def _short_kernel(row_ref, start_ref, end_ref, index_ref, g_ref, w_in, a_in, w_r
     caller sets row -1 for runs handled elsewhere (longer than `short`).
     """
     del w_in, a_in                       # aliased to w_ref / a_ref
-    r = rows_per_program
+    _short_group(pl.program_id(0) * rows_per_program, row_ref, start_ref, end_ref, index_ref,
+                 g_ref, w_ref, a_ref, r=rows_per_program, lr=lr, eps=eps, interpret=interpret)
+
+
+def _short_kernel_looped(groups_ref, row_ref, start_ref, end_ref, index_ref, g_ref, w_in, a_in,
+                         w_ref, a_ref, *, rows_per_program, lr, eps, interpret):
+    """The same over groups p, p + P, ... of R unique indices (P programs), up to
+    groups_ref[0] groups: a fixed grid however many slots the static bound K holds."""
+    del w_in, a_in
+    p, programs = pl.program_id(0), pl.num_programs(0)
+
+    def one(i, carry):
+        _short_group((p + i * programs) * rows_per_program, row_ref, start_ref, end_ref,
+                     index_ref, g_ref, w_ref, a_ref, r=rows_per_program, lr=lr, eps=eps,
+                     interpret=interpret)
+        return carry
+    lax.fori_loop(0, (groups_ref[0] - p + programs - 1) // programs, one, 0)
+
+
+def _short_group(first, row_ref, start_ref, end_ref, index_ref, g_ref, w_ref, a_ref, *, r, lr,
+                 eps, interpret):
+    """Unique indices [first, first + R) of _short_kernel."""
     dim = g_ref.shape[-1]
-    sl = pl.ds(pl.program_id(0) * r, r)
+    sl = pl.ds(first, r)
     rows, lo, hi = row_ref[sl], start_ref[sl], end_ref[sl]
     live = (rows >= 0) & (hi > lo)
     n = jnp.where(live, hi - lo, 0)
@@ -200,16 +226,16 @@ def _sum_items(starts, ends, index, g, knobs, interpret):
 
 
 def _row_update(kernel, grid, name, weights, accum, rows, starts, ends, index, g, knobs,
-                interpret):
-    """pallas_call of an update kernel (rows, starts, ends, index, g, weights, accum) ->
-    (weights, accum), the table and its state aliased in place."""
-    ins = (rows, starts, ends, index, g, weights, accum)
+                interpret, lead=()):
+    """pallas_call of an update kernel (*lead, rows, starts, ends, index, g, weights, accum)
+    -> (weights, accum), the table and its state aliased in place."""
+    ins = (*lead, rows, starts, ends, index, g, weights, accum)
     return pl.pallas_call(
         kernel, grid=grid, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(weights.shape), _full(accum.shape)],
         out_shape=[jax.ShapeDtypeStruct(weights.shape, weights.dtype),
                    jax.ShapeDtypeStruct(accum.shape, accum.dtype)],
-        input_output_aliases={5: 0, 6: 1},
+        input_output_aliases={len(ins) - 2: 0, len(ins) - 1: 1},
         compiler_params=_params(knobs), interpret=interpret, name=name,
     )(*ins)
 
@@ -228,10 +254,18 @@ def _update_short(weights, accum, rows, starts, ends, index, g, lr, eps, knobs, 
     if pad:
         rows = jnp.concatenate([rows, jnp.full((pad,), -1, jnp.int32)])
         starts, ends = (jnp.concatenate([x, jnp.zeros((pad,), jnp.int32)]) for x in (starts, ends))
-    kernel = functools.partial(_short_kernel, rows_per_program=r, lr=lr, eps=eps,
-                               interpret=bool(interpret))
-    return _row_update(kernel, (rows.shape[0] // r,), "sparse_fused_short_rows", weights, accum,
-                       rows, starts, ends, index, g, knobs, interpret)
+    kw = dict(rows_per_program=r, lr=lr, eps=eps, interpret=bool(interpret))
+    n_groups = rows.shape[0] // r
+    if not knobs["short_programs"]:
+        return _row_update(functools.partial(_short_kernel, **kw), (n_groups,),
+                           "sparse_fused_short_rows", weights, accum, rows, starts, ends, index,
+                           g, knobs, interpret)
+    # groups up to the last live slot (rows -1 past it)
+    last = jnp.max(jnp.where(rows >= 0, jnp.arange(rows.shape[0], dtype=jnp.int32), -1))
+    used = ((last + r) // r).astype(jnp.int32)[None]
+    return _row_update(functools.partial(_short_kernel_looped, **kw),
+                       (min(knobs["short_programs"], n_groups),), "sparse_fused_short_rows_looped",
+                       weights, accum, rows, starts, ends, index, g, knobs, interpret, lead=(used,))
 
 
 def _compact(flag: Array, size: int, fill: tuple, *values: Array,
@@ -308,6 +342,8 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
         raise ValueError(f"short must be in [0, split={split}], got {short}")
     if not pow2_at_least(r, 16):
         raise ValueError(f"rows_per_program must be a power of two >= 16, got {r}")
+    if knobs["short_programs"] < 0:
+        raise ValueError(f"short_programs must be >= 0, got {knobs['short_programs']}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     lr, eps = float(lr), float(eps)
