@@ -36,6 +36,9 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
   sort_buckets_pallas   sort_buckets with update_impl="pallas": duplicate sum + row-wise Adagrad
                         fused in one Pallas Triton pass (gemjax/sparse/fused_update.py)
   sort_pallas           the same with one bucket of N (one program per id slot, early exit past U)
+  sort_pallas_looped    sort_pallas with fused_knobs short_programs=2112 (16 per SM): a fixed grid
+                        looping over the short-row groups up to U, so no lax.switch and no idle
+                        programs past U
   sort_buckets_xb       sort_buckets + exchange_buckets=(1/8, 1/4, 1/2) (what the trainer's
                         train.sparse_exchange_buckets turns on): the all_to_all (ids, rows,
                         grads) runs at the smallest capacity >= the largest per-destination
@@ -119,6 +122,8 @@ VARIANTS = {"scatter": dict(dedup="scatter", unique_buckets=()),
             "sort_buckets_bf16": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16),
             "sort_buckets_pallas": dict(dedup="sort", unique_buckets=BUCKETS, update_impl="pallas"),
             "sort_pallas": dict(dedup="sort", unique_buckets=(1.0,), update_impl="pallas"),
+            "sort_pallas_looped": dict(dedup="sort", unique_buckets=(1.0,), update_impl="pallas",
+                                       fused_knobs=dict(short_programs=2112)),
             "sort_buckets_xb": dict(dedup="sort", unique_buckets=BUCKETS, exchange_buckets=XB),
             "sort_buckets_bf16_xb": dict(dedup="sort", unique_buckets=BUCKETS, grad_dtype=jnp.bfloat16,
                                          exchange_buckets=XB)}

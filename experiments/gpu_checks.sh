@@ -24,8 +24,9 @@
 #                the settings side by side (~4)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps (~4)
-#   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the bucketed sort path, the
-#                fused Pallas update with and without buckets, sort_scatter, scatter) (~2)
+#   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the fused Pallas update with
+#                buckets, without (looped short rows / one program per group), the XLA update
+#                with buckets, scatter) (~2)
 #   sparse_mgpu  gpu-marked sparse tests over all GPUs + bench sharded over them (~3)
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
 #                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_sync_buckets=false;
@@ -113,7 +114,7 @@ for s in "$@"; do
             --workdir="$OUT/teacher_h200" ;;
     sparse)
         section sparse_bench 150 $PY experiments/bench_sparse.py --naive_rows=25000000 --probe_rows= \
-            --variants=${SPARSE_VARIANTS:-sort_buckets,sort_buckets_pallas,sort_pallas,sort_scatter_buckets,scatter} \
+            --variants=${SPARSE_VARIANTS:-sort_buckets_pallas,sort_pallas_looped,sort_pallas,sort_buckets,scatter} \
             --out="$OUT/bench_sparse.json" ;;
     sparse_mgpu)
         section sparse_tests 150 $PY -m pytest -m gpu -q -rfE tests/test_sparse_gpu.py tests/test_sparse_fused.py

@@ -296,8 +296,9 @@ def test_collection_update_impl_pallas_equals_xla(devices):
     rng = np.random.default_rng(3)
     w = {n: (rng.integers(-64, 65, (v, 16)) / 256.0) for n, v in (("a", 97), ("b", 50))}
     out = {}
-    for impl in ("xla", "pallas"):
-        coll = EmbeddingCollection(specs, "row_wise", mesh, update_impl=impl)
+    for impl in ("xla", "pallas", "pallas_looped"):
+        kw = dict(fused_knobs=dict(short_programs=2)) if impl == "pallas_looped" else {}
+        coll = EmbeddingCollection(specs, "row_wise", mesh, update_impl=impl.split("_")[0], **kw)
         assert coll._update_impl(specs[1]) == "xla"
         state = coll.from_logical({"a": {"weights": w["a"], "accum": np.zeros(97)},
                                    "b": {"weights": w["b"]}})
@@ -309,13 +310,17 @@ def test_collection_update_impl_pallas_equals_xla(devices):
             g = {f: jax.device_put((r.integers(-8, 9, (64, 16)) / 64.0).astype(np.float32), sh) for f in ids}
             state = jax.jit(coll.apply_gradients)(state, res, g)
         out[impl] = coll.to_logical(state)
-    for t in ("a", "b"):
-        for k in out["xla"][t]:
-            np.testing.assert_allclose(out["pallas"][t][k], out["xla"][t][k], rtol=1e-6, atol=1e-7,
-                                       err_msg=f"{t}.{k}")
+    for impl in ("pallas", "pallas_looped"):
+        for t in ("a", "b"):
+            for k in out["xla"][t]:
+                np.testing.assert_allclose(out[impl][t][k], out["xla"][t][k], rtol=1e-6,
+                                           atol=1e-7, err_msg=f"{impl} {t}.{k}")
     assert not np.allclose(out["xla"]["a"]["weights"], w["a"])          # the step did update
     with pytest.raises(ValueError, match="update_impl"):
         EmbeddingCollection(specs, "row_wise", mesh, update_impl="cuda")
+    with pytest.raises(ValueError, match="fused_knobs: unknown knobs"):
+        EmbeddingCollection(specs, "row_wise", mesh, update_impl="pallas",
+                            fused_knobs=dict(short_progs=2))
 
 
 def test_trainer_with_the_fused_update_equals_xla():

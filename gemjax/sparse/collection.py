@@ -77,6 +77,7 @@ and a 4 ms strided gather per step in the 2-GPU h200 program. A no-op on CPU.
 update_impl: "xla" (default) or "pallas": the duplicate sum and row-wise Adagrad
 fused in one Pallas kernel (gemjax.sparse.fused_update; tables whose optimizer
 is not RowWiseAdagrad or whose dim is not a power of two >= 16 keep "xla").
+fused_knobs: overrides of fused_update.KNOBS for that kernel (e.g. short_programs).
 Tested in interpret mode on CPU and lowered for sm_90; on one H200 (below) the
 lookup + update step takes 1.60 ms with it vs 2.07 ms with "xla" (36% vs 28% of
 3.6 TB/s counting every id's row); inside the h200 teacher's train step on one
@@ -100,6 +101,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
+from gemjax.sparse import fused_update
 from gemjax.sparse import plans as plans_lib
 from gemjax.sparse import routing
 from gemjax.sparse.optimizers import RowWiseAdagrad
@@ -114,6 +116,7 @@ class EmbeddingCollection:
                  *, replica_axes: Sequence[str] = (), batch_axes: Sequence[str] | None = None,
                  dedup: str = "sort", grad_dtype: Any = jnp.float32,
                  unique_buckets: Sequence[float] = routing.DEFAULT_BUCKETS, update_impl: str = "xla",
+                 fused_knobs: Mapping[str, int] | None = None,
                  exchange_buckets: Sequence[float] = (), sync_buckets: bool = False,
                  row_major: bool = True, **planner_kw):
         if dedup not in routing.DEDUPS:
@@ -133,6 +136,11 @@ class EmbeddingCollection:
         if update_impl not in routing.UPDATE_IMPLS:
             raise ValueError(f"update_impl must be one of {routing.UPDATE_IMPLS}, got {update_impl!r}")
         self.update_impl = update_impl
+        unknown = set(fused_knobs or {}) - set(fused_update.KNOBS)
+        if unknown:
+            raise ValueError(f"fused_knobs: unknown knobs {sorted(unknown)} "
+                             f"(have {sorted(fused_update.KNOBS)})")
+        self.fused_knobs = tuple(sorted((fused_knobs or {}).items()))
         self.row_major = bool(row_major)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -591,7 +599,8 @@ class EmbeddingCollection:
                 if local and (self.unique_buckets or impl == "pallas"):
                     new[unit] = routing.update_unique_bucketed(
                         new.get(unit, state[unit]), g, route[name], spec.optimizer,
-                        self.unique_buckets, src_index=src_index, update_impl=impl)
+                        self.unique_buckets, src_index=src_index, update_impl=impl,
+                        fused_knobs=self.fused_knobs)
                     continue
                 if self.sync_buckets and sync and lay.num_model == 1 and lay.num_fs == 1:
                     # a local copy synced over replicas: they all-gather unique rows only
@@ -599,20 +608,23 @@ class EmbeddingCollection:
                     new[unit] = routing.sync_update_bucketed(
                         new.get(unit, state[unit]), g, route[name], sync, spec.optimizer,
                         src_index=src_index, branch=sb if sb >= 0 else None, dedup=self.dedup,
-                        buckets=self.unique_buckets, update_impl=impl)
+                        buckets=self.unique_buckets, update_impl=impl,
+                        fused_knobs=self.fused_knobs)
                     continue
                 if "xb" in route[name]:     # exchange at the lookup's bucket capacity
                     xb = self._fixed.get(name, (-1, -1))[0]
                     new[unit] = routing.route_update_bucketed(
                         new.get(unit, state[unit]), g, route[name], lay, caps[name], model, fs_axes,
                         sync, self.exchange_buckets, spec.optimizer, src_index=src_index,
-                        branch=xb if xb >= 0 else None, dedup=self.dedup, buckets=self.unique_buckets, update_impl=impl)
+                        branch=xb if xb >= 0 else None, dedup=self.dedup, buckets=self.unique_buckets,
+                        update_impl=impl, fused_knobs=self.fused_knobs)
                     continue
                 rows, grads = routing.route_grads(g, route[name], self.layouts[name], caps[name],
                                                   model, fs_axes, sync, src_index=src_index)
                 new[unit] = routing.update_rows(new.get(unit, state[unit]), rows, grads,
                                                 spec.optimizer, rows_unique=local, dedup=self.dedup,
-                                                buckets=self.unique_buckets, update_impl=impl)
+                                                buckets=self.unique_buckets, update_impl=impl,
+                                                fused_knobs=self.fused_knobs)
             return new
 
         units = self._units_of(names)

@@ -449,18 +449,19 @@ def _sort_residual(res: dict) -> tuple[Array, Array]:
 
 
 def _fused(state: dict[str, Array], rows: Array, perm: Array, seg: Array, g: Array,
-           src_index: Array | None, optimizer) -> dict[str, Array]:
-    """Fused sum + row-wise Adagrad (Pallas) of rows [K] (-1 = none) from the sorted ids."""
+           src_index: Array | None, optimizer, knobs=()) -> dict[str, Array]:
+    """Fused sum + row-wise Adagrad (Pallas) of rows [K] (-1 = none) from the sorted ids;
+    knobs: ((name, value), ...) of fused_update.KNOBS."""
     index = perm if src_index is None else jnp.take(src_index, perm)
     w, a = fused_update.row_wise_adagrad_fused(
         state["weights"], state["accum"], rows, seg, index.astype(jnp.int32), g,
-        lr=optimizer.lr, eps=optimizer.eps)
+        lr=optimizer.lr, eps=optimizer.eps, **dict(knobs))
     return {"weights": w, "accum": a}
 
 
 def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
                 rows_unique: bool = False, dedup: str = "sort", buckets=(),
-                update_impl: str = "xla") -> dict[str, Array]:
+                update_impl: str = "xla", fused_knobs=()) -> dict[str, Array]:
     """Sum duplicate rows' grads, apply the optimizer to those rows only.
 
     state {"weights": [V, D], <opt>: [V, ...]}, rows [K] (-1 = none), grads [K, D].
@@ -470,7 +471,8 @@ def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
     one fused update, one scatter per array); padding entries are dropped.
     buckets (with rows_unique=False): size the duplicate sum and the update to
     the unique count as in `update_unique_bucketed` (the owner's K = S_m * C
-    slots are mostly empty). update_impl: "xla" or "pallas" (see module docstring).
+    slots are mostly empty). update_impl: "xla" or "pallas" (see module docstring);
+    fused_knobs: the fused kernel's knobs, ((name, value), ...), with "pallas".
     """
     _check_impl(update_impl, optimizer, state)
     k = rows.shape[0]
@@ -478,14 +480,15 @@ def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
     if update_impl == "pallas":
         if rows_unique:
             ar = jnp.arange(k, dtype=jnp.int32)
-            return _fused(state, jnp.where(rows >= 0, rows, -1), ar, ar, grads, None, optimizer)
+            return _fused(state, jnp.where(rows >= 0, rows, -1), ar, ar, grads, None, optimizer,
+                          fused_knobs)
         uniq, dres = dedup_ids(key, "sort")
         if buckets:
             return update_unique_bucketed(state, grads, {**dres, "uniq": uniq}, optimizer, buckets,
-                                          update_impl="pallas")
+                                          update_impl="pallas", fused_knobs=fused_knobs)
         perm, seg = _sort_residual(dres)
         return _fused(state, jnp.where(uniq != INVALID, uniq, -1), perm, seg, grads, None,
-                      optimizer)
+                      optimizer, fused_knobs)
     if rows_unique:
         uniq, g_sum = key, grads.astype(jnp.float32)
     else:
@@ -517,7 +520,7 @@ def bucket_sizes(n: int, buckets, rows: int | None = None) -> list[int]:
 
 def update_unique_bucketed(state: dict[str, Array], g: Array, res: dict, optimizer, buckets,
                            src_index: Array | None = None,
-                           update_impl: str = "xla") -> dict[str, Array]:
+                           update_impl: str = "xla", fused_knobs=()) -> dict[str, Array]:
     """Local table: sum duplicates and update the touched rows, sized to the unique count.
 
     g / src_index as in `sum_duplicates`; res the lookup residual (uniq ascending,
@@ -539,7 +542,7 @@ def update_unique_bucketed(state: dict[str, Array], g: Array, res: dict, optimiz
         def run(state):
             if update_impl == "pallas":
                 rows = jnp.where(uniq[:cap] != INVALID, uniq[:cap], -1)
-                return _fused(state, rows, perm, seg, g, src_index, optimizer)
+                return _fused(state, rows, perm, seg, g, src_index, optimizer, fused_knobs)
             g_u = sum_duplicates(g, res, cap, src_index)
             rows = jnp.where(uniq[:cap] != INVALID, uniq[:cap], -1)
             return update_rows(state, rows, g_u, optimizer, rows_unique=True)
