@@ -210,8 +210,9 @@ def profile_steps(step, state, batches, steps, variant):
             state, _ = step(state, batches[k % len(batches)])
         jax.block_until_ready(state)
     events = profile_summary.load_events(path)
+    summary = profile_summary.summarize(events, steps)
     print(f"profile {variant} ({steps} steps, {path}):\n"
-          + profile_summary.format_summary(profile_summary.summarize(events, steps), top=20), flush=True)
+          + profile_summary.format_summary(summary, top=20), flush=True)
     return state
 
 

@@ -21,8 +21,8 @@ tiles), no atomics. Where one side is short (at most SHORT_SIDE tokens per sampl
 PMA's 16 learned queries, cross-attention to 32 keys) the kernel over the short
 side's tiles also stores the long side's gradient rows whose whole interval lies
 in its tile (`fused_bwd` "q_rows" / "k_rows"), so the other kernel only runs for
-tiles holding rows that straddle a tile edge. Softmax needs delta = rowsum(dO * O), computed in XLA.
-Triton dots need every dim >= 16, so tiles are >= 16 and D (D/2 with rope) must
+tiles holding rows that straddle a tile edge. Softmax needs delta = rowsum(dO * O),
+computed in XLA. Triton dots need every dim >= 16, so tiles are >= 16 and D (D/2 with rope) must
 be a multiple of 16.
 """
 

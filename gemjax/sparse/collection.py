@@ -616,8 +616,8 @@ class EmbeddingCollection:
                     new[unit] = routing.route_update_bucketed(
                         new.get(unit, state[unit]), g, route[name], lay, caps[name], model, fs_axes,
                         sync, self.exchange_buckets, spec.optimizer, src_index=src_index,
-                        branch=xb if xb >= 0 else None, dedup=self.dedup, buckets=self.unique_buckets,
-                        update_impl=impl, fused_knobs=self.fused_knobs)
+                        branch=xb if xb >= 0 else None, dedup=self.dedup,
+                        buckets=self.unique_buckets, update_impl=impl, fused_knobs=self.fused_knobs)
                     continue
                 rows, grads = routing.route_grads(g, route[name], self.layouts[name], caps[name],
                                                   model, fs_axes, sync, src_index=src_index)
