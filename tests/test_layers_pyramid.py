@@ -30,6 +30,9 @@ def test_block_offsets():
     assert got.shape == (4 + 8 + 1,)
     np.testing.assert_array_equal(got[:len(want)], want)
     assert np.all(got[len(want):] == 18)
+    # no XLA while loop (a binary search's default lowering, stepped from the host on GPU)
+    hlo = jax.jit(lambda o: block_offsets(o, 32, 4)).lower(jnp.asarray(j.offsets)).as_text()
+    assert "while" not in hlo
 
 
 def test_block_pooling_matches_numpy():

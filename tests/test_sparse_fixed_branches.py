@@ -166,3 +166,13 @@ def test_no_switches_no_plan():
     assert coll.branch_needs(feats) == {} and coll.branch_plan(feats, {}) == ()
     with pytest.raises(ValueError, match="not an index"):
         routing._check_branch(4, [1, 2, 3])
+
+
+def test_first_at_least_is_the_numpy_search_without_a_loop():
+    """The bucket index the switches take: np.searchsorted's, as compares (no XLA while
+    loop, which XLA:GPU would step from the host)."""
+    caps = [3, 5, 9]
+    f = jax.jit(lambda x: routing.first_at_least(caps, x))
+    for x in (0, 3, 4, 5, 9, 10, -1):
+        assert int(f(np.int32(x))) == int(np.searchsorted(caps, x)), x
+    assert "while" not in jax.jit(f).lower(np.int32(4)).as_text()
