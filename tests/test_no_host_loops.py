@@ -19,8 +19,7 @@ except ImportError:  # pragma: no cover
 
 
 def _host_loops(monkeypatch, fn, t=4096, b=17, want=None):
-    """Functions of fn's cuda export (forward + vjp) holding a stablehlo.while, less the
-    fallback bodies of composites (cumsum's chlo.scan.impl: XLA:GPU lowers the composite)."""
+    """while_functions of fn's cuda export (forward + vjp)."""
     if _reg is None or not hasattr(_reg, "gpu_info_lib"):
         pytest.skip("JAX internals for the Triton lowering moved")
     monkeypatch.setattr(_reg.gpu_info_lib, "get_gpu_info",
@@ -37,7 +36,14 @@ def _host_loops(monkeypatch, fn, t=4096, b=17, want=None):
         x, x, x, x, off, off)
     text = exp.mlir_module()
     assert want is None or want in text, f"{want} not in the program"
-    funcs = text.split("func.func ")[1:]
+    return while_functions(text)
+
+
+def while_functions(mlir: str) -> list[str]:
+    """Names of the functions of a StableHLO module that hold a while loop, less the
+    fallback bodies of composites (cumsum's chlo.scan.impl: XLA:GPU lowers the
+    composite itself)."""
+    funcs = mlir.split("func.func ")[1:]
     return [f.split("(")[0] for f in funcs if "stablehlo.while" in f
             and not re.match(r"private @chlo\.\w+\.impl", f)]
 
