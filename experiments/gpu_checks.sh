@@ -23,7 +23,7 @@
 #                "q_rows", dkv_split): their gpu tests, then bench_attention on W2 and W3 with
 #                the settings side by side (~4)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
-#                experiments/train.py, TEACHER_STEPS steps (~4)
+#                experiments/train.py, TEACHER_STEPS steps, TEACHER_OVERRIDE more overrides (~4)
 #   sparse       bench_sparse on one GPU: SPARSE_VARIANTS (default the fused Pallas update with
 #                buckets, without (looped short rows / one program per group), the XLA update
 #                with buckets, scatter) (~2)
@@ -115,7 +115,7 @@ for s in "$@"; do
     teacher_h200)
         # the full teacher at the h200 preset through the standard train script
         section teacher_h200 330 $PY experiments/train.py --config=h200 --steps=${TEACHER_STEPS:-200} \
-            --override=model.kind=teacher,model.num_experts=4,model.top_k=2,train.log_every=25,train.eval_every=100000,train.checkpoint_every=100000 \
+            --override=model.kind=teacher,model.num_experts=4,model.top_k=2,train.log_every=25,train.eval_every=100000,train.checkpoint_every=100000${TEACHER_OVERRIDE:+,$TEACHER_OVERRIDE} \
             --workdir="$OUT/teacher_h200" ;;
     sparse)
         section sparse_bench 150 $PY experiments/bench_sparse.py --naive_rows=25000000 --probe_rows= \

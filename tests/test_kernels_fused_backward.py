@@ -13,7 +13,7 @@ import pytest
 from kernels import jagged_flash
 from kernels.gdpa.pallas import gdpa_pallas
 from kernels.jagged_attention.pallas import jagged_attention_pallas
-from kernels.jagged_flash import FlashConfig, fused_backward_side
+from kernels.jagged_flash import FlashConfig, dkv_split_for, fused_backward_side
 from test_kernels_common import check_against, np_attention, offsets_of, random_qkv, run_vjp
 
 # short sides at the 16 / 32-token tiles: 0, 1, tile - 1, tile, tile + 1; a sample with
@@ -134,9 +134,23 @@ def test_dkv_split_with_causal_window_and_bf16(monkeypatch):
 def test_dkv_split_must_be_a_positive_int():
     q = jnp.zeros((128, 1, 32), jnp.float32)
     o = jnp.array([0, 128], jnp.int32)
-    for bad in (0, -1, 1.5):
+    for bad in (0, -1, 1.5, True, "two"):
         with pytest.raises(ValueError, match="dkv_split must be"):
             gdpa_pallas(q, q, q, o, o, dkv_split=bad)
+
+
+def test_dkv_split_auto_splits_short_key_sides_in_two(monkeypatch):
+    cfg = FlashConfig(mode="gdpa")
+    for side, want in (("k_rows", 2), ("q_rows", 1), ("off", 1)):
+        assert dkv_split_for(dataclasses.replace(cfg, fused_bwd=side)) == want
+    assert dkv_split_for(dataclasses.replace(cfg, fused_bwd="k_rows", dkv_split=3)) == 3
+    # end to end: the backward that ran on CROSS (auto: "k_rows") split its key tiles in two
+    splits = []
+    real = jagged_flash._dkv_outputs
+    monkeypatch.setattr(jagged_flash, "_dkv_outputs",
+                        lambda k, split: splits.append(split) or real(k, split))
+    assert _check("gdpa", LONG_CROSS, "auto", monkeypatch, seed=4) == ["k_rows"]
+    assert splits == [2]
 
 
 def test_fused_backward_side_resolution():
