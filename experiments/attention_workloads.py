@@ -87,12 +87,15 @@ def parse_mosaic_knobs(spec):
 
 def parse_variant(spec):
     """'softmax_mosaic[fused_delta=1]' -> ('softmax', 'mosaic', (('fused_delta', True),)):
-    an op (gdpa / softmax), an engine (triton / mosaic) and Mosaic backward knobs
-    (parse_mosaic_knobs, sorted); ValueError if malformed."""
+    an op (gdpa / softmax, or block: the per-block kernel, triton only), an engine
+    (triton / mosaic) and Mosaic backward knobs (parse_mosaic_knobs, sorted);
+    ValueError if malformed."""
     name, _, knobs = spec.partition("[")
     op, _, engine = name.partition("_")
-    if op not in ("gdpa", "softmax") or engine not in ("triton", "mosaic"):
-        raise ValueError(f"variant {spec!r}: want gdpa|softmax _ triton|mosaic [knobs]")
+    if (op not in ("gdpa", "softmax", "block") or engine not in ("triton", "mosaic")
+            or (op == "block" and (engine != "triton" or knobs))):
+        raise ValueError(f"variant {spec!r}: want gdpa|softmax _ triton|mosaic [knobs], "
+                         "or block_triton")
     if knobs and not knobs.endswith("]"):
         raise ValueError(f"variant {spec!r}: unclosed '['")
     return op, engine, tuple(sorted(parse_mosaic_knobs(knobs[:-1]).items()))

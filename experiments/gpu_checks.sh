@@ -36,10 +36,11 @@
 #                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
 #   pending      what was written after the last GPU call and has not run on a GPU yet (see
-#                kernels/NOTES.md, README): now the dK/dV split (dkv_split: its gpu tests, W2
-#                with 2 / 4 splits beside the default) and the fused sparse update's looped
-#                short rows (short_programs: its gpu tests, bench_sparse with and without the
-#                unique-count switch); on 2+ GPUs the two halves run side by side (~4)
+#                kernels/NOTES.md, README); session 9 ran the last pending pair (the dK/dV
+#                split, now the "k_rows" default, and the fused sparse update's looped
+#                short rows, off), so it now re-runs their checks: the fused-backward gpu
+#                tests, W2 with 1 / 4 splits beside the default, bench_sparse with and
+#                without the unique-count switch; on 2+ GPUs the two halves side by side (~4)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs

@@ -6,7 +6,8 @@ workload of attention_workloads.py. One GPU.
         --variants=gdpa_mosaic,softmax_mosaic,softmax_mosaic[fused_delta=1+overlap_dp=1]
 
 A variant is an op and an engine, `gdpa_triton`, `gdpa_mosaic`, `softmax_triton`,
-`softmax_mosaic` (forward and backward on that engine), optionally with Mosaic
+`softmax_mosaic` (forward and backward on that engine; `block_triton`: block_attention's
+per-block kernels, for W4), optionally with Mosaic
 backward knobs in brackets (MosaicConfig fields, knob=int joined by '+'). Each
 launch is reported as the median over --iters calls, in launch order; kernels under
 --min_us are left out of the printout (not of the JSON). Forward+backward returns the
@@ -24,7 +25,7 @@ from absl import app, flags
 from attention_workloads import pack_arrays, parse_variant, workload  # experiments/
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py (self or cross)")
+flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py")
 flags.DEFINE_list("variants", ["gdpa_triton", "gdpa_mosaic", "softmax_triton", "softmax_mosaic"],
                   "op_engine[knobs] entries (module docstring)")
 flags.DEFINE_integer("iters", 5, "calls timed per variant and pass")
@@ -33,8 +34,11 @@ flags.DEFINE_string("out", "kernel_times.json", "JSON output path")
 
 
 def op_fn(op, engine, knobs, qo, ko, scale):
+    from kernels.block_attention.pallas import block_attention_pallas
     from kernels.gdpa.pallas import gdpa_pallas
     from kernels.jagged_attention.pallas import jagged_attention_pallas
+    if op == "block":
+        return lambda q, k, v: block_attention_pallas(q, k, v, qo)
     kw = dict(forward=engine, backward=engine, mosaic_bwd=knobs)
     if op == "gdpa":
         return lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation="silu", scale=scale, **kw)

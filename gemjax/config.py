@@ -111,9 +111,9 @@ class TrainConfig:
     # around collectives inside it, which XLA:GPU runs as a host-synced conditional
     sparse_fixed_branches: bool = True
     # duplicate sum + row-wise Adagrad of the touched rows: "xla", or "pallas" (one fused
-    # kernel: 1.60 vs 2.07 ms per lookup + update step on one H200, experiments/bench_sparse.py;
-    # but inside the h200 teacher's step it is slower, 142.3 vs 133.3 ms on one H200, so "xla"
-    # stays the default; interpret mode, slow, off GPU)
+    # kernel: 1.20 vs 1.93 ms per lookup + update step on one H200, experiments/bench_sparse.py;
+    # inside the h200 teacher's step on one H200 128.2 vs 128.9 ms (session 9), so "xla",
+    # which runs everywhere, stays the default; interpret mode, slow, off GPU)
     sparse_update_impl: str = "xla"
     # pin sparse activations and their gradients to row-major (EmbeddingCollection
     # row_major): else XLA:GPU may lay a sequence stack out feature-major and transpose

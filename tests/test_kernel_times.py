@@ -18,7 +18,9 @@ def test_variant_specs():
         "softmax", "mosaic", (("fused_delta", True), ("overlap_dp", True)))
     assert parse_variant("gdpa_mosaic[dq_block_kv=128]") == (
         "gdpa", "mosaic", (("dq_block_kv", 128),))
-    for bad in ("block_mosaic", "gdpa_cudnn", "softmax_mosaic[fused_delta=1", "gdpa_mosaic[x]"):
+    assert parse_variant("block_triton") == ("block", "triton", ())
+    for bad in ("block_mosaic", "block_triton[fused_delta=1]", "gdpa_cudnn",
+                "softmax_mosaic[fused_delta=1", "gdpa_mosaic[x]"):
         with pytest.raises(ValueError):
             parse_variant(bad)
 
