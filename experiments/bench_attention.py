@@ -219,9 +219,11 @@ def run_workload(wname, rng):
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
     if kind != "self":   # the fused backward's other settings beside the default
-        # (default "auto": "k_rows" on W2, "q_rows" on W3), and on W2 the dK/dV kernel's
+        # (default "auto": "k_rows" on W2, "q_rows" on W3), the rest kernel with 8 tiles
+        # per program (rest_group), and on W2 the dK/dV kernel's
         # query loop in 1 / 4 programs per key tile (dkv_split; default "auto": 2 there)
-        alts = [("fused_bwd_off", dict(fused_bwd="off"))]
+        alts = [("fused_bwd_off", dict(fused_bwd="off")),
+                ("rest_group8", dict(rest_group=8))]   # 8 tiles per rest-kernel program
         if kind == "cross":
             alts += [(f"dkv_split{n}", dict(dkv_split=n)) for n in (1, 4)]
         for tag, kw in alts:

@@ -36,11 +36,9 @@
 #                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
 #   pending      what was written after the last GPU call and has not run on a GPU yet (see
-#                kernels/NOTES.md, README); session 9 ran the last pending pair (the dK/dV
-#                split, now the "k_rows" default, and the fused sparse update's looped
-#                short rows, off), so it now re-runs their checks: the fused-backward gpu
-#                tests, W2 with 1 / 4 splits beside the default, bench_sparse with and
-#                without the unique-count switch; on 2+ GPUs the two halves side by side (~4)
+#                kernels/NOTES.md): now the looped rest kernel of the fused backward
+#                (FlashConfig.rest_group: its gpu tests, W2 / W3 with 8 tiles per program
+#                beside the default) (~4)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
@@ -141,25 +139,10 @@ for s in "$@"; do
     movielens)
         section movielens 300 $PY experiments/movielens.py --time_limit_s=240 --out="$OUT/movielens.json" ;;
     pending)
-        G2=0; [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && G2=1
-        (
-            export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-            section pending_kernel_tests 240 $PY -m pytest -m gpu -q -rfE \
-                tests/test_kernels_fused_backward.py
-            section pending_w2 200 $PY experiments/bench_attention.py --workloads=W2 --nobaselines \
-                --out "$OUT/bench_attention_w2.json"
-        ) &
-        [ $G2 = 1 ] || wait
-        (
-            export CUDA_VISIBLE_DEVICES=$G2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
-            section pending_sparse_bench 200 $PY experiments/bench_sparse.py --probe_rows= \
-                --naive_rows= --variants=sort_buckets_pallas,sort_pallas_looped,sort_pallas \
-                --fused_sweep=16/256/2/16/16,16/256/2/16/16/1056,16/256/2/16/16/2112,16/256/2/16/16/4224 \
-                --out="$OUT/bench_sparse_pending.json"
-            XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 section pending_sparse_tests 150 $PY -m pytest -m gpu \
-                -q -rfE tests/test_sparse_fused.py
-        ) &
-        wait ;;
+        section pending_kernel_tests 240 $PY -m pytest -m gpu -q -rfE \
+            tests/test_kernels_fused_backward.py
+        section pending_w2_w3 200 $PY experiments/bench_attention.py --workloads=W2,W3 \
+            --nobaselines --out "$OUT/bench_attention_w2_w3.json" ;;
     ablate)
         # ABLATE_CAP (s, default 3000) caps every variant's process; ABLATE_WORKDIR (default
         # $OUT/ablate) may hold earlier finished runs (config.json + summary.json), reused.

@@ -92,6 +92,11 @@ class FlashConfig:
     # 47 query tiles). 1 = off. Applies to the plain and "k_rows" backwards. "auto"
     # (dkv_split_for): 2 with "k_rows" (short key sides), else 1.
     dkv_split: int | str = "auto"
+    # fused_bwd "k_rows" / "q_rows": tiles per program of the kernel that takes the rows
+    # no tile of the other side owns (a loop in the program). On W2 / W3 nearly every
+    # tile has none, and one program per tile and head (W2: 5660) costs 13 us of launches
+    # for no work (CUPTI, session 9). 1 = one program per tile.
+    rest_group: int = 1
 
 
 # ----------------------------------------------------------------------------- math
@@ -324,13 +329,15 @@ def _probs_and_dscores(cfg, s, m, lse, delta, dp):
 
 def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref, cq_ref,
                sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               dk_ref=None, dv_ref=None, *, cfg, other_own=None, own=None, need=None):
+               dk_ref=None, dv_ref=None, *, cfg, other_own=None, own=None, need=None,
+               slot=None):
     """dQ of one query tile. With dk_ref / dv_ref and other_own (fused_bwd "q_rows", no
     RoPE) also each key tile's dK / dV, stored for the key rows other_own assigns to
     this query tile (all their queries are in it). With own / need ("k_rows": the dK/dV
     kernel stores the rest) only the rows own marks -1, and only tiles need marks run
-    the key loop (else their rows get zeros)."""
-    i = perm_ref[pl.program_id(0)]
+    the key loop (else their rows get zeros). slot: the tile's place in the launch
+    order (default the program id; rest_group loops over several)."""
+    i = perm_ref[pl.program_id(0) if slot is None else slot]
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
 
@@ -384,14 +391,16 @@ def _only_needed(compute, need, i, zeros):
 
 def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
                 cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, dq_ref=None, *, cfg, other_own=None, own=None, need=None):
+                dk_ref, dv_ref, dq_ref=None, *, cfg, other_own=None, own=None, need=None,
+                slot=None):
     """dK, dV of one key tile. With dq_ref and other_own (fused_bwd "k_rows", no RoPE)
     also each query tile's dQ, stored for the query rows other_own assigns to this key
     tile (all their keys are in it). With
     own / need ("q_rows": the dQ kernel stores the rest) only the rows own marks -1, and
-    only tiles need marks run the query loop (else their rows get zeros)."""
+    only tiles need marks run the query loop (else their rows get zeros). slot: as in
+    _dq_kernel."""
     split = _dkv_split(cfg, own)
-    p = pl.program_id(0)
+    p = pl.program_id(0) if slot is None else slot
     j = perm_ref[p // split] if split > 1 else perm_ref[p]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
     krows = pl.ds(j * bk, bk)
@@ -639,11 +648,26 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
         jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     nb_out = len(b_outs)
 
+    group = cfg.rest_group
+
     def b_kernel(*refs, cfg):   # 16 layout / cos, sin / q, k, v; do, own, need, lse, delta; outs
-        b_base(*refs[:17], *refs[19:21], *refs[21:], cfg=cfg, own=refs[17], need=refs[18])
+        def run(slot=None):
+            b_base(*refs[:17], *refs[19:21], *refs[21:], cfg=cfg, own=refs[17], need=refs[18],
+                   slot=slot)
+        if group == 1:
+            run()
+            return
+
+        first = pl.program_id(0) * group
+
+        def body(g, carry):     # rest_group tiles per program; the last one's tail is idle
+            slot = first + g
+            pl.when(slot < n_b)(lambda: run(slot))
+            return carry
+        lax.fori_loop(0, group, body, 0)
 
     partial = pl.pallas_call(
-        _adapt(b_kernel, cfg, 3, softmax, nb_out), grid=(n_b, h),
+        _adapt(b_kernel, cfg, 3, softmax, nb_out), grid=(-(-n_b // group), h),
         in_specs=(_specs(cfg, tq, tk, d, n_b) + [_x_spec(tq, d), _full((t_b,)), _full((n_b,))]
                   + stat_specs),
         out_specs=[_x_spec(t_b, d)] * nb_out, out_shape=b_outs,
@@ -915,6 +939,8 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
         if engine not in ("triton", "mosaic"):
             raise ValueError(f"pallas attention: {name} must be 'triton' or 'mosaic', got {engine!r}")
     cfg = dataclasses.replace(cfg, dkv_split=dkv_split_for(cfg))
+    if not isinstance(cfg.rest_group, int) or isinstance(cfg.rest_group, bool) or cfg.rest_group < 1:
+        raise ValueError(f"pallas attention: rest_group must be an int >= 1, got {cfg.rest_group!r}")
     for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
         if t < 16 or PAD_MULTIPLE % t:
             raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")

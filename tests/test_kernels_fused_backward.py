@@ -131,6 +131,26 @@ def test_dkv_split_with_causal_window_and_bf16(monkeypatch):
            tiles=dict(dkv_split=2))
 
 
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("fused,lens,group", [
+    ("k_rows", CROSS, 3), ("k_rows", CROSS_ALIGNED, 2), ("q_rows", PMA, 3),
+    ("q_rows", PMA_ALIGNED, 4)],
+    ids=["k_rows-cross-3", "k_rows-aligned-2", "q_rows-pma-3", "q_rows-pma_aligned-4"])
+def test_rest_group_matches_float64(mode, fused, lens, group, monkeypatch):
+    """rest_group: the kernel of the rows no other tile owns loops over `group` tiles per
+    program (the last program's tail idle: 3 does not divide the tile counts here),
+    with straddling rows (CROSS, PMA) and with none (aligned)."""
+    assert _check(mode, lens, fused, monkeypatch, seed=8, tiles=dict(rest_group=group)) == [fused]
+
+
+def test_rest_group_must_be_a_positive_int():
+    q = jnp.zeros((128, 1, 32), jnp.float32)
+    o = jnp.array([0, 128], jnp.int32)
+    for bad in (0, -2, 2.0, False):
+        with pytest.raises(ValueError, match="rest_group must be"):
+            gdpa_pallas(q, q, q, o, o, rest_group=bad)
+
+
 def test_dkv_split_must_be_a_positive_int():
     q = jnp.zeros((128, 1, 32), jnp.float32)
     o = jnp.array([0, 128], jnp.int32)
@@ -195,6 +215,16 @@ def test_gpu_dkv_split_on_w2_lengths(split, mode, monkeypatch):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _gpu_case("W2", mode, "auto", monkeypatch, want_path="k_rows", dkv_split=split)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("shape,fused", [("W2", "k_rows"), ("W3", "q_rows")])
+def test_gpu_rest_group_on_w2_w3_lengths(shape, fused, mode, monkeypatch):
+    """rest_group=8 on W2 / W3 lengths (auto: "k_rows" / "q_rows"), bf16."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _gpu_case(shape, mode, "auto", monkeypatch, want_path=fused, rest_group=8)
 
 
 def _gpu_case(shape, mode, fused, monkeypatch, want_path=None, **tiles):

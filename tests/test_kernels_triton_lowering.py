@@ -57,7 +57,8 @@ OFF = jnp.array([0, 1, 64, 128, 300, 700, 1000], jnp.int32)
 
 @pytest.mark.parametrize("case", ["block", "block_group4_f32", "gdpa_silu_fast",
                                   "gdpa_gelu_tanh_causal_window", "softmax_causal",
-                                  "gdpa_d24_padded", "block_d48_padded", "softmax_d8_padded"])
+                                  "gdpa_d24_padded", "block_d48_padded", "softmax_d8_padded",
+                                  "gdpa_k_rows_rest_group_split", "softmax_q_rows_rest_group"])
 def test_kernels_lower_to_verified_triton(cuda_lowering, case):
     from kernels.block_attention.pallas import block_attention_pallas
     from kernels.gdpa.pallas import gdpa_pallas
@@ -80,6 +81,12 @@ def test_kernels_lower_to_verified_triton(cuda_lowering, case):
     elif case == "gdpa_gelu_tanh_causal_window":
         fn = lambda q, k, v: gdpa_pallas(q, k, v, OFF, OFF, activation="gelu_tanh",
                                          causal=True, window=100)
+    elif case == "gdpa_k_rows_rest_group_split":   # fused backward, looped rest, split dK/dV
+        fn = lambda q, k, v: gdpa_pallas(q, k, v, OFF, OFF, scale=0.01, fused_bwd="k_rows",
+                                         rest_group=4, dkv_split=2)
+    elif case == "softmax_q_rows_rest_group":
+        fn = lambda q, k, v: jagged_attention_pallas(q, k, v, OFF, OFF, fused_bwd="q_rows",
+                                                     rest_group=3)
     else:
         fn = lambda q, k, v: jagged_attention_pallas(q, k, v, OFF, OFF, causal=True)
     exp = _lower_train(fn, 1024, 2, d, dtype)
