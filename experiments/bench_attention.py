@@ -226,6 +226,10 @@ def run_workload(wname, rng):
                 ("rest_group8", dict(rest_group=8))]   # 8 tiles per rest-kernel program
         if kind == "cross":
             alts += [(f"dkv_split{n}", dict(dkv_split=n)) for n in (1, 4)]
+            # only the 32 heaviest key tiles split (dkv_split_tiles), with the looped rest
+            alts += [(f"dkv_split{n}_top32", dict(dkv_split=n, dkv_split_tiles=32))
+                     for n in (2, 4)]
+            alts += [("rest8_split4_top32", dict(rest_group=8, dkv_split=4, dkv_split_tiles=32))]
         for tag, kw in alts:
             rows.append(measure(f"pallas_gdpa_{act}_{tag}", fwd_and_train(
                 lambda q, k, v, kw=kw: gdpa_pallas(q, k, v, qo, ko, activation=act,

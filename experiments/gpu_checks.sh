@@ -37,8 +37,8 @@
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
 #   pending      what was written after the last GPU call and has not run on a GPU yet (see
 #                kernels/NOTES.md): now the looped rest kernel of the fused backward
-#                (FlashConfig.rest_group: its gpu tests, W2 / W3 with 8 tiles per program
-#                beside the default) (~4)
+#                (FlashConfig.rest_group) and the dK/dV split of the heaviest key tiles only
+#                (dkv_split_tiles): their gpu tests, W2 / W3 with them beside the default (~4)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs

@@ -92,6 +92,12 @@ class FlashConfig:
     # 47 query tiles). 1 = off. Applies to the plain and "k_rows" backwards. "auto"
     # (dkv_split_for): 2 with "k_rows" (short key sides), else 1.
     dkv_split: int | str = "auto"
+    # dkv_split over the first dkv_split_tiles key tiles of the launch order only (the
+    # heaviest, with heavy_first): their float32 partials go to a small buffer
+    # [split * L * bk_dkv, H, D], summed and scattered into dK / dV after the kernel,
+    # while every other tile runs whole and stores dK / dV directly. 0 = every tile split
+    # (partials [split * Tk, H, D] summed in full: on W2 two 12 us passes, CUPTI).
+    dkv_split_tiles: int = 0
     # fused_bwd "k_rows" / "q_rows": tiles per program of the kernel that takes the rows
     # no tile of the other side owns (a loop in the program). On W2 / W3 nearly every
     # tile has none, and one program per tile and head (W2: 5660) costs 13 us of launches
@@ -392,28 +398,41 @@ def _only_needed(compute, need, i, zeros):
 def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
                 cq_ref, sq_ref, ck_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref, dq_ref=None, *, cfg, other_own=None, own=None, need=None,
-                slot=None):
+                slot=None, partial_refs=None):
     """dK, dV of one key tile. With dq_ref and other_own (fused_bwd "k_rows", no RoPE)
     also each query tile's dQ, stored for the query rows other_own assigns to this key
     tile (all their keys are in it). With
     own / need ("q_rows": the dQ kernel stores the rest) only the rows own marks -1, and
     only tiles need marks run the query loop (else their rows get zeros). slot: as in
-    _dq_kernel."""
+    _dq_kernel. partial_refs (dkv_split_tiles): the float32 partial dK, dV of the split
+    tiles (_dkv_top)."""
     split = _dkv_split(cfg, own)
     p = pl.program_id(0) if slot is None else slot
-    j = perm_ref[p // split] if split > 1 else perm_ref[p]
     bq, bk = cfg.bq_dkv, cfg.bk_dkv
+    nk = k_ref.shape[0] // bk
+    top = _dkv_top(cfg, split, nk)
+    if top:   # programs < nk: tile perm[p] (chunk 0 if p < top); then chunks 1.. of the top
+        e = p - nk
+        s = jnp.where(e >= 0, e // (split - 1), p)      # place of the tile in the order
+        c = jnp.where(e >= 0, 1 + e % (split - 1), 0)   # its chunk
+        in_top = s < top
+        j = perm_ref[s]
+    else:
+        c = None              # chunk p % split
+        j = perm_ref[p // split] if split > 1 else perm_ref[p]
     krows = pl.ds(j * bk, bk)
     # where the partial dK / dV go: chunk c's at rows c * Tk + j * bk
-    orows = pl.ds(p % split * k_ref.shape[0] + j * bk, bk) if split > 1 else krows
+    orows = pl.ds(p % split * k_ref.shape[0] + j * bk, bk) if split > 1 and not top else krows
 
     def query_range():
-        """(lo, flo, fhi, hi) of the query loop: the tile's, or chunk p % split of it."""
+        """(lo, flo, fhi, hi) of the query loop: the tile's, or chunk c of it."""
         lo, flo, fhi, hi = lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j]
         if split == 1:
             return lo, flo, fhi, hi
-        c = p % split
-        a, b = lo + (hi - lo) * c // split, lo + (hi - lo) * (c + 1) // split
+        cc = p % split if c is None else c
+        a, b = lo + (hi - lo) * cc // split, lo + (hi - lo) * (cc + 1) // split
+        if top:     # tiles past the top run whole
+            a, b = jnp.where(in_top, a, lo), jnp.where(in_top, b, hi)
         return a, jnp.clip(flo, a, b), jnp.clip(fhi, a, b), b
 
     def compute():
@@ -441,9 +460,15 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
 
         init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
         dks, dv = _three_loops(*query_range(), body, init, cfg)
-        if own is None:
-            _store_parts(dk_ref, orows, dks, cs_k, cfg)
-            dv_ref[orows, :] = dv.astype(dv_ref.dtype)
+
+        def store(dk_out, dv_out, rows):
+            _store_parts(dk_out, rows, dks, cs_k, cfg)
+            dv_out[rows, :] = dv.astype(dv_out.dtype)
+        if top:     # a split tile's chunk c: partial slot c * top + s; the rest direct
+            pl.when(in_top)(lambda: store(*partial_refs, pl.ds((c * top + s) * bk, bk)))
+            pl.when(jnp.logical_not(in_top))(lambda: store(dk_ref, dv_ref, krows))
+        elif own is None:
+            store(dk_ref, dv_ref, orows)
         else:
             mine = own[krows] == -1
             _store_rows(dk_ref, krows, dks[0], mine)
@@ -463,13 +488,49 @@ def _dkv_split(cfg, own=None):
     return 1 if own is not None else cfg.dkv_split
 
 
-def _dkv_outputs(k, split):
-    """(out_shape, out_spec) of dK or dV: [Tk, H, D] in k's dtype, or with split > 1 the
-    float32 partials [split * Tk, H, D] that _sum_partials reduces."""
+def _dkv_top(cfg, split, nk):
+    """Key tiles split by dkv_split_tiles (the first of the launch order), 0 = all."""
+    return min(cfg.dkv_split_tiles, nk) if split > 1 else 0
+
+
+def _dkv_grid(cfg, split, nk):
+    """Programs of the dK/dV kernel over nk key tiles."""
+    top = _dkv_top(cfg, split, nk)
+    return nk + top * (split - 1) if top else nk * split
+
+
+def _dkv_outputs(k, split, top, bk):
+    """([out_shape], [out_spec]) of the dK/dV kernel's dK / dV outputs: dK, dV [Tk, H, D]
+    in k's dtype; with split > 1 the float32 partials [split * Tk, H, D] instead
+    (_sum_partials); with top > 0 (dkv_split_tiles) dK, dV and the split tiles'
+    partials [split * top * bk, H, D] (_merge_top)."""
     tk, h, d = k.shape
+    direct = (jax.ShapeDtypeStruct(k.shape, k.dtype), _x_spec(tk, d))
     if split == 1:
-        return jax.ShapeDtypeStruct(k.shape, k.dtype), _x_spec(tk, d)
-    return jax.ShapeDtypeStruct((split * tk, h, d), F32), _x_spec(split * tk, d)
+        outs = [direct] * 2
+    elif top:
+        rows = split * top * bk
+        outs = [direct] * 2 + [(jax.ShapeDtypeStruct((rows, h, d), F32), _x_spec(rows, d))] * 2
+    else:
+        outs = [(jax.ShapeDtypeStruct((split * tk, h, d), F32), _x_spec(split * tk, d))] * 2
+    return [o[0] for o in outs], [o[1] for o in outs]
+
+
+def _dkv_results(outs, k, split, top, perm, bk):
+    """(dK, dV) [Tk, H, D] in k's dtype from the dK/dV kernel's outputs (_dkv_outputs)."""
+    if not top:
+        return tuple(_sum_partials(x, k, split) for x in outs)
+    dk, dv, pk, pv = outs
+    return _merge_top(dk, pk, perm, split, top, bk), _merge_top(dv, pv, perm, split, top, bk)
+
+
+def _merge_top(direct, partial, perm, split, top, bk):
+    """direct [Tk, H, D] (the rows of tiles perm[:top] unwritten) with those tiles' rows
+    set to the sum of their float32 partials [split * top * bk, H, D]."""
+    tk, h, d = direct.shape
+    sums = partial.reshape(split, top * bk, h, d).sum(axis=0).astype(direct.dtype)
+    rows = (perm[:top, None] * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]).reshape(-1)
+    return direct.at[rows].set(sums, unique_indices=True)
 
 
 def _sum_partials(x, like, split):
@@ -605,15 +666,20 @@ def _backward(cfg, q, k, v, lay, o, lse, do):
 
     nk = tk // cfg.bk_dkv
     split = _dkv_split(cfg)
-    shape, spec = _dkv_outputs(k, split)
-    dk, dv = pl.pallas_call(
-        _adapt(_dkv_kernel, cfg, 1, softmax, 2), grid=(nk * split, h),
+    top = _dkv_top(cfg, split, nk)
+    shapes, specs = _dkv_outputs(k, split, top, cfg.bk_dkv)
+
+    def dkv_kernel(*refs, cfg):   # outs: dK, dV (+ the split tiles' partials)
+        n = len(refs) - len(shapes) + 2
+        _dkv_kernel(*refs[:n], cfg=cfg, partial_refs=refs[n:] or None)
+    outs = pl.pallas_call(
+        _adapt(dkv_kernel, cfg, 1, softmax, len(shapes)), grid=(_dkv_grid(cfg, split, nk), h),
         in_specs=_specs(cfg, tq, tk, d, nk) + [_x_spec(tq, d)] + stat_specs,
-        out_specs=[spec] * 2, out_shape=[shape] * 2,
+        out_specs=specs, out_shape=shapes,
         compiler_params=_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_dkv_{cfg.mode}",
     )(*_inputs(lay, q, k, v, False), do, *stats)
-    return dq, _sum_partials(dk, k, split), _sum_partials(dv, v, split)
+    return (dq,) + _dkv_results(outs, k, split, top, lay["k_perm"], cfg.bk_dkv)
 
 
 def row_owners(start, end, t_own, tile):
@@ -675,23 +741,27 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
         name=f"jagged_flash_bwd_{'dq' if k_rows else 'dkv'}_rest_{cfg.mode}",
     )(*_inputs(lay, q, k, v, k_rows), do, own, need, *stats)
 
-    def a_kernel(*refs, cfg):   # 16; do, other_own, the partial buffers (unread), lse, delta; outs
-        n = 18 + nb_out
-        a_base(*refs[:17], *refs[n:n + 2], *refs[n + 2:], cfg=cfg, other_own=refs[17])
+    def a_kernel(*refs, cfg):   # 16; do, other_own, the partial buffers (unread), lse, delta;
+        n = 18 + nb_out         # outs (k_rows: dK, dV, dQ, then the split tiles' partials)
+        outs = refs[n + 2:]
+        a_base(*refs[:17], *refs[n:n + 2], *outs[:3], cfg=cfg, other_own=refs[17],
+               **(dict(partial_refs=outs[3:]) if len(outs) > 3 else {}))
 
     ins = _inputs(lay, q, k, v, not k_rows)
     n_a = tk // cfg.bk_dkv if k_rows else tq // cfg.bq
     split = _dkv_split(cfg) if k_rows else 1
-    if k_rows:    # outputs dK, dV, dQ (aliased to the dQ kernel's partial buffer)
-        shape, spec = _dkv_outputs(k, split)
-        a_shapes = [shape, shape, jax.ShapeDtypeStruct(q.shape, q.dtype)]
-        a_specs, alias = [spec] * 2 + [_x_spec(tq, d)], {len(ins) + 2: 2}
+    top = _dkv_top(cfg, split, n_a) if k_rows else 0
+    if k_rows:    # outputs dK, dV, dQ (aliased to the dQ kernel's partial buffer), partials
+        shapes, specs = _dkv_outputs(k, split, top, cfg.bk_dkv)
+        a_shapes = shapes[:2] + [jax.ShapeDtypeStruct(q.shape, q.dtype)] + shapes[2:]
+        a_specs, alias = specs[:2] + [_x_spec(tq, d)] + specs[2:], {len(ins) + 2: 2}
     else:         # outputs dQ, dK, dV (dK, dV aliased to the dK/dV kernel's partial buffers)
         a_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                     jax.ShapeDtypeStruct(v.shape, v.dtype)]
         a_specs, alias = [_x_spec(tq, d)] + [_x_spec(tk, d)] * 2, {len(ins) + 2: 1, len(ins) + 3: 2}
     outs = pl.pallas_call(
-        _adapt(a_kernel, cfg, 2 + nb_out, softmax, 3), grid=(n_a * split, h),
+        _adapt(a_kernel, cfg, 2 + nb_out, softmax, len(a_shapes)),
+        grid=(_dkv_grid(cfg, split, n_a) if k_rows else n_a, h),
         in_specs=(_specs(cfg, tq, tk, d, n_a) + [_x_spec(tq, d), _full((t_b,))]
                   + [_x_spec(t_b, d)] * nb_out + stat_specs),
         out_specs=a_specs, out_shape=a_shapes, input_output_aliases=alias,
@@ -699,8 +769,9 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
         name=f"jagged_flash_bwd_{cfg.fused_bwd}_{cfg.mode}",
     )(*ins, do, own, *partial, *stats)
     if k_rows:
-        dk, dv, dq = outs
-        return dq, _sum_partials(dk, k, split), _sum_partials(dv, v, split)
+        dq = outs[2]
+        return (dq,) + _dkv_results(outs[:2] + outs[3:], k, split, top, lay["k_perm"],
+                                    cfg.bk_dkv)
     return tuple(outs)
 
 
@@ -941,6 +1012,9 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
     cfg = dataclasses.replace(cfg, dkv_split=dkv_split_for(cfg))
     if not isinstance(cfg.rest_group, int) or isinstance(cfg.rest_group, bool) or cfg.rest_group < 1:
         raise ValueError(f"pallas attention: rest_group must be an int >= 1, got {cfg.rest_group!r}")
+    tiles = cfg.dkv_split_tiles
+    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 0:
+        raise ValueError(f"pallas attention: dkv_split_tiles must be an int >= 0, got {tiles!r}")
     for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
         if t < 16 or PAD_MULTIPLE % t:
             raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")

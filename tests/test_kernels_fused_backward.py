@@ -124,6 +124,33 @@ def test_dkv_split_matches_float64(mode, fused, lens, split, monkeypatch):
     assert calls == ([] if fused == "off" else [fused])
 
 
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("fused,lens,split,top", [
+    ("k_rows", LONG_CROSS, 2, 2), ("k_rows", LONG_CROSS, 3, 1), ("k_rows", CROSS_ALIGNED, 2, 99),
+    ("off", LONG_SELF, 3, 2), ("off", LONG_CROSS, 4, 3)],
+    ids=["k_rows-2-top2", "k_rows-3-top1", "k_rows-aligned-all", "off-self-3-top2",
+         "off-cross-4-top3"])
+def test_dkv_split_tiles_matches_float64(mode, fused, lens, split, top, monkeypatch):
+    """dkv_split_tiles: only the first `top` tiles of the launch order split (their
+    partials summed and scattered into dK / dV), the others stored whole; top past the
+    tile count splits every tile through the same path."""
+    calls = _check(mode, lens, fused, monkeypatch, seed=9,
+                   tiles=dict(dkv_split=split, dkv_split_tiles=top))
+    assert calls == ([] if fused == "off" else [fused])
+
+
+def test_dkv_split_tiles_partials_hold_only_the_split_tiles(monkeypatch):
+    """With 1 split tile the partial buffer holds 2 chunks of one 32-row tile (float32
+    tiles), not 2 x Tk rows, for dK and for dV."""
+    seen = []
+    real = jagged_flash._merge_top
+    monkeypatch.setattr(jagged_flash, "_merge_top", lambda direct, partial, perm, split, top, bk: (
+        seen.append((partial.shape[0], direct.shape[0], top)) or
+        real(direct, partial, perm, split, top, bk)))
+    _check("gdpa", LONG_CROSS, "k_rows", monkeypatch, tiles=dict(dkv_split=2, dkv_split_tiles=1))
+    assert seen == [(2 * 32, 256, 1)] * 2
+
+
 def test_dkv_split_with_causal_window_and_bf16(monkeypatch):
     _check("softmax", LONG_SELF, "off", monkeypatch, causal=True, window=40,
            tiles=dict(dkv_split=3))
@@ -149,6 +176,9 @@ def test_rest_group_must_be_a_positive_int():
     for bad in (0, -2, 2.0, False):
         with pytest.raises(ValueError, match="rest_group must be"):
             gdpa_pallas(q, q, q, o, o, rest_group=bad)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="dkv_split_tiles must be"):
+            gdpa_pallas(q, q, q, o, o, dkv_split_tiles=bad)
 
 
 def test_dkv_split_must_be_a_positive_int():
@@ -168,7 +198,7 @@ def test_dkv_split_auto_splits_short_key_sides_in_two(monkeypatch):
     splits = []
     real = jagged_flash._dkv_outputs
     monkeypatch.setattr(jagged_flash, "_dkv_outputs",
-                        lambda k, split: splits.append(split) or real(k, split))
+                        lambda k, split, *a: splits.append(split) or real(k, split, *a))
     assert _check("gdpa", LONG_CROSS, "auto", monkeypatch, seed=4) == ["k_rows"]
     assert splits == [2]
 
@@ -225,6 +255,17 @@ def test_gpu_rest_group_on_w2_w3_lengths(shape, fused, mode, monkeypatch):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _gpu_case(shape, mode, "auto", monkeypatch, want_path=fused, rest_group=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
+@pytest.mark.parametrize("split,top,group", [(2, 32, 1), (4, 32, 8), (3, 5, 1)])
+def test_gpu_dkv_split_tiles_on_w2_lengths(split, top, group, mode, monkeypatch):
+    """W2 (auto: "k_rows") with only the `top` heaviest key tiles split, bf16."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _gpu_case("W2", mode, "auto", monkeypatch, want_path="k_rows", dkv_split=split,
+              dkv_split_tiles=top, rest_group=group)
 
 
 def _gpu_case(shape, mode, fused, monkeypatch, want_path=None, **tiles):

@@ -58,7 +58,8 @@ OFF = jnp.array([0, 1, 64, 128, 300, 700, 1000], jnp.int32)
 @pytest.mark.parametrize("case", ["block", "block_group4_f32", "gdpa_silu_fast",
                                   "gdpa_gelu_tanh_causal_window", "softmax_causal",
                                   "gdpa_d24_padded", "block_d48_padded", "softmax_d8_padded",
-                                  "gdpa_k_rows_rest_group_split", "softmax_q_rows_rest_group"])
+                                  "gdpa_k_rows_rest_group_split", "softmax_q_rows_rest_group",
+                                  "softmax_split_tiles"])
 def test_kernels_lower_to_verified_triton(cuda_lowering, case):
     from kernels.block_attention.pallas import block_attention_pallas
     from kernels.gdpa.pallas import gdpa_pallas
@@ -83,10 +84,13 @@ def test_kernels_lower_to_verified_triton(cuda_lowering, case):
                                          causal=True, window=100)
     elif case == "gdpa_k_rows_rest_group_split":   # fused backward, looped rest, split dK/dV
         fn = lambda q, k, v: gdpa_pallas(q, k, v, OFF, OFF, scale=0.01, fused_bwd="k_rows",
-                                         rest_group=4, dkv_split=2)
+                                         rest_group=4, dkv_split=2, dkv_split_tiles=3)
     elif case == "softmax_q_rows_rest_group":
         fn = lambda q, k, v: jagged_attention_pallas(q, k, v, OFF, OFF, fused_bwd="q_rows",
                                                      rest_group=3)
+    elif case == "softmax_split_tiles":   # plain backward, 2 heaviest key tiles in 3 chunks
+        fn = lambda q, k, v: jagged_attention_pallas(q, k, v, OFF, OFF, fused_bwd="off",
+                                                     dkv_split=3, dkv_split_tiles=2)
     else:
         fn = lambda q, k, v: jagged_attention_pallas(q, k, v, OFF, OFF, causal=True)
     exp = _lower_train(fn, 1024, 2, d, dtype)
