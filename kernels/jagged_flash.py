@@ -744,8 +744,8 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
     def a_kernel(*refs, cfg):   # 16; do, other_own, the partial buffers (unread), lse, delta;
         n = 18 + nb_out         # outs (k_rows: dK, dV, dQ, then the split tiles' partials)
         outs = refs[n + 2:]
-        a_base(*refs[:17], *refs[n:n + 2], *outs[:3], cfg=cfg, other_own=refs[17],
-               **(dict(partial_refs=outs[3:]) if len(outs) > 3 else {}))
+        parts = dict(partial_refs=outs[3:] or None) if k_rows else {}   # _dkv_kernel's
+        a_base(*refs[:17], *refs[n:n + 2], *outs[:3], cfg=cfg, other_own=refs[17], **parts)
 
     ins = _inputs(lay, q, k, v, not k_rows)
     n_a = tk // cfg.bk_dkv if k_rows else tq // cfg.bq
@@ -978,12 +978,17 @@ def dkv_split_for(cfg):
     (session 9): GDPA 0.327 ms with 2 against 0.342 with 1 and 0.344 with 4; softmax
     0.375 / 0.385 / 0.389.
     """
-    split = cfg.dkv_split
-    if split == "auto":
+    if cfg.dkv_split == "auto":
         return 2 if cfg.fused_bwd == "k_rows" else 1
-    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
-        raise ValueError(f"pallas attention: dkv_split must be an int >= 1 or 'auto', got {split!r}")
-    return split
+    return _int_knob("dkv_split", cfg.dkv_split, 1, " or 'auto'")
+
+
+def _int_knob(name, value, least, alternatives=""):
+    """value, or a ValueError naming the knob unless it is an int >= least."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"pallas attention: {name} must be an int >= {least}{alternatives}, "
+                         f"got {value!r}")
+    return value
 
 
 def _is_short(capacity, b):
@@ -1010,11 +1015,8 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
         if engine not in ("triton", "mosaic"):
             raise ValueError(f"pallas attention: {name} must be 'triton' or 'mosaic', got {engine!r}")
     cfg = dataclasses.replace(cfg, dkv_split=dkv_split_for(cfg))
-    if not isinstance(cfg.rest_group, int) or isinstance(cfg.rest_group, bool) or cfg.rest_group < 1:
-        raise ValueError(f"pallas attention: rest_group must be an int >= 1, got {cfg.rest_group!r}")
-    tiles = cfg.dkv_split_tiles
-    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 0:
-        raise ValueError(f"pallas attention: dkv_split_tiles must be an int >= 0, got {tiles!r}")
+    _int_knob("rest_group", cfg.rest_group, 1)
+    _int_knob("dkv_split_tiles", cfg.dkv_split_tiles, 0)
     for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
         if t < 16 or PAD_MULTIPLE % t:
             raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")
