@@ -38,7 +38,10 @@
 #   pending      what was written after the last GPU call and has not run on a GPU yet (see
 #                kernels/NOTES.md): now the looped rest kernel of the fused backward
 #                (FlashConfig.rest_group) and the dK/dV split of the heaviest key tiles only
-#                (dkv_split_tiles): their gpu tests, W2 / W3 with them beside the default (~4)
+#                (dkv_split_tiles): their gpu tests, W2 / W3 with them beside the default;
+#                and W1's Mosaic rows with every jit captured as a CUDA graph
+#                (--xla_gpu_graph_min_graph_size=1: does a graph launch remove the
+#                Mosaic per-launch gap?) beside the same rows without (~6)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
@@ -142,7 +145,13 @@ for s in "$@"; do
         section pending_kernel_tests 240 $PY -m pytest -m gpu -q -rfE \
             tests/test_kernels_fused_backward.py
         section pending_w2_w3 200 $PY experiments/bench_attention.py --workloads=W2,W3 \
-            --nobaselines --out "$OUT/bench_attention_w2_w3.json" ;;
+            --nobaselines --out "$OUT/bench_attention_w2_w3.json"
+        for g in 0 1; do
+            XLA_FLAGS="${XLA_FLAGS:-}$([ $g = 1 ] && echo ' --xla_gpu_graph_min_graph_size=1')" \
+                section pending_w1_graphs$g 150 $PY experiments/bench_attention.py --workloads=W1 \
+                --nobaselines --mosaic_variants= --rows=mosaic_fwd_bwd_gdpa_silu,mosaic_fwd_bwd_softmax \
+                --out "$OUT/bench_attention_w1_graphs$g.json"
+        done ;;
     ablate)
         # ABLATE_CAP (s, default 3000) caps every variant's process; ABLATE_WORKDIR (default
         # $OUT/ablate) may hold earlier finished runs (config.json + summary.json), reused.
