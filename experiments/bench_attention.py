@@ -179,6 +179,9 @@ def run_workload(wname, rng):
     if kind == "block":
         rows.append(measure("pallas_block", fwd_and_train(
             lambda q, k, v: block_attention_pallas(q, k, v, qo)), args, flops, bytes_fwd, bytes_bwd))
+        rows.append(measure("pallas_block_head_loop", fwd_and_train(   # heads in one program
+            lambda q, k, v: block_attention_pallas(q, k, v, qo, head_loop=True)), args, flops,
+            bytes_fwd, bytes_bwd))
         rows.append(measure("pallas_block_per_block_exact_trig", fwd_and_train(
             lambda q, k, v: block_attention_pallas(q, k, v, qo, engine="per_block", fast_trig=False)),
             args, flops, bytes_fwd, bytes_bwd))

@@ -39,9 +39,11 @@
 #                kernels/NOTES.md): now the looped rest kernel of the fused backward
 #                (FlashConfig.rest_group) and the dK/dV split of the heaviest key tiles only
 #                (dkv_split_tiles): their gpu tests, W2 / W3 with them beside the default;
+#                the per-block forward over all heads in one program (head_loop: block
+#                attention's gpu tests, W4 beside the default);
 #                and W1's Mosaic rows with every jit captured as a CUDA graph
 #                (--xla_gpu_graph_min_graph_size=1: does a graph launch remove the
-#                Mosaic per-launch gap?) beside the same rows without (~6)
+#                Mosaic per-launch gap?) beside the same rows without (~8)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
@@ -143,7 +145,9 @@ for s in "$@"; do
         section movielens 300 $PY experiments/movielens.py --time_limit_s=240 --out="$OUT/movielens.json" ;;
     pending)
         section pending_kernel_tests 240 $PY -m pytest -m gpu -q -rfE \
-            tests/test_kernels_fused_backward.py
+            tests/test_kernels_fused_backward.py tests/test_kernels_block_attention.py
+        section pending_w4 150 $PY experiments/bench_attention.py --workloads=W4 --nobaselines \
+            --rows=pallas_block --out "$OUT/bench_attention_w4.json"
         section pending_w2_w3 200 $PY experiments/bench_attention.py --workloads=W2,W3 \
             --nobaselines --out "$OUT/bench_attention_w2_w3.json"
         for g in 0 1; do
