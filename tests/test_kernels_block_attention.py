@@ -148,15 +148,22 @@ def test_rope_chunks_must_leave_16_columns():
                 block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), **{name: bad})
 
 
+def _gpu_lengths(seed, n, spare=0):
+    """(lengths, capacity) of n W4-like samples (log-normal, median 300, clipped to
+    1500), the first four 0, 1, 63 and 65 tokens; capacity rounded up to 128, plus
+    `spare` padding rows."""
+    lens = np.clip(np.random.default_rng(seed).lognormal(np.log(300), 0.8, n).astype(int),
+                   0, 1500)
+    lens[:4] = [0, 1, 63, 65]
+    return lens, int(-(-sum(lens) // 128) * 128 + spare)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunks,warps", [(2, 4), (4, 4), (4, 8)])
 def test_gpu_rope_chunks(chunks, warps):
     """rope_chunks / rope_chunks_bwd on an H200 (bf16, D=128, W4-like lengths), knob sets
     of the W4 sweep."""
-    rng = np.random.default_rng(12)
-    lens = np.clip(rng.lognormal(np.log(300), 0.8, 10).astype(int), 0, 1500)
-    lens[:4] = [0, 1, 63, 65]
-    t = int(-(-sum(lens) // 128) * 128)
+    lens, t = _gpu_lengths(seed=12, n=10)
     _check("pallas", lens, t, dtype=jnp.bfloat16, h=4, d=128,
            knobs=dict(rope_chunks=chunks, num_warps=warps, num_stages=1, group=1,
                       rope_chunks_bwd=chunks, num_warps_bwd=warps))
@@ -172,10 +179,7 @@ def test_gpu_last_sample_ends_at_capacity():
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [8, 24, 96])
 def test_gpu_padded_rope_halves(d):
-    rng = np.random.default_rng(10)
-    lens = np.clip(rng.lognormal(np.log(300), 0.8, 10).astype(int), 0, 1500)
-    lens[:4] = [0, 1, 63, 65]
-    t = int(-(-sum(lens) // 128) * 128)
+    lens, t = _gpu_lengths(seed=10, n=10)
     _check("pallas", lens, t, dtype=jnp.bfloat16, h=2, d=d)
 
 
@@ -186,10 +190,7 @@ def test_gpu_engines_bf16(engine, fast_trig):
     """Both engines (and the per-block kernel's MUFU and libdevice RoPE trig) on GPU."""
     if engine == "tiled" and not fast_trig:
         pytest.skip("fast_trig is a per-block kernel knob")
-    rng = np.random.default_rng(8)
-    lens = np.clip(rng.lognormal(np.log(300), 0.8, 10).astype(int), 0, 1500)
-    lens[:4] = [0, 1, 63, 65]
-    t = int(-(-sum(lens) // 128) * 128)
+    lens, t = _gpu_lengths(seed=8, n=10)
     knobs = dict(engine=engine) if engine == "tiled" else dict(engine=engine, fast_trig=fast_trig)
     _check("pallas", lens, t, dtype=jnp.bfloat16, h=2, d=128, knobs=knobs)
 
@@ -198,10 +199,7 @@ def test_gpu_engines_bf16(engine, fast_trig):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_compiled(d, dtype):
-    rng = np.random.default_rng(4)
-    lens = np.clip(rng.lognormal(np.log(300), 0.8, 12).astype(int), 0, 1500)
-    lens[:4] = [0, 1, 63, 65]
-    t = int(-(-sum(lens) // 128) * 128 + 128)
+    lens, t = _gpu_lengths(seed=4, n=12, spare=128)
     _check("pallas", lens, t, dtype=dtype, h=3, d=d)
 
 
@@ -231,8 +229,5 @@ def test_head_loop_needs_whole_rope_tables():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("group", [1, 4])
 def test_gpu_head_loop(group, dtype):
-    rng = np.random.default_rng(14)
-    lens = np.clip(rng.lognormal(np.log(300), 0.8, 12).astype(int), 0, 1500)
-    lens[:4] = [0, 1, 63, 65]
-    t = int(-(-sum(lens) // 128) * 128 + 128)
+    lens, t = _gpu_lengths(seed=14, n=12, spare=128)
     _check("pallas", lens, t, dtype=dtype, h=4, d=128, knobs=dict(head_loop=True, group=group))
