@@ -40,10 +40,10 @@
 #                (FlashConfig.rest_group) and the dK/dV split of the heaviest key tiles only
 #                (dkv_split_tiles): their gpu tests, W2 / W3 with them beside the default;
 #                the per-block forward over all heads in one program (head_loop: block
-#                attention's gpu tests, W4 beside the default);
-#                and W1's Mosaic rows with every jit captured as a CUDA graph
+#                attention's gpu tests, W4 beside the default) (~7)
+#   pending_graphs  W1's Mosaic rows with every jit captured as a CUDA graph
 #                (--xla_gpu_graph_min_graph_size=1: does a graph launch remove the
-#                Mosaic per-launch gap?) beside the same rows without (~8)
+#                Mosaic per-launch gap?) beside the same rows without (~3)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
@@ -150,6 +150,8 @@ for s in "$@"; do
             --rows=pallas_block --out "$OUT/bench_attention_w4.json"
         section pending_w2_w3 200 $PY experiments/bench_attention.py --workloads=W2,W3 \
             --nobaselines --out "$OUT/bench_attention_w2_w3.json"
+        ;;
+    pending_graphs)
         for g in 0 1; do
             XLA_FLAGS="${XLA_FLAGS:-}$([ $g = 1 ] && echo ' --xla_gpu_graph_min_graph_size=1')" \
                 section pending_w1_graphs$g 150 $PY experiments/bench_attention.py --workloads=W1 \
@@ -174,6 +176,6 @@ for s in "$@"; do
             --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
             --table_only --out="$OUT/ablate.json" ;;
     *)
-        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench fused_bwd teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench fused_bwd teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens pending pending_graphs ablate)"; exit 2 ;;
     esac
 done
