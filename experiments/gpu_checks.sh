@@ -43,7 +43,8 @@
 #                attention's gpu tests, W4 beside the default) (~7)
 #   pending_graphs  W1's Mosaic rows with every jit captured as a CUDA graph
 #                (--xla_gpu_graph_min_graph_size=1: does a graph launch remove the
-#                Mosaic per-launch gap?) beside the same rows without (~3)
+#                Mosaic per-launch gap?) beside the same rows without, there also with
+#                the softmax forward's scale folded into its exp2 FMA (fold_scale) (~3)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
@@ -155,7 +156,8 @@ for s in "$@"; do
         for g in 0 1; do
             XLA_FLAGS="${XLA_FLAGS:-}$([ $g = 1 ] && echo ' --xla_gpu_graph_min_graph_size=1')" \
                 section pending_w1_graphs$g 150 $PY experiments/bench_attention.py --workloads=W1 \
-                --nobaselines --mosaic_variants= --rows=mosaic_fwd_bwd_gdpa_silu,mosaic_fwd_bwd_softmax \
+                --nobaselines --mosaic_variants=$([ $g = 0 ] && echo fold_scale=1) \
+                --rows=mosaic_fwd_bwd_gdpa_silu,mosaic_fwd_bwd_softmax \
                 --out "$OUT/bench_attention_w1_graphs$g.json"
         done ;;
     ablate)

@@ -130,6 +130,10 @@ class MosaicConfig:
     overlap_dp: bool = False      # backward step: dP's wgmma issued right after S's wait,
                                   # what needs S alone (P; dV's wgmma in dK / dV) done
                                   # while it runs, one wait, then dS and its wgmma
+    fold_scale: bool = False      # softmax forward, scale > 0: the row max over the raw
+                                  # scores, then exp2(s * scale log2 e - m) as one FMA per
+                                  # score instead of a multiply kept for the max and a
+                                  # subtract (not yet timed on a GPU)
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -364,11 +368,18 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                 valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
                 if softmax:   # online softmax in base 2 (the Triton kernels' lse convention)
                     acc, m, l = carry
-                    s = s * (cfg.scale * LOG2E)
+                    c = cfg.scale * LOG2E
+                    fold = cfg.fold_scale and c > 0   # max(s) c = max(s c) for c > 0
+                    if not fold:
+                        s = s * c
                     if valid is not None:
                         s = jnp.where(valid, s, NEG)
-                    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-                    pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, bk), [0]))
+                    if fold:    # m in scaled units; s c - m contracts to one FMA
+                        m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
+                        pr = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, (bq, bk), [0]))
+                    else:
+                        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                        pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, bk), [0]))
                     if valid is not None:   # a row with no valid key yet: exp2(0) = 1 there
                         pr = jnp.where(valid, pr, 0.0)
                     alpha = jnp.exp2(m - m_new)

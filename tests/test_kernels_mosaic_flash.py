@@ -541,6 +541,10 @@ SOFTMAX_CASES = [   # (q lens, kv lens, Tq, Tk, h, d, sm_scale, tuning)
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, None, dict(block_kv=64)),
     (SELF, SELF, 768, 768, 2, 64, None, dict(persistent=True, num_ctas=3)),
     (SELF, SELF, 768, 768, 1, 64, 0.5, dict(schedule_barrier=False, heavy_first=False)),
+    # the scale folded into exp2's FMA: masked tiles, samples without keys; a negative
+    # scale keeps the unfolded path (max(s c) != max(s) c)
+    (SELF, SELF, 768, 768, 1, 128, None, dict(fold_scale=True, interior=False)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, -0.3, dict(fold_scale=True, block_kv=64)),
 ]
 SOFTMAX_IDS = [f"d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
                + ("_".join(f"{k}{v}" for k, v in c[7].items()) or "default") for c in SOFTMAX_CASES]
@@ -555,8 +559,8 @@ def test_softmax_interpreter_matches_reference(case, interpreter_guard):
 
 
 @pytest.mark.parametrize("tuning", [{}, dict(persistent=True), dict(pv_in_place=False),
-                                    dict(p_via_smem=True)],
-                         ids=["default", "persistent", "fresh_acc", "p_smem"])
+                                    dict(p_via_smem=True), dict(fold_scale=True)],
+                         ids=["default", "persistent", "fresh_acc", "p_smem", "fold_scale"])
 def test_softmax_exports_for_cuda(tuning):
     """The GPU form (P from registers into the carried accumulator, FA3's run_state) lowers."""
     sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
