@@ -130,10 +130,11 @@ class MosaicConfig:
     overlap_dp: bool = False      # backward step: dP's wgmma issued right after S's wait,
                                   # what needs S alone (P; dV's wgmma in dK / dV) done
                                   # while it runs, one wait, then dS and its wgmma
-    fold_scale: bool = False      # softmax forward, scale > 0: the row max over the raw
-                                  # scores, then exp2(s * scale log2 e - m) as one FMA per
-                                  # score instead of a multiply kept for the max and a
-                                  # subtract (not yet timed on a GPU)
+    fold_scale: bool = False      # softmax, the scale into FMAs (not yet timed on a GPU):
+                                  # forward (scale > 0), the row max over the raw scores,
+                                  # then exp2(s * scale log2 e - m) as one FMA per score
+                                  # instead of a multiply kept for the max and a subtract;
+                                  # backward, dS = P (dP scale - delta scale)
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -507,7 +508,11 @@ def _ds_factor(cfg, s, p, valid):
 
 
 def _ds_apply(cfg, factor, dp, delta, transposed):
-    """dS from _ds_factor's factor and dP: softmax factor (dP - delta) scale, gdpa dP factor."""
+    """dS from _ds_factor's factor and dP: softmax factor (dP - delta) scale, gdpa dP factor.
+    With cfg.fold_scale: factor (dP scale - delta scale), delta scaled once per row and
+    dP scale - that one FMA per score."""
+    if cfg.mode == "softmax" and cfg.fold_scale:
+        return factor * (dp * cfg.scale - _along_queries(delta * cfg.scale, dp.shape, transposed))
     if cfg.mode == "softmax":
         return factor * (dp - _along_queries(delta, dp.shape, transposed)) * cfg.scale
     return dp * factor

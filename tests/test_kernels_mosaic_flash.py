@@ -767,7 +767,9 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
                                       (128, dict(dq_block_kv=128, fused_delta=False)),
                                       (64, dict(fused_delta=False)),
                                       (128, dict(fused_delta=False)), (128, dict(overlap_dp=True)),
-                                      (64, dict(overlap_dp=True, fused_delta=False))])
+                                      (64, dict(overlap_dp=True, fused_delta=False)),
+                                      (128, dict(fold_scale=True)),
+                                      (64, dict(fold_scale=True, overlap_dp=True))])
 def test_backward_exports_for_cuda(mode, d, tuning):
     """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower;
     the dQ kernel with 64-key (default) and 128-key tiles (with fused_delta off: O's tile
@@ -793,15 +795,18 @@ def test_backward_exports_for_cuda(mode, d, tuning):
 KNOB_CASES = [(dict(fused_delta=False), 0), (dict(fused_delta=False), 1),
               (dict(overlap_dp=True), 0), (dict(overlap_dp=True), 2),
               (dict(overlap_dp=True), 3), (dict(overlap_dp=True), 4),
-              (dict(overlap_dp=True, fused_delta=False), 1)]
+              (dict(overlap_dp=True, fused_delta=False), 1),
+              (dict(fold_scale=True), 0), (dict(fold_scale=True, overlap_dp=True), 1),
+              (dict(fold_scale=True, fused_delta=False), 2)]
 
 
 @pytest.mark.parametrize("knobs,i", KNOB_CASES,
                          ids=[f"{'+'.join(kn)}-{BACKWARD_IDS[i]}" for kn, i in KNOB_CASES])
 def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard, monkeypatch):
     """mosaic_bwd knobs: fused_delta off (delta = rowsum(O dO) by an XLA reduce, not in
-    the dQ kernel) and overlap_dp (dP's wgmma overlapping the work on S), the same gradients as the
-    reference; the kernels really ran with them."""
+    the dQ kernel), overlap_dp (dP's wgmma overlapping the work on S) and fold_scale (dS's
+    scale folded into an FMA), the same gradients as the reference; the kernels really
+    ran with them."""
     _check_backward_knobs(knobs, i, monkeypatch)
 
 
