@@ -254,11 +254,7 @@ def _fwd_block_heads(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref,
                                           (f1_ref, f2_ref, f3_ref), block, cs, fast_trig)
 
     def head(hh, carry):
-        q1, q2 = _rotated(q_ref, rows, valid, cos, sin, hh)
-        k1, k2 = _rotated(k_ref, rows, valid, cos, sin, hh)
-        v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid, hh)
-        p = _probs(q1, q2, k1, k2, valid, scale)
-        _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))), hh)
+        _attend(q_ref, k_ref, v_ref, o_ref, rows, valid, write, cos, sin, scale, hh)
         return carry
     lax.fori_loop(0, q_ref.shape[1], head, 0)
 
@@ -279,11 +275,17 @@ def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
         _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
         return
     rows, valid, write, cos, sin = _setup(tab, n, pos_ref, f_refs, block, cs, fast_trig)
-    q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
-    k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
-    v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
+    _attend(q_ref, k_ref, v_ref, o_ref, rows, valid, write, cos, sin, scale)
+
+
+def _attend(q_ref, k_ref, v_ref, o_ref, rows, valid, write, cos, sin, scale, head=None):
+    """One block's softmax attention (of head `head` of [T, H, D] refs), q and k rotated
+    by (cos, sin) [block, D/2]; the output rows stored."""
+    q1, q2 = _rotated(q_ref, rows, valid, cos, sin, head)
+    k1, k2 = _rotated(k_ref, rows, valid, cos, sin, head)
+    v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid, head)
     p = _probs(q1, q2, k1, k2, valid, scale)
-    _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
+    _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))), head)
 
 
 def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
