@@ -179,9 +179,6 @@ def run_workload(wname, rng):
     if kind == "block":
         rows.append(measure("pallas_block", fwd_and_train(
             lambda q, k, v: block_attention_pallas(q, k, v, qo)), args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure("pallas_block_head_loop", fwd_and_train(   # heads in one program
-            lambda q, k, v: block_attention_pallas(q, k, v, qo, head_loop=True)), args, flops,
-            bytes_fwd, bytes_bwd))
         rows.append(measure("pallas_block_per_block_exact_trig", fwd_and_train(
             lambda q, k, v: block_attention_pallas(q, k, v, qo, engine="per_block", fast_trig=False)),
             args, flops, bytes_fwd, bytes_bwd))
@@ -222,17 +219,15 @@ def run_workload(wname, rng):
         lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko)), args, flops, bytes_fwd,
         bytes_bwd))
     if kind != "self":   # the fused backward's other settings beside the default
-        # (default "auto": "k_rows" on W2, "q_rows" on W3), the rest kernel with 8 tiles
-        # per program (rest_group), and on W2 the dK/dV kernel's
-        # query loop in 1 / 4 programs per key tile (dkv_split; default "auto": 2 there)
-        alts = [("fused_bwd_off", dict(fused_bwd="off")),
-                ("rest_group8", dict(rest_group=8))]   # 8 tiles per rest-kernel program
+        # (default "auto": "k_rows" on W2, "q_rows" on W3), the rest kernel one tile per
+        # program (rest_group; "auto": 8), and on W2 the dK/dV kernel's query loop whole
+        # (dkv_split 1), every key tile in 2 (the default until session 10) and the 16
+        # heaviest in 8 ("auto": the 32 heaviest in 4)
+        alts = [("fused_bwd_off", dict(fused_bwd="off")), ("rest_group1", dict(rest_group=1))]
         if kind == "cross":
-            alts += [(f"dkv_split{n}", dict(dkv_split=n)) for n in (1, 4)]
-            # only the 32 heaviest key tiles split (dkv_split_tiles), with the looped rest
-            alts += [(f"dkv_split{n}_top32", dict(dkv_split=n, dkv_split_tiles=32))
-                     for n in (2, 4)]
-            alts += [("rest8_split4_top32", dict(rest_group=8, dkv_split=4, dkv_split_tiles=32))]
+            alts += [("dkv_split1", dict(dkv_split=1)),
+                     ("dkv_split2_all", dict(dkv_split=2, dkv_split_tiles=0)),
+                     ("dkv_split8_top16", dict(dkv_split=8, dkv_split_tiles=16))]
         for tag, kw in alts:
             rows.append(measure(f"pallas_gdpa_{act}_{tag}", fwd_and_train(
                 lambda q, k, v, kw=kw: gdpa_pallas(q, k, v, qo, ko, activation=act,

@@ -20,7 +20,7 @@
 #                (Triton vs Mosaic, cuDNN, the Mosaic backward's knobs side by side) (~14);
 #                its halves mosaic_tests (~5) and mosaic_bench (~9) fit one GPU each
 #   fused_bwd    the Triton fused backwards (kernels/jagged_flash.py fused_bwd "k_rows" /
-#                "q_rows", dkv_split): their gpu tests, then bench_attention on W2 and W3 with
+#                "q_rows", dkv_split, dkv_split_tiles, rest_group): their gpu tests, then bench_attention on W2 and W3 with
 #                the settings side by side (~4)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
 #                experiments/train.py, TEACHER_STEPS steps, TEACHER_OVERRIDE more overrides (~4)
@@ -35,16 +35,6 @@
 #   teacher_small  the `small` teacher (the ablation's model) on one device: step time and
 #                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
-#   pending      what was written after the last GPU call and has not run on a GPU yet (see
-#                kernels/NOTES.md): now the looped rest kernel of the fused backward
-#                (FlashConfig.rest_group) and the dK/dV split of the heaviest key tiles only
-#                (dkv_split_tiles): their gpu tests, W2 / W3 with them beside the default;
-#                the per-block forward over all heads in one program (head_loop: block
-#                attention's gpu tests, W4 beside the default) (~7)
-#   pending_graphs  W1's Mosaic rows with every jit captured as a CUDA graph
-#                (--xla_gpu_graph_min_graph_size=1: does a graph launch remove the
-#                Mosaic per-launch gap?) beside the same rows without, there also with
-#                the softmax forward's scale folded into its exp2 FMA (fold_scale) (~3)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
@@ -144,22 +134,6 @@ for s in "$@"; do
             --out="$OUT/bench_feed.json" ;;
     movielens)
         section movielens 300 $PY experiments/movielens.py --time_limit_s=240 --out="$OUT/movielens.json" ;;
-    pending)
-        section pending_kernel_tests 240 $PY -m pytest -m gpu -q -rfE \
-            tests/test_kernels_fused_backward.py tests/test_kernels_block_attention.py
-        section pending_w4 150 $PY experiments/bench_attention.py --workloads=W4 --nobaselines \
-            --rows=pallas_block --out "$OUT/bench_attention_w4.json"
-        section pending_w2_w3 200 $PY experiments/bench_attention.py --workloads=W2,W3 \
-            --nobaselines --out "$OUT/bench_attention_w2_w3.json"
-        ;;
-    pending_graphs)
-        for g in 0 1; do
-            XLA_FLAGS="${XLA_FLAGS:-}$([ $g = 1 ] && echo ' --xla_gpu_graph_min_graph_size=1')" \
-                section pending_w1_graphs$g 150 $PY experiments/bench_attention.py --workloads=W1 \
-                --nobaselines --mosaic_variants=$([ $g = 0 ] && echo fold_scale=1) \
-                --rows=mosaic_fwd_bwd_gdpa_silu,mosaic_fwd_bwd_softmax \
-                --out "$OUT/bench_attention_w1_graphs$g.json"
-        done ;;
     ablate)
         # ABLATE_CAP (s, default 3000) caps every variant's process; ABLATE_WORKDIR (default
         # $OUT/ablate) may hold earlier finished runs (config.json + summary.json), reused.
@@ -178,6 +152,6 @@ for s in "$@"; do
             --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
             --table_only --out="$OUT/ablate.json" ;;
     *)
-        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench fused_bwd teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens pending pending_graphs ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench fused_bwd teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
     esac
 done

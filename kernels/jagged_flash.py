@@ -86,23 +86,23 @@ class FlashConfig:
     # (fused_backward_side: "q_rows" for short query sides, "k_rows" for short key sides,
     # else off; off with RoPE)
     fused_bwd: str = "auto"
-    # Triton dK/dV kernel: each key tile's query loop cut into this many equal chunks, one
-    # program each, their float32 partial dK / dV summed in XLA after the kernel (a
-    # long sample's key tile is no longer one long serial program: W2's 2975 queries are
-    # 47 query tiles). 1 = off. Applies to the plain and "k_rows" backwards. "auto"
-    # (dkv_split_for): 2 with "k_rows" (short key sides), else 1.
+    # The next three are "auto" by default, resolved by backward_knobs (H200 timings
+    # there). Triton dK/dV kernel: each key tile's query loop cut into this many equal
+    # chunks, one program each, their float32 partial dK / dV summed in XLA after the
+    # kernel (a long sample's key tile is no longer one long serial program: W2's 2975
+    # queries are 47 query tiles). 1 = off. Applies to the plain and "k_rows" backwards.
     dkv_split: int | str = "auto"
     # dkv_split over the first dkv_split_tiles key tiles of the launch order only (the
     # heaviest, with heavy_first): their float32 partials go to a small buffer
     # [split * L * bk_dkv, H, D], summed and scattered into dK / dV after the kernel,
     # while every other tile runs whole and stores dK / dV directly. 0 = every tile split
     # (partials [split * Tk, H, D] summed in full: on W2 two 12 us passes, CUPTI).
-    dkv_split_tiles: int = 0
+    dkv_split_tiles: int | str = "auto"
     # fused_bwd "k_rows" / "q_rows": tiles per program of the kernel that takes the rows
     # no tile of the other side owns (a loop in the program). On W2 / W3 nearly every
     # tile has none, and one program per tile and head (W2: 5660) costs 13 us of launches
     # for no work (CUPTI, session 9). 1 = one program per tile.
-    rest_group: int = 1
+    rest_group: int | str = "auto"
 
 
 # ----------------------------------------------------------------------------- math
@@ -970,17 +970,28 @@ def fused_backward_side(cfg, tq, tk, b):
     return "k_rows" if _is_short(tk, b) else "off"
 
 
-def dkv_split_for(cfg):
-    """cfg.dkv_split resolved (cfg.fused_bwd already resolved): an int >= 1.
+def backward_knobs(cfg):
+    """cfg's dkv_split, dkv_split_tiles and rest_group resolved (cfg.fused_bwd already
+    resolved): ints.
 
-    "auto": 2 with "k_rows" (a short key side: each key tile's query loop runs over a
-    whole sample's queries, up to 4096), else 1. H200, W2 forward+backward per call
-    (session 9): GDPA 0.327 ms with 2 against 0.342 with 1 and 0.344 with 4; softmax
-    0.375 / 0.385 / 0.389.
+    "auto", with "k_rows" (a short key side: each key tile's query loop runs over a whole
+    sample's queries, up to 4096): the 32 heaviest key tiles split in 4, the rest kernel
+    over 8 tiles per program; with "q_rows" the rest kernel over 8 tiles; else no split,
+    one tile per program. H200, forward+backward per call, one run (session 10 call 2):
+    W2 GDPA 0.287 ms against 0.330 with the former default (every tile split in 2),
+    0.338 unsplit, 0.351 every tile in 4, 0.281-0.327 over splits {2, 4, 8} x top
+    {16, 32, 64}; softmax 0.338 against 0.383; W3 (call 1) rest_group 8 0.516 / 0.526
+    against 0.519 / 0.541 (GDPA / softmax).
     """
-    if cfg.dkv_split == "auto":
-        return 2 if cfg.fused_bwd == "k_rows" else 1
-    return _int_knob("dkv_split", cfg.dkv_split, 1, " or 'auto'")
+    k_rows, fused = cfg.fused_bwd == "k_rows", cfg.fused_bwd in ("k_rows", "q_rows")
+    auto = dict(dkv_split=4 if k_rows else 1, dkv_split_tiles=32 if k_rows else 0,
+                rest_group=8 if fused else 1)
+    resolved = {}
+    for name, least in (("dkv_split", 1), ("dkv_split_tiles", 0), ("rest_group", 1)):
+        value = getattr(cfg, name)
+        resolved[name] = (auto[name] if value == "auto"
+                          else _int_knob(name, value, least, " or 'auto'"))
+    return dataclasses.replace(cfg, **resolved)
 
 
 def _int_knob(name, value, least, alternatives=""):
@@ -1014,9 +1025,7 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
     for name, engine in (("forward", cfg.forward), ("backward", cfg.backward)):
         if engine not in ("triton", "mosaic"):
             raise ValueError(f"pallas attention: {name} must be 'triton' or 'mosaic', got {engine!r}")
-    cfg = dataclasses.replace(cfg, dkv_split=dkv_split_for(cfg))
-    _int_knob("rest_group", cfg.rest_group, 1)
-    _int_knob("dkv_split_tiles", cfg.dkv_split_tiles, 0)
+    cfg = backward_knobs(cfg)
     for t in (cfg.bq, cfg.bk, cfg.bq_dkv, cfg.bk_dkv):
         if t < 16 or PAD_MULTIPLE % t:
             raise ValueError(f"pallas attention: tile {t} must be >= 16 and divide {PAD_MULTIPLE}")

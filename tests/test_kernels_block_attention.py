@@ -201,33 +201,3 @@ def test_gpu_engines_bf16(engine, fast_trig):
 def test_gpu_compiled(d, dtype):
     lens, t = _gpu_lengths(seed=4, n=12, spare=128)
     _check("pallas", lens, t, dtype=dtype, h=3, d=d)
-
-
-@pytest.mark.parametrize("d,block,lens,t,knobs,dtype,positions", [
-    (32, 64, LENS, 384, {}, jnp.float32, False),
-    (64, 64, LENS, 384, dict(group=3), jnp.bfloat16, True),        # custom positions
-    (24, 32, [31, 32, 33, 0, 1, 100], 197, dict(group=2), jnp.float32, False),  # padded halves
-    (32, 16, [0, 15, 16, 17, 40, 2], 160, {}, jnp.float32, False),  # tails
-], ids=["d32", "bf16-group3-positions", "padded-d24-block32", "block16-tails"])
-def test_pallas_head_loop(d, block, lens, t, knobs, dtype, positions):
-    """head_loop: the forward over all heads in one program, cos / sin shared by the
-    heads; output and all gradients against the float64 formula (3 heads)."""
-    pos = np.random.default_rng(5).integers(0, 3000, size=t) if positions else None
-    _check("pallas", lens, t, d=d, h=3, block=block, seed=11, dtype=dtype, positions=pos,
-           knobs=dict(head_loop=True, **knobs))
-
-
-def test_head_loop_needs_whole_rope_tables():
-    from kernels.block_attention.pallas import block_attention_pallas
-    q = jnp.zeros((64, 2, 64), jnp.float32)
-    with pytest.raises(ValueError, match="head_loop.*rope_chunks=1"):
-        block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), head_loop=True,
-                               rope_chunks=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("group", [1, 4])
-def test_gpu_head_loop(group, dtype):
-    lens, t = _gpu_lengths(seed=14, n=12, spare=128)
-    _check("pallas", lens, t, dtype=dtype, h=4, d=128, knobs=dict(head_loop=True, group=group))

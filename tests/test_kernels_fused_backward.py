@@ -13,7 +13,7 @@ import pytest
 from kernels import jagged_flash
 from kernels.gdpa.pallas import gdpa_pallas
 from kernels.jagged_attention.pallas import jagged_attention_pallas
-from kernels.jagged_flash import FlashConfig, dkv_split_for, fused_backward_side
+from kernels.jagged_flash import FlashConfig, backward_knobs, fused_backward_side
 from test_kernels_common import check_against, np_attention, offsets_of, random_qkv, run_vjp
 
 # short sides at the 16 / 32-token tiles: 0, 1, tile - 1, tile, tile + 1; a sample with
@@ -189,18 +189,21 @@ def test_dkv_split_must_be_a_positive_int():
             gdpa_pallas(q, q, q, o, o, dkv_split=bad)
 
 
-def test_dkv_split_auto_splits_short_key_sides_in_two(monkeypatch):
+def test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides(monkeypatch):
     cfg = FlashConfig(mode="gdpa")
-    for side, want in (("k_rows", 2), ("q_rows", 1), ("off", 1)):
-        assert dkv_split_for(dataclasses.replace(cfg, fused_bwd=side)) == want
-    assert dkv_split_for(dataclasses.replace(cfg, fused_bwd="k_rows", dkv_split=3)) == 3
-    # end to end: the backward that ran on CROSS (auto: "k_rows") split its key tiles in two
+    for side, want in (("k_rows", (4, 32, 8)), ("q_rows", (1, 0, 8)), ("off", (1, 0, 1))):
+        got = backward_knobs(dataclasses.replace(cfg, fused_bwd=side))
+        assert (got.dkv_split, got.dkv_split_tiles, got.rest_group) == want, side
+    got = backward_knobs(dataclasses.replace(cfg, fused_bwd="k_rows", dkv_split=3,
+                                             dkv_split_tiles=0, rest_group=2))
+    assert (got.dkv_split, got.dkv_split_tiles, got.rest_group) == (3, 0, 2)
+    # end to end: the backward that ran on CROSS (auto: "k_rows") split its key tiles in 4
     splits = []
     real = jagged_flash._dkv_outputs
     monkeypatch.setattr(jagged_flash, "_dkv_outputs",
                         lambda k, split, *a: splits.append(split) or real(k, split, *a))
     assert _check("gdpa", LONG_CROSS, "auto", monkeypatch, seed=4) == ["k_rows"]
-    assert splits == [2]
+    assert splits == [4]
 
 
 def test_fused_backward_side_resolution():

@@ -541,9 +541,9 @@ SOFTMAX_CASES = [   # (q lens, kv lens, Tq, Tk, h, d, sm_scale, tuning)
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, None, dict(block_kv=64)),
     (SELF, SELF, 768, 768, 2, 64, None, dict(persistent=True, num_ctas=3)),
     (SELF, SELF, 768, 768, 1, 64, 0.5, dict(schedule_barrier=False, heavy_first=False)),
-    # the scale folded into exp2's FMA: masked tiles, samples without keys; a negative
-    # scale keeps the unfolded path (max(s c) != max(s) c)
-    (SELF, SELF, 768, 768, 1, 128, None, dict(fold_scale=True, interior=False)),
+    # the scale folded into exp2's FMA (the default) or not: masked tiles, samples
+    # without keys; a negative scale keeps the unfolded path (max(s c) != max(s) c)
+    (SELF, SELF, 768, 768, 1, 128, None, dict(fold_scale=False, interior=False)),
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, -0.3, dict(fold_scale=True, block_kv=64)),
 ]
 SOFTMAX_IDS = [f"d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
@@ -559,8 +559,8 @@ def test_softmax_interpreter_matches_reference(case, interpreter_guard):
 
 
 @pytest.mark.parametrize("tuning", [{}, dict(persistent=True), dict(pv_in_place=False),
-                                    dict(p_via_smem=True), dict(fold_scale=True)],
-                         ids=["default", "persistent", "fresh_acc", "p_smem", "fold_scale"])
+                                    dict(p_via_smem=True), dict(fold_scale=False)],
+                         ids=["default", "persistent", "fresh_acc", "p_smem", "unfolded_scale"])
 def test_softmax_exports_for_cuda(tuning):
     """The GPU form (P from registers into the carried accumulator, FA3's run_state) lowers."""
     sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
@@ -768,8 +768,8 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
                                       (64, dict(fused_delta=False)),
                                       (128, dict(fused_delta=False)), (128, dict(overlap_dp=True)),
                                       (64, dict(overlap_dp=True, fused_delta=False)),
-                                      (128, dict(fold_scale=True)),
-                                      (64, dict(fold_scale=True, overlap_dp=True))])
+                                      (128, dict(fold_scale=False)),
+                                      (64, dict(fold_scale=False, overlap_dp=True))])
 def test_backward_exports_for_cuda(mode, d, tuning):
     """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower;
     the dQ kernel with 64-key (default) and 128-key tiles (with fused_delta off: O's tile
@@ -796,16 +796,16 @@ KNOB_CASES = [(dict(fused_delta=False), 0), (dict(fused_delta=False), 1),
               (dict(overlap_dp=True), 0), (dict(overlap_dp=True), 2),
               (dict(overlap_dp=True), 3), (dict(overlap_dp=True), 4),
               (dict(overlap_dp=True, fused_delta=False), 1),
-              (dict(fold_scale=True), 0), (dict(fold_scale=True, overlap_dp=True), 1),
-              (dict(fold_scale=True, fused_delta=False), 2)]
+              (dict(fold_scale=False), 0), (dict(fold_scale=False, overlap_dp=True), 1),
+              (dict(fold_scale=False, fused_delta=False), 2)]
 
 
 @pytest.mark.parametrize("knobs,i", KNOB_CASES,
                          ids=[f"{'+'.join(kn)}-{BACKWARD_IDS[i]}" for kn, i in KNOB_CASES])
 def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard, monkeypatch):
     """mosaic_bwd knobs: fused_delta off (delta = rowsum(O dO) by an XLA reduce, not in
-    the dQ kernel), overlap_dp (dP's wgmma overlapping the work on S) and fold_scale (dS's
-    scale folded into an FMA), the same gradients as the reference; the kernels really
+    the dQ kernel), overlap_dp (dP's wgmma overlapping the work on S) and fold_scale off (dS's
+    scale not folded into an FMA), the same gradients as the reference; the kernels really
     ran with them."""
     _check_backward_knobs(knobs, i, monkeypatch)
 

@@ -59,7 +59,7 @@ OFF = jnp.array([0, 1, 64, 128, 300, 700, 1000], jnp.int32)
                                   "gdpa_gelu_tanh_causal_window", "softmax_causal",
                                   "gdpa_d24_padded", "block_d48_padded", "softmax_d8_padded",
                                   "gdpa_k_rows_rest_group_split", "softmax_q_rows_rest_group",
-                                  "softmax_split_tiles", "block_head_loop"])
+                                  "softmax_split_tiles"])
 def test_kernels_lower_to_verified_triton(cuda_lowering, case):
     from kernels.block_attention.pallas import block_attention_pallas
     from kernels.gdpa.pallas import gdpa_pallas
@@ -74,8 +74,6 @@ def test_kernels_lower_to_verified_triton(cuda_lowering, case):
         fn, d = (lambda q, k, v: jagged_attention(q, k, v, OFF, OFF, impl="pallas")), 8
     elif case == "block":
         fn, n_kernels = (lambda q, k, v: block_attention_pallas(q, k, v, OFF)), 2
-    elif case == "block_head_loop":     # forward over all heads per program
-        fn, n_kernels = (lambda q, k, v: block_attention_pallas(q, k, v, OFF, head_loop=True)), 2
     elif case == "block_group4_f32":
         fn, dtype, n_kernels = (lambda q, k, v: block_attention_pallas(q, k, v, OFF, group=4),
                                 jnp.float32, 2)

@@ -12,9 +12,6 @@ dQ, dK and dV together (a block is one tile, so nothing is shared across
 programs); delta = rowsum(P * dP) is formed in the tile (equal to rowsum(dO * O)),
 so O is not read. dQ and dK are rotated back before the store (RoPE backward fused).
 
-With head_loop (forward only) one program takes a group of blocks over all heads, and
-each block's cos / sin serve its H heads.
-
 Rows of the packed buffer past offsets[-1] are covered by extra "tail" programs
 that store zeros, so every output row is written exactly once and nothing needs a
 memset. Blocks other than 16/32/64 (or 128 in 16-bit) use the tiled engine
@@ -56,12 +53,8 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # 2 blocks 0.106-0.107, 2 or 4 chunks 0.107-0.111, 8 warps >= 0.165); backward 4 warps,
 # 1 stage, 1 block, 2 chunks (forward+backward 0.293-0.297 ms; 1 chunk 0.342-0.347,
 # 4 chunks 0.331, 8 warps 0.54).
-# head_loop (forward, rope_chunks 1): one program per group of blocks over all heads, a
-# block's RoPE angles and cos / sin formed once for its H heads instead of once per head
-# (not yet timed on a GPU).
 BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
-                   head_loop=False)
+                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
 # jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
 ENGINE = "per_block"
@@ -107,18 +100,13 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=F32)
 
 
-def _at(ref, rows, cols, head=None):
-    """ref's [rows, cols] of a [T, D] ref, or of head `head` of a [T, H, D] one."""
-    return ref.at[rows, cols] if head is None else ref.at[rows, head, cols]
+def _load(ref, rows, cols, valid):
+    return plgpu.load(ref.at[rows, cols], mask=valid[:, None], other=0)
 
 
-def _load(ref, rows, cols, valid, head=None):
-    return plgpu.load(_at(ref, rows, cols, head), mask=valid[:, None], other=0)
-
-
-def _rotated(ref, rows, valid, cos, sin, head=None):
+def _rotated(ref, rows, valid, cos, sin):
     """The block's rows of `ref` rotated by RoPE, as two [block, D/2] halves (ref dtype)."""
-    return _rotated_cols(ref, rows, _halves(ref), valid, cos, sin, head)
+    return _rotated_cols(ref, rows, _halves(ref), valid, cos, sin)
 
 
 def _halves(ref):
@@ -178,10 +166,10 @@ def _scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig, chu
     return lax.fori_loop(0, chunks, chunk, jnp.zeros((block, block), F32))
 
 
-def _rotated_cols(ref, rows, cols, valid, cos, sin, head=None):
-    """Columns cols = (first-half chunk, second-half chunk) of the block's rows of ref
-    (of head `head`), rotated by RoPE (ref dtype)."""
-    x1, x2 = (_load(ref, rows, c, valid, head).astype(F32) for c in cols)
+def _rotated_cols(ref, rows, cols, valid, cos, sin):
+    """Columns cols = (first-half chunk, second-half chunk) of the block's rows of ref,
+    rotated by RoPE (ref dtype)."""
+    x1, x2 = (_load(ref, rows, c, valid).astype(F32) for c in cols)
     dt = ref.dtype
     return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
 
@@ -202,8 +190,8 @@ def _softmax(s, valid, scale):
     return p * inv[:, None]
 
 
-def _store(ref, rows, write, x, head=None):
-    plgpu.store(_at(ref, rows, slice(None), head), x.astype(ref.dtype), mask=write[:, None])
+def _store(ref, rows, write, x):
+    plgpu.store(ref.at[rows, :], x.astype(ref.dtype), mask=write[:, None])
 
 
 def _store_halves(ref, rows, write, g1, g2, cos, sin, cols=None):
@@ -221,9 +209,9 @@ def _dscores(p, dp, scale, dtype):
     return (p * (dp - delta[:, None]) * scale).astype(dtype)
 
 
-def _each_block(group, fn, axis=1):
-    """Run fn(n) for this program's `group` consecutive blocks (grid axis `axis`)."""
-    first = pl.program_id(axis) * group
+def _each_block(group, fn):
+    """Run fn(n) for this program's `group` consecutive blocks."""
+    first = pl.program_id(1) * group
     if group == 1:
         fn(first)
         return
@@ -237,26 +225,6 @@ def _each_block(group, fn, axis=1):
 def _fwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
     _each_block(group, lambda n: _fwd_block(n, *refs, block=block, scale=scale, cs=cs,
                                             fast_trig=fast_trig, rope_chunks=rope_chunks))
-
-
-def _fwd_kernel_heads(*refs, block, scale, cs, group, fast_trig, rope_chunks):
-    """The forward with one program per group of blocks over all heads (head_loop):
-    refs are whole [T, H, D] arrays; each block's RoPE cos / sin is formed once and
-    shared by its heads."""
-    del rope_chunks     # 1 (checked by the caller)
-    _each_block(group, lambda n: _fwd_block_heads(n, *refs, block=block, scale=scale, cs=cs,
-                                                  fast_trig=fast_trig), axis=0)
-
-
-def _fwd_block_heads(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref,
-                     v_ref, o_ref, *, block, scale, cs, fast_trig):
-    rows, valid, write, cos, sin = _setup((st_ref, ln_ref, wl_ref), n, pos_ref,
-                                          (f1_ref, f2_ref, f3_ref), block, cs, fast_trig)
-
-    def head(hh, carry):
-        _attend(q_ref, k_ref, v_ref, o_ref, rows, valid, write, cos, sin, scale, hh)
-        return carry
-    lax.fori_loop(0, q_ref.shape[1], head, 0)
 
 
 def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
@@ -275,17 +243,11 @@ def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
         _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
         return
     rows, valid, write, cos, sin = _setup(tab, n, pos_ref, f_refs, block, cs, fast_trig)
-    _attend(q_ref, k_ref, v_ref, o_ref, rows, valid, write, cos, sin, scale)
-
-
-def _attend(q_ref, k_ref, v_ref, o_ref, rows, valid, write, cos, sin, scale, head=None):
-    """One block's softmax attention (of head `head` of [T, H, D] refs), q and k rotated
-    by (cos, sin) [block, D/2]; the output rows stored."""
-    q1, q2 = _rotated(q_ref, rows, valid, cos, sin, head)
-    k1, k2 = _rotated(k_ref, rows, valid, cos, sin, head)
-    v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid, head)
+    q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
+    k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
+    v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
     p = _probs(q1, q2, k1, k2, valid, scale)
-    _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))), head)
+    _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
 
 
 def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
@@ -348,14 +310,9 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
     block, knobs, interpret, scale, cs = cfg
     tp, h, d = xs[0].shape
     nb = tab[0].shape[0]
-    sfx = "_bwd" if bwd else ""
-    heads_inside = not bwd and knobs["head_loop"]   # grid over blocks only, heads looped
-    if heads_inside:
-        kernel = _fwd_kernel_heads
-        x_spec = pl.BlockSpec((tp, h, d), lambda n: (0, 0, 0))
-    else:
-        x_spec = pl.BlockSpec((tp, None, d), lambda hh, n: (0, hh, 0))
+    x_spec = pl.BlockSpec((tp, None, d), lambda hh, n: (0, hh, 0))
     in_specs = [_full((nb,))] * 3 + [_full((tp,))] + [_full((d // 2,))] * 3 + [x_spec] * len(xs)
+    sfx = "_bwd" if bwd else ""
     params = plgpu.CompilerParams(num_warps=knobs["num_warps" + sfx],
                                   num_stages=knobs["num_stages" + sfx])
     group = knobs["group" + sfx]
@@ -363,7 +320,7 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
     out = pl.pallas_call(
         functools.partial(kernel, block=block, scale=scale, cs=cs, group=group,
                           fast_trig=fast_trig, rope_chunks=int(knobs["rope_chunks" + sfx])),
-        grid=(nb // group,) if heads_inside else (h, nb // group),
+        grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
         compiler_params=params, interpret=interpret,
@@ -440,9 +397,6 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
         if chunks < 1 or (dp // 2) % chunks or (chunks > 1 and dp // 2 // chunks < 16):
             raise ValueError(f"block_attention_pallas: {name}={chunks} must divide D/2 = "
                              f"{dp // 2} into chunks of at least 16 columns (Triton dots)")
-    if knobs.get("head_loop") and int(knobs.get("rope_chunks", 1)) != 1:
-        raise ValueError("block_attention_pallas: head_loop shares a block's whole cos / sin "
-                         f"tables across heads; it needs rope_chunks=1, got {knobs['rope_chunks']}")
     tab = block_table(offsets, t, block)
     # idle programs (len 0, write 0) fill the last group of either kernel
     extra = -tab[0].shape[0] % math.lcm(*groups)
