@@ -130,8 +130,9 @@ class MosaicConfig:
     overlap_dp: bool = False      # backward step: dP's wgmma issued right after S's wait,
                                   # what needs S alone (P; dV's wgmma in dK / dV) done
                                   # while it runs, one wait, then dS and its wgmma
-    fold_scale: bool = True       # softmax, the scale into FMAs (W1, session 10: fwd
-                                  # 0.280 ms against 0.287 unfolded, f+b 0.995 / 1.000):
+    fold_scale: bool = True       # softmax, the scale into FMAs (W1 f+b, session 10:
+                                  # 0.991-0.995 ms against 0.998-1.000 unfolded in three
+                                  # runs; the forward within their noise):
                                   # forward (scale > 0), the row max over the raw scores,
                                   # then exp2(s * scale log2 e - m) as one FMA per score
                                   # instead of a multiply kept for the max and a subtract;
