@@ -990,14 +990,14 @@ def backward_knobs(cfg):
     for name, least in (("dkv_split", 1), ("dkv_split_tiles", 0), ("rest_group", 1)):
         value = getattr(cfg, name)
         resolved[name] = (auto[name] if value == "auto"
-                          else _int_knob(name, value, least, " or 'auto'"))
+                          else _int_knob(name, value, least))
     return dataclasses.replace(cfg, **resolved)
 
 
-def _int_knob(name, value, least, alternatives=""):
+def _int_knob(name, value, least):
     """value, or a ValueError naming the knob unless it is an int >= least."""
     if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ValueError(f"pallas attention: {name} must be an int >= {least}{alternatives}, "
+        raise ValueError(f"pallas attention: {name} must be an int >= {least} or 'auto', "
                          f"got {value!r}")
     return value
 
