@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import pack_arrays, parse_variant, workload  # experiments/
+from attention_workloads import op_fn, pack_arrays, parse_variant, workload  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py")
@@ -31,18 +31,6 @@ flags.DEFINE_list("variants", ["gdpa_triton", "gdpa_mosaic", "softmax_triton", "
 flags.DEFINE_integer("iters", 5, "calls timed per variant and pass")
 flags.DEFINE_float("min_us", 3.0, "launches shorter than this are not printed")
 flags.DEFINE_string("out", "kernel_times.json", "JSON output path")
-
-
-def op_fn(op, engine, knobs, qo, ko, scale):
-    from kernels.block_attention.pallas import block_attention_pallas
-    from kernels.gdpa.pallas import gdpa_pallas
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
-    if op == "block":
-        return lambda q, k, v: block_attention_pallas(q, k, v, qo)
-    kw = dict(forward=engine, backward=engine, mosaic_bwd=knobs)
-    if op == "gdpa":
-        return lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation="silu", scale=scale, **kw)
-    return lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, **kw)
 
 
 def launches(fn, args, iters):

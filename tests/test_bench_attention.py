@@ -89,3 +89,26 @@ def test_block_sweep_grids_are_valid_knobs():
     assert any(k["rope_chunks"] > 1 for k in specs) and any(k["rope_chunks_bwd"] > 1 for k in specs)
     for knobs in specs:
         jax.eval_shape(lambda q: block_attention_pallas(q, q, q, off, **knobs), q)
+
+
+def test_time_stream_drops_a_rounds_fixed_cost(monkeypatch):
+    """On a fake clock: each call costs 3 units, each sync 40. The steady figure is the
+    3 per call; the round figure carries the sync's share (40 / 2n per call)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import attention_workloads as aw
+    import jax
+    clock = [0.0]
+    monkeypatch.setattr(aw.time, "perf_counter", lambda: clock[0])
+
+    def sync(x):
+        clock[0] += 40.0
+        return x
+    monkeypatch.setattr(jax, "block_until_ready", sync)
+
+    def call():
+        clock[0] += 3.0
+        return 0
+    steady, per_round = aw.time_stream(call, iters=10)
+    assert steady == pytest.approx(3.0)
+    assert per_round == pytest.approx(3.0 + 40.0 / 20)
+    assert aw.time_calls(call, iters=10) == pytest.approx(3.0)

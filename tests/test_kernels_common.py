@@ -244,12 +244,17 @@ def test_interior_ranges_are_exactly_the_full_tiles(causal, window, block):
         assert n_interior > 0, side  # the interior path is exercised
 
 
-def test_block_table_covers_every_row_once():
-    """Per-block programs: real blocks are the sample's 64-token blocks; tails zero the rest."""
+@pytest.mark.parametrize("multiple", [1, 4, 7])
+def test_block_table_covers_every_row_once(multiple):
+    """Per-block programs: real blocks are the sample's 64-token blocks; tails zero the rest;
+    the count is a multiple of `multiple`, the extra programs idle (nothing read or written)."""
     from kernels.block_attention.pallas import block_table
     lens = [0, 1, 63, 64, 65, 130, 3]
     off = offsets_of(lens)
-    start, ln, wl = (np.asarray(x) for x in block_table(jnp.asarray(off), 400, 64))
+    start, ln, wl = (np.asarray(x) for x in block_table(jnp.asarray(off), 400, 64, multiple))
+    nb = -(-400 // 64) + len(lens) + 1
+    assert len(start) == nb + (-nb % multiple) and len(start) % multiple == 0
+    assert np.all(wl[nb:] == 0) and np.all(ln[nb:] == 0)
     written = np.zeros(400, int)
     for s, l, w in zip(start, ln, wl):
         assert 0 <= l <= w <= 64 and (l == 0 or l == w)

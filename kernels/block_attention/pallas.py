@@ -67,15 +67,18 @@ def per_block_kernel_fits(block, dtype):
     return block == 128 and jnp.dtype(dtype).itemsize == 2
 
 
-def block_table(offsets, capacity, block):
+def block_table(offsets, capacity, block, multiple=1):
     """Per program n: (start [NB], len [NB], write_len [NB]) int32, NB static.
 
     Real blocks first (sample by sample), then tail programs covering rows
     offsets[-1]..capacity (len 0: they store zeros), then idle programs
-    (write_len 0). NB = ceil(capacity / block) + B + 1 bounds the count.
+    (write_len 0). NB = ceil(capacity / block) + B + 1 bounds the count, rounded up
+    to a multiple of `multiple` (idle programs fill the last group of a kernel that
+    takes `multiple` blocks per program).
     """
     b = offsets.shape[0] - 1
     nb = -(-capacity // block) + b + 1
+    nb += -nb % multiple
     offsets = offsets.astype(jnp.int32)
     lengths = offsets[1:] - offsets[:-1]
     nblk = (lengths + block - 1) // block
@@ -397,10 +400,9 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
         if chunks < 1 or (dp // 2) % chunks or (chunks > 1 and dp // 2 // chunks < 16):
             raise ValueError(f"block_attention_pallas: {name}={chunks} must divide D/2 = "
                              f"{dp // 2} into chunks of at least 16 columns (Triton dots)")
-    tab = block_table(offsets, t, block)
-    # idle programs (len 0, write 0) fill the last group of either kernel
-    extra = -tab[0].shape[0] % math.lcm(*groups)
-    tab = tuple(jnp.pad(x, (0, extra)) for x in tab)
+    # idle programs (len 0, write 0) fill the last group of either kernel: built into
+    # the table, not padded onto it (a pad is an XLA kernel launch per call)
+    tab = block_table(offsets, t, block, multiple=math.lcm(*groups))
     # On GPU masked lanes never touch memory, so reads past T are harmless. Interpret
     # mode slices with clamped starts instead: pad there so every block read fits.
     pad = (lambda x: jnp.pad(x, [(0, block)] + [(0, 0)] * (x.ndim - 1))) if interpret else (
