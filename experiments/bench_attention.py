@@ -12,8 +12,9 @@ with sequence lengths, and the GDPA formula in plain jnp on padded tensors.
 Times are per call in a steady stream of back-to-back calls at the GPU's sustained clock
 (attention_workloads.time_stream: 0.3 s of calls first, as the H200 throttles to its 700 W
 power cap within tens of ms; then the slope between rounds of --iters and 2 * --iters
-calls, so a round's fixed cost of first-dispatch latency and final sync drops out); the per-call time of the longer round,
-that cost included, is printed beside it as 'round' (sessions 1-10 reported rounds of 20).
+calls, so a round's fixed cost of first-dispatch latency and final sync drops out); the
+per-call time of the longer round, that cost included, is printed beside it as 'round'
+(sessions 1-10 reported rounds of 20 without the warm-up).
 
 --chain=8 also times 8 calls chained inside one jit (per call): no dispatch gap between
 calls, as inside a training step. Rows: our kernels (the public defaults and engine /
@@ -36,7 +37,8 @@ from absl import app, flags
 
 from attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,  # experiments/
                                  block_knobs_bwd, block_knobs_fwd, pack_arrays,
-                                 parse_mosaic_knobs, time_stream, valid_pairs, workload)
+                                 parse_mosaic_knobs, time_calls, time_stream, valid_pairs,
+                                 workload)
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
@@ -85,8 +87,8 @@ _START = time.perf_counter()
 
 
 def timeit(fn, *args):
-    """Seconds per call in a steady stream (attention_workloads.time_stream, --iters)."""
-    return time_stream(fn, *args, iters=FLAGS.iters)[0]
+    """Seconds per call in a steady stream (attention_workloads.time_calls, --iters)."""
+    return time_calls(fn, *args, iters=FLAGS.iters)
 
 
 def chained(fn, k):

@@ -35,7 +35,7 @@ from attention_workloads import (pack_arrays, parse_mosaic_knobs, time_calls,  #
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_gdpa_mosaic.json", "JSON output path")
 flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py (self / cross)")
-flags.DEFINE_integer("iters", 20, "calls per timing round (median of 3 rounds)")
+flags.DEFINE_integer("iters", 20, "calls per short timing round (attention_workloads.time_calls)")
 flags.DEFINE_integer("heads", 4, "heads")
 flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_string("activation", "silu", "GDPA activation")
@@ -76,7 +76,7 @@ _START = time.perf_counter()
 
 
 def timeit(fn, *args):
-    """Seconds per call (attention_workloads.time_calls with --iters)."""
+    """Seconds per call in a steady stream (attention_workloads.time_calls, --iters)."""
     return time_calls(fn, *args, iters=FLAGS.iters)
 
 
