@@ -10,7 +10,7 @@ with sequence lengths, and the GDPA formula in plain jnp on padded tensors.
     PYTHONPATH=. python3 experiments/bench_attention.py --sweep --sweep_budget_s=50
 
 Times are per call in a steady stream of back-to-back calls at the GPU's sustained clock
-(attention_workloads.time_stream: 0.3 s of calls first, as the H200 throttles to its 700 W
+(attention_workloads.time_stream: --warm_s=0.3 s of calls first, as the H200 throttles to its 700 W
 power cap within tens of ms; then the slope between rounds of --iters and 2 * --iters
 calls, so a round's fixed cost of first-dispatch latency and final sync drops out); the
 per-call time of the longer round, that cost included, is printed beside it as 'round'
@@ -37,8 +37,7 @@ from absl import app, flags
 
 from attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,  # experiments/
                                  block_knobs_bwd, block_knobs_fwd, pack_arrays,
-                                 parse_mosaic_knobs, time_calls, time_stream, valid_pairs,
-                                 workload)
+                                 parse_mosaic_knobs, time_stream, valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
@@ -53,6 +52,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
 flags.DEFINE_list("workloads", ["W1", "W2", "W3", "W4"], "which workloads")
 flags.DEFINE_integer("iters", 50, "calls per short round (long rounds: twice that); time_stream")
+flags.DEFINE_float("warm_s", 0.3, "seconds of back-to-back calls before each timing (the GPU's "
+                   "sustained clock under its power cap; 0: burst figures)")
 flags.DEFINE_integer("heads", 4, "heads")
 flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_string("activation", "silu", "GDPA activation")
@@ -87,8 +88,8 @@ _START = time.perf_counter()
 
 
 def timeit(fn, *args):
-    """Seconds per call in a steady stream (attention_workloads.time_calls, --iters)."""
-    return time_calls(fn, *args, iters=FLAGS.iters)
+    """Seconds per call in a steady stream (attention_workloads.time_stream, --iters, --warm_s)."""
+    return time_stream(fn, *args, iters=FLAGS.iters, warm_s=FLAGS.warm_s)[0]
 
 
 def chained(fn, k):
@@ -147,7 +148,7 @@ def measure(name, fns, args, flops, bytes_fwd, bytes_bwd, only=None):
         if only is not None and tag != only:
             continue
         try:
-            t, per_round = time_stream(f, *a, iters=FLAGS.iters)
+            t, per_round = time_stream(f, *a, iters=FLAGS.iters, warm_s=FLAGS.warm_s)
             row[tag + "_ms"] = t * 1e3
             row[tag + "_round_ms"] = per_round * 1e3   # a round's fixed cost included
             row[tag + "_tflops"] = fl / t / 1e12

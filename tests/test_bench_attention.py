@@ -27,7 +27,8 @@ def test_reported_figures_follow_the_accounting(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_attention.py"),
-                        "--workloads=W2,W4", "--max_samples=3", "--iters=1", "--nobaselines", "--chain=2",
+                        "--workloads=W2,W4", "--max_samples=3", "--iters=1", "--warm_s=0", "--nobaselines",
+                        "--chain=2",
                         f"--out={out}"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     res = {x["meta"]["workload"]: x for x in json.load(open(out))["results"]}
