@@ -129,6 +129,32 @@ def parse_variant(spec):
     return op, engine, tuple(sorted(parse_mosaic_knobs(knobs[:-1]).items()))
 
 
+def stream_same_bytes(q, k, v):
+    """XLA moving the bytes the floor counts, for the memory-bound rows' measured floor:
+    forward reads q, k, v and writes o; backward reads q, k, v, dO, writes dQ, dK, dV."""
+    return q + k + v
+
+
+def stream_same_bytes_train(q, k, v, do):
+    import jax
+    o = stream_same_bytes(q, k, v)
+    q, k, v, do = jax.lax.optimization_barrier((q, k, v, do, o))[:4]   # a second pass
+    return o, (q + do, k + do, v + do)
+
+
+def fwd_and_train(fn):
+    """(jit forward, jit forward+backward) of fn(q, k, v). forward+backward returns the
+    output beside the gradients, as a training step uses both: GDPA's backward does not
+    read the forward's output, so without it XLA would drop the forward."""
+    import jax
+    fwd = jax.jit(fn)
+
+    def train(q, k, v, do):
+        o, vjp = jax.vjp(fn, q, k, v)
+        return o, vjp(do)
+    return fwd, jax.jit(train)
+
+
 def op_fn(op, engine, knobs, qo, ko, scale):
     """fn(q, k, v) of a parse_variant triple on offsets qo, ko (GDPA: SiLU with `scale`)."""
     from kernels.block_attention.pallas import block_attention_pallas

@@ -37,7 +37,8 @@ from absl import app, flags
 
 from attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,  # experiments/
                                  block_knobs_bwd, block_knobs_fwd, pack_arrays,
-                                 parse_mosaic_knobs, time_stream, valid_pairs, workload)
+                                 fwd_and_train, parse_mosaic_knobs, stream_same_bytes,
+                                 stream_same_bytes_train, time_stream, valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
@@ -103,30 +104,6 @@ def chained(fn, k):
             outs.append(fn(*args))
         return outs
     return jax.jit(run)
-
-
-def stream_same_bytes(q, k, v):
-    """XLA moving the bytes the floor counts, for the memory-bound rows' measured floor:
-    forward reads q, k, v and writes o; backward reads q, k, v, dO, writes dQ, dK, dV."""
-    return q + k + v
-
-
-def stream_same_bytes_train(q, k, v, do):
-    o = stream_same_bytes(q, k, v)
-    q, k, v, do = jax.lax.optimization_barrier((q, k, v, do, o))[:4]   # a second pass
-    return o, (q + do, k + do, v + do)
-
-
-def fwd_and_train(fn):
-    """(jit forward, jit forward+backward) of fn(q, k, v). forward+backward returns the
-    output beside the gradients, as a training step uses both: GDPA's backward does not
-    read the forward's output, so without it XLA would drop the forward."""
-    fwd = jax.jit(fn)
-
-    def train(q, k, v, do):
-        o, vjp = jax.vjp(fn, q, k, v)
-        return o, vjp(do)
-    return fwd, jax.jit(train)
 
 
 def padded(x, off, lens, lmax):

@@ -19,8 +19,6 @@ bytes of the workload: the per-call gap of a plain fusion) and `tiny` (a one-ele
 add: the dispatch cost per call when the device has nothing to do).
 """
 
-import glob
-import gzip
 import json
 import os
 import sys
@@ -30,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (op_fn, pack_arrays, parse_variant, time_stream,  # experiments/
-                                 workload)
+from attention_workloads import (fwd_and_train, op_fn, pack_arrays,  # experiments/
+                                 parse_variant, stream_same_bytes, stream_same_bytes_train,
+                                 time_stream, workload)
+from profile_summary import idle, load_events  # experiments/
 
 FLAGS = flags.FLAGS
 
@@ -54,11 +54,7 @@ def trace_events(fn, args, calls, logdir):
         for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
-    path = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"),
-                            recursive=True), key=os.path.getmtime)[-1]
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    return load_events(logdir)
 
 
 def split_events(events):
@@ -77,43 +73,13 @@ def split_events(events):
     return sorted(dev, key=lambda r: r["ts"]), sorted(host, key=lambda r: r["ts"])
 
 
-def busy_and_gaps(dev):
-    """Union of device intervals: (busy us, [(gap us, start us, name before, name after)])."""
-    if not dev:
-        return 0.0, []
-    busy, gaps = 0.0, []
-    start, end, last = dev[0]["ts"], dev[0]["ts"] + dev[0]["dur"], dev[0]["name"]
-    for e in dev[1:]:
-        if e["ts"] > end:
-            gaps.append((e["ts"] - end, end, last, e["name"]))
-            busy += end - start
-            start = e["ts"]
-        if e["ts"] + e["dur"] > end:
-            end, last = e["ts"] + e["dur"], e["name"]
-    busy += end - start
-    return busy, gaps
-
-
-def variant_fns(spec, q, k, v, do, qo, ko, scale):
+def variant_fns(spec, qo, ko, scale):
     """(forward fn, forward+backward fn) of a variant, jitted; fn(q, k, v[, do])."""
     if spec == "tiny":
-        one = jax.jit(lambda q, k, v: q[0, 0, :1] + 1)
-        return one, jax.jit(lambda q, k, v, do: q[0, 0, :1] + 1)
+        return jax.jit(lambda q, k, v: q[0, 0, :1] + 1), jax.jit(lambda q, k, v, do: q[0, 0, :1] + 1)
     if spec == "xla_stream":
-        fwd = jax.jit(lambda q, k, v: q + k + v)
-
-        def train(q, k, v, do):
-            o = q + k + v
-            q, k, v, do = jax.lax.optimization_barrier((q, k, v, do, o))[:4]
-            return o, (q + do, k + do, v + do)
-        return fwd, jax.jit(train)
-    op, engine, knobs = parse_variant(spec)
-    fn = op_fn(op, engine, knobs, qo, ko, scale)
-
-    def train(q, k, v, do):
-        o, vjp = jax.vjp(fn, q, k, v)
-        return o, vjp(do)
-    return jax.jit(fn), jax.jit(train)
+        return jax.jit(stream_same_bytes), jax.jit(stream_same_bytes_train)
+    return fwd_and_train(op_fn(*parse_variant(spec), qo, ko, scale))
 
 
 def main(_):
@@ -126,30 +92,32 @@ def main(_):
     scale = 1.0 / int(kl.max())
     summary, lines = [], []
     for spec in FLAGS.variants:
-        fwd, train = variant_fns(spec, q, k, v, do, qo, ko, scale)
+        fwd, train = variant_fns(spec, qo, ko, scale)
         for tag, fn, args in (("fwd", fwd, (q, k, v)), ("fwd_bwd", train, (q, k, v, do))):
             per_call, per_round = (x * 1e6 for x in time_stream(fn, *args, iters=FLAGS.iters))
             logdir = os.path.join(FLAGS.out, f"{spec}_{tag}".replace("[", "_").replace("]", ""))
             dev, host = split_events(trace_events(fn, args, FLAGS.calls, logdir))
-            busy, gaps = busy_and_gaps(dev)
-            span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"] if dev else 0.0
-            per = FLAGS.calls
+            if not dev:
+                sys.exit(f"call_gaps: the trace of {spec} {tag} holds no device events")
+            per = FLAGS.calls      # profile_summary.idle: ms per call, 3 largest gaps (ms)
+            st = idle([(e["ts"], e["dur"], e["name"]) for e in dev], per, keep=3)
+            us = {key: st[key + "_ms"] * 1e3 for key in ("busy", "span", "idle")}
             kernels = len(dev) / per
-            mid = dev[len(dev) // 2]["ts"] if dev else 0.0
+            mid = dev[len(dev) // 2]["ts"]
             window = [dict(r, ts=r["ts"] - mid, kind=kind) for kind, rs in (("device", dev),
                                                                             ("host", host))
                       for r in rs if -400 <= r["ts"] - mid <= 400]
-            big = sorted(gaps, reverse=True)[:3]
             rec = dict(variant=spec, pass_=tag, per_call_us=per_call, round_us=per_round,
-                       busy_us=busy / per,
-                       span_us=span / per, idle_us=(span - busy) / per, kernels_per_call=kernels,
-                       gaps=[dict(us=g, before=b[:80], after=a[:80]) for g, _, b, a in big],
+                       busy_us=us["busy"], span_us=us["span"], idle_us=us["idle"],
+                       kernels_per_call=kernels,
+                       gaps=[dict(us=ms * 1e3, before=b[:80], after=a[:80])
+                             for ms, b, a in st["gaps"]],
                        host_names=sorted({h["name"][:80] for h in host})[:80],
                        window=sorted(window, key=lambda r: r["ts"]))
             summary.append(rec)
-            lines.append(f"{spec:<28}{tag:<8}{per_call:>9.1f}{per_round:>9.1f}{busy / per:>9.1f}"
-                         f"{span / per:>9.1f}{(span - busy) / per:>9.1f}{kernels:>6.1f}  "
-                         + ", ".join(f"{g:.1f}" for g, *_ in big))
+            lines.append(f"{spec:<28}{tag:<8}{per_call:>9.1f}{per_round:>9.1f}{us['busy']:>9.1f}"
+                         f"{us['span']:>9.1f}{us['idle']:>9.1f}{kernels:>6.1f}  "
+                         + ", ".join(f"{ms * 1e3:.1f}" for ms, *_ in st["gaps"]))
             with open(os.path.join(FLAGS.out, "call_gaps.json"), "w") as f:
                 json.dump(summary, f, indent=1)
     print(f"\n{FLAGS.workload}: us per call (traced over {FLAGS.calls} calls)")

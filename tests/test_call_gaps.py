@@ -1,6 +1,6 @@
-"""experiments/call_gaps.py's trace arithmetic on synthetic perfetto events (its timing
-needs a GPU): device busy time as a union of intervals, the gaps between them, and the
-split of events into device kernels and host work."""
+"""experiments/call_gaps.py on CPU (its timing needs a GPU): the split of synthetic perfetto
+events into device kernels and host work (busy time and gaps are profile_summary.idle's,
+tested in test_profile_summary.py), and the variants' functions."""
 
 import os
 import sys
@@ -11,21 +11,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import call_gaps  # noqa: E402
-
-
-def _ev(ts, dur, name):
-    return dict(ts=ts, dur=dur, name=name)
-
-
-def test_busy_is_the_union_and_gaps_lie_between():
-    # a [0, 5) and b [3, 7) overlap: 7 us, not 9; c [10, 11) adds 1 after a 3 us gap
-    busy, gaps = call_gaps.busy_and_gaps([_ev(0, 5, "a"), _ev(3, 4, "b"), _ev(10, 1, "c")])
-    assert busy == pytest.approx(8.0)
-    assert gaps == [(3.0, 7.0, "b", "c")]
-    # a kernel inside another adds nothing; touching intervals leave no gap
-    busy, gaps = call_gaps.busy_and_gaps([_ev(0, 10, "a"), _ev(2, 3, "b"), _ev(10, 2, "c")])
-    assert busy == pytest.approx(12.0) and gaps == []
-    assert call_gaps.busy_and_gaps([]) == (0.0, [])
 
 
 def test_split_events_by_process():
@@ -43,3 +28,18 @@ def test_split_events_by_process():
     assert [e["name"] for e in dev] == ["kernel_a", "kernel_b"]        # sorted by start
     assert dev[0]["thread"] == "Stream #14(Compute)"
     assert [(e["name"], e["thread"]) for e in host] == [("PjitFunction(f)", "python")]
+
+
+def test_variants_are_forward_and_train_pairs():
+    """Each variant gives (fn(q, k, v), fn(q, k, v, do)); xla_stream returns the output and
+    three gradients-shaped arrays, as bench_attention's streaming row does."""
+    import jax.numpy as jnp
+    x = jnp.ones((128, 1, 64), jnp.bfloat16)
+    off = jnp.asarray([0, 100], jnp.int32)
+    for spec in ("tiny", "xla_stream"):
+        fwd, train = call_gaps.variant_fns(spec, off, off, 0.1)
+        assert fwd(x, x, x).shape in ((1,), x.shape)
+    o, grads = call_gaps.variant_fns("xla_stream", off, off, 0.1)[1](x, x, x, x)
+    assert o.shape == x.shape and len(grads) == 3
+    fwd, train = call_gaps.variant_fns("gdpa_triton", off, off, 0.1)
+    assert callable(fwd) and callable(train)
