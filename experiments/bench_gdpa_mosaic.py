@@ -178,7 +178,7 @@ def main(_):
 
     cfg = mosaic_config(d, q.dtype, mode=FLAGS.mode, activation=act, scale=scale)
     layout = jax.block_until_ready(jax.jit(
-        lambda qo, ko: build_layout(cfg, qo, ko, q.shape[0]))(qo, ko))
+        lambda qo, ko: build_layout(cfg, qo, ko, q.shape[0], tk=k.shape[0]))(qo, ko))
     out_of = (lambda r: r[0]) if softmax else (lambda r: r)   # softmax: (out, lse)
     kern = jax.jit(lambda q, k, v, layout: out_of(run_kernel(cfg, layout, q, k, v,
                                                              FLAGS.interpret)))

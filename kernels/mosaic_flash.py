@@ -50,12 +50,16 @@ Schedule
     (padding rows, samples without keys: empty). Per consumer tile (64 rows) the key
     tiles [lo, hi) holding a valid pair and the interior [flo, fhi) whose pairs are
     all valid (kernels.jagged_flash.tile_ranges / interior_ranges); per CTA the union
-    [c_lo, c_hi) of its consumers' ranges, which the producer streams. A consumer
-    walks [c_lo, c_hi) in five loops: skip [c_lo, lo) (wait and release the slots,
-    no math), masked [lo, flo), unmasked [flo, fhi), masked [fhi, hi), skip
-    [hi, c_hi): every consumer passes every barrier phase, so the per-thread phase
-    bits stay in step. The mask is per row: key index in [start, end). CTA tiles
-    are launched heaviest-first (longest [c_lo, c_hi) first, `heavy_first`).
+    [c_lo, c_hi) of its consumers' ranges, which the producer streams. Key tile j
+    of a CTA starts at key base + j block_kv, base its first valid key rounded down
+    to 8 (`anchor`; else 0): a sample's keys then start near a tile's start instead
+    of anywhere inside one. A consumer walks [c_lo, c_hi) in five loops: skip
+    [c_lo, lo) (wait and release the slots, no math), masked [lo, flo), unmasked
+    [flo, fhi), masked [fhi, hi), skip [hi, c_hi): every consumer passes every
+    barrier phase, so the per-thread phase bits stay in step. With `narrow_last`
+    the forward's last masked tile is a half-width step where the consumer's keys
+    end in its first half. The mask is per row: key index in [start, end). CTA
+    tiles are launched heaviest-first (longest [c_lo, c_hi) first, `heavy_first`).
   * Tq a multiple of 2 * block_q and Tk of block_kv avoid a padding copy (bench
     capacities are multiples of 128).
 
@@ -68,7 +72,8 @@ Tuning knobs (keyword arguments, MosaicConfig): block_q (64 or 128 rows per
 consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrier,
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
-Triton launch, `pallas_layout`, instead of XLA ops); the backward's dq_block_kv,
+Triton launch, `pallas_layout`, instead of XLA ops), anchor, narrow_last (forward),
+act_packed (gdpa forward); the backward's dq_block_kv,
 fused_delta and overlap_dp
 (MosaicConfig's comments; FlashConfig.mosaic_fwd / mosaic_bwd pass them through
 jagged_flash). Shared memory over the 227 KB budget
@@ -101,7 +106,11 @@ LOG2E = math.log2(math.e)
 NEG = -1e30              # softmax: the score of a masked pair
 BIG = 1 << 30            # start of an empty key interval (padding query rows)
 NUM_CONSUMERS = 2        # consumer warpgroups per CTA; the producer is warpgroup 2
-TABLE_COLS = 3 + 4 * NUM_CONSUMERS  # tile, c_lo, c_hi, then (lo, flo, fhi, hi) per consumer
+# tile, c_lo, c_hi, then (lo, flo, fhi, hn, hi) per consumer, then the streamed tiles'
+# first row (tile_table)
+WG_COLS = 5
+TABLE_COLS = 4 + WG_COLS * NUM_CONSUMERS
+BASE_COL = TABLE_COLS - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +132,7 @@ class MosaicConfig:
                                   # forced in interpret mode, whose wgmma cannot run it)
     pallas_layout: bool = False   # the tile table and row intervals from the offsets in
                                   # one Pallas Triton kernel (pallas_layout) instead of XLA ops
+                                  # (its table: no anchor, no narrow steps)
     dq_block_kv: int | None = None  # backward: the dQ kernel's streamed key tile (None:
                                     # block_kv, the dK / dV kernel's streamed query tile)
     fused_delta: bool = False     # softmax backward: delta = rowsum(O dO) in the dQ kernel
@@ -137,12 +147,39 @@ class MosaicConfig:
                                   # then exp2(s * scale log2 e - m) as one FMA per score
                                   # instead of a multiply kept for the max and a subtract;
                                   # backward, dS = P (dP scale - delta scale)
+    anchor: bool = True           # streamed tiles start at the CTA's first valid column
+                                  # (rounded down to 8, the TMA tile rows) instead of at
+                                  # multiples of the tile: W1 (64 x 128 tiles) computes
+                                  # 1.12x its valid pairs instead of 1.17x
+    narrow_last: bool = True      # forward: a consumer's last key tile as a half-width
+                                  # step where its rows' keys end in the first half (W1:
+                                  # 1.09x the valid pairs with anchor). block_kv 128 or
+                                  # 256 only (P V's wgmma K is a multiple of 64 here);
+                                  # the backward kernels run full-width steps
+    act_packed: bool = False      # gdpa forward, silu / gelu_tanh: the activation in the
+                                  # inputs' 16-bit type, two lanes per instruction
+                                  # (tanh.approx.bf16x2), the scale applied to the output
+                                  # once; P is rounded to 16 bits for its wgmma anyway (W1
+                                  # silu, 6 interleaved rounds: fwd 0.225-0.236 ms against
+                                  # 0.229-0.241, f+b 1.007 against 1.020; gpu tests pass
+                                  # with it on; other modes and activations: ignored)
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
     @property
     def cta_rows(self):
         return NUM_CONSUMERS * self.block_q
+
+    @property
+    def packed_act(self):
+        """Whether the forward forms act(S) in 16 bits (act_packed where it applies)."""
+        return self.act_packed and self.mode == "gdpa" and self.activation in ("silu",
+                                                                               "gelu_tanh")
+
+    @property
+    def narrow(self):
+        """Whether the forward takes narrow last steps (narrow_last where it applies)."""
+        return self.narrow_last and self.block_kv % 128 == 0
 
 
 def check_config(cfg, d, dtype):
@@ -185,21 +222,44 @@ def row_key_intervals(q_offsets, kv_offsets, tq):
     return jnp.where(ok, start, BIG).astype(jnp.int32), jnp.where(ok, end, 0).astype(jnp.int32)
 
 
-def tile_table(cfg, start, end):
+def tile_table(cfg, start, end, n_cols=None):
     """[n_cta, TABLE_COLS] int32, one row per CTA in launch order.
 
     Columns: query CTA tile index, [c_lo, c_hi) key tiles the producer streams, then
-    per consumer w (rows tile*cta_rows + w*block_q ...) its key tiles [lo, hi) and
-    interior [flo, fhi), with c_lo <= lo <= flo <= fhi <= hi <= c_hi (an empty
-    consumer range is collapsed onto c_lo).
+    per consumer w (rows tile*cta_rows + w*block_q ...) its key tiles [lo, hi),
+    interior [flo, fhi) and narrow tiles [hn, hi), with c_lo <= lo <= flo <= fhi <=
+    hn <= hi <= c_hi (an empty consumer range is collapsed onto c_lo). hn = hi - 1
+    where cfg.narrow and the consumer's rows have no key past the first half of
+    their last tile (else hn = hi). Then `base`: key tile j covers keys
+    [base + j block_kv, base + (j + 1) block_kv). base is 0 unless cfg.anchor; then it
+    is the CTA's first valid key rounded down to 8, lowered where needed so that its
+    last tile ends by n_cols (the streamed array's rows, a multiple of block_kv:
+    no tile reads past it).
     """
     bq, bk = cfg.block_q, cfg.block_kv
+    n = start.shape[0] // cfg.cta_rows
+    base = jnp.zeros((n,), jnp.int32)
+    if cfg.anchor:
+        if n_cols is None or n_cols % bk:
+            raise ValueError(f"tile_table: anchor needs n_cols, a multiple of {bk}, got {n_cols}")
+        s_min = start.reshape(n, cfg.cta_rows).min(axis=1)
+        e_max = end.reshape(n, cfg.cta_rows).max(axis=1)
+        first = s_min // 8 * 8
+        steps = (e_max - first + bk - 1) // bk
+        base = jnp.where(e_max > s_min, jnp.clip(jnp.minimum(first, n_cols - steps * bk), 0),
+                         0).astype(jnp.int32)
+        shift = jnp.repeat(base, cfg.cta_rows, total_repeat_length=start.shape[0])
+        start, end = start - shift, end - shift
     lo, hi = tile_ranges(start, end, bq, bk)                    # [n_wg]
     flo, fhi = interior_ranges(start, end, bq, bk, lo, hi)
     if not cfg.interior:
         flo = fhi = hi
-    n = lo.shape[0] // NUM_CONSUMERS
-    lo, hi, flo, fhi = (x.reshape(n, NUM_CONSUMERS) for x in (lo, hi, flo, fhi))
+    hn = hi
+    if cfg.narrow:
+        e_max = end.reshape(-1, bq).max(axis=1)
+        hn = jnp.where((hi > lo) & (e_max - (hi - 1) * bk <= bk // 2), hi - 1, hi)
+        flo, fhi = jnp.minimum(flo, hn), jnp.minimum(fhi, hn)
+    lo, hi, flo, fhi, hn = (x.reshape(n, NUM_CONSUMERS) for x in (lo, hi, flo, fhi, hn))
     empty = hi <= lo
     c_lo = jnp.min(jnp.where(empty, BIG, lo), axis=1)
     c_hi = jnp.max(jnp.where(empty, 0, hi), axis=1)
@@ -207,10 +267,11 @@ def tile_table(cfg, start, end):
     c_lo = jnp.where(cta_empty, 0, c_lo)
     c_hi = jnp.where(cta_empty, 0, c_hi)
     collapse = lambda x: jnp.where(empty, c_lo[:, None], x)
-    lo, flo, fhi, hi = (collapse(x) for x in (lo, flo, fhi, hi))
-    per_wg = jnp.stack([lo, flo, fhi, hi], axis=2).reshape(n, 4 * NUM_CONSUMERS)
+    lo, flo, fhi, hn, hi = (collapse(x) for x in (lo, flo, fhi, hn, hi))
+    per_wg = jnp.stack([lo, flo, fhi, hn, hi], axis=2).reshape(n, WG_COLS * NUM_CONSUMERS)
     tile = jnp.arange(n, dtype=jnp.int32)
-    table = jnp.concatenate([tile[:, None], c_lo[:, None], c_hi[:, None], per_wg], axis=1)
+    table = jnp.concatenate([tile[:, None], c_lo[:, None], c_hi[:, None], per_wg,
+                             base[:, None]], axis=1)
     if cfg.heavy_first:
         table = table[jnp.argsort(c_lo - c_hi, stable=True)]
     return table.astype(jnp.int32)
@@ -253,6 +314,22 @@ def activation_times_scale(s, activation, scale):
     if activation == "identity":
         return s * scale
     raise ValueError(f"unknown activation {activation!r}")
+
+
+def activation_packed(s16, activation):
+    """act(s16) in s16's 16-bit type (silu / gelu_tanh: packed multiplies and one
+    tanh.approx per two lanes with approx_math); the scale is left to the caller."""
+    half = jnp.asarray(0.5, s16.dtype)
+    if activation == "silu":       # h + h tanh(h), h = s / 2
+        h = s16 * half
+        return h + h * jnp.tanh(h)
+    if activation == "gelu_tanh":
+        c = math.sqrt(2.0 / math.pi)
+        t = jnp.tanh(s16 * (jnp.asarray(c, s16.dtype)
+                            + jnp.asarray(c * 0.044715, s16.dtype) * (s16 * s16)))
+        h = s16 * half
+        return h + h * t
+    raise ValueError(f"activation_packed: no packed form of {activation!r}")
 
 
 def activation_grad_times_scale(s, activation, scale):
@@ -335,20 +412,18 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def one_item(row, head, g0):
-            c_lo, c_hi, (lo, flo, fhi, hi), row0 = _item_tiles(table_ref, row, wg, cfg)
+            c_lo, c_hi, ranges, row0, base = _item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
             wait = _load_stationary(((q_ref.at[rows, head], q_smem),), q_bar, wg)
             start = plgpu.load(start_ref.at[rows], layout=row_layout, optimized=False)
             end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
             wait()
 
-            p_stage = None if p_smem is None else p_smem.at[wg]
-
-            def pv(acc_ref, p16, slot):   # P from registers (FA3), or staged
-                mma_from(acc_ref, p16, p_stage, v_smem.at[slot])
-
             def step(j, kind, carry, acc_ref=None):
-                """One key step; gdpa accumulates into acc_ref, softmax carries (acc, m, l)."""
+                """One key step; gdpa accumulates into acc_ref, softmax carries (acc, m, l).
+                A "narrow" step works on the first half of the slot's keys."""
+                w = bk // 2 if kind == "narrow" else bk
+                keys = lambda ref: ref if w == bk else ref.at[pl.ds(0, w)]  # noqa: E731
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 if kind == "skip":       # keep the barrier phases in step, no math
@@ -363,12 +438,17 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                     return carry
 
                 def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, q_smem, keys(k_smem.at[slot]).transpose((1, 0)))
                     sched()
                     return s_ref[...]             # waits for the wgmma
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
+                s = pl.run_scoped(qk, plgpu.ACC((bq, w), F32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                valid = None if kind == "plain" else _tile_mask(start, end, base + j * bk, bq, w)
+
+                def pv(acc_ref, p16, slot):   # P from registers (FA3), or staged
+                    stage = None if p_smem is None else (
+                        p_smem.at[wg] if w == bk else p_smem.at[wg, :, pl.ds(0, w)])
+                    mma_from(acc_ref, p16, stage, keys(v_smem.at[slot]))
                 if softmax:   # online softmax in base 2 (the Triton kernels' lse convention)
                     acc, m, l = carry
                     c = cfg.scale * LOG2E
@@ -379,15 +459,19 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                         s = jnp.where(valid, s, NEG)
                     if fold:    # m in scaled units; s c - m contracts to one FMA
                         m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
-                        pr = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, (bq, bk), [0]))
+                        pr = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, (bq, w), [0]))
                     else:
                         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-                        pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, bk), [0]))
+                        pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, w), [0]))
                     if valid is not None:   # a row with no valid key yet: exp2(0) = 1 there
                         pr = jnp.where(valid, pr, 0.0)
                     alpha = jnp.exp2(m - m_new)
                     l = l * alpha + jnp.sum(pr, axis=1)
                     acc = acc * lax.broadcast_in_dim(alpha, (bq, d), [0])
+                elif cfg.packed_act:   # scale: on the output (below)
+                    pr = activation_packed(s.astype(dtype), cfg.activation)
+                    if valid is not None:
+                        pr = jnp.where(valid, pr, jnp.zeros_like(pr))
                 else:
                     pr = activation_times_scale(s, cfg.activation, cfg.scale)
                     if valid is not None:
@@ -411,7 +495,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                 plgpu.barrier_arrive(v_free.at[slot])
                 return (acc, m_new, l) if softmax else carry
 
-            ranges = _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi)
+            ranges = _walk_ranges(c_lo, c_hi, ranges, cfg.narrow)
             if softmax:
                 carry = (plgpu.layout_cast(jnp.zeros((bq, d), F32), plgpu.Layout.WGMMA),
                          plgpu.layout_cast(jnp.full((bq,), NEG, F32), row_layout),
@@ -432,6 +516,8 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                             step(j, kind, None, acc_ref)
                     return acc_ref[...]
                 acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
+                if cfg.packed_act:
+                    acc = acc * cfg.scale
             q_smem[...] = acc.astype(dtype)   # Q's tile is free: stage the output there
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[rows, head])
@@ -458,12 +544,13 @@ def _produce(table_ref, a_ref, b_ref, a_smem, b_smem, a_bar, b_bar, a_free, b_fr
     def one_item(row, head, g0):
         c_lo = table_ref[row, 1]
         c_hi = table_ref[row, 2]
+        base = pl.multiple_of(table_ref[row, BASE_COL], 8)   # TMA tile rows: see tile_table
 
         @pl.loop(c_lo, c_hi)
         def _(j):
             g = g0 + j - c_lo
             slot = lax.rem(g, jnp.int32(stages))
-            rows = pl.ds(j * tile, tile)
+            rows = pl.ds(base + j * tile, tile)
             # step g - stages used this slot: wait until both consumers released it
             pl.when(g >= stages)(lambda: plgpu.barrier_wait(a_free.at[slot]))
             plgpu.copy_gmem_to_smem(a_ref.at[rows, head], a_smem.at[slot], a_bar.at[slot])
@@ -531,11 +618,12 @@ def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
 
 
 def _item_tiles(table_ref, row, wg, cfg):
-    """Consumer wg's part of CTA table row `row`: (c_lo, c_hi, (lo, flo, fhi, hi), row0),
-    row0 its first stationary row."""
-    ranges = tuple(table_ref[row, 3 + 4 * wg + c] for c in range(4))
+    """Consumer wg's part of CTA table row `row`: (c_lo, c_hi, (lo, flo, fhi, hn, hi),
+    row0, base), row0 its first stationary row, base the first streamed row of tile 0."""
+    ranges = tuple(table_ref[row, 3 + WG_COLS * wg + c] for c in range(WG_COLS))
     return (table_ref[row, 1], table_ref[row, 2], ranges,
-            table_ref[row, 0] * cfg.cta_rows + wg * cfg.block_q)
+            table_ref[row, 0] * cfg.cta_rows + wg * cfg.block_q,
+            pl.multiple_of(table_ref[row, BASE_COL], 8))
 
 
 def _load_stationary(copies, bar, wg):
@@ -552,10 +640,14 @@ def _load_stationary(copies, bar, wg):
     return wait
 
 
-def _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi):
-    """A consumer's five loops over its CTA's tiles [c_lo, c_hi) (module docstring):
-    (first, last, kind) with kind "skip" (barriers only), "masked" or "plain"."""
-    return ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"), (fhi, hi, "masked"),
+def _walk_ranges(c_lo, c_hi, ranges, narrow):
+    """A consumer's loops over its CTA's tiles [c_lo, c_hi) (module docstring), ranges =
+    (lo, flo, fhi, hn, hi) from _item_tiles: (first, last, kind) with kind "skip"
+    (barriers only), "masked", "plain" or, where `narrow` (cfg.narrow in the forward;
+    else hn = hi), "narrow" (masked, the tile's first half only)."""
+    lo, flo, fhi, hn, hi = ranges
+    last = ((fhi, hn, "masked"), (hn, hi, "narrow")) if narrow else ((fhi, hi, "masked"),)
+    return ((c_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "plain"), *last,
             (hi, c_hi, "skip"))
 
 
@@ -567,11 +659,11 @@ def _scores_nt(a_smem, b_smem, rows, cols):
     return pl.run_scoped(f, plgpu.ACC((rows, cols), F32))
 
 
-def _tile_mask(start, end, j, rows, cols):
-    """valid [rows, cols]: column j * cols + c lies in its row's [start, end)."""
+def _tile_mask(start, end, col0, rows, cols):
+    """valid [rows, cols]: column col0 + c lies in its row's [start, end)."""
     col = plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=plgpu.Layout.WGMMA)
-    a = lax.broadcast_in_dim(start - j * cols, (rows, cols), [0])
-    b = lax.broadcast_in_dim(end - j * cols, (rows, cols), [0])
+    a = lax.broadcast_in_dim(start - col0, (rows, cols), [0])
+    b = lax.broadcast_in_dim(end - col0, (rows, cols), [0])
     return (col >= a) & (col < b)
 
 
@@ -627,7 +719,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
         stage = None if ds_smem is None else ds_smem.at[wg]
 
         def one_item(row, head, g0):
-            c_lo, c_hi, (lo, flo, fhi, hi), row0 = _item_tiles(table_ref, row, wg, cfg)
+            c_lo, c_hi, ranges, row0, base = _item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
             copies = [(q_ref.at[rows, head], qs), (do_ref.at[rows, head], dos)]
             if fused:
@@ -655,7 +747,8 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 plgpu.barrier_wait(v_bar.at[slot])
                 if kind != "skip" and cfg.overlap_dp:
                     s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
-                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
+                             else None)
 
                     def overlapped(dp_ref):
                         plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))  # dO V^T
@@ -668,7 +761,8 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 elif kind != "skip":
                     s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
                     dp = _scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
-                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
+                             else None)
                     _, ds = _grad_tiles(cfg, s, dp, lse, delta, valid, False)
                     mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
                     plgpu.wgmma_wait(0)
@@ -676,7 +770,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 plgpu.barrier_arrive(v_free.at[slot])
 
             def walk(acc_ref):
-                for a, b, kind in _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi):
+                for a, b, kind in _walk_ranges(c_lo, c_hi, ranges, False):
                     @pl.loop(a, b)
                     def _(j, kind=kind):
                         step(j, kind, acc_ref)
@@ -711,7 +805,7 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
         ds_stage = None if ds_smem is None else ds_smem.at[wg]
 
         def one_item(row, head, g0):
-            c_lo, c_hi, (lo, flo, fhi, hi), row0 = _item_tiles(table_ref, row, wg, cfg)
+            c_lo, c_hi, ranges, row0, base = _item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
             wait = _load_stationary(((k_ref.at[rows, head], ks), (v_ref.at[rows, head], vs)),
                                     kv_bar, wg)
@@ -726,14 +820,15 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     # the streamed queries' lse / delta straight from global memory,
                     # issued before the barrier waits and the two wgmmas so that their
                     # latency hides behind them
-                    cols = pl.ds(j * bk, bk)
+                    cols = pl.ds(base + j * bk, bk)
                     load = lambda ref: plgpu.load(ref, layout=col_layout, optimized=False)  # noqa: E731
                     lse, delta = load(lse_ref.at[head, cols]), load(delta_ref.at[head, cols])
                 plgpu.barrier_wait(q_bar.at[slot])
                 plgpu.barrier_wait(do_bar.at[slot])
                 if kind != "skip" and cfg.overlap_dp:
                     st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
-                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
+                             else None)
 
                     def overlapped(dpt_ref):
                         plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))  # dP^T
@@ -747,7 +842,8 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 elif kind != "skip":
                     st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
                     dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
-                    valid = _tile_mask(start, end, j, bq, bk) if kind == "masked" else None
+                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
+                             else None)
                     pt, dst = _grad_tiles(cfg, st, dpt, lse, delta, valid, True)
                     mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
                     mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
@@ -756,7 +852,7 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 plgpu.barrier_arrive(do_free.at[slot])
 
             def walk(dk_acc, dv_acc):
-                for a, b, kind in _walk_ranges(c_lo, lo, flo, fhi, hi, c_hi):
+                for a, b, kind in _walk_ranges(c_lo, c_hi, ranges, False):
                     @pl.loop(a, b)
                     def _(j, kind=kind):
                         step(j, kind, dk_acc, dv_acc)
@@ -798,13 +894,14 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
     params = plgpu.CompilerParams(approx_math=True)
     interp = (plgpu.InterpretGPUParams() if interpret is True else interpret) or None
 
-    def launch(kernel, kcfg, start, end, outs, staged, extra=(), loads=2, delta_in=None):
+    def launch(kernel, kcfg, start, end, n_cols, outs, staged, extra=(), loads=2,
+               delta_in=None):
         """kernel over kcfg's tile table of rows [start, end): scratch = two stationary
         [NC, block_q, D] tiles and `extra` (`loads` stationary tiles in all, each with
         its barriers, then any other scratch), the ring of two streamed [stages, kcfg.block_kv, D]
         tiles, `staged` P / dS staging tiles (interpret mode, p_via_smem), the
         stationary loads' barriers, the ring's loaded / free barriers."""
-        table, bk = tile_table(kcfg, start, end), kcfg.block_kv
+        table, bk = tile_table(kcfg, start, end, n_cols), kcfg.block_kv
         ring = [smem(stages, bk, d), smem(stages, bk, d)]
         bars = ([plgpu.Barrier(num_barriers=stages)] * 2
                 + [plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)] * 2)
@@ -822,15 +919,15 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
     if cfg.fused_delta and cfg.mode == "softmax":
         if o is None:
             raise ValueError("mosaic backward: fused_delta needs the forward's output o")
-        dq, delta = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"],
+        dq, delta = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"], tk,
                            (jax.ShapeDtypeStruct(q.shape, q.dtype),
                             jax.ShapeDtypeStruct((h, tq), F32)), 1,
                            extra=[smem(NUM_CONSUMERS, bq, d),
                                   plgpu.SMEM((NUM_CONSUMERS, bq), F32)], loads=3, delta_in=o)
     else:
-        dq = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"],
+        dq = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"], tk,
                     jax.ShapeDtypeStruct(q.shape, q.dtype), 1)
-    dk, dv = launch(_dkv_kernel, cfg, lay["k_start"], lay["k_end"],
+    dk, dv = launch(_dkv_kernel, cfg, lay["k_start"], lay["k_end"], tq,
                     (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, 2)
     return dq, dk, dv
 
@@ -898,14 +995,15 @@ def mosaic_config(d, dtype, *, mode="gdpa", activation="silu", scale=1.0, **tuni
     return cfg
 
 
-def build_layout(cfg, q_offsets, kv_offsets, tq, interpret=False):
-    """(table, start, end) for run_kernel, from the offsets; tq: padded capacity.
+def build_layout(cfg, q_offsets, kv_offsets, tq, interpret=False, tk=None):
+    """(table, start, end) for run_kernel, from the offsets; tq / tk: padded capacities
+    (tk: needed with cfg.anchor).
     XLA ops, or one Pallas kernel with cfg.pallas_layout (interpret: as run_kernel's)."""
     q_offsets, kv_offsets = q_offsets.astype(jnp.int32), kv_offsets.astype(jnp.int32)
     if cfg.pallas_layout:
         return pallas_layout(cfg, q_offsets, kv_offsets, tq, interpret=bool(interpret))
     start, end = row_key_intervals(q_offsets, kv_offsets, tq)
-    return tile_table(cfg, start, end), start, end
+    return tile_table(cfg, start, end, tk), start, end
 
 
 def _layout_kernel(qo_ref, ko_ref, table_ref, start_ref, end_ref, *, cfg, b):
@@ -938,7 +1036,7 @@ def _layout_kernel(qo_ref, ko_ref, table_ref, start_ref, end_ref, *, cfg, b):
         f_lo, f_hi = jnp.where(f_empty, t_hi, f_lo), jnp.where(f_empty, t_hi, f_hi)
         if not cfg.interior:
             f_lo = f_hi = t_hi
-        cols.append((empty, t_lo, f_lo, f_hi, t_hi))
+        cols.append((empty, t_lo, f_lo, f_hi, t_hi, t_hi))   # hn = hi: no narrow step
     c_lo = functools.reduce(jnp.minimum, [jnp.where(e, BIG, a) for e, a, *_ in cols])
     c_hi = functools.reduce(jnp.maximum, [jnp.where(e, 0, c[-1]) for e, *c in cols])
     cta_empty = c_hi <= c_lo
@@ -990,7 +1088,7 @@ class MosaicFlashForward:
                                   self.interpret)
         else:
             start, end = lay["q_start"], lay["q_end"]
-            layout = tile_table(self.cfg, start, end), start, end
+            layout = tile_table(self.cfg, start, end, k.shape[0]), start, end
         return run_kernel(self.cfg, layout, q, k, v, self.interpret)
 
 
@@ -1073,7 +1171,7 @@ def _mosaic_forward(name, mode, q, k, v, q_offsets, kv_offsets, causal, window, 
         return (jnp.zeros_like(q), jnp.zeros((h, tq), F32)) if mode == "softmax" else jnp.zeros_like(q)
     tqp = -(-tq // cfg.cta_rows) * cfg.cta_rows            # a copy unless already a multiple
     tkp = -(-max(k.shape[0], 1) // cfg.block_kv) * cfg.block_kv
-    layout = build_layout(cfg, q_offsets, kv_offsets, tqp, interpret)
+    layout = build_layout(cfg, q_offsets, kv_offsets, tqp, interpret, tkp)
     out = run_kernel(cfg, layout, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp),
                      interpret)
     if mode == "softmax":

@@ -32,8 +32,9 @@ import pytest
 
 from kernels.gdpa import gdpa_reference
 from kernels.jagged_attention import jagged_attention_reference
-from kernels.mosaic_flash import (BIG, MosaicConfig, gdpa_mosaic_forward, row_key_intervals,
-                                  softmax_mosaic_forward, tile_table)
+from kernels.mosaic_flash import (BASE_COL, BIG, TABLE_COLS, WG_COLS, MosaicConfig,
+                                  gdpa_mosaic_forward, row_key_intervals, softmax_mosaic_forward,
+                                  tile_table)
 
 # Lengths around the tiles (64-row consumer tile, 128-row CTA, 64 / 128-key tiles):
 # empty, 1, tile - 1 / tile / tile + 1; 580 tokens in capacity 768: a 188-row
@@ -100,9 +101,12 @@ def test_exports_every_activation(activation):
 @pytest.mark.parametrize("tuning", [dict(block_kv=128, num_stages=3), dict(p_via_smem=True),
                                     dict(schedule_barrier=False, interior=False),
                                     dict(block_q=128, block_kv=64), dict(persistent=True),
-                                    dict(persistent=True, block_kv=64, num_stages=4)],
+                                    dict(persistent=True, block_kv=64, num_stages=4),
+                                    dict(anchor=False, narrow_last=False),
+                                    dict(anchor=False), dict(act_packed=True)],
                          ids=["bk128_s3", "p_smem", "no_sched_no_interior", "bq128",
-                              "persistent", "persistent_bk64_s4"])
+                              "persistent", "persistent_bk64_s4", "unanchored",
+                              "unanchored_narrow", "act_packed"])
 def test_exports_sweep_knobs(tuning):
     """The benchmark's sweep entries lower too (D=128 is the W1 head dim)."""
     assert "mosaic_gpu" in _export(128, tuning)
@@ -116,15 +120,22 @@ def test_shared_memory_overflow_is_caught_at_export():
 # ------------------------------------------------------ CPU: tile table (pure XLA)
 
 @pytest.mark.parametrize("heavy_first", [True, False])
-@pytest.mark.parametrize("cfg_kw", [dict(), dict(block_kv=64), dict(interior=False)])
+@pytest.mark.parametrize("cfg_kw", [dict(), dict(block_kv=64), dict(interior=False),
+                                    dict(anchor=False, narrow_last=False),
+                                    dict(anchor=False, block_kv=64),
+                                    dict(anchor=False), dict(block_kv=256)])
 def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
     """Every valid (row, key) pair lies in its consumer's [lo, hi); interior tiles hold
-    only valid pairs; c_lo <= lo <= flo <= fhi <= hi <= c_hi; each CTA tile once."""
+    only valid pairs; c_lo <= lo <= flo <= fhi <= hi <= c_hi; each CTA tile once;
+    tile j starts at key base + j block_kv, base a multiple of 8 (0 unanchored) and no
+    tile past the keys' capacity; a narrow last tile [hn, hi) only where the rows' keys
+    end in its first half."""
     cfg = MosaicConfig(heavy_first=heavy_first, **cfg_kw)
     for q_lens, kv_lens, tq in ((SELF, SELF, 768), (CROSS_Q, CROSS_KV, 512)):
         qo, ko = offsets_of(q_lens), offsets_of(kv_lens)
         start, end = (np.asarray(x) for x in row_key_intervals(qo, ko, tq))
-        table = np.asarray(tile_table(cfg, jnp.asarray(start), jnp.asarray(end)))
+        table = np.asarray(tile_table(cfg, jnp.asarray(start), jnp.asarray(end), tq))
+        assert table.shape[1] == TABLE_COLS
         bq, bk = cfg.block_q, cfg.block_kv
         assert sorted(table[:, 0]) == list(range(tq // cfg.cta_rows))
         if heavy_first:
@@ -133,10 +144,12 @@ def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
         seg = np.searchsorted(np.asarray(qo), np.arange(tq), side="right") - 1
         ko = np.asarray(ko)
         for row in table:
-            tile, c_lo, c_hi = row[:3]
+            tile, c_lo, c_hi, base = *row[:3], row[BASE_COL]
+            assert base % 8 == 0 and base + c_hi * bk <= tq and (cfg.anchor or base == 0), row
             for w in range(2):
-                lo, flo, fhi, hi = row[3 + 4 * w: 7 + 4 * w]
-                assert c_lo <= lo <= flo <= fhi <= hi <= c_hi, row
+                lo, flo, fhi, hn, hi = row[3 + WG_COLS * w: 3 + WG_COLS * (w + 1)]
+                assert c_lo <= lo <= flo <= fhi <= hn <= hi <= c_hi, row
+                assert hn == hi or (cfg.narrow and hn == hi - 1), row
                 rows = tile * cfg.cta_rows + w * bq + np.arange(bq)
                 for r in rows:
                     b = seg[r]
@@ -144,9 +157,32 @@ def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
                     assert (start[r], end[r]) == ((int(ko[b]), int(ko[b + 1])) if valid
                                                   else (BIG, 0))
                     if valid:  # its keys lie in the consumer's key tiles
-                        assert lo * bk <= start[r] and end[r] <= hi * bk, (row, r)
+                        assert base + lo * bk <= start[r] and end[r] <= base + hi * bk, (row, r)
+                        assert hn == hi or end[r] <= base + hn * bk + bk // 2, (row, r)
                     # interior tiles: every key valid for this row
-                    assert not (fhi > flo and not (start[r] <= flo * bk and fhi * bk <= end[r]))
+                    assert not (fhi > flo and not (start[r] <= base + flo * bk
+                                                   and base + fhi * bk <= end[r]))
+
+
+def test_anchored_tiles_compute_fewer_pairs():
+    """On W1's lengths, tiles anchored at each CTA's first key cover fewer (row, key)
+    pairs than tiles at multiples of 128, narrow last steps fewer still, and all cover
+    the valid ones."""
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(np.int64), 16, 4096)
+    qo = offsets_of(lens)
+    tq = -(-int(lens.sum()) // 128) * 128
+    start, end = row_key_intervals(qo, qo, tq)
+    covered = {}
+    for knobs in ((), ("anchor",), ("anchor", "narrow_last")):
+        cfg = MosaicConfig(anchor="anchor" in knobs, narrow_last="narrow_last" in knobs)
+        t = np.asarray(tile_table(cfg, start, end, tq))
+        lo, flo, fhi, hn, hi = t[:, 3:3 + 2 * WG_COLS].reshape(-1, 2, WG_COLS).transpose(2, 0, 1)
+        covered[knobs] = int(64 * 128 * (hn - lo).sum() + 64 * 64 * (hi - hn).sum())
+    valid = int((lens.astype(np.int64) ** 2).sum())
+    assert valid <= covered[("anchor", "narrow_last")] < covered[("anchor",)] < covered[()]
+    assert valid / covered[()] < 0.86 and valid / covered[("anchor",)] > 0.88
+    assert valid / covered[("anchor", "narrow_last")] > 0.91
 
 
 # ------------------------------------------------- CPU: the Pallas layout kernel
@@ -158,7 +194,8 @@ def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
                                 dict(block_kv=64, heavy_first=False)],
                          ids=["in_order", "heavy_first", "no_interior", "bk64"])
 def test_pallas_layout_equals_the_xla_layout(lens, kw):
-    """pallas_layout (Pallas Triton, interpret mode) = row_key_intervals + tile_table."""
+    """pallas_layout (Pallas Triton, interpret mode) = row_key_intervals + tile_table
+    (unanchored, no narrow steps: the Pallas layout builds neither)."""
     from kernels.mosaic_flash import pallas_layout
     ql, kl, tq = lens
     qo, ko = offsets_of(ql), offsets_of(kl)
@@ -167,7 +204,8 @@ def test_pallas_layout_equals_the_xla_layout(lens, kw):
     s2, e2 = row_key_intervals(qo, ko, tq)
     np.testing.assert_array_equal(np.asarray(start), np.asarray(s2))
     np.testing.assert_array_equal(np.asarray(end), np.asarray(e2))
-    np.testing.assert_array_equal(np.asarray(table)[:, :11], np.asarray(tile_table(cfg, s2, e2)))
+    np.testing.assert_array_equal(np.asarray(table)[:, :TABLE_COLS], np.asarray(tile_table(
+        dataclasses.replace(cfg, anchor=False, narrow_last=False), s2, e2)))
 
 
 def test_flash_forward_with_the_pallas_layout(interpreter_guard):
@@ -177,8 +215,9 @@ def test_flash_forward_with_the_pallas_layout(interpreter_guard):
     from kernels.mosaic_flash import MosaicFlashForward
     q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=12)
     lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 768, 768, 64)
-    outs = [jax.jit(MosaicFlashForward(MosaicConfig(scale=0.3, pallas_layout=p), interpret=True))(
-        q, k, v, lay) for p in (True, False)]
+    cfgs = [MosaicConfig(scale=0.3, pallas_layout=p, anchor=False, narrow_last=False)
+            for p in (True, False)]    # the XLA table as the Pallas one: same sums, same bits
+    outs = [jax.jit(MosaicFlashForward(c, interpret=True))(q, k, v, lay) for c in cfgs]
     np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
     want = np.asarray(gdpa_reference(q, k, v, qo, ko, scale=0.3), np.float64)
     assert np.max(np.abs(np.asarray(outs[0], np.float64) - want)) / np.max(np.abs(want)) < TOL
@@ -244,6 +283,17 @@ INTERPRET_CASES = [
     # the layout from one Pallas kernel instead of XLA ops
     (SELF, SELF, 768, 768, 1, 64, "silu", 0.3, dict(pallas_layout=True)),
     (CROSS_Q, CROSS_KV, 512, 512, 1, 64, "silu", 0.5, dict(pallas_layout=True, heavy_first=False)),
+    # key tiles at multiples of the tile (the default anchors them at each CTA's first
+    # key, the last CTAs' bases lowered to the capacity), with and without narrow last
+    # steps, in the grid and in persistent CTAs
+    (SELF, SELF, 768, 768, 1, 64, "silu", 0.3, dict(anchor=False, narrow_last=False)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 128, "gelu_tanh", 0.3, dict(anchor=False, block_kv=64)),
+    (SELF, SELF, 768, 768, 2, 64, "gelu", 0.2, dict(anchor=False, persistent=True, num_ctas=3)),
+    (SELF, SELF, 768, 768, 1, 128, "silu", 0.3, dict(anchor=False)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, "gelu", 0.3, dict(interior=False)),
+    # the activation in bf16, two lanes per instruction, the scale on the output
+    (SELF, SELF, 768, 768, 1, 128, "silu", 0.3, dict(act_packed=True)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, "gelu_tanh", 0.2, dict(act_packed=True, anchor=False)),
 ]
 
 
@@ -315,6 +365,19 @@ def test_bad_knob_and_activation():
         gdpa_mosaic_forward(q, q, q, off, off, activation="tanh")
 
 
+
+def test_layout_and_activation_knobs_apply_where_the_kernel_can():
+    """narrow steps need 128- or 256-key tiles (P V's wgmma K); the packed activation is
+    for gdpa silu / gelu_tanh: elsewhere both knobs are ignored, not an error."""
+    assert MosaicConfig().narrow and MosaicConfig(block_kv=256).narrow
+    assert not MosaicConfig(block_kv=64).narrow and not MosaicConfig(narrow_last=False).narrow
+    assert MosaicConfig(act_packed=True).packed_act
+    assert MosaicConfig(act_packed=True, activation="gelu_tanh").packed_act
+    for kw in (dict(activation="relu"), dict(activation="gelu"), dict(mode="softmax")):
+        assert not MosaicConfig(act_packed=True, **kw).packed_act
+    assert not MosaicConfig().packed_act      # off by default
+
+
 def test_no_samples_gives_zeros():
     q = jnp.ones((128, 1, 64), jnp.bfloat16)
     off = jnp.zeros((1,), jnp.int32)
@@ -350,6 +413,9 @@ GPU_TUNINGS = {
     "persistent": dict(persistent=True),
     "persistent_bk64_s4": dict(persistent=True, block_kv=64, num_stages=4),
     "pallas_layout": dict(pallas_layout=True),
+    "unanchored": dict(anchor=False, narrow_last=False),
+    "unanchored_narrow": dict(anchor=False),
+    "act_packed": dict(act_packed=True),
 }
 GPU_REALISTIC = [(128, name) for name in GPU_TUNINGS] + [(64, "default"), (64, "persistent")]
 
@@ -545,6 +611,11 @@ SOFTMAX_CASES = [   # (q lens, kv lens, Tq, Tk, h, d, sm_scale, tuning)
     # without keys; a negative scale keeps the unfolded path (max(s c) != max(s) c)
     (SELF, SELF, 768, 768, 1, 128, None, dict(fold_scale=False, interior=False)),
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, -0.3, dict(fold_scale=True, block_kv=64)),
+    # tiles at multiples of the tile, with and without narrow last steps
+    (SELF, SELF, 768, 768, 2, 64, None, dict(anchor=False, narrow_last=False)),
+    (CROSS_Q, CROSS_KV, 512, 512, 1, 128, None, dict(anchor=False, interior=False)),
+    (SELF, SELF, 768, 768, 1, 128, None, dict(anchor=False)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, 0.3, dict(interior=False)),
 ]
 SOFTMAX_IDS = [f"d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
                + ("_".join(f"{k}{v}" for k, v in c[7].items()) or "default") for c in SOFTMAX_CASES]
@@ -559,8 +630,10 @@ def test_softmax_interpreter_matches_reference(case, interpreter_guard):
 
 
 @pytest.mark.parametrize("tuning", [{}, dict(persistent=True), dict(pv_in_place=False),
-                                    dict(p_via_smem=True), dict(fold_scale=False)],
-                         ids=["default", "persistent", "fresh_acc", "p_smem", "unfolded_scale"])
+                                    dict(p_via_smem=True), dict(fold_scale=False),
+                                    dict(anchor=False, narrow_last=False)],
+                         ids=["default", "persistent", "fresh_acc", "p_smem", "unfolded_scale",
+                              "unanchored"])
 def test_softmax_exports_for_cuda(tuning):
     """The GPU form (P from registers into the carried accumulator, FA3's run_state) lowers."""
     sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
@@ -592,7 +665,8 @@ def test_gpu_softmax_edge_cases(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "persistent", "p_smem", "bk64_s4", "fresh_acc"])
+@pytest.mark.parametrize("name", ["default", "persistent", "p_smem", "bk64_s4", "fresh_acc",
+                                  "unanchored", "unanchored_narrow"])
 def test_gpu_softmax_realistic_lengths(name):
     _require_gpu()
     tuning = {**GPU_TUNINGS, "fresh_acc": dict(pv_in_place=False)}[name]
@@ -797,7 +871,9 @@ KNOB_CASES = [(dict(fused_delta=False), 0), (dict(fused_delta=False), 1),
               (dict(overlap_dp=True), 3), (dict(overlap_dp=True), 4),
               (dict(overlap_dp=True, fused_delta=False), 1),
               (dict(fold_scale=False), 0), (dict(fold_scale=False, overlap_dp=True), 1),
-              (dict(fold_scale=False, fused_delta=False), 2)]
+              (dict(fold_scale=False, fused_delta=False), 2),
+              (dict(anchor=False), 0), (dict(anchor=False), 1), (dict(anchor=False), 3),
+              (dict(anchor=False, fused_delta=False), 4)]
 
 
 @pytest.mark.parametrize("knobs,i", KNOB_CASES,
@@ -866,16 +942,21 @@ def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs"])
+@pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs",
+                                  "softmax_unanchored", "gdpa_unanchored"])
 def test_gpu_backward_on_w1_lengths(mode):
     """W1 lengths, bf16, H=4, D=128: the Mosaic forward + backward vs the Triton engines,
     and on a 16-sample slice vs the f32 reference (also with the knobs overlap_dp on and
-    fused_delta off: delta from an XLA reduce)."""
+    fused_delta off: delta from an XLA reduce; and with tiles at multiples of the tile
+    size in all three kernels, no narrow last steps in the forward)."""
     _require_gpu()
     mode, _, knobs = mode.partition("_")
     kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
     if knobs == "knobs":
         kw["mosaic_bwd"] = (("overlap_dp", True), ("fused_delta", False))
+    if knobs == "unanchored":
+        kw["mosaic_fwd"] = (("anchor", False), ("narrow_last", False))
+        kw["mosaic_bwd"] = (("anchor", False),)
     rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)
