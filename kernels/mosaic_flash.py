@@ -295,8 +295,10 @@ def _erf(x):
 
 
 def activation_times_scale(s, activation, scale):
-    """act(s) * scale in float32, written with ops Mosaic GPU lowers (tanh is one
-    tanh.approx with approx_math; silu needs no exp and no divide)."""
+    """act(s) * scale in s's type, written with ops Mosaic GPU lowers (tanh is one
+    tanh.approx with approx_math; silu needs no exp and no divide). The Python-float
+    constants keep s's type: for 16-bit s (act_packed) the multiplies and tanh run
+    two lanes per instruction."""
     if activation == "silu":       # s * sigmoid(s) = h + h tanh(h), h = s / 2
         t = jnp.tanh(s * 0.5)
         hs = s * (0.5 * scale)
@@ -314,22 +316,6 @@ def activation_times_scale(s, activation, scale):
     if activation == "identity":
         return s * scale
     raise ValueError(f"unknown activation {activation!r}")
-
-
-def activation_packed(s16, activation):
-    """act(s16) in s16's 16-bit type (silu / gelu_tanh: packed multiplies and one
-    tanh.approx per two lanes with approx_math); the scale is left to the caller."""
-    half = jnp.asarray(0.5, s16.dtype)
-    if activation == "silu":       # h + h tanh(h), h = s / 2
-        h = s16 * half
-        return h + h * jnp.tanh(h)
-    if activation == "gelu_tanh":
-        c = math.sqrt(2.0 / math.pi)
-        t = jnp.tanh(s16 * (jnp.asarray(c, s16.dtype)
-                            + jnp.asarray(c * 0.044715, s16.dtype) * (s16 * s16)))
-        h = s16 * half
-        return h + h * t
-    raise ValueError(f"activation_packed: no packed form of {activation!r}")
 
 
 def activation_grad_times_scale(s, activation, scale):
@@ -469,7 +455,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                     l = l * alpha + jnp.sum(pr, axis=1)
                     acc = acc * lax.broadcast_in_dim(alpha, (bq, d), [0])
                 elif cfg.packed_act:   # scale: on the output (below)
-                    pr = activation_packed(s.astype(dtype), cfg.activation)
+                    pr = activation_times_scale(s.astype(dtype), cfg.activation, 1.0)
                     if valid is not None:
                         pr = jnp.where(valid, pr, jnp.zeros_like(pr))
                 else:

@@ -164,12 +164,16 @@ def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
                                                    and base + fhi * bk <= end[r]))
 
 
+def w1_lengths(rng):
+    """The bench workload W1's 64 sample lengths (rng = default_rng(0) gives its draw)."""
+    return np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+
+
 def test_anchored_tiles_compute_fewer_pairs():
     """On W1's lengths, tiles anchored at each CTA's first key cover fewer (row, key)
     pairs than tiles at multiples of 128, narrow last steps fewer still, and all cover
     the valid ones."""
-    rng = np.random.default_rng(0)
-    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(np.int64), 16, 4096)
+    lens = w1_lengths(np.random.default_rng(0))
     qo = offsets_of(lens)
     tq = -(-int(lens.sum()) // 128) * 128
     start, end = row_key_intervals(qo, qo, tq)
@@ -451,8 +455,7 @@ def test_gpu_matches_triton_path_on_w1_lengths():
     """W1 lengths (bench workload), bf16, H=4, D=128: Mosaic vs our Triton forward."""
     _require_gpu()
     from kernels.gdpa import gdpa
-    rng = np.random.default_rng(0)
-    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    lens = w1_lengths(np.random.default_rng(0))
     t = int(-(-lens.sum() // 128) * 128)
     q, k, v, qo, ko = make_case(lens, lens, t, t, 4, 128, seed=1)
     scale = 1.0 / int(lens.max())
@@ -490,7 +493,7 @@ def _w1_case():
     """(rng, lengths, (q, k, v, q_offsets, kv_offsets), w): W1's 64 lengths (bench
     workload) with an empty sample, length 1 and 129 first; bf16, H=4, D=128."""
     rng = np.random.default_rng(0)
-    lens = np.clip(rng.lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    lens = w1_lengths(rng)
     lens[:3] = [0, 1, 129]
     t = int(-(-lens.sum() // 128) * 128)
     case = make_case(lens, lens, t, t, 4, 128, seed=1)
@@ -756,7 +759,7 @@ def test_bench_smoke_in_interpret_mode(tmp_path):
                  "mosaic[block_kv=64+num_stages=3]"):
         assert rows[name]["rel_diff_vs_triton"] < TOL, rows[name]
     meta = res["meta"]
-    lens = np.clip(np.random.default_rng(0).lognormal(np.log(512), 0.8, 64).astype(int), 16, 4096)
+    lens = w1_lengths(np.random.default_rng(0))
     assert meta["valid_pairs"] == int(lens[0]) ** 2
     assert meta["fwd_gflop"] == pytest.approx(4 * 1 * 128 * lens[0] ** 2 / 1e9)
 
