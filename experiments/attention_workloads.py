@@ -116,7 +116,7 @@ def parse_mosaic_knobs(spec):
 def parse_variant(spec):
     """'softmax_mosaic[fused_delta=1]' -> ('softmax', 'mosaic', (('fused_delta', True),)):
     an op (gdpa / softmax, or block: the per-block kernel, triton only), an engine
-    (triton / mosaic) and Mosaic backward knobs (parse_mosaic_knobs, sorted);
+    (triton / mosaic) and MosaicConfig knobs (parse_mosaic_knobs, sorted);
     ValueError if malformed."""
     name, _, knobs = spec.partition("[")
     op, _, engine = name.partition("_")
@@ -156,13 +156,15 @@ def fwd_and_train(fn):
 
 
 def op_fn(op, engine, knobs, qo, ko, scale):
-    """fn(q, k, v) of a parse_variant triple on offsets qo, ko (GDPA: SiLU with `scale`)."""
+    """fn(q, k, v) of a parse_variant triple on offsets qo, ko (GDPA: SiLU with `scale`).
+    The knobs go to all three Mosaic kernels; each takes the ones it has (forward-only
+    knobs leave the backward as it is, and the other way round)."""
     from kernels.block_attention.pallas import block_attention_pallas
     from kernels.gdpa.pallas import gdpa_pallas
     from kernels.jagged_attention.pallas import jagged_attention_pallas
     if op == "block":
         return lambda q, k, v: block_attention_pallas(q, k, v, qo)
-    kw = dict(forward=engine, backward=engine, mosaic_bwd=knobs)
+    kw = dict(forward=engine, backward=engine, mosaic_fwd=knobs, mosaic_bwd=knobs)
     if op == "gdpa":
         return lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation="silu", scale=scale, **kw)
     return lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, **kw)

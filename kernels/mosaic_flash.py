@@ -33,15 +33,20 @@ Schedule
     that both consumers arrive on; the producer waits on "free" before refilling a
     slot. Each consumer loads its Q tile once (TMA) and writes its output back
     through the same shared-memory tile (TMA store).
-  * Softmax: the consumer carries the running row max m, row sum l and the output
-    accumulator through its loops (online softmax in base 2, exp2; rescaled by
-    exp2(m_old - m_new) each step); P V goes into the carried accumulator as in
-    FA3 (`pv_in_place`, pl.run_state) or into a fresh one added in registers.
+  * Softmax: the consumer carries the running row max m and row sum l through its
+    loops (online softmax in base 2, exp2) and rescales the output accumulator by
+    exp2(m_old - m_new) each step. The accumulator is a wgmma accumulator for the
+    whole walk (`deferred_pv`, the default), or carried in registers with P V into
+    it as in FA3 (`pv_in_place`, pl.run_state) or into a fresh one added in registers.
   * Per key step, a GDPA consumer: S = Q K^T (wgmma, both operands in shared memory, f32
     accumulator), P = act(S) * scale in registers (silu as h + h tanh(h), h = S/2:
     one tanh.approx through approx_math, no exp and no divide), the mask where the
     step needs it, P cast to the input dtype, acc += P V (wgmma with P from
-    registers; `p_via_smem` stages P in shared memory instead). With
+    registers; `p_via_smem` stages P in shared memory instead). silu / gelu_tanh
+    run in the 16-bit input type, two lanes per instruction, with the scale applied
+    to the output once (`act_packed`). P V is not awaited in its step: the next
+    step's wait for its scores covers it (wgmma groups retire in order) and the V
+    slot is released there (`deferred_pv`). With
     `schedule_barrier` the two consumers ping-pong as in FA3: a 2-arrival mbarrier
     passed twice per step, consumer 1 one phase ahead, so one warpgroup's activation
     overlaps the other's matmuls.
@@ -73,7 +78,7 @@ consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrie
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
 Triton launch, `pallas_layout`, instead of XLA ops), anchor, narrow_last (forward),
-act_packed (gdpa forward); the backward's dq_block_kv,
+act_packed (gdpa forward), deferred_pv (forward); the backward's dq_block_kv,
 fused_delta and overlap_dp
 (MosaicConfig's comments; FlashConfig.mosaic_fwd / mosaic_bwd pass them through
 jagged_flash). Shared memory over the 227 KB budget
@@ -81,9 +86,10 @@ fails at lowering ("exceeds available shared memory").
 
 `interpret=True` (or an InterpretGPUParams) runs the kernel in Mosaic GPU's
 interpreter on CPU: warpgroups as threads, TMA copies, mbarriers and wgmma simulated,
-exact math (jnp.tanh). Its wgmma takes shared-memory operands only and it cannot
-run a wgmma into a run_state accumulator, so interpret mode forces p_via_smem and
-pv_in_place=False.
+exact math (jnp.tanh). Its wgmma takes shared-memory operands only, it cannot
+run a wgmma into a run_state accumulator nor store into a wgmma accumulator, so
+interpret mode forces p_via_smem, pv_in_place=False and, for softmax,
+deferred_pv=False.
 """
 
 import dataclasses
@@ -156,13 +162,25 @@ class MosaicConfig:
                                   # 1.09x the valid pairs with anchor). block_kv 128 or
                                   # 256 only (P V's wgmma K is a multiple of 64 here);
                                   # the backward kernels run full-width steps
-    act_packed: bool = False      # gdpa forward, silu / gelu_tanh: the activation in the
+    act_packed: bool = True       # gdpa forward, silu / gelu_tanh: the activation in the
                                   # inputs' 16-bit type, two lanes per instruction
                                   # (tanh.approx.bf16x2), the scale applied to the output
                                   # once; P is rounded to 16 bits for its wgmma anyway (W1
-                                  # silu, 6 interleaved rounds: fwd 0.225-0.236 ms against
-                                  # 0.229-0.241, f+b 1.007 against 1.020; gpu tests pass
-                                  # with it on; other modes and activations: ignored)
+                                  # silu, 4 interleaved rounds, session 13: fwd 0.227 ms
+                                  # against 0.231, 0.215 against 0.224 with deferred_pv;
+                                  # other modes and activations: ignored)
+    deferred_pv: bool = True      # forward: a step's P V wgmma is not awaited in its
+                                  # step; the next step's score wait covers it (wgmma
+                                  # groups retire in order) and releases its V slot
+                                  # there, so a consumer issues its next Q K^T without
+                                  # idling on P V (softmax: the accumulator lives in a
+                                  # wgmma accumulator for the whole walk, rescaled in
+                                  # it; pv_in_place then does not apply). W1, 4
+                                  # interleaved rounds (session 13): GDPA fwd 0.224 ms
+                                  # against 0.231, softmax 0.256 against 0.263-0.270.
+                                  # The same deferral in the backward kernels (dS K;
+                                  # P^T dO, dS^T Q) was slower for softmax (W1 f+b
+                                  # 1.098 ms against 1.007) and even for GDPA: not kept
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -405,8 +423,13 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
             end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
             wait()
 
+            deferred = cfg.deferred_pv
+            in_ref = deferred or not softmax   # the accumulator: a wgmma ref for the walk
+
             def step(j, kind, carry, acc_ref=None):
-                """One key step; gdpa accumulates into acc_ref, softmax carries (acc, m, l).
+                """One key step; the accumulator is acc_ref (gdpa; softmax with
+                deferred_pv) or carried (softmax: (acc, m, l)); softmax carries (m, l)
+                and deferred_pv the slot whose P V is still in flight (-1: none) last.
                 A "narrow" step works on the first half of the slot's keys."""
                 w = bk // 2 if kind == "narrow" else bk
                 keys = lambda ref: ref if w == bk else ref.at[pl.ds(0, w)]  # noqa: E731
@@ -429,6 +452,9 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                     return s_ref[...]             # waits for the wgmma
                 s = pl.run_scoped(qk, plgpu.ACC((bq, w), F32))
                 plgpu.barrier_arrive(k_free.at[slot])
+                if deferred:   # S's wait also waited for the last P V: release its V
+                    pend = carry[-1]
+                    pl.when(pend >= 0)(lambda: plgpu.barrier_arrive(v_free.at[pend]))
                 valid = None if kind == "plain" else _tile_mask(start, end, base + j * bk, bq, w)
 
                 def pv(acc_ref, p16, slot):   # P from registers (FA3), or staged
@@ -436,7 +462,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                         p_smem.at[wg] if w == bk else p_smem.at[wg, :, pl.ds(0, w)])
                     mma_from(acc_ref, p16, stage, keys(v_smem.at[slot]))
                 if softmax:   # online softmax in base 2 (the Triton kernels' lse convention)
-                    acc, m, l = carry
+                    acc, m, l = (None, *carry[:2]) if in_ref else carry
                     c = cfg.scale * LOG2E
                     fold = cfg.fold_scale and c > 0   # max(s) c = max(s c) for c > 0
                     if not fold:
@@ -453,7 +479,10 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                         pr = jnp.where(valid, pr, 0.0)
                     alpha = jnp.exp2(m - m_new)
                     l = l * alpha + jnp.sum(pr, axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, (bq, d), [0])
+                    if in_ref:   # its P V is done (S's wait)
+                        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (bq, d), [0])
+                    else:
+                        acc = acc * lax.broadcast_in_dim(alpha, (bq, d), [0])
                 elif cfg.packed_act:   # scale: on the output (below)
                     pr = activation_times_scale(s.astype(dtype), cfg.activation, 1.0)
                     if valid is not None:
@@ -468,8 +497,10 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                 plgpu.barrier_wait(v_bar.at[slot])
                 if cfg.schedule_barrier:
                     plgpu.barrier_wait(sched_bar)
-                if not softmax:
+                if in_ref:
                     pv(acc_ref, p16, slot)
+                    if deferred:   # awaited by the next step's S (or the walk's end)
+                        return (m_new, l, slot) if softmax else (slot,)
                 elif cfg.pv_in_place:   # FA3: the carried accumulator is wgmma's
                     acc = pl.run_state(lambda r: pv(r, p16, slot))(plgpu.ACC.init(acc))
                 else:                   # a fresh accumulator added in registers
@@ -482,28 +513,34 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                 return (acc, m_new, l) if softmax else carry
 
             ranges = _walk_ranges(c_lo, c_hi, ranges, cfg.narrow)
+            release = (lambda slot: plgpu.barrier_arrive(v_free.at[slot])) if deferred else None
+
+            carry = None
             if softmax:
-                carry = (plgpu.layout_cast(jnp.zeros((bq, d), F32), plgpu.Layout.WGMMA),
-                         plgpu.layout_cast(jnp.full((bq,), NEG, F32), row_layout),
+                carry = (plgpu.layout_cast(jnp.full((bq,), NEG, F32), row_layout),
                          plgpu.layout_cast(jnp.zeros((bq,), F32), row_layout))
-                for a, b, kind in ranges:
-                    carry = pl.loop(a, b, init_carry=carry)(
-                        functools.partial(lambda j, c, kind: step(j, kind, c), kind=kind))
-                acc, m, l = carry
+                if not in_ref:
+                    carry = (plgpu.layout_cast(jnp.zeros((bq, d), F32), plgpu.Layout.WGMMA),
+                             *carry)
+            if deferred:
+                carry = (*(carry or ()), jnp.int32(-1))
+
+            def walk(acc_ref):
+                out = _run_walk(ranges, functools.partial(step, acc_ref=acc_ref), carry,
+                                release)
+                return acc_ref[...], out
+            if in_ref:
+                acc, carry = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
+            else:
+                acc, *carry = _run_walk(ranges, step, carry)
+            if softmax:
+                m, l = carry[:2]
                 has = l > 0.0
                 l_safe = jnp.where(has, l, 1.0)
                 acc = acc / lax.broadcast_in_dim(l_safe, (bq, d), [0])
                 lse_smem.at[wg][...] = jnp.where(has, m + jnp.log(l_safe) * LOG2E, 0.0)
-            else:
-                def walk(acc_ref):
-                    for a, b, kind in ranges:
-                        @pl.loop(a, b)
-                        def _(j, kind=kind):
-                            step(j, kind, None, acc_ref)
-                    return acc_ref[...]
-                acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
-                if cfg.packed_act:
-                    acc = acc * cfg.scale
+            elif cfg.packed_act:
+                acc = acc * cfg.scale
             q_smem[...] = acc.astype(dtype)   # Q's tile is free: stage the output there
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[rows, head])
@@ -637,6 +674,28 @@ def _walk_ranges(c_lo, c_hi, ranges, narrow):
             (hi, c_hi, "skip"))
 
 
+def _run_walk(spans, step, carry, release=None):
+    """carry = step(j, kind, carry) over the spans of _walk_ranges (carry None: no carry).
+    With `release` (deferred wgmma waits) carry[-1] is the slot whose last wgmmas are
+    still in flight (-1: none); after the last compute span they are awaited and
+    release(slot) frees the slot, before the trailing skip steps wait on later slots
+    (the producer refills that slot only once it is free)."""
+    def loop(span, carry):
+        a, b, kind = span
+        body = functools.partial(lambda j, c, kind: step(j, kind, c), kind=kind)
+        if carry is None:
+            pl.loop(a, b)(functools.partial(body, c=None))
+            return None
+        return pl.loop(a, b, init_carry=carry)(body)
+    for span in spans[:-1]:
+        carry = loop(span, carry)
+    if release is not None:
+        plgpu.wgmma_wait(0)
+        pend = carry[-1]
+        pl.when(pend >= 0)(lambda: release(pend))
+    return loop(spans[-1], carry)
+
+
 def _scores_nt(a_smem, b_smem, rows, cols):
     """a_smem [rows, D] @ b_smem [cols, D]^T as a float32 register tile (wgmma, waited)."""
     def f(acc_ref):
@@ -727,7 +786,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_out_ref.at[head, rows])
 
-            def step(j, kind, acc_ref):
+            def step(j, kind, carry, acc_ref):
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -743,7 +802,6 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                     factor, dp = pl.run_scoped(overlapped, plgpu.ACC((bq, bk), F32))
                     ds = _ds_apply(cfg, factor, dp, delta, False)
                     mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
-                    plgpu.wgmma_wait(0)
                 elif kind != "skip":
                     s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
                     dp = _scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
@@ -751,15 +809,14 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                              else None)
                     _, ds = _grad_tiles(cfg, s, dp, lse, delta, valid, False)
                     mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
+                if kind != "skip":
                     plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
 
             def walk(acc_ref):
-                for a, b, kind in _walk_ranges(c_lo, c_hi, ranges, False):
-                    @pl.loop(a, b)
-                    def _(j, kind=kind):
-                        step(j, kind, acc_ref)
+                _run_walk(_walk_ranges(c_lo, c_hi, ranges, False),
+                          functools.partial(step, acc_ref=acc_ref), None)
                 return acc_ref[...]
 
             acc = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))
@@ -799,7 +856,7 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
             end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
             wait()
 
-            def step(j, kind, dk_ref_acc, dv_ref_acc):
+            def step(j, kind, carry, dk_ref_acc, dv_ref_acc):
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
                 lse = delta = None
                 if kind != "skip" and cfg.mode == "softmax":
@@ -824,7 +881,6 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     pt, dpt = pl.run_scoped(overlapped, plgpu.ACC((bq, bk), F32))
                     dst = _grad_ds(cfg, st, pt, dpt, delta, valid, True)
                     mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
-                    plgpu.wgmma_wait(0)
                 elif kind != "skip":
                     st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
                     dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
@@ -833,15 +889,14 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     pt, dst = _grad_tiles(cfg, st, dpt, lse, delta, valid, True)
                     mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
                     mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
+                if kind != "skip":
                     plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(q_free.at[slot])
                 plgpu.barrier_arrive(do_free.at[slot])
 
             def walk(dk_acc, dv_acc):
-                for a, b, kind in _walk_ranges(c_lo, c_hi, ranges, False):
-                    @pl.loop(a, b)
-                    def _(j, kind=kind):
-                        step(j, kind, dk_acc, dv_acc)
+                _run_walk(_walk_ranges(c_lo, c_hi, ranges, False),
+                          functools.partial(step, dk_ref_acc=dk_acc, dv_ref_acc=dv_acc), None)
                 return dk_acc[...], dv_acc[...]
 
             dk, dv = pl.run_scoped(walk, plgpu.ACC((bq, d), F32), plgpu.ACC((bq, d), F32))
@@ -927,8 +982,10 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
     if tq % cfg.cta_rows or k.shape[0] % bk:
         raise ValueError(f"gdpa_mosaic: Tq={tq} / Tk={k.shape[0]} must be multiples of "
                          f"{cfg.cta_rows} / {bk}")
-    if interpret:   # the interpreter's wgmma takes shared-memory operands only
-        cfg = dataclasses.replace(cfg, p_via_smem=True, pv_in_place=False)
+    if interpret:   # the interpreter's wgmma takes shared-memory operands only, and it
+        # cannot store into a wgmma accumulator (softmax's deferred_pv rescales in one)
+        cfg = dataclasses.replace(cfg, p_via_smem=True, pv_in_place=False, deferred_pv=(
+            cfg.deferred_pv and cfg.mode != "softmax"))
     n_tiles = table.shape[0]
     softmax = cfg.mode == "softmax"
     if cfg.persistent:

@@ -113,3 +113,59 @@ def test_time_stream_drops_a_rounds_fixed_cost(monkeypatch):
     assert steady == pytest.approx(3.0)
     assert per_round == pytest.approx(3.0 + 40.0 / 20)
     assert aw.time_calls(call, iters=10) == pytest.approx(3.0)
+
+
+def test_ab_attention_interleaves_and_counts_wins(tmp_path):
+    """experiments/ab_attention.py on CPU: every variant timed once per round, the table's
+    mean / min / max / TF/s / win counts recomputed from the per-round times it wrote."""
+    out = tmp_path / "ab.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ab_attention.py"),
+                        "--workload=W2", "--max_samples=3", "--rounds=3", "--iters=1", "--warm_s=0",
+                        "--variants=gdpa_triton,softmax_triton", "--passes=fwd",
+                        f"--out={out}"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(out))
+    ql, kl = _lengths("W2", 3)
+    assert res["flops_fwd"] == 4 * 4 * 128 * int(np.sum(ql * kl))
+    times = res["times_s"]
+    assert set(times) == {"gdpa_triton", "softmax_triton"}
+    base = np.asarray(times["gdpa_triton"]["fwd"])
+    assert len(base) == 3 and np.all(base > 0)
+    rows = {x["variant"]: x for x in res["rows"]}
+    for name, row in rows.items():
+        t = np.asarray(times[name]["fwd"])
+        assert row["mean_ms"] == pytest.approx(t.mean() * 1e3)
+        assert row["min_ms"] <= row["mean_ms"] <= row["max_ms"]
+        assert row["tflops"] == pytest.approx(res["flops_fwd"] / t.mean() / 1e12)
+        assert row["wins"] == int(np.sum(t < base))
+    assert rows["gdpa_triton"]["wins"] == 0
+    assert "wins vs first" in r.stdout
+
+
+def test_ab_attention_leaves_out_a_variant_that_fails():
+    """A variant that fails to compile or run (e.g. shared memory over the budget) is
+    reported with its pass and left out; the others are kept."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    try:
+        import ab_attention
+    finally:
+        sys.path.pop(0)
+
+    def boom(x):
+        raise ValueError("Mosaic GPU kernel exceeds available shared memory")
+    ok = lambda x: x + 1  # noqa: E731
+    fns = {"a": {"fwd": (ok, (1,)), "fwd_bwd": (ok, (2,))},
+           "b": {"fwd": (ok, (1,)), "fwd_bwd": (boom, (2,))}}
+    kept, errors = ab_attention.runnable(fns, ["fwd", "fwd_bwd"])
+    assert list(kept) == ["a"] and list(errors) == ["b"]
+    assert errors["b"].startswith("fwd_bwd: ValueError") and "shared memory" in errors["b"]
+    kept, errors = ab_attention.runnable(fns, ["fwd"])
+    assert list(kept) == ["a", "b"] and not errors
+
+
+def test_ab_attention_rejects_bad_passes():
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ab_attention.py"),
+                        "--passes=backward"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "--passes" in r.stderr
