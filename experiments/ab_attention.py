@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 
 from attention_workloads import (fwd_and_train, op_fn, pack_arrays, parse_variant,  # experiments/
-                                 time_stream, valid_pairs, workload)
+                                 runnable, time_stream, valid_pairs, workload)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workload", "W1", "W1-W4 (attention_workloads)")
@@ -36,22 +36,6 @@ flags.DEFINE_float("warm_s", 0.3, "seconds of back-to-back calls before each tim
 flags.DEFINE_float("scale", 0.0, "GDPA scale (0: 1 / the longest K/V length, as bench_attention)")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_string("out", "", "JSON output path (empty: none)")
-
-
-def runnable(fns, passes):
-    """(the variants whose passes all compile and run once, {variant: error} of the
-    others); fns[variant][pass] = (f, args)."""
-    ok, errors = {}, {}
-    for name, by_pass in fns.items():
-        try:
-            for p in passes:
-                f, args = by_pass[p]
-                jax.block_until_ready(f(*args))
-            ok[name] = by_pass
-        except Exception as e:  # noqa: BLE001 (e.g. shared memory over the budget)
-            errors[name] = f"{p}: {type(e).__name__}: {str(e)[:300]}"
-            print(f"{name}: {errors[name]}", flush=True)
-    return ok, errors
 
 
 def summarize(times, names, flops):

@@ -5,7 +5,7 @@
   W3 PMA, short Q: 256 samples, 16 queries each, K/V lengths drawn as W1's
   W4 BlockAttention on W1's lengths
 
-Shared by bench_attention.py and bench_gdpa_mosaic.py (time them) and
+Shared by bench_attention.py, bench_gdpa_mosaic.py and ab_attention.py (time them) and
 triton_report.py (lowers the kernels on their shapes); no flags here, so all can
 import it.
 """
@@ -72,6 +72,23 @@ def time_stream(fn, *args, iters: int = 20, warm_s: float = 0.3) -> tuple[float,
         rounds.append(long / (2 * iters))
     slope, per_round = float(np.median(slopes)), float(np.median(rounds))
     return (slope if slope > 0 else per_round), per_round
+
+
+def runnable(fns, passes):
+    """(the variants whose passes all compile and run once, {variant: error} of the
+    others); fns[variant][pass] = (f, args)."""
+    import jax
+    ok, errors = {}, {}
+    for name, by_pass in fns.items():
+        try:
+            for p in passes:
+                f, args = by_pass[p]
+                jax.block_until_ready(f(*args))
+            ok[name] = by_pass
+        except Exception as e:  # noqa: BLE001 (e.g. shared memory over the budget)
+            errors[name] = f"{p}: {type(e).__name__}: {str(e)[:300]}"
+            print(f"{name}: {errors[name]}", flush=True)
+    return ok, errors
 
 
 def time_calls(fn, *args, iters: int = 20) -> float:

@@ -148,7 +148,7 @@ def test_ab_attention_leaves_out_a_variant_that_fails():
     reported with its pass and left out; the others are kept."""
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     try:
-        import ab_attention
+        import attention_workloads   # no flags: ab_attention's would clash in this process
     finally:
         sys.path.pop(0)
 
@@ -157,10 +157,10 @@ def test_ab_attention_leaves_out_a_variant_that_fails():
     ok = lambda x: x + 1  # noqa: E731
     fns = {"a": {"fwd": (ok, (1,)), "fwd_bwd": (ok, (2,))},
            "b": {"fwd": (ok, (1,)), "fwd_bwd": (boom, (2,))}}
-    kept, errors = ab_attention.runnable(fns, ["fwd", "fwd_bwd"])
+    kept, errors = attention_workloads.runnable(fns, ["fwd", "fwd_bwd"])
     assert list(kept) == ["a"] and list(errors) == ["b"]
     assert errors["b"].startswith("fwd_bwd: ValueError") and "shared memory" in errors["b"]
-    kept, errors = ab_attention.runnable(fns, ["fwd"])
+    kept, errors = attention_workloads.runnable(fns, ["fwd"])
     assert list(kept) == ["a", "b"] and not errors
 
 
