@@ -180,7 +180,7 @@ class MosaicConfig:
                                   # against 0.231, softmax 0.256 against 0.263-0.270.
                                   # The same deferral in the backward kernels (dS K;
                                   # P^T dO, dS^T Q) was slower for softmax (W1 f+b
-                                  # 1.098 ms against 1.007) and even for GDPA: not kept
+                                  # 1.098 ms against 1.007) and a tie for GDPA: not kept
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
