@@ -797,7 +797,7 @@ def _flash_bwd(cfg, res, do):
         h, tq = q.shape[1], q.shape[0]
         if cfg.mode != "softmax":
             lse = delta = jnp.zeros((h, tq), F32)                         # unread
-        elif mcfg.fused_delta:
+        elif mcfg.fused_delta and not mcfg.fused_dq:
             delta = None                                  # the dQ kernel computes it from o
         else:
             delta = softmax_delta(o, do)

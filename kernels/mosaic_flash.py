@@ -3,8 +3,8 @@ backward: TMA loads, one producer warpgroup, two consumer warpgroups issuing wgm
 (the FlashAttention-3 layout). gdpa(impl="mosaic") and jagged_attention(impl="mosaic")
 (both ops' default on a Hopper GPU) run these kernels as jagged_flash's forward
 (flash_forward, MosaicFlashForward) and backward (flash_backward, run_backward: dQ,
-and dK / dV with keys as the stationary rows), the Triton kernels where they do not
-apply. Timings: kernels/NOTES.md.
+and dK / dV with keys as the stationary rows; with `fused_dq` one kernel for all
+three), the Triton kernels where they do not apply. Timings: kernels/NOTES.md.
 
     out = gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, activation="silu", scale=s)
     out, lse = softmax_mosaic_forward(q, k, v, q_offsets, kv_offsets, sm_scale=None)
@@ -79,7 +79,7 @@ heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
 Triton launch, `pallas_layout`, instead of XLA ops), anchor, narrow_last (forward),
 act_packed (gdpa forward), deferred_pv (forward); the backward's dq_block_kv,
-fused_delta and overlap_dp
+fused_delta, overlap_dp and fused_dq
 (MosaicConfig's comments; FlashConfig.mosaic_fwd / mosaic_bwd pass them through
 jagged_flash). Shared memory over the 227 KB budget
 fails at lowering ("exceeds available shared memory").
@@ -181,6 +181,16 @@ class MosaicConfig:
                                   # The same deferral in the backward kernels (dS K;
                                   # P^T dO, dS^T Q) was slower for softmax (W1 f+b
                                   # 1.098 ms against 1.007) and a tie for GDPA: not kept
+    fused_dq: bool = False        # backward: one kernel. The dK / dV kernel also forms dQ:
+                                  # per step both consumers share dS^T through shared
+                                  # memory, consumer w multiplies it by K for dQ's
+                                  # columns [w D/2, (w+1) D/2) and reduce-adds that float32
+                                  # partial into a zeroed dQ buffer (TMA .add): 5 products
+                                  # instead of 7, dQ's summation order not fixed.
+                                  # Softmax's delta then comes from an XLA reduce
+                                  # (fused_delta does not apply). Session 13: checked
+                                  # in the interpreter (with an emulated reduce) and
+                                  # lowered for cuda; not yet run on a GPU
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -831,14 +841,38 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 
 
 def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, q_bar,
-                do_bar, q_free, do_free, *, cfg, n_tiles, n_heads):
+                *refs, cfg, n_tiles, n_heads):
     """dK = dS^T Q and dV = P^T dO over each key tile's query tiles (Q / dO streamed).
 
     Rows are keys here: the table's CTA tiles are key tiles, start / end each key's
-    query interval, block_kv the streamed query tile."""
+    query interval, block_kv the streamed query tile.
+
+    With cfg.fused_dq also dQ: dq_acc_ref (an input ref, [Tq, H, D] float32, zeroed by
+    the caller) gets every step's dS K reduce-added. Each step, both consumers write
+    their dS^T [block_q keys, block_kv queries] into one shared [2 block_q, block_kv]
+    tile (two buffers, by step parity) and meet at a 2-arrival barrier; consumer w then
+    computes dQ[:, w D/2 : (w+1) D/2] over both halves' keys (dS from the transposed
+    shared tile, K's columns from both stationary K tiles), stages it in float32 and
+    reduce-adds it. A consumer's skip steps write zeros there, as the other one's
+    columns of dQ still need the step. One more barrier after the walk keeps the K tiles
+    until both consumers' last dQ products have read them (dK and dV are staged there)."""
+    fused = cfg.fused_dq
+    if fused:
+        (dq_acc_ref, dk_ref, dv_ref, k_smem, v_smem, dst_smem, dq_smem, q_smem, do_smem, p_smem,
+         ds_smem, kv_bar, q_bar, do_bar, q_free, do_free, pair_bar) = refs
+    else:
+        (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, q_bar,
+         do_bar, q_free, do_free) = refs
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     d, dtype = k_ref.shape[-1], k_ref.dtype
+    # dQ's columns per consumer: D/2 each where that is whole 64-column smem tiles (D =
+    # 128); else (D = 64) the consumers take alternate steps' full-width dQ
+    split = (d // NUM_CONSUMERS) % 64 == 0
+    wq = d // NUM_CONSUMERS if split else d
+
+    def pair():   # both consumers here (a 2-arrival barrier, one phase per call)
+        plgpu.barrier_arrive(pair_bar)
+        plgpu.barrier_wait(pair_bar)
 
     def make_item(wg):
         row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -889,7 +923,37 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     pt, dst = _grad_tiles(cfg, st, dpt, lse, delta, valid, True)
                     mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
                     mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
-                if kind != "skip":
+                if fused:
+                    g = g0 + j - c_lo
+                    shared = dst_smem.at[lax.rem(g, jnp.int32(2))]
+                    mine = (plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+                            if kind == "skip" else dst.astype(dtype))
+                    shared.at[pl.ds(wg * bq, bq)][...] = mine
+                    plgpu.commit_smem()
+                    pair()
+
+                    col0 = wg * wq if split else 0
+
+                    def dq_part(acc_ref):   # dS [queries, 2 bq keys] @ K[:, my columns]
+                        for c in range(NUM_CONSUMERS):
+                            plgpu.wgmma(acc_ref, shared.at[pl.ds(c * bq, bq)].transpose((1, 0)),
+                                        k_smem.at[c].at[:, pl.ds(col0, wq)])
+                        return acc_ref[...]
+
+                    def dq_step():
+                        part = pl.run_scoped(dq_part, plgpu.ACC((bk, wq), F32))
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduce read it
+                        dq_smem.at[wg][...] = part
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            dq_smem.at[wg], dq_acc_ref.at[pl.ds(base + j * bk, bk), head,
+                                                          pl.ds(col0, wq)],
+                            reduction_op="add")
+                    if split:
+                        dq_step()
+                    else:
+                        pl.when(lax.rem(g, jnp.int32(NUM_CONSUMERS)) == wg)(dq_step)
+                if kind != "skip" or fused:
                     plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(q_free.at[slot])
                 plgpu.barrier_arrive(do_free.at[slot])
@@ -900,6 +964,8 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 return dk_acc[...], dv_acc[...]
 
             dk, dv = pl.run_scoped(walk, plgpu.ACC((bq, d), F32), plgpu.ACC((bq, d), F32))
+            if fused:   # the other consumer's last dQ products have read my K tile
+                pair()
             ks[...] = dk.astype(dtype)         # K's and V's tiles are free: stage dK, dV there
             vs[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -936,12 +1002,13 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
     interp = (plgpu.InterpretGPUParams() if interpret is True else interpret) or None
 
     def launch(kernel, kcfg, start, end, n_cols, outs, staged, extra=(), loads=2,
-               delta_in=None):
+               delta_in=None, more_in=(), tail=()):
         """kernel over kcfg's tile table of rows [start, end): scratch = two stationary
         [NC, block_q, D] tiles and `extra` (`loads` stationary tiles in all, each with
         its barriers, then any other scratch), the ring of two streamed [stages, kcfg.block_kv, D]
         tiles, `staged` P / dS staging tiles (interpret mode, p_via_smem), the
-        stationary loads' barriers, the ring's loaded / free barriers."""
+        stationary loads' barriers, the ring's loaded / free barriers, then `tail`;
+        `more_in`: operands after delta (refs the kernel writes into)."""
         table, bk = tile_table(kcfg, start, end, n_cols), kcfg.block_kv
         ring = [smem(stages, bk, d), smem(stages, bk, d)]
         bars = ([plgpu.Barrier(num_barriers=stages)] * 2
@@ -952,10 +1019,23 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
             functools.partial(kernel, cfg=kcfg, n_tiles=table.shape[0], n_heads=h),
             out_type=outs, grid=(table.shape[0], h),
             scratch_types=[*stationary, *ring, *stage,
-                           plgpu.Barrier(num_barriers=loads * NUM_CONSUMERS), *bars],
+                           plgpu.Barrier(num_barriers=loads * NUM_CONSUMERS), *bars, *tail],
             grid_names=("tile", "head"), num_threads=NUM_CONSUMERS + 1, thread_name="wg",
             compiler_params=params, interpret=interp,
-        )(table, start, end, q, k, v, do, lse, delta if delta_in is None else delta_in)
+        )(table, start, end, q, k, v, do, lse, delta if delta_in is None else delta_in,
+          *more_in)
+
+    if cfg.fused_dq:   # one kernel: dK, dV and dQ reduce-added in float32
+        dq_acc = jax.new_ref(jnp.zeros((tq, h, d), F32))
+        dk, dv = launch(_dkv_kernel, cfg, lay["k_start"], lay["k_end"], tq,
+                        (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, 2,
+                        extra=[smem(2, NUM_CONSUMERS * bq, cfg.block_kv),
+                               plgpu.SMEM((NUM_CONSUMERS, cfg.block_kv,
+                                           d // NUM_CONSUMERS if d // NUM_CONSUMERS % 64 == 0
+                                           else d), F32)],
+                        more_in=(dq_acc,),
+                        tail=[plgpu.Barrier(num_arrivals=NUM_CONSUMERS)])
+        return dq_acc[...].astype(q.dtype), dk, dv
 
     if cfg.fused_delta and cfg.mode == "softmax":
         if o is None:

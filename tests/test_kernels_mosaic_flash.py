@@ -272,6 +272,53 @@ def interpreter_guard():
         ipc.reset_gpu_interpret_mode_state()
 
 
+@pytest.fixture
+def interpreter_reduce_add(monkeypatch):
+    """The Mosaic interpreter raises NotImplementedError on TMA stores with a
+    reduction_op. For the fused backward's dQ (`fused_dq`: float32 partials reduce-added
+    into global memory, cp.reduce.async.bulk .add on the GPU) this swaps in a store task
+    that adds the source window to the destination's content, under one lock (a whole
+    read-add-write per store, as the hardware's reduce is per element), and that the race
+    detector does not count as a conflicting write of the destination (reductions
+    commute). Other stores are untouched."""
+    import threading
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+    store, plain_task = cb.copy_smem_to_gmem, cb.AsyncCopySmemToGmemTask
+    rmw, swap = threading.Lock(), threading.Lock()
+
+    class ReduceAdd(plain_task):
+        def post_read(self, tma_thread_id, mem):
+            # reduce-adds into global memory commute: the race detector's write check on
+            # the destination is left out (its source read in shared memory is checked)
+            if mem.detect_races:
+                self.clock.inc(tma_thread_id)
+                self.write_clock = self.clock.copy()
+
+        def __call__(self, tma_thread_id):
+            mem = cb._get_shared_memory()
+            self.pre_read(tma_thread_id, mem)     # the race detector's clocks, as a store's
+            with rmw:
+                add, _, _ = mem.get_buffer_content(self.src_allocation_key, self.src_access,
+                                                   self.thread, logging_info=self.logging_info)
+                self.post_read(tma_thread_id, mem)
+                cur, _, _ = mem.get_buffer_content(self.dst_allocation_key, self.dst_access,
+                                                   self.thread, logging_info=self.logging_info)
+                mem.store_buffer_content(self.dst_allocation_key, self.dst_access, cur + add,
+                                         self.thread, logging_info=self.logging_info)
+            self.post_write(tma_thread_id, mem)
+
+    def patched(*args, reduction_op=None, **kw):
+        with swap:   # the task class is looked up while the store is set up
+            if reduction_op is not None:
+                assert str(reduction_op) == "add", reduction_op
+                monkeypatch.setattr(cb, "AsyncCopySmemToGmemTask", ReduceAdd)
+            try:
+                return store(*args, reduction_op=None, **kw)
+            finally:
+                monkeypatch.setattr(cb, "AsyncCopySmemToGmemTask", plain_task)
+    monkeypatch.setattr(cb, "copy_smem_to_gmem", patched)
+
+
 INTERPRET_CASES = [
     # (q lens, kv lens, Tq, Tk, h, d, activation, scale, tuning)
     (SELF, SELF, 768, 768, 2, 64, "silu", 0.3, {}),
@@ -872,7 +919,8 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
                                       (128, dict(fused_delta=False)), (128, dict(overlap_dp=True)),
                                       (64, dict(overlap_dp=True, fused_delta=False)),
                                       (128, dict(fold_scale=False)),
-                                      (64, dict(fold_scale=False, overlap_dp=True))])
+                                      (64, dict(fold_scale=False, overlap_dp=True)),
+                                      (128, dict(fused_dq=True)), (64, dict(fused_dq=True))])
 def test_backward_exports_for_cuda(mode, d, tuning):
     """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower;
     the dQ kernel with 64-key (default) and 128-key tiles (with fused_delta off: O's tile
@@ -934,6 +982,61 @@ def _check_backward_knobs(knobs, i, monkeypatch):
     _assert_grads_close(got, want)
 
 
+@pytest.mark.parametrize("i", [0, 1, 2, 3, 4], ids=[BACKWARD_IDS[i] for i in range(5)])
+def test_backward_fused_dq_interpreter_matches_reference(i, interpreter_guard,
+                                                         interpreter_reduce_add, monkeypatch):
+    """fused_dq: one kernel forms dK, dV and dQ (dS shared between the consumers, dQ's
+    halves reduce-added in float32); the same gradients as the reference, and only the
+    dK / dV kernel ran. D = 64 cases: the consumers take alternate steps' dQ."""
+    _check_fused_dq(i, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", [0, 1, 2, 3, 4], ids=[BACKWARD_IDS[i] for i in range(5)])
+def test_gpu_backward_fused_dq_edge_cases(i, monkeypatch):
+    _require_gpu()
+    _check_fused_dq(i, monkeypatch)
+
+
+def _check_fused_dq(i, monkeypatch):
+    from kernels import mosaic_flash
+    mode, kw, ql, kl, tq, tk, h, d = BACKWARD_CASES[i]
+    seen, dq_kernel, dkv_kernel = [], mosaic_flash._dq_kernel, mosaic_flash._dkv_kernel
+    monkeypatch.setattr(mosaic_flash, "_dq_kernel",
+                        lambda *a, cfg, **k: seen.append(("dq", cfg)) or dq_kernel(*a, cfg=cfg, **k))
+    monkeypatch.setattr(mosaic_flash, "_dkv_kernel",
+                        lambda *a, cfg, **k: seen.append(("dkv", cfg)) or dkv_kernel(*a, cfg=cfg, **k))
+    q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
+    w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
+    kw = dict(kw, mosaic_bwd=(("fused_dq", True),))
+    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
+    want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
+    assert [name for name, _ in seen] == ["dkv"] and seen[0][1].fused_dq, seen
+    _assert_grads_close(got, want)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_fused_dq_finds_no_races(d, interpreter_guard, interpreter_reduce_add):
+    """The race detector over fused_dq's shared dS^T tiles (two buffers by step parity),
+    its per-step barrier between the consumers, the float32 staging of the dQ partials
+    and the final barrier before dK / dV overwrite the K tiles; dQ as the reference's."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from kernels.gdpa import gdpa_reference
+    from kernels.jagged_flash import FlashConfig, build_layout
+    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, d, seed=5)
+    do = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), q.dtype)
+    cfg = mosaic_config(d, q.dtype, mode="gdpa", activation="silu", scale=0.3,
+                        **{**BACKWARD_TUNING, "fused_dq": True})
+    lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 768, 768, d)
+    zeros = jnp.zeros((1, 768), jnp.float32)
+    dq, _, _ = run_backward(cfg, lay, q, k, v, do, zeros, zeros,
+                            interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not interpreter_guard.get_races().races_found
+    _, vjp = jax.vjp(lambda q: gdpa_reference(q, k, v, qo, ko, activation="silu", scale=0.3), q)
+    assert _rel(dq, vjp(do)[0]) < TOL
+
+
 def test_backward_fused_delta_needs_the_output():
     from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
     cfg = mosaic_config(64, jnp.bfloat16, mode="softmax", **{**BACKWARD_TUNING, "fused_delta": True})
@@ -973,13 +1076,14 @@ def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs",
                                   "softmax_unanchored", "gdpa_unanchored", "softmax_waited",
-                                  "gdpa_waited"])
+                                  "gdpa_waited", "softmax_fused", "gdpa_fused"])
 def test_gpu_backward_on_w1_lengths(mode):
     """W1 lengths, bf16, H=4, D=128: the Mosaic forward + backward vs the Triton engines,
     and on a 16-sample slice vs the f32 reference (also with the knobs overlap_dp on and
     fused_delta off: delta from an XLA reduce; with tiles at multiples of the tile
     size in all three kernels, no narrow last steps in the forward; with every wgmma
-    wait in its own step and GDPA's activation in float32)."""
+    wait in its own step and GDPA's activation in float32; with the fused dQ / dK / dV
+    kernel)."""
     _require_gpu()
     mode, _, knobs = mode.partition("_")
     kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
@@ -990,6 +1094,8 @@ def test_gpu_backward_on_w1_lengths(mode):
         kw["mosaic_bwd"] = (("anchor", False),)
     if knobs == "waited":
         kw["mosaic_fwd"] = (("act_packed", False), ("deferred_pv", False))
+    if knobs == "fused":
+        kw["mosaic_bwd"] = (("fused_dq", True),)
     rng, lens, (q, k, v, qo, ko), w = _w1_case()
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     tri = _engines_grads(mode, q, k, v, qo, ko, w, "triton", **kw)
