@@ -184,7 +184,8 @@ class MosaicConfig:
     fused_dq: bool = False        # backward: one kernel. The dK / dV kernel also forms dQ:
                                   # per step both consumers share dS^T through shared
                                   # memory, consumer w multiplies it by K for dQ's
-                                  # columns [w D/2, (w+1) D/2) and reduce-adds that float32
+                                  # columns [w D/2, (w+1) D/2) (D = 64: the consumers
+                                  # take alternate steps) and reduce-adds that float32
                                   # partial into a zeroed dQ buffer (TMA .add): 5 products
                                   # instead of 7, dQ's summation order not fixed.
                                   # Softmax's delta then comes from an XLA reduce
@@ -840,6 +841,13 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                     (table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free))
 
 
+def _fused_dq_cols(d):
+    """fused_dq: dQ columns per consumer and step, D / 2 where that is whole 64-column
+    shared-memory tiles (D = 128); else D (D = 64: the consumers take alternate steps)."""
+    half = d // NUM_CONSUMERS
+    return half if half % 64 == 0 else d
+
+
 def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 *refs, cfg, n_tiles, n_heads):
     """dK = dS^T Q and dV = P^T dO over each key tile's query tiles (Q / dO streamed).
@@ -865,10 +873,8 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
          do_bar, q_free, do_free) = refs
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     d, dtype = k_ref.shape[-1], k_ref.dtype
-    # dQ's columns per consumer: D/2 each where that is whole 64-column smem tiles (D =
-    # 128); else (D = 64) the consumers take alternate steps' full-width dQ
-    split = (d // NUM_CONSUMERS) % 64 == 0
-    wq = d // NUM_CONSUMERS if split else d
+    wq = _fused_dq_cols(d)
+    split = wq < d
 
     def pair():   # both consumers here (a 2-arrival barrier, one phase per call)
         plgpu.barrier_arrive(pair_bar)
@@ -1030,9 +1036,8 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
         dk, dv = launch(_dkv_kernel, cfg, lay["k_start"], lay["k_end"], tq,
                         (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, 2,
                         extra=[smem(2, NUM_CONSUMERS * bq, cfg.block_kv),
-                               plgpu.SMEM((NUM_CONSUMERS, cfg.block_kv,
-                                           d // NUM_CONSUMERS if d // NUM_CONSUMERS % 64 == 0
-                                           else d), F32)],
+                               plgpu.SMEM((NUM_CONSUMERS, cfg.block_kv, _fused_dq_cols(d)),
+                                          F32)],
                         more_in=(dq_acc,),
                         tail=[plgpu.Barrier(num_arrivals=NUM_CONSUMERS)])
         return dq_acc[...].astype(q.dtype), dk, dv
