@@ -19,6 +19,9 @@
 #                time with the Mosaic backward's knobs), then bench_attention on W1 and W4
 #                (Triton vs Mosaic, cuDNN, the Mosaic backward's knobs side by side) (~14);
 #                its halves mosaic_tests (~5) and mosaic_bench (~9) fit one GPU each
+#   mosaic_fused_dq  the Mosaic backward's fused_dq knob (one kernel for dQ, dK, dV): its gpu
+#                tests over 3 processes, then W1 softmax and GDPA with and without it,
+#                interleaved (experiments/ab_attention.py) (~5)
 #   fused_bwd    the Triton fused backwards (kernels/jagged_flash.py fused_bwd "k_rows" /
 #                "q_rows", dkv_split, dkv_split_tiles, rest_group): their gpu tests, then bench_attention on W2 and W3 with
 #                the settings side by side (~4)
@@ -68,10 +71,11 @@ for s in "$@"; do
         # the gpu-marked kernel tests split over PAR (default 3) pytest processes sharing the
         # GPU: Triton compiles are CPU-bound, so they overlap
         KT=${KT:-tests/test_kernels_block_attention.py tests/test_kernels_gdpa.py tests/test_kernels_jagged_attention.py tests/test_kernels_fused_backward.py}
-        # KT_SHARD=i/n keeps every n-th test from the i-th (e.g. one shard per GPU); files
+        # KT_SELECT: a pytest -k expression; KT_SHARD=i/n keeps every n-th test from the
+        # i-th (e.g. one shard per GPU); files
         # under $OUT/$KT_TAG* (default kernel)
         T="$OUT/${KT_TAG:-kernel}"
-        $PY -m pytest -m gpu --co -q -o addopts="" $KT 2>/dev/null | grep '::' \
+        $PY -m pytest -m gpu --co -q -o addopts="" $KT ${KT_SELECT:+-k "$KT_SELECT"} 2>/dev/null | grep '::' \
             | awk -v s="${KT_SHARD:-0/1}" 'BEGIN {split(s, a, "/")} (NR - 1) % a[2] == a[1]' \
             > "${T}_test_ids.txt"
         split -n r/${PAR:-3} "${T}_test_ids.txt" "${T}_ids_"
@@ -103,6 +107,13 @@ for s in "$@"; do
         section mosaic_w1_w4 240 $PY experiments/bench_attention.py --workloads=W1,W4 \
             --rows=mosaic,cudnn,pallas_softmax,pallas_gdpa_silu,block,softmax_W1 \
             --out="$OUT/bench_attention_w1_w4.json" ;;
+    mosaic_fused_dq)
+        KT="tests/test_kernels_mosaic_flash.py" KT_TAG=fused_dq KT_CAP=${KT_CAP:-200} \
+            KT_SELECT="fused_dq or _fused" OUT="$OUT" bash "$0" kernel_tests_par
+        section ab_fused_dq_softmax 120 $PY experiments/ab_attention.py --workload=W1 --rounds=4 \
+            --variants="softmax_mosaic,softmax_mosaic[fused_dq=1]" --out="$OUT/ab_fused_dq_softmax.json"
+        section ab_fused_dq_gdpa 120 $PY experiments/ab_attention.py --workload=W1 --rounds=4 \
+            --variants="gdpa_mosaic,gdpa_mosaic[fused_dq=1]" --out="$OUT/ab_fused_dq_gdpa.json" ;;
     fused_bwd)
         section fused_bwd_tests 240 $PY -m pytest -m gpu -q -rfE tests/test_kernels_fused_backward.py
         section fused_bwd_bench 200 $PY experiments/bench_attention.py --workloads=W2,W3 --nobaselines \
