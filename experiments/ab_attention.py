@@ -9,10 +9,10 @@ round times every variant once (attention_workloads.time_stream: --warm_s of cal
 then the slope between rounds of --iters and 2 --iters calls), in an order rotated
 by one each round, and the table gives per variant and pass the mean, min and max
 over rounds and in how many rounds it beat the first variant (the baseline) on the
-same round (the first variant that compiles is the baseline; one that fails to
-compile or run is reported and left out). Variants use attention_workloads.parse_variant's syntax: op_engine[knobs],
-op gdpa (SiLU) / softmax / block, engine triton / mosaic, MosaicConfig knobs joined
-by '+'. Useful TFLOP/s counts valid pairs only (4 H D sum(Lq Lk) forward, 3.5x that
+same round. A variant that fails to compile or run is reported and left out (the
+first that runs is then the baseline). Variants use attention_workloads.parse_variant's
+syntax: op_engine[knobs], op gdpa (SiLU) / softmax / block, engine triton / mosaic,
+MosaicConfig knobs joined by '+'. Useful TFLOP/s counts valid pairs only (4 H D sum(Lq Lk) forward, 3.5x that
 for forward+backward). --out writes every round's figures as JSON.
 """
 

@@ -963,22 +963,23 @@ def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard,
     _check_backward_knobs(knobs, i, monkeypatch)
 
 
-def _check_backward_knobs(knobs, i, monkeypatch):
-    """BACKWARD_CASES[i] with the Mosaic backward's `knobs` vs the jnp reference."""
+def _check_backward_knobs(knobs, i, monkeypatch, kernels=("dq", "dkv")):
+    """BACKWARD_CASES[i] with the Mosaic backward's `knobs` vs the jnp reference; the
+    kernels that ran (dQ, dK / dV) are `kernels`, each with the knobs."""
     from kernels import mosaic_flash
     mode, kw, ql, kl, tq, tk, h, d = BACKWARD_CASES[i]
-    seen, dq_kernel, dkv_kernel = [], mosaic_flash._dq_kernel, mosaic_flash._dkv_kernel
-    monkeypatch.setattr(mosaic_flash, "_dq_kernel",
-                        lambda *a, cfg, **k: seen.append(cfg) or dq_kernel(*a, cfg=cfg, **k))
-    monkeypatch.setattr(mosaic_flash, "_dkv_kernel",
-                        lambda *a, cfg, **k: seen.append(cfg) or dkv_kernel(*a, cfg=cfg, **k))
+    seen, ran, dq_kernel, dkv_kernel = [], [], mosaic_flash._dq_kernel, mosaic_flash._dkv_kernel
+    monkeypatch.setattr(mosaic_flash, "_dq_kernel", lambda *a, cfg, **k: ran.append("dq")
+                        or seen.append(cfg) or dq_kernel(*a, cfg=cfg, **k))
+    monkeypatch.setattr(mosaic_flash, "_dkv_kernel", lambda *a, cfg, **k: ran.append("dkv")
+                        or seen.append(cfg) or dkv_kernel(*a, cfg=cfg, **k))
     q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
     w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
     kw = dict(kw, mosaic_bwd=tuple(knobs.items()))
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
     want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
-    assert len(seen) == 2 and all(getattr(c, kn) == val for c in seen
-                                  for kn, val in knobs.items()), seen
+    assert tuple(ran) == tuple(kernels) and all(getattr(c, kn) == val for c in seen
+                                                 for kn, val in knobs.items()), (ran, seen)
     _assert_grads_close(got, want)
 
 
@@ -999,20 +1000,7 @@ def test_gpu_backward_fused_dq_edge_cases(i, monkeypatch):
 
 
 def _check_fused_dq(i, monkeypatch):
-    from kernels import mosaic_flash
-    mode, kw, ql, kl, tq, tk, h, d = BACKWARD_CASES[i]
-    seen, dq_kernel, dkv_kernel = [], mosaic_flash._dq_kernel, mosaic_flash._dkv_kernel
-    monkeypatch.setattr(mosaic_flash, "_dq_kernel",
-                        lambda *a, cfg, **k: seen.append(("dq", cfg)) or dq_kernel(*a, cfg=cfg, **k))
-    monkeypatch.setattr(mosaic_flash, "_dkv_kernel",
-                        lambda *a, cfg, **k: seen.append(("dkv", cfg)) or dkv_kernel(*a, cfg=cfg, **k))
-    q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
-    w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
-    kw = dict(kw, mosaic_bwd=(("fused_dq", True),))
-    got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
-    want = _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
-    assert [name for name, _ in seen] == ["dkv"] and seen[0][1].fused_dq, seen
-    _assert_grads_close(got, want)
+    _check_backward_knobs(dict(fused_dq=True), i, monkeypatch, kernels=("dkv",))
 
 
 @pytest.mark.parametrize("d", [64, 128])
