@@ -78,7 +78,8 @@ consumer), block_kv (64, 128, 192, 256 keys), num_stages (>= 2), schedule_barrie
 heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
 Triton launch, `pallas_layout`, instead of XLA ops), anchor, narrow_last (forward),
-act_packed (gdpa forward), deferred_pv (forward); the backward's dq_block_kv,
+act_packed (gdpa forward), deferred_pv (forward), row_max_ilp (softmax forward);
+the backward's dq_block_kv,
 fused_delta, overlap_dp and fused_dq
 (MosaicConfig's comments; FlashConfig.mosaic_fwd / mosaic_bwd pass them through
 jagged_flash). Shared memory over the 227 KB budget
@@ -89,7 +90,8 @@ interpreter on CPU: warpgroups as threads, TMA copies, mbarriers and wgmma simul
 exact math (jnp.tanh). Its wgmma takes shared-memory operands only, it cannot
 run a wgmma into a run_state accumulator nor store into a wgmma accumulator, so
 interpret mode forces p_via_smem, pv_in_place=False and, for softmax,
-deferred_pv=False.
+deferred_pv=False; row_max_ilp's inline Mosaic GPU code does not run there either
+(jnp.max instead).
 """
 
 import dataclasses
@@ -189,9 +191,24 @@ class MosaicConfig:
                                   # partial into a zeroed dQ buffer (TMA .add): 5 products
                                   # instead of 7, dQ's summation order not fixed.
                                   # Softmax's delta then comes from an XLA reduce
-                                  # (fused_delta does not apply). Session 13: checked
-                                  # in the interpreter (with an emulated reduce) and
-                                  # lowered for cuda; not yet run on a GPU
+                                  # (fused_delta does not apply). Its gpu tests pass
+                                  # (session 14). W1 f+b, 4 interleaved rounds: GDPA
+                                  # 0.942 ms against 0.993 (4 of 4 faster), softmax
+                                  # 1.049 against 1.004 (CUPTI: the fused kernel 0.664
+                                  # ms against 0.285 + 0.375, plus the delta reduce,
+                                  # the zeroed buffer and the cast, 0.088). Off: the
+                                  # softmax loss, and a run-to-run varying dQ
+    row_max_ilp: int = 0          # softmax forward: the row max of each score tile with
+                                  # this many independent max chains per thread
+                                  # (FragmentedArray.reduce's acc_ilp, through
+                                  # plgpu.inline_mgpu); 0: jnp.max, whose lowering runs
+                                  # one dependent chain of max.NaN per row (acc_ilp 4: 32
+                                  # in a row at 128-key tiles) on the path from S's wait
+                                  # to P V. W1, 4 interleaved rounds (session 14, two
+                                  # calls): fwd 0.250 / 0.256 ms against 0.255 / 0.259
+                                  # (3 of 4 rounds faster in each), f+b a tie; off, as
+                                  # that does not move a target. The interpreter runs
+                                  # jnp.max
     persistent: bool = False      # grid of num_ctas CTAs looping over the work items
     num_ctas: int | None = None   # persistent grid size (None: the GPU's SM count)
 
@@ -235,6 +252,9 @@ def check_config(cfg, d, dtype):
             NUM_CONSUMERS * regs[0] + regs[1]) * 128 > 65536:
         raise NotImplementedError(f"gdpa_mosaic: registers {regs} must be multiples of 8 in "
                                   "[24, 256] and fit 64K per SM")
+    if not 0 <= cfg.row_max_ilp <= 64:
+        raise ValueError(f"gdpa_mosaic: row_max_ilp={cfg.row_max_ilp} must be in [0, 64] "
+                         "(0: jnp.max)")
 
 
 # ----------------------------------------------------------------- layout (XLA side)
@@ -481,10 +501,10 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                     if valid is not None:
                         s = jnp.where(valid, s, NEG)
                     if fold:    # m in scaled units; s c - m contracts to one FMA
-                        m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
+                        m_new = jnp.maximum(m, _row_max(s, cfg.row_max_ilp) * c)
                         pr = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, (bq, w), [0]))
                     else:
-                        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                        m_new = jnp.maximum(m, _row_max(s, cfg.row_max_ilp))
                         pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, w), [0]))
                     if valid is not None:   # a row with no valid key yet: exp2(0) = 1 there
                         pr = jnp.where(valid, pr, 0.0)
@@ -705,6 +725,20 @@ def _run_walk(spans, step, carry, release=None):
         pend = carry[-1]
         pl.when(pend >= 0)(lambda: release(pend))
     return loop(spans[-1], carry)
+
+
+def _row_max(s, ilp):
+    """max(s, axis=1) of a float32 [rows, cols] tile in the wgmma layout; ilp > 0: with
+    that many independent max chains per thread (acc_ilp), combined pairwise after."""
+    if not ilp:
+        return jnp.max(s, axis=1)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((s.shape[0],), s.dtype,
+                                                          layout=plgpu.Layout.WGMMA.reduce(1)))
+    def row_max(_, x):
+        return x.reduce("max", 1, acc_ilp=ilp)
+    return row_max(s)
 
 
 def _scores_nt(a_smem, b_smem, rows, cols):
@@ -1070,7 +1104,7 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
     if interpret:   # the interpreter's wgmma takes shared-memory operands only, and it
         # cannot store into a wgmma accumulator (softmax's deferred_pv rescales in one)
         cfg = dataclasses.replace(cfg, p_via_smem=True, pv_in_place=False, deferred_pv=(
-            cfg.deferred_pv and cfg.mode != "softmax"))
+            cfg.deferred_pv and cfg.mode != "softmax"), row_max_ilp=0)
     n_tiles = table.shape[0]
     softmax = cfg.mode == "softmax"
     if cfg.persistent:

@@ -426,6 +426,8 @@ def test_bad_knob_and_activation():
         gdpa_mosaic_forward(q, q, q, off, off, bq=64)
     with pytest.raises(ValueError, match="activation"):
         gdpa_mosaic_forward(q, q, q, off, off, activation="tanh")
+    with pytest.raises(ValueError, match="row_max_ilp=-1"):
+        softmax_mosaic_forward(q, q, q, off, off, row_max_ilp=-1)
 
 
 
@@ -707,9 +709,11 @@ def test_softmax_interpreter_matches_reference(case, interpreter_guard):
                                     dict(p_via_smem=True), dict(fold_scale=False),
                                     dict(anchor=False, narrow_last=False),
                                     dict(deferred_pv=False),
-                                    dict(deferred_pv=False, pv_in_place=False, persistent=True)],
+                                    dict(deferred_pv=False, pv_in_place=False, persistent=True),
+                                    dict(row_max_ilp=32), dict(row_max_ilp=8, deferred_pv=False)],
                          ids=["default", "persistent", "fresh_acc", "p_smem", "unfolded_scale",
-                              "unanchored", "waited_pv", "waited_pv_fresh_acc_persistent"])
+                              "unanchored", "waited_pv", "waited_pv_fresh_acc_persistent",
+                              "row_max_ilp32", "row_max_ilp8_waited_pv"])
 def test_softmax_exports_for_cuda(tuning):
     """The GPU form (P from registers into the carried accumulator, FA3's run_state) lowers."""
     sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
@@ -740,12 +744,29 @@ def test_gpu_softmax_edge_cases(case):
     check_softmax(ql, kl, tq, tk, h=h, d=d, sm_scale=scale, interpret=False, **tuning)
 
 
+SOFTMAX_GPU_KNOBS = {"row_max_ilp16": dict(row_max_ilp=16), "row_max_ilp32": dict(row_max_ilp=32)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", list(SOFTMAX_GPU_KNOBS))
+@pytest.mark.parametrize("i", [0, 1, 2, 3, 5, 6, 8, 11], ids=lambda i: SOFTMAX_IDS[i])
+def test_gpu_softmax_gpu_only_knobs_edge_cases(i, knobs):
+    """Softmax forms the interpreter does not run (it takes jnp.max for row_max_ilp's
+    inline Mosaic GPU code) on the edge cases, with and without deferred_pv."""
+    _require_gpu()
+    ql, kl, tq, tk, h, d, scale, tuning = SOFTMAX_CASES[i]
+    check_softmax(ql, kl, tq, tk, h=h, d=d, sm_scale=scale, interpret=False,
+                  **{**tuning, **SOFTMAX_GPU_KNOBS[knobs]})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["default", "persistent", "p_smem", "bk64_s4", "fresh_acc",
-                                  "unanchored", "unanchored_narrow", "waited_pv"])
+                                  "unanchored", "unanchored_narrow", "waited_pv",
+                                  *SOFTMAX_GPU_KNOBS])
 def test_gpu_softmax_realistic_lengths(name):
     _require_gpu()
-    tuning = {**GPU_TUNINGS, "fresh_acc": dict(pv_in_place=False, deferred_pv=False)}[name]
+    tuning = {**GPU_TUNINGS, "fresh_acc": dict(pv_in_place=False, deferred_pv=False),
+              **SOFTMAX_GPU_KNOBS}[name]
     rng = np.random.default_rng(3)
     lens = _lognormal_lengths(rng, 12, 300, 1500)
     lens[:3] = [0, 1, 64]
