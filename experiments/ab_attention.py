@@ -12,8 +12,9 @@ over rounds and in how many rounds it beat the first variant (the baseline) on t
 same round. A variant that fails to compile or run is reported and left out (the
 first that runs is then the baseline). Variants use attention_workloads.parse_variant's
 syntax: op_engine[knobs], op gdpa (SiLU) / softmax / block, engine triton / mosaic,
-MosaicConfig knobs joined by '+'. Useful TFLOP/s counts valid pairs only (4 H D sum(Lq Lk) forward, 3.5x that
-for forward+backward). --out writes every round's figures as JSON.
+MosaicConfig knobs joined by '+'. Useful TFLOP/s counts valid pairs only (4 H D
+sum(Lq Lk) forward, 3.5x that for forward+backward). --out writes every round's
+figures as JSON.
 """
 
 import json

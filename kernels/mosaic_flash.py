@@ -79,11 +79,10 @@ heavy_first, interior, consumer_registers, producer_registers, p_via_smem,
 persistent, num_ctas, pv_in_place (softmax), pallas_layout (the layout in one Pallas
 Triton launch, `pallas_layout`, instead of XLA ops), anchor, narrow_last (forward),
 act_packed (gdpa forward), deferred_pv (forward), row_max_ilp (softmax forward);
-the backward's dq_block_kv,
-fused_delta, overlap_dp and fused_dq
-(MosaicConfig's comments; FlashConfig.mosaic_fwd / mosaic_bwd pass them through
-jagged_flash). Shared memory over the 227 KB budget
-fails at lowering ("exceeds available shared memory").
+the backward's dq_block_kv, fused_delta, overlap_dp and fused_dq (MosaicConfig's
+comments; FlashConfig.mosaic_fwd / mosaic_bwd pass them through jagged_flash).
+Shared memory over the 227 KB budget fails at lowering ("exceeds available shared
+memory").
 
 `interpret=True` (or an InterpretGPUParams) runs the kernel in Mosaic GPU's
 interpreter on CPU: warpgroups as threads, TMA copies, mbarriers and wgmma simulated,
