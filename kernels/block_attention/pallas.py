@@ -3,9 +3,12 @@
 A sample of length L splits into ceil(L / block) blocks; block n starts at token
 start[n] and holds len[n] <= block tokens. Each program loads its block's q, k, v
 rows ([block, D], at an unaligned start, rows past len masked to 0), rotates q and
-k in registers (RoPE angles computed in the kernel from the positions, Cody-Waite
-reduced as kernels.common.rope_tables), and does the whole softmax in one tile:
-no key loop, no online rescaling, no saved statistics.
+k in registers and does the whole softmax in one tile: no key loop, no online
+rescaling, no saved statistics. RoPE angles are computed in the kernel (`_trig`):
+with the default positions, from each token's offset in its block (scores and
+gradients depend on position differences only; 16-bit inputs skip the angle
+reduction); with given positions, from those, Cody-Waite reduced as
+kernels.common.rope_tables.
 
 Backward: one program per (head, block) recomputes P from q and k and produces
 dQ, dK and dV together (a block is one tile, so nothing is shared across
@@ -40,9 +43,9 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # Per-block kernel knobs (defaults; benchmarks override them).
 # group / group_bwd: blocks per program of the forward / backward kernel (a loop inside
 # the program; > 1 amortises the launch).
-# fast_trig: RoPE cos/sin through cos.approx / sin.approx (one MUFU op each; the angle
-# is already reduced to [-pi, pi], where their absolute error is ~1e-6) for 16-bit
-# inputs; float32 keeps libdevice cosf / sinf.
+# fast_trig: RoPE cos/sin through cos.approx / sin.approx (one MUFU op each; absolute
+# error ~1e-6 on angles reduced to [-pi, pi], ~1e-5 on the unreduced in-block angles
+# below 128 rad, `_trig`) for 16-bit inputs; float32 keeps libdevice cosf / sinf.
 # rope_chunks (forward): RoPE in a loop over that many column chunks of each half (1: the
 # whole [block, D/2] cos / sin tables at once); the resource report for sm_90 (W4, D=128):
 # 1 chunk 244 registers at 4 warps, 2 stages (8 warps per SM); 4 chunks 130 at 4 warps
@@ -131,26 +134,41 @@ def _cos_sin(a, fast):
     return jnp.cos(a), jnp.sin(a)
 
 
-def _rows_of(tab_refs, n, pos_ref, block):
-    """(rows, valid [block], write [block], positions [block, 1] f32) of block n."""
+def _rows_of(tab_refs, n, block):
+    """(rows, valid [block], write [block]) of block n."""
     start_ref, len_ref, wlen_ref = tab_refs
     start, ln, wl = start_ref[n], len_ref[n], wlen_ref[n]
     rows = pl.ds(start, block)
     r = lax.broadcasted_iota(jnp.int32, (block,), 0)
-    valid, write = r < ln, r < wl
-    p = plgpu.load(pos_ref.at[rows], mask=valid, other=0).astype(F32)[:, None]
-    return rows, valid, write, p
+    return rows, r < ln, r < wl
 
 
-def _setup(tab_refs, n, pos_ref, f_refs, block, cs, fast_trig=False):
-    """(rows, valid [block], write [block], cos, sin [block, D/2]) of block n."""
-    rows, valid, write, p = _rows_of(tab_refs, n, pos_ref, block)
-    f1, f2, f3 = (f[...][None, :] for f in f_refs)
-    a = rope_angle(p, f1, f2, f3, cs)
-    return (rows, valid, write) + _cos_sin(a, fast_trig)
+def _trig(rope_refs, rows, valid, cs, fast_trig, dtype):
+    """trig(cols) -> (cos, sin) [block, w] f32 of the RoPE half-columns `cols` for the
+    block's rows. rope_refs: (f1, f2, f3) (rope_freq_parts) with the angles of the rows'
+    offsets in the block (relative angles; see block_attention_pallas), or (positions [T],
+    f1, f2, f3). Angles are reduced to [-pi, pi] (Cody-Waite, kernels.common.rope_angle)
+    except relative ones for 16-bit inputs: offset * freq < block rad, one multiply per
+    element instead of the reduction's ~12 ops, goes to cos / sin as is (cos.approx /
+    sin.approx under fast_trig reduce it themselves: absolute error ~1e-5 at 128 rad,
+    far below 16-bit rounding)."""
+    block = valid.shape[0]
+    *pos_ref, f1, f2, f3 = rope_refs
+    if pos_ref:
+        p = plgpu.load(pos_ref[0].at[rows], mask=valid, other=0).astype(F32)[:, None]
+    else:
+        p = lax.broadcasted_iota(jnp.int32, (block, 1), 0).astype(F32)
+    if not pos_ref and jnp.dtype(dtype).itemsize == 2:
+        return lambda cols: _cos_sin(p * (f1[cols] + f2[cols] + f3[cols])[None, :], fast_trig)
+    return lambda cols: _cos_sin(rope_angle(p, *(f[cols][None, :] for f in (f1, f2, f3)), cs),
+                                 fast_trig)
 
 
-def _scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig, chunks):
+def _all_cols(ref):
+    return pl.ds(0, ref.shape[-1] // 2)
+
+
+def _scores_by_chunks(q_ref, k_ref, rows, valid, trig, chunks):
     """S = rot(q) rot(k)^T [block, block] f32 with RoPE applied in a loop over `chunks`
     column chunks of each half: a chunk's angles, cos / sin and rotated columns die
     before the next, so far fewer registers are live than with whole [block, D/2]
@@ -160,8 +178,7 @@ def _scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig, chu
 
     def chunk(c, s):
         cols = (pl.ds(c * w, w), pl.ds(half + c * w, w))
-        fs = (f[pl.ds(c * w, w)][None, :] for f in f_refs)
-        cos, sin = _cos_sin(rope_angle(pos, *fs, cs), fast_trig)
+        cos, sin = trig(cols[0])
         (q1, q2), (k1, k2) = (_rotated_cols(ref, rows, cols, valid, cos, sin)
                               for ref in (q_ref, k_ref))
         return s + _dot(q1, k1, ((1,), (1,))) + _dot(q2, k2, ((1,), (1,)))
@@ -235,17 +252,18 @@ def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
                                             fast_trig=fast_trig, rope_chunks=rope_chunks))
 
 
-def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-               o_ref, *, block, scale, cs, fast_trig, rope_chunks):
-    tab, f_refs = (st_ref, ln_ref, wl_ref), (f1_ref, f2_ref, f3_ref)
+def _fwd_block(n, *refs, block, scale, cs, fast_trig, rope_chunks):
+    """refs: the block table (3), the RoPE inputs (`_trig`), q, k, v, o."""
+    tab, rope, (q_ref, k_ref, v_ref, o_ref) = refs[:3], refs[3:-4], refs[-4:]
+    rows, valid, write = _rows_of(tab, n, block)
+    trig = _trig(rope, rows, valid, cs, fast_trig, q_ref.dtype)
     if rope_chunks > 1:
-        rows, valid, write, pos = _rows_of(tab, n, pos_ref, block)
-        p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig,
-                                       rope_chunks), valid, scale)
+        p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, trig, rope_chunks), valid,
+                     scale)
         v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
         _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
         return
-    rows, valid, write, cos, sin = _setup(tab, n, pos_ref, f_refs, block, cs, fast_trig)
+    cos, sin = trig(_all_cols(q_ref))
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
@@ -253,15 +271,17 @@ def _fwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
     _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
 
 
-def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref, k_ref, v_ref,
-               do_ref, dq_ref, dk_ref, dv_ref, *, block, scale, cs, fast_trig, rope_chunks):
-    tab, f_refs = (st_ref, ln_ref, wl_ref), (f1_ref, f2_ref, f3_ref)
+def _bwd_block(n, *refs, block, scale, cs, fast_trig, rope_chunks):
+    """refs: the block table (3), the RoPE inputs (`_trig`), q, k, v, do, dq, dk, dv."""
+    tab, rope = refs[:3], refs[3:-7]
+    q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref = refs[-7:]
+    rows, valid, write = _rows_of(tab, n, block)
+    trig = _trig(rope, rows, valid, cs, fast_trig, q_ref.dtype)
     if rope_chunks > 1:
-        _bwd_block_by_chunks(tab, n, pos_ref, f_refs, q_ref, k_ref, v_ref, do_ref, dq_ref,
-                             dk_ref, dv_ref, block=block, scale=scale, cs=cs,
-                             fast_trig=fast_trig, chunks=rope_chunks)
+        _bwd_block_by_chunks(rows, valid, write, trig, q_ref, k_ref, v_ref, do_ref, dq_ref,
+                             dk_ref, dv_ref, scale=scale, chunks=rope_chunks)
         return
-    rows, valid, write, cos, sin = _setup(tab, n, pos_ref, f_refs, block, cs, fast_trig)
+    cos, sin = trig(_all_cols(q_ref))
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
@@ -274,15 +294,13 @@ def _bwd_block(n, st_ref, ln_ref, wl_ref, pos_ref, f1_ref, f2_ref, f3_ref, q_ref
     _store_halves(dk_ref, rows, write, _dot(ds, q1, tn), _dot(ds, q2, tn), cos, sin)
 
 
-def _bwd_block_by_chunks(tab, n, pos_ref, f_refs, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref,
-                         dv_ref, *, block, scale, cs, fast_trig, chunks):
+def _bwd_block_by_chunks(rows, valid, write, trig, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref,
+                         dv_ref, *, scale, chunks):
     """The backward with RoPE in column chunks (rope_chunks_bwd): S from the chunk loop
     of the forward, then dV and dS, then a second chunk loop that rotates q and k's
     chunk again (angles recomputed, rows re-read, from cache) for that chunk's dQ and
     dK columns, rotated back and stored. Only dS lives across the two loops."""
-    rows, valid, write, pos = _rows_of(tab, n, pos_ref, block)
-    p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, pos, f_refs, cs, fast_trig,
-                                   chunks), valid, scale)
+    p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, trig, chunks), valid, scale)
     do = _load(do_ref, rows, pl.ds(0, do_ref.shape[-1]), valid)
     _store(dv_ref, rows, write, _dot(p.astype(do.dtype), do, ((0,), (0,))))
     dp = _dot(do, _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid), ((1,), (1,)))
@@ -293,8 +311,7 @@ def _bwd_block_by_chunks(tab, n, pos_ref, f_refs, q_ref, k_ref, v_ref, do_ref, d
 
     def chunk(c, carry):
         cols = (pl.ds(c * w, w), pl.ds(half + c * w, w))
-        fs = (f[pl.ds(c * w, w)][None, :] for f in f_refs)
-        cos, sin = _cos_sin(rope_angle(pos, *fs, cs), fast_trig)
+        cos, sin = trig(cols[0])
         q1, q2 = _rotated_cols(q_ref, rows, cols, valid, cos, sin)
         k1, k2 = _rotated_cols(k_ref, rows, cols, valid, cos, sin)
         _store_halves(dq_ref, rows, write, _dot(ds, k1, nn), _dot(ds, k2, nn), cos, sin, cols)
@@ -309,12 +326,12 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
+def _call(kernel, n_out, cfg, tab, rope, xs, bwd):
     block, knobs, interpret, scale, cs = cfg
     tp, h, d = xs[0].shape
     nb = tab[0].shape[0]
     x_spec = pl.BlockSpec((tp, None, d), lambda hh, n: (0, hh, 0))
-    in_specs = [_full((nb,))] * 3 + [_full((tp,))] + [_full((d // 2,))] * 3 + [x_spec] * len(xs)
+    in_specs = [_full((nb,))] * 3 + [_full(r.shape) for r in rope] + [x_spec] * len(xs)
     sfx = "_bwd" if bwd else ""
     params = plgpu.CompilerParams(num_warps=knobs["num_warps" + sfx],
                                   num_stages=knobs["num_stages" + sfx])
@@ -328,25 +345,25 @@ def _call(kernel, n_out, cfg, tab, pos, freqs, xs, bwd):
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
         compiler_params=params, interpret=interpret,
         name="block_attention" + (sfx or "_fwd"),
-    )(*tab, pos, *freqs, *xs)
+    )(*tab, *rope, *xs)
     return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _block_attn(cfg, q, k, v, tab, pos, freqs):
-    return _call(_fwd_kernel, 1, cfg, tab, pos, freqs, (q, k, v), False)[0]
+def _block_attn(cfg, q, k, v, tab, rope):
+    return _call(_fwd_kernel, 1, cfg, tab, rope, (q, k, v), False)[0]
 
 
-def _block_attn_fwd(cfg, q, k, v, tab, pos, freqs):
-    return _block_attn(cfg, q, k, v, tab, pos, freqs), (q, k, v, tab, pos, freqs)
+def _block_attn_fwd(cfg, q, k, v, tab, rope):
+    return _block_attn(cfg, q, k, v, tab, rope), (q, k, v, tab, rope)
 
 
 def _block_attn_bwd(cfg, res, do):
-    q, k, v, tab, pos, freqs = res
-    dq, dk, dv = _call(_bwd_kernel, 3, cfg, tab, pos, freqs, (q, k, v, do), True)
-    int_zero = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
-    return (dq, dk, dv, tuple(int_zero(t) for t in tab), int_zero(pos),
-            tuple(jnp.zeros_like(f) for f in freqs))
+    q, k, v, tab, rope = res
+    dq, dk, dv = _call(_bwd_kernel, 3, cfg, tab, rope, (q, k, v, do), True)
+    zero = lambda x: (jnp.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+                      if jnp.issubdtype(x.dtype, jnp.integer) else jnp.zeros_like(x))
+    return dq, dk, dv, tuple(map(zero, tab)), tuple(map(zero, rope))
 
 
 _block_attn.defvjp(_block_attn_fwd, _block_attn_bwd)
@@ -387,8 +404,6 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
         raise ValueError(f"block_attention_pallas: unknown knobs {sorted(unknown)} for the "
                          f"per-block kernel (have {sorted(BLOCK_KNOBS)})")
     offsets = offsets.astype(jnp.int32)
-    if positions is None:
-        positions = segment_layout(offsets, t)[1]
     groups = [int(knobs.get(g, BLOCK_KNOBS[g])) for g in ("group", "group_bwd")]
     if min(groups) < 1:
         raise ValueError(f"block_attention_pallas: group and group_bwd must be >= 1, got {groups}")
@@ -409,10 +424,18 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
         lambda x: x)
     (f1, f2, f3), cs = rope_freq_parts(d, rope_theta)     # the real D's frequencies
     # padded halves [x1 | 0 | x2 | 0]: zero frequencies on the zero lanes (cos 1, sin 0)
-    freqs = tuple(jnp.asarray(np.pad(f, (0, (dp - d) // 2))) for f in (f1, f2, f3))
+    rope = tuple(jnp.asarray(np.pad(f, (0, (dp - d) // 2))) for f in (f1, f2, f3))
+    # RoPE scores depend on position differences only: rot(q, a + r) . rot(k, a + c) =
+    # rot(q, r) . rot(k, c), and gradients rotated back by rot(., a + r)^T match likewise.
+    # With the default positions (the index within the sample) a block's tokens sit at
+    # a + 0..block-1 for one a per block, so the kernels rotate by the offset r in the
+    # block: no positions to load, and small angles (see _trig).
+    if positions is not None:
+        rope = (pad(positions.astype(jnp.int32)), *rope)
     if dp != d:
         q, k = pad_halves(q, dp), pad_halves(k, dp)
         v = pad_head_dim(v, dp)
     cfg = (block, {**BLOCK_KNOBS, **knobs}, interpret, float(sm_scale), cs)
-    out = _block_attn(cfg, pad(q), pad(k), pad(v), tab, pad(positions.astype(jnp.int32)), freqs)
+    out = _block_attn(cfg, pad(q), pad(k), pad(v), tab, rope)
     return out[:t, :, :d]
+
