@@ -38,6 +38,8 @@
 #   teacher_small  the `small` teacher (the ablation's model) on one device: step time and
 #                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
+#   ncu_attention  Nsight Compute on the W1 softmax / GDPA Mosaic forwards and the W4
+#                per-block forward (NCU_VARIANTS), stall samples per region (~3)
 #   ablate       the teacher ablation, one process per variant sharing the GPU; ABLATE_STEPS
 #                (default 2000), ABLATE_OVERRIDE (e.g. data.batch_size=2048) and ABLATE_SEEDS
 #                scale it, ABLATE_CAP caps each process, ABLATE_WORKDIR may hold finished runs
@@ -58,6 +60,17 @@ section() {  # name, seconds, command...
     grep -v -E '^[WI][0-9]{4} ' "$OUT/$name.log" | tail -n 40
     echo "=== $name rc=$rc"
 }
+
+# ncu_attention's program: a workload's forward (argv: W1-W4, an attention_workloads
+# variant) run twice, so that ncu --launch-skip 1 profiles a launch after compilation
+NCU_RUN='import sys; sys.path.insert(0, "experiments")
+import jax, jax.numpy as jnp, numpy as np
+from attention_workloads import op_fn, pack_arrays, parse_variant, workload
+_, ql, kl = workload(sys.argv[1])
+q, k, v, _, qo, ko = pack_arrays(ql, kl, 4, 128, jnp.bfloat16, np.random.default_rng(0))
+f = jax.jit(op_fn(*parse_variant(sys.argv[2]), qo, ko, 1.0 / int(kl.max())))
+for _ in range(2):
+    jax.block_until_ready(f(q, k, v))'
 
 for s in "$@"; do
     case $s in
@@ -162,7 +175,22 @@ for s in "$@"; do
         section ablate_table 120 $PY experiments/ablate.py --config=small --steps=${ABLATE_STEPS:-2000} \
             --override="${ABLATE_OVERRIDE:-}" --seeds=${ABLATE_SEEDS:-0,1,2} --workdir="$AWD" \
             --table_only --out="$OUT/ablate.json" ;;
+    ncu_attention)
+        # Nsight Compute on the second forward launch of each NCU_VARIANTS entry (W1; block:
+        # W4), its SASS page summarized by sass_stalls.py (kernels/NOTES.md, session 15)
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+        for v in ${NCU_VARIANTS:-softmax_mosaic gdpa_mosaic block_triton}; do
+            case $v in block*) k=block_attention_fwd wl=W4 ;; *) k=regex:mosaic wl=W1 ;; esac
+            timeout 240 "$NCU" --clock-control none --kernel-name "$k" --launch-skip 1 \
+                --launch-count 1 --set full --import-source no -o "$OUT/ncu_$v" -f \
+                $PY -c "$NCU_RUN" "$wl" "$v" > "$OUT/ncu_$v.log" 2>&1
+            "$NCU" -i "$OUT/ncu_$v.ncu-rep" --page details > "$OUT/ncu_${v}_details.txt"
+            "$NCU" -i "$OUT/ncu_$v.ncu-rep" --page source --print-source sass --csv \
+                | gzip > "$OUT/ncu_${v}_sass.csv.gz"
+            echo "=== ncu $v"
+            $PY experiments/sass_stalls.py "$OUT/ncu_${v}_sass.csv.gz" --regions=4 --mix=1
+        done ;;
     *)
-        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench fused_bwd teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate)"; exit 2 ;;
+        echo "unknown section $s (kernels kernel_tests_par kernel_bench_w4 triton_report mosaic mosaic_tests mosaic_bench fused_bwd teacher_h200 sparse sparse_mgpu sweep teacher_small feed movielens ablate ncu_attention)"; exit 2 ;;
     esac
 done

@@ -55,9 +55,13 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # forward 4 warps, 2 stages, 4 blocks per program, 1 chunk (0.102-0.106 ms in two runs;
 # 2 blocks 0.106-0.107, 2 or 4 chunks 0.107-0.111, 8 warps >= 0.165); backward 4 warps,
 # 1 stage, 1 block, 2 chunks (forward+backward 0.293-0.297 ms; 1 chunk 0.342-0.347,
-# 4 chunks 0.331, 8 warps 0.54).
+# 4 chunks 0.331, 8 warps 0.54). Session 15, with RoPE by in-block offsets: forward 0.077,
+# forward+backward 0.225 ms; group 2, rope_chunks 2, rope_chunks_bwd 1 / 4, num_stages_bwd
+# 2, group_bwd 2 no faster. prefetch_table: a program's table entries loaded up front
+# (`_each_block`).
 BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2)
+                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
+                   prefetch_table=True)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
 # jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
 ENGINE = "per_block"
@@ -134,10 +138,9 @@ def _cos_sin(a, fast):
     return jnp.cos(a), jnp.sin(a)
 
 
-def _rows_of(tab_refs, n, block):
-    """(rows, valid [block], write [block]) of block n."""
-    start_ref, len_ref, wlen_ref = tab_refs
-    start, ln, wl = start_ref[n], len_ref[n], wlen_ref[n]
+def _rows_of(entry, block):
+    """(rows, valid [block], write [block]) of a block's table entry (start, len, write_len)."""
+    start, ln, wl = entry
     rows = pl.ds(start, block)
     r = lax.broadcasted_iota(jnp.int32, (block,), 0)
     return rows, r < ln, r < wl
@@ -229,33 +232,44 @@ def _dscores(p, dp, scale, dtype):
     return (p * (dp - delta[:, None]) * scale).astype(dtype)
 
 
-def _each_block(group, fn):
-    """Run fn(n) for this program's `group` consecutive blocks."""
+def _each_block(group, tab_refs, fn, prefetch):
+    """Run fn(entry) for this program's `group` consecutive blocks, entry = the block's
+    (start, len, write_len). prefetch (group a power of two): the group's entries are
+    loaded up front as three vectors, so a block's q / k / v loads wait for no table load
+    of their own (one load latency per program instead of one per block)."""
     first = pl.program_id(1) * group
     if group == 1:
-        fn(first)
+        fn(tuple(r[first] for r in tab_refs))
         return
+    if prefetch and group & (group - 1) == 0:
+        vecs = [r[pl.ds(first, group)] for r in tab_refs]
+        lane = lax.broadcasted_iota(jnp.int32, (group,), 0)
+        entry = lambda g: tuple(jnp.sum(jnp.where(lane == g, x, 0)) for x in vecs)  # noqa: E731
+    else:
+        entry = lambda g: tuple(r[first + g] for r in tab_refs)  # noqa: E731
 
     def body(g, carry):
-        fn(first + g)
+        fn(entry(g))
         return carry
     lax.fori_loop(0, group, body, 0)
 
 
-def _fwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
-    _each_block(group, lambda n: _fwd_block(n, *refs, block=block, scale=scale, cs=cs,
-                                            fast_trig=fast_trig, rope_chunks=rope_chunks))
+def _fwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, prefetch):
+    _each_block(group, refs[:3], lambda e: _fwd_block(
+        e, *refs[3:], block=block, scale=scale, cs=cs, fast_trig=fast_trig,
+        rope_chunks=rope_chunks), prefetch)
 
 
-def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
-    _each_block(group, lambda n: _bwd_block(n, *refs, block=block, scale=scale, cs=cs,
-                                            fast_trig=fast_trig, rope_chunks=rope_chunks))
+def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, prefetch):
+    _each_block(group, refs[:3], lambda e: _bwd_block(
+        e, *refs[3:], block=block, scale=scale, cs=cs, fast_trig=fast_trig,
+        rope_chunks=rope_chunks), prefetch)
 
 
-def _fwd_block(n, *refs, block, scale, cs, fast_trig, rope_chunks):
-    """refs: the block table (3), the RoPE inputs (`_trig`), q, k, v, o."""
-    tab, rope, (q_ref, k_ref, v_ref, o_ref) = refs[:3], refs[3:-4], refs[-4:]
-    rows, valid, write = _rows_of(tab, n, block)
+def _fwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
+    """entry: the block's table entry; refs: the RoPE inputs (`_trig`), q, k, v, o."""
+    rope, (q_ref, k_ref, v_ref, o_ref) = refs[:-4], refs[-4:]
+    rows, valid, write = _rows_of(entry, block)
     trig = _trig(rope, rows, valid, cs, fast_trig, q_ref.dtype)
     if rope_chunks > 1:
         p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, trig, rope_chunks), valid,
@@ -271,11 +285,12 @@ def _fwd_block(n, *refs, block, scale, cs, fast_trig, rope_chunks):
     _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
 
 
-def _bwd_block(n, *refs, block, scale, cs, fast_trig, rope_chunks):
-    """refs: the block table (3), the RoPE inputs (`_trig`), q, k, v, do, dq, dk, dv."""
-    tab, rope = refs[:3], refs[3:-7]
+def _bwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
+    """entry: the block's table entry; refs: the RoPE inputs (`_trig`), q, k, v, do, dq,
+    dk, dv."""
+    rope = refs[:-7]
     q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref = refs[-7:]
-    rows, valid, write = _rows_of(tab, n, block)
+    rows, valid, write = _rows_of(entry, block)
     trig = _trig(rope, rows, valid, cs, fast_trig, q_ref.dtype)
     if rope_chunks > 1:
         _bwd_block_by_chunks(rows, valid, write, trig, q_ref, k_ref, v_ref, do_ref, dq_ref,
@@ -339,7 +354,8 @@ def _call(kernel, n_out, cfg, tab, rope, xs, bwd):
     fast_trig = bool(knobs["fast_trig"]) and xs[0].dtype.itemsize == 2 and not interpret
     out = pl.pallas_call(
         functools.partial(kernel, block=block, scale=scale, cs=cs, group=group,
-                          fast_trig=fast_trig, rope_chunks=int(knobs["rope_chunks" + sfx])),
+                          fast_trig=fast_trig, rope_chunks=int(knobs["rope_chunks" + sfx]),
+                          prefetch=bool(knobs["prefetch_table"])),
         grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,
