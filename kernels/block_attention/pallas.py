@@ -167,10 +167,6 @@ def _trig(rope_refs, rows, valid, cs, fast_trig, dtype):
                                  fast_trig)
 
 
-def _all_cols(ref):
-    return pl.ds(0, ref.shape[-1] // 2)
-
-
 def _scores_by_chunks(q_ref, k_ref, rows, valid, trig, chunks):
     """S = rot(q) rot(k)^T [block, block] f32 with RoPE applied in a loop over `chunks`
     column chunks of each half: a chunk's angles, cos / sin and rotated columns die
@@ -277,7 +273,7 @@ def _fwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
         v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
         _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
         return
-    cos, sin = trig(_all_cols(q_ref))
+    cos, sin = trig(_halves(q_ref)[0])
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
@@ -296,7 +292,7 @@ def _bwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
         _bwd_block_by_chunks(rows, valid, write, trig, q_ref, k_ref, v_ref, do_ref, dq_ref,
                              dk_ref, dv_ref, scale=scale, chunks=rope_chunks)
         return
-    cos, sin = trig(_all_cols(q_ref))
+    cos, sin = trig(_halves(q_ref)[0])
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
     k1, k2 = _rotated(k_ref, rows, valid, cos, sin)
     v = _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid)
