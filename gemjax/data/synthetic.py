@@ -2,7 +2,9 @@
 
 Every batch is a pure function of (seed, stream, step, shard): resuming, or
 splitting the global batch over a different number of processes, reproduces the
-same samples. Shards are numbered globally (process_index * local_devices + d).
+same samples, on any CPU type: the values come from numpy's Generator draws and
+exactly rounded arithmetic (`portable_math` for exp / log / pow and for the dot
+products: no BLAS kernel or SIMD dispatch decides a bit). Shards are numbered globally (process_index * local_devices + d).
 
 Features of one sample:
   sparse   user (Zipf over data.vocab_user; no direct signal), segment (a hash of
@@ -34,6 +36,7 @@ import numpy as np
 
 from gemjax.config import DataConfig
 from gemjax.data.batch import Batch
+from gemjax.data import portable_math
 from gemjax.data.jagged import Jagged, layout_from_lengths
 
 SEQUENCES = ("clicks", "views")
@@ -57,17 +60,17 @@ def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size,
     """Ranks in [0, vocab) with P(rank r) ~ (r + 1)^-a (continuous inverse CDF, floored).
 
     int64 array of shape `size`, or written into `out` (an integer array of that
-    shape, e.g. an int32 slice of a packed buffer) and returned. The arithmetic
-    runs in place on the uniform draws (one float64 buffer, no temporaries).
+    shape, e.g. an int32 slice of a packed buffer) and returned. The inverse CDF
+    uses `portable_math` (the same ranks on every CPU type).
     """
     x = rng.random(size)
     if abs(a - 1.0) < 1e-9:
-        x *= np.log(vocab + 1.0)
-        np.exp(x, out=x)
+        x *= portable_math.log(vocab + 1.0)
+        x = portable_math.exp(x)
     else:
-        x *= (vocab + 1.0) ** (1 - a) - 1
+        x *= portable_math.pow(vocab + 1.0, 1 - a) - 1
         x += 1
-        x **= 1 / (1 - a)
+        x = portable_math.pow(x, 1 / (1 - a))
     np.floor(x, out=x)
     if out is None:
         r = x.astype(np.int64)
@@ -95,11 +98,11 @@ class PlantedTeacher:
         self.w_seg = rng.normal(0, c.first_order, c.vocab_segment)
         self.w_ctx = rng.normal(0, c.first_order, c.vocab_context)
         self.w_item = rng.normal(0, 1.0, c.vocab_item) * c.item_bias
-        self.u_seg = rng.normal(0, r ** -0.25, (c.vocab_segment, r))
-        self.c_ctx = rng.normal(0, r ** -0.25, (c.vocab_context, r))
-        self.g_cat = rng.normal(0, r ** -0.25, (c.num_categories, r))
-        self.h_ctx = rng.normal(0, r ** -0.25, (c.vocab_context, r))
-        self.w_dense = rng.normal(0, c.dense_signal / max(c.num_dense, 1) ** 0.5, c.num_dense)
+        self.u_seg = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.vocab_segment, r))
+        self.c_ctx = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.vocab_context, r))
+        self.g_cat = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.num_categories, r))
+        self.h_ctx = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.vocab_context, r))
+        self.w_dense = rng.normal(0, c.dense_signal / math.sqrt(max(c.num_dense, 1)), c.num_dense)
         self.q_cat = rng.choice([-1.0, 1.0], c.num_categories)
         base = np.array([-0.8, -1.6, -0.4, -1.2, -1.0, -2.0])
         self.base = np.resize(base, c.num_surfaces * c.num_tasks).reshape(c.num_surfaces, c.num_tasks)
@@ -109,9 +112,12 @@ class PlantedTeacher:
         """[B, K] true logits."""
         c = self.cfg
         z = self.w_seg[segment] + self.w_ctx[context] + self.w_item[item]
-        z = z + c.fm * (np.sum(self.u_seg[segment] * self.c_ctx[context], -1)
-                        + np.sum(self.g_cat[item_cat] * self.h_ctx[context], -1))
-        z = z + dense @ self.w_dense
+        pair = np.zeros_like(z)
+        for u, v in ((self.u_seg[segment], self.c_ctx[context]),
+                     (self.g_cat[item_cat], self.h_ctx[context])):
+            pair += portable_math.dot(u * v, np.ones(u.shape[1]))
+        z = z + c.fm * pair
+        z = z + portable_math.dot(dense, self.w_dense)
         z = z + c.clicks_signal * clicks_frac + c.views_signal * views_q * self.q_cat[item_cat]
         return self.base[surface] + self.alpha[surface] * z[:, None]
 
@@ -172,7 +178,7 @@ class SyntheticStream:
         """
         c = self.cfg
         b = fav.shape[0]
-        raw = np.exp(rng.normal(np.log(c.seq_median), c.seq_sigma, b))
+        raw = portable_math.exp(rng.normal(float(portable_math.log(c.seq_median)), c.seq_sigma, b))
         lengths = np.maximum(np.rint(raw).astype(np.int64), 1)
         lengths[rng.random(b) < 0.05] = 0                 # new users: empty histories
         over_cap = int((lengths > c.seq_cap).sum())
@@ -265,7 +271,7 @@ class SyntheticStream:
                 signal[name] = np.where(cnt > 0, q / np.maximum(cnt, 1), 0.0)
         logits = self.teacher.logits(segment, context, item, cand_cat, dense.astype(np.float64),
                                      signal["clicks"], signal["views"], surface)
-        probs = 1.0 / (1.0 + np.exp(-logits))
+        probs = 1.0 / (1.0 + portable_math.exp(-logits))
         labels = (rng.random(probs.shape) < probs).astype(np.float32)
         label_mask = np.ones_like(labels)
         if c.num_tasks > 1:
