@@ -1,5 +1,5 @@
 """Experiment tracking: TensorBoard scalars equal metrics.jsonl (across a resume), summary.json's
-run facts and timing, --profile_steps' trace and its flag errors."""
+run facts and timing, plot_metrics' PNG, --profile_steps' trace and its flag errors."""
 
 import functools
 import glob
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import experiment_scripts
 from gemjax.config import apply_overrides, get_config
 from gemjax.train import tracking
 from gemjax.train.loop import train
@@ -229,3 +230,34 @@ def test_profile_steps_flag_errors(value, message, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and message in r.stderr + r.stdout, r.stderr[-2000:]
     assert not os.listdir(tmp_path)                       # refused before anything ran
+
+
+def test_plot_metrics_reads_rows_and_draws_a_png(run, tmp_path):
+    wd, _, _ = run
+    P = experiment_scripts.load("plot_metrics")
+    curves = P.read_curves(wd)
+    rows = _rows(wd)
+    for name, (kind, key) in P.CURVES.items():
+        steps, values = curves[name]
+        want = [(r["step"], r[key]) for r in rows if r["kind"] == kind]
+        assert steps.tolist() == [s for s, _ in want] and values.tolist() == [v for _, v in want], name
+    out = tmp_path / "curves.png"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot_metrics.py"),
+                        f"--workdirs={wd},{wd}", "--labels=a,b", f"--out={out}", "--size=640x480"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    assert struct.unpack(">II", png[16:24]) == (640, 480)
+
+
+def test_plot_metrics_names_bad_input(tmp_path):
+    P = experiment_scripts.load("plot_metrics")
+    with pytest.raises(ValueError, match=r"metrics.jsonl: no such file"):
+        P.read_curves(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "kind": "train", "loss": 0.5}\n\n'
+                                            '{"step": 4, "kind": "train", "loss": 0.4\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:3: not a metrics row"):
+        P.read_curves(str(tmp_path))
+    with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
+        P.parse_size("640")
