@@ -3,10 +3,11 @@
     summary = train(cfg, workdir)
 
 Writes WORKDIR/metrics.jsonl (one JSON object per log or eval point; the same
-numbers as TensorBoard scalars under WORKDIR/tensorboard, `tracking.RunLog`),
+numbers as TensorBoard scalars under WORKDIR/tensorboard: `tracking.RunLog`),
 WORKDIR/summary.json at the end (eval figures, timing, devices, mesh, versions,
-git revision), and Orbax checkpoints under WORKDIR/checkpoints. Rerunning with
-the same workdir resumes from the newest checkpoint, on any mesh shape and table plan (tables are saved in logical row
+git revision: `tracking.timing`, `tracking.run_facts`), and Orbax checkpoints under
+WORKDIR/checkpoints. Rerunning with the same workdir resumes from the newest
+checkpoint, on any mesh shape and table plan (tables are saved in logical row
 order: `save_train_state` / `restore_train_state`); the data stream is a pure
 function of the step (and of the shard count), so a resumed run on the same mesh
 equals an uninterrupted one. A crash loses at most the steps since the last
