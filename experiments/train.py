@@ -21,6 +21,10 @@ workdir resumes. With train.baselines (default on for `small`), a logistic
 regression and the same model without sequence inputs train on the same
 stream for the same steps, under WORKDIR/baselines/, and the summary reports
 all three next to the Bayes-optimal NE.
+
+TensorBoard: the metrics rows also go to WORKDIR/tensorboard (train.tensorboard,
+on by default). --profile_steps=A:B writes a jax.profiler trace of steps A..B-1
+(0-based) to WORKDIR/profile, for xprof or TensorBoard's profile tab.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ flags.DEFINE_integer("eval_every", None, "eval interval in steps")
 flags.DEFINE_integer("seed", None, "seed of data, teacher and init")
 flags.DEFINE_integer("batch_size", None, "global batch size")
 flags.DEFINE_bool("baselines", None, "also train LR and the no-sequence model (same stream)")
+flags.DEFINE_string("profile_steps", "", "A:B traces steps A..B-1 (0-based) into WORKDIR/profile")
 flags.DEFINE_string("mesh", "", "physical mesh axes outer to inner, e.g. replica=2,fsdp=-1,expert=2 "
                     "(default: every device on one 'batch' axis)")
 flags.DEFINE_string("logical_rules", "", "logical-axis rule overrides, e.g. mlp=fsdp,embed= (name= replicates)")
@@ -69,6 +74,22 @@ def build_config():
     return apply_overrides(cfg, f.override)
 
 
+def profile_window(text: str, steps: int) -> tuple[int, int] | None:
+    """--profile_steps "A:B" -> (A, B), 0 <= A < B <= steps; "" -> None."""
+    if not text:
+        return None
+    try:
+        a, b = (int(p) for p in text.split(":"))
+    except ValueError:
+        a = b = -1
+    if not 0 <= a < b:
+        raise app.UsageError(f"--profile_steps={text!r}: expected A:B, integers with 0 <= A < B "
+                             f"(e.g. 5:8 traces steps 5, 6 and 7)")
+    if b > steps:
+        raise app.UsageError(f"--profile_steps={text!r}: the run has {steps} steps")
+    return a, b
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -76,6 +97,7 @@ def main(argv):
         cfg = build_config()
     except ValueError as e:
         raise app.UsageError(str(e))
+    profile_steps = profile_window(flags.FLAGS.profile_steps, cfg.train.steps)
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
     f = flags.FLAGS
     from gemjax.parallel import multihost  # after flags: importing jax is slow
@@ -99,7 +121,8 @@ def main(argv):
         log(f"[gemjax] mesh {dict(mesh.shape)} over {jax.process_count()} process(es); "
             f"tables replicated over {replica_axes or 'none'}")
     workdir = f.workdir
-    summary = train(cfg, workdir, log=log, mesh=mesh, trainer_kw=trainer_kw)
+    summary = train(cfg, workdir, log=log, mesh=mesh, trainer_kw=trainer_kw,
+                    profile_steps=profile_steps)
     if not lead:
         return
     if cfg.train.baselines:

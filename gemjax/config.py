@@ -125,6 +125,9 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     baselines: bool = True           # also train LR and the no-sequence model on the same stream
+    # write metrics.jsonl's rows as TensorBoard scalars too, under WORKDIR/tensorboard
+    # (needs tensorboardX; without it the run logs one line and writes metrics.jsonl only)
+    tensorboard: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

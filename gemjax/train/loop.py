@@ -2,8 +2,10 @@
 
     summary = train(cfg, workdir)
 
-Writes WORKDIR/metrics.jsonl (one JSON object per log or eval point),
-WORKDIR/summary.json at the end, and Orbax checkpoints under
+Writes WORKDIR/metrics.jsonl (one JSON object per log or eval point; the same
+numbers as TensorBoard scalars under WORKDIR/tensorboard: `tracking.RunLog`),
+WORKDIR/summary.json at the end (eval figures, timing, devices, mesh, versions,
+git revision: `tracking.timing`, `tracking.run_facts`), and Orbax checkpoints under
 WORKDIR/checkpoints. Rerunning with the same workdir resumes from the newest
 checkpoint, on any mesh shape and table plan (tables are saved in logical row
 order: `save_train_state` / `restore_train_state`); the data stream is a pure
@@ -30,6 +32,7 @@ from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.metrics import EvalAccumulator, flat
 from gemjax.train.step import Trainer
 from gemjax.train.throughput import Throughput, progress_line
+from gemjax.train import tracking
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -177,14 +180,17 @@ def _with_next(items):
 
 
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
-          mesh=None, stop_after: int | None = None, trainer_kw: dict | None = None) -> dict:
+          mesh=None, stop_after: int | None = None, trainer_kw: dict | None = None,
+          profile_steps: tuple[int, int] | None = None) -> dict:
     """Train cfg.train.steps steps (resuming from workdir); returns the summary dict.
 
     stop_after: stop (with a checkpoint) once this many total steps are done;
     used to simulate an interrupted run. mesh / trainer_kw: passed to Trainer.create
-    (e.g. rules, table_replica_axes).
+    (e.g. rules, table_replica_axes). profile_steps: (a, b) writes a jax.profiler
+    trace of steps a..b-1 (0-based) to WORKDIR/profile (`tracking.ProfileWindow`).
     """
     t = cfg.train
+    started, compile_timer = time.perf_counter(), tracking.CompileTimer()
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
     os.makedirs(workdir, exist_ok=True)
     if lead:
@@ -228,11 +234,11 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     pending: list[dict] = []
 
-    def write(row: dict):
-        if not lead:
-            return
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    runlog = tracking.RunLog(workdir, start_step=start, tensorboard=t.tensorboard, enabled=lead,
+                             log=log)
+    write = runlog.append
+    profile = tracking.ProfileWindow(profile_steps, os.path.join(workdir, "profile"), start, end,
+                                     log=log, enabled=lead, paused=meter.paused)
 
     def save(step: int):
         save_train_state(ckpt, trainer.coll, step, state, {"data_step": step, "config": cfg.name})
@@ -279,6 +285,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                 with meter.paused():
                     save(done)
             step = done
+            profile.step_done(done, state)
     except KeyboardInterrupt:
         try:
             save(step)
@@ -299,9 +306,11 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                "eval_ne": final["ne"], "eval_auc": final["auc"],
                "eval_calibration": final["calibration"], "bayes_ne": evaluator.bayes["ne"],
                "bayes_auc": evaluator.bayes["auc"],
-               "samples_per_sec": meter.total_samples_per_sec,
-               "tokens_per_sec": meter.total_samples_per_sec * meter.total_tokens
-               / max(meter.total_samples, 1), **counters}
+               **tracking.timing(meter, cfg.data.batch_size, time.perf_counter() - started,
+                                 compile_timer.stop()), **counters}
+    summary.update(tracking.run_facts(trainer.mesh) if lead else {},
+                   tensorboard_dir=runlog.tensorboard_dir)
+    runlog.close()
     if lead:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

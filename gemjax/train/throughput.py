@@ -14,7 +14,10 @@ the wall time between the update that opened the window and the newest
 update. The first update only marks the start (its interval includes jit
 compilation, unless the caller calls `reset()` after the first step), so every
 rate is nan until two updates have happened. `total_samples_per_sec` averages
-over everything since construction or `reset()`, excluding paused time.
+over everything since construction or `reset()`, excluding paused time;
+`steady_samples_per_sec` / `steady_tokens_per_sec` over every update after the
+first counted one (whose interval holds the compilation when the meter is opened
+before the first step), and `first_interval` is that interval's (seconds, samples).
 Every time a caller sees is in seconds from the injected clock, so tests use a
 fake clock.
 
@@ -53,6 +56,7 @@ class Throughput:
         self.total_samples = 0
         self.total_tokens = 0
         self.steps = 0
+        self._steady_from: tuple[float, int, int] | None = None   # (time, samples, tokens)
 
     def update(self, samples: int, tokens: int = 0) -> None:
         """Record one finished step of `samples` samples and `tokens` sequence tokens."""
@@ -67,6 +71,8 @@ class Throughput:
             self.total_samples += samples
             self.total_tokens += tokens
             self.steps += 1
+            if self.steps == 1:
+                self._steady_from = (now, self.total_samples, self.total_tokens)
         self._marks.append((now, samples, tokens))
 
     @contextlib.contextmanager
@@ -113,6 +119,28 @@ class Throughput:
         if self._first is None or self.steps == 0:
             return math.nan
         return self._rate(self.total_samples, self._marks[-1][0] - self._first)
+
+    @property
+    def first_interval(self) -> tuple[float | None, int]:
+        """(seconds, samples) of the first counted update; (None, 0) before it."""
+        if self._steady_from is None:
+            return None, 0
+        return self._steady_from[0] - self._first, self._steady_from[1]
+
+    def _steady_rate(self, index: int) -> float:
+        if self._steady_from is None or self.steps < 2:
+            return math.nan
+        amount = (self.total_samples, self.total_tokens)[index - 1] - self._steady_from[index]
+        return self._rate(amount, self._marks[-1][0] - self._steady_from[0])
+
+    @property
+    def steady_samples_per_sec(self) -> float:
+        """Samples/s over the updates after the first counted one (nan before two)."""
+        return self._steady_rate(1)
+
+    @property
+    def steady_tokens_per_sec(self) -> float:
+        return self._steady_rate(2)
 
     def eta(self, remaining_steps: int) -> float:
         """Seconds for `remaining_steps` more steps at the window's pace (nan if unknown)."""

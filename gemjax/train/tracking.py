@@ -1,0 +1,285 @@
+"""What a run records besides its checkpoints: metrics rows, TensorBoard scalars, run facts.
+
+    runlog = RunLog(workdir, start_step=start, tensorboard=cfg.train.tensorboard)
+    runlog.append({"step": 10, "kind": "train", "loss": 0.52, "ne": 0.91})
+    facts = run_facts(mesh)        # devices, mesh, versions, git revision
+    timer = CompileTimer()         # seconds JAX spends tracing and compiling from here on
+    window = ProfileWindow((5, 8), os.path.join(workdir, "profile"), start, end)  # steps 5..7
+
+`RunLog` owns WORKDIR/metrics.jsonl (one JSON object per row, appended) and, when
+TensorBoard logging is on, writes every row's numbers as scalars under
+WORKDIR/tensorboard: tag "<kind>/<key>" ("train/loss", "eval/ne",
+"eval/task1/auc"), at the row's "step", as TensorBoard's float32 scalar values.
+Each row is written and flushed as it is appended, so a crashed run's event file
+holds every row of its metrics.jsonl. A resumed run (start_step > 0) opens a new
+event file that begins with a purge marker at start_step + 1: TensorBoard drops
+the older files' points at that step and later, as the loop drops those rows from
+metrics.jsonl; when there are no older files (the run so far had TensorBoard off),
+the new file starts with the rows metrics.jsonl holds. A fresh run (start_step = 0)
+deletes the workdir's old event files.
+
+TensorBoard logging needs the `tensorboardX` package (a gemjax dependency, used
+only for its event protocol buffers and record writer). With tensorboard=False,
+or when tensorboardX does not import, only metrics.jsonl is written, one log line
+says so, and `RunLog.tensorboard_dir` is None (the loop records it in
+summary.json).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import glob
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+import weakref
+from typing import Callable
+
+import jax
+
+TENSORBOARD_SUBDIR = "tensorboard"
+EVENT_FILE_GLOB = "events.out.tfevents.*"
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    """The row's numbers (ints, floats; not bools, strings or None) keyed by tag."""
+    kind = row.get("kind", "metrics")
+    return {f"{kind}/{k}": float(v) for k, v in row.items()
+            if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class RunLog:
+    """Appends metrics rows to WORKDIR/metrics.jsonl and to TensorBoard (see module doc).
+
+    enabled: False on every process but the writing one (then nothing is written).
+    start_step: the step the run resumes from (0 for a fresh run); rows the caller
+      kept in metrics.jsonl are not rewritten here.
+    tensorboard: write TensorBoard scalars too (when tensorboardX imports).
+    """
+
+    def __init__(self, workdir: str, *, start_step: int = 0, tensorboard: bool = True,
+                 enabled: bool = True, log: Callable[[str], None] = print):
+        self.metrics_path = os.path.join(workdir, "metrics.jsonl")
+        self.enabled = enabled
+        self.tensorboard_dir: str | None = None
+        self._events = None
+        if not (enabled and tensorboard):
+            return
+        try:
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            from tensorboardX.proto.summary_pb2 import Summary
+        except ImportError as e:
+            log(f"[gemjax] TensorBoard logging off: tensorboardX does not import ({e}); "
+                f"metrics.jsonl only (pip install tensorboardX, or set train.tensorboard=false)")
+            return
+        self._Event, self._Summary = Event, Summary
+        self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_SUBDIR)
+        os.makedirs(self.tensorboard_dir, exist_ok=True)
+        older = glob.glob(os.path.join(self.tensorboard_dir, EVENT_FILE_GLOB))
+        if start_step == 0:
+            for old in older:
+                os.remove(old)
+        # file names sort in creation order (TensorBoard reads them in name order):
+        # events.out.tfevents.<unix seconds>.<host>.<nanoseconds within the second>
+        suffix = f".{time.time_ns() % 10**9:09d}"
+        self._events = EventsWriter(os.path.join(self.tensorboard_dir, "events"), suffix)
+        if start_step > 0 and older:
+            self._events.write_event(Event(wall_time=time.time(), step=start_step + 1,
+                                           session_log=SessionLog(status=SessionLog.START)))
+        elif start_step > 0 and os.path.exists(self.metrics_path):
+            with open(self.metrics_path) as f:
+                for line in f:
+                    if line.strip():
+                        self._write_event(json.loads(line))
+        self._events.flush()
+
+    def append(self, row: dict) -> None:
+        """Append one row (a JSON object with "step" and "kind") to metrics.jsonl and,
+        when on, its numbers to TensorBoard; both are flushed before this returns."""
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._events is not None:
+            self._write_event(row)
+            self._events.flush()
+
+    def _write_event(self, row: dict) -> None:
+        values = [self._Summary.Value(tag=tag, simple_value=v) for tag, v in _scalars(row).items()]
+        self._events.write_event(self._Event(wall_time=time.time(), step=int(row["step"]),
+                                             summary=self._Summary(value=values)))
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+
+
+class CompileTimer:
+    """Seconds JAX spends tracing, lowering and compiling programs (or loading them from
+    the persistent compilation cache) from construction on, in any thread, as reported
+    through jax.monitoring. `seconds` is read at any time; `stop()` (or garbage
+    collection) unregisters the listener."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        total = self._total = [0.0]
+        events = set(self.EVENTS)
+
+        def listener(event, duration, **_):
+            if event in events:
+                total[0] += duration
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        self._finalize = weakref.finalize(self, _unregister, listener)
+
+    @property
+    def seconds(self) -> float:
+        return self._total[0]
+
+    def stop(self) -> float:
+        self._finalize()
+        return self._total[0]
+
+
+def _unregister(listener) -> None:
+    try:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    except (AssertionError, ValueError):   # already gone (jax.monitoring.clear_event_listeners)
+        pass
+
+
+def timing(meter, batch_size: int, wall_time_s: float, compile_s: float) -> dict:
+    """summary.json's timing figures from the loop's Throughput meter (updated once per
+    log interval, opened just before the first step):
+
+    wall_time_s: the whole train() call (setup, compile, steps, eval, checkpoints).
+    compile_s: JAX tracing + compiling (or cache loading) during it (CompileTimer).
+    first_interval_s / first_interval_steps: the first log interval, which holds the
+      train step's compilation (eval and checkpoint time excluded, as everywhere here).
+    step_time_s: steady seconds per step, over the intervals after the first.
+    warmup_s: first_interval_s - first_interval_steps * step_time_s, the first
+      interval's time beyond that of as many steady steps.
+    samples_per_sec / tokens_per_sec: steady rates, after the first interval.
+    samples_per_sec_incl_compile: over every interval, the first one included.
+    A figure that needs more log intervals than the run had is None.
+    """
+    steady = meter.steady_samples_per_sec
+    first_s, first_samples = meter.first_interval
+    step_s = batch_size / steady if steady and math.isfinite(steady) else None
+    first_steps = first_samples // batch_size if first_s is not None else None
+
+    def num(x):
+        return x if x is not None and math.isfinite(x) else None
+
+    return {"wall_time_s": wall_time_s, "compile_s": compile_s,
+            "first_interval_s": first_s, "first_interval_steps": first_steps,
+            "step_time_s": step_s,
+            "warmup_s": first_s - first_steps * step_s if first_s is not None and step_s else None,
+            "samples_per_sec": num(steady), "tokens_per_sec": num(meter.steady_tokens_per_sec),
+            "samples_per_sec_incl_compile": num(meter.total_samples_per_sec)}
+
+
+def git_revision(path: str | None = None) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the git checkout holding the gemjax package (or `path`);
+    (None, None) when the code is not in a git checkout or git is missing."""
+    pkg = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    where = path or pkg
+
+    def git(*args):
+        return subprocess.run(["git", "-C", where, *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if path is None and os.path.realpath(top) != os.path.realpath(pkg):
+            return None, None      # gemjax installed inside some other repository's tree
+        rev = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        return rev, dirty
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_facts(mesh) -> dict:
+    """Where and with what a run ran, for summary.json:
+
+    {"devices": {"count", "kind", "platform", "processes"} of the mesh's devices,
+     "mesh": {axis: size}, "versions": {"python", "jax", "jaxlib", "gemjax"} (gemjax
+     None when not installed), "git_revision": commit or None, "git_dirty": bool or
+     None (`git_revision`), "host": this host's name, "finished_at": UTC ISO time}.
+    """
+    import jaxlib
+    devs = list(mesh.devices.flat)
+    rev, dirty = git_revision()
+    return {
+        "devices": {"count": len(devs), "kind": devs[0].device_kind, "platform": devs[0].platform,
+                    "processes": len({d.process_index for d in devs})},
+        "mesh": {str(k): int(v) for k, v in dict(mesh.shape).items()},
+        "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                     "jaxlib": jaxlib.__version__, "gemjax": _version("gemjax")},
+        "git_revision": rev, "git_dirty": dirty, "host": platform.node(),
+        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class ProfileWindow:
+    """A jax.profiler trace of train steps a..b-1 (0-based; the steps that take the done
+    count from a to b, with the logging, eval and checkpointing that follow them) into
+    logdir: logdir/plugins/profile/<time>/<host>.xplane.pb, for xprof or TensorBoard's
+    profile tab.
+
+    The trace starts at construction when a == first (else once `step_done(a, state)`
+    is called) and stops at `step_done(b, state)`, after `state` is ready, so it holds
+    whole steps. steps: (a, b) or None (no trace). first / end: the steps this run
+    covers (a resumed run starts later); a window outside them is skipped with a log
+    line. enabled: False on every process but the one that traces. paused: a context
+    manager factory (e.g. Throughput.paused) around starting and stopping the trace,
+    whose export takes seconds, so throughput figures leave it out.
+    """
+
+    def __init__(self, steps: tuple[int, int] | None, logdir: str, first: int, end: int,
+                 log: Callable[[str], None] = print, enabled: bool = True,
+                 paused: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.logdir, self.log, self.active, self.paused = logdir, log, False, paused
+        self.steps = steps if enabled else None
+        if self.steps is not None and not first <= steps[0] < steps[1] <= end:
+            log(f"[gemjax] profile window {steps[0]}:{steps[1]} is not within this run's "
+                f"steps {first}:{end}: no trace")
+            self.steps = None
+        if self.steps is not None and self.steps[0] == first:
+            self._start()
+
+    def _start(self) -> None:
+        with self.paused():
+            jax.profiler.start_trace(self.logdir)
+        self.active = True
+
+    def step_done(self, done: int, state) -> None:
+        """Call after each step (done = steps completed so far, state = its output)."""
+        if self.steps is None:
+            return
+        if done == self.steps[0] and not self.active:
+            self._start()
+        elif done == self.steps[1] and self.active:
+            jax.block_until_ready(state)
+            with self.paused():
+                jax.profiler.stop_trace()
+            self.active = False
+            self.log(f"[gemjax] profile of steps {self.steps[0]}:{self.steps[1]} in {self.logdir}")
