@@ -77,7 +77,11 @@ def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dic
     directory = checkpoint_dir(workdir)
     trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
     with Checkpointer(directory) as ckpt:
-        ckpt.metadata(step)        # FileNotFoundError (with the steps there) before any init
+        steps = ckpt.all_steps()   # named before the (possibly large) initial state is built
+        if not steps:
+            raise FileNotFoundError(f"no finished checkpoint in {directory}")
+        if step is not None and int(step) not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (have {steps})")
         got, state, meta = restore_train_state(ckpt, trainer.coll, trainer.init_state(cfg.train.seed),
                                                step)
     return RestoredRun(cfg, trainer, got, state, meta)
