@@ -339,7 +339,8 @@ def config_from_dict(d: dict) -> Config:
         fields = {f.name for f in dataclasses.fields(cls)}
         bad = set(d[section]) - fields
         if bad:
-            raise ValueError(f"config: {section} has no fields {sorted(bad)}; known: {', '.join(sorted(fields))}")
+            raise ValueError(f"config: {section} has no fields {sorted(bad)}; "
+                             f"known: {', '.join(sorted(fields))}")
         kw[section] = cls(**{k: _from_json(v, hints[k], f"{section}.{k}") for k, v in d[section].items()})
     cfg = Config(**kw)
     validate(cfg)

@@ -109,9 +109,10 @@ def test_predictions_on_another_mesh_and_table_layout(run):
     got = two(concat_shards(shards))
     want = one(merge_shards(shards))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    merged = merge_shards(shards)
+    bad = merged.replace(sparse={**merged.sparse, "user": np.full_like(merged.sparse["user"], 1000)})
     with pytest.raises(ValueError, match="feature 'user'.*outside \\[0, 1000\\)"):
-        bad = concat_shards(shards)
-        one(merge_shards(shards).replace(sparse={**bad.sparse, "user": np.full_like(bad.sparse["user"], 1000)}))
+        one(bad)
 
 
 _FRESH = """
@@ -149,7 +150,8 @@ def test_export_reloads_in_a_fresh_process(run, tmp_path):
 
     model = load_exported(out)                 # bad inputs: named
     small = SyntheticStream(dataclasses.replace(CFG.data, batch_size=32), 0, "eval").shard_batch(0)[0]
-    with pytest.raises(ValueError, match="batch input 'sparse/context' is int32\\[32\\], the export takes int32\\[64\\]"):
+    with pytest.raises(ValueError, match="batch input 'sparse/context' is int32\\[32\\], "
+                                         "the export takes int32\\[64\\]"):
         model(small)
     ids = batch.sequences["clicks"].values["item"].copy()
     ids[0] = 400

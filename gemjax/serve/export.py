@@ -37,9 +37,11 @@ Files under the export directory:
                          dtypes, features (table, vocab, bounds, input path, mask path),
                          the run's config
 
-The program is lowered for `platforms` (default: the current backend). On GPU the
-attention ops lower to their Pallas kernels (custom calls) unless the export is made
-from a CPU process for "cuda", which lowers the plain-jnp references.
+The program is lowered for `platforms` (default: the current backend). The attention
+ops pick their implementation from the exporting process's backend
+(kernels.common.default_impl): exported on a GPU they are Pallas kernels (custom
+calls); a CPU process can export for ("cpu", "cuda") with the plain-jnp references in
+both lowerings (the tests run the cpu one).
 """
 
 from __future__ import annotations
@@ -85,9 +87,9 @@ def _unflatten(like, flat: Mapping[str, Any]):
 
 
 def feature_inputs(cfg: Config) -> dict[str, dict]:
-    """{feature: {table, vocab, bounds, input (batch path), mask (path of the Jagged's
-    segment_ids, real tokens where < B; None for plain features)}}."""
-    from gemjax.models.gem import sequence_id_fields, table_specs
+    """{feature: {table, vocab, bounds, input (batch path), mask (path of the sequence's
+    segment_ids, real tokens where < B; None for plain features)}} of the run's tables."""
+    from gemjax.models.gem import table_specs
 
     out = {}
     for spec in table_specs(cfg):
@@ -98,8 +100,7 @@ def feature_inputs(cfg: Config) -> dict[str, dict]:
             out[f] = {"table": spec.name, "vocab": spec.vocab, "bounds": spec.bounds,
                       "input": f"sequences/{seq}/values/{field}" if field else f"sparse/{f}",
                       "mask": f"sequences/{seq}/segment_ids" if field else None}
-    used = {f"{s}.{x}" for s, xs in sequence_id_fields(cfg).items() for x in xs}
-    return {f: v for f, v in out.items() if "." not in f or f in used}
+    return out
 
 
 def serving_forward(cfg: Config, graphdef, params_like, batch_like: Batch) -> Callable:
@@ -113,19 +114,20 @@ def serving_forward(cfg: Config, graphdef, params_like, batch_like: Batch) -> Ca
 
     feats = feature_inputs(cfg)
 
-    def forward(params, tables, batch):
-        flat_batch = batch
-        params, batch = _unflatten(params_like, params), _unflatten(batch_like, batch)
+    def forward(params, tables, flat_batch):
+        batch = _unflatten(batch_like, flat_batch)
+        b = batch.labels.shape[0]
         acts = {}
         for f, fi in feats.items():
             raw = flat_batch[fi["input"]].astype(jnp.int32)
             ids = jnp.mod(raw, fi["vocab"]) if fi["bounds"] == "hash" else jnp.clip(raw, 0, fi["vocab"] - 1)
             rows = jnp.take(tables[fi["table"]], ids, axis=0)
-            if fi["mask"] is not None:        # padding tokens: zero rows
-                real = flat_batch[fi["mask"]] < batch.labels.shape[0]
+            if fi["mask"] is not None:        # padding tokens: zero rows, as the trainer's lookup
+                real = flat_batch[fi["mask"]] < b
                 rows = jnp.where(real[:, None], rows, jnp.zeros((), rows.dtype))
             acts[f] = rows
-        return jax.nn.sigmoid(nnx.merge(graphdef, params)(acts, batch))
+        model = nnx.merge(graphdef, _unflatten(params_like, params))
+        return jax.nn.sigmoid(model(acts, batch))
 
     return forward
 
@@ -229,7 +231,8 @@ class ExportedModel:
         for k, spec in want.items():
             a = np.asarray(given[k])
             if list(a.shape) != spec["shape"] or str(a.dtype) != spec["dtype"]:
-                raise ValueError(f"exported model {self.path}: {group} input {k!r} is {a.dtype}{list(a.shape)}, "
+                raise ValueError(f"exported model {self.path}: {group} input {k!r} is "
+                                 f"{a.dtype}{list(a.shape)}, "
                                  f"the export takes {spec['dtype']}{spec['shape']}")
             out[k] = a
         return out
