@@ -64,7 +64,8 @@ def test_eval_only_reproduces_the_runs_eval_rows(run):
 
 def test_eval_mode_flag(run, tmp_path):
     workdir, evals = run
-    os.remove(eval_path(workdir, 6)) if os.path.exists(eval_path(workdir, 6)) else None
+    if os.path.exists(eval_path(workdir, 6)):
+        os.remove(eval_path(workdir, 6))           # the subprocess must write it
     r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--mode=eval",
                         f"--workdir={workdir}", "--cpu_devices=1"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)

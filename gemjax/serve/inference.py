@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from gemjax.data.batch import Batch
+from gemjax.data.feeding import Feeder, validate_batch
 from gemjax.serve.restore import restore
 
 
@@ -42,8 +43,6 @@ class Predictor:
     """
 
     def __init__(self, run):
-        from gemjax.data.feeding import Feeder
-
         self.cfg, self.trainer, self.step, self.meta = run.cfg, run.trainer, run.step, run.meta
         self.state = {k: v for k, v in run.state.items() if k != "opt_state"}   # unused by the forward
         for leaf in jax.tree.leaves(run.state["opt_state"]):
@@ -63,7 +62,6 @@ class Predictor:
         if any(np.shape(x)[0] % k for x in leaves):
             raise ValueError(f"batch: every leaf's leading dim must split into this process's {k} "
                              f"device shards, got shapes {[np.shape(x) for x in leaves]}")
-        from gemjax.data.feeding import validate_batch
         parts = jax.tree.map(lambda x: np.split(np.asarray(x), k), batch)
         for i, s in enumerate(self.feeder.local_shards):
             shard = jax.tree.map(lambda p: p[i], parts, is_leaf=lambda p: isinstance(p, list))
