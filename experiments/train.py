@@ -16,6 +16,13 @@ process runs this script with --coordinator=HOST:PORT --num_processes=N
 --process_id=I (or $GEMJAX_COORDINATOR / $GEMJAX_NUM_PROCESSES /
 $GEMJAX_PROCESS_ID); each process feeds only its own devices' shards.
 
+Eval-only: --mode=eval restores the newest checkpoint of --workdir (or
+--checkpoint_step=N) onto this run's mesh, with the run's config.json (--override
+applies on top, e.g. data.eval_batches=64), runs the training's evaluation and
+writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate):
+
+    python experiments/train.py --mode=eval --workdir=runs/tiny [--checkpoint_step=10]
+
 Writes WORKDIR/metrics.jsonl and WORKDIR/summary.json; rerunning with the same
 workdir resumes. With train.baselines (default on for `small`), a logistic
 regression and the same model without sequence inputs train on the same
@@ -57,6 +64,9 @@ flags.DEFINE_string("coordinator", None, "multi-process: coordinator host:port (
 flags.DEFINE_integer("num_processes", None, "multi-process: process count ($GEMJAX_NUM_PROCESSES)")
 flags.DEFINE_integer("process_id", None, "multi-process: this process's id ($GEMJAX_PROCESS_ID)")
 flags.DEFINE_integer("cpu_devices", None, "simulate this many CPU devices per process (tests, laptops)")
+flags.DEFINE_enum("mode", "train", ["train", "eval"], "train, or eval: evaluate a checkpoint of --workdir "
+                  "(its config.json) and write WORKDIR/eval/step_N.json")
+flags.DEFINE_integer("checkpoint_step", None, "--mode=eval: the checkpoint step to evaluate (default: newest)")
 flags.DEFINE_string("override", "", "comma-separated section.field=value (tuples as 64:64), "
                     "e.g. model.dim=32,data.seq_median=64")
 
@@ -100,6 +110,9 @@ def main(argv):
     profile_steps = profile_window(flags.FLAGS.profile_steps, cfg.train.steps)
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
     f = flags.FLAGS
+    if f.checkpoint_step is not None and f.mode != "eval":
+        raise app.UsageError("--checkpoint_step picks the checkpoint of --mode=eval; "
+                             "training always resumes from the newest")
     from gemjax.parallel import multihost  # after flags: importing jax is slow
     multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)  # before any jax call
     import jax
@@ -121,6 +134,14 @@ def main(argv):
         log(f"[gemjax] mesh {dict(mesh.shape)} over {jax.process_count()} process(es); "
             f"tables replicated over {replica_axes or 'none'}")
     workdir = f.workdir
+    if f.mode == "eval":
+        from gemjax.serve.evaluate import evaluate_checkpoint
+        try:
+            evaluate_checkpoint(workdir, f.checkpoint_step, mesh, trainer_kw=trainer_kw,
+                                overrides=f.override, log=log)
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"[gemjax] --mode=eval: {e}")
+        return
     summary = train(cfg, workdir, log=log, mesh=mesh, trainer_kw=trainer_kw,
                     profile_steps=profile_steps)
     if not lead:

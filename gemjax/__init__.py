@@ -1,0 +1,12 @@
+"""gemjax: a JAX/XLA training system for GEM-style recommendation models.
+
+Importing the package is cheap (no jax); `gemjax.load_for_inference` (see
+gemjax.serve.inference) is imported on first use.
+"""
+
+
+def __getattr__(name: str):
+    if name == "load_for_inference":
+        from gemjax.serve.inference import load_for_inference
+        return load_for_inference
+    raise AttributeError(f"module 'gemjax' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """Configs: dataclasses plus named presets, overridable field by field.
 
     cfg = get_config("small", overrides="data.batch_size=512,model.dim=32")
+    cfg = config_from_dict(json.load(open("runs/x/config.json")))   # a run's config back
 """
 
 from __future__ import annotations
@@ -293,3 +294,57 @@ def get_config(name: str, overrides: str | dict[str, str] | None = None) -> Conf
     cfg = PRESETS[name]
     validate(cfg)
     return apply_overrides(cfg, overrides)
+
+
+def _from_json(value: Any, typ: Any, path: str):
+    """A JSON value (lists for tuples) as field type `typ`; ValueError naming `path`."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):        # X | None
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(typ) if a is not type(None)]
+        return _from_json(value, inner, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config field {path}: expected a list, got {value!r}")
+        args = typing.get_args(typ)
+        kinds = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(kinds) != len(value):
+            raise ValueError(f"config field {path}: expected {len(kinds)} entries, got {value!r}")
+        return tuple(_from_json(v, k, f"{path}[{i}]") for i, (v, k) in enumerate(zip(value, kinds)))
+    ok = {bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if typ in ok:
+        if not ok[typ](value):
+            raise ValueError(f"config field {path}: expected {typ.__name__}, got {value!r}")
+        return float(value) if typ is float else value
+    raise ValueError(f"config field {path}: unsupported field type {typ}")
+
+
+def config_from_dict(d: dict) -> Config:
+    """The Config that `dataclasses.asdict(cfg)` (a run's WORKDIR/config.json) came from.
+
+    Fields missing from `d` take their defaults; an unknown section or field, or a
+    value of the wrong type, is a ValueError naming it. The result is validated.
+    """
+    unknown = set(d) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, data, model, train")
+    kw: dict[str, Any] = {}
+    if "name" in d:
+        kw["name"] = _from_json(d["name"], str, "name")
+    for section in ("data", "model", "train"):
+        if section not in d:
+            continue
+        cls = type(getattr(Config(), section))
+        hints = typing.get_type_hints(cls)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = set(d[section]) - fields
+        if bad:
+            raise ValueError(f"config: {section} has no fields {sorted(bad)}; "
+                             f"known: {', '.join(sorted(fields))}")
+        kw[section] = cls(**{k: _from_json(v, hints[k], f"{section}.{k}") for k, v in d[section].items()})
+    cfg = Config(**kw)
+    validate(cfg)
+    return cfg

@@ -1,0 +1,11 @@
+"""Using a trained run: eval-only, prediction and export for serving.
+
+    from gemjax.serve.restore import read_config, restore     # a run's Config and state
+    from gemjax.serve.evaluate import evaluate_checkpoint      # train.py --mode=eval
+    from gemjax.serve.inference import load_for_inference     # predict(Batch) -> [B, K]
+    from gemjax.serve.export import export_model, load_exported   # jax.export for serving
+
+Everything reads a finished (or running) run's WORKDIR: config.json for the
+Config and the Orbax checkpoints under WORKDIR/checkpoints, which hold the
+tables in logical row order and restore onto any mesh.
+"""

@@ -1,0 +1,65 @@
+"""Eval-only: a run's checkpoint through the training's Evaluator (train.py --mode=eval).
+
+    row = evaluate_checkpoint(workdir, step=None, mesh=None)
+
+Restores the checkpoint (newest, or `step`) onto `mesh`, runs
+`gemjax.train.loop.Evaluator` (the eval stream and eval step of training) and
+writes the row to WORKDIR/eval/step_<N>.json, N the checkpoint step (a rerun
+replaces it). The row holds the keys of the training's eval rows in
+metrics.jsonl ("ne", "auc", "calibration", "log_loss", per task and per
+surface/task, "bayes_ne", "loss") with kind "eval_only", plus the mesh and
+device count it ran on. On the training's mesh (the same shard count) the
+figures equal the training's eval row of that step exactly; on another device
+count the eval stream is cut into that many shards (other samples of the same
+stream distribution).
+
+It writes its own file rather than a metrics.jsonl row: metrics.jsonl belongs
+to the training run (a resume rewrites it up to the restored step, a running
+training appends to it), and an eval-only run may happen beside a training run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+from gemjax.serve.restore import restore
+
+KIND = "eval_only"
+
+
+def eval_path(workdir: str, step: int) -> str:
+    return os.path.join(workdir, "eval", f"step_{step}.json")
+
+
+def evaluate_checkpoint(workdir: str, step: int | None = None, mesh=None, *,
+                        trainer_kw: dict | None = None, overrides: str | dict | None = None,
+                        log: Callable[[str], None] = print) -> dict:
+    """Eval metrics of checkpoint `step` (default: the newest) of the run in `workdir`.
+
+    mesh / trainer_kw: where to restore and evaluate (Trainer.create); overrides:
+    on top of the run's config.json (e.g. "data.eval_batches=64" for a longer eval).
+    Returns the row written to `eval_path(workdir, step)` (by process 0 only).
+    """
+    import jax
+
+    from gemjax.train.loop import Evaluator
+    from gemjax.train.metrics import flat
+
+    run = restore(workdir, step, mesh, trainer_kw=trainer_kw, overrides=overrides)
+    evaluator = Evaluator(run.trainer, run.cfg)
+    res = evaluator(run.state)
+    row = {"step": run.step, "kind": KIND, "loss": res["log_loss"], **flat(res),
+           "bayes_ne": evaluator.bayes["ne"], "mesh": dict(run.trainer.mesh.shape),
+           "devices": run.trainer.num_shards, "eval_batches": run.cfg.data.eval_batches}
+    if jax.process_index() == 0:
+        path = eval_path(workdir, run.step)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(row, f, indent=1)
+        os.replace(path + ".tmp", path)
+        log(f"[eval] checkpoint step {run.step} of {workdir} on mesh {row['mesh']}: NE {res['ne']:.6f} "
+            f"(Bayes {evaluator.bayes['ne']:.6f}) AUC {res['auc']:.6f} calibration "
+            f"{res['calibration']:.4f} -> {path}")
+    return row

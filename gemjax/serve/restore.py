@@ -1,0 +1,87 @@
+"""A run's Config and a checkpointed train state, back from its workdir.
+
+    cfg = read_config(workdir)                       # WORKDIR/config.json -> Config
+    run = restore(workdir, step=None, mesh=None)     # newest checkpoint (or `step`)
+    run.trainer, run.step, run.state, run.meta
+
+The state is restored onto `mesh` (default: every device on one "batch" axis)
+whatever mesh it was saved from (`gemjax.train.loop.restore_train_state`).
+A missing workdir, config or checkpoint, or a step with no checkpoint, is a
+FileNotFoundError naming the path (and the steps there are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from gemjax.config import Config, apply_overrides, config_from_dict
+
+
+def read_config(workdir: str, overrides: str | dict | None = None) -> Config:
+    """The Config of the run in `workdir` (its config.json), then `overrides` on top
+    ("section.field=value,...", as train.py's --override)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file; {workdir!r} is not a gemjax run directory "
+                                f"(train.py writes config.json there when a run starts)")
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    try:
+        cfg = config_from_dict(d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return apply_overrides(cfg, overrides)
+
+
+def checkpoint_dir(workdir: str) -> str:
+    """WORKDIR/checkpoints, or FileNotFoundError when there is none (nothing is created)."""
+    path = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory {path}: the run in {workdir!r} has not "
+                                f"saved a checkpoint")
+    return path
+
+
+@dataclasses.dataclass
+class RestoredRun:
+    """A checkpoint on a mesh: the Trainer built from the run's config, the step
+    restored, the train state placed on trainer.mesh (see gemjax.train.step) and the
+    checkpoint's meta."""
+
+    cfg: Config
+    trainer: Any
+    step: int
+    state: dict
+    meta: dict
+
+
+def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dict | None = None,
+            overrides: str | dict | None = None) -> RestoredRun:
+    """The checkpoint of `step` (default: the newest) of the run in `workdir` on `mesh`.
+
+    trainer_kw: Trainer.create options (rules, table_replica_axes, table plan).
+    overrides: applied to the run's config (see read_config); they must keep the
+    model's parameter shapes, or the restore fails naming the leaves that differ.
+    """
+    from gemjax.train.checkpoint import Checkpointer      # jax, orbax: imported on use
+    from gemjax.train.loop import restore_train_state
+    from gemjax.train.step import Trainer
+
+    cfg = read_config(workdir, overrides)
+    directory = checkpoint_dir(workdir)
+    trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
+    with Checkpointer(directory) as ckpt:
+        steps = ckpt.all_steps()   # named before the (possibly large) initial state is built
+        if not steps:
+            raise FileNotFoundError(f"no finished checkpoint in {directory}")
+        if step is not None and int(step) not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (have {steps})")
+        got, state, meta = restore_train_state(ckpt, trainer.coll, trainer.init_state(cfg.train.seed),
+                                               step)
+    return RestoredRun(cfg, trainer, got, state, meta)
