@@ -11,10 +11,11 @@ over (the rest form the model-parallel group):
     python experiments/train.py --config=tiny --mesh=replica=2,fsdp=2,expert=2 \
         --table_replica_axes=replica --cpu_devices=8
 
-Multi-process (one process per host, JAX's multi-controller runtime): every
-process runs this script with --coordinator=HOST:PORT --num_processes=N
---process_id=I (or $GEMJAX_COORDINATOR / $GEMJAX_NUM_PROCESSES /
-$GEMJAX_PROCESS_ID); each process feeds only its own devices' shards.
+Multi-process (JAX's multi-controller runtime): every process runs this script;
+under srun / mpirun JAX's cluster detection joins them (gemjax.parallel.multihost),
+elsewhere give --coordinator=HOST:PORT --num_processes=N --process_id=I (or
+$GEMJAX_COORDINATOR / $GEMJAX_NUM_PROCESSES / $GEMJAX_PROCESS_ID). Each process
+prints its layout line and feeds only its own devices' shards.
 
 Writes WORKDIR/metrics.jsonl and WORKDIR/summary.json; rerunning with the same
 workdir resumes. With train.baselines (default on for `small`), a logistic
@@ -79,8 +80,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
     f = flags.FLAGS
     from gemjax.parallel import multihost  # after flags: importing jax is slow
-    multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)  # before any jax call
+    try:   # before any jax call; no flags: SLURM / Open MPI / k8s found by JAX, else one process
+        multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)
+    except ValueError as e:
+        raise app.UsageError(str(e))
     import jax
+    print(f"[gemjax] {multihost.describe()}", flush=True)   # every process: the job's layout
 
     from gemjax.parallel import rules as rules_lib
     from gemjax.parallel.mesh import build_mesh
