@@ -23,7 +23,7 @@ Feeding: each process loads only the batch rows its devices hold
 (``process_rows``) and hands them to ``put_process_local``, which assembles the
 global array without any cross-process copy.
 
-    python -m gemjax.parallel.multihost [--cpu_devices=N]
+    python -m gemjax.parallel.multihost [--coordinator=H:P --num_processes=N --process_id=I] [--cpu_devices=N]
 
 joins the job the same way, prints every process's layout line and checks that a
 cross-process all-gather sees each process once (a launch check before a long job).
@@ -176,9 +176,15 @@ def _check(argv=None) -> None:
     import json
     ap = argparse.ArgumentParser(description="join the job as train.py does, print the layout, "
                                              "check a cross-process all-gather")
+    ap.add_argument("--coordinator", default=None, help=f"host:port of process 0 (${ENV_COORDINATOR})")
+    ap.add_argument("--num_processes", type=int, default=None, help=f"process count (${ENV_NUM_PROCESSES})")
+    ap.add_argument("--process_id", type=int, default=None, help=f"this process's id (${ENV_PROCESS_ID})")
     ap.add_argument("--cpu_devices", type=int, default=None, help="simulated CPU devices per process")
     args = ap.parse_args(argv)
-    initialize(cpu_devices=args.cpu_devices)
+    try:
+        initialize(args.coordinator, args.num_processes, args.process_id, args.cpu_devices)
+    except ValueError as e:
+        ap.error(str(e))
     lay = layout()
     seen = np.asarray(multihost_utils.process_allgather(np.array([lay["process_index"]], np.int32),
                                                         tiled=True))
