@@ -238,3 +238,12 @@ def test_run_picks_cuda_when_a_gpu_answers_and_reuses_an_image_without_downloadi
     gem_file, jax_file = probe.stdout.split()
     assert gem_file.startswith(str(clone)) and not jax_file.startswith(str(clone)), probe.stdout + probe.stderr
     assert (clone / ".venv" / ".gemjax-installed").read_text().strip() == "extra=cuda12 source=system"
+
+    # an image flax off the pins: auto falls back to PyPI naming it; GEMJAX_SYSTEM_PACKAGES=1 reuses it
+    old = py.parent.parent / "lib" / "python3.12" / "site-packages" / "flax-0.11.0.dist-info"
+    old.mkdir()
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: flax\nVersion: 0.11.0\n")
+    r = _run_script(["env"], clone, **env)
+    assert r.stdout.startswith("extra=cuda12 source=pypi") and "flax 0.11.0 (needs <0.13,>=0.12.10)" in r.stderr
+    r = _run_script(["env"], clone, GEMJAX_SYSTEM_PACKAGES="1", **env)
+    assert r.stdout.startswith("extra=cuda12 source=system") and "reused anyway: flax 0.11.0" in r.stderr
