@@ -11,10 +11,11 @@ over (the rest form the model-parallel group):
     python experiments/train.py --config=tiny --mesh=replica=2,fsdp=2,expert=2 \
         --table_replica_axes=replica --cpu_devices=8
 
-Multi-process (one process per host, JAX's multi-controller runtime): every
-process runs this script with --coordinator=HOST:PORT --num_processes=N
---process_id=I (or $GEMJAX_COORDINATOR / $GEMJAX_NUM_PROCESSES /
-$GEMJAX_PROCESS_ID); each process feeds only its own devices' shards.
+Multi-process (JAX's multi-controller runtime): every process runs this script;
+under srun / mpirun JAX's cluster detection joins them (gemjax.parallel.multihost),
+elsewhere give --coordinator=HOST:PORT --num_processes=N --process_id=I (or
+$GEMJAX_COORDINATOR / $GEMJAX_NUM_PROCESSES / $GEMJAX_PROCESS_ID). Each process
+prints its layout line and feeds only its own devices' shards.
 
 Eval-only: --mode=eval restores the newest checkpoint of --workdir (or
 --checkpoint_step=N) onto this run's mesh, with the run's config.json (--override
@@ -114,8 +115,12 @@ def main(argv):
         raise app.UsageError("--checkpoint_step picks the checkpoint of --mode=eval; "
                              "training always resumes from the newest")
     from gemjax.parallel import multihost  # after flags: importing jax is slow
-    multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)  # before any jax call
+    try:   # before any jax call; no flags: SLURM / Open MPI / k8s found by JAX, else one process
+        multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)
+    except ValueError as e:
+        raise app.UsageError(str(e))
     import jax
+    print(f"[gemjax] {multihost.describe()}", flush=True)   # every process: the job's layout
 
     from gemjax.parallel import rules as rules_lib
     from gemjax.parallel.mesh import build_mesh

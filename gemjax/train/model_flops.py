@@ -293,17 +293,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     from gemjax.data.feeding import concat_shards
     from gemjax.data.synthetic import SyntheticStream
 
-    ap = argparse.ArgumentParser(description="Analytic per-block forward FLOPs of the GEM teacher.")
+    ap = argparse.ArgumentParser(description="Analytic per-block forward FLOPs of the GEM teacher "
+                                             "(model.kind=teacher is applied before --override).")
     ap.add_argument("--config", default="small", help="preset")
     ap.add_argument("--override", default="", help="section.field=value,...")
     ap.add_argument("--step", type=int, default=0, help="synthetic batch index")
     ap.add_argument("--shards", type=int, default=1, help="batch shards (devices); totals sum them")
     args = ap.parse_args(argv)
-    cfg = get_config(args.config, args.override)
-    stream = SyntheticStream(cfg.data, 0)
-    batch = concat_shards([stream.shard_batch(args.step, i, args.shards)[0] for i in range(args.shards)])
+    overrides = ",".join(o for o in ("model.kind=teacher", args.override) if o)
+    if args.shards < 1 or args.step < 0:
+        ap.error(f"--shards must be >= 1 and --step >= 0, got {args.shards} and {args.step}")
+    try:
+        cfg = get_config(args.config, overrides)
+        _check(cfg, {s: np.zeros(1, np.int64) for s in SEQUENCES}, None)
+        stream = SyntheticStream(cfg.data, 0)
+        batch = concat_shards([stream.shard_batch(args.step, i, args.shards)[0] for i in range(args.shards)])
+    except ValueError as e:
+        ap.error(str(e))
     flops = batch_block_detail(cfg, batch, args.shards)
-    print(f"{cfg.name} ({args.override or 'no overrides'}): batch {args.step}, "
+    print(f"{cfg.name} ({overrides}): batch {args.step}, "
           f"{batch.dense.shape[0]} samples in {args.shards} shard(s), sequence tokens "
           + ", ".join(f"{s} {int(np.diff(np.asarray(batch.sequences[s].offsets)).sum())}"
                       f"/{batch.sequences[s].capacity}" for s in SEQUENCES))

@@ -1,0 +1,249 @@
+"""The README's commands run as written, and `./run` picks the jax build the README says.
+
+Every command of the README (each line or loop of a ```bash block, and each inline
+code span that starts like a command) must be in RUN or in SKIP (with the reason);
+a new command in neither fails the test, so none goes untested unnoticed. The RUN
+commands are executed as written, with three substitutions only: `./run train` is
+the `.venv/bin/python experiments/train.py` it execs, `python` / `.venv/bin/python`
+is this interpreter, and a `--workdir=` moves under a temporary directory.
+"""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+COMMAND_STARTS = ("./run", "python ", "python3 ", ".venv/bin/python", "srun ", "mpirun ", "bash ", "for ")
+GPU_TEACHER = "--override=model.kind=teacher,model.num_experts=4,model.top_k=2"
+
+TINY = "./run train --config=tiny --workdir=runs/tiny --steps=50"
+FLOPS = "python -m gemjax.train.model_flops --config=h200 --override=model.num_experts=4,model.top_k=2"
+REHEARSE_SLURM = ("for i in 0 1; do SLURM_JOB_ID=4242 SLURM_NTASKS=2 SLURM_PROCID=$i SLURM_LOCALID=$i "
+                  "SLURM_STEP_NODELIST=localhost .venv/bin/python -m gemjax.parallel.multihost --cpu_devices=2 & "
+                  "done; wait")
+REHEARSE_FLAGS = ("for i in 0 1; do .venv/bin/python -m gemjax.parallel.multihost --cpu_devices=2 "
+                  "--coordinator=localhost:12355 --num_processes=2 --process_id=$i & done; wait")
+RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env"}
+
+LONG = "small preset, minutes on CPU; the tiny command runs the same train.py path"
+SKIP = {
+    "./run train": LONG,
+    "./run": "the script named in prose, no command",
+    "./run test": "the suite itself (CI runs it; this test is part of it)",
+    "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
+    "./run setup": "installs into .venv; CI's `./run test` runs the same setup",
+    "./run train --config=small --override=model.dim=32,data.seq_median=64,train.steps=3000": LONG,
+    "./run train --config=h200 --override=model.kind=teacher": "GPU (h200 preset)",
+    f"./run train --config=h200 {GPU_TEACHER} --workdir=runs/h200": "GPU (h200 preset)",
+    f"./run train --config=h200 {GPU_TEACHER} --mesh=replica=-1 --table_replica_axes=replica "
+    "--batch_size=32768 --workdir=runs/h200x8": "8 GPUs",
+    "python -m pytest -m gpu": "GPU tests",
+    "python -m gemjax.parallel.multihost": "a description; its rehearsals below run",
+    "srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python -m gemjax.parallel.multihost":
+        "SLURM cluster; tests/test_multihost_env.py starts 2 processes with srun's environment",
+    "srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python experiments/train.py "
+    f"--config=h200 {GPU_TEACHER} --mesh=replica=2,fsdp=8 --table_replica_axes=replica "
+    "--batch_size=65536 --workdir=runs/h200x16": "SLURM cluster of GPUs",
+    ".venv/bin/python experiments/train.py --config=h200 --override=model.kind=teacher --mesh=replica=2,fsdp=8 "
+    "--coordinator=host0:12355 --num_processes=2 --process_id=0": "2 GPU hosts; the CPU rehearsal runs",
+    ".venv/bin/python experiments/train.py --config=h200 --override=model.kind=teacher --mesh=replica=2,fsdp=8 "
+    "--coordinator=host0:12355 --num_processes=2 --process_id=1": "2 GPU hosts; the CPU rehearsal runs",
+    "python experiments/ablate.py --config=small --steps=1000 --seeds=0,1,2 "
+    "--override=data.batch_size=1024,model.dim=32,model.seq_heads=1": "one H200, 7 variants x 1000 steps",
+}
+
+
+def _norm(cmd):
+    return " ".join(cmd.split())
+
+
+def _strip_comment(line):
+    return re.sub(r"(^|\s)#.*$", "", line).rstrip()
+
+
+def readme_commands(text):
+    """Commands of the README: logical lines / loops of ```bash blocks and command-like inline spans."""
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        lines = [_strip_comment(ln) for ln in block.replace("\\\n", " ").splitlines()]
+        loop = []
+        for ln in lines:
+            if not ln.strip():
+                continue
+            if loop or ln.lstrip().startswith(("for ", "while ", "if ")):
+                loop.append(ln.strip())
+                if re.search(r"\b(done|fi)\b", ln):
+                    cmds.append(_norm(" ".join(loop)))
+                    loop = []
+                continue
+            cmds.append(_norm(ln))
+        assert not loop, f"unterminated loop in a README bash block: {loop}"
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    for span in re.findall(r"`([^`]+)`", prose):
+        span = _norm(span)
+        if span.startswith(COMMAND_STARTS):
+            cmds.append(span)
+    return list(dict.fromkeys(cmds))
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "GEMJAX_", "JAX_COORDINATOR"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    if jax.config.jax_compilation_cache_dir:     # the suite's cache: a warm rerun skips compiles
+        env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    return env
+
+
+def _argv(cmd, tmp):
+    words = shlex.split(cmd)
+    if words[:2] == ["./run", "train"]:
+        words = [sys.executable, os.path.join("experiments", "train.py")] + words[2:]
+    elif words[0] in ("python", ".venv/bin/python"):
+        words = [sys.executable] + words[1:]
+    return [f"--workdir={tmp}/{w.split('=', 1)[1]}" if w.startswith("--workdir=") else w for w in words]
+
+
+def _bash(cmd):
+    return cmd.replace(".venv/bin/python", shlex.quote(sys.executable))
+
+
+def _run(argv_or_script, shell=False, timeout=300):
+    r = subprocess.run(argv_or_script if not shell else ["bash", "-c", argv_or_script], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{argv_or_script}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_every_readme_command_is_run_or_skipped_with_a_reason():
+    cmds = readme_commands(open(README).read())
+    unclassified = [c for c in cmds if c not in RUN and c not in SKIP]
+    assert not unclassified, ("README commands neither run nor skipped by tests/test_readme_commands.py "
+                              "(add each to RUN, or to SKIP with the reason):\n" + "\n".join(unclassified))
+    stale = sorted((RUN | set(SKIP)) - set(cmds))
+    assert not stale, "commands listed here that the README no longer has:\n" + "\n".join(stale)
+    assert all(SKIP.values())
+
+
+def test_readme_cpu_commands_run_as_written(tmp_path):
+    # the tiny train (mostly compile time) runs beside the other commands
+    with open(tmp_path / "tiny.out", "w") as fo, open(tmp_path / "tiny.err", "w") as fe:
+        tiny = subprocess.Popen(_argv(TINY, tmp_path), cwd=ROOT, env=_env(), stdout=fo, stderr=fe)
+        try:
+            _other_cpu_commands(tmp_path)
+            tiny.wait(timeout=600)
+        finally:
+            tiny.kill()
+    out, err = (tmp_path / "tiny.out").read_text(), (tmp_path / "tiny.err").read_text()
+    assert tiny.returncode == 0, f"{TINY}: exit {tiny.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    # 50 steps, a summary, the layout line of a single process
+    assert re.search(r"^\[gemjax\] process 0 of 1 \(single\): \d+ local of \d+ cpu devices$", out, re.M), out[-2000:]
+    summary = json.load(open(tmp_path / "runs" / "tiny" / "summary.json"))
+    assert summary["steps"] == 50 and 0 < summary["eval_ne"] < 2
+
+
+def _other_cpu_commands(tmp_path):
+    # the analytic FLOPs command reproduces the README's figure for it (1,161 MFLOP / sample)
+    out = _run(_argv(FLOPS, tmp_path))
+    got = float(re.search(r"\(([\d.]+) MFLOP / sample\)", out).group(1))
+    readme = open(README).read()
+    row = next(ln for ln in readme.splitlines() if FLOPS.split(" ", 1)[1] in ln and ln.startswith("|"))
+    quoted = float(re.search(r"([\d,]+) MFLOP per sample per train step", row).group(1).replace(",", ""))
+    assert abs(got - quoted) / quoted < 0.01, f"README says {quoted} MFLOP / sample, the command prints {got}"
+    # the two launch rehearsals: each of the 2 processes reports the 2-process job
+    for script, via in ((REHEARSE_SLURM, "slurm"), (REHEARSE_FLAGS, "explicit")):
+        out = _run(_bash(script), shell=True, timeout=180)
+        for i in (0, 1):
+            assert f"process {i} of 2 ({via}" in out and "all-gather saw processes [0, 1]" in out, out[-2000:]
+    assert _run(["bash", "./run", "env"]).startswith("extra=")
+
+
+# ------------------------------------------------------------------ ./run's choice of jax build
+def _fake_nvidia_smi(bin_dir, driver):
+    path = bin_dir / "nvidia-smi"
+    path.write_text("#!/bin/sh\ncase \"$*\" in *driver_version*) echo %s ;; *) echo 'GPU 0: NVIDIA H200' ;; esac\n"
+                    % driver)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _fake_image_python(tmp_path):
+    """A Python 3.12 whose site-packages holds this suite's packages plus a jax CUDA plugin's
+    metadata: the shape of a GPU image's interpreter, as far as `./run` can see."""
+    image = tmp_path / "image"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(image)], check=True)
+    site = next(image.glob("lib/python3.12/site-packages"))
+    ours = [p for p in sys.path if p.rstrip("/").endswith("site-packages") and os.path.isdir(p)]
+    (site / "suite.pth").write_text("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in ours) + "\n")
+    dist = site / f"jax_cuda13_plugin-{jax.__version__}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: jax-cuda13-plugin\nVersion: {jax.__version__}\n")
+    return image / "bin" / "python"
+
+
+def _run_script(args, cwd, **env):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("GEMJAX_", "PIP_"))}
+    return subprocess.run(["bash", "./run", *args], cwd=cwd, env={**base, **env}, capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a real GPU answers here")
+def test_run_picks_cuda_when_a_gpu_answers_and_reuses_an_image_without_downloading(tmp_path):
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    path = os.environ["PATH"]
+    assert _run_script(["env"], ROOT, PATH=path).stdout.startswith("extra=cpu source=pypi")
+    _fake_nvidia_smi(bins, "580.159.03")
+    assert _run_script(["env"], ROOT, PATH=f"{bins}:{path}").stdout.startswith("extra=cuda source=pypi")
+    assert _run_script(["--cpu", "env"], ROOT, PATH=f"{bins}:{path}").stdout.startswith("extra=cpu ")
+    _fake_nvidia_smi(bins, "535.104.05")
+    assert _run_script(["env"], ROOT, PATH=f"{bins}:{path}").stdout.startswith("extra=cuda12 ")
+    bad = _run_script(["env"], ROOT, PATH=path, GEMJAX_EXTRA="rocm")
+    assert bad.returncode == 2 and "GEMJAX_EXTRA must be cpu, cuda or cuda12, got 'rocm'" in bad.stderr
+    refused = _run_script(["env"], ROOT, PATH=path, GEMJAX_EXTRA="cuda", GEMJAX_SYSTEM_PACKAGES="1",
+                          GEMJAX_PYTHON=sys.executable)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"a jax CUDA plugin of jax's version {jax.__version__} (found: none)" in refused.stderr
+
+    # an image interpreter: .venv holds gemjax alone, everything else comes from the image, and
+    # no index is asked (PIP_INDEX_URL points nowhere: any download would fail the setup)
+    py = _fake_image_python(tmp_path)
+    clone = tmp_path / "clone"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if os.path.isfile(os.path.join(ROOT, f)):
+            os.makedirs(clone / os.path.dirname(f), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), clone / f)
+    env = dict(PATH=f"{bins}:{path}", GEMJAX_PYTHON=str(py), PIP_INDEX_URL="http://127.0.0.1:9/simple")
+    r = _run_script(["env"], clone, **env)
+    assert r.stdout.startswith(f"extra=cuda12 source=system python={py}"), r.stdout + r.stderr
+    r = _run_script(["setup"], clone, **env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"reusing {py}'s packages: jax {jax.__version__}" in r.stderr
+    venv_site = next((clone / ".venv").glob("lib/python3.12/site-packages"))
+    assert not [p for p in os.listdir(venv_site) if p.startswith(("jax", "flax", "numpy"))]
+    probe = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c",
+                            "import gemjax, jax, flax; print(gemjax.__file__); print(jax.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    gem_file, jax_file = probe.stdout.split()
+    assert gem_file.startswith(str(clone)) and not jax_file.startswith(str(clone)), probe.stdout + probe.stderr
+    assert (clone / ".venv" / ".gemjax-installed").read_text().strip() == "extra=cuda12 source=system"
+
+    # an image flax off the pins: auto falls back to PyPI naming it; GEMJAX_SYSTEM_PACKAGES=1 reuses it
+    old = py.parent.parent / "lib" / "python3.12" / "site-packages" / "flax-0.11.0.dist-info"
+    old.mkdir()
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: flax\nVersion: 0.11.0\n")
+    r = _run_script(["env"], clone, **env)
+    assert r.stdout.startswith("extra=cuda12 source=pypi") and "flax 0.11.0 (needs <0.13,>=0.12.10)" in r.stderr
+    r = _run_script(["env"], clone, GEMJAX_SYSTEM_PACKAGES="1", **env)
+    assert r.stdout.startswith("extra=cuda12 source=system") and "reused anyway: flax 0.11.0" in r.stderr
