@@ -5,7 +5,8 @@ code span that starts like a command) must be in RUN or in SKIP (with the reason
 a new command in neither fails the test, so none goes untested unnoticed. The RUN
 commands are executed as written, with three substitutions only: `./run train` is
 the `.venv/bin/python experiments/train.py` it execs, `python` / `.venv/bin/python`
-is this interpreter, and a `--workdir=` moves under a temporary directory.
+is this interpreter, and a `--workdir=` (the plot's `--workdirs=` and `--out=`) moves under a
+temporary directory.
 """
 
 import json
@@ -32,7 +33,11 @@ REHEARSE_SLURM = ("for i in 0 1; do SLURM_JOB_ID=4242 SLURM_NTASKS=2 SLURM_PROCI
                   "done; wait")
 REHEARSE_FLAGS = ("for i in 0 1; do .venv/bin/python -m gemjax.parallel.multihost --cpu_devices=2 "
                   "--coordinator=localhost:12355 --num_processes=2 --process_id=$i & done; wait")
-RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env"}
+# run after TINY, on its workdir
+AFTER_TINY = ("./run train --mode=eval --workdir=runs/tiny",
+              "./run train --mode=eval --workdir=runs/tiny --checkpoint_step=30",
+              ".venv/bin/python experiments/plot_metrics.py --workdirs=runs/tiny --out=runs/tiny/curves.png")
+RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", *AFTER_TINY}
 
 LONG = "small preset, minutes on CPU; the tiny command runs the same train.py path"
 SKIP = {
@@ -150,6 +155,21 @@ def test_readme_cpu_commands_run_as_written(tmp_path):
     assert re.search(r"^\[gemjax\] process 0 of 1 \(single\): \d+ local of \d+ cpu devices$", out, re.M), out[-2000:]
     summary = json.load(open(tmp_path / "runs" / "tiny" / "summary.json"))
     assert summary["steps"] == 50 and 0 < summary["eval_ne"] < 2
+    evals = [json.loads(r) for r in open(tmp_path / "runs" / "tiny" / "metrics.jsonl")]
+    evals = {r["step"]: r for r in evals if r["kind"] == "eval"}
+    for cmd, step in zip(AFTER_TINY[:2], (50, 30)):
+        _run(_argv(cmd, tmp_path))
+        got = json.load(open(tmp_path / "runs" / "tiny" / "eval" / f"step_{step}.json"))
+        assert got["ne"] == evals[step]["ne"] and got["auc"] == evals[step]["auc"], (cmd, got, evals[step])
+    _run(_plot_argv(tmp_path))
+    assert (tmp_path / "runs" / "tiny" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _plot_argv(tmp_path):
+    """The plot command with both of its paths under the temporary directory."""
+    words = _argv(AFTER_TINY[2], tmp_path)
+    return [w.replace("--workdirs=runs/", f"--workdirs={tmp_path}/runs/").replace("--out=runs/", f"--out={tmp_path}/runs/")
+            for w in words]
 
 
 def _other_cpu_commands(tmp_path):
