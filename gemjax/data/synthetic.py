@@ -30,6 +30,7 @@ default), so only the sequences reveal them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -55,15 +56,63 @@ def _multiplier(v: int) -> int:
     return m
 
 
+# Vocabularies up to this size sample Zipf ranks from a table of their CDF (see zipf_ranks).
+ZIPF_TABLE_MAX_VOCAB = 1 << 22
+_GUIDE_CELLS = 1 << 16
+
+
+def _zipf_cdf_at(n: np.ndarray, vocab: int, a: float) -> np.ndarray:
+    """u at which the continuous inverse CDF reaches n (float64, `portable_math`)."""
+    if abs(a - 1.0) < 1e-9:
+        return portable_math.log(n) / portable_math.log(vocab + 1.0)
+    return (portable_math.pow(n, 1 - a) - 1) / (portable_math.pow(vocab + 1.0, 1 - a) - 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _zipf_table(vocab: int, a: float) -> tuple[np.ndarray, np.ndarray]:
+    """(thresholds [vocab], guide [_GUIDE_CELLS]) of the rank table.
+
+    rank(u) = #{r in 1..vocab-1: u >= thresholds[r - 1]} (thresholds[vocab - 1] = inf
+    ends every search); guide[g] = rank(g / _GUIDE_CELLS), the smallest rank in cell g.
+    """
+    t = _zipf_cdf_at(np.arange(2, vocab + 1, dtype=np.float64), vocab, a)
+    np.maximum.accumulate(t, out=t)                       # monotone whatever the rounding
+    t = np.append(t, np.inf)
+    cells = np.arange(_GUIDE_CELLS, dtype=np.float64) / _GUIDE_CELLS
+    guide = np.searchsorted(t, cells, side="right").astype(np.int32)
+    t.setflags(write=False)
+    guide.setflags(write=False)
+    return t, guide
+
+
 def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size,
                out: np.ndarray | None = None) -> np.ndarray:
     """Ranks in [0, vocab) with P(rank r) ~ (r + 1)^-a (continuous inverse CDF, floored).
 
     int64 array of shape `size`, or written into `out` (an integer array of that
-    shape, e.g. an int32 slice of a packed buffer) and returned. The inverse CDF
-    uses `portable_math` (the same ranks on every CPU type).
+    shape, e.g. an int32 slice of a packed buffer) and returned. One uniform draw per
+    rank. The same ranks on every CPU type: for vocab <= ZIPF_TABLE_MAX_VOCAB a rank is
+    the number of CDF thresholds (the inverse CDF's integer crossings, computed once per
+    (vocab, a) with `portable_math`) at or below its draw, found from a guide table of
+    2**16 cells and a few compares; larger vocabularies floor the inverse CDF itself
+    (`portable_math.pow` / `exp` per draw). Both read only exactly rounded operations.
     """
     x = rng.random(size)
+    if out is not None and (out.shape != x.shape or out.dtype.kind not in "iu"):
+        raise ValueError(f"zipf_ranks: out must be an integer array of shape {x.shape}, got "
+                         f"{out.dtype} {out.shape}")
+    r = np.empty(x.shape, np.int64) if out is None else out
+    if vocab <= ZIPF_TABLE_MAX_VOCAB:
+        t, guide = _zipf_table(vocab, float(a))
+        flat_x = x.reshape(-1)
+        cell = np.multiply(flat_x, _GUIDE_CELLS).astype(np.int32)   # exact: * 2**16, floored
+        rank = guide.take(cell)                                     # int32, ranks < vocab
+        idx = np.flatnonzero(flat_x >= t.take(rank))                # the few not yet at their rank
+        while idx.size:
+            rank[idx] += 1
+            idx = idx[flat_x[idx] >= t.take(rank[idx])]
+        np.copyto(r, rank.reshape(x.shape), casting="unsafe")
+        return r
     if abs(a - 1.0) < 1e-9:
         x *= portable_math.log(vocab + 1.0)
         x = portable_math.exp(x)
@@ -72,14 +121,7 @@ def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size,
         x += 1
         x = portable_math.pow(x, 1 / (1 - a))
     np.floor(x, out=x)
-    if out is None:
-        r = x.astype(np.int64)
-    else:
-        if out.shape != x.shape or out.dtype.kind not in "iu":
-            raise ValueError(f"zipf_ranks: out must be an integer array of shape {x.shape}, got "
-                             f"{out.dtype} {out.shape}")
-        r = out
-        np.copyto(r, x, casting="unsafe")                 # exact: integral values < vocab + 2
+    np.copyto(r, x, casting="unsafe")                     # exact: integral values < vocab + 2
     r -= 1
     return np.clip(r, 0, vocab - 1, out=r)
 
@@ -191,14 +233,14 @@ class SyntheticStream:
         else:
             seg = np.repeat(np.arange(b, dtype=np.int32), lengths)
         use_fav = rng.random(total) < _FAV_PROB[name]
-        fav_slot = rng.integers(0, _NUM_FAV, total)       # int64 index into fav.ravel()
+        fav_slot = rng.integers(0, _NUM_FAV, total, dtype=np.int32)   # index into fav.ravel()
         fav_slot += seg * _NUM_FAV
-        cats = rng.integers(0, c.num_categories, total)
+        cats = rng.integers(0, c.num_categories, total, dtype=np.int32)
         np.copyto(cats, fav.ravel().astype(np.int32).take(fav_slot), where=use_fav)
         del fav_slot, use_fav
         item_buf = np.zeros(capacity, np.int32) if fits else np.empty(total, np.int32)
         self._items_of(rng, cats, out=item_buf[:total])   # written in place when the batch fits
-        events = rng.integers(0, c.num_event_types, total)
+        events = rng.integers(0, c.num_event_types, total, dtype=np.int32)
         ends = np.cumsum(lengths)                         # offsets[1:] of the uncut sequence
         # the teacher's recency window: tokens [end - min(L, recent), end) of each sample
         n_recent = np.minimum(lengths, c.recent)
