@@ -322,6 +322,30 @@ def test_nan_state_is_never_saved(tmp_path, monkeypatch):
     assert all(np.isfinite(x).all() for x in host(state) if x.dtype.kind == "f")
 
 
+def test_keyboard_interrupt_inside_an_eval_saves_the_step_the_state_holds(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised at once (a second Ctrl-C, or train() off the main thread,
+    where no handler is installed) while step 4's eval runs: the state holds step 4, so the
+    checkpoint is step 4 (not 3, the step the loop had finished before)."""
+    from gemjax.train.loop import Evaluator
+    call = Evaluator.__call__
+
+    def interrupted(self, state):
+        if int(state["step"]) == 4:
+            raise KeyboardInterrupt
+        return call(self, state)
+
+    monkeypatch.setattr(Evaluator, "__call__", interrupted)
+    workdir = str(tmp_path / "ki")
+    logged = []
+    with pytest.raises(KeyboardInterrupt):
+        train(CFG, workdir, log=logged.append, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
+    assert "[gemjax] interrupted: saved step 4" in logged
+    checkpoints = os.path.join(workdir, "checkpoints")
+    assert steps_in(checkpoints) == [3, 4]
+    step, state, meta = restored(one_device_trainer(), checkpoints)
+    assert step == meta["data_step"] == int(state["step"]) == 4
+
+
 def test_bad_config_values_are_named_before_anything_runs(tmp_path):
     for override, says in [("train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
                            ("train.log_every=0", "train.log_every must be >= 1, got 0"),
