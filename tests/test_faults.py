@@ -52,9 +52,12 @@ class Run:
              f"--workdir={workdir}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)
         self.lines = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout),
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
 
     @property
     def out(self) -> str:

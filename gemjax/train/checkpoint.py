@@ -133,10 +133,11 @@ def verify_step_dir(step_dir: str) -> str | None:
             want[rel.decode("utf-8", "replace")] = digest.decode("ascii", "replace")
     have = {rel for rel in files if rel not in _COMMIT_FILES and rel != CHECKSUM_FILE}
     for rel in sorted(want):
+        path = os.path.join(step_dir, rel)
         if rel not in have:
             return f"file {rel} is missing"
-        if _sha256(os.path.join(step_dir, rel)) != want[rel]:
-            return f"file {rel} does not match its checksum ({os.path.getsize(os.path.join(step_dir, rel))} bytes)"
+        if _sha256(path) != want[rel]:
+            return f"file {rel} does not match its checksum ({os.path.getsize(path)} bytes)"
     extra = sorted(have - set(want))
     if extra:
         return f"unexpected files {extra[:3]}"
