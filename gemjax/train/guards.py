@@ -25,10 +25,11 @@ run. Fewer train.steps than the checkpoint's step is refused too (extending a
 run with more steps is how a finished run continues). Mesh shape, device count,
 learning rates and intervals may change.
 
-Test hook (`pause_for_test`): GEMJAX_TEST_PAUSE=POINT:STEP (POINT one of "step": after the train step
-STEP returned, "eval": before its eval, "save": after its checkpoint save started)
-makes the loop print "[gemjax] test pause at POINT STEP" and wait there (up to
-120 s) until a stop signal arrives, so tests can signal a real run at a known place.
+Test hook (`pause_for_test`): GEMJAX_TEST_PAUSE=POINT:STEP, POINT one of "step"
+(after train step STEP returned), "eval" (before its eval), "save" (after its
+checkpoint save started), makes the loop print "[gemjax] test pause at POINT STEP"
+and wait there (up to 120 s) until a stop signal arrives, so tests can signal a
+real run at a known place ("commit": gemjax.train.checkpoint).
 """
 
 from __future__ import annotations

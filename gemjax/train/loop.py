@@ -139,7 +139,7 @@ def restore_train_state(ckpt: Checkpointer, coll, target: dict,
     orbax reads for this process's shards; no whole table is built in numpy.
     A table whose saved vocabulary differs from coll's, or a state whose own step
     counter (state["step"]) differs from the checkpoint's step, is refused
-    (CheckpointMismatch) before anything is used; damaged files: CheckpointDamaged.
+    (CheckpointMismatch); damaged files: CheckpointDamaged.
     """
     step, meta = ckpt.metadata(step)
     saved = meta.get("table_layouts", {})
