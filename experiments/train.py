@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 
 from gemjax.config import PRESETS, apply_overrides, get_config  # noqa: E402
+from gemjax.train.guards import Interrupted, RunRefused  # noqa: E402  (no jax import)
 
 flags.DEFINE_string("config", "small", f"preset: one of {sorted(PRESETS)}")
 flags.DEFINE_string("workdir", "runs/default", "output directory (resumes if it holds checkpoints)")
@@ -174,5 +175,18 @@ def main(argv):
     print(f"  {'bayes-optimal':<22}{summary['bayes_ne']:>10.4f}{summary['bayes_auc']:>10.4f}")
 
 
+def run(argv):
+    """main, with a stop by SIGINT / SIGTERM (after its checkpoint) or a refused run
+    (busy workdir, resume mismatch) ending in one message and exit 128 + signal / 2."""
+    try:
+        main(argv)
+    except Interrupted as e:
+        print(f"[gemjax] {e}", flush=True)
+        sys.exit(128 + e.signum)
+    except RunRefused as e:
+        print(f"[gemjax] refused: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(run)

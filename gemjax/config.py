@@ -237,6 +237,8 @@ def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Conf
 
 
 def validate(cfg: Config) -> None:
+    """ValueError naming the first field out of its range (called by get_config,
+    apply_overrides and train)."""
     d, m = cfg.data, cfg.model
     checks = [
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
@@ -252,14 +254,33 @@ def validate(cfg: Config) -> None:
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.block >= 1, f"model.block must be >= 1, got {m.block}"),
         (m.dim >= 1 and m.dim % max(m.seq_heads, 1) == 0, f"model.dim ({m.dim}) must be divisible by model.seq_heads ({m.seq_heads})"),
+        (d.eval_batches >= 1, f"data.eval_batches must be >= 1, got {d.eval_batches}"),
+        (d.host_workers >= 0, f"data.host_workers must be >= 0, got {d.host_workers}"),
+        (d.capacity_slack > 0, f"data.capacity_slack must be > 0, got {d.capacity_slack}"),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.sparse_update_impl in ("xla", "pallas"),
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),
+        *_train_checks(cfg.train),
         *_teacher_checks(m),
     ]
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"config {cfg.name!r}: {msg}")
+
+
+MAX_LR = 100.0     # larger learning rates are typos (1e30), not settings
+
+
+def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """Intervals >= 1 (0 would divide by zero after compile); learning rates finite in
+    [0, MAX_LR] (NaN fails every comparison)."""
+    out = [(getattr(t, f) >= 1, f"train.{f} must be >= 1, got {getattr(t, f)}")
+           for f in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints")]
+    out.append((t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}"))
+    out += [(0.0 <= getattr(t, f) <= MAX_LR,
+             f"train.{f} must be a finite number in [0, {MAX_LR:g}], got {getattr(t, f)}")
+            for f in ("dense_lr", "sparse_lr")]
+    return out
 
 
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:

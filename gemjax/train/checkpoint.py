@@ -4,6 +4,7 @@
     ckpt.save(step, state, meta)          # returns once arrays are on the host; the
                                           # write continues in the background
     ckpt.latest_step() -> int | None      # newest finished checkpoint
+    ckpt.verify(step) -> str | None       # what is damaged in a step (checksums), or None
     step, state, meta = ckpt.restore(target)    # newest (or step=..., resizable=...)
     step, meta = ckpt.metadata()                # meta alone, no arrays read
     ckpt.wait(); ckpt.close()             # or `with Checkpointer(...) as ckpt:`
@@ -40,14 +41,36 @@ step as the latest; leftover temporary directories are deleted when the next
 Checkpointer opens the directory. Saving a step that is not newer than the
 latest saved step is skipped (`save` returns False), as in orbax.
 
+Checksums: once every process has written its part of a step and before orbax
+commits it (orbax's post-finalization callback, on the primary process, in the
+background save thread), the sha256 of every file of the step directory goes
+into STEP/checksums.sha256 (`sha256sum -c` format). So every committed step
+carries its checksums, except the two files orbax writes at the commit itself
+(STEP/_CHECKPOINT_METADATA, STEP/commit_success.txt), which `restore` needs
+no data from. `verify(step)` names a missing, truncated, altered or unexpected
+file, an empty step directory or a missing checksum file; `restore` verifies
+first and raises CheckpointDamaged. A step without checksums.sha256 (written
+before checksums existed) is reported by `verify` as "unverified" and restores
+as before: only a failing read shows its damage. `set_aside(step)` moves a
+damaged step out of the directory (to DIRECTORY-damaged/), so it is neither
+the latest step nor counted by the keep-N rotation.
+
+Test hook: GEMJAX_TEST_PAUSE=commit:STEP holds the save thread of STEP for 120 s
+after every file is written and before its checksums and commit, printing
+"[gemjax] test pause at commit STEP", so a test can kill a process mid-save.
+
 Donation: `save` copies device arrays to host memory before it returns, so the
 caller may donate or delete the state buffers right after.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
+import shutil
+import time
 import urllib.parse
 from typing import Any
 
@@ -56,6 +79,69 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 LAYOUT_VERSION = 1
+CHECKSUM_FILE = "checksums.sha256"
+UNVERIFIED = "unverified: no " + CHECKSUM_FILE
+# written by orbax when it commits a step, after the checksums; restore reads no data from them
+_COMMIT_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+class CheckpointDamaged(OSError):
+    """A checkpoint step whose files do not match its checksums (or cannot be read)."""
+
+
+class CheckpointMismatch(ValueError):
+    """A restore target (or run) that does not fit a readable checkpoint."""
+
+
+def _step_files(step_dir: str) -> list[str]:
+    """Paths of every file under step_dir, relative to it, sorted."""
+    out = []
+    for root, _, files in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
+    return sorted(out)
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(step_dir: str) -> None:
+    """STEP/checksums.sha256: "<sha256>  <path>" for every file but the commit files."""
+    lines = [f"{_sha256(os.path.join(step_dir, rel))}  {rel}\n" for rel in _step_files(step_dir)
+             if rel not in _COMMIT_FILES and rel != CHECKSUM_FILE]
+    with open(os.path.join(step_dir, CHECKSUM_FILE), "w") as f:
+        f.writelines(lines)
+
+
+def verify_step_dir(step_dir: str) -> str | None:
+    """What is wrong with a step directory (one line), UNVERIFIED without checksums,
+    None when every file matches its checksum and no file is missing or extra."""
+    if not os.path.isdir(step_dir):
+        return "no step directory"
+    files = _step_files(step_dir)
+    if not files:
+        return "empty step directory"
+    if CHECKSUM_FILE not in files:
+        return UNVERIFIED
+    want = {}
+    with open(os.path.join(step_dir, CHECKSUM_FILE), "rb") as f:
+        for n, line in enumerate(f, 1):
+            digest, sep, rel = line.rstrip(b"\n").partition(b"  ")
+            if not sep or len(digest) != 64:
+                return f"{CHECKSUM_FILE} line {n} is not '<sha256>  <path>'"
+            want[rel.decode("utf-8", "replace")] = digest.decode("ascii", "replace")
+    have = {rel for rel in files if rel not in _COMMIT_FILES and rel != CHECKSUM_FILE}
+    for rel in sorted(want):
+        path = os.path.join(step_dir, rel)
+        if rel not in have:
+            return f"file {rel} is missing"
+        if _sha256(path) != want[rel]:
+            return f"file {rel} does not match its checksum ({os.path.getsize(path)} bytes)"
+    extra = sorted(have - set(want))
+    if extra:
+        return f"unexpected files {extra[:3]}"
+    return None
 
 
 def _entry_name(entry) -> str:
@@ -146,13 +232,33 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(os.fspath(directory))
+        self._async = async_save
+        self._saving: int | None = None      # the step whose write is in flight
+        self._verified: set[int] = set()     # steps verify() found intact
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
-            enable_async_checkpointing=async_save,
+            # always orbax's async checkpointer (its post-finalization callback writes the
+            # checksums); a synchronous save waits for it in `save`
+            enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums),
             cleanup_tmp_directories=True,
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def _write_checksums(self) -> None:
+        """Checksums of the step being committed (orbax's save thread, primary process,
+        after every process finished writing, before the directory is renamed)."""
+        step = self._saving
+        found = glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*"))
+        found += [p for p in [os.path.join(self.directory, str(step))] if os.path.isdir(p)]
+        if len(found) != 1:
+            raise RuntimeError(f"checkpoint step {step}: expected one directory to checksum, "
+                               f"found {found} in {self.directory}")
+        if os.environ.get("GEMJAX_TEST_PAUSE") == f"commit:{step}":   # test hook: see below
+            print(f"[gemjax] test pause at commit {step}", flush=True)
+            time.sleep(120)
+        write_checksums(found[0])
 
     # -- saving ---------------------------------------------------------------
     def save(self, step: int, state, meta: dict | None = None) -> bool:
@@ -176,7 +282,12 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
             layout=ocp.args.JsonSave(layout),
         )
-        return bool(self._manager.save(step, args=args))
+        self._manager.wait_until_finished()   # the previous write (orbax waits here too)
+        self._saving = step
+        started = bool(self._manager.save(step, args=args))
+        if not self._async:
+            self._manager.wait_until_finished()
+        return started
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
@@ -190,6 +301,28 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         self._manager.reload()
         return sorted(self._manager.all_steps())
+
+    def verify(self, step: int) -> str | None:
+        """None if every file of `step` matches its checksum; else what is wrong (one
+        line), or UNVERIFIED for a step written without checksums. Reads every file."""
+        problem = verify_step_dir(os.path.join(self.directory, str(int(step))))
+        if problem is None:
+            self._verified.add(int(step))
+        return problem
+
+    def set_aside(self, step: int) -> str:
+        """Move a damaged `step` to DIRECTORY-damaged/STEP[.n] (returned); the step is
+        then no longer listed. Call on one process (a shared directory)."""
+        dest_dir = self.directory + "-damaged"
+        os.makedirs(dest_dir, exist_ok=True)
+        dest, n = os.path.join(dest_dir, str(step)), 0
+        while os.path.exists(dest):
+            n += 1
+            dest = os.path.join(dest_dir, f"{step}.{n}")
+        shutil.move(os.path.join(self.directory, str(step)), dest)
+        self._verified.discard(int(step))
+        self._manager.reload()
+        return dest
 
     def _resolve_step(self, step: int | None) -> int:
         if step is None:
@@ -217,6 +350,11 @@ class Checkpointer:
         dimension must still match.
         """
         step = self._resolve_step(step)
+        if step not in self._verified:
+            problem = self.verify(step)
+            if problem is not None and problem != UNVERIFIED:
+                raise CheckpointDamaged(f"checkpoint step {step} in {self.directory} is damaged: "
+                                        f"{problem}")
         layout = self._manager.restore(
             step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
         saved = layout["leaves"]
@@ -271,7 +409,7 @@ class Checkpointer:
                 problems.append(f"{path}: checkpoint key impl {have['impl']}, "
                                 f"target {want['impl']}")
         if problems:
-            raise ValueError(f"restore target does not match checkpoint step {step} in "
+            raise CheckpointMismatch(f"restore target does not match checkpoint step {step} in "
                              f"{self.directory}:\n  " + "\n  ".join(problems))
         return resized
 

@@ -10,8 +10,24 @@ WORKDIR/checkpoints. Rerunning with the same workdir resumes from the newest
 checkpoint, on any mesh shape and table plan (tables are saved in logical row
 order: `save_train_state` / `restore_train_state`); the data stream is a pure
 function of the step (and of the shard count), so a resumed run on the same mesh
-equals an uninterrupted one. A crash loses at most the steps since the last
-checkpoint; Ctrl-C saves one before exiting.
+equals an uninterrupted one.
+
+Faults (gemjax.train.guards): one run per workdir (WORKDIR/train.lock, naming its
+holder to a second run). SIGINT or SIGTERM stops the run at the next step
+boundary with a checkpoint of the state it holds, then raises `Interrupted`; a
+second signal stops at once (saving if the state is intact). Every exit path
+waits for in-flight async saves. A checkpoint is labelled with the state's own
+step counter (state["step"]), and a restore checks the label against it. No
+checkpoint is saved of a non-finite state (an all-finite reduction over params,
+optimizer state and tables first; FloatingPointError instead), nor is a
+non-finite loss or grad norm trained past (checked at log points). A resume
+picks the newest intact checkpoint: a step whose files fail their checksums or
+cannot be read is logged, moved to WORKDIR/checkpoints-damaged/ and counted in
+metrics.jsonl ("checkpoints_damaged"); a resume whose config changes the data
+stream, a table vocabulary, the batch or the seed, or asks for fewer steps than
+the checkpoint holds, is refused (`ResumeMismatch`). A crash (kill -9) loses the
+steps since the newest finished checkpoint: at most train.checkpoint_every plus
+those run while that checkpoint was written in the background.
 """
 
 from __future__ import annotations
@@ -23,12 +39,16 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gemjax.config import Config
+from gemjax.config import Config, validate
 from gemjax.data.feeding import Feeder
 from gemjax.data.synthetic import SyntheticStream
-from gemjax.train.checkpoint import Checkpointer
+from gemjax.train.checkpoint import UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer
+from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
+                                 lock_workdir, pause_for_test, run_fields)
 from gemjax.train.metrics import EvalAccumulator, flat
 from gemjax.train.step import Trainer
 from gemjax.train.throughput import Throughput, progress_line
@@ -79,7 +99,7 @@ def check_table_layouts(saved: dict, current: dict) -> None:
     that would silently permute embedding rows."""
     bad = [n for n in current if n in saved and _storage_order(saved[n]) != _storage_order(current[n])]
     if bad:
-        raise ValueError(
+        raise CheckpointMismatch(
             f"checkpoint tables {bad} were stored for another row layout (saved "
             f"{[saved[n] for n in bad]}, this mesh {[current[n] for n in bad]}): restore on a "
             f"mesh with the same table sharding, or use 'range' row splits, whose storage order "
@@ -120,18 +140,104 @@ def restore_train_state(ckpt: Checkpointer, coll, target: dict,
     output reuses the donated logical buffer); tables already in logical order ("range",
     replicated, one shard) are used as restored, no copy. The host holds only what
     orbax reads for this process's shards; no whole table is built in numpy.
+    A table whose saved vocabulary differs from coll's, or a state whose own step
+    counter (state["step"]) differs from the checkpoint's step, is refused
+    (CheckpointMismatch); damaged files: CheckpointDamaged.
     """
     step, meta = ckpt.metadata(step)
+    saved = meta.get("table_layouts", {})
+    vocab = [f"{n}: checkpoint {saved[n]['vocab']}, this model {lay.vocab}"
+             for n, lay in coll.layouts.items() if n in saved and saved[n]["vocab"] != lay.vocab]
+    if vocab:
+        raise CheckpointMismatch(f"checkpoint step {step} in {ckpt.directory} holds tables of "
+                                 f"another vocabulary ({'; '.join(vocab)})")
     if meta.get("table_order") != TABLE_ORDER:
         layouts = table_layouts(coll)
         check_table_layouts(meta.get("table_layouts", layouts), layouts)
-        return ckpt.restore(target, step)
+        return _check_label(ckpt, *ckpt.restore(target, step))
     for leaf in jax.tree.leaves(target["tables"]):
         if isinstance(leaf, jax.Array):
             leaf.delete()
     step, state, meta = ckpt.restore({**target, "tables": coll.logical_targets()}, step,
                                      resizable=("tables",))
-    return step, {**state, "tables": coll.from_logical_arrays(state["tables"])}, meta
+    return _check_label(ckpt, step, {**state, "tables": coll.from_logical_arrays(state["tables"])},
+                        meta)
+
+
+def state_step(state: dict) -> int | None:
+    """The train state's own step counter (state["step"], int32 [] replicated) on the
+    host; None if the state has none. Raises if its buffer was donated (mid-step)."""
+    x = state.get("step")
+    if x is None:
+        return None
+    if isinstance(x, jax.Array):
+        x = x.addressable_data(0)
+    return int(np.asarray(x))
+
+
+def _check_label(ckpt: Checkpointer, step: int, state: dict, meta: dict):
+    held = state_step(state)
+    if held is not None and held != step:
+        raise CheckpointMismatch(
+            f"checkpoint step {step} in {ckpt.directory} holds a train state at step {held} "
+            f"(state['step']): resuming from it would repeat or skip batches; move "
+            f"{os.path.join(ckpt.directory, str(step))} away to resume from an older checkpoint")
+    return step, state, meta
+
+
+def _nonfinite_leaves(mesh) -> Callable[[dict], list[str]]:
+    """state -> key paths of float params / optimizer state / table leaves holding a NaN
+    or inf (one jitted all-finite reduction per leaf, one host read of [n_leaves] bools)."""
+    flags = jax.jit(lambda leaves: jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]),
+                    out_shardings=NamedSharding(mesh, P()))
+
+    def check(state: dict) -> list[str]:
+        with_path = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(
+            {k: state[k] for k in ("params", "opt_state", "tables")})
+            if jnp.issubdtype(x.dtype, jnp.floating)]
+        if not with_path:
+            return []
+        ok = np.asarray(flags([x for _, x in with_path]).addressable_data(0))
+        return [p for (p, _), good in zip(with_path, ok) if not good]
+
+    return check
+
+
+def _resume(ckpt: Checkpointer, coll, target: dict, cfg: Config, lead: bool,
+            log: Callable[[str], None]) -> tuple[int, dict, int]:
+    """(step, state, damaged): the newest intact checkpoint restored; `damaged` newer
+    steps (failing their checksums, or unreadable) moved to DIRECTORY-damaged/.
+    ResumeMismatch / CheckpointMismatch (the run does not fit) propagate at once."""
+    damaged = []
+    for step in reversed(ckpt.all_steps()):
+        problem = ckpt.verify(step)
+        if problem in (None, UNVERIFIED):
+            if problem:
+                log(f"[gemjax] checkpoint step {step}: {problem}; trusted if it reads")
+            try:
+                _, meta = ckpt.metadata(step)
+                check_resume(meta, cfg, step, os.path.dirname(ckpt.directory))
+                step, state, _ = restore_train_state(ckpt, coll, target, step)
+                break
+            except (ResumeMismatch, CheckpointMismatch):
+                raise
+            except Exception as e:  # noqa: BLE001 - any failing read of a step is damage
+                problem = f"unreadable: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        log(f"[gemjax] checkpoint step {step} is damaged ({problem}); trying an older one")
+        damaged.append((step, problem))
+    else:
+        raise CheckpointDamaged(
+            f"no intact checkpoint in {ckpt.directory}: "
+            + "; ".join(f"step {s}: {p}" for s, p in damaged)
+            + ". Move the directory away to start the run over")
+    for s, _ in damaged:
+        if lead:
+            log(f"[gemjax] damaged checkpoint step {s} moved to {ckpt.set_aside(s)}")
+    if damaged and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("gemjax: damaged checkpoints set aside")
+    ckpt.latest_step()          # every process re-lists the steps
+    return step, state, len(damaged)
 
 
 class Evaluator:
@@ -168,6 +274,17 @@ def _all_processes(*arrays):
     return tuple(np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in arrays)
 
 
+def _close(ckpt: Checkpointer, log: Callable[[str], None], raise_errors: bool) -> None:
+    """Finish in-flight saves and close; a failure is raised, or only logged when the
+    loop is already ending on another error (`raise_errors` False: it would hide it)."""
+    try:
+        ckpt.close()
+    except Exception as e:
+        if raise_errors:
+            raise
+        log(f"[gemjax] finishing checkpoint writes failed too: {type(e).__name__}: {e}")
+
+
 def _with_next(items):
     """(item, the next item's batch or None), one item ahead of the consumer."""
     prev = None
@@ -188,14 +305,22 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     used to simulate an interrupted run. mesh / trainer_kw: passed to Trainer.create
     (e.g. rules, table_replica_axes). profile_steps: (a, b) writes a jax.profiler
     trace of steps a..b-1 (0-based) to WORKDIR/profile (`tracking.ProfileWindow`).
+    Raises WorkdirBusy (another run holds the workdir), ResumeMismatch, Interrupted
+    (SIGINT / SIGTERM, after saving), FloatingPointError (non-finite loss or state;
+    nothing non-finite saved).
     """
+    validate(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop:
+        return _train(cfg, workdir, log, mesh, stop_after, trainer_kw, stop, profile_steps)
+
+
+def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_after: int | None,
+           trainer_kw: dict | None, stop: StopSignals,
+           profile_steps: tuple[int, int] | None) -> dict:
     t = cfg.train
     started, compile_timer = time.perf_counter(), tracking.CompileTimer()
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
-    os.makedirs(workdir, exist_ok=True)
-    if lead:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=1)
     trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
     stream = SyntheticStream(cfg.data, t.seed, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
@@ -204,10 +329,11 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     state = trainer.init_state(t.seed)
     start, last_eval = 0, {}
     counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
-                "ids_overflow": 0}                # fallbacks, counted over the whole run
+                "ids_overflow": 0, "checkpoints_damaged": 0}   # fallbacks, counted over the whole run
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    if ckpt.latest_step() is not None:
-        start, state, meta = restore_train_state(ckpt, trainer.coll, state)
+    damaged = 0
+    if ckpt.all_steps():
+        start, state, damaged = _resume(ckpt, trainer.coll, state, cfg, lead, log)
         log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
         kept = [r for r in _read_jsonl(metrics_path) if r["step"] <= start]
         if lead:
@@ -220,6 +346,10 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
             counters = {k: trains[-1].get(k, 0) for k in counters}
     elif lead and os.path.exists(metrics_path):
         os.remove(metrics_path)
+    counters["checkpoints_damaged"] += damaged
+    if lead:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=1)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_rows = sum(s.vocab * s.dim for s in trainer.coll.specs.values())
     log(f"[gemjax] config={cfg.name} model={cfg.model.kind} devices={trainer.num_shards} "
@@ -240,11 +370,25 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     profile = tracking.ProfileWindow(profile_steps, os.path.join(workdir, "profile"), start, end,
                                      log=log, enabled=lead, paused=meter.paused)
 
-    def save(step: int):
-        save_train_state(ckpt, trainer.coll, step, state, {"data_step": step, "config": cfg.name})
+    nonfinite = _nonfinite_leaves(trainer.mesh)
 
-    step = start
+    def save() -> int:
+        """Save `state` labelled with its own step counter (returned)."""
+        held = state_step(state)
+        bad = nonfinite(state)
+        if bad:
+            raise FloatingPointError(
+                f"train state at step {held} holds NaN or inf in {len(bad)} arrays ({bad[:3]}): "
+                f"not saved; the checkpoints kept ({ckpt.all_steps()}) hold finite states")
+        save_train_state(ckpt, trainer.coll, held, state,
+                         {"data_step": held, "config": cfg.name, "run": run_fields(cfg)})
+        return held
+
+    step, finished = start, False
     try:
+        if stop.agreed(True):
+            raise Interrupted(stop.signum, None, f"stopped by {stop.name()} before the first "
+                              f"step: nothing new to save (checkpoint step {start or 'none'})")
         for (step, batch, infos, tokens), nxt in _with_next(feeder.batches(start, end)):
             state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
             pending.append(m)
@@ -253,14 +397,20 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                 counters["seq_truncated_to_cap"] += i.seq_truncated_to_cap
                 counters["seq_truncated_to_capacity"] += i.seq_truncated_to_capacity
             done = step + 1
-            if done % t.log_every == 0 or done == end:
+            pause_for_test("step", done, stop, log)
+            at_log = done % t.log_every == 0 or done == end
+            stopping = stop.agreed(at_log)   # a stop logs the open window and saves this step
+            if at_log or stopping:
                 ms = jax.device_get(pending)   # the only host sync: once per log interval
                 meter.update(len(ms) * cfg.data.batch_size, window_tokens)
                 pending, window_tokens = [], 0
                 loss = float(np.mean([x["loss"] for x in ms]))
-                if not np.isfinite(loss):
+                grad_norm = float(np.max([x["grad_norm"] for x in ms]))
+                if not (np.isfinite(loss) and np.isfinite(grad_norm)):
                     raise FloatingPointError(
-                        f"loss is {loss} at step {done}; newest checkpoint: step {ckpt.latest_step()}")
+                        f"loss is {loss} (largest grad norm {grad_norm}) at step {done}: stopped, "
+                        f"nothing of it saved; the checkpoints kept ({ckpt.all_steps()}) hold "
+                        f"finite states")
                 for c in ("ids_out_of_range", "ids_overflow"):
                     counters[c] += int(sum(x[c] for x in ms))
                 row = {"step": done, "kind": "train", "loss": loss, "ne": _window_ne(ms),
@@ -274,6 +424,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                                   meter.eta((t.steps - done) / max(len(ms), 1)),
                                   tokens_per_sec=meter.tokens_per_sec))
             if done % t.eval_every == 0 or done == end:
+                pause_for_test("eval", done, stop, log)
                 with meter.paused():
                     res = evaluator(state)
                 last_eval = {"ne": res["ne"], "auc": res["auc"], "calibration": res["calibration"]}
@@ -281,22 +432,36 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
                        "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec})
                 log(f"[eval] step {done}: NE {res['ne']:.4f} (Bayes {evaluator.bayes['ne']:.4f}) "
                     f"AUC {res['auc']:.4f} calibration {res['calibration']:.3f}")
-            if done % t.checkpoint_every == 0 or done == end:
+            saved = done % t.checkpoint_every == 0 or done == end or stopping
+            if saved:
                 with meter.paused():
-                    save(done)
+                    save()
+                pause_for_test("save", done, stop, log)
             step = done
             profile.step_done(done, state)
-    except KeyboardInterrupt:
+            if not stopping and not pending and stop.agreed(True):   # a signal during log/eval/save
+                stopping = True
+                if not saved:
+                    save()
+            if stopping:
+                ckpt.wait()
+                raise Interrupted(stop.signum, done, f"stopped by {stop.name()} after step {done}: "
+                                  f"checkpoint step {done} saved in {ckpt.directory}; rerun the "
+                                  f"same command to resume")
+        finished = True
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:        # a second signal: stop at once
         try:
-            save(step)
+            held = save()
             ckpt.wait()
-            log(f"[gemjax] interrupted: saved step {step}")
+            log(f"[gemjax] interrupted: saved step {held}")
         except Exception as e:  # interrupted inside the step: its donated input is gone
             log(f"[gemjax] interrupted mid-step, nothing new saved ({e.__class__.__name__}); "
                 f"newest checkpoint: step {ckpt.latest_step()}")
         raise
-    ckpt.wait()
-    ckpt.close()
+    finally:
+        _close(ckpt, log, raise_errors=finished)   # waits for in-flight saves on every exit path
     if end < t.steps:
         return {"steps": end, "stopped_early": True}
     res = evaluator(state) if not last_eval else None
