@@ -413,3 +413,64 @@ def test_both_sources_implement_the_protocol_and_their_counters_read_alike(files
     assert merged.counters == {k: infos[0].counters[k] + infos[1].counters[k] for k in infos[0].counters}
     assert merged.seq_truncated_to_cap == sum(i.seq_truncated_to_cap for i in infos)
     assert sum([Counters(a=1), Counters(a=2, b=1)]) == {"a": 3, "b": 1}
+
+
+# ---- through the real Trainer ----------------------------------------------------------------------
+
+def test_parquet_rows_of_a_synthetic_batch_train_like_the_synthetic_batch(tmp_path):
+    """A synthetic batch written as Parquet rows (the model's feature names as columns) reads
+    back as the same Batch, which the Feeder validates and the Trainer steps on."""
+    from jax.sharding import Mesh
+
+    from gemjax.config import apply_overrides, get_config
+    from gemjax.data.feeding import Feeder
+    from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
+    from gemjax.train.step import Trainer
+
+    cfg = apply_overrides(get_config("tiny"), "data.batch_size=32")
+    ref, _ = SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)
+    b = ref.batch_size
+    table = {c: ref.sparse[c] for c in SPARSE_FEATURES}
+    table.update({f"dense_{k}": ref.dense[:, k] for k in range(ref.dense.shape[1])})
+    for s in SEQUENCES:
+        off = ref.sequences[s].offsets
+        for f in SEQUENCE_FIELDS:
+            v = ref.sequences[s].values[f]
+            table[f"{s}_{f}"] = pa.array([v[off[i]:off[i + 1]].tolist() for i in range(b)],
+                                         pa.list_(pa.int32()))
+    for k in range(ref.labels.shape[1]):
+        table[f"label_{k}"] = pa.array([float(ref.labels[i, k]) if ref.label_mask[i, k] else None
+                                        for i in range(b)], pa.float32())
+    table["surface"] = ref.surface
+    half = b // 2                                             # two files, two row groups each
+    for i, rows in enumerate((slice(0, half), slice(half, b))):
+        pq.write_table(pa.table({k: v[rows] for k, v in table.items()}), tmp_path / f"{i}.parquet",
+                       row_group_size=half // 2)
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    trainer = Trainer.create(cfg, mesh)
+    vocab = {f: spec.vocab for spec in trainer.coll.specs.values() for f in spec.features}
+    cols = ParquetColumns(
+        sparse=SPARSE_FEATURES, dense=tuple(f"dense_{k}" for k in range(ref.dense.shape[1])),
+        sequences=tuple(SequenceColumns(s, tuple((f, f"{s}_{f}") for f in SEQUENCE_FIELDS),
+                                        cap=cfg.data.seq_cap) for s in SEQUENCES),
+        labels=tuple(f"label_{k}" for k in range(ref.labels.shape[1])), surface="surface",
+        vocab=tuple((c, vocab[c]) for c in SPARSE_FEATURES)
+        + tuple((f"{s}_{f}", vocab[f"{s}.{f}"]) for s in SEQUENCES for f in SEQUENCE_FIELDS)
+        + (("surface", cfg.data.num_surfaces),))
+    src = ParquetSource(str(tmp_path), cols, batch_size=b, order="time",
+                        capacity_tokens={s: cfg.data.sequence_capacity for s in SEQUENCES})
+    got, info = src.shard_batch(0, 0, 1)
+    want = ref.replace(labels=ref.labels * ref.label_mask)   # unobserved labels read as 0
+    for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert u.dtype == v.dtype and u.tobytes() == v.tobytes(), jax.tree_util.keystr(path)
+    assert info.counters == dict.fromkeys(info.counters, 0)
+
+    step = trainer.make_train_step()
+    losses = []
+    for make in (src.shard_batch, lambda *a: (want, None)):
+        feeder = Feeder(make, mesh, check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields)
+        (_, batch, _, _), = feeder.batches(0, 1)
+        _, m = step(trainer.init_state(0), batch)
+        losses.append(float(m["loss"]))
+    assert np.isfinite(losses[0]) and losses[0] == losses[1]
