@@ -181,7 +181,8 @@ def test_capacity_is_static_and_bounded(files):
     events = sum(len(r["click_item"] or [1]) for r in rows)  # null/empty counted as one
     assert src.mean_tokens("clicks") == pytest.approx(events / len(rows))
     # 1.3 * b * min(mean, cap), as a multiple of 128; never above b * cap
-    assert src.sequence_capacity(1)["clicks"] == max(128, math.ceil(1.3 * 16 * min(events / 110, CAP) / 128) * 128)
+    want = max(128, math.ceil(1.3 * 16 * min(events / 110, CAP) / 128) * 128)
+    assert src.sequence_capacity(1)["clicks"] == want
     big = ParquetSource(files, COLS, batch_size=64, capacity_slack=100.0)
     assert big.sequence_capacity(1) == {"clicks": 384, "views": 256}       # 64 * cap
     fixed = ParquetSource(files, COLS, batch_size=16, capacity_tokens={"clicks": 1000})
@@ -334,7 +335,8 @@ def test_id_beyond_its_table_strict_clamp_hash(tmp_path):
     u[6] = 17                                                 # row 2 of row group 1
     seq = [[j % 10 for j in range(i % 5)] for i in range(12)]
     seq[9] = [1, 2, -4]                                       # row 1 of row group 2, event 2
-    path = _write(tmp_path / "a.parquet", u=pa.array(u, pa.int64()), s=pa.array(seq, pa.list_(pa.int64())))
+    path = _write(tmp_path / "a.parquet", u=pa.array(u, pa.int64()),
+                  s=pa.array(seq, pa.list_(pa.int64())))
     strict = ParquetSource(path, SMALL, batch_size=12, order="time")
     with pytest.raises(ValueError, match=r"a\.parquet: row group 1: row 2 \(row 6 of the file\): "
                                          r"column 'u': id 17 is outside \[0, 10\)"):

@@ -1,9 +1,9 @@
 """Columnar Parquet source: many files -> sharded, seeded, resumable `Batch`es.
 
-    cols = ParquetColumns(sparse=("user", "item"), dense=("age",),
-                          sequences=(SequenceColumns("clicks", (("item", "click_items"),), cap=256),),
-                          labels=("click",), vocab=(("user", 10**6), ("item", 10**5), ("click_items", 10**5)),
-                          bounds=(("user", "hash"),))
+    cols = ParquetColumns(
+        sparse=("user", "item"), dense=("age",), labels=("click",),
+        sequences=(SequenceColumns("clicks", (("item", "click_items"),), cap=256),),
+        vocab=(("user", 10**6), ("item", 10**5), ("click_items", 10**5)), bounds=(("user", "hash"),))
     src = ParquetSource("logs/*.parquet", cols, batch_size=4096, seed=0)
     batch, info = src.shard_batch(step, shard, num_shards)      # gemjax.data.source protocol
 
@@ -71,15 +71,19 @@ Counters count what a batch serves (a repaired id counts each time its row is
 served), so they are a pure function of the step as well.
 
 grain (0.2.18) was measured as the index / shuffle / worker layer and is not
-used: its Parquet dataset yields one Python dict per row (a list column becomes
-one numpy array per row), so packing a batch is a per-row Python loop, its
-window shuffle works per record, and its resume state is an iterator position
-rather than a function of the step. On one ~1M-row file with a list column of
-mean length ~100 (experiments/bench_parquet.py, one CPU core):
-  this reader (shuffle, window 65,536)                 ~210k rows/s
-  grain ParquetIterDataset + WindowShuffle + packing   ~25k rows/s
-Parallelism comes from the Feeder's threads (pyarrow decoding and numpy
-gathers release the GIL); the cache makes each row group decode once per process.
+used. Its Parquet dataset yields one Python dict per row (a list column becomes
+one numpy array per row), so packing a batch is a per-row Python loop; its window
+shuffle works per record; its resume state is an iterator position, not a
+function of the step; and its worker processes would each decode the row groups
+of the steps they build and copy every batch through shared memory. On a
+1M-row file (one list<int32> column, mean length 100, row groups of 16,384 rows,
+batches of 4,096; experiments/bench_parquet.py, one epoch, cold cache, a shared
+2-core CPU host):
+  this reader, shuffle (window 65,536) / time order        ~270k rows/s (25M tokens/s)
+  grain ParquetIterDataset + WindowShuffle + packing        ~68k rows/s
+  grain MapDataset over steps -> shard_batch, mp_prefetch   ~130k (1 worker), ~85k (2)
+Parallelism comes from the Feeder's threads instead (pyarrow decoding and the
+numpy gathers release the GIL), sharing one cache of decoded row groups.
 """
 
 from __future__ import annotations
@@ -168,8 +172,8 @@ class ParquetColumns:
         for col, rows in self.vocab:
             if col not in ids:
                 raise ValueError(f"ParquetColumns.vocab: {col!r} is not an id column ({sorted(ids)})")
-            if rows < 1:
-                raise ValueError(f"ParquetColumns.vocab: {col!r} has {rows} rows")
+            if not 1 <= rows <= _INT32_LIMIT:
+                raise ValueError(f"ParquetColumns.vocab: {col!r} has {rows} rows (ids are int32)")
         for col, mode in self.bounds:
             if col not in ids:
                 raise ValueError(f"ParquetColumns.bounds: {col!r} is not an id column ({sorted(ids)})")
@@ -384,6 +388,7 @@ class ParquetSource:
         self._lock = threading.Lock()
         self.cache_bytes = cache_bytes
         self._epoch_order = functools.lru_cache(maxsize=8)(self._compute_epoch_order)
+        self._window_order = functools.lru_cache(maxsize=64)(self._compute_window_order)
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -433,6 +438,12 @@ class ParquetSource:
         np.cumsum(self.index.rows[perm], out=start[1:])
         return perm, start
 
+    def _compute_window_order(self, epoch: int, num_shards: int, shard: int, window: int,
+                              size: int) -> np.ndarray:
+        """[size] the in-memory permutation of one shuffle window of a lane."""
+        key = [self.seed, 1, epoch, num_shards, shard, window]
+        return np.random.default_rng(key).permutation(size)
+
     def rows_of(self, step: int, shard: int, num_shards: int) -> np.ndarray:
         """[b] int64 global row numbers (file order) of shard `shard` of step `step`."""
         if step < 0 or not 0 <= shard < num_shards:
@@ -454,8 +465,7 @@ class ParquetSource:
             sel = keys == key
             e, w = int(epoch[sel][0]), int(win[sel][0])
             size = min(width, lane - w * width)
-            perm = np.random.default_rng([self.seed, 1, e, num_shards, shard, w]).permutation(size)
-            lane_row[sel] = w * width + perm[j[sel]]
+            lane_row[sel] = w * width + self._window_order(e, num_shards, shard, w, size)[j[sel]]
         out = np.empty(b, np.int64)
         for e in np.unique(epoch):
             sel = epoch == e
@@ -505,10 +515,12 @@ class ParquetSource:
         (bool [n] of repaired ids) or raises naming the row (row_of: value index -> row)."""
         hi = self._vocab.get(col, _INT32_LIMIT)
         mode = self._bounds.get(col, "strict")
-        v = v.astype(np.int64, copy=False)
-        bad = (v < 0) | (v >= hi)
+        if v.dtype.kind == "u" and v.dtype.itemsize == 8:      # > int64 max wraps negative: out of range
+            v = v.view(np.int64)
+        bad = (v >= hi) if v.dtype.kind == "u" else (v < 0) | (v >= hi)
         if not bad.any():
-            return v.astype(np.int32)
+            return v.astype(np.int32, copy=False)              # int32 files: no copy
+        v = v.astype(np.int64, copy=False)
         if mode == "strict":
             i = int(np.argmax(bad))
             table = f"its table has {hi} rows" if col in self._vocab else "ids must fit int32"
@@ -655,7 +667,8 @@ class ParquetSource:
 
     # ---- batches --------------------------------------------------------------------------
 
-    def shard_batch(self, step: int, shard: int = 0, num_shards: int = 1) -> tuple[Batch, SourceInfo]:
+    def shard_batch(self, step: int, shard: int = 0,
+                    num_shards: int = 1) -> tuple[Batch, SourceInfo]:
         """(Batch of numpy arrays, SourceInfo) for shard `shard` of global step `step`."""
         cols = self.columns
         b = self.local_batch_size(num_shards)
