@@ -378,6 +378,23 @@ def test_empty_sequences_and_sequences_past_their_cap(tmp_path):
     assert info.counters["seq_truncated_to_capacity"] == 0
 
 
+def test_sequence_fields_of_unequal_length_or_with_null_events_are_named(tmp_path):
+    two = ParquetColumns(sparse=("u",), labels=("y",), sequences=(
+        SequenceColumns("s", (("item", "s"), ("gap", "g")), cap=3),))
+    seq = [[1, 2]] * 12
+    gaps = [[0.5, 0.25]] * 12
+    gaps[7] = [0.5]                                           # row 3 of row group 1
+    path = _write(tmp_path / "a.parquet", s=pa.array(seq), g=pa.array(gaps))
+    with pytest.raises(ValueError, match=r"row group 1: row 3 \(row 7 of the file\): sequence 's': "
+                                         r"column 'g' has 1 events, column 's' has 2"):
+        ParquetSource(path, two, batch_size=12, order="time").shard_batch(0)
+    seq[10] = [1, None]                                       # row 2 of row group 2, event 1
+    path = _write(tmp_path / "b.parquet", s=pa.array(seq, pa.list_(pa.int64())))
+    with pytest.raises(ValueError, match=r"row group 2: row 2 \(row 10 of the file\): event 1: "
+                                         r"column 's' holds a null value"):
+        ParquetSource(path, SMALL, batch_size=12, order="time").shard_batch(0)
+
+
 def test_nan_dense_value_errors_or_is_filled_and_counted(tmp_path):
     x = np.linspace(0, 1, 12)
     x[5] = np.nan
