@@ -35,7 +35,8 @@ from attention_workloads import (pack_arrays, parse_mosaic_knobs, time_calls,  #
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_gdpa_mosaic.json", "JSON output path")
 flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py (self / cross)")
-flags.DEFINE_integer("iters", 20, "calls per short timing round (attention_workloads.time_calls)")
+flags.DEFINE_integer("iters", 20, "calls per short timing round (attention_workloads.time_calls); "
+                     "0: one call timed alone (--interpret smoke tests, where times mean nothing)")
 flags.DEFINE_integer("heads", 4, "heads")
 flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_string("activation", "silu", "GDPA activation")
@@ -76,7 +77,12 @@ _START = time.perf_counter()
 
 
 def timeit(fn, *args):
-    """Seconds per call in a steady stream (attention_workloads.time_calls, --iters)."""
+    """Seconds per call in a steady stream (attention_workloads.time_calls, --iters), or
+    of one call alone with --iters=0."""
+    if FLAGS.iters == 0:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        return time.perf_counter() - t0
     return time_calls(fn, *args, iters=FLAGS.iters)
 
 

@@ -33,10 +33,92 @@ def test_load_and_split(tmp_path):
     np.testing.assert_array_equal(s["test"][1], [7, 3])
 
 
-def test_bad_line_names_file_and_line(tmp_path):
-    d = write_ml(tmp_path, ["1-2-3-4,5-6", "1-2-3,5-6"], ["1-2-3-4,5-6"])
-    with pytest.raises(ValueError, match="train.csv:2"):
+@pytest.mark.parametrize("bad,match", [
+    ("1-2-3,5-6", "3 '-'-separated fields in '1-2-3', expected 4"),
+    ("1-2-3-4,5", "1 '-'-separated fields in '5', expected 2 .item-genre."),      # truncated
+    ("1-2-3-4", "0 commas, expected 1"), ("1-2-3-4,5-6,7", "2 commas"),
+    ("1-x-3-4,5-6", "field gender: 'x' is not a non-negative integer"),
+    ("1-2-3-4,5-6e3", "field genre: '6e3'"), ("1-2--4,5-6", "field age: ''"),
+    ("1-2-3-4,0-6", "field item: item ids start at 1"),
+    ("1-2-3-4,5-99999999999999999999", "field genre: 99999999999999999999 does not fit")])
+def test_bad_line_names_file_line_and_field(tmp_path, bad, match):
+    d = write_ml(tmp_path, ["1-2-3-4,5-6", bad, "1-2-3-4,7-6"], ["1-2-3-4,5-6"])
+    with pytest.raises(ValueError, match=match) as e:
         load_movielens(d)
+    assert "train.csv.zip/train.csv:2:" in str(e.value)
+    d = write_ml(tmp_path, ["1-2-3-4,5-6"], ["1-2-3-4,5-6", bad])
+    with pytest.raises(ValueError, match=match) as e:
+        load_movielens(d)
+    assert f"{tmp_path / 'test.csv'}:2:" in str(e.value)
+
+
+def test_empty_files_and_a_zip_without_its_member_are_named(tmp_path):
+    d = write_ml(tmp_path, ["1-2-3-4,5-6"], ["", " "])
+    with pytest.raises(ValueError, match="test.csv holds no rows"):
+        load_movielens(d)
+    d = write_ml(tmp_path, [], ["1-2-3-4,5-6"])
+    with pytest.raises(ValueError, match="train.csv.zip/train.csv holds no rows"):
+        load_movielens(d)
+    with zipfile.ZipFile(tmp_path / "train.csv.zip", "w") as z:
+        z.writestr("__MACOSX/._train.csv", "junk")
+        z.writestr("ratings.csv", "1-2-3-4,5-6\n")
+    with pytest.raises(ValueError, match=r"train.csv.zip: expected one train.csv member .*"
+                       r"found 0 among \['__MACOSX/._train.csv', 'ratings.csv'\]"):
+        load_movielens(d)
+    (tmp_path / "train.csv.zip").write_bytes(b"1-2-3-4,5-6\n")       # not a zip
+    with pytest.raises(ValueError, match="train.csv.zip: not a readable zip archive"):
+        load_movielens(d)
+    d = write_ml(tmp_path, ["1-2-3-4,5-6"], [])
+    (tmp_path / "test.csv").write_bytes(b"1-2-3-4,5-6\n\xff-2-3-4,5-6\n")
+    with pytest.raises(ValueError, match="test.csv:2: not UTF-8"):
+        load_movielens(d)
+
+
+def test_damaged_zip_member_is_named(tmp_path):
+    """Digits changed inside a stored member: the lines still parse, the CRC does not."""
+    with zipfile.ZipFile(tmp_path / "train.csv.zip", "w", zipfile.ZIP_STORED) as z:
+        z.writestr("train.csv", "".join(f"1-2-3-4,{i + 1}-6\n" for i in range(50)))
+    (tmp_path / "test.csv").write_text("1-2-3-4,5-6\n")
+    raw = bytearray((tmp_path / "train.csv.zip").read_bytes())
+    at = raw.index(b"1-2-3-4,17-6")
+    raw[at + 8:at + 10] = b"71"
+    (tmp_path / "train.csv.zip").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="train.csv.zip/train.csv: damaged archive member"):
+        load_movielens(str(tmp_path))
+
+
+def test_users_need_one_test_row_each(tmp_path):
+    d = write_ml(tmp_path, ["1-2-3-4,5-6"], ["1-2-3-4,5-6", "2-2-3-4,7-6", "1-2-3-4,8-6"])
+    with pytest.raises(ValueError, match=r"test.csv:3: user 1 already has a test row \(line 1\)"):
+        load_movielens(d)
+    d = write_ml(tmp_path, ["1-2-3-4,5-6", "3-2-3-4,5-6"], ["1-2-3-4,5-6"])
+    with pytest.raises(ValueError, match="train.csv:2: user 3 has no row in .*test.csv"):
+        load_movielens(d)
+
+
+@pytest.mark.parametrize("big", [3_000_000_000, 10**12, 2**63 - 1])
+def test_huge_sparse_ids_give_tables_of_the_ids_present(tmp_path, big):
+    """Users, items and genres far beyond their distinct counts: the tables have one row
+    per id present and the data equal a file with the same ids renumbered densely."""
+    def lines(u_of, i_of, g_of, rows):
+        return [f"{u_of[u]}-7-8-9,{i_of[i]}-{g_of[g]}" for u, i, g in rows]
+    train = [(0, 0, 0), (1, 1, 1), (0, 2, 1), (1, 0, 0), (0, 3, 0), (1, 2, 1)]
+    test = [(1, 3, 0), (0, 1, 1)]
+    sparse = ({0: 5, 1: big}, {0: 4, 1: big - 3, 2: 9, 3: big}, {0: 3707, 1: big})
+    dense = ({0: 1, 1: 2}, {0: 1, 1: 3, 2: 2, 3: 4}, {0: 0, 1: 1})    # ranks (items from 1)
+    ml = load_movielens(write_ml(tmp_path, lines(*sparse, train), lines(*sparse, test)))
+    assert ml.num_items == 4 and len(ml.item_present) == 5 and ml.item_present[1:].all()
+    assert int(ml.item_genre.max()) + 1 == 2 and len(ml.histories) == 2
+    assert ml.user_ids.tolist() == [5, big] and ml.item_ids.tolist() == [0, 4, 9, big - 3, big]
+    assert ml.genre_ids.tolist() == [3707, big]
+    ref_dir = tmp_path / "dense"
+    ref_dir.mkdir()
+    ref = load_movielens(write_ml(ref_dir, lines(*dense, train), lines(*dense, test)))
+    assert ref.item_ids.tolist() == list(range(5)) and ref.genre_ids.tolist() == [0, 1]
+    for a, b in zip(ml.histories, ref.histories, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for f in ("test_items", "item_genre", "item_present", "user_features"):
+        np.testing.assert_array_equal(getattr(ml, f), getattr(ref, f))
 
 
 def test_ranking_metrics_against_hand_computed_ranks():
