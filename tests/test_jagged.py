@@ -106,3 +106,17 @@ def test_jagged_is_a_pytree():
     doubled = jax.tree.map(lambda x: x * 2, j)
     assert isinstance(doubled, Jagged)
     np.testing.assert_array_equal(doubled.offsets, [0, 4, 6])
+
+
+def test_fit_to_capacity_is_the_largest_common_cap_that_fits():
+    from gemjax.data.jagged import fit_to_capacity
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(0, 40, rng.integers(1, 20))
+        cap = int(rng.integers(0, lengths.sum() + 5))
+        got = fit_to_capacity(lengths, cap)
+        assert got.sum() <= cap or lengths.sum() <= cap
+        # brute force: the largest c with sum(min(L, c)) <= cap
+        best = max(c for c in range(int(lengths.max()) + 1) if np.minimum(lengths, c).sum() <= cap)
+        expect = lengths if lengths.sum() <= cap else np.minimum(lengths, best)
+        np.testing.assert_array_equal(got, expect)

@@ -82,6 +82,23 @@ def bucket_capacity(num_tokens: int, multiple: int = 128) -> int:
     return cap
 
 
+def fit_to_capacity(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Lengths [B] cut to min(length, c) with the largest common cap c whose total fits
+    `capacity` (the longest sequences lose their oldest events first); unchanged when
+    they already fit. int64 [B]."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.sum() <= capacity:
+        return lengths
+    lo, hi = 0, int(lengths.max())
+    while lo < hi:                                # binary search on the common cap
+        mid = (lo + hi + 1) // 2
+        if np.minimum(lengths, mid).sum() <= capacity:
+            lo = mid
+        else:
+            hi = mid - 1
+    return np.minimum(lengths, lo)
+
+
 def layout_from_lengths(lengths: Sequence[int] | np.ndarray, capacity: int):
     """(offsets [B+1], segment_ids [T], positions [T]) as int32 numpy arrays."""
     lengths = np.asarray(lengths, dtype=np.int64)

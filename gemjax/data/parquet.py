@@ -103,7 +103,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gemjax.data.batch import Batch
-from gemjax.data.jagged import Jagged, layout_from_lengths
+from gemjax.data.jagged import Jagged, fit_to_capacity, layout_from_lengths
 from gemjax.data.source import Counters, SourceInfo
 
 BOUNDS_MODES = ("strict", "clamp", "hash")
@@ -720,17 +720,9 @@ class ParquetSource:
             length[sel] = off[r + 1] - off[r]
         counters["seq_truncated_to_cap"] += int((length > s.cap).sum())
         keep = np.minimum(length, s.cap)
-        if keep.sum() > capacity:                      # cut the longest: largest per-sample cap that fits
-            lo, hi = 0, int(keep.max())
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if np.minimum(keep, mid).sum() <= capacity:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            cut = np.minimum(keep, lo)
-            counters["seq_truncated_to_capacity"] += int((cut < keep).sum())
-            keep = cut
+        cut = fit_to_capacity(keep, capacity)          # the longest lose their oldest events
+        counters["seq_truncated_to_capacity"] += int((cut < keep).sum())
+        keep = cut
         first = start + length - keep                  # newest events: the end of each list
         offsets, segment_ids, positions = layout_from_lengths(keep, capacity)
         dtypes = {f: parts[0][0].values[s.name][f].dtype for f, _ in s.fields}

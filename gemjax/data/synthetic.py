@@ -38,7 +38,7 @@ import numpy as np
 from gemjax.config import DataConfig
 from gemjax.data.batch import Batch
 from gemjax.data import portable_math
-from gemjax.data.jagged import Jagged, layout_from_lengths
+from gemjax.data.jagged import Jagged, fit_to_capacity, layout_from_lengths
 
 SEQUENCES = ("clicks", "views")
 SEQUENCE_FIELDS = ("item", "cat", "event")
@@ -256,14 +256,7 @@ class SyntheticStream:
             fields = (("cat", cats), ("event", events))
         else:
             # packed batch must fit `capacity`: cut the longest sequences (oldest events first)
-            lo, hi = 0, int(lengths.max())
-            while lo < hi:                                # largest per-sample cap that fits
-                mid = (lo + hi + 1) // 2
-                if np.minimum(lengths, mid).sum() <= capacity:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            cut = np.minimum(lengths, lo)
+            cut = fit_to_capacity(lengths, capacity)
             n_cut = int((cut < lengths).sum())
             pos_from_end = ends[seg] - 1 - np.arange(total)
             keep = pos_from_end < cut[seg]
