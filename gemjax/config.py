@@ -12,6 +12,8 @@ import types
 import typing
 from typing import Any
 
+from gemjax.data.features import FeatureSchema
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -137,6 +139,9 @@ class Config:
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
+    # the features the models are built for (gemjax.data.features.schema_of); None: the
+    # default source's, the synthetic stream's schema of `data`
+    features: FeatureSchema | None = None
 
 
 PRESETS: dict[str, Config] = {
@@ -262,6 +267,7 @@ def validate(cfg: Config) -> None:
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),
         *_train_checks(cfg.train),
         *_teacher_checks(m),
+        *_feature_checks(cfg),
     ]
     for ok, msg in checks:
         if not ok:
@@ -281,6 +287,15 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
              f"train.{f} must be a finite number in [0, {MAX_LR:g}], got {getattr(t, f)}")
             for f in ("dense_lr", "sparse_lr")]
     return out
+
+
+def _feature_checks(cfg: Config) -> list[tuple[bool, str]]:
+    f, d = cfg.features, cfg.data
+    if f is None:
+        return []
+    return [(f.num_surfaces == d.num_surfaces and f.num_tasks == d.num_tasks,
+             f"features has {f.num_surfaces} surfaces x {f.num_tasks} tasks, data.num_surfaces x "
+             f"data.num_tasks is {d.num_surfaces} x {d.num_tasks} (the evaluator counts those)")]
 
 
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:

@@ -6,7 +6,7 @@ same samples, on any CPU type: the values come from numpy's Generator draws and
 exactly rounded arithmetic (`portable_math` for exp / log / pow and for the dot
 products: no BLAS kernel or SIMD dispatch decides a bit). Shards are numbered globally (process_index * local_devices + d).
 
-Features of one sample:
+Features of one sample (`synthetic_schema(cfg)` is their FeatureSchema):
   sparse   user (Zipf over data.vocab_user; no direct signal), segment (a hash of
            the user), context (Zipf), item (candidate, Zipf within its category),
            item_cat (= item % num_categories)
@@ -38,11 +38,15 @@ import numpy as np
 from gemjax.config import DataConfig
 from gemjax.data.batch import Batch
 from gemjax.data import portable_math
+from gemjax.data.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 from gemjax.data.jagged import Jagged, fit_to_capacity, layout_from_lengths
 
 SEQUENCES = ("clicks", "views")
 SEQUENCE_FIELDS = ("item", "cat", "event")
 SPARSE_FEATURES = ("user", "segment", "context", "item", "item_cat")
+_FIELD_TABLES = {"item": "item", "cat": "category", "event": "event"}   # sequence field -> table
+_SPARSE_TABLES = {"user": "user", "segment": "segment", "context": "context", "item": "item",
+                  "item_cat": "category"}                                # sparse feature -> table
 _FAV_PROB = {"clicks": 0.7, "views": 0.5}
 _NUM_FAV = 3
 _STREAMS = {"train": 0, "eval": 1}
@@ -126,6 +130,26 @@ def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size,
     return np.clip(r, 0, vocab - 1, out=r)
 
 
+@functools.lru_cache(maxsize=64)
+def synthetic_schema(cfg: DataConfig) -> FeatureSchema:
+    """The stream's FeatureSchema: tables user, segment, context, item, category, event
+    (vocabularies from cfg, width model.dim, strict bounds); sparse features
+    SPARSE_FEATURES (item_cat reads table category); cfg.num_dense dense features;
+    sequences SEQUENCES, each of SEQUENCE_FIELDS (item, cat -> category, event), capped
+    at cfg.seq_cap; cfg.num_surfaces x cfg.num_tasks logits."""
+    vocab = {"user": cfg.vocab_user, "segment": cfg.vocab_segment, "context": cfg.vocab_context,
+             "item": cfg.vocab_item, "category": cfg.num_categories, "event": cfg.num_event_types}
+    fields = tuple(EventField(f, _FIELD_TABLES[f]) for f in SEQUENCE_FIELDS)
+    return FeatureSchema(
+        tables=tuple(Table(name, v) for name, v in vocab.items()),
+        sparse=tuple(SparseFeature(f, _SPARSE_TABLES[f]) for f in SPARSE_FEATURES),
+        dense=tuple(f"dense{i}" for i in range(cfg.num_dense)),
+        sequences=tuple(SequenceFeature(s, fields, cfg.seq_cap) for s in SEQUENCES),
+        surfaces=tuple(f"surface{i}" for i in range(cfg.num_surfaces)),
+        tasks=tuple(f"task{k}" for k in range(cfg.num_tasks)),
+        surface_column="surface")
+
+
 @dataclasses.dataclass
 class PlantedTeacher:
     """The known logistic model behind the labels (parameters drawn from seed)."""
@@ -182,6 +206,11 @@ class SyntheticStream:
         self.cfg, self.seed, self.stream = cfg, seed, stream
         self.teacher = PlantedTeacher(cfg, seed)
         self._user_mult = _multiplier(cfg.vocab_user)
+
+    @property
+    def schema(self) -> FeatureSchema:
+        """The features of every batch (`synthetic_schema`)."""
+        return synthetic_schema(self.cfg)
 
     def local_batch_size(self, num_shards: int) -> int:
         if self.cfg.batch_size % num_shards:

@@ -1,10 +1,14 @@
 """GEM model v0: sparse embeddings -> feature tokens -> Wukong -> per-surface, per-task heads.
 
+The features come from the config's FeatureSchema (gemjax.data.features.schema_of):
+its tables become the TableSpecs, its sparse features, dense columns, sequences and
+surfaces x tasks shape the model.
+
 Tokens per sample (each [D]):
   one per sparse feature (looked up outside the model, see gemjax.sparse),
   `dense_tokens` from a projection of the dense features,
-  per event sequence: the event tokens (sum of the item, category and event-type
-  embeddings) go through a jagged SequenceEncoder, then pool into two tokens:
+  per event sequence: the event tokens (sum of its fields' embeddings, e.g. item,
+  category and event type) go through a jagged SequenceEncoder, then pool into two tokens:
   the mean over the whole history and the mean over the `recent` newest events.
 Wukong mixes the tokens; an MLP head gives logits for every (surface, task);
 each sample keeps the row of its own surface.
@@ -22,43 +26,34 @@ from flax import nnx
 
 from gemjax.config import Config
 from gemjax.data.batch import Batch
+from gemjax.data.features import schema_of
 from gemjax.data.jagged import Jagged
-from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import SequenceEncoder, mean_pool
 from gemjax.layers.wukong import Wukong
 from gemjax.sparse import RowWiseAdagrad, TableSpec
 
-_TABLE_FEATURES = {           # table -> (plain features, sequence fields)
-    "user": (("user",), ()),
-    "segment": (("segment",), ()),
-    "context": (("context",), ()),
-    "item": (("item",), ("item",)),
-    "category": (("item_cat",), ("cat",)),
-    "event": ((), ("event",)),
-}
-
-
 def sequence_id_fields(cfg: Config) -> dict[str, tuple[str, ...]]:
     """{sequence: fields looked up in tables} (empty when sequences are off)."""
-    return {s: SEQUENCE_FIELDS for s in SEQUENCES} if cfg.model.use_sequences else {}
+    return schema_of(cfg).id_fields if cfg.model.use_sequences else {}
 
 
 def table_specs(cfg: Config) -> list[TableSpec]:
-    """One TableSpec per table. The LR baseline stores S*K weights per id."""
-    d, m = cfg.data, cfg.model
-    dim = d.num_surfaces * d.num_tasks if m.kind == "lr" else m.dim
-    vocab = {"user": d.vocab_user, "segment": d.vocab_segment, "context": d.vocab_context,
-             "item": d.vocab_item, "category": d.num_categories, "event": d.num_event_types}
+    """One TableSpec per schema table that a used feature reads, features as
+    FeatureSchema.table_features. Width: the table's dim, or model.dim; the LR baseline
+    stores S*K weights per id in every table."""
+    schema, m = schema_of(cfg), cfg.model
+    lr_dim = schema.num_surfaces * schema.num_tasks if m.kind == "lr" else None
     opt = RowWiseAdagrad(lr=cfg.train.sparse_lr)
     specs = []
-    for name, (plain, fields) in _TABLE_FEATURES.items():
-        feats = list(plain)
-        if m.use_sequences:
-            feats += [f"{s}.{f}" for s in SEQUENCES for f in fields]
-        if feats:
-            specs.append(TableSpec(name, vocab[name], dim, tuple(feats), optimizer=opt,
-                                   init_scale=0.0 if m.kind == "lr" else None))
+    for name, feats in schema.table_features(sequences=m.use_sequences).items():
+        t = schema.table(name)
+        dim = lr_dim or t.dim or m.dim
+        if lr_dim is None and dim != m.dim:
+            raise ValueError(f"table {name!r}: dim {dim}, but model.kind={m.kind!r} makes one "
+                             f"model.dim={m.dim} token of every feature; use dim None or {m.dim}")
+        specs.append(TableSpec(name, t.vocab, dim, feats, pooling=t.pooling, optimizer=opt,
+                               init_scale=0.0 if m.kind == "lr" else None, bounds=t.bounds))
     return specs
 
 
@@ -83,57 +78,58 @@ class GEMv0(nnx.Module):
     """acts {feature: [B, D] or [T, D]}, Batch -> logits [B, K] (float32)."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        d, m = cfg.data, cfg.model
+        f, m = schema_of(cfg), cfg.model
         self.cfg = cfg
         dtype = jnp.dtype(m.dtype)
-        self.dense_proj = nnx.Linear(d.num_dense, m.dense_tokens * m.dim, dtype=dtype,
+        self.dense_proj = nnx.Linear(f.num_dense, m.dense_tokens * m.dim, dtype=dtype,
                                      param_dtype=jnp.float32, rngs=rngs)
-        n_tokens = len(SPARSE_FEATURES) + m.dense_tokens
+        n_tokens = len(f.sparse) + m.dense_tokens
         self.encoders = nnx.Dict({
             s: SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
                                attention=m.attention, block=m.block, dtype=dtype, rngs=rngs)
-            for s in (SEQUENCES if m.use_sequences else ())})
+            for s in (f.sequence_names if m.use_sequences else ())})
         n_tokens += 2 * len(self.encoders)
         self.wukong = Wukong(n_tokens, m.dim, num_layers=m.wukong_layers, fmb_tokens=m.fmb_tokens,
                              lcb_tokens=m.lcb_tokens, rank=m.fm_rank, mlp_hidden=m.wukong_mlp,
                              dtype=dtype, rngs=rngs)
-        self.head = MLP(self.wukong.out_tokens * m.dim, m.head_mlp, d.num_surfaces * d.num_tasks,
+        self.head = MLP(self.wukong.out_tokens * m.dim, m.head_mlp, f.num_surfaces * f.num_tasks,
                         dtype=dtype, rngs=rngs)
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
-        d, m = self.cfg.data, self.cfg.model
+        f, m = schema_of(self.cfg), self.cfg.model
         b = batch.dense.shape[0]
-        tokens = [acts[f][:, None, :] for f in SPARSE_FEATURES]
+        tokens = [acts[n][:, None, :] for n in f.sparse_names]
         tokens.append(self.dense_proj(batch.dense).reshape(b, m.dense_tokens, m.dim))
         if m.use_sequences:
-            for s in SEQUENCES:
+            for s, fields in f.id_fields.items():
                 jag = batch.sequences[s]
-                x = sum(acts[f"{s}.{f}"] for f in SEQUENCE_FIELDS)
+                x = sum(acts[f"{s}.{n}"] for n in fields)
                 x = self.encoders[s](x, jag)
-                tokens += [mean_pool(x, jag)[:, None], recent_mean_pool(x, jag, d.recent)[:, None]]
+                tokens += [mean_pool(x, jag)[:, None],
+                           recent_mean_pool(x, jag, self.cfg.data.recent)[:, None]]
         x = jnp.concatenate([t.astype(jnp.dtype(m.dtype)) for t in tokens], axis=1)
         y = self.wukong(x)
         logits = self.head(y.reshape(b, -1)).astype(jnp.float32)
-        return _pick_surface(logits.reshape(b, d.num_surfaces, d.num_tasks), batch.surface)
+        return _pick_surface(logits.reshape(b, f.num_surfaces, f.num_tasks), batch.surface)
 
 
 class LogisticRegression(nnx.Module):
     """The baseline: acts hold S*K weights per id; logits [B, K]."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        d = cfg.data
+        f = schema_of(cfg)
         self.cfg = cfg
-        self.dense = nnx.Linear(d.num_dense, d.num_surfaces * d.num_tasks, rngs=rngs)
+        self.dense = nnx.Linear(f.num_dense, f.num_surfaces * f.num_tasks, rngs=rngs)
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
-        d = self.cfg.data
+        f = schema_of(self.cfg)
         b = batch.dense.shape[0]
-        z = self.dense(batch.dense) + sum(acts[f] for f in SPARSE_FEATURES)
+        z = self.dense(batch.dense) + sum(acts[n] for n in f.sparse_names)
         if self.cfg.model.use_sequences:
-            for s in SEQUENCES:
+            for s, fields in f.id_fields.items():
                 jag = batch.sequences[s]
-                z = z + sum(mean_pool(acts[f"{s}.{f}"], jag) for f in SEQUENCE_FIELDS)
-        return _pick_surface(z.reshape(b, d.num_surfaces, d.num_tasks), batch.surface)
+                z = z + sum(mean_pool(acts[f"{s}.{n}"], jag) for n in fields)
+        return _pick_surface(z.reshape(b, f.num_surfaces, f.num_tasks), batch.surface)
 
 
 def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:

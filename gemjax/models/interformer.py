@@ -4,6 +4,7 @@ experts interaction, GDPA summaries) -> multi-domain heads.
 Same contract as models.gem.GEMv0, so the trainer can swap it in:
     GEMTeacher(cfg, rngs=...)(acts, batch) -> logits [B, K] float32
 
+Features: the config's FeatureSchema (gemjax.data.features.schema_of).
 Tokens per sample, each [D]:
   x    one per sparse feature (acts[f] [B, D]) + `dense_tokens` from a projection
        of the dense features                                      [B, n, D]
@@ -36,7 +37,7 @@ from flax import nnx
 
 from gemjax.config import ModelConfig
 from gemjax.data.batch import Batch
-from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
+from gemjax.data.features import schema_of
 from gemjax.layers.axes import linear
 from gemjax.layers.experts import aux_loss_scale
 from gemjax.layers.heads import MultiDomainHead
@@ -64,9 +65,9 @@ def pyramid_levels(cfg) -> tuple:
 def interaction_tokens(cfg) -> tuple[int, int, int]:
     """The teacher's Interaction Arch (Wukong, or the experts) per sample:
     (input tokens n + summary tokens [X | S_sum], output tokens n, FMB tokens), with
-    n the non-sequence tokens (one per sparse feature, model.dense_tokens dense)."""
+    n the non-sequence tokens (one per sparse feature of the schema, model.dense_tokens dense)."""
     m = cfg.model
-    n = len(SPARSE_FEATURES) + m.dense_tokens
+    n = len(schema_of(cfg).sparse) + m.dense_tokens
     fmb = m.fmb_tokens if m.fmb_tokens < n else n // 2
     summary = sum(_hp(cfg, k) for k in ("cls_tokens", "pma_tokens", "recent_tokens"))
     return n + summary, n, fmb
@@ -100,17 +101,17 @@ class GEMTeacher(nnx.Module):
     """acts {feature: [B, D] or [T, D]}, Batch -> logits [B, K] (float32)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, m = cfg.data, cfg.model
+        f, m = schema_of(cfg), cfg.model
         if not m.use_sequences:
             raise ValueError("GEMTeacher needs model.use_sequences=True (use GEMv0 without)")
         self.cfg = cfg
         dtype = jnp.dtype(m.dtype)
         self.dim, self.dense_tokens, self.dtype = m.dim, m.dense_tokens, dtype
         self.lb_coef = float(_hp(cfg, "lb_coef"))
-        self.dense_proj = linear(d.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
+        self.dense_proj = linear(f.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
         _, n_tokens, fmb = interaction_tokens(cfg)
         block = int(getattr(m, "block", 64))
-        self.pyramid = ParallelPyramid(SEQUENCES, m.dim, levels=pyramid_levels(cfg),
+        self.pyramid = ParallelPyramid(f.sequence_names, m.dim, levels=pyramid_levels(cfg),
                                        num_heads=m.seq_heads, dtype=dtype, rngs=rngs)
         self.interformer = InterFormer(
             n_tokens, m.dim, num_layers=_hp(cfg, "interformer_layers"), num_heads=m.seq_heads,
@@ -122,17 +123,18 @@ class GEMTeacher(nnx.Module):
             capacity_factor=_hp(cfg, "capacity_factor"), seq_attention=m.attention,
             block=block,
             rope=_hp(cfg, "rope"), qk_norm=_hp(cfg, "qk_norm"), dtype=dtype, rngs=rngs)
-        self.head = MultiDomainHead(self.interformer.out_tokens * m.dim, num_surfaces=d.num_surfaces,
-                                    num_tasks=d.num_tasks, hidden=m.head_mlp,
+        self.head = MultiDomainHead(self.interformer.out_tokens * m.dim, num_surfaces=f.num_surfaces,
+                                    num_tasks=f.num_tasks, hidden=m.head_mlp,
                                     towers=_hp(cfg, "head_towers"), dtype=dtype, rngs=rngs)
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
         b = batch.dense.shape[0]
-        tokens = [acts[f][:, None, :] for f in SPARSE_FEATURES]
+        f = schema_of(self.cfg)
+        tokens = [acts[n][:, None, :] for n in f.sparse_names]
         tokens.append(self.dense_proj(batch.dense).reshape(b, self.dense_tokens, self.dim))
         x = jnp.concatenate([t.astype(self.dtype) for t in tokens], axis=1)
-        seqs = {s: (sum(acts[f"{s}.{f}"] for f in SEQUENCE_FIELDS).astype(self.dtype),
-                    batch.sequences[s]) for s in SEQUENCES}
+        seqs = {s: (sum(acts[f"{s}.{n}"] for n in fields).astype(self.dtype), batch.sequences[s])
+                for s, fields in f.id_fields.items()}
         seq, jag = self.pyramid(seqs)
         summary, aux = self.interformer(x, seq, jag)
         logits = self.head(summary.reshape(b, -1), batch.surface)

@@ -19,7 +19,7 @@ import numpy as np
 
 from gemjax.config import get_config
 from gemjax.data.feeding import Feeder, regroup
-from gemjax.data.synthetic import SyntheticStream
+from gemjax.data.sources import make_source
 from gemjax.parallel import multihost
 from gemjax.parallel.mesh import build_mesh
 from gemjax.train.step import Trainer, default_mesh
@@ -52,7 +52,7 @@ def train_steps(mesh_spec: str | None, steps: int = 3, *, config: str = "tiny", 
     init_tables = trainer.coll.to_logical(multihost.to_host(state["tables"]))
     if tables0 is not None:
         state["tables"] = trainer.coll.from_logical(tables0)
-    feeder = Feeder(regroup(SyntheticStream(cfg.data, seed).shard_batch, source_shards), mesh,
+    feeder = Feeder(regroup(make_source(cfg, seed=seed).shard_batch, source_shards), mesh,
                     check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields)
     step = trainer.make_train_step()
     losses, overflow, extra = [], 0, {}

@@ -87,13 +87,15 @@ def workload_for(cfg, *, dense_params: float, expert_params: float, local_batch:
     """The Workload of one device training ``cfg`` (gemjax.config.Config) at ``local_batch``.
 
     Parameter counts and FLOPs come from the caller (measured); the traffic shapes from
-    the config: one embedding row per sparse feature and per sequence token and field,
-    fp32 rows; the EP exchange per MoE layer sends the [E, C, n_in, d] dispatch buffer
-    and gets [E, C, n_out, d] back (gemjax.layers.experts), forward and backward, i.e.
+    the config and its feature schema: one embedding row per sparse feature and per
+    sequence token and field (seq_tokens_per_sample counts every sequence's tokens;
+    sequences with different field counts weigh in at their mean), fp32 rows; the EP
+    exchange per MoE layer sends the [E, C, n_in, d] dispatch buffer and gets
+    [E, C, n_out, d] back (gemjax.layers.experts), forward and backward, i.e.
     layers * (E * C / B) * (n_in + n_out) / 2 tokens per sample for the 4 all-to-alls
     `step_collectives` counts.
     """
-    from gemjax.data.synthetic import SEQUENCE_FIELDS, SPARSE_FEATURES
+    from gemjax.data.features import schema_of
     from gemjax.layers.experts import expert_capacity
     from gemjax.models.interformer import interaction_tokens
     m = cfg.model
@@ -101,7 +103,9 @@ def workload_for(cfg, *, dense_params: float, expert_params: float, local_batch:
     slots = (m.num_experts * expert_capacity(local_batch, m.num_experts, m.top_k, m.capacity_factor)
              / local_batch) if m.num_experts and expert_params else 0
     ep_tokens = m.interformer_layers * slots * (n_in + n_out) / 2
-    lookups = len(SPARSE_FEATURES) + len(SEQUENCE_FIELDS) * seq_tokens_per_sample
+    schema = schema_of(cfg)
+    fields = [len(s.fields) for s in schema.sequences]
+    lookups = len(schema.sparse) + (sum(fields) / len(fields) if fields else 0) * seq_tokens_per_sample
     return Workload(dense_params=dense_params, expert_params=expert_params, param_bytes=4, grad_bytes=4,
                     local_batch=local_batch, lookups_per_sample=int(round(lookups)), emb_dim=m.dim,
                     emb_bytes=4, id_bytes=4, expert_tokens_per_sample=int(round(ep_tokens)), d_model=m.dim,

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from gemjax.config import Config
-from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES
+from gemjax.data.features import schema_of
 from gemjax.train import mfu
 from kernels.common import default_impl
 
@@ -116,7 +116,7 @@ def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray],
                                    heads, hd, block_size))
 
     top = []
-    for s in SEQUENCES:
+    for s in schema_of(cfg).sequence_names:
         lengths = np.asarray(seq_lengths[s], np.int64)
         for li, (b, pooled, layers) in enumerate(levels):
             for j in range(layers):
@@ -187,11 +187,12 @@ def step_attention_flops(cfg: Config, batch, num_shards: int, backend: str | Non
 def teacher_inputs(model, acts: dict, batch):
     """GEMTeacher's token assembly: -> (x [B, n, D], {seq: (tokens [T, D], jagged)})."""
     b = batch.dense.shape[0]
-    tokens = [acts[f][:, None, :] for f in SPARSE_FEATURES]
+    f = schema_of(model.cfg)
+    tokens = [acts[n][:, None, :] for n in f.sparse_names]
     tokens.append(model.dense_proj(batch.dense).reshape(b, model.dense_tokens, model.dim))
     x = jnp.concatenate([t.astype(model.dtype) for t in tokens], axis=1)
-    seqs = {s: (sum(acts[f"{s}.{f}"] for f in SEQUENCE_FIELDS).astype(model.dtype), batch.sequences[s])
-            for s in SEQUENCES}
+    seqs = {s: (sum(acts[f"{s}.{n}"] for n in fields).astype(model.dtype), batch.sequences[s])
+            for s, fields in f.id_fields.items()}
     return x, seqs
 
 
@@ -308,10 +309,11 @@ def random_acts(cfg: Config, batch, key, scale: float = 0.1) -> dict:
     """Stand-in looked-up embeddings for ``batch`` (float32, like the tables)."""
     d = cfg.model.dim
     b = batch.dense.shape[0]
-    shapes = {f: (b, d) for f in SPARSE_FEATURES}
-    for s in SEQUENCES:
+    schema = schema_of(cfg)
+    shapes = {f: (b, d) for f in schema.sparse_names}
+    for s, fields in schema.id_fields.items():
         t = batch.sequences[s].capacity
-        shapes.update({f"{s}.{f}": (t, d) for f in SEQUENCE_FIELDS})
+        shapes.update({f"{s}.{f}": (t, d) for f in fields})
     keys = jax.random.split(key, len(shapes))
     return {f: scale * jax.random.normal(k, shp, jnp.float32) for k, (f, shp) in zip(keys, shapes.items())}
 
@@ -334,7 +336,7 @@ def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, 
     model = build_model(cfg, nnx.Rngs(seed))
     acts = random_acts(cfg, dev_batch, jax.random.key(seed + 1))
     blocks = teacher_blocks(model, acts, dev_batch, seed)
-    lens = {s: np.diff(np.asarray(batch.sequences[s].offsets)) for s in SEQUENCES}
+    lens = {s: np.diff(np.asarray(batch.sequences[s].offsets)) for s in schema_of(cfg).sequence_names}
     pallas = pallas_attention_flops(attention_calls(cfg, lens, backend), backend)
     analytic = model_flops.teacher_block_flops(cfg, lens)
     layers, extra = [], {}

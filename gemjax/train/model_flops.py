@@ -63,7 +63,7 @@ of the sequence buffer the block reads; every "proj" is d -> d):
     PYTHONPATH=. python -m gemjax.train.model_flops --config=h200 \\
         --override=model.kind=teacher,model.num_experts=4,model.top_k=2
 
-prints the per-block forward GFLOP and the step total for one synthetic batch.
+prints the per-block forward GFLOP and the step total for one batch of the config's source.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from gemjax.config import Config
-from gemjax.data.synthetic import SEQUENCES
+from gemjax.data.features import schema_of
 from gemjax.layers.experts import expert_capacity
 from gemjax.models.interformer import _hp, interaction_tokens, pyramid_levels
 from gemjax.train import local_mfu
@@ -113,16 +113,17 @@ def _check(cfg: Config, seq_lengths: Mapping[str, np.ndarray],
         raise ValueError(f"model_flops: model.kind must be 'teacher', got {cfg.model.kind!r}")
     if not cfg.model.use_sequences:
         raise ValueError("model_flops: the teacher needs model.use_sequences=True")
-    missing = [s for s in SEQUENCES if s not in seq_lengths]
+    seqs = schema_of(cfg).sequence_names
+    missing = [s for s in seqs if s not in seq_lengths]
     if missing:
-        raise ValueError(f"model_flops: seq_lengths lacks sequences {missing} (need {SEQUENCES})")
-    lens = {s: np.asarray(seq_lengths[s], np.int64) for s in SEQUENCES}
+        raise ValueError(f"model_flops: seq_lengths lacks sequences {missing} (need {seqs})")
+    lens = {s: np.asarray(seq_lengths[s], np.int64) for s in seqs}
     shapes = {v.shape for v in lens.values()}
     if len(shapes) != 1 or len(next(iter(shapes))) != 1 or any((v < 0).any() for v in lens.values()):
         raise ValueError(f"model_flops: seq_lengths must be [B] arrays of lengths >= 0 with one B, "
                          f"got shapes {sorted(map(str, shapes))}")
     if capacities is not None:
-        bad = {s: capacities.get(s) for s in SEQUENCES
+        bad = {s: capacities.get(s) for s in seqs
                if capacities.get(s) is None or capacities[s] < lens[s].sum()}
         if bad:
             raise ValueError(f"model_flops: capacities must give every sequence's packed "
@@ -155,12 +156,12 @@ def teacher_block_detail(cfg: Config, seq_lengths: Mapping[str, np.ndarray],
         matmul[block] = matmul.get(block, 0) + int(flops)
 
     # inputs: the dense projection (feature tokens and sequence field sums are lookups / adds)
-    add("inputs", dense_flops(b, cfg.data.num_dense, m.dense_tokens * d))
+    add("inputs", dense_flops(b, schema_of(cfg).num_dense, m.dense_tokens * d))
 
     # pyramid: per sequence, per level; lengths / buffer rows carried level to level
     pools: list[local_mfu.AttentionCall] = []
     top_tokens = 0
-    for s in SEQUENCES:
+    for s in lens:
         lengths = lens[s]
         cap = int(capacities[s]) if padded else 0
         for li, (blk, pooled, layers) in enumerate(pyramid_levels(cfg)):
@@ -216,7 +217,7 @@ def teacher_block_detail(cfg: Config, seq_lengths: Mapping[str, np.ndarray],
     cross("final_cross")
 
     feats = (msum + c + p + r) * d
-    s_, k_ = cfg.data.num_surfaces, cfg.data.num_tasks
+    s_, k_ = schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks
     if hp("head_towers") == "per_surface":
         add("head", s_ * mlp_flops(b, (feats, *m.head_mlp, k_)))
     else:
@@ -249,11 +250,11 @@ def batch_block_detail(cfg: Config, batch, num_shards: int = 1) -> dict[str, dic
     """{"model" | "padded": {block: BlockFlops summed over the shards}} of a host batch.
 
     batch: num_shards device shards concatenated (as the Feeder builds it; one
-    shard = a plain SyntheticStream batch); every shard's capacity is its share
+    shard = one source batch, e.g. SyntheticStream.shard_batch); every shard's capacity is its share
     of batch.sequences[s].capacity.
     """
     out: dict[str, dict[str, BlockFlops]] = {"model": {}, "padded": {}}
-    caps = {s: batch.sequences[s].capacity // num_shards for s in SEQUENCES}
+    caps = {s: batch.sequences[s].capacity // num_shards for s in schema_of(cfg).sequence_names}
     for lens in local_mfu.shard_seq_lengths(batch, num_shards):
         for kind, cap in (("model", None), ("padded", caps)):
             for k, v in teacher_block_detail(cfg, lens, cap).items():
@@ -291,13 +292,13 @@ def format_report(flops: dict[str, dict[str, BlockFlops]], samples: int) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     from gemjax.config import get_config
     from gemjax.data.feeding import concat_shards
-    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.data.sources import make_source
 
     ap = argparse.ArgumentParser(description="Analytic per-block forward FLOPs of the GEM teacher "
                                              "(model.kind=teacher is applied before --override).")
     ap.add_argument("--config", default="small", help="preset")
     ap.add_argument("--override", default="", help="section.field=value,...")
-    ap.add_argument("--step", type=int, default=0, help="synthetic batch index")
+    ap.add_argument("--step", type=int, default=0, help="batch index of the source")
     ap.add_argument("--shards", type=int, default=1, help="batch shards (devices); totals sum them")
     args = ap.parse_args(argv)
     overrides = ",".join(o for o in ("model.kind=teacher", args.override) if o)
@@ -305,8 +306,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error(f"--shards must be >= 1 and --step >= 0, got {args.shards} and {args.step}")
     try:
         cfg = get_config(args.config, overrides)
-        _check(cfg, {s: np.zeros(1, np.int64) for s in SEQUENCES}, None)
-        stream = SyntheticStream(cfg.data, 0)
+        _check(cfg, {s: np.zeros(1, np.int64) for s in schema_of(cfg).sequence_names}, None)
+        stream = make_source(cfg, seed=0)
         batch = concat_shards([stream.shard_batch(args.step, i, args.shards)[0] for i in range(args.shards)])
     except ValueError as e:
         ap.error(str(e))
@@ -314,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{cfg.name} ({overrides}): batch {args.step}, "
           f"{batch.dense.shape[0]} samples in {args.shards} shard(s), sequence tokens "
           + ", ".join(f"{s} {int(np.diff(np.asarray(batch.sequences[s].offsets)).sum())}"
-                      f"/{batch.sequences[s].capacity}" for s in SEQUENCES))
+                      f"/{batch.sequences[s].capacity}" for s in schema_of(cfg).sequence_names))
     print(format_report(flops, batch.dense.shape[0]))
 
 
