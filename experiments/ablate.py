@@ -131,8 +131,10 @@ def interformer_max_len(cfg: Config) -> int:
 
 
 def _jsonable(cfg: Config) -> dict:
+    """What train() writes to config.json for cfg (the schema made explicit)."""
     import dataclasses
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    from gemjax.data.features import with_schema
+    return json.loads(json.dumps(dataclasses.asdict(with_schema(cfg))))
 
 
 def finished(cfg: Config, workdir: str) -> dict | None:

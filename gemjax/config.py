@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any
 
-from gemjax.data.features import FeatureSchema
+from gemjax.data.features import FeatureSchema, schema_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,13 +363,18 @@ def config_from_dict(d: dict) -> Config:
 
     Fields missing from `d` take their defaults; an unknown section or field, or a
     value of the wrong type, is a ValueError naming it. The result is validated.
+    A "features" schema equal to the default source's for `data` (what train() records
+    for a config without one) comes back as features=None, so it keeps following `data`.
     """
     unknown = set(d) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
-        raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, data, model, train")
+        raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, data, model, "
+                         f"train, features")
     kw: dict[str, Any] = {}
     if "name" in d:
         kw["name"] = _from_json(d["name"], str, "name")
+    if d.get("features") is not None:
+        kw["features"] = FeatureSchema.from_dict(d["features"])
     for section in ("data", "model", "train"):
         if section not in d:
             continue
@@ -382,5 +387,7 @@ def config_from_dict(d: dict) -> Config:
                              f"known: {', '.join(sorted(fields))}")
         kw[section] = cls(**{k: _from_json(v, hints[k], f"{section}.{k}") for k, v in d[section].items()})
     cfg = Config(**kw)
+    if cfg.features is not None and cfg.features == schema_of(dataclasses.replace(cfg, features=None)):
+        cfg = dataclasses.replace(cfg, features=None)
     validate(cfg)
     return cfg

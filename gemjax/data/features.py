@@ -352,3 +352,10 @@ def schema_of(cfg) -> FeatureSchema:
         return features
     from gemjax.data.synthetic import synthetic_schema     # the default source
     return synthetic_schema(cfg.data)
+
+
+def with_schema(cfg):
+    """cfg with its schema made explicit (features = schema_of(cfg)): what a run's
+    config.json records (gemjax.config.config_from_dict reads the default source's
+    schema back as features=None)."""
+    return dataclasses.replace(cfg, features=schema_of(cfg))

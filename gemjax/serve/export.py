@@ -151,13 +151,13 @@ def export_model(workdir: str, out: str | None = None, step: int | None = None, 
     """
     if jax.process_count() > 1:
         raise ValueError("export_model runs in one process (it gathers every table to the host)")
-    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.data.sources import make_source
     from gemjax.serve.inference import load_for_inference
 
     pred = load_for_inference(workdir, step, mesh, trainer_kw=trainer_kw)
     cfg, coll = pred.cfg, pred.trainer.coll
     if batch is None:
-        batch, _ = SyntheticStream(cfg.data, cfg.train.seed, "eval").shard_batch(0, 0, 1)
+        batch, _ = make_source(cfg, "eval").shard_batch(0, 0, 1)
     batch = jax.tree.map(np.asarray, batch)
     params = jax.tree.map(np.asarray, jax.device_get(pred.state["params"]))
     logical = coll.logical_arrays(pred.state["tables"])

@@ -21,7 +21,10 @@ Resume compatibility: a checkpoint's meta["run"] (`run_fields`) holds the config
 fields a resumed run must share with it (every data field but eval_batches and
 host_workers, and train.seed): with any of them changed the stream, the tables'
 vocabularies or the batch differ, and the resumed run would silently be another
-run. Fewer train.steps than the checkpoint's step is refused too (extending a
+run. So is a checkpoint whose meta["features"] (the feature schema it was trained
+on) differs from the run's in what the state means (gemjax.data.features.differences:
+tables' vocab / dim / pooling, features, sequences, surfaces, tasks). Fewer
+train.steps than the checkpoint's step is refused too (extending a
 run with more steps is how a finished run continues). Mesh shape, device count,
 learning rates and intervals may change.
 
@@ -45,6 +48,8 @@ import sys
 import threading
 import time
 from typing import Callable
+
+from gemjax.data.features import FeatureSchema, differences, schema_of
 
 LOCK_FILE = "train.lock"
 # DataConfig fields a resumed run may change (they change neither the stream nor the state)
@@ -194,6 +199,8 @@ def check_resume(meta: dict, cfg, step: int, where: str) -> None:
     for field, value in run_fields(cfg).items():
         if field in saved and saved[field] != value:
             problems.append(f"{field} is {value!r}, the checkpoint's is {saved[field]!r}")
+    if meta.get("features") is not None:        # the feature schema (gemjax.data.features)
+        problems += differences(FeatureSchema.from_dict(meta["features"]), schema_of(cfg))
     if problems:
         raise ResumeMismatch(f"cannot resume {where} at step {step}: " + "; ".join(problems)
                              + ". Rerun with the checkpoint's values, or use a new --workdir")

@@ -45,7 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gemjax.config import Config, validate
 from gemjax.data.feeding import Feeder
-from gemjax.data.synthetic import SyntheticStream
+from gemjax.data.features import schema_of, with_schema
+from gemjax.data.sources import make_source
 from gemjax.train.checkpoint import UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
@@ -244,7 +245,7 @@ class Evaluator:
     """Eval over the fixed eval stream; also knows the stream's Bayes-optimal NE."""
 
     def __init__(self, trainer: Trainer, cfg: Config):
-        self.stream = SyntheticStream(cfg.data, cfg.train.seed, "eval")
+        self.stream = make_source(cfg, "eval")
         self.feeder = Feeder(self.stream.shard_batch, trainer.mesh, prefetch=0)
         self.step_fn = trainer.make_eval_step()
         self.cfg = cfg
@@ -322,7 +323,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     started, compile_timer = time.perf_counter(), tracking.CompileTimer()
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
     trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
-    stream = SyntheticStream(cfg.data, t.seed, "train")
+    stream = make_source(cfg, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
                     id_fields=trainer.id_fields, workers=cfg.data.host_workers)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
@@ -349,7 +350,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     counters["checkpoints_damaged"] += damaged
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=1)
+            json.dump(dataclasses.asdict(with_schema(cfg)), f, indent=1)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_rows = sum(s.vocab * s.dim for s in trainer.coll.specs.values())
     log(f"[gemjax] config={cfg.name} model={cfg.model.kind} devices={trainer.num_shards} "
@@ -381,7 +382,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                 f"train state at step {held} holds NaN or inf in {len(bad)} arrays ({bad[:3]}): "
                 f"not saved; the checkpoints kept ({ckpt.all_steps()}) hold finite states")
         save_train_state(ckpt, trainer.coll, held, state,
-                         {"data_step": held, "config": cfg.name, "run": run_fields(cfg)})
+                         {"data_step": held, "config": cfg.name, "run": run_fields(cfg),
+                          "features": schema_of(cfg).to_dict()})
         return held
 
     step, finished = start, False
