@@ -130,7 +130,8 @@ def test_compatibility_messages():
 # table -> (vocab field of DataConfig, plain features, fields of every sequence)
 _LAYOUT = [("user", "vocab_user", ("user",), ()), ("segment", "vocab_segment", ("segment",), ()),
            ("context", "vocab_context", ("context",), ()), ("item", "vocab_item", ("item",), ("item",)),
-           ("category", "num_categories", ("item_cat",), ("cat",)), ("event", "num_event_types", (), ("event",))]
+           ("category", "num_categories", ("item_cat",), ("cat",)),
+           ("event", "num_event_types", (), ("event",))]
 
 
 @pytest.mark.parametrize("overrides", ["", "model.kind=lr", "model.use_sequences=false",
@@ -178,7 +179,8 @@ def test_models_follow_a_custom_schema():
         assert {n: s.features for n, s in specs.items()} == {
             "item": ("target_item", "history.item"), "action": ("history.action",), "city": ("city",),
             "tags": ("tags",)}
-        assert (specs["item"].bounds, specs["city"].bounds, specs["tags"].pooling) == ("hash", "clamp", "mean")
+        assert (specs["item"].bounds, specs["city"].bounds, specs["tags"].pooling) == \
+            ("hash", "clamp", "mean")
         model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
         width = 3 if kind == "lr" else cfg.model.dim
         acts = {f: np.asarray(rng.normal(size=(b, width)), np.float32) for f in schema.sparse_names}
@@ -203,6 +205,21 @@ def test_config_carries_the_schema_through_json():
     assert config_from_dict(json.loads(json.dumps(dataclasses.asdict(with_schema(tiny))))) == tiny
     with pytest.raises(ValueError, match="features has 3 surfaces x 1 tasks"):
         config_from_dict({"features": _custom().to_dict()})
+
+
+def test_make_source_refuses_a_schema_its_stream_does_not_have():
+    from gemjax.data.sources import make_source
+    tiny = get_config("tiny")
+    clamped = synthetic_schema(tiny.data)
+    clamped = dataclasses.replace(clamped, tables=tuple(dataclasses.replace(t, bounds="clamp")
+                                                        for t in clamped.tables))
+    src = make_source(dataclasses.replace(tiny, features=clamped), "eval", seed=3)
+    assert (src.stream, src.seed) == ("eval", 3)
+    wrong = dataclasses.replace(tiny, features=dataclasses.replace(clamped, dense=("a",)))
+    with pytest.raises(ValueError, match=r"does not describe the synthetic stream of config.data: "
+                                         r"dense features: \(dense0, dense1, dense2, dense3\) in the "
+                                         r"stream, \(a\) in config.features"):
+        make_source(wrong)
 
 
 # ---------------------------------------------------------------------------- import graph
@@ -249,7 +266,7 @@ def test_import_graph_keeps_models_off_the_synthetic_stream():
                                     "gemjax/models/z.py:1 imports gemjax.data.sources.make_source"]
 
 
-# ---------------------------------------------------------------------------- train(): config.json, checkpoints
+# ---------------------------------------------------------------------- train(): config.json, checkpoints
 
 def test_train_records_the_schema_and_refuses_another(tmp_path):
     from gemjax.train.checkpoint import Checkpointer
