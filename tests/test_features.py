@@ -208,7 +208,7 @@ def test_config_carries_the_schema_through_json():
 
 
 def test_make_source_refuses_a_schema_its_stream_does_not_have():
-    from gemjax.data.sources import make_source
+    from gemjax.data.source import make_source
     tiny = get_config("tiny")
     clamped = synthetic_schema(tiny.data)
     clamped = dataclasses.replace(clamped, tables=tuple(dataclasses.replace(t, bounds="clamp")
@@ -224,8 +224,11 @@ def test_make_source_refuses_a_schema_its_stream_does_not_have():
 
 # ---------------------------------------------------------------------------- import graph
 
+# The models read only the schema; the trainer, parallel and serve code get their source
+# from gemjax.data.source.make_source, never from a source module itself.
 SCHEMA_ONLY = ("gemjax/models", "gemjax/train", "gemjax/parallel", "gemjax/serve")
-FORBIDDEN = {"gemjax.data.synthetic": SCHEMA_ONLY, "gemjax.data.sources": ("gemjax/models",)}
+FORBIDDEN = {"gemjax.data.synthetic": SCHEMA_ONLY, "gemjax.data.parquet": SCHEMA_ONLY,
+             "gemjax.data.source": ("gemjax/models",)}
 
 
 def _imports(source: str) -> list[tuple[int, str]]:
@@ -258,18 +261,19 @@ def test_import_graph_keeps_models_off_the_synthetic_stream():
     # the check sees through the usual spellings, inside functions too
     planted = {"gemjax/train/x.py": "def f():\n    from gemjax.data import synthetic\n",
                "gemjax/parallel/y.py": "import gemjax.data.synthetic as s\n",
-               "gemjax/models/z.py": "from gemjax.data.sources import make_source\n",
+               "gemjax/models/z.py": "from gemjax.data.source import make_source\n",
                "gemjax/data/ok.py": "from gemjax.data.synthetic import SyntheticStream\n"}
     assert _violations(planted) == ["gemjax/train/x.py:2 imports gemjax.data.synthetic",
                                     "gemjax/parallel/y.py:1 imports gemjax.data.synthetic",
-                                    "gemjax/models/z.py:1 imports gemjax.data.sources",
-                                    "gemjax/models/z.py:1 imports gemjax.data.sources.make_source"]
+                                    "gemjax/models/z.py:1 imports gemjax.data.source",
+                                    "gemjax/models/z.py:1 imports gemjax.data.source.make_source"]
 
 
 # ---------------------------------------------------------------------- train(): config.json, checkpoints
 
 def test_train_records_the_schema_and_refuses_another(tmp_path):
     from gemjax.train.checkpoint import Checkpointer
+    from gemjax.train.guards import ResumeMismatch, check_resume, run_fields
     from gemjax.train.loop import train
     # tests/test_train.py's TINY (its compiled programs are cached), stopped after one checkpoint
     cfg = apply_overrides(get_config("tiny"), "train.steps=8,train.log_every=2,train.eval_every=4,"
@@ -283,5 +287,13 @@ def test_train_records_the_schema_and_refuses_another(tmp_path):
     with Checkpointer(os.path.join(wd, "checkpoints")) as ck:
         assert ck.metadata()[1]["features"] == synthetic_schema(cfg.data).to_dict()
     bigger = apply_overrides(cfg, "data.vocab_item=440")
-    with pytest.raises(ValueError, match="table item: vocab 400 in the checkpoint, 440 now"):
+    with pytest.raises(ResumeMismatch, match="table item: vocab 400 in the checkpoint, 440 now"):
         train(bigger, wd, log=lambda s: None, mesh=mesh)
+    # the schema alone (no data field differs): a checkpoint of another schema is refused
+    meta = {"run": run_fields(cfg), "features": _custom().to_dict()}
+    with pytest.raises(ResumeMismatch, match=r"cannot resume wd at step 2: table action: in the checkpoint, "
+                                             r"absent now; .*; table item: vocab 50 in the checkpoint, "
+                                             r"400 now; .*; tasks: \(click\) in the checkpoint, "
+                                             r"\(task0, task1\) now"):
+        check_resume(meta, cfg, 2, "wd")
+    check_resume({**meta, "features": synthetic_schema(cfg.data).to_dict()}, cfg, 2, "wd")

@@ -26,6 +26,11 @@ are counters (`synthetic.ShardInfo`). `SourceInfo` also exposes the two counters
 the train loop reads by attribute (`seq_truncated_to_cap`,
 `seq_truncated_to_capacity`), and `feeding.merge_infos` merges it (counters
 summed key by key, `rows` concatenated).
+
+`make_source(cfg, stream)` is the one place a run's source is chosen (the trainer,
+the evaluator, the equivalence runs and the export take theirs from it): the
+synthetic planted-teacher stream, whose `schema` (gemjax.data.features) must be
+the config's.
 """
 
 from __future__ import annotations
@@ -120,3 +125,18 @@ def sum_counters(infos: Iterable[Any]) -> dict[str, int]:
         for k, v in fallback_counters(info).items():
             total[k] = total.get(k, 0) + v
     return total
+
+
+def make_source(cfg, stream: str = "train", *, seed: int | None = None):
+    """The source of `stream` ("train" | "eval") for a gemjax.config.Config; seed None:
+    cfg.train.seed. cfg.features, when set, must describe the source (ValueError naming
+    each difference, gemjax.data.features.differences)."""
+    from gemjax.data.features import differences
+    from gemjax.data.synthetic import SyntheticStream
+    source = SyntheticStream(cfg.data, cfg.train.seed if seed is None else seed, stream)
+    if cfg.features is not None:
+        diffs = differences(source.schema, cfg.features, old="in the stream", new="in config.features")
+        if diffs:
+            raise ValueError("config.features does not describe the synthetic stream of config.data: "
+                             + "; ".join(diffs))
+    return source

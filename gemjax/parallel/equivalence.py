@@ -19,7 +19,7 @@ import numpy as np
 
 from gemjax.config import get_config
 from gemjax.data.feeding import Feeder, regroup
-from gemjax.data.sources import make_source
+from gemjax.data.source import make_source
 from gemjax.parallel import multihost
 from gemjax.parallel.mesh import build_mesh
 from gemjax.train.step import Trainer, default_mesh

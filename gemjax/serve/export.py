@@ -151,7 +151,7 @@ def export_model(workdir: str, out: str | None = None, step: int | None = None, 
     """
     if jax.process_count() > 1:
         raise ValueError("export_model runs in one process (it gathers every table to the host)")
-    from gemjax.data.sources import make_source
+    from gemjax.data.source import make_source
     from gemjax.serve.inference import load_for_inference
 
     pred = load_for_inference(workdir, step, mesh, trainer_kw=trainer_kw)

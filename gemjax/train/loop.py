@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gemjax.config import Config, validate
 from gemjax.data.feeding import Feeder
 from gemjax.data.features import schema_of, with_schema
-from gemjax.data.sources import make_source
+from gemjax.data.source import make_source
 from gemjax.train.checkpoint import UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)

@@ -292,7 +292,7 @@ def format_report(flops: dict[str, dict[str, BlockFlops]], samples: int) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     from gemjax.config import get_config
     from gemjax.data.feeding import concat_shards
-    from gemjax.data.sources import make_source
+    from gemjax.data.source import make_source
 
     ap = argparse.ArgumentParser(description="Analytic per-block forward FLOPs of the GEM teacher "
                                              "(model.kind=teacher is applied before --override).")
