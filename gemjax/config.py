@@ -17,9 +17,26 @@ from gemjax.data.features import FeatureSchema, schema_of
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Synthetic planted-teacher stream (gemjax.data.synthetic)."""
+    """The data source (gemjax.data.source.make_source) and its settings.
+
+    source "synthetic": the planted-teacher stream (gemjax.data.synthetic), shaped by
+    the fields below from num_surfaces on. source "parquet": the user's files
+    (gemjax.data.parquet), laid out by Config.features (required); train_path and
+    eval_path are each a file, a directory (its *.parquet files) or a glob; the train
+    stream reads in `order` ("shuffle": seeded row-group permutation plus an in-memory
+    window of shuffle_window rows; "time": file order), the eval stream in file order,
+    eval_batches batches (0: the whole eval data once). `nan`: a NaN / null dense value
+    is an error ("error") or 0, counted nan_filled in metrics.jsonl ("zero").
+    batch_size, capacity_slack, eval_batches, host_workers and recent apply to both.
+    """
 
     batch_size: int = 512            # global samples per step
+    source: str = "synthetic"        # "synthetic" | "parquet"
+    train_path: str = ""             # parquet: file, directory or glob of the training rows
+    eval_path: str = ""              # parquet: file, directory or glob of the eval rows
+    order: str = "shuffle"           # parquet train stream: "shuffle" | "time"
+    shuffle_window: int = 65_536     # parquet: rows of the in-memory shuffle window
+    nan: str = "error"               # parquet: NaN / null dense values: "error" | "zero"
     num_surfaces: int = 2
     num_tasks: int = 2
     vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
@@ -211,21 +228,26 @@ def _coerce(value: str, typ: Any, path: str):
     raise ValueError(f"override {path}: unsupported field type {typ}")
 
 
+def parse_overrides(text: str) -> dict[str, str]:
+    """"section.field=value,..." -> {"section.field": "value"} (later repeats win)."""
+    items = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise ValueError(f"override {part!r} must look like section.field=value")
+        k, v = part.split("=", 1)
+        items[k.strip()] = v.strip()
+    return items
+
+
 def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Config:
     """Apply "section.field=value,..." overrides (tuples as 64:64, tuples of tuples as
     32:4:1/32:none:1, optional fields as none). Unknown fields are errors."""
     if not overrides:
         return cfg
     if isinstance(overrides, str):
-        items = {}
-        for part in overrides.split(","):
-            if not part.strip():
-                continue
-            if "=" not in part:
-                raise ValueError(f"override {part!r} must look like section.field=value")
-            k, v = part.split("=", 1)
-            items[k.strip()] = v.strip()
-        overrides = items
+        overrides = parse_overrides(overrides)
     for path, value in overrides.items():
         section, _, field = path.partition(".")
         if section not in ("data", "model", "train") or not field:
@@ -246,6 +268,7 @@ def validate(cfg: Config) -> None:
     apply_overrides and train)."""
     d, m = cfg.data, cfg.model
     checks = [
+        *_source_checks(d, cfg.features),
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
         (d.num_surfaces >= 1 and d.num_tasks >= 1, "data.num_surfaces and data.num_tasks must be >= 1"),
         (10 <= d.vocab_user <= 10**9, f"data.vocab_user must be in [10, 1e9], got {d.vocab_user}"),
@@ -259,7 +282,9 @@ def validate(cfg: Config) -> None:
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.block >= 1, f"model.block must be >= 1, got {m.block}"),
         (m.dim >= 1 and m.dim % max(m.seq_heads, 1) == 0, f"model.dim ({m.dim}) must be divisible by model.seq_heads ({m.seq_heads})"),
-        (d.eval_batches >= 1, f"data.eval_batches must be >= 1, got {d.eval_batches}"),
+        (d.eval_batches >= (0 if d.source == "parquet" else 1),
+         f"data.eval_batches must be >= 1 (0, the whole eval data, with data.source=parquet), "
+         f"got {d.eval_batches}"),
         (d.host_workers >= 0, f"data.host_workers must be >= 0, got {d.host_workers}"),
         (d.capacity_slack > 0, f"data.capacity_slack must be > 0, got {d.capacity_slack}"),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
@@ -289,9 +314,28 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     return out
 
 
+SOURCES = ("synthetic", "parquet")
+
+
+def _source_checks(d: DataConfig, features: FeatureSchema | None) -> list[tuple[bool, str]]:
+    out = [(d.source in SOURCES, f"data.source must be one of {', '.join(SOURCES)}, got {d.source!r}"),
+           (d.order in ("shuffle", "time"), f"data.order must be shuffle or time, got {d.order!r}"),
+           (d.shuffle_window >= 1, f"data.shuffle_window must be >= 1, got {d.shuffle_window}"),
+           (d.nan in ("error", "zero"), f"data.nan must be error or zero, got {d.nan!r}")]
+    if d.source == "parquet":
+        out += [(features is not None,
+                 "data.source=parquet needs the feature schema of the files: config.features "
+                 "(experiments/train.py --features=schema.json)"),
+                (bool(d.train_path), "data.source=parquet needs data.train_path (a file, a "
+                                     "directory or a glob of the training rows)"),
+                (bool(d.eval_path), "data.source=parquet needs data.eval_path (a file, a "
+                                    "directory or a glob of the eval rows)")]
+    return out
+
+
 def _feature_checks(cfg: Config) -> list[tuple[bool, str]]:
     f, d = cfg.features, cfg.data
-    if f is None:
+    if f is None or d.source != "synthetic":
         return []
     return [(f.num_surfaces == d.num_surfaces and f.num_tasks == d.num_tasks,
              f"features has {f.num_surfaces} surfaces x {f.num_tasks} tasks, data.num_surfaces x "
@@ -363,8 +407,9 @@ def config_from_dict(d: dict) -> Config:
 
     Fields missing from `d` take their defaults; an unknown section or field, or a
     value of the wrong type, is a ValueError naming it. The result is validated.
-    A "features" schema equal to the default source's for `data` (what train() records
-    for a config without one) comes back as features=None, so it keeps following `data`.
+    A "features" schema equal to the synthetic stream's for `data` (what train() records
+    for a synthetic config without one) comes back as features=None, so it keeps
+    following `data`.
     """
     unknown = set(d) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
@@ -387,7 +432,8 @@ def config_from_dict(d: dict) -> Config:
                              f"known: {', '.join(sorted(fields))}")
         kw[section] = cls(**{k: _from_json(v, hints[k], f"{section}.{k}") for k, v in d[section].items()})
     cfg = Config(**kw)
-    if cfg.features is not None and cfg.features == schema_of(dataclasses.replace(cfg, features=None)):
+    if (cfg.features is not None and cfg.data.source == "synthetic"
+            and cfg.features == schema_of(dataclasses.replace(cfg, features=None))):
         cfg = dataclasses.replace(cfg, features=None)
     validate(cfg)
     return cfg

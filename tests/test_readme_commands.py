@@ -37,7 +37,13 @@ REHEARSE_FLAGS = ("for i in 0 1; do .venv/bin/python -m gemjax.parallel.multihos
 AFTER_TINY = ("./run train --mode=eval --workdir=runs/tiny",
               "./run train --mode=eval --workdir=runs/tiny --checkpoint_step=30",
               ".venv/bin/python experiments/plot_metrics.py --workdirs=runs/tiny --out=runs/tiny/curves.png")
-RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", *AFTER_TINY}
+# "Train on your own data": run (after the section's Python writes its files) by
+# tests/test_own_data.py
+OWN_DATA = ("./run train --config=tiny --workdir=runs/own --steps=200 --eval_every=100 "
+            "--features=data/own/schema.json --override=data.source=parquet,"
+            "data.train_path=data/own/train.parquet,data.eval_path=data/own/eval.parquet,"
+            "data.batch_size=32,data.eval_batches=0,train.dense_lr=0.01,train.sparse_lr=0.5")
+RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", OWN_DATA, *AFTER_TINY}
 
 LONG = "small preset, minutes on CPU; the tiny command runs the same train.py path"
 SKIP = {

@@ -7,6 +7,10 @@
     src = ParquetSource("logs/*.parquet", cols, batch_size=4096, seed=0)
     batch, info = src.shard_batch(step, shard, num_shards)      # gemjax.data.source protocol
 
+`columns_from_schema(features)` gives the columns of a FeatureSchema (each column
+named after its feature; sequence fields "<sequence>_<field>"), which is how
+`gemjax.data.source.make_source` reads a config's Parquet data.
+
 One row of the files is one sample: a scalar integer column per sparse feature,
 a scalar numeric column per dense feature, label (and optional weight and
 surface) columns, and, per event sequence, one list column per field (events in
@@ -200,6 +204,43 @@ class ParquetColumns:
         return kinds
 
 
+def sequence_column(sequence: str, field: str) -> str:
+    """The list column holding field `field` of sequence `sequence`: "<sequence>_<field>"."""
+    return f"{sequence}_{field}"
+
+
+def columns_from_schema(schema) -> ParquetColumns:
+    """The columns a `gemjax.data.features.FeatureSchema` reads, named after its features:
+
+      sparse feature f            integer column f, ids in [0, its table's vocab)
+      dense feature d             numeric column d
+      sequence s, field f         list column "<s>_<f>" (sequence_column), capped at s.max_len
+      task t                      0/1 label column t (null / NaN: unobserved)
+      surface_column / weight_column   as named (surface ids in [0, len(surfaces)))
+
+    Every id column takes its table's vocab and bounds mode. ValueError for what the
+    files cannot hold: a pooled table (a bag of ids per sample)."""
+    tables = {t.name: t for t in schema.tables}
+    pooled = sorted({f.table for f in schema.sparse if tables[f.table].pooling is not None})
+    if pooled:
+        raise ValueError(f"parquet: tables {pooled} are pooled (a bag of ids per sample); the "
+                         f"Parquet source reads one id per sparse feature: set their pooling to "
+                         f"null, or use a sequence")
+    id_tables = [(f.name, f.table) for f in schema.sparse]
+    seqs = []
+    for s in schema.sequences:
+        fields = tuple((f.name, sequence_column(s.name, f.name)) for f in s.fields)
+        seqs.append(SequenceColumns(s.name, fields, cap=s.max_len))
+        id_tables += [(sequence_column(s.name, f.name), f.table) for f in s.fields]
+    vocab = [(c, tables[t].vocab) for c, t in id_tables]
+    if schema.surface_column:
+        vocab.append((schema.surface_column, schema.num_surfaces))
+    return ParquetColumns(
+        sparse=schema.sparse_names, dense=schema.dense, sequences=tuple(seqs), labels=schema.tasks,
+        weight=schema.weight_column, surface=schema.surface_column, vocab=tuple(vocab),
+        bounds=tuple((c, tables[t].bounds) for c, t in id_tables))
+
+
 def list_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """Parquet files of a directory (recursive, sorted), a glob (sorted), a file, or a list."""
     if isinstance(paths, (str, os.PathLike)):
@@ -363,6 +404,8 @@ class ParquetSource:
     capacity_tokens ({sequence: global tokens per step}): the packed capacity.
     cache_bytes: decoded row groups kept per process.
     """
+
+    counter_names = COUNTERS     # the fallback counters of every shard's SourceInfo
 
     def __init__(self, paths, columns: ParquetColumns, batch_size: int, seed: int = 0, *,
                  order: str = "shuffle", window: int = 65_536, nan: str = "error",

@@ -28,9 +28,18 @@ the train loop reads by attribute (`seq_truncated_to_cap`,
 summed key by key, `rows` concatenated).
 
 `make_source(cfg, stream)` is the one place a run's source is chosen (the trainer,
-the evaluator, the equivalence runs and the export take theirs from it): the
-synthetic planted-teacher stream, whose `schema` (gemjax.data.features) must be
-the config's.
+the evaluator, the equivalence runs and the export take theirs from it), by
+cfg.data.source:
+  "synthetic"  the planted-teacher stream, whose `schema` (gemjax.data.features)
+               must be the config's;
+  "parquet"    a `gemjax.data.parquet.ParquetSource` over the files of
+               data.train_path (order data.order) or data.eval_path (file order),
+               columns from cfg.features (`parquet.columns_from_schema`). With
+               data.eval_batches = 0 the eval stream is `OneEpoch`: every eval row
+               once, the rows past the end of the last batch masked out.
+`eval_steps(source, cfg)` is the eval stream's number of batches, and
+`counter_names(source)` the fallback counters its infos carry (the train loop
+sums them into metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -127,13 +136,79 @@ def sum_counters(infos: Iterable[Any]) -> dict[str, int]:
     return total
 
 
+class OneEpoch:
+    """Every row of a time-ordered file source once: `num_steps` = ceil(N / B) steps;
+    rows of the last step past row N (the source wraps to the start) carry
+    label_mask 0 and weight 0, so metrics count each row once."""
+
+    def __init__(self, source):
+        if getattr(source, "order", None) != "time":
+            raise ValueError("OneEpoch reads a time-ordered source (order='time')")
+        self.source = source
+        self.num_steps = -(-source.num_rows // source.batch_size)
+        self.counter_names = tuple(getattr(source, "counter_names", ()))
+
+    def local_batch_size(self, num_shards: int) -> int:
+        return self.source.local_batch_size(num_shards)
+
+    def sequence_capacity(self, num_shards: int):
+        return self.source.sequence_capacity(num_shards)
+
+    def shard_batch(self, step: int, shard: int, num_shards: int) -> tuple[Batch, Any]:
+        batch, info = self.source.shard_batch(step, shard, num_shards)
+        b = self.source.local_batch_size(num_shards)
+        past = step * self.source.batch_size + shard * b + np.arange(b) >= self.source.num_rows
+        if past.any():
+            batch = batch.replace(label_mask=np.where(past[:, None], 0, batch.label_mask).astype(np.float32),
+                                  weights=np.where(past, 0, batch.weights).astype(np.float32))
+        return batch, info
+
+
+def eval_steps(source, cfg) -> int:
+    """Batches of an eval pass over `source`: its `num_steps` (OneEpoch), else
+    cfg.data.eval_batches."""
+    return int(getattr(source, "num_steps", 0) or cfg.data.eval_batches)
+
+
+def counter_names(source) -> tuple[str, ...]:
+    """The fallback counters every shard info of `source` carries (beyond the sequence
+    truncation counters every source reports); () if it declares none."""
+    return tuple(getattr(source, "counter_names", ()))
+
+
 def make_source(cfg, stream: str = "train", *, seed: int | None = None):
-    """The source of `stream` ("train" | "eval") for a gemjax.config.Config; seed None:
-    cfg.train.seed. cfg.features, when set, must describe the source (ValueError naming
-    each difference, gemjax.data.features.differences)."""
+    """The source of `stream` ("train" | "eval") for a gemjax.config.Config (module
+    docstring); seed None: cfg.train.seed. Synthetic: cfg.features, when set, must
+    describe the stream (ValueError naming each difference,
+    gemjax.data.features.differences). Parquet: ValueError / FileNotFoundError naming
+    the path, file or column that does not fit cfg.features."""
+    if stream not in ("train", "eval"):
+        raise ValueError(f"stream must be 'train' or 'eval', got {stream!r}")
+    seed = cfg.train.seed if seed is None else seed
+    d = cfg.data
+    if d.source == "parquet":
+        from gemjax.data.parquet import ParquetSource, columns_from_schema
+        if cfg.features is None:
+            raise ValueError("data.source=parquet needs config.features, the feature schema of "
+                             "the files")
+        columns = columns_from_schema(cfg.features)
+        path, field = (d.train_path, "data.train_path") if stream == "train" else (d.eval_path,
+                                                                                   "data.eval_path")
+        if not path:
+            raise ValueError(f"data.source=parquet needs {field}")
+        try:
+            source = ParquetSource(path, columns, d.batch_size, seed,
+                                   order=d.order if stream == "train" else "time",
+                                   window=d.shuffle_window, nan=d.nan,
+                                   capacity_slack=d.capacity_slack)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"{field}={path}: {e}") from None
+        return OneEpoch(source) if stream == "eval" and d.eval_batches == 0 else source
+    if d.source != "synthetic":
+        raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")
     from gemjax.data.features import differences
     from gemjax.data.synthetic import SyntheticStream
-    source = SyntheticStream(cfg.data, cfg.train.seed if seed is None else seed, stream)
+    source = SyntheticStream(d, seed, stream)
     if cfg.features is not None:
         diffs = differences(source.schema, cfg.features, old="in the stream", new="in config.features")
         if diffs:

@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gemjax.config import Config, validate
 from gemjax.data.feeding import Feeder
 from gemjax.data.features import schema_of, with_schema
-from gemjax.data.source import make_source
+from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
 from gemjax.train.checkpoint import UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
@@ -242,24 +242,29 @@ def _resume(ckpt: Checkpointer, coll, target: dict, cfg: Config, lead: bool,
 
 
 class Evaluator:
-    """Eval over the fixed eval stream; also knows the stream's Bayes-optimal NE."""
+    """Eval over the fixed eval stream (`eval_steps` batches); `bayes` holds the
+    stream's Bayes-optimal metrics where its infos carry the true probabilities (the
+    synthetic stream), else {"ne": None, "auc": None} (a file source)."""
 
     def __init__(self, trainer: Trainer, cfg: Config):
         self.stream = make_source(cfg, "eval")
         self.feeder = Feeder(self.stream.shard_batch, trainer.mesh, prefetch=0)
         self.step_fn = trainer.make_eval_step()
         self.cfg = cfg
-        self._host = [self.feeder.host_batch(i) for i in range(cfg.data.eval_batches)]
-        bayes = EvalAccumulator(cfg.data.num_surfaces, cfg.data.num_tasks)
-        for batch, infos, _ in self._host:
-            probs = np.concatenate([i.true_probs for i in infos])
-            bayes.add(*_all_processes(probs, batch.labels, batch.label_mask, batch.surface,
-                                      batch.weights))
-        self.bayes = bayes.result()
+        self.grid = (schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks)
+        self._host = [self.feeder.host_batch(i) for i in range(eval_steps(self.stream, cfg))]
+        self.bayes = {"ne": None, "auc": None}
+        if all(hasattr(i, "true_probs") for _, infos, _ in self._host for i in infos):
+            bayes = EvalAccumulator(*self.grid)
+            for batch, infos, _ in self._host:
+                probs = np.concatenate([i.true_probs for i in infos])
+                bayes.add(*_all_processes(probs, batch.labels, batch.label_mask, batch.surface,
+                                          batch.weights))
+            self.bayes = bayes.result()
 
     def __call__(self, state) -> dict:
         """Metrics over every process's eval shards (the same figures on every process)."""
-        acc = EvalAccumulator(self.cfg.data.num_surfaces, self.cfg.data.num_tasks)
+        acc = EvalAccumulator(*self.grid)
         for batch, _, _ in self._host:
             probs = np.asarray(self.step_fn(state, self.feeder.to_device(batch)))  # this process's rows
             acc.add(*_all_processes(probs, batch.labels, batch.label_mask, batch.surface,
@@ -330,7 +335,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     state = trainer.init_state(t.seed)
     start, last_eval = 0, {}
     counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
-                "ids_overflow": 0, "checkpoints_damaged": 0}   # fallbacks, counted over the whole run
+                "ids_overflow": 0, "checkpoints_damaged": 0,   # fallbacks, counted over the whole run
+                **dict.fromkeys(counter_names(stream), 0)}     # the source's own (parquet: ids_clamped, ...)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     damaged = 0
     if ckpt.all_steps():
@@ -396,8 +402,9 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
             pending.append(m)
             window_tokens += tokens
             for i in infos:
-                counters["seq_truncated_to_cap"] += i.seq_truncated_to_cap
-                counters["seq_truncated_to_capacity"] += i.seq_truncated_to_capacity
+                for k, v in fallback_counters(i).items():
+                    if k in counters:
+                        counters[k] += v
             done = step + 1
             pause_for_test("step", done, stop, log)
             at_log = done % t.log_every == 0 or done == end
@@ -432,7 +439,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                 last_eval = {"ne": res["ne"], "auc": res["auc"], "calibration": res["calibration"]}
                 write({"step": done, "kind": "eval", "loss": res["log_loss"], **flat(res),
                        "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec})
-                log(f"[eval] step {done}: NE {res['ne']:.4f} (Bayes {evaluator.bayes['ne']:.4f}) "
+                bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.4f})"
+                log(f"[eval] step {done}: NE {res['ne']:.4f}{bayes} "
                     f"AUC {res['auc']:.4f} calibration {res['calibration']:.3f}")
             saved = done % t.checkpoint_every == 0 or done == end or stopping
             if saved:
