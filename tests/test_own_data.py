@@ -69,7 +69,7 @@ def test_readme_example_trains_the_gem_model_on_its_parquet_files(tmp_path):
     evals = [x for x in rows if x["kind"] == "eval"]
     assert summary["steps"] == 200 and summary["bayes_ne"] is None and summary["bayes_auc"] is None
     assert [x["step"] for x in evals] == [100, 200] and all(x["bayes_ne"] is None for x in evals)
-    assert evals[-1]["count"] == 2000            # every eval row once (63 batches of 32, the last part masked)
+    assert evals[-1]["count"] == 2000     # every eval row once: 63 batches of 32, the last one part masked
 
     # the README's figures: the run's, and those of the generating probabilities
     quoted = re.search(r"eval AUC ([\d.]+) and NE ([\d.]+) \(the generating\s+probabilities "
@@ -169,7 +169,8 @@ def test_parquet_config_errors_name_the_field_or_file(tmp_path):
     with pytest.raises(ValueError, match="data.source must be one of synthetic, parquet, got 'csv'"):
         apply_overrides(cfg, "data.source=csv")
     missing = apply_overrides(cfg, f"data.train_path={tmp_path}/nothing/*.parquet")
-    with pytest.raises(FileNotFoundError, match=r"data.train_path=.*nothing/\*.parquet: parquet: no files match"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"data.train_path=.*nothing/\*.parquet: parquet: no files match"):
         make_source(missing)
     renamed = dataclasses.replace(cfg, features=dataclasses.replace(SCHEMA, dense=("cost",)))
     with pytest.raises(ValueError, match=r"data.train_path=.*train.parquet: parquet: .*train.parquet: "
