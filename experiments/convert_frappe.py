@@ -31,12 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_string("data_dir", None, "frappe directory (default ../shared/datasets/frappe)")
-flags.DEFINE_string("out", None, "output directory (outside any git work tree)")
-flags.DEFINE_integer("seed", 0, "seed of the train / holdout split (experiments/frappe.py --seed)")
-flags.DEFINE_float("holdout_fraction", 0.2, "share of valid.libsvm held out for early stopping")
-flags.DEFINE_integer("row_group_rows", 8192, "rows per Parquet row group")
-
 FIELDS = ("user", "item", "daytime", "weekday", "isweekend", "homework", "cost", "weather",
           "country", "city")
 TABLE = "feature"
@@ -95,6 +89,16 @@ def convert(data_dir: str, out: str, seed: int = 0, holdout_fraction: float = 0.
     return counts
 
 
+def define_flags():
+    """The command line's flags (defined when run as a script, so that tests can import
+    this module beside other scripts defining the same names)."""
+    flags.DEFINE_string("data_dir", None, "frappe directory (default ../shared/datasets/frappe)")
+    flags.DEFINE_string("out", None, "output directory (outside any git work tree)")
+    flags.DEFINE_integer("seed", 0, "seed of the train / holdout split (experiments/frappe.py --seed)")
+    flags.DEFINE_float("holdout_fraction", 0.2, "share of valid.libsvm held out for early stopping")
+    flags.DEFINE_integer("row_group_rows", 8192, "rows per Parquet row group")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -112,4 +116,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -49,17 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_string("data_dir", None, "ml-1m directory (default ../shared/datasets/ml-1m)")
-flags.DEFINE_string("out", None, "output directory (outside any git work tree)")
-flags.DEFINE_list("tasks", ["ranking", "retrieval"], "tasks to write: ranking, retrieval")
-flags.DEFINE_integer("seed", 0, "seed of the negative sampling")
-flags.DEFINE_integer("negatives", 4, "ranking: sampled negatives per positive")
-flags.DEFINE_integer("max_history", 200, "newest events kept in each history (HSTU: 200)")
-flags.DEFINE_integer("train_positions", 0, "train targets per user: the last N train "
-                     "positions (0 = every position from the 2nd on)")
-flags.DEFINE_integer("max_users", 0, "convert only the first N users (0 = all; for quick runs)")
-flags.DEFINE_integer("row_group_rows", 65_536, "target rows per Parquet row group")
-
 TASKS = ("ranking", "retrieval")
 USER_FIELDS = ("gender", "age", "occupation")
 SPLITS = ("train", "test")
@@ -82,7 +71,8 @@ class Interactions:
 
     seq [N] int64: per user, the train items then the test item; start [U + 1]: user u's
     sequence is seq[start[u]:start[u + 1]] (L_u + 1 items). user_ids [U, 4] int32: user
-    index and the three user features as table rows; raw_user {feature: raw ids of its
+    index and the three user features as table rows; dataset_users / dataset_interactions:
+    all the files hold (before max_users); raw_user {feature: raw ids of its
     rows}. genre_of [num_items + 1] int32 genre row per item row; genres: raw genre id of
     each genre row. present: item rows that occur. seen_keys: sorted user * V + item of
     every (user, item) pair rated (V = num_items + 1).
@@ -93,6 +83,8 @@ class Interactions:
         hist = ml.histories[:users]
         lens = np.asarray([len(h) for h in hist], np.int64)
         self.num_users, self.num_item_rows = users, ml.num_items + 1
+        self.dataset_users = len(ml.histories)
+        self.dataset_interactions = sum(len(h) for h in ml.histories) + len(ml.test_items)
         self.start = np.zeros(users + 1, np.int64)
         np.cumsum(lens + 1, out=self.start[1:])
         self.seq = np.empty(int(self.start[-1]), np.int64)
@@ -238,6 +230,8 @@ def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int 
         counts = {"dataset": "ml-1m", "task": task, "data_dir": os.path.abspath(data_dir),
                   "seed": seed, "negatives": k, "max_history": max_history,
                   "train_positions": train_positions, "users": data.num_users,
+                  "dataset_users": data.dataset_users,
+                  "dataset_interactions": data.dataset_interactions,
                   "items": int(len(data.present)), "item_rows": data.num_item_rows,
                   "negative_sampling": ("uniform over the items present minus the user's rated "
                                         "items, with replacement") if k else None,
@@ -260,6 +254,21 @@ def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int 
     return result
 
 
+def define_flags():
+    """The command line's flags (defined when run as a script, so that tests can import
+    this module beside other scripts defining the same names)."""
+    flags.DEFINE_string("data_dir", None, "ml-1m directory (default ../shared/datasets/ml-1m)")
+    flags.DEFINE_string("out", None, "output directory (outside any git work tree)")
+    flags.DEFINE_list("tasks", ["ranking", "retrieval"], "tasks to write: ranking, retrieval")
+    flags.DEFINE_integer("seed", 0, "seed of the negative sampling")
+    flags.DEFINE_integer("negatives", 4, "ranking: sampled negatives per positive")
+    flags.DEFINE_integer("max_history", 200, "newest events kept in each history (HSTU: 200)")
+    flags.DEFINE_integer("train_positions", 0, "train targets per user: the last N train "
+                         "positions (0 = every position from the 2nd on)")
+    flags.DEFINE_integer("max_users", 0, "convert only the first N users (0 = all; for quick runs)")
+    flags.DEFINE_integer("row_group_rows", 65_536, "target rows per Parquet row group")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -280,4 +289,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
