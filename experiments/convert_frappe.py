@@ -94,7 +94,8 @@ def define_flags():
     this module beside other scripts defining the same names)."""
     flags.DEFINE_string("data_dir", None, "frappe directory (default ../shared/datasets/frappe)")
     flags.DEFINE_string("out", None, "output directory (outside any git work tree)")
-    flags.DEFINE_integer("seed", 0, "seed of the train / holdout split (experiments/frappe.py --seed)")
+    flags.DEFINE_integer("seed", 0, "seed of the train / holdout split "
+                         "(experiments/frappe.py --seed)")
     flags.DEFINE_float("holdout_fraction", 0.2, "share of valid.libsvm held out for early stopping")
     flags.DEFINE_integer("row_group_rows", 8192, "rows per Parquet row group")
 

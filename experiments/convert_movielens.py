@@ -57,7 +57,8 @@ SPLITS = ("train", "test")
 def movielens_schema(num_users: int, user_vocab: dict, num_item_rows: int, num_genres: int,
                      max_history: int):
     """User features, the candidate item and genre, the history sequence; task "label"."""
-    from gemjax.data.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
+    from gemjax.data.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature,
+                                      Table)
     tables = ((Table("user", num_users),) + tuple(Table(n, user_vocab[n]) for n in USER_FIELDS)
               + (Table("item", num_item_rows), Table("genre", num_genres)))
     sparse = tuple(SparseFeature(n, n) for n in ("user",) + USER_FIELDS + ("item", "genre"))

@@ -116,7 +116,8 @@ GENRE = {i: 3707 + (i * 5) % 6 for i in ITEMS}             # raw genre ids of th
 
 def write_ml(d, seed=0):
     """Histories of 1..24 train items (user 1: one item, no train target; user 5 rates
-    every item but ITEMS[0], which user 7 rates) interleaved across users; test.csv: each user's next item."""
+    every item but ITEMS[0], which user 7 rates) interleaved across users; test.csv: each
+    user's next item."""
     rng = np.random.default_rng(seed)
     seqs = {}
     for uid, n in ((3, 9), (1, 2), (7, 14), (2, 5), (5, len(ITEMS) - 1)):

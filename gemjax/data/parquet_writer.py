@@ -82,11 +82,14 @@ def check_out_dir(out: str) -> str:
 
 
 def list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
-    """list<int32> column of R rows: row r = values[offsets[r]:offsets[r + 1]].
+    """list<int32> column of R rows: row r = values[offsets[r]:offsets[r + 1]] (a
+    large_list when the values outgrow int32 offsets).
 
     offsets [R + 1] int (offsets[0] = 0, nondecreasing), values [offsets[-1]] int."""
-    return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, np.int32)),
-                                    pa.array(np.asarray(values, np.int32)))
+    values = pa.array(np.asarray(values, np.int32))
+    if int(offsets[-1]) < 2**31:
+        return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, np.int32)), values)
+    return pa.LargeListArray.from_arrays(pa.array(np.asarray(offsets, np.int64)), values)
 
 
 def write_split(path: str, chunks: Iterable[pa.Table], compression: str = "zstd") -> dict:
