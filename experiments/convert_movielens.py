@@ -1,14 +1,14 @@
 """MovieLens-1M -> Parquet ranking and retrieval datasets + schema.json for ParquetSource.
 
     python experiments/convert_movielens.py --out=/tmp/gemjax-data/ml-1m \\
-        [--tasks=ranking,retrieval] [--negatives=4] [--max_history=200] [--seed=0]
+        [--tasks=ranking,retrieval] [--negatives=4] [--max_history=200] [--seed=0] [--valid]
 
 Reads ../shared/datasets/ml-1m (or --data_dir) in place through
 gemjax.data.movielens.load_movielens (each user's train items in time order, the
 leave-last-out test item). Writes --out/ranking/ and --out/retrieval/ (outside any git
-work tree: the licence forbids redistribution), each with train.parquet, test.parquet,
-schema.json (gemjax.data.features.FeatureSchema; gemjax.data.parquet_writer.
-parquet_columns maps it to ParquetColumns) and counts.json.
+work tree: the licence forbids redistribution), each with train.parquet, test.parquet
+(and valid.parquet with --valid), schema.json (gemjax.data.features.FeatureSchema;
+gemjax.data.parquet_writer.parquet_columns maps it to ParquetColumns) and counts.json.
 
 A sample (one row) is a target position t of a user's sequence S = (train items in
 time order, then the test item):
@@ -23,19 +23,23 @@ time order, then the test item):
 Items of the history and the candidate read one table "item", genres one table
 "genre" (shared tables).
 
-ranking     train: every train position t = 1..L-1 of every user (L train items; the
-            last --train_positions of them when > 0), test: t = L (the test item, the
-            whole train history before it). Per position: the true item (label 1), then
-            --negatives sampled items (label 0), each drawn uniformly, with replacement,
-            from the items that occur in the data minus every item the user ever rated
-            (train and test): never the positive, never in the user's history.
-retrieval   the same positions, the true item only (label 1; a sampled-softmax or
-            in-batch-negatives head draws its own negatives over the item table).
+Positions (L = the user's train items):
+  train   t = 1..L-1 (the last --train_positions of them when > 0); with --valid
+          t = 1..L-2 (gemjax.data.movielens.leave_last_out's "train"; else "train_full")
+  valid   (--valid) t = L - 1, the last train item, for choosing epochs without test
+  test    t = L, the leave-last-out test item after the whole train history
+
+ranking     per position the true item (label 1), then --negatives sampled items
+            (label 0), each drawn uniformly, with replacement, from the items that
+            occur in the data minus every item the user ever rated (train and test):
+            never the positive, never in the user's history.
+retrieval   the true item only (label 1; a sampled-softmax or in-batch-negatives head
+            draws its own negatives over the item table).
 
 Rows are ordered by user, then by position (time), the positive before its negatives,
 in row groups of about --row_group_rows rows that never split a user; time-ordered
 reading (ParquetSource order="time") thus streams each user's positions in order.
-Negatives come from one numpy Generator seeded by (--seed, task split).
+Negatives come from a numpy Generator seeded by (--seed, task, split).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from absl import app, flags  # noqa: E402
 
 TASKS = ("ranking", "retrieval")
 USER_FIELDS = ("gender", "age", "occupation")
-SPLITS = ("train", "test")
+SPLITS = ("train", "test", "valid")   # the index of each seeds its negatives
 
 
 def movielens_schema(num_users: int, user_vocab: dict, num_item_rows: int, num_genres: int,
@@ -111,14 +115,19 @@ class Interactions:
     def train_lengths(self) -> np.ndarray:
         return np.diff(self.start) - 1
 
-    def positions(self, split: str, last: int = 0) -> np.ndarray:
-        """[P] int64 indices into seq of the targets of `split`, by user then time: train
-        t = max(1, L - last)..L-1 (last 0: from 1), test t = L."""
+    def positions(self, split: str, last: int = 0, valid: bool = False) -> np.ndarray:
+        """[P] int64 indices into seq of the targets of `split`, by user then time:
+        train t = max(1, E - last)..E-1 (last 0: from 1) with E = L - 1 when `valid`
+        (the last train item is the valid target) else L; valid t = L - 1 (users with
+        L >= 2); test t = L."""
         lens = self.train_lengths
         if split == "test":
             return self.start[1:] - 1
-        first = np.ones_like(lens) if last <= 0 else np.maximum(1, lens - last)
-        n = np.maximum(lens - first, 0)
+        if split == "valid":
+            return (self.start[1:] - 2)[lens >= 2]
+        end = lens - 1 if valid else lens
+        first = np.ones_like(lens) if last <= 0 else np.maximum(1, end - last)
+        n = np.maximum(end - first, 0)
         ramp = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
         return np.repeat(self.start[:-1] + first, n) + ramp
 
@@ -204,8 +213,8 @@ def _split_counts(data: Interactions, pos, cands, max_history: int) -> dict:
 
 def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int = 4,
             max_history: int = 200, train_positions: int = 0, max_users: int = 0,
-            row_group_rows: int = 65_536) -> dict:
-    """Write out/<task>/{train,test}.parquet, schema.json, counts.json; returns
+            row_group_rows: int = 65_536, valid: bool = False) -> dict:
+    """Write out/<task>/{train,test[,valid]}.parquet, schema.json, counts.json; returns
     {task: counts}."""
     from gemjax.data.movielens import load_movielens
     from gemjax.data.parquet_writer import check_out_dir, write_json, write_split
@@ -230,7 +239,8 @@ def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int 
         k = negatives if task == "ranking" else 0
         counts = {"dataset": "ml-1m", "task": task, "data_dir": os.path.abspath(data_dir),
                   "seed": seed, "negatives": k, "max_history": max_history,
-                  "train_positions": train_positions, "users": data.num_users,
+                  "train_positions": train_positions, "valid": valid,
+                  "users": data.num_users,
                   "dataset_users": data.dataset_users,
                   "dataset_interactions": data.dataset_interactions,
                   "items": int(len(data.present)), "item_rows": data.num_item_rows,
@@ -238,8 +248,10 @@ def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int 
                                         "items, with replacement") if k else None,
                   "load_seconds": load_s, "splits": {}}
         for i, split in enumerate(SPLITS):
+            if split == "valid" and not valid:
+                continue
             t1 = time.time()
-            pos = data.positions(split, train_positions)
+            pos = data.positions(split, train_positions, valid)
             rng = np.random.default_rng([seed, TASKS.index(task), i])
             neg = data.sample_negatives(data.user_of(pos), k, rng)
             cands = np.concatenate([data.seq[pos][:, None], neg], axis=1)
@@ -266,6 +278,8 @@ def define_flags():
     flags.DEFINE_integer("max_history", 200, "newest events kept in each history (HSTU: 200)")
     flags.DEFINE_integer("train_positions", 0, "train targets per user: the last N train "
                          "positions (0 = every position from the 2nd on)")
+    flags.DEFINE_bool("valid", False, "also write valid.parquet (each user's last train item) "
+                      "and leave that position out of train.parquet")
     flags.DEFINE_integer("max_users", 0, "convert only the first N users (0 = all; for quick runs)")
     flags.DEFINE_integer("row_group_rows", 65_536, "target rows per Parquet row group")
 
@@ -279,7 +293,7 @@ def main(argv):
     from gemjax.data.movielens import DEFAULT_DIR
     t0 = time.time()
     result = convert(f.data_dir or DEFAULT_DIR, f.out, tuple(f.tasks), f.seed, f.negatives,
-                     f.max_history, f.train_positions, f.max_users, f.row_group_rows)
+                     f.max_history, f.train_positions, f.max_users, f.row_group_rows, f.valid)
     for task, counts in result.items():
         for split, c in counts["splits"].items():
             print(f"{task:9s} {split:5s} {c['rows']:9d} rows  {c['users']:5d} users  history "

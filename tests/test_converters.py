@@ -134,13 +134,16 @@ def write_ml(d, seed=0):
     return seqs
 
 
-def ml_reference(seqs, split, cap):
-    """[(uid, history, target)] by uid then time: train targets t = 1..L-1 of the train
-    items, test the test item after every train item; histories keep the newest cap."""
+def ml_reference(seqs, split, cap, valid=False):
+    """[(uid, history, target)] by uid then time: train targets t = 1..L-1 of the L train
+    items (valid: 1..L-2), valid the last train item (L >= 2), test the test item after
+    every train item; histories keep the newest cap."""
     out = []
     for uid in sorted(seqs):
         s = seqs[uid]
-        ts = range(1, len(s) - 1) if split == "train" else [len(s) - 1]
+        n = len(s) - 1                                      # train items
+        ts = {"train": range(1, n - 1 if valid else n), "valid": [n - 1] if n >= 2 else [],
+              "test": [n]}[split]
         out += [(uid, s[max(0, t - cap):t], s[t]) for t in ts]
     return out
 
@@ -178,7 +181,8 @@ def test_movielens_rows_against_a_per_row_reference(ml_out, task):
     c = counts[task]
     raw = c["raw_ids"]
     assert c["users"] == 5 and c["items"] == len(ITEMS) and c["item_rows"] == 31
-    for split in cm.SPLITS:
+    assert sorted(c["splits"]) == ["test", "train"]
+    for split in ("train", "test"):
         ref = ml_reference(seqs, split, 4)
         n = len(ref) * (k + 1)
         sc = c["splits"][split]
@@ -204,6 +208,21 @@ def test_movielens_rows_against_a_per_row_reference(ml_out, task):
     with open(out / task / "schema.json") as f:
         saved = json.load(f)
     assert FeatureSchema.from_dict(saved) == want and want.to_dict() == saved
+
+
+def test_movielens_valid_split_takes_the_last_train_item(ml_out, tmp_path):
+    d, out, seqs, _ = ml_out
+    counts = cm.convert(str(d), str(tmp_path), seed=1, negatives=3, max_history=4,
+                        row_group_rows=10, valid=True)
+    for task, k in (("ranking", 3), ("retrieval", 0)):
+        raw = counts[task]["raw_ids"]
+        for split in ("train", "valid"):
+            ref = ml_reference(seqs, split, 4, valid=True)
+            rows, _ = read_rows(tmp_path / task, split, "time")
+            assert len(rows) == len(ref) * (k + 1) == counts[task]["splits"][split]["rows"]
+            check_ml_rows(rows, ref, seqs, raw, k)
+        before, _ = read_rows(out / task, "test", "time")            # test rows unchanged
+        assert read_rows(tmp_path / task, "test", "time")[0] == before
 
 
 def test_movielens_negatives_are_seeded_and_cover_the_unrated_items(ml_out, tmp_path):
