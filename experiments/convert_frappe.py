@@ -14,7 +14,7 @@ licence forbids redistribution):
       loader's table rows, and a float32 "label" column (0/1)
   schema.json   the FeatureSchema (gemjax.data.features): every field reads the one
       shared table "feature" of all ids of both files, as experiments/frappe.py's models
-      do; gemjax.data.parquet_writer.parquet_columns maps it to ParquetColumns
+      do; gemjax.data.parquet.columns_from_schema maps it to ParquetColumns
   counts.json   rows and positive share per split, table rows, the raw id of each row
 
 Rows keep load_frappe's order (train and holdout in its seeded permutation, test in

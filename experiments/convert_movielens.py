@@ -8,7 +8,7 @@ gemjax.data.movielens.load_movielens (each user's train items in time order, the
 leave-last-out test item). Writes --out/ranking/ and --out/retrieval/ (outside any git
 work tree: the licence forbids redistribution), each with train.parquet, test.parquet
 (and valid.parquet with --valid), schema.json (gemjax.data.features.FeatureSchema;
-gemjax.data.parquet_writer.parquet_columns maps it to ParquetColumns) and counts.json.
+gemjax.data.parquet.columns_from_schema maps it to ParquetColumns) and counts.json.
 
 A sample (one row) is a target position t of a user's sequence S = (train items in
 time order, then the test item):
@@ -163,7 +163,8 @@ def _table(data: Interactions, pos, cands, max_history: int):
     cands [P, C] (column 0 the true item, label 1; the others label 0)."""
     import pyarrow as pa
 
-    from gemjax.data.parquet_writer import list_array, sequence_column
+    from gemjax.data.parquet import sequence_column
+    from gemjax.data.parquet_writer import list_array
 
     p, c = cands.shape
     user = data.user_of(pos)

@@ -24,7 +24,8 @@ from gemjax.data.frappe import DEFAULT_DIR as FRAPPE_DIR
 from gemjax.data.frappe import load_frappe
 from gemjax.data.movielens import DEFAULT_DIR as ML_DIR
 from gemjax.data.parquet import ParquetSource
-from gemjax.data.parquet_writer import check_out_dir, parquet_columns
+from gemjax.data.parquet import columns_from_schema
+from gemjax.data.parquet_writer import check_out_dir
 
 cf = load("convert_frappe")
 cm = load("convert_movielens")
@@ -35,7 +36,7 @@ def read_rows(directory, split, order, batch_size=None, seed=0):
     (sample: sparse ids, label, and per sequence field the list of values)."""
     with open(os.path.join(directory, "schema.json")) as f:
         schema = FeatureSchema.from_dict(json.load(f))
-    cols = parquet_columns(schema)
+    cols = columns_from_schema(schema)
     path = os.path.join(directory, f"{split}.parquet")
     n = pq.ParquetFile(path).metadata.num_rows
     b = batch_size or n

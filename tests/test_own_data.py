@@ -156,6 +156,12 @@ def test_resume_on_a_parquet_source_equals_the_uninterrupted_run(tmp_path):
     # the repaired ids are counted: rows 0-2 hold item 40; the 256 rows served hold each
     # of them once or twice (epoch 1 serves 56 rows of another permutation)
     assert 3 <= a[-2]["ids_clamped"] <= 6
+    # eval-only on the finished run (no Bayes figure for a file source) reproduces its last eval
+    from gemjax.serve.evaluate import evaluate_checkpoint
+    lines = []
+    row = evaluate_checkpoint(str(tmp_path / "whole"), None, mesh, log=lines.append)
+    assert row["step"] == 8 and row["bayes_ne"] is None and "Bayes" not in lines[-1]
+    assert (row["ne"], row["auc"], row["count"]) == (a[-1]["ne"], a[-1]["auc"], a[-1]["count"])
 
 
 def test_parquet_config_errors_name_the_field_or_file(tmp_path):

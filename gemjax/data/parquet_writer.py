@@ -3,12 +3,12 @@
     out = check_out_dir(flags.out)                    # refuses a git work tree (licences)
     write_split(os.path.join(out, "train.parquet"), chunks)   # each pa.Table chunk: one row group
     write_json(os.path.join(out, "schema.json"), schema.to_dict())
-    cols = parquet_columns(FeatureSchema.from_dict(json.load(open(".../schema.json"))))
+    cols = columns_from_schema(FeatureSchema.from_dict(json.load(open(".../schema.json"))))
     src = ParquetSource(os.path.join(out, "train.parquet"), cols, batch_size=512)
 
-Column convention (one row = one sample), the one `parquet_columns` reads back:
+Column convention (one row = one sample), the one `parquet.columns_from_schema` reads back:
   sparse feature f          column f, integer ids in [0, table vocab)
-  sequence s, field f       column sequence_column(s, f) = "s_f", list<int32>, oldest
+  sequence s, field f       column parquet.sequence_column(s, f) = "s_f", list<int32>, oldest
                             event first
   task t                    column t, 0/1 label
   weight / surface          schema.weight_column / schema.surface_column
@@ -28,30 +28,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gemjax.data.features import FeatureSchema
-from gemjax.data.parquet import ParquetColumns, SequenceColumns
-
-
-def sequence_column(sequence: str, field: str) -> str:
-    """The list column of one sequence field: "<sequence>_<field>"."""
-    return f"{sequence}_{field}"
-
-
-def parquet_columns(schema: FeatureSchema) -> ParquetColumns:
-    """ParquetColumns of a converted dataset: the column convention above, every id
-    column bounded by its table's vocab and bounds mode."""
-    tables = {t.name: t for t in schema.tables}
-    seqs = tuple(SequenceColumns(s.name, tuple((f.name, sequence_column(s.name, f.name))
-                                               for f in s.fields), cap=s.max_len)
-                 for s in schema.sequences)
-    id_tables = [(f.name, f.table) for f in schema.sparse]
-    id_tables += [(sequence_column(s.name, f.name), f.table) for s in schema.sequences
-                  for f in s.fields]
-    return ParquetColumns(
-        sparse=schema.sparse_names, dense=schema.dense, sequences=seqs, labels=schema.tasks,
-        weight=schema.weight_column, surface=schema.surface_column,
-        vocab=tuple((c, tables[t].vocab) for c, t in id_tables),
-        bounds=tuple((c, tables[t].bounds) for c, t in id_tables))
 
 
 def _git_work_tree(path: str) -> str | None:

@@ -59,7 +59,7 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, mesh=None, *,
         with open(path + ".tmp", "w") as f:
             json.dump(row, f, indent=1)
         os.replace(path + ".tmp", path)
-        log(f"[eval] checkpoint step {run.step} of {workdir} on mesh {row['mesh']}: NE {res['ne']:.6f} "
-            f"(Bayes {evaluator.bayes['ne']:.6f}) AUC {res['auc']:.6f} calibration "
-            f"{res['calibration']:.4f} -> {path}")
+        bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.6f})"
+        log(f"[eval] checkpoint step {run.step} of {workdir} on mesh {row['mesh']}: NE {res['ne']:.6f}"
+            f"{bayes} AUC {res['auc']:.6f} calibration {res['calibration']:.4f} -> {path}")
     return row
