@@ -44,3 +44,27 @@ def rms_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.RMSNorm:
     """nnx.RMSNorm over the last axis (eps 1e-6), float32 scale named ("norm",)."""
     return nnx.RMSNorm(dim, dtype=dtype, param_dtype=jnp.float32, scale_metadata=axes("norm"),
                        rngs=rngs)
+
+
+class ConstantTokens(nnx.Module):
+    """dense [B, 0] -> [B, out]: a learned bias broadcast over the batch (zero init).
+
+    The dense projection of a schema with no dense feature: the same output (out float32
+    params named ("mlp",)) without the zero-size kernel [0, out] that a checkpoint
+    cannot hold.
+    """
+
+    def __init__(self, out_features: int, *, dtype=jnp.float32):
+        self.bias = param(jnp.zeros((out_features,)), "mlp")
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(self.bias[...].astype(self.dtype), (x.shape[0],) + self.bias.shape)
+
+
+def dense_projection(in_features: int, out_features: int, *, dtype=jnp.float32,
+                     rngs: nnx.Rngs) -> nnx.Module:
+    """[B, in] -> [B, out]: `linear` when in_features > 0, else ConstantTokens."""
+    if in_features == 0:
+        return ConstantTokens(out_features, dtype=dtype)
+    return linear(in_features, out_features, dtype=dtype, rngs=rngs)

@@ -28,6 +28,7 @@ from gemjax.config import Config
 from gemjax.data.batch import Batch
 from gemjax.data.features import schema_of
 from gemjax.data.jagged import Jagged
+from gemjax.layers.axes import ConstantTokens
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import SequenceEncoder, mean_pool
 from gemjax.layers.wukong import Wukong
@@ -81,8 +82,9 @@ class GEMv0(nnx.Module):
         f, m = schema_of(cfg), cfg.model
         self.cfg = cfg
         dtype = jnp.dtype(m.dtype)
-        self.dense_proj = nnx.Linear(f.num_dense, m.dense_tokens * m.dim, dtype=dtype,
-                                     param_dtype=jnp.float32, rngs=rngs)
+        self.dense_proj = (nnx.Linear(f.num_dense, m.dense_tokens * m.dim, dtype=dtype,
+                                      param_dtype=jnp.float32, rngs=rngs) if f.num_dense
+                           else ConstantTokens(m.dense_tokens * m.dim, dtype=dtype))
         n_tokens = len(f.sparse) + m.dense_tokens
         self.encoders = nnx.Dict({
             s: SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
@@ -119,7 +121,8 @@ class LogisticRegression(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         f = schema_of(cfg)
         self.cfg = cfg
-        self.dense = nnx.Linear(f.num_dense, f.num_surfaces * f.num_tasks, rngs=rngs)
+        k = f.num_surfaces * f.num_tasks
+        self.dense = nnx.Linear(f.num_dense, k, rngs=rngs) if f.num_dense else ConstantTokens(k)
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
         f = schema_of(self.cfg)

@@ -38,7 +38,7 @@ from flax import nnx
 from gemjax.config import ModelConfig
 from gemjax.data.batch import Batch
 from gemjax.data.features import schema_of
-from gemjax.layers.axes import linear
+from gemjax.layers.axes import dense_projection
 from gemjax.layers.experts import aux_loss_scale
 from gemjax.layers.heads import MultiDomainHead
 from gemjax.layers.interformer import InterFormer
@@ -108,7 +108,7 @@ class GEMTeacher(nnx.Module):
         dtype = jnp.dtype(m.dtype)
         self.dim, self.dense_tokens, self.dtype = m.dim, m.dense_tokens, dtype
         self.lb_coef = float(_hp(cfg, "lb_coef"))
-        self.dense_proj = linear(f.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
+        self.dense_proj = dense_projection(f.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
         _, n_tokens, fmb = interaction_tokens(cfg)
         block = int(getattr(m, "block", 64))
         self.pyramid = ParallelPyramid(f.sequence_names, m.dim, levels=pyramid_levels(cfg),
