@@ -171,6 +171,19 @@ PRESETS: dict[str, Config] = {
         train=TrainConfig(steps=20, log_every=5, eval_every=10, checkpoint_every=10, warmup_steps=5,
                           dense_lr=2e-3, sparse_lr=0.1, baselines=False)),
     "small": Config(name="small"),
+    # MovieLens-1M ranking (experiments/convert_movielens.py --tasks=ranking; README "Data"):
+    # run with --features=<out>/ranking/schema.json and data.source=parquet,
+    # data.train_path=..., data.eval_path=..., data.eval_batches=0 (every eval row once; a
+    # preset validates as it stands, without a schema, so it keeps the synthetic source). One
+    # epoch of the --train_positions=5 file (151,000 rows) is 295 steps of 512; the shuffle
+    # window holds the whole file (rows are sorted by user).
+    "movielens_rank": Config(
+        name="movielens_rank",
+        data=DataConfig(batch_size=512, shuffle_window=1 << 20, recent=8),
+        model=ModelConfig(kind="teacher", dim=32, wukong_layers=1, fmb_tokens=4, lcb_tokens=4,
+                          fm_rank=4, wukong_mlp=(64,), head_mlp=(64,)),
+        train=TrainConfig(steps=295, warmup_steps=20, log_every=50, eval_every=295,
+                          checkpoint_every=295, dense_lr=1e-2, sparse_lr=0.5, baselines=False)),
     "h200": Config(
         name="h200",
         data=DataConfig(batch_size=4096, vocab_user=10_000_000, vocab_item=1_000_000, num_categories=64,

@@ -45,6 +45,15 @@ OWN_DATA = ("./run train --config=tiny --workdir=runs/own --steps=200 --eval_eve
             "data.batch_size=32,data.eval_batches=0,train.dense_lr=0.01,train.sparse_lr=0.5")
 RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", OWN_DATA, *AFTER_TINY}
 
+# README "Data": MovieLens-1M ranking
+ML_RANK = ("python experiments/convert_movielens.py --out=/tmp/gemjax-data/ml-1m --tasks=ranking "
+           "--train_positions=5 --max_history=50",
+           "./run train --config=movielens_rank --workdir=runs/ml_rank_teacher_0 --seed=0 "
+           "--features=/tmp/gemjax-data/ml-1m/ranking/schema.json --override=data.source=parquet,"
+           "data.train_path=/tmp/gemjax-data/ml-1m/ranking/train.parquet,"
+           "data.eval_path=/tmp/gemjax-data/ml-1m/ranking/test.parquet,data.eval_batches=0,"
+           "model.kind=teacher")
+
 LONG = "small preset, minutes on CPU; the tiny command runs the same train.py path"
 SKIP = {
     "./run train": LONG,
@@ -70,6 +79,8 @@ SKIP = {
     "--coordinator=host0:12355 --num_processes=2 --process_id=1": "2 GPU hosts; the CPU rehearsal runs",
     "python experiments/ablate.py --config=small --steps=1000 --seeds=0,1,2 "
     "--override=data.batch_size=1024,model.dim=32,model.seq_heads=1": "one H200, 7 variants x 1000 steps",
+    **{cmd: "MovieLens-1M (not in CI); tests/test_movielens_trainer.py runs it on a fake MovieLens"
+       for cmd in ML_RANK},
 }
 
 
