@@ -6,7 +6,8 @@ surfaces x tasks shape the model.
 
 Tokens per sample (each [D]):
   one per sparse feature (looked up outside the model, see gemjax.sparse),
-  `dense_tokens` from a projection of the dense features,
+  `dense_tokens` from a projection of the dense features (none when the schema has
+  no dense features: `dense_token_count`),
   per event sequence: the event tokens (sum of its fields' embeddings, e.g. item,
   category and event type) go through a jagged SequenceEncoder, then pool into two tokens:
   the mean over the whole history and the mean over the `recent` newest events.
@@ -57,6 +58,12 @@ def table_specs(cfg: Config) -> list[TableSpec]:
     return specs
 
 
+def dense_token_count(cfg: Config) -> int:
+    """model.dense_tokens, or 0 when the schema has no dense features (a projection of
+    nothing would be a zero-size parameter, which Orbax refuses to checkpoint)."""
+    return cfg.model.dense_tokens if schema_of(cfg).num_dense else 0
+
+
 def recent_mean_pool(x: jax.Array, jagged: Jagged, recent: int) -> jax.Array:
     """Mean over each sample's `recent` newest tokens: x [T, d] -> [B, d] (0 if empty)."""
     b = jagged.num_samples
@@ -81,9 +88,10 @@ class GEMv0(nnx.Module):
         f, m = schema_of(cfg), cfg.model
         self.cfg = cfg
         dtype = jnp.dtype(m.dtype)
-        self.dense_proj = nnx.Linear(f.num_dense, m.dense_tokens * m.dim, dtype=dtype,
-                                     param_dtype=jnp.float32, rngs=rngs)
-        n_tokens = len(f.sparse) + m.dense_tokens
+        n_dense = dense_token_count(cfg)
+        self.dense_proj = nnx.Linear(f.num_dense, n_dense * m.dim, dtype=dtype,
+                                     param_dtype=jnp.float32, rngs=rngs) if n_dense else None
+        n_tokens = len(f.sparse) + n_dense
         self.encoders = nnx.Dict({
             s: SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
                                attention=m.attention, block=m.block, dtype=dtype, rngs=rngs)
@@ -99,7 +107,8 @@ class GEMv0(nnx.Module):
         f, m = schema_of(self.cfg), self.cfg.model
         b = batch.dense.shape[0]
         tokens = [acts[n][:, None, :] for n in f.sparse_names]
-        tokens.append(self.dense_proj(batch.dense).reshape(b, m.dense_tokens, m.dim))
+        if self.dense_proj is not None:
+            tokens.append(self.dense_proj(batch.dense).reshape(b, m.dense_tokens, m.dim))
         if m.use_sequences:
             for s, fields in f.id_fields.items():
                 jag = batch.sequences[s]
@@ -114,17 +123,22 @@ class GEMv0(nnx.Module):
 
 
 class LogisticRegression(nnx.Module):
-    """The baseline: acts hold S*K weights per id; logits [B, K]."""
+    """The baseline: acts hold S*K weights per id; logits [B, K]. Without dense
+    features the linear map of them is a bias [S*K] alone (no zero-size kernel)."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         f = schema_of(cfg)
         self.cfg = cfg
-        self.dense = nnx.Linear(f.num_dense, f.num_surfaces * f.num_tasks, rngs=rngs)
+        if f.num_dense:
+            self.dense = nnx.Linear(f.num_dense, f.num_surfaces * f.num_tasks, rngs=rngs)
+        else:
+            self.bias = nnx.Param(jnp.zeros((f.num_surfaces * f.num_tasks,), jnp.float32))
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
         f = schema_of(self.cfg)
         b = batch.dense.shape[0]
-        z = self.dense(batch.dense) + sum(acts[n] for n in f.sparse_names)
+        z = self.dense(batch.dense) if f.num_dense else self.bias[...]
+        z = z + sum(acts[n] for n in f.sparse_names)
         if self.cfg.model.use_sequences:
             for s, fields in f.id_fields.items():
                 jag = batch.sequences[s]
