@@ -8,6 +8,18 @@ patience --patience epochs, the best epoch's parameters kept) and is scored on
 test.libsvm: AUC and log loss (gemjax.train.metrics). Same seed, batches and
 optimizer (Adam) for all models.
 
+The same data through the real trainer (gemjax.train.loop.train: sharded embedding
+table with row-wise Adagrad, Parquet feed, checkpoints, resume), GEM v0 = Wukong over
+the 10 field tokens, preset "frappe" of gemjax/config.py:
+
+    python experiments/convert_frappe.py --out=/tmp/gemjax-data/frappe
+    python experiments/train.py --config=frappe --workdir=runs/frappe/gem_s0 --seed=0
+
+It trains on train.parquet for a fixed 180 steps (2 epochs, picked on holdout.parquet)
+and evaluates every row of test.parquet: test AUC 0.9444 +- 0.0014, NE 0.410 +- 0.009
+over seeds 0, 1, 2 (README "Data"). Converted elsewhere: --features=DIR/schema.json
+--override=data.train_path=DIR/train.parquet,data.eval_path=DIR/test.parquet.
+
 Models (all over one shared embedding table of the 5,382 global feature ids):
   lr      sum of per-id weights + bias
   fm      lr + pairwise factorization machine term (dim --fm_dim)
