@@ -16,7 +16,7 @@ the 10 field tokens, preset "frappe" of gemjax/config.py:
     python experiments/train.py --config=frappe --workdir=runs/frappe/gem_s0 --seed=0
 
 It trains on train.parquet for a fixed 180 steps (2 epochs, picked on holdout.parquet)
-and evaluates every row of test.parquet: test AUC 0.9444 +- 0.0014, NE 0.410 +- 0.009
+and evaluates every row of test.parquet: test AUC 0.9454 +- 0.0009, NE 0.400 +- 0.001
 over seeds 0, 1, 2 (README "Data"). Converted elsewhere: --features=DIR/schema.json
 --override=data.train_path=DIR/train.parquet,data.eval_path=DIR/test.parquet.
 
