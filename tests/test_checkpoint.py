@@ -219,6 +219,21 @@ def test_stray_partial_directories_are_ignored(tmp_path):
     assert ckpt.restore({"w": jnp.zeros(2)})[0] == 5
 
 
+def test_read_only_leaves_a_save_in_flight_alone_and_refuses_to_save(tmp_path):
+    """An eval / export process opens a training's checkpoints read-only: it restores,
+    refuses to save, and leaves the temporary directory of a save in flight alone."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(5, {"w": jnp.ones(2)})
+    inflight = tmp_path / "7.orbax-checkpoint-tmp-99"
+    os.makedirs(inflight / "state")
+    (inflight / "state" / "chunk").write_text("being written")
+    with Checkpointer(tmp_path, read_only=True) as ro:
+        assert ro.latest_step() == 5 and ro.restore({"w": jnp.zeros(2)})[0] == 5
+        with pytest.raises(ValueError, match="read-only: save refused"):
+            ro.save(6, {"w": jnp.ones(2)})
+    assert (inflight / "state" / "chunk").read_text() == "being written"
+
+
 def test_wrong_structure_or_shape_gives_clear_error(tmp_path):
     state = {"params": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}, "rng": jax.random.key(0)}
     with Checkpointer(tmp_path) as ckpt:

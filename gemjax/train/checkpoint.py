@@ -228,11 +228,15 @@ def _array_target(leaf):
 class Checkpointer:
     """Keep-N, optionally async checkpoints of a train-state pytree in `directory`."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
+        """read_only: restore only (eval, inference, export): no save, and the temporary
+        directories of a save in flight in another process are left alone."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(os.fspath(directory))
         self._async = async_save
+        self.read_only = read_only
         self._saving: int | None = None      # the step whose write is in flight
         self._verified: set[int] = set()     # steps verify() found intact
         options = ocp.CheckpointManagerOptions(
@@ -241,8 +245,9 @@ class Checkpointer:
             # checksums); a synchronous save waits for it in `save`
             enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums),
-            cleanup_tmp_directories=True,
-            create=True,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -263,6 +268,8 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------
     def save(self, step: int, state, meta: dict | None = None) -> bool:
         """Start saving `state` and `meta` as `step`; False if skipped (not newer)."""
+        if self.read_only:
+            raise ValueError(f"Checkpointer({self.directory!r}) is read-only: save refused")
         step = int(step)
         meta = {} if meta is None else meta
         try:
