@@ -132,7 +132,7 @@ class TrainConfig:
     sparse_fixed_branches: bool = True
     # duplicate sum + row-wise Adagrad of the touched rows: "xla", or "pallas" (one fused
     # kernel: 1.20 vs 1.93 ms per lookup + update step on one H200, experiments/bench_sparse.py;
-    # inside the h200 teacher's step on one H200 128.2 vs 128.9 ms (session 9), so "xla",
+    # inside the h200 teacher's step on one H200 128.2 vs 128.9 ms, so "xla",
     # which runs everywhere, stays the default; interpret mode, slow, off GPU)
     sparse_update_impl: str = "xla"
     # pin sparse activations and their gradients to row-major (EmbeddingCollection

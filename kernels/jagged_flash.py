@@ -101,7 +101,7 @@ class FlashConfig:
     # fused_bwd "k_rows" / "q_rows": tiles per program of the kernel that takes the rows
     # no tile of the other side owns (a loop in the program). On W2 / W3 nearly every
     # tile has none, and one program per tile and head (W2: 5660) costs 13 us of launches
-    # for no work (CUPTI, session 9). 1 = one program per tile.
+    # for no work (CUPTI). 1 = one program per tile.
     rest_group: int | str = "auto"
 
 
@@ -977,7 +977,7 @@ def backward_knobs(cfg):
     "auto", with "k_rows" (a short key side: each key tile's query loop runs over a whole
     sample's queries, up to 4096): the 32 heaviest key tiles split in 4, the rest kernel
     over 8 tiles per program; with "q_rows" the rest kernel over 8 tiles; else no split,
-    one tile per program. H200, forward+backward per call, one run (session 10 call 2):
+    one tile per program. H200, forward+backward per call, one run:
     W2 GDPA 0.287 ms against 0.330 with the former default (every tile split in 2),
     0.338 unsplit, 0.351 every tile in 4, 0.281-0.327 over splits {2, 4, 8} x top
     {16, 32, 64}; softmax 0.338 against 0.383; W3 (call 1) rest_group 8 0.516 / 0.526

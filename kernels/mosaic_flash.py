@@ -147,7 +147,7 @@ class MosaicConfig:
     overlap_dp: bool = False      # backward step: dP's wgmma issued right after S's wait,
                                   # what needs S alone (P; dV's wgmma in dK / dV) done
                                   # while it runs, one wait, then dS and its wgmma
-    fold_scale: bool = True       # softmax, the scale into FMAs (W1 f+b, session 10:
+    fold_scale: bool = True       # softmax, the scale into FMAs (W1 f+b:
                                   # 0.991-0.995 ms against 0.998-1.000 unfolded in three
                                   # runs; the forward within their noise):
                                   # forward (scale > 0), the row max over the raw scores,
@@ -167,7 +167,7 @@ class MosaicConfig:
                                   # inputs' 16-bit type, two lanes per instruction
                                   # (tanh.approx.bf16x2), the scale applied to the output
                                   # once; P is rounded to 16 bits for its wgmma anyway (W1
-                                  # silu, 4 interleaved rounds, session 13: fwd 0.227 ms
+                                  # silu, 4 interleaved rounds: fwd 0.227 ms
                                   # against 0.231, 0.215 against 0.224 with deferred_pv;
                                   # other modes and activations: ignored)
     deferred_pv: bool = True      # forward: a step's P V wgmma is not awaited in its
@@ -177,7 +177,7 @@ class MosaicConfig:
                                   # idling on P V (softmax: the accumulator lives in a
                                   # wgmma accumulator for the whole walk, rescaled in
                                   # it; pv_in_place then does not apply). W1, 4
-                                  # interleaved rounds (session 13): GDPA fwd 0.224 ms
+                                  # interleaved rounds: GDPA fwd 0.224 ms
                                   # against 0.231, softmax 0.256 against 0.263-0.270.
                                   # The same deferral in the backward kernels (dS K;
                                   # P^T dO, dS^T Q) was slower for softmax (W1 f+b
@@ -191,7 +191,7 @@ class MosaicConfig:
                                   # instead of 7, dQ's summation order not fixed.
                                   # Softmax's delta then comes from an XLA reduce
                                   # (fused_delta does not apply). Its gpu tests pass
-                                  # (session 14). W1 f+b, 4 interleaved rounds: GDPA
+                                  # on the H200. W1 f+b, 4 interleaved rounds: GDPA
                                   # 0.942 ms against 0.993 (4 of 4 faster), softmax
                                   # 1.049 against 1.004 (CUPTI: the fused kernel 0.664
                                   # ms against 0.285 + 0.375, plus the delta reduce,
@@ -203,7 +203,7 @@ class MosaicConfig:
                                   # plgpu.inline_mgpu); 0: jnp.max, whose lowering runs
                                   # one dependent chain of max.NaN per row (acc_ilp 4: 32
                                   # in a row at 128-key tiles) on the path from S's wait
-                                  # to P V. W1, 4 interleaved rounds (session 14, two
+                                  # to P V. W1, 4 interleaved rounds (two
                                   # calls): fwd 0.250 / 0.256 ms against 0.255 / 0.259
                                   # (3 of 4 rounds faster in each), f+b a tie; off, as
                                   # that does not move a target. The interpreter runs
@@ -1298,7 +1298,7 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
 # fused_delta (softmax): W1 on an H200, CUPTI device time of the whole forward + backward
 # 0.970 vs 0.980 ms (the XLA delta reduce, 0.025 ms, gone; dQ 0.013 ms longer), wall
 # 1.009 vs 1.012 ms. overlap_dp measured slower (dK / dV 0.441 vs 0.400 ms softmax,
-# 0.425 vs 0.391 GDPA): off. (kernels/NOTES.md, session 7.)
+# 0.425 vs 0.391 GDPA): off (kernels/NOTES.md).
 BACKWARD_TUNING = dict(block_kv=64, consumer_registers=240, producer_registers=24,
                        fused_delta=True)
 

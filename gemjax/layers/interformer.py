@@ -1,5 +1,5 @@
 """InterFormer layers: cross-feature learning between non-sequence tokens and a
-jagged event sequence (DESIGN.md section 1; InterFormer, Zeng et al. 2024).
+jagged event sequence (InterFormer, Zeng et al. 2024).
 
 State carried from layer to layer, per device-local batch of B samples:
     x    [B, n, d]      non-sequence feature tokens

@@ -1,6 +1,6 @@
 """Wukong: stacked factorization machines over non-sequence feature tokens.
 
-One layer (Wukong paper, DESIGN.md section 1), X_i [B, n, d]:
+One layer (Wukong paper, Zhang et al. 2024), X_i [B, n, d]:
 
     X_{i+1} = LN(concat(FMB(X_i), LCB(X_i)) + residual(X_i))        [B, f + l, d]
     FMB(X)  = reshape(MLP(LN(flatten(X @ (X^T @ Y)))))              [B, f, d]

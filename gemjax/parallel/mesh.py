@@ -1,7 +1,7 @@
 """Physical device mesh from a flag string, with each axis mapped to a network tier.
 
 A mesh spec names the physical axes outer to inner, e.g. ``replica=2,fsdp=2,expert=2``.
-Each axis belongs to one tier of the three-tier network (DESIGN.md section 2):
+Each axis belongs to one tier of the three-tier network (GEM's layout):
 
   ``cross_zone``  zones linked by oversubscribed RoCE   (default for ``replica``)
   ``zone``        hosts of one zone on RoCE             (default for ``fsdp``, ``sparse``)

@@ -2,8 +2,9 @@
 
 Layers name their dimensions in the field's words (``("embed", "mlp")`` for a
 dense kernel, ``("batch", "embed")`` for activations); rules map each logical name
-to a tuple of physical axes (``mesh.py``). The five parallelism dimensions of
-DESIGN.md 3.3 are logical names too:
+to a tuple of physical axes (``mesh.py``). The five parallelism dimensions
+(GEM's 2D FSDP + EP for the dense side, 2D model parallelism for the sparse side) are
+logical names too:
 
   dense DDP replica  ``batch`` over every axis (data parallel), params replicated
                      over ``replica``

@@ -1,6 +1,6 @@
 """Topology cost model: bytes and time of each collective a layout implies, and the scaling ratio.
 
-Network (DESIGN.md section 2): 8 GPUs per host on NVLink, hosts of a zone on RoCE,
+Network (GEM's three tiers): 8 GPUs per host on NVLink, hosts of a zone on RoCE,
 zones on oversubscribed RoCE. Bandwidths are per GPU per direction. An axis's
 *effective* tier comes from how far it reaches in the device order (its span =
 size x the product of the inner axis sizes): within a host -> NVLink, within a

@@ -83,8 +83,8 @@ lookup + update step takes 1.20 ms with it vs 1.93 ms with "xla" (48% vs 30% of
 3.6 TB/s counting every id's row; 0.86 vs 1.59 ms with steps queued back to back).
 Inside the h200 teacher's train step on one H200 it was slower (142.3 vs 133.3 ms
 per step) before the kernel's glue lost its host-stepped while loop (a binary
-search, ~0.45 ms per step); since then the two are even (session 9,
-experiments/sweep_mesh.py --shapes=replica=1, side by side on two H200s: 128.2 ms
+search, ~0.45 ms per step); since then the two are even
+(experiments/sweep_mesh.py --shapes=replica=1, side by side on two H200s: 128.2 ms
 with "pallas", 128.9 with "xla"), so "xla", which runs everywhere, stays the default.
 Measured on one H200 (1e8 x 128 table, Zipf 1.05, 1.3M ids, pooled bags,
 experiments/bench_sparse.py), lookup + update step: dedup="sort" with

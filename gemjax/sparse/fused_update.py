@@ -77,7 +77,7 @@ F32 = jnp.float32
 # program per group of R slots (grid K / R); P > 0 = min(P, K / R) programs looping over
 # the groups up to the last slot in use, so a static bound K far above the unique count
 # (K = N, no unique-count buckets and so no lax.switch) launches no idle programs.
-# Timed on one H200 (session 9, bench_sparse, lookup + update step, variants side by
+# Timed on one H200 (bench_sparse, lookup + update step, variants side by
 # side): with K = N and 1056 programs, 1.252 ms blocked / 0.979 ms with steps queued,
 # against 1.418 / 1.075 with K = N and one program per group, but 1.210 / 0.870 with
 # the unique-count buckets (the collection's default): off by default.

@@ -1,6 +1,6 @@
 """Local MFU of the GEM teacher: each top-level block timed alone on one device.
 
-GEM's definition (DESIGN.md section 2): every layer runs alone on one GPU, forward +
+GEM's definition: every layer runs alone on one GPU, forward +
 backward, no recompute, no communication; Local MFU is the FLOP-weighted mean of
 the per-layer MFUs (``mfu.local_mfu``). The blocks, in model order, at the
 per-device batch (B samples, one device's packed sequences):

@@ -15,7 +15,7 @@ Counting conventions (what "model FLOPs" means in every MFU gemjax reports):
   the valid-pair attention count of every Pallas-run attention call, for the
   Local-MFU layers and for the E2E step alike.
 
-MFU figures (GEM blog, DESIGN.md section 2):
+MFU figures (as GEM's training blog defines them):
 - ``mfu(flops_per_step, step_time, n_devices, peak)``: achieved / peak;
 - ``local_mfu``: each layer timed alone on one device, FLOP-weighted mean of the
   per-layer MFUs;

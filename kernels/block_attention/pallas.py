@@ -51,7 +51,7 @@ TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
 # 1 chunk 244 registers at 4 warps, 2 stages (8 warps per SM); 4 chunks 130 at 4 warps
 # (12 per SM), 80 at 8 warps (24 per SM). rope_chunks_bwd: the same for the backward
 # (1 chunk 255 registers and spills at 4 warps; 4 chunks 168).
-# Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128, session 8):
+# Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128):
 # forward 4 warps, 2 stages, 4 blocks per program, 1 chunk (0.102-0.106 ms in two runs;
 # 2 blocks 0.106-0.107, 2 or 4 chunks 0.107-0.111, 8 warps >= 0.165); backward 4 warps,
 # 1 stage, 1 block, 2 chunks (forward+backward 0.293-0.297 ms; 1 chunk 0.342-0.347,
