@@ -197,11 +197,8 @@ def main(argv):
             s = train(vcfg, os.path.join(workdir, "baselines", name), log=log, mesh=mesh,
                       trainer_kw=trainer_kw)
             summary["baselines"][name] = {k: s[k] for k in ("eval_ne", "eval_auc", "samples_per_sec")}
-        if lead:
-            with open(os.path.join(workdir, "summary.json"), "w") as fh:
-                json.dump(summary, fh, indent=1)
-    if not lead:
-        return
+        with open(os.path.join(workdir, "summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=1)
     print(f"[gemjax] summary ({workdir}/summary.json):")
     rows = [(summary["model"], summary)] + list(summary.get("baselines", {}).items())
     print(f"  {'model':<22}{'eval NE':>10}{'eval AUC':>10}")
