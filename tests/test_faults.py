@@ -40,7 +40,7 @@ CFG = apply_overrides(get_config("tiny"), OVERRIDES + ",train.steps=8")
 class Run:
     """experiments/train.py on `workdir` in a subprocess; its output collected by a thread."""
 
-    def __init__(self, workdir, pause=None):
+    def __init__(self, workdir, pause=None, args=ARGS):
         env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
                    JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
@@ -48,7 +48,7 @@ class Run:
         if pause:
             env["GEMJAX_TEST_PAUSE"] = pause
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "experiments", "train.py"), *ARGS,
+            [sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args,
              f"--workdir={workdir}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)
         self.lines = []
@@ -178,6 +178,64 @@ def test_signals_kill_and_a_damaged_checkpoint_resume_exactly(reference, tmp_pat
     got = restored(trainer, checkpoints, 8)
     want = restored(trainer, os.path.join(reference, "checkpoints"), 8)
     assert got[0] == want[0] == 8
+    for a, b in zip(host(got[1]), host(want[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
+    """A shuffled Parquet source (200 rows, 32 a step: step 7 reads epoch 1's permutation)
+    trained by experiments/train.py: kill -9 after checkpoint 4 is on disk and step 5
+    ran, resume, SIGTERM after step 7 (not a save point), resume to the end. The eval
+    rows, the train rows up to the kill and the final checkpoint equal an uninterrupted
+    run's (train() in this process on one device, as the subprocesses run)."""
+    from test_own_data import SCHEMA, _write_log
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_log(data / "train.parquet", 200, 0, bad_ids=3)
+    _write_log(data / "eval.parquet", 70, 1)
+    (data / "schema.json").write_text(json.dumps(SCHEMA.to_dict()))
+    over = (f"data.source=parquet,data.train_path={data}/train.parquet,"
+            f"data.eval_path={data}/eval.parquet,data.order=shuffle,data.shuffle_window=16,"
+            "data.batch_size=32,data.eval_batches=0,train.log_every=2,train.eval_every=4,"
+            "train.checkpoint_every=2,train.tensorboard=false")
+    args = ["--config=tiny", "--steps=8", f"--features={data}/schema.json", f"--override={over}"]
+    cfg = apply_overrides(dataclasses.replace(get_config("tiny"), features=SCHEMA),
+                          over + ",train.steps=8")
+    reference, workdir = str(tmp_path / "whole"), str(tmp_path / "cut")
+    checkpoints = os.path.join(workdir, "checkpoints")
+
+    run = Run(workdir, pause="step:5", args=args)
+    run.wait_for("test pause at step 5")
+    deadline = time.monotonic() + 120       # checkpoint 4 committed (saves are asynchronous)
+    while 4 not in steps_in(checkpoints):
+        assert time.monotonic() < deadline, run.out[-3000:]
+        time.sleep(0.02)
+    run.proc.kill()
+    assert run.finish() == -signal.SIGKILL
+    assert steps_in(checkpoints) == [2, 4]
+
+    run = Run(workdir, pause="step:7", args=args)
+    train(cfg, reference, log=lambda s: None, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
+    run.wait_for("test pause at step 7")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
+    assert "resumed from step 4" in run.out
+    assert "stopped by SIGTERM after step 7: checkpoint step 7 saved" in run.out
+
+    run = Run(workdir, args=args)
+    assert run.finish() == 0, run.out[-3000:]
+    assert "resumed from step 7" in run.out
+    assert [r["step"] for r in rows(reference, "eval")] == [4, 8]
+    assert rows(workdir, "eval") == rows(reference, "eval")           # every digit
+    # train rows average the steps since the last row: after the SIGTERM the run logged
+    # a row at step 7 (step 7 alone) and one at step 8 (step 8 alone)
+    upto_6 = [r for r in rows(reference, "train") if r["step"] <= 6]
+    assert [r for r in rows(workdir, "train") if r["step"] <= 6] == upto_6
+    assert upto_6[-1]["ids_clamped"] >= 3                             # the source's counters too
+    trainer = one_device_trainer(cfg)
+    got = restored(trainer, checkpoints, 8)
+    want = restored(trainer, os.path.join(reference, "checkpoints"), 8)
+    assert got[0] == want[0] == 8 and got[2]["data_step"] == 8
     for a, b in zip(host(got[1]), host(want[1])):
         np.testing.assert_array_equal(a, b)
 
