@@ -3,9 +3,9 @@
     python experiments/convert_frappe.py --out=/tmp/gemjax-data/frappe [--seed=0]
 
 Reads ../shared/datasets/frappe (or --data_dir) in place through
-gemjax.data.frappe.load_frappe, the split experiments/frappe.py trains on:
-train = valid.libsvm minus a seeded --holdout_fraction, holdout = that part (early
-stopping), test = test.libsvm. Writes into --out (outside any git work tree: the
+gemjax.data.frappe.load_frappe (experiments/frappe.py converts through `convert`):
+train = valid.libsvm minus a seeded --holdout_fraction, holdout = that part (model
+selection: the preset's step count and learning rates), test = test.libsvm. Writes into --out (outside any git work tree: the
 licence forbids redistribution):
 
   train.parquet, holdout.parquet, test.parquet   one row per sample: one int32 column
@@ -13,7 +13,7 @@ licence forbids redistribution):
       country, city; field_1.. when a file has another field count) holding the
       loader's table rows, and a float32 "label" column (0/1)
   schema.json   the FeatureSchema (gemjax.data.features): every field reads the one
-      shared table "feature" of all ids of both files, as experiments/frappe.py's models
+      shared table "feature" of all ids of both files, as the preset `frappe`'s models
       do; gemjax.data.parquet.columns_from_schema maps it to ParquetColumns
   counts.json   rows and positive share per split, table rows, the raw id of each row
 

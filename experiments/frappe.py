@@ -1,37 +1,41 @@
-"""Frappe CTR: logistic regression, FM, Wukong and the GEM dense stack, one script.
+"""Frappe CTR through the real trainer: convert once, train every model over seeds, print
+the test AUC / NE table.
 
-    python experiments/frappe.py --models=lr,fm,wukong,gem --out=runs/frappe/results.json
+    python experiments/frappe.py --models=gem,lr --seeds=0,1,2 \
+        --data_out=/tmp/gemjax-data/frappe --workdir=runs/frappe
 
-Data: ../shared/datasets/frappe (or --data_dir), read in place. Every model trains
-on valid.libsvm minus a random --holdout_fraction (early stopping on holdout AUC,
-patience --patience epochs, the best epoch's parameters kept) and is scored on
-test.libsvm: AUC and log loss (gemjax.train.metrics). Same seed, batches and
-optimizer (Adam) for all models.
+1. Conversion: experiments/convert_frappe.py's `convert` writes the Parquet splits and
+   schema.json of ../shared/datasets/frappe (or --data_dir) into --data_out (outside any
+   git work tree), only when --data_out holds no conversion yet. A conversion already
+   there is reused when its counts.json names the same source directory, split seed
+   (--split_seed) and holdout fraction; otherwise the script stops and names the
+   difference.
+2. Training: gemjax.train.loop.train with the `frappe` preset (gemjax/config.py: 180
+   steps of 512 rows of train.parquet, every row of test.parquet evaluated at the end),
+   the converted schema, and for each model its `model.kind`:
 
-The same data through the real trainer (gemjax.train.loop.train: sharded embedding
-table with row-wise Adagrad, Parquet feed, checkpoints, resume), GEM v0 = Wukong over
-the 10 field tokens, preset "frappe" of gemjax/config.py:
+     gem      GEM v0: Wukong over the 10 field tokens, then the multi-domain head.
+              Frappe has no event sequences, so this is Wukong alone (the same model
+              as model.kind=gem,model.use_sequences=false).
+     lr       logistic regression on the same ids.
 
-    python experiments/convert_frappe.py --out=/tmp/gemjax-data/frappe
-    python experiments/train.py --config=frappe --workdir=runs/frappe/gem_s0 --seed=0
+   The full GEM teacher (model.kind=teacher) is built around event sequences
+   (gemjax.models.interformer refuses a schema without them), so it is not offered
+   here; MovieLens ranking (preset movielens_rank) trains it.
 
-It trains on train.parquet for a fixed 180 steps (2 epochs, picked on holdout.parquet)
-and evaluates every row of test.parquet: test AUC 0.9454 +- 0.0009, NE 0.400 +- 0.001
-over seeds 0, 1, 2 (README "Data"). Converted elsewhere: --features=DIR/schema.json
---override=data.train_path=DIR/train.parquet,data.eval_path=DIR/test.parquet.
-
-Models (all over one shared embedding table of the 5,382 global feature ids):
-  lr      sum of per-id weights + bias
-  fm      lr + pairwise factorization machine term (dim --fm_dim)
-  wukong  [B, F, d] tokens -> Wukong stack -> MLP -> logit
-  gem     [B, F, d] tokens -> mixture of Wukong experts (top-k router, cross-layer
-          attention, load-balancing loss) -> multi-domain head (one surface, one
-          task). Frappe has no event sequences, so this is GEM's non-sequence
-          stack; the sequence side is exercised on MovieLens and synthetic data.
+   One workdir per (model, seed): WORKDIR/MODEL_sSEED, holding metrics.jsonl,
+   summary.json and the checkpoints. A workdir whose summary.json already exists is
+   not trained again (its figures are read back); other workdirs resume as train()
+   does. --override applies on top of the preset for every model (e.g.
+   train.steps=90).
+3. Results: WORKDIR/results.json (every run's test AUC, NE, calibration, wall seconds)
+   and, printed last, one row per model: test AUC and NE, mean ± std (population std)
+   over the seeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -39,193 +43,146 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
-flags.DEFINE_string("data_dir", None, "frappe directory (default ../shared/datasets/frappe)")
-flags.DEFINE_list("models", ["lr", "fm", "wukong", "gem"], "models to train")
-flags.DEFINE_integer("epochs", 30, "max epochs")
-flags.DEFINE_integer("patience", 3, "early-stopping patience in epochs (holdout AUC)")
-flags.DEFINE_integer("batch_size", 512, "batch size")
-flags.DEFINE_float("lr", 1e-3, "Adam learning rate")
-flags.DEFINE_float("emb_l2", 0.0, "L2 penalty on the embeddings of the ids in a batch")
-flags.DEFINE_float("dropout", 0.0, "wukong/gem: dropout on the embedding tokens and the head input")
-flags.DEFINE_integer("dim", 16, "embedding / token width for wukong and gem")
-flags.DEFINE_integer("fm_dim", 16, "FM factor dim")
-flags.DEFINE_integer("layers", 3, "Wukong layers")
-flags.DEFINE_integer("experts", 4, "gem: Wukong experts")
-flags.DEFINE_integer("top_k", 2, "gem: experts per sample")
-flags.DEFINE_float("lb_coef", 0.01, "gem: load-balancing loss weight")
-flags.DEFINE_float("holdout_fraction", 0.2, "share of valid.libsvm held out for early stopping")
-flags.DEFINE_multi_integer("seed", [0], "seeds (repeat the flag for several)")
-flags.DEFINE_string("out", "runs/frappe/results.json", "JSON results path")
+MODELS = {"gem": "model.kind=gem", "lr": "model.kind=lr"}
+CONVERTED = ("schema.json", "counts.json", "train.parquet", "holdout.parquet", "test.parquet")
 
 
-def build(name, num_features, num_fields, rngs):
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from gemjax.layers import MLP, MultiDomainHead, Wukong, WukongExperts
-
-    f = flags.FLAGS
-
-    class LR(nnx.Module):
-        def __init__(self):
-            self.w = nnx.Embed(num_features, 1, embedding_init=nnx.initializers.zeros, rngs=rngs)
-            self.b = nnx.Param(jnp.zeros(()))
-
-        def __call__(self, ids):
-            return jnp.sum(self.w(ids)[..., 0], -1) + self.b[...], {}
-
-    class FM(LR):
-        def __init__(self):
-            super().__init__()
-            self.v = nnx.Embed(num_features, f.fm_dim, rngs=rngs,
-                               embedding_init=nnx.initializers.normal(0.01))
-
-        def __call__(self, ids):
-            lin, _ = super().__call__(ids)
-            v = self.v(ids)                                          # [B, F, k]
-            pair = 0.5 * jnp.sum(jnp.sum(v, 1) ** 2 - jnp.sum(v ** 2, 1), -1)
-            return lin + pair, {}
-
-    wk = dict(num_layers=f.layers, fmb_tokens=num_fields // 2 + 1,
-              lcb_tokens=num_fields - num_fields // 2 - 1, rank=4, mlp_hidden=(64,))
-
-    class WukongCTR(nnx.Module):
-        def __init__(self):
-            self.emb = nnx.Embed(num_features, f.dim, rngs=rngs)
-            self.drop = nnx.Dropout(f.dropout, rngs=rngs)
-            self.wukong = Wukong(num_fields, f.dim, rngs=rngs, **wk)
-            self.head = MLP(num_fields * f.dim, (64,), 1, rngs=rngs)
-
-        def __call__(self, ids):
-            x = self.wukong(self.drop(self.emb(ids)))
-            return self.head(self.drop(x.reshape(x.shape[0], -1)))[:, 0], {}
-
-    class GemCTR(nnx.Module):
-        def __init__(self):
-            self.emb = nnx.Embed(num_features, f.dim, rngs=rngs)
-            self.drop = nnx.Dropout(f.dropout, rngs=rngs)
-            self.experts = WukongExperts(num_fields, f.dim, num_experts=f.experts, top_k=f.top_k,
-                                         cross_layer_attention=True, cross_layer_heads=2,
-                                         rngs=rngs, **wk)
-            self.head = MultiDomainHead(num_fields * f.dim, num_surfaces=1, num_tasks=1,
-                                        hidden=(64,), rngs=rngs)
-
-        def __call__(self, ids):
-            x, aux = self.experts(self.drop(self.emb(ids)))
-            surface = jnp.zeros((ids.shape[0],), jnp.int32)
-            return self.head(self.drop(x.reshape(x.shape[0], -1)), surface)[:, 0], aux
-
-    return {"lr": LR, "fm": FM, "wukong": WukongCTR, "gem": GemCTR}[name]()
+def define_flags():
+    """The command line's flags (defined when run as a script, so that tests can import
+    this module beside other scripts defining the same names)."""
+    flags.DEFINE_string("data_dir", None, "frappe directory (default ../shared/datasets/frappe)")
+    flags.DEFINE_string("data_out", "/tmp/gemjax-data/frappe",
+                        "converted Parquet directory (outside any git work tree)")
+    flags.DEFINE_integer("split_seed", 0, "seed of the train / holdout split of valid.libsvm")
+    flags.DEFINE_float("holdout_fraction", 0.2, "share of valid.libsvm held out (holdout.parquet)")
+    flags.DEFINE_list("models", ["gem", "lr"], f"models to train: {sorted(MODELS)}")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "train seeds (init and shuffle)")
+    flags.DEFINE_string("workdir", "runs/frappe", "one subdirectory per model and seed")
+    flags.DEFINE_string("override", "", "config overrides for every model, e.g. train.steps=90")
 
 
-def train_one(name, data, seed):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
+def ensure_converted(data_dir: str, out: str, split_seed: int, holdout_fraction: float) -> str:
+    """`out` holding the Parquet splits of `data_dir`: converted now if `out` holds no
+    conversion, else checked against counts.json. Returns the absolute `out`."""
+    from gemjax.data.parquet_writer import check_out_dir
+    out = check_out_dir(out)
+    present = [n for n in CONVERTED if os.path.exists(os.path.join(out, n))]
+    if not present:
+        cf = _convert_frappe()
+        cf.convert(data_dir, out, seed=split_seed, holdout_fraction=holdout_fraction)
+        return out
+    missing = sorted(set(CONVERTED) - set(present))
+    if missing:
+        raise ValueError(f"--data_out={out} holds a partial conversion (missing {missing}); "
+                         f"delete the directory or pick another --data_out")
+    with open(os.path.join(out, "counts.json")) as f:
+        counts = json.load(f)
+    want = {"data_dir": os.path.abspath(data_dir), "seed": split_seed,
+            "holdout_fraction": holdout_fraction}
+    diff = {k: (counts.get(k), v) for k, v in want.items() if counts.get(k) != v}
+    if diff:
+        raise ValueError(f"--data_out={out}: counts.json was converted with another split "
+                         + ", ".join(f"{k}={a!r} (asked {b!r})" for k, (a, b) in diff.items())
+                         + "; pick another --data_out")
+    return out
 
-    from gemjax.train.early_stopping import EarlyStopping
-    from gemjax.train.metrics import binary_metrics
 
-    f = flags.FLAGS
-    model = build(name, data.num_features, data.num_fields, nnx.Rngs(seed))
-    opt = nnx.Optimizer(model, optax.adam(f.lr), wrt=nnx.Param)
+def _convert_frappe():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convert_frappe.py")
+    spec = importlib.util.spec_from_file_location("experiments_convert_frappe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)       # defines no flags at import
+    return module
 
-    def loss_fn(m, ids, y):
-        logits, aux = m(ids)
-        loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, y))
-        if "load_balance_loss" in aux:
-            loss = loss + f.lb_coef * aux["load_balance_loss"]
-        if f.emb_l2:
-            embs = [e(ids) for e in (getattr(m, a, None) for a in ("emb", "v", "w")) if e is not None]
-            loss = loss + f.emb_l2 * sum(jnp.mean(jnp.sum(e ** 2, -1)) for e in embs)
-        return loss
 
-    @nnx.jit
-    def step(m, o, ids, y):
-        loss, grads = nnx.value_and_grad(loss_fn)(m, ids, y)
-        o.update(m, grads)
-        return loss
+def run_config(data: str, model: str, seed: int, override: str = ""):
+    """The `frappe` preset on the converted files in `data`, for `model` and `seed`."""
+    from gemjax.config import apply_overrides, get_config
+    from gemjax.data.features import FeatureSchema
+    with open(os.path.join(data, "schema.json")) as f:
+        schema = FeatureSchema.from_dict(json.load(f))
+    cfg = dataclasses.replace(get_config("frappe"), features=schema)
+    cfg = apply_overrides(cfg, f"data.train_path={data}/train.parquet,"
+                               f"data.eval_path={data}/test.parquet,{MODELS[model]},"
+                               f"train.seed={seed},train.tensorboard=false")
+    return apply_overrides(cfg, override) if override else cfg
 
-    @nnx.jit
-    def predict(m, ids):
-        return jax.nn.sigmoid(m(ids)[0])
 
-    def evaluate(split):
-        model.eval()
-        ids, y = split
-        bs = 4096
-        p = []
-        for i in range(0, len(y), bs):
-            chunk = ids[i:i + bs]
-            pad = bs - len(chunk)
-            out = predict(model, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
-            p.append(np.asarray(out)[: len(chunk)])
-        model.train()
-        return binary_metrics(y, np.concatenate(p))
-
-    ids, y = data.train
-    rng = np.random.default_rng(seed)
-    nb = len(y) // f.batch_size
-    stopper, history = EarlyStopping(f.patience), []
+def train_one(data: str, model: str, seed: int, workdir: str, override: str = "",
+              log=print) -> dict:
+    """One (model, seed) run of train() in `workdir`; its test figures."""
+    from gemjax.train.loop import train
+    done = os.path.join(workdir, "summary.json")
     t0 = time.time()
-    for epoch in range(f.epochs):
-        perm = rng.permutation(len(y))
-        losses = []
-        for i in range(nb):
-            idx = perm[i * f.batch_size:(i + 1) * f.batch_size]
-            losses.append(step(model, opt, jnp.asarray(ids[idx]), jnp.asarray(y[idx])))
-        hold = evaluate(data.holdout)
-        history.append({"epoch": epoch, "train_loss": float(np.mean(jax.device_get(losses))),
-                        "holdout_auc": hold["auc"], "holdout_log_loss": hold["log_loss"]})
-        print(f"  {name} seed {seed} epoch {epoch}: loss {history[-1]['train_loss']:.4f} "
-              f"holdout auc {hold['auc']:.4f} logloss {hold['log_loss']:.4f}", flush=True)
-        if stopper.update(hold["auc"], model):
-            break
-    stopper.restore(model)
-    best = stopper.best
-    test = evaluate(data.test)
-    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return {"model": name, "seed": seed, "test_auc": test["auc"], "test_log_loss": test["log_loss"],
-            "best_holdout_auc": best, "epochs": len(history), "params": n_params,
-            "seconds": time.time() - t0, "history": history}
+    if os.path.exists(done):
+        with open(done) as f:
+            summary = json.load(f)
+    else:
+        summary = train(run_config(data, model, seed, override), workdir, log=log)
+    return {"model": model, "seed": seed, "test_auc": summary["eval_auc"],
+            "test_ne": summary["eval_ne"], "test_calibration": summary["eval_calibration"],
+            "steps": summary["steps"], "seconds": round(time.time() - t0, 1),
+            "workdir": workdir}
+
+
+def table(results: list[dict], models: list[str]) -> str:
+    """One line per model: test AUC and NE, mean ± std over its seeds."""
+    import numpy as np
+    lines = [f"{'model':8s} {'seeds':>5s} {'test AUC':>17s} {'test NE':>17s} {'s/run':>6s}"]
+    for m in models:
+        rs = [r for r in results if r["model"] == m]
+        auc = np.array([r["test_auc"] for r in rs])
+        ne = np.array([r["test_ne"] for r in rs])
+        sec = np.mean([r["seconds"] for r in rs])
+        lines.append(f"{m:8s} {len(rs):5d} {auc.mean():8.4f} ± {auc.std():.4f} "
+                     f"{ne.mean():8.4f} ± {ne.std():.4f} {sec:6.1f}")
+    return "\n".join(lines)
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    unknown = set(f.models) - {"lr", "fm", "wukong", "gem"}
-    if unknown:
-        raise app.UsageError(f"--models: unknown {sorted(unknown)}")
-    import numpy as np
-
-    from gemjax.data.frappe import DEFAULT_DIR, load_frappe
-
+    if "teacher" in f.models:
+        raise app.UsageError("--models=teacher: the GEM teacher needs event sequences and "
+                             "Frappe has none; pick from " + ", ".join(sorted(MODELS)))
+    unknown = sorted(set(f.models) - set(MODELS))
+    if unknown or not f.models:
+        raise app.UsageError(f"--models: unknown {unknown}; pick from {sorted(MODELS)}")
+    try:
+        seeds = [int(s) for s in f.seeds]
+    except ValueError:
+        raise app.UsageError(f"--seeds: integers separated by commas, got {','.join(f.seeds)!r}")
+    if not seeds:
+        raise app.UsageError("--seeds: at least one seed")
+    logging.set_verbosity(logging.WARNING)       # orbax logs every save at INFO
+    from gemjax.data.frappe import DEFAULT_DIR
+    try:
+        data = ensure_converted(f.data_dir or DEFAULT_DIR, f.data_out, f.split_seed,
+                                f.holdout_fraction)
+        run_config(data, f.models[0], seeds[0], f.override)     # bad overrides stop here
+    except (ValueError, FileNotFoundError) as e:
+        raise app.UsageError(str(e))
+    os.makedirs(f.workdir, exist_ok=True)
     results = []
-    os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
-    for seed in f.seed:
-        data = load_frappe(f.data_dir or DEFAULT_DIR, f.holdout_fraction, seed)
-        for name in f.models:
-            results.append(train_one(name, data, seed))
-            with open(f.out, "w") as fh:        # after every model: partial runs keep results
-                json.dump({"flags": {k: getattr(f, k) for k in (
-                    "models", "epochs", "patience", "batch_size", "lr", "emb_l2", "dropout", "dim",
-                    "fm_dim", "layers", "experts", "top_k", "lb_coef", "holdout_fraction", "seed")},
-                    "results": results}, fh, indent=1)
-    print(f"\nFrappe test (train: valid.libsvm minus {f.holdout_fraction:.0%} holdout), "
-          f"{len(f.seed)} seed(s); wrote {f.out}")
-    print(f"{'model':8s} {'test AUC':>16s} {'test logloss':>16s} {'epochs':>7s} {'params':>9s}")
-    for name in f.models:
-        rs = [r for r in results if r["model"] == name]
-        a = np.array([r["test_auc"] for r in rs])
-        ll = np.array([r["test_log_loss"] for r in rs])
-        print(f"{name:8s} {a.mean():9.4f} ±{a.std():.4f} {ll.mean():9.4f} ±{ll.std():.4f} "
-              f"{np.mean([r['epochs'] for r in rs]):7.1f} {rs[0]['params']:9d}")
+    for model in f.models:
+        for seed in seeds:
+            r = train_one(data, model, seed, os.path.join(f.workdir, f"{model}_s{seed}"),
+                          f.override, log=lambda s: None)
+            print(f"{model} seed {seed}: test AUC {r['test_auc']:.4f} NE {r['test_ne']:.4f} "
+                  f"({r['seconds']:.0f} s)", flush=True)
+            results.append(r)
+            with open(os.path.join(f.workdir, "results.json"), "w") as fh:
+                json.dump({"data": data, "override": f.override, "results": results}, fh, indent=1)
+    print(f"\nFrappe test ({data}/test.parquet), preset frappe"
+          + (f" + {f.override}" if f.override else "") + f", seeds {','.join(map(str, seeds))}; "
+          f"{os.path.join(f.workdir, 'results.json')}")
+    print(table(results, f.models))
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -203,9 +203,8 @@ PRESETS: dict[str, Config] = {
                           head_mlp=(512,), dtype="bfloat16"),
         train=TrainConfig(steps=2_000, log_every=50, eval_every=500, dense_lr=1e-3, sparse_lr=0.1,
                           baselines=False, sparse_exchange_buckets=True, sparse_sync_buckets=True)),
-    # Frappe CTR, GEM v0 (Wukong over the 10 field tokens) with the shape of
-    # experiments/frappe.py's Wukong (dim 16, 3 layers, FMB 6 + LCB 4 tokens, rank 4, MLPs
-    # of 64). Trained on train.parquet, scored on every row of test.parquet. The step
+    # Frappe CTR, GEM v0 (Wukong over the 10 field tokens: dim 16, 3 layers, FMB 6 + LCB 4
+    # tokens, rank 4, MLPs of 64; experiments/frappe.py runs it over seeds). Trained on train.parquet, scored on every row of test.parquet. The step
     # count (180 = 2 epochs of 90 batches) and learning rates were picked on holdout.parquet
     # (holdout AUC evaluated every 45 steps peaks at the end of 2 epochs; longer runs
     # overfit: 0.921 after 20 epochs). README "Data" gives the test figures.

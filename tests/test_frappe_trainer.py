@@ -6,6 +6,7 @@ this also covers models without a dense projection (GEM v0 and the LR baseline).
 
 import dataclasses
 import json
+import os
 
 import jax
 import numpy as np
@@ -85,3 +86,49 @@ def test_two_steps_of_the_frappe_recipe(frappe_dir, tmp_path, kind):
     assert again["step"] == 2 and again["count"] == 21
     assert again["auc"] == pytest.approx(ev["auc"], abs=1e-6)
     assert again["log_loss"] == pytest.approx(ev["log_loss"], rel=1e-5)
+
+
+def test_frappe_script_converts_once_trains_each_model_and_seed_and_prints_the_table(tmp_path):
+    """experiments/frappe.py on fake files, 2 steps a run: it converts into --data_out,
+    trains lr over seeds 0 and 1 through train(), and its table's mean ± std is that of
+    the runs' own final eval rows. A second call reuses the conversion and the finished
+    runs; another split seed on the same --data_out is refused by name."""
+    import subprocess
+    import sys
+
+    from experiment_scripts import ROOT
+    write_frappe(tmp_path / "raw")
+    data, runs = tmp_path / "data", tmp_path / "runs"
+    argv = [sys.executable, "experiments/frappe.py", f"--data_dir={tmp_path / 'raw'}",
+            f"--data_out={data}", f"--workdir={runs}", "--models=lr", "--seeds=0,1",
+            "--override=data.batch_size=16,train.steps=2,train.log_every=1,train.eval_every=2,"
+            "train.checkpoint_every=2,train.warmup_steps=1"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+    def run(*extra):
+        return subprocess.run(argv + list(extra), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    first = run()
+    assert first.returncode == 0, first.stderr[-3000:]
+    evals = [[json.loads(x) for x in open(runs / f"lr_s{s}" / "metrics.jsonl")
+              if json.loads(x)["kind"] == "eval"][-1] for s in (0, 1)]
+    assert [e["step"] for e in evals] == [2, 2] and evals[0]["auc"] != evals[1]["auc"]
+    auc, ne = np.array([e["auc"] for e in evals]), np.array([e["ne"] for e in evals])
+    header, row = first.stdout.strip().splitlines()[-2:]
+    assert header.split()[:3] == ["model", "seeds", "test"]
+    assert row.split()[:8] == ["lr", "2", f"{auc.mean():.4f}", "±", f"{auc.std():.4f}",
+                               f"{ne.mean():.4f}", "±", f"{ne.std():.4f}"]
+    counts = json.load(open(data / "counts.json"))
+    assert counts["splits"]["test"]["rows"] == 21 and counts["seed"] == 0
+    stamp = os.stat(data / "train.parquet").st_mtime_ns
+    logged = (runs / "lr_s0" / "metrics.jsonl").read_text()
+
+    again = run()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip().splitlines()[-1].split()[:8] == row.split()[:8]
+    assert os.stat(data / "train.parquet").st_mtime_ns == stamp       # not converted again
+    assert (runs / "lr_s0" / "metrics.jsonl").read_text() == logged    # nor retrained
+    other = run("--split_seed=3")
+    assert other.returncode != 0
+    assert "counts.json was converted with another split seed=0 (asked 3)" in other.stderr

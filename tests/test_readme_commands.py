@@ -59,6 +59,8 @@ SKIP = {
     "./run train": LONG,
     "./run": "the script named in prose, no command",
     "./run test": "the suite itself (CI runs it; this test is part of it)",
+    "python experiments/frappe.py --models=gem,lr --seeds=0,1,2":
+        "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
     "./run setup": "installs into .venv; CI's `./run test` runs the same setup",
     "./run train --config=small --override=model.dim=32,data.seq_median=64,train.steps=3000": LONG,
