@@ -2,9 +2,12 @@
 
     python experiments/bench_feed.py --config=h200 --workers=1,2,4,8          # on the GPU host
     python experiments/bench_feed.py --config=small --cpu_devices=2 --steps=10
+    python experiments/bench_feed.py --config=movielens_rank --features=DIR/schema.json \
+        --override=data.source=parquet,data.train_path=DIR/train.parquet,data.eval_path=DIR/test.parquet
 
 For each worker count: the Feeder (gemjax.data.feeding) builds every (step, shard)
-of the synthetic stream in its thread pool, validates it (ids checked against the
+of the config's train source (gemjax.data.source.make_source: the synthetic stream,
+or Parquet files with --features and data.source=parquet) in its thread pool, validates it (ids checked against the
 tables as the loop does) and puts it on its device; the script waits for each
 step's arrays. Reports wall ms/step, samples/s and process CPU ms/step, next to
 the samples/s the devices need (--step_ms: a device step time to compare with,
@@ -24,6 +27,7 @@ from absl import app, flags  # noqa: E402
 
 flags.DEFINE_string("config", "h200", "preset")
 flags.DEFINE_string("override", "", "section.field=value,...")
+flags.DEFINE_string("features", "", "JSON feature schema of a Parquet source (FeatureSchema.to_dict)")
 flags.DEFINE_list("workers", ["1", "2", "4", "8"], "Feeder thread counts to try")
 flags.DEFINE_integer("steps", 20, "timed steps per worker count (after 2 warm-up steps)")
 flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (0: the real devices)")
@@ -44,15 +48,22 @@ def main(argv):
     import jax
     if f.cpu_devices:
         jax.config.update("jax_num_cpu_devices", f.cpu_devices)
-    from gemjax.config import get_config
+    import dataclasses
+
+    from gemjax.config import apply_overrides, get_config
+    from gemjax.data.features import FeatureSchema
     from gemjax.data.feeding import Feeder
-    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.data.source import make_source
     from gemjax.train.step import Trainer, default_mesh
 
-    cfg = get_config(f.config, f.override)
+    cfg = get_config(f.config)
+    if f.features:
+        with open(f.features) as fh:
+            cfg = dataclasses.replace(cfg, features=FeatureSchema.from_dict(json.load(fh)))
+    cfg = apply_overrides(cfg, f.override) if f.override else cfg
     mesh = default_mesh()
     trainer = Trainer.create(cfg, mesh)          # for the id check and fields only: no tables allocated
-    stream = SyntheticStream(cfg.data, cfg.train.seed, "train")
+    stream = make_source(cfg, "train")
     rows = []
     for w in workers:
         feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
@@ -71,10 +82,11 @@ def main(argv):
     if f.out:
         os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
         with open(f.out, "w") as fh:
-            json.dump({"config": f.config, "override": f.override, "devices": mesh.size,
+            json.dump({"config": f.config, "override": f.override, "features": f.features,
+                       "source": cfg.data.source, "devices": mesh.size,
                        "batch": cfg.data.batch_size, "host_cores": os.cpu_count(), "step_ms": f.step_ms,
                        "needed_samples_per_s": need, "rows": rows}, fh, indent=1)
-    print(f"\nfeeder, config={f.config}, {mesh.size} devices, batch {cfg.data.batch_size}, "
+    print(f"\nfeeder, config={f.config} ({cfg.data.source}), {mesh.size} devices, batch {cfg.data.batch_size}, "
           f"{os.cpu_count()} host cores" + (f"; devices need {need:,.0f} samples/s" if need else ""))
     print(f"{'workers':>8} {'ms/step':>9} {'samples/s':>11} {'CPU ms/step':>12}")
     for r in rows:
