@@ -216,6 +216,11 @@ def one_trainer(tmp_path_factory):
     table[cols.surface] = ref.surface
     path = tmp_path_factory.mktemp("synthetic_rows") / "rows.parquet"
     pq.write_table(pa.table(table), path, row_group_size=8)
+    # the same rows in two files of a directory (rows 0-19, 20-31; sorted by path)
+    os.makedirs(path.parent / "parts")
+    for name, lo, hi in (("a.parquet", 0, 20), ("b.parquet", 20, 32)):
+        pq.write_table(pa.table(table).slice(lo, hi - lo), path.parent / "parts" / name,
+                       row_group_size=8)
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
     trainer = Trainer.create(cfg, mesh)
     step = trainer.make_train_step()
@@ -232,24 +237,42 @@ def _first_loss(trainer, step, src) -> tuple[float, list]:
     return float(m["loss"]), infos
 
 
-@pytest.mark.parametrize("source", ["synthetic", "parquet-time", "parquet-shuffle"])
+SOURCES = {   # name: (data.source, path: file / directory of 2 files / glob, stream, data.order)
+    "synthetic": ("synthetic", None, "train", None),
+    "parquet-time": ("parquet", "file", "train", "time"),
+    "parquet-shuffle": ("parquet", "file", "train", "shuffle"),
+    "parquet-dir-time": ("parquet", "dir", "train", "time"),
+    "parquet-glob-shuffle": ("parquet", "glob", "train", "shuffle"),
+    "parquet-eval-one-epoch": ("parquet", "dir", "eval", None),   # OneEpoch, file order
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
 def test_one_step_of_every_source_through_one_trainer(one_trainer, source):
-    """The Parquet file holds synthetic batch 0; read in file order it is that batch, and
-    shuffled a permutation of it: the same Trainer's first step has the same loss."""
+    """The Parquet file (and the two files of a directory) hold synthetic batch 0; read in
+    file order it is that batch, and shuffled a permutation of it, through every kind of
+    source make_source builds (the synthetic stream, ParquetSource over a file, a
+    directory or a glob in either order, the eval stream's OneEpoch): the same Trainer's
+    first step has the same loss."""
     from gemjax.data.synthetic import synthetic_schema
     cfg, trainer, step, path, (ref_loss, _) = one_trainer
-    kind, _, order = source.partition("-")
+    kind, where, stream, order = SOURCES[source]
     if kind == "parquet":
+        parts = os.path.join(os.path.dirname(path), "parts")
+        files = {"file": path, "dir": parts, "glob": os.path.join(parts, "*.parquet")}[where]
         cfg = apply_overrides(dataclasses.replace(cfg, features=synthetic_schema(cfg.data)),
-                              {"data.source": "parquet", "data.train_path": path, "data.eval_path": path,
-                               "data.order": order, "data.shuffle_window": "8"})
-    src = make_source(cfg, "train")
-    assert type(src).__name__ == {"synthetic": "SyntheticStream", "parquet": "ParquetSource"}[kind]
+                              {"data.source": "parquet", "data.train_path": files,
+                               "data.eval_path": files, "data.order": order or "shuffle",
+                               "data.shuffle_window": "8", "data.eval_batches": "0"})
+    src = make_source(cfg, stream)
+    assert type(src).__name__ == {"synthetic": "SyntheticStream", "train": "ParquetSource",
+                                  "eval": "OneEpoch"}[stream if kind == "parquet" else kind]
     loss, infos = _first_loss(trainer, step, src)
     if kind == "parquet":
         rows = np.concatenate([i.rows for i in infos])
         assert sorted(rows.tolist()) == list(range(32))            # every written row, once
-        assert (rows.tolist() == list(range(32))) == (order == "time")   # in file order, or shuffled
+        in_order = order in ("time", None)                         # eval: file order
+        assert (rows.tolist() == list(range(32))) == in_order      # in file order, or shuffled
     # the reference: the synthetic batch 0's loss, the same samples through the same step
     assert np.isfinite(loss)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)
