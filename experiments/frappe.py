@@ -1,6 +1,6 @@
 """Frappe CTR: logistic regression, FM, Wukong and the GEM dense stack, one script.
 
-    python experiments/frappe.py --models=lr,fm,wukong,gem --out=runs/frappe/results.json
+    python -m experiments.frappe --models=lr,fm,wukong,gem --out=runs/frappe/results.json
 
 Data: ../shared/datasets/frappe (or --data_dir), read in place. Every model trains
 on valid.libsvm minus a random --holdout_fraction (early stopping on holdout AUC,
@@ -12,8 +12,8 @@ The same data through the real trainer (gemjax.train.loop.train: sharded embeddi
 table with row-wise Adagrad, Parquet feed, checkpoints, resume), GEM v0 = Wukong over
 the 10 field tokens, preset "frappe" of gemjax/config.py:
 
-    python experiments/convert_frappe.py --out=/tmp/gemjax-data/frappe
-    python experiments/train.py --config=frappe --workdir=runs/frappe/gem_s0 --seed=0
+    python -m experiments.convert_frappe --out=/tmp/gemjax-data/frappe
+    python -m experiments.train --config=frappe --workdir=runs/frappe/gem_s0 --seed=0
 
 It trains on train.parquet for a fixed 180 steps (2 epochs, picked on holdout.parquet)
 and evaluates every row of test.parquet: test AUC 0.9454 +- 0.0009, NE 0.400 +- 0.001
@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

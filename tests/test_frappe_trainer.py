@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from experiment_scripts import load
+from experiments import convert_frappe as cf
 from gemjax.config import FRAPPE_SCHEMA, apply_overrides, config_from_dict, get_config
 from gemjax.data.features import FeatureSchema
 from gemjax.serve.evaluate import evaluate_checkpoint
 from gemjax.train.loop import train
 
-cf = load("convert_frappe")
 
 
 def write_frappe(d, n_valid=60, n_test=21, seed=0):

@@ -10,7 +10,7 @@ the second launch of a kernel and export its SASS page:
 
 then, anywhere:
 
-    python3 experiments/sass_stalls.py sass.csv.gz --regions=8 --mix=2
+    python3 -m tools.sass_stalls sass.csv.gz --regions=8 --mix=2
 
 It prints the warp-stall samples by reason over the whole kernel, then the hottest
 regions: runs of consecutive instructions executed equally often, i.e. straight-line

@@ -6,8 +6,8 @@ for forward+backward), the roofline floor max(FLOPs / peak, bytes / HBM BW), and
 the best alternatives in the same run: cuDNN softmax attention on padded tensors
 with sequence lengths, and the GDPA formula in plain jnp on padded tensors.
 
-    PYTHONPATH=. python3 experiments/bench_attention.py --out /tmp/bench.json
-    PYTHONPATH=. python3 experiments/bench_attention.py --sweep --sweep_budget_s=50
+    python3 -m benchmarks.bench_attention --out /tmp/bench.json
+    python3 -m benchmarks.bench_attention --sweep --sweep_budget_s=50
 
 Times are per call in a steady stream of back-to-back calls at the GPU's sustained clock
 (attention_workloads.time_stream: --warm_s=0.3 s of calls first, as the H200 throttles to its 700 W
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,  # experiments/
-                                 block_knobs_bwd, block_knobs_fwd, pack_arrays,
-                                 fwd_and_train, parse_mosaic_knobs, stream_same_bytes,
-                                 stream_same_bytes_train, time_stream, valid_pairs, workload)
+from benchmarks.attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,
+                                            block_knobs_bwd, block_knobs_fwd, pack_arrays,
+                                            fwd_and_train, parse_mosaic_knobs, stream_same_bytes,
+                                            stream_same_bytes_train, time_stream, valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas

@@ -1,7 +1,7 @@
 """Host input pipeline throughput: the train loop's Feeder alone, no train step.
 
-    python experiments/bench_feed.py --config=h200 --workers=1,2,4,8          # on the GPU host
-    python experiments/bench_feed.py --config=small --cpu_devices=2 --steps=10
+    python -m benchmarks.bench_feed --config=h200 --workers=1,2,4,8          # on the GPU host
+    python -m benchmarks.bench_feed --config=small --cpu_devices=2 --steps=10
 
 For each worker count: the Feeder (gemjax.data.feeding) builds every (step, shard)
 of the synthetic stream in its thread pool, validates it (ids checked against the
@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
