@@ -13,8 +13,7 @@ Times are per call in a steady stream of back-to-back calls at the GPU's sustain
 (attention_workloads.time_stream: --warm_s=0.3 s of calls first, as the H200 throttles to its 700 W
 power cap within tens of ms; then the slope between rounds of --iters and 2 * --iters
 calls, so a round's fixed cost of first-dispatch latency and final sync drops out); the
-per-call time of the longer round, that cost included, is printed beside it as 'round'
-(sessions 1-10 reported rounds of 20 without the warm-up).
+per-call time of the longer round, that cost included, is printed beside it as 'round'.
 
 --chain=8 also times 8 calls chained inside one jit (per call): no dispatch gap between
 calls, as inside a training step. Rows: our kernels (the public defaults and engine /
@@ -208,7 +207,7 @@ def run_workload(wname, rng):
     if kind != "self":   # the fused backward's other settings beside the default
         # (default "auto": "k_rows" on W2, "q_rows" on W3), the rest kernel one tile per
         # program (rest_group; "auto": 8), and on W2 the dK/dV kernel's query loop whole
-        # (dkv_split 1), every key tile in 2 (the default until session 10) and the 16
+        # (dkv_split 1), every key tile in 2 and the 16
         # heaviest in 8 ("auto": the 32 heaviest in 4)
         alts = [("fused_bwd_off", dict(fused_bwd="off")), ("rest_group1", dict(rest_group=1))]
         if kind == "cross":

@@ -4,7 +4,7 @@
         --variants='gdpa_mosaic,gdpa_mosaic[act_packed=0],gdpa_mosaic[deferred_pv=0]'
 
 The H200's sustained clock drifts by a few percent as it warms under its power cap
-(kernels/NOTES.md, sessions 11-12), more than the knobs we compare gain. So each
+(docs/kernels.md), more than the knobs we compare gain. So each
 round times every variant once (attention_workloads.time_stream: --warm_s of calls,
 then the slope between rounds of --iters and 2 --iters calls), in an order rotated
 by one each round, and the table gives per variant and pass the mean, min and max

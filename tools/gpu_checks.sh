@@ -178,7 +178,7 @@ for s in "$@"; do
             --table_only --out="$OUT/ablate.json" ;;
     ncu_attention)
         # Nsight Compute on the second forward launch of each NCU_VARIANTS entry (W1; block:
-        # W4), its SASS page summarized by sass_stalls.py (kernels/NOTES.md, session 15)
+        # W4), its SASS page summarized by sass_stalls.py (docs/kernels.md)
         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
         for v in ${NCU_VARIANTS:-softmax_mosaic gdpa_mosaic block_triton}; do
             case $v in block*) k=block_attention_fwd wl=W4 ;; *) k=regex:mosaic wl=W1 ;; esac
