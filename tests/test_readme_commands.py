@@ -44,7 +44,7 @@ OWN_DATA = ("./run train --config=tiny --workdir=runs/own --steps=200 --eval_eve
             "data.train_path=data/own/train.parquet,data.eval_path=data/own/eval.parquet,"
             "data.batch_size=32,data.eval_batches=0,train.dense_lr=0.01,train.sparse_lr=0.5")
 # the layout section's example of running a program of experiments/, benchmarks/, tools/
-TOOL_HELP = "python -m tools.kernel_fingerprints --help"
+TOOL_HELP = "python -m tools.profile_summary --help"
 RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", OWN_DATA, TOOL_HELP, *AFTER_TINY}
 
 # README "Data": MovieLens-1M ranking
@@ -205,7 +205,7 @@ def _other_cpu_commands(tmp_path):
         for i in (0, 1):
             assert f"process {i} of 2 ({via}" in out and "all-gather saw processes [0, 1]" in out, out[-2000:]
     assert _run(["bash", "./run", "env"]).startswith("extra=")
-    assert "--compare" in _run(_argv(TOOL_HELP, tmp_path))     # the tool's own flags, run as a module
+    assert "--steps" in _run(_argv(TOOL_HELP, tmp_path))      # the tool's own flags, run as a module
 
 
 # ------------------------------------------------------------------ ./run's choice of jax build
