@@ -1,7 +1,7 @@
 """Ablation of the full GEM teacher on the synthetic planted-teacher stream.
 
-    python experiments/ablate.py --config=small --steps=2000 --seeds=0,1,2 --workdir=runs/ablate
-    python experiments/ablate.py --config=tiny --steps=4 --seeds=0,1 --variants=no_pma,no_experts
+    python -m experiments.ablate --config=small --steps=2000 --seeds=0,1,2 --workdir=runs/ablate
+    python -m experiments.ablate --config=tiny --steps=4 --seeds=0,1 --variants=no_pma,no_experts
 
 The full model is the teacher (model.kind=teacher) with a mixture of 4 Wukong
 experts and BlockAttention; --override applies after that (so it can retune the
@@ -38,14 +38,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Callable, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from gemjax.config import PRESETS, Config, apply_overrides, get_config  # noqa: E402
+from gemjax.config import PRESETS, Config, apply_overrides, get_config
 
 # What turns a preset into the full teacher (before --override).
 FULL = {"model.kind": "teacher", "model.use_sequences": "true", "model.num_experts": "4",

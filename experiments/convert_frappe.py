@@ -1,6 +1,6 @@
 """Frappe CTR -> Parquet splits + schema.json for gemjax.data.parquet.ParquetSource.
 
-    python experiments/convert_frappe.py --out=/tmp/gemjax-data/frappe [--seed=0]
+    python -m experiments.convert_frappe --out=/tmp/gemjax-data/frappe [--seed=0]
 
 Reads ../shared/datasets/frappe (or --data_dir) in place through
 gemjax.data.frappe.load_frappe (experiments/frappe.py converts through `convert`):
@@ -24,12 +24,9 @@ file order), in row groups of --row_group_rows.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 FIELDS = ("user", "item", "daytime", "weekday", "isweekend", "homework", "cost", "weather",
           "country", "city")

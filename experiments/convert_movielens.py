@@ -1,6 +1,6 @@
 """MovieLens-1M -> Parquet ranking and retrieval datasets + schema.json for ParquetSource.
 
-    python experiments/convert_movielens.py --out=/tmp/gemjax-data/ml-1m \\
+    python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m \\
         [--tasks=ranking,retrieval] [--negatives=4] [--max_history=200] [--seed=0] [--valid]
 
 Reads ../shared/datasets/ml-1m (or --data_dir) in place through
@@ -45,10 +45,7 @@ Negatives come from a numpy Generator seeded by (--seed, task, split).
 from __future__ import annotations
 
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402

@@ -1,7 +1,7 @@
 """Frappe CTR through the real trainer: convert once, train every model over seeds, print
 the test AUC / NE table.
 
-    python experiments/frappe.py --models=gem,lr --seeds=0,1,2 \
+    python -m experiments.frappe --models=gem,lr --seeds=0,1,2 \
         --data_out=/tmp/gemjax-data/frappe --workdir=runs/frappe
 
 1. Conversion: experiments/convert_frappe.py's `convert` writes the Parquet splits and
@@ -38,12 +38,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
 
 MODELS = {"gem": "model.kind=gem", "lr": "model.kind=lr"}
 CONVERTED = ("schema.json", "counts.json", "train.parquet", "holdout.parquet", "test.parquet")
@@ -90,12 +87,8 @@ def ensure_converted(data_dir: str, out: str, split_seed: int, holdout_fraction:
 
 
 def _convert_frappe():
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convert_frappe.py")
-    spec = importlib.util.spec_from_file_location("experiments_convert_frappe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)       # defines no flags at import
-    return module
+    from experiments import convert_frappe   # defines no flags at import
+    return convert_frappe
 
 
 def run_config(data: str, model: str, seed: int, override: str = ""):

@@ -1,9 +1,9 @@
 """MovieLens-1M next-item prediction with the GEM sequence stack as the user tower.
 
-    python experiments/movielens.py --out=runs/movielens/results.json           # today's model
-    python experiments/movielens.py --positions=learned --l2norm --loss=sampled \\
+    python -m experiments.movielens --out=runs/movielens/results.json           # today's model
+    python -m experiments.movielens --positions=learned --l2norm --loss=sampled \\
         --block_dropout=0.2 --final_norm=false --heads=1 --select=fixed --epochs=100  # SASRec recipe
-    python experiments/movielens.py --limit_users=64 --max_len=20 --epochs=2    # CPU smoke
+    python -m experiments.movielens --limit_users=64 --max_len=20 --epochs=2    # CPU smoke
 
 Protocol (gemjax.data.movielens): leave-last-out, the --max_len (200) most recent
 events, full ranking over the 3,706 items that occur. `test` excludes the items
@@ -47,10 +47,7 @@ import functools
 import json
 import math
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,6 +1,6 @@
 """One table from several experiments/movielens.py result files.
 
-    python experiments/movielens_table.py --dir=$OUT          # reads $OUT/ml1m_*.json
+    python -m experiments.movielens_table --dir=$OUT          # reads $OUT/ml1m_*.json
 
 Columns: test HR@10 / NDCG@10 / HR@50 / NDCG@50 with the history window excluded
 (the published protocol), HR@10 with it kept, the early-stopped model's HR@10

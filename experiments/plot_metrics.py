@@ -1,6 +1,6 @@
 """Loss, NE, AUC and samples/s curves of one or several training runs, in one PNG.
 
-    python experiments/plot_metrics.py --workdirs=runs/tiny,runs/small --out=runs/curves.png
+    python -m experiments.plot_metrics --workdirs=runs/tiny,runs/small --out=runs/curves.png
 
 Reads WORKDIR/metrics.jsonl of each run (the rows train.py writes) and draws four
 panels against the step: train loss (the mean over each log interval), NE (train

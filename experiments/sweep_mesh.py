@@ -1,9 +1,9 @@
 """Sweep mesh shapes: the real train step on each, weak scaling, E2E and Local MFU, cost model.
 
-    python experiments/sweep_mesh.py --config=h200 --override=model.kind=teacher --workdir=$OUT
-    python experiments/sweep_mesh.py --config=tiny --override=model.kind=teacher --cpu_devices=2 --steps=2
-    python experiments/sweep_mesh.py --shapes="fsdp=4;replica=2,fsdp=2" --table_replica_axes=replica
-    python experiments/sweep_mesh.py --list_only            # just the valid shapes
+    python -m experiments.sweep_mesh --config=h200 --override=model.kind=teacher --workdir=$OUT
+    python -m experiments.sweep_mesh --config=tiny --override=model.kind=teacher --cpu_devices=2 --steps=2
+    python -m experiments.sweep_mesh --shapes="fsdp=4;replica=2,fsdp=2" --table_replica_axes=replica
+    python -m experiments.sweep_mesh --list_only            # just the valid shapes
 
 Every sweep starts with the 1-device mesh (a sub-mesh of the first device), the
 base of the scaling figures. --weak_scaling (default): the preset's
@@ -12,7 +12,7 @@ so each device keeps the same local batch and the same packed capacity (shard s
 of step k holds the same samples on every mesh). --noweak_scaling: the preset
 batch is the global batch (strong scaling).
 
-Per mesh (bench style, like experiments/bench_step.py: `--batches` host batches
+Per mesh (bench style, like benchmarks/bench_step.py: `--batches` host batches
 built once and cycled, the jitted Trainer step timed on device only; no input
 pipeline in the timing): step ms, samples/s, E2E MFU, Local MFU, Scaling Ratio =
 E2E / Local, weak-scaling efficiency = samples/s per device / samples/s of 1
@@ -55,9 +55,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 flags.DEFINE_string("config", "tiny", "preset")
 flags.DEFINE_string("override", "", "section.field=value,... applied to the preset")
@@ -81,7 +79,7 @@ flags.DEFINE_bool("save_hlo", True, "write each mesh's compiled step (optimized 
                   "fusion names the profile shows) to workdir/hlo/<mesh>.txt.gz")
 flags.DEFINE_integer("profile_steps", 0, "> 0: after timing, trace this many steps per mesh with "
                      "jax.profiler (WORKDIR/profile/<mesh>) and print where device time goes "
-                     "(experiments/profile_summary.py)")
+                     "(tools/profile_summary.py)")
 flags.DEFINE_float("peak_flops", None, "peak FLOP/s per device (default: table by device kind)")
 flags.DEFINE_string("dtype", "bf16", "peak table column")
 flags.DEFINE_float("nvlink_gbps", 450.0, "cost model: NVLink GB/s per GPU per direction")
@@ -196,8 +194,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
             for i in range(FLAGS.profile_steps):
                 state, m = step(state, device_batches[i % nb], next_batch=device_batches[(i + 1) % nb])
             jax.block_until_ready((state, m))
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import profile_summary
+        from tools import profile_summary
         print(f"[sweep] {short(spec)}: device time of {FLAGS.profile_steps} traced steps ({profile})\n"
               + profile_summary.format_summary(profile_summary.summarize(
                   profile_summary.load_events(profile), FLAGS.profile_steps), top=12), flush=True)

@@ -1,13 +1,13 @@
 """Train a GEM model on the synthetic planted-teacher stream, or on Parquet files.
 
-    python experiments/train.py --config=small --workdir=runs/small
-    python experiments/train.py --config=tiny --steps=50 --override=model.dim=16,data.batch_size=128
+    python -m experiments.train --config=small --workdir=runs/small
+    python -m experiments.train --config=tiny --steps=50 --override=model.dim=16,data.batch_size=128
 
 Your own data: --features names a JSON feature schema (gemjax.data.features,
 FeatureSchema.to_dict's form) and data.source=parquet points the run at the files
 (columns named after the features; README "Train on your own data"):
 
-    python experiments/train.py --config=tiny --workdir=runs/own --features=schema.json \
+    python -m experiments.train --config=tiny --workdir=runs/own --features=schema.json \
         --override=data.source=parquet,data.train_path=train.parquet,data.eval_path=eval.parquet
 
 Parallel layout: --mesh names the physical axes (default: all devices on one
@@ -15,7 +15,7 @@ Parallel layout: --mesh names the physical axes (default: all devices on one
 --table_replica_axes picks the mesh axes the embedding tables are replicated
 over (the rest form the model-parallel group):
 
-    python experiments/train.py --config=tiny --mesh=replica=2,fsdp=2,expert=2 \
+    python -m experiments.train --config=tiny --mesh=replica=2,fsdp=2,expert=2 \
         --table_replica_axes=replica --cpu_devices=8
 
 Multi-process (JAX's multi-controller runtime): every process runs this script;
@@ -29,7 +29,7 @@ Eval-only: --mode=eval restores the newest checkpoint of --workdir (or
 applies on top, e.g. data.eval_batches=64), runs the training's evaluation and
 writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate):
 
-    python experiments/train.py --mode=eval --workdir=runs/tiny [--checkpoint_step=10]
+    python -m experiments.train --mode=eval --workdir=runs/tiny [--checkpoint_step=10]
 
 Writes WORKDIR/metrics.jsonl and WORKDIR/summary.json; rerunning with the same
 workdir resumes. With train.baselines (default on for `small`), a logistic
@@ -49,13 +49,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags, logging
 
-from absl import app, flags, logging  # noqa: E402
-
-from gemjax.config import PRESETS, apply_overrides, get_config, parse_overrides, validate  # noqa: E402
-from gemjax.data.features import FeatureSchema  # noqa: E402  (no jax import)
-from gemjax.train.guards import Interrupted, RunRefused  # noqa: E402  (no jax import)
+from gemjax.config import PRESETS, apply_overrides, get_config, parse_overrides, validate
+from gemjax.data.features import FeatureSchema  # no jax import
+from gemjax.train.guards import Interrupted, RunRefused  # no jax import
 
 flags.DEFINE_string("config", "small", f"preset: one of {sorted(PRESETS)}")
 flags.DEFINE_string("workdir", "runs/default", "output directory (resumes if it holds checkpoints)")

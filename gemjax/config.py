@@ -131,7 +131,7 @@ class TrainConfig:
     # around collectives inside it, which XLA:GPU runs as a host-synced conditional
     sparse_fixed_branches: bool = True
     # duplicate sum + row-wise Adagrad of the touched rows: "xla", or "pallas" (one fused
-    # kernel: 1.20 vs 1.93 ms per lookup + update step on one H200, experiments/bench_sparse.py;
+    # kernel: 1.20 vs 1.93 ms per lookup + update step on one H200, benchmarks/bench_sparse.py;
     # inside the h200 teacher's step on one H200 128.2 vs 128.9 ms, so "xla",
     # which runs everywhere, stays the default; interpret mode, slow, off GPU)
     sparse_update_impl: str = "xla"

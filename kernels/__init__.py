@@ -7,8 +7,15 @@ Public ops (packed jagged tokens; offsets [B+1] int32; rows past offsets[-1] are
                      window=None, impl=None)
     block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10_000.0,
                     sm_scale=None, impl=None)
-impl: None picks the fastest that runs here (Pallas Triton on GPU, jnp reference
-elsewhere), "reference" forces jnp, "pallas" forces the kernel (interpret mode off GPU).
+impl=None picks per call, from static facts (backend, head dim, dtype, masks, capacities):
+on GPU, gdpa and jagged_attention run "mosaic" (the Mosaic GPU kernels on Hopper, forward
+and backward; the Pallas Triton kernels wherever those do not apply: masks, float32, head
+dims other than 64 / 128, short samples, other GPUs) and block_attention its Pallas
+Triton kernels; off GPU every op runs its jnp reference. "reference" forces jnp,
+"pallas" the Triton kernels, "mosaic" (gdpa, jagged_attention) the Mosaic GPU kernels;
+off GPU the kernels run in their interpreters. Head dims the kernels do not take as is
+are zero-padded (kernels.common.padded_head_dim), or run the reference where padding
+cannot help. Design, tuning and measured speed: docs/kernels.md.
 """
 
 from kernels.block_attention import block_attention

@@ -4,7 +4,7 @@ backward: TMA loads, one producer warpgroup, two consumer warpgroups issuing wgm
 (both ops' default on a Hopper GPU) run these kernels as jagged_flash's forward
 (flash_forward, MosaicFlashForward) and backward (flash_backward, run_backward: dQ,
 and dK / dV with keys as the stationary rows; with `fused_dq` one kernel for all
-three), the Triton kernels where they do not apply. Timings: kernels/NOTES.md.
+three), the Triton kernels where they do not apply. Timings: docs/kernels.md.
 
     out = gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, activation="silu", scale=s)
     out, lse = softmax_mosaic_forward(q, k, v, q_offsets, kv_offsets, sm_scale=None)
@@ -1298,7 +1298,7 @@ def flash_forward(flash_cfg, dtype, d, tq, tk):
 # fused_delta (softmax): W1 on an H200, CUPTI device time of the whole forward + backward
 # 0.970 vs 0.980 ms (the XLA delta reduce, 0.025 ms, gone; dQ 0.013 ms longer), wall
 # 1.009 vs 1.012 ms. overlap_dp measured slower (dK / dV 0.441 vs 0.400 ms softmax,
-# 0.425 vs 0.391 GDPA): off (kernels/NOTES.md).
+# 0.425 vs 0.391 GDPA): off (docs/kernels.md).
 BACKWARD_TUNING = dict(block_kv=64, consumer_registers=240, producer_registers=24,
                        fused_delta=True)
 

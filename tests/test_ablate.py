@@ -16,11 +16,9 @@ from jax.sharding import Mesh
 
 from gemjax.config import get_config
 from gemjax.models.gem import build_model
-import experiment_scripts
+from experiments import ablate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ablate = experiment_scripts.load("ablate")
-
 # What each variant must change in the full model's ModelConfig, written out by hand.
 EXPECTED = {
     "full": {},
@@ -117,9 +115,9 @@ def test_variant_names_and_seeds_are_checked():
         ablate.parse_seeds(["0", "x"])
     with pytest.raises(ValueError, match="--seeds"):
         ablate.parse_seeds(["1", "1"])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ablate.py"),
+    r = subprocess.run([sys.executable, "-m", "experiments.ablate",
                         "--variants=full,no_sequence", "--workdir=/nonexistent/never"],
-                       capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--variants: unknown ['no_sequence']" in r.stderr
 
 

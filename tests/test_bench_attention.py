@@ -1,4 +1,4 @@
-"""experiments/bench_attention.py on CPU (Pallas interpret mode, 2 samples, 1 head): the
+"""benchmarks/bench_attention.py on CPU (Pallas interpret mode, 2 samples, 1 head): the
 figures it reports follow the issue's accounting, recomputed here from the workload lengths:
 useful FLOPs 4 H D sum(Lq Lkv) over valid pairs (64-token blocks for W4), 3.5x for
 forward+backward, the HBM floor max(FLOPs / 625 TF/s, bytes / 3.6 TB/s)."""
@@ -26,7 +26,7 @@ def _lengths(name, n):
 def test_reported_figures_follow_the_accounting(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_attention.py"),
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention",
                         "--workloads=W2,W4", "--max_samples=2", "--heads=1", "--iters=1",
                         "--warm_s=0", "--nobaselines", "--chain=2",
                         f"--out={out}"], capture_output=True, text=True, timeout=600, env=env)
@@ -80,8 +80,7 @@ def test_block_sweep_grids_are_valid_knobs():
     not run: its checks raise at trace time)."""
     import jax
     import jax.numpy as jnp
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    import attention_workloads as ba     # flag-free: bench_attention's absl flags stay out
+    from benchmarks import attention_workloads as ba   # flag-free: bench_attention's absl flags stay out
     from kernels.block_attention.pallas import block_attention_pallas
     q = jax.ShapeDtypeStruct((256, 1, 128), jnp.bfloat16)
     off = jnp.asarray([0, 100, 256], jnp.int32)
@@ -95,8 +94,7 @@ def test_block_sweep_grids_are_valid_knobs():
 def test_time_stream_drops_a_rounds_fixed_cost(monkeypatch):
     """On a fake clock: each call costs 3 units, each sync 40. The steady figure is the
     3 per call; the round figure carries the sync's share (40 / 2n per call)."""
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    import attention_workloads as aw
+    from benchmarks import attention_workloads as aw
     import jax
     clock = [0.0]
     monkeypatch.setattr(aw.time, "perf_counter", lambda: clock[0])
@@ -116,11 +114,11 @@ def test_time_stream_drops_a_rounds_fixed_cost(monkeypatch):
 
 
 def test_ab_attention_interleaves_and_counts_wins(tmp_path):
-    """experiments/ab_attention.py on CPU: every variant timed once per round, the table's
+    """tools/ab_attention.py on CPU: every variant timed once per round, the table's
     mean / min / max / TF/s / win counts recomputed from the per-round times it wrote."""
     out = tmp_path / "ab.json"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ab_attention.py"),
+    r = subprocess.run([sys.executable, "-m", "tools.ab_attention",
                         "--workload=W2", "--max_samples=3", "--rounds=3", "--iters=1", "--warm_s=0",
                         "--variants=gdpa_triton,softmax_triton", "--passes=fwd",
                         f"--out={out}"], capture_output=True, text=True, timeout=600, env=env)
@@ -146,11 +144,7 @@ def test_ab_attention_interleaves_and_counts_wins(tmp_path):
 def test_ab_attention_leaves_out_a_variant_that_fails():
     """A variant that fails to compile or run (e.g. shared memory over the budget) is
     reported with its pass and left out; the others are kept."""
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    try:
-        import attention_workloads   # no flags: ab_attention's would clash in this process
-    finally:
-        sys.path.pop(0)
+    from benchmarks import attention_workloads   # no flags: ab_attention's would clash in this process
 
     def boom(x):
         raise ValueError("Mosaic GPU kernel exceeds available shared memory")
@@ -166,6 +160,6 @@ def test_ab_attention_leaves_out_a_variant_that_fails():
 
 def test_ab_attention_rejects_bad_passes():
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "ab_attention.py"),
+    r = subprocess.run([sys.executable, "-m", "tools.ab_attention",
                         "--passes=backward"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "--passes" in r.stderr

@@ -1,4 +1,4 @@
-"""experiments/bench_sparse.py on CPU (tiny table): every row kind comes out, and the
+"""benchmarks/bench_sparse.py on CPU (tiny table): every row kind comes out, and the
 bandwidth figures follow the byte accounting of its docstring."""
 
 import json
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_rows_and_bandwidth_accounting(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_sparse.py"),
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_sparse",
                         "--vocab=20000", "--batch=64", "--ids_per_sample=5", "--dim=16",
                         "--variants=sort_buckets", "--naive_rows=5000", "--probe_rows=",
                         "--steps=2", f"--out={out}"], capture_output=True, text=True,

@@ -1,6 +1,6 @@
-"""experiments/movielens_shaped.py (a MovieLens-shaped ranking dataset of random ids) against
+"""benchmarks/movielens_shaped.py (a MovieLens-shaped ranking dataset of random ids) against
 the ranking converter's output and the real file's measured lengths; and
-experiments/bench_train_feed.py end to end on it, 2 + 2 train steps of a small model."""
+benchmarks/bench_train_feed.py end to end on it, 2 + 2 train steps of a small model."""
 
 import dataclasses
 import json
@@ -12,12 +12,13 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from experiment_scripts import ROOT, load
 from gemjax.data.features import FeatureSchema
 from tests.test_converters import write_ml
 
-ms = load("movielens_shaped")
-cm = load("convert_movielens")
+from benchmarks import movielens_shaped as ms
+from experiments import convert_movielens as cm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the real converted train.parquet's counts.json (convert_movielens.py --tasks=ranking
 # --train_positions=5 --max_history=50 on MovieLens-1M): rows, mean history length
@@ -85,7 +86,7 @@ def test_bench_train_feed_measures_each_case_and_records_a_failing_one(tmp_path)
     ms.write(str(data), users=120)
     out = tmp_path / "bench.json"
     r = subprocess.run(
-        [sys.executable, "experiments/bench_train_feed.py", "--cases=movielens_rank,no_such_preset",
+        [sys.executable, "-m", "benchmarks.bench_train_feed", "--cases=movielens_rank,no_such_preset",
          "--case_override=movielens_rank:model.kind=lr,data.batch_size=64",
          "--warmup=2", "--steps=4", "--log_every=2", "--iters=2", "--batches=2", "--feed_steps=2",
          "--cpu_devices=1", f"--data_dir={data}", f"--workdir={tmp_path / 'work'}", f"--out={out}"],

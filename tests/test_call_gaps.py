@@ -1,16 +1,10 @@
-"""experiments/call_gaps.py on CPU (its timing needs a GPU): the split of synthetic perfetto
+"""tools/call_gaps.py on CPU (its timing needs a GPU): the split of synthetic perfetto
 events into device kernels and host work (busy time and gaps are profile_summary.idle's,
 tested in test_profile_summary.py), and the variants' functions."""
 
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-import call_gaps  # noqa: E402
+from tools import call_gaps
 
 
 def test_split_events_by_process():

@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from experiment_scripts import ROOT, load
+from experiments import convert_frappe as cf
+from experiments import convert_movielens as cm
 from gemjax.data.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature,
                                   Table)
 from gemjax.data.frappe import DEFAULT_DIR as FRAPPE_DIR
@@ -27,8 +28,7 @@ from gemjax.data.parquet import ParquetSource
 from gemjax.data.parquet import columns_from_schema
 from gemjax.data.parquet_writer import check_out_dir
 
-cf = load("convert_frappe")
-cm = load("convert_movielens")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def read_rows(directory, split, order, batch_size=None, seed=0):

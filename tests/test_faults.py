@@ -48,8 +48,8 @@ class Run:
         if pause:
             env["GEMJAX_TEST_PAUSE"] = pause
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args,
-             f"--workdir={workdir}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "experiments.train", *args,
+             f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)
         self.lines = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from experiment_scripts import load
+from experiments import convert_frappe as cf
 from gemjax.config import FRAPPE_SCHEMA, apply_overrides, config_from_dict, get_config
 from gemjax.data.features import FeatureSchema
 from gemjax.serve.evaluate import evaluate_checkpoint
 from gemjax.train.loop import train
 
-cf = load("convert_frappe")
 
 
 def write_frappe(d, n_valid=60, n_test=21, seed=0):
@@ -89,17 +88,17 @@ def test_two_steps_of_the_frappe_recipe(frappe_dir, tmp_path, kind):
 
 
 def test_frappe_script_converts_once_trains_each_model_and_seed_and_prints_the_table(tmp_path):
-    """experiments/frappe.py on fake files, 2 steps a run: it converts into --data_out,
+    """python -m experiments.frappe on fake files, 2 steps a run: it converts into --data_out,
     trains lr over seeds 0 and 1 through train(), and its table's mean ± std is that of
     the runs' own final eval rows. A second call reuses the conversion and the finished
     runs; another split seed on the same --data_out is refused by name."""
     import subprocess
     import sys
 
-    from experiment_scripts import ROOT
+    ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     write_frappe(tmp_path / "raw")
     data, runs = tmp_path / "data", tmp_path / "runs"
-    argv = [sys.executable, "experiments/frappe.py", f"--data_dir={tmp_path / 'raw'}",
+    argv = [sys.executable, "-m", "experiments.frappe", f"--data_dir={tmp_path / 'raw'}",
             f"--data_out={data}", f"--workdir={runs}", "--models=lr", "--seeds=0,1",
             "--override=data.batch_size=16,train.steps=2,train.log_every=1,train.eval_every=2,"
             "train.checkpoint_every=2,train.warmup_steps=1"]

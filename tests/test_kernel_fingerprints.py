@@ -1,15 +1,10 @@
-"""experiments/kernel_fingerprints.py: the hash of a kernel's cuda export ignores where the
+"""tools/kernel_fingerprints.py: the hash of a kernel's cuda export ignores where the
 code sits in its file and changes when the program does."""
-
-import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "experiments"))
-from kernel_fingerprints import _train, fingerprint  # noqa: E402
+from tools.kernel_fingerprints import _train, fingerprint
 
 SRC = """
 from kernels.gdpa.pallas import gdpa_pallas

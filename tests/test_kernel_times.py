@@ -1,4 +1,4 @@
-"""experiments/kernel_times.py on CPU: its variant specs (attention_workloads.parse_variant)
+"""tools/kernel_times.py on CPU: its variant specs (attention_workloads.parse_variant)
 and its no-GPU exit."""
 
 import os
@@ -8,11 +8,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 
 def test_variant_specs():
-    from attention_workloads import parse_variant
+    from benchmarks.attention_workloads import parse_variant
     assert parse_variant("gdpa_triton") == ("gdpa", "triton", ())
     assert parse_variant("softmax_mosaic[fused_delta=1+overlap_dp=1]") == (
         "softmax", "mosaic", (("fused_delta", True), ("overlap_dp", True)))
@@ -27,7 +26,7 @@ def test_variant_specs():
 
 def test_without_gpu_exits_with_a_message(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernel_times.py"),
+    r = subprocess.run([sys.executable, "-m", "tools.kernel_times",
                         f"--out={tmp_path / 'k.json'}"], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode != 0

@@ -818,7 +818,7 @@ def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
     _assert_grads_close(got, ref)
 
 
-# ------------------------------------------------ CPU: experiments/bench_gdpa_mosaic.py
+# ------------------------------------------------ CPU: tools/bench_gdpa_mosaic.py
 
 def _bench(args, tmp_path, platforms="cpu"):
     import os
@@ -826,8 +826,7 @@ def _bench(args, tmp_path, platforms="cpu"):
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS=platforms)
-    script = os.path.join(root, "experiments", "bench_gdpa_mosaic.py")
-    return subprocess.run([sys.executable, script, f"--out={tmp_path / 'bench.json'}", *args],
+    return subprocess.run([sys.executable, "-m", "tools.bench_gdpa_mosaic", f"--out={tmp_path / 'bench.json'}", *args],
                           capture_output=True, text=True, timeout=300, env=env)
 
 

@@ -13,9 +13,8 @@ from flax import nnx
 
 from gemjax.data.jagged import pack
 from gemjax.data.movielens import MovieLens, exclude_history, leave_last_out, ranking_metrics
-import experiment_scripts
-
-mlx = experiment_scripts.load("movielens")
+from experiments import movielens as mlx
+from experiments import movielens_table
 
 
 def tiny_movielens(users=12, items=30, seed=0):
@@ -162,7 +161,7 @@ def test_protocol_runs_every_flag(kw):
 
 
 def test_summary_table_reads_results_and_flags_broken_files(tmp_path):
-    tbl = experiment_scripts.load("movielens_table")
+    tbl = movielens_table
     res = {"test": {"hr@10": 0.3125, "ndcg@10": 0.1875, "hr@50": 0.5625, "ndcg@50": 0.25},
            "test_unmasked": {"hr@10": 0.2813}, "test_from": "refit", "epochs_picked": 35,
            "test_early_stopped": {"hr@10": 0.2969}, "wall_s": 321.0,

@@ -37,7 +37,7 @@ def _readme_commands():
     data = text[text.index("\n## Data\n"):]
     block = next(b for b in re.findall(r"```bash\n(.*?)```", data, re.S) if "movielens_rank" in b)
     lines = [" ".join(ln.split()) for ln in block.replace("\\\n", " ").splitlines() if ln.strip()]
-    (conv,) = [shlex.split(ln) for ln in lines if "convert_movielens.py" in ln]
+    (conv,) = [shlex.split(ln) for ln in lines if "experiments.convert_movielens" in ln]
     (run,) = [shlex.split(ln) for ln in lines if ln.startswith("./run train")]
     for variant in VARIANTS.values():
         assert f"`{variant}`" in data or variant == VARIANTS["teacher"], variant
@@ -50,9 +50,9 @@ def fake_ranking(tmp_path_factory):
     conv, run = _readme_commands()
     src, out = tmp_path_factory.mktemp("ml-1m"), tmp_path_factory.mktemp("conv")
     write_ml(src)
-    assert conv[:2] == ["python", "experiments/convert_movielens.py"]
-    args = [a.replace(DATA_OUT, str(out)) for a in conv[2:]] + [f"--data_dir={src}"]
-    r = subprocess.run([sys.executable, os.path.join(ROOT, *conv[1].split("/"))] + args,
+    assert conv[:3] == ["python", "-m", "experiments.convert_movielens"]
+    args = [a.replace(DATA_OUT, str(out)) for a in conv[3:]] + [f"--data_dir={src}"]
+    r = subprocess.run([sys.executable, "-m", conv[2]] + args, cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return out / "ranking", [a.replace(DATA_OUT, str(out)) for a in run]

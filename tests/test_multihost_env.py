@@ -87,7 +87,7 @@ def test_slurm_environment_joins_two_processes_and_plain_runs_stay_single():
 
 
 def test_train_cli_names_the_missing_flags():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--config=tiny",
+    r = subprocess.run([sys.executable, "-m", "experiments.train", "--config=tiny",
                         "--num_processes=2", "--process_id=1"], env=_env(), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0

@@ -57,7 +57,7 @@ def test_readme_example_trains_the_gem_model_on_its_parquet_files(tmp_path):
     r = subprocess.run([sys.executable, "write_data.py"], cwd=tmp_path, env=_env(), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py")] + words[2:],
+    r = subprocess.run([sys.executable, "-m", "experiments.train"] + words[2:],
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{cmd}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     out = r.stdout

@@ -1,13 +1,12 @@
-"""experiments/profile_summary.py: device events summed per step by name and kind from a
+"""tools/profile_summary.py: device events summed per step by name and kind from a
 perfetto trace; host events ignored; files found under a directory."""
 
 import gzip
 import json
 
 import pytest
-import experiment_scripts
+from tools import profile_summary as P
 
-P = experiment_scripts.load("profile_summary")
 
 
 def _trace():

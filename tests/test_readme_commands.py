@@ -4,7 +4,7 @@ Every command of the README (each line or loop of a ```bash block, and each inli
 code span that starts like a command) must be in RUN or in SKIP (with the reason);
 a new command in neither fails the test, so none goes untested unnoticed. The RUN
 commands are executed as written, with three substitutions only: `./run train` is
-the `.venv/bin/python experiments/train.py` it execs, `python` / `.venv/bin/python`
+the `.venv/bin/python -m experiments.train` it execs, `python` / `.venv/bin/python`
 is this interpreter, and a `--workdir=` (the plot's `--workdirs=` and `--out=`) moves under a
 temporary directory.
 """
@@ -36,17 +36,19 @@ REHEARSE_FLAGS = ("for i in 0 1; do .venv/bin/python -m gemjax.parallel.multihos
 # run after TINY, on its workdir
 AFTER_TINY = ("./run train --mode=eval --workdir=runs/tiny",
               "./run train --mode=eval --workdir=runs/tiny --checkpoint_step=30",
-              ".venv/bin/python experiments/plot_metrics.py --workdirs=runs/tiny --out=runs/tiny/curves.png")
+              ".venv/bin/python -m experiments.plot_metrics --workdirs=runs/tiny --out=runs/tiny/curves.png")
 # "Train on your own data": run (after the section's Python writes its files) by
 # tests/test_own_data.py
 OWN_DATA = ("./run train --config=tiny --workdir=runs/own --steps=200 --eval_every=100 "
             "--features=data/own/schema.json --override=data.source=parquet,"
             "data.train_path=data/own/train.parquet,data.eval_path=data/own/eval.parquet,"
             "data.batch_size=32,data.eval_batches=0,train.dense_lr=0.01,train.sparse_lr=0.5")
-RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", OWN_DATA, *AFTER_TINY}
+# the layout section's example of running a program of experiments/, benchmarks/, tools/
+TOOL_HELP = "python -m tools.profile_summary --help"
+RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", OWN_DATA, TOOL_HELP, *AFTER_TINY}
 
 # README "Data": MovieLens-1M ranking
-ML_RANK = ("python experiments/convert_movielens.py --out=/tmp/gemjax-data/ml-1m --tasks=ranking "
+ML_RANK = ("python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m --tasks=ranking "
            "--train_positions=5 --max_history=50",
            "./run train --config=movielens_rank --workdir=runs/ml_rank_teacher_0 --seed=0 "
            "--features=/tmp/gemjax-data/ml-1m/ranking/schema.json --override=data.source=parquet,"
@@ -59,7 +61,7 @@ SKIP = {
     "./run train": LONG,
     "./run": "the script named in prose, no command",
     "./run test": "the suite itself (CI runs it; this test is part of it)",
-    "python experiments/frappe.py --models=gem,lr --seeds=0,1,2":
+    "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
     "./run setup": "installs into .venv; CI's `./run test` runs the same setup",
@@ -72,14 +74,14 @@ SKIP = {
     "python -m gemjax.parallel.multihost": "a description; its rehearsals below run",
     "srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python -m gemjax.parallel.multihost":
         "SLURM cluster; tests/test_multihost_env.py starts 2 processes with srun's environment",
-    "srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python experiments/train.py "
+    "srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python -m experiments.train "
     f"--config=h200 {GPU_TEACHER} --mesh=replica=2,fsdp=8 --table_replica_axes=replica "
     "--batch_size=65536 --workdir=runs/h200x16": "SLURM cluster of GPUs",
-    ".venv/bin/python experiments/train.py --config=h200 --override=model.kind=teacher --mesh=replica=2,fsdp=8 "
+    ".venv/bin/python -m experiments.train --config=h200 --override=model.kind=teacher --mesh=replica=2,fsdp=8 "
     "--coordinator=host0:12355 --num_processes=2 --process_id=0": "2 GPU hosts; the CPU rehearsal runs",
-    ".venv/bin/python experiments/train.py --config=h200 --override=model.kind=teacher --mesh=replica=2,fsdp=8 "
+    ".venv/bin/python -m experiments.train --config=h200 --override=model.kind=teacher --mesh=replica=2,fsdp=8 "
     "--coordinator=host0:12355 --num_processes=2 --process_id=1": "2 GPU hosts; the CPU rehearsal runs",
-    "python experiments/ablate.py --config=small --steps=1000 --seeds=0,1,2 "
+    "python -m experiments.ablate --config=small --steps=1000 --seeds=0,1,2 "
     "--override=data.batch_size=1024,model.dim=32,model.seq_heads=1": "one H200, 7 variants x 1000 steps",
     **{cmd: "MovieLens-1M (not in CI); tests/test_movielens_trainer.py runs it on a fake MovieLens"
        for cmd in ML_RANK},
@@ -132,7 +134,7 @@ def _env():
 def _argv(cmd, tmp):
     words = shlex.split(cmd)
     if words[:2] == ["./run", "train"]:
-        words = [sys.executable, os.path.join("experiments", "train.py")] + words[2:]
+        words = [sys.executable, "-m", "experiments.train"] + words[2:]
     elif words[0] in ("python", ".venv/bin/python"):
         words = [sys.executable] + words[1:]
     return [f"--workdir={tmp}/{w.split('=', 1)[1]}" if w.startswith("--workdir=") else w for w in words]
@@ -205,6 +207,7 @@ def _other_cpu_commands(tmp_path):
         for i in (0, 1):
             assert f"process {i} of 2 ({via}" in out and "all-gather saw processes [0, 1]" in out, out[-2000:]
     assert _run(["bash", "./run", "env"]).startswith("extra=")
+    assert "--steps" in _run(_argv(TOOL_HELP, tmp_path))      # the tool's own flags, run as a module
 
 
 # ------------------------------------------------------------------ ./run's choice of jax build

@@ -1,13 +1,12 @@
-"""experiments/sass_stalls.py: ncu's per-instruction stall samples summed by reason, by
+"""tools/sass_stalls.py: ncu's per-instruction stall samples summed by reason, by
 straight-line region and by opcode, from its SASS page export."""
 
 import csv
 import gzip
 
 import pytest
-import experiment_scripts
+from tools import sass_stalls as S
 
-S = experiment_scripts.load("sass_stalls")
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
           "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed",

@@ -68,7 +68,7 @@ def test_eval_mode_flag(run, tmp_path):
     workdir, evals = run
     if os.path.exists(eval_path(workdir, 6)):
         os.remove(eval_path(workdir, 6))           # the subprocess must write it
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--mode=eval",
+    r = subprocess.run([sys.executable, "-m", "experiments.train", "--mode=eval",
                         f"--workdir={workdir}", "--cpu_devices=1"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -76,7 +76,7 @@ def test_eval_mode_flag(run, tmp_path):
     with open(eval_path(workdir, 6)) as f:
         _same_metrics(json.load(f), evals[6])
     # --checkpoint_step belongs to --mode=eval: refused before any jax work
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+    r = subprocess.run([sys.executable, "-m", "experiments.train",
                         "--checkpoint_step=3", f"--workdir={tmp_path}"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0 and "--checkpoint_step picks the checkpoint of --mode=eval" in r.stderr

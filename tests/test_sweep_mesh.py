@@ -17,7 +17,7 @@ COLUMNS = ("mesh", "devices", "local_batch", "global_batch", "step_s", "samples_
 def test_sweep_tiny_on_two_cpu_devices(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments", "sweep_mesh.py"), "--config=tiny",
+        [sys.executable, "-m", "experiments.sweep_mesh", "--config=tiny",
          "--override=data.batch_size=8,data.seq_median=4,data.seq_cap=8,model.wukong_layers=1",
          "--cpu_devices=2", "--shapes=replica=2,fsdp=1,expert=1", "--steps=1", "--batches=1",
          "--peak_flops=1e11", "--predict_gpus=64,1024", "--profile_steps=1", f"--workdir={tmp_path}"],

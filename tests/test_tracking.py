@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-import experiment_scripts
+from experiments import plot_metrics
 from gemjax.config import apply_overrides, get_config
 from gemjax.train import tracking
 from gemjax.train.loop import train
@@ -225,16 +225,16 @@ def test_profile_steps_write_an_xplane_trace(run):
     ("2:30", "--profile_steps='2:30': the run has 20 steps"),
 ])
 def test_profile_steps_flag_errors(value, message, tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--config=tiny",
+    r = subprocess.run([sys.executable, "-m", "experiments.train", "--config=tiny",
                         f"--workdir={tmp_path}", f"--profile_steps={value}"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0 and message in r.stderr + r.stdout, r.stderr[-2000:]
     assert not os.listdir(tmp_path)                       # refused before anything ran
 
 
 def test_plot_metrics_reads_rows_and_draws_a_png(run, tmp_path):
     wd, _, _ = run
-    P = experiment_scripts.load("plot_metrics")
+    P = plot_metrics
     curves = P.read_curves(wd)
     rows = _rows(wd)
     for name, (kind, key) in P.CURVES.items():
@@ -242,9 +242,9 @@ def test_plot_metrics_reads_rows_and_draws_a_png(run, tmp_path):
         want = [(r["step"], r[key]) for r in rows if r["kind"] == kind]
         assert steps.tolist() == [s for s, _ in want] and values.tolist() == [v for _, v in want], name
     out = tmp_path / "curves.png"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "plot_metrics.py"),
+    r = subprocess.run([sys.executable, "-m", "experiments.plot_metrics",
                         f"--workdirs={wd},{wd}", "--labels=a,b", f"--out={out}", "--size=640x480"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     png = out.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
@@ -252,7 +252,7 @@ def test_plot_metrics_reads_rows_and_draws_a_png(run, tmp_path):
 
 
 def test_plot_metrics_names_bad_input(tmp_path):
-    P = experiment_scripts.load("plot_metrics")
+    P = plot_metrics
     with pytest.raises(ValueError, match=r"metrics.jsonl: no such file"):
         P.read_curves(str(tmp_path))
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "kind": "train", "loss": 0.5}\n\n'

@@ -146,9 +146,9 @@ def test_config_errors():
 
 
 def test_cli_rejects_unknown_preset_with_a_clear_message():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+    r = subprocess.run([sys.executable, "-m", "experiments.train",
                         "--config=nope", "--workdir=/tmp/unused"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, cwd=ROOT)
     assert r.returncode != 0
     assert "unknown config preset 'nope'" in r.stderr + r.stdout
 

@@ -1,13 +1,12 @@
-"""experiments/triton_report.py: the occupancy arithmetic by hand, and step 1 (lowering the
+"""tools/triton_report.py: the occupancy arithmetic by hand, and step 1 (lowering the
 kernels for sm_90 on this CPU) keeps one Triton module per kernel with the launch
 parameters the kernels ask for. Step 2 needs the triton package (not in CI)."""
 
 import os
 
 import pytest
-import experiment_scripts
+from tools import triton_report as R
 
-R = experiment_scripts.load("triton_report")
 
 
 def test_occupancy_by_hand():

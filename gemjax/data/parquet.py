@@ -81,7 +81,7 @@ shuffle works per record; its resume state is an iterator position, not a
 function of the step; and its worker processes would each decode the row groups
 of the steps they build and copy every batch through shared memory. On a
 1M-row file (one list<int32> column, mean length 100, row groups of 16,384 rows,
-batches of 4,096; experiments/bench_parquet.py, one epoch, cold cache, a shared
+batches of 4,096; benchmarks/bench_parquet.py, one epoch, cold cache, a shared
 2-core CPU host):
   this reader, shuffle (window 65,536) / time order        ~270k rows/s (25M tokens/s)
   grain ParquetIterDataset + WindowShuffle + packing        ~68k rows/s

@@ -174,7 +174,7 @@ class PyramidLevel(nnx.Module):
         return jnp.where(nonempty[:, None], out, 0).astype(pool.dtype)
 
     def _pool_packed(self, x: jax.Array, jagged: Jagged) -> jax.Array:
-        """The former pooling, kept as the tests' second path: x [T, d] -> [NB * pooled, d].
+        """A second pooling path, for the tests: x [T, d] -> [NB * pooled, d].
 
         Tiles the learned queries over all NB blocks and runs JaggedCrossAttention over
         the whole packed buffer (O(NB * pooled * T) masked work on the CPU reference).

@@ -87,7 +87,7 @@ search, ~0.45 ms per step); since then the two are even
 (experiments/sweep_mesh.py --shapes=replica=1, side by side on two H200s: 128.2 ms
 with "pallas", 128.9 with "xla"), so "xla", which runs everywhere, stays the default.
 Measured on one H200 (1e8 x 128 table, Zipf 1.05, 1.3M ids, pooled bags,
-experiments/bench_sparse.py), lookup + update step: dedup="sort" with
+benchmarks/bench_sparse.py), lookup + update step: dedup="sort" with
 DEFAULT_BUCKETS 1.98 ms; sort_scatter 2.74 ms; scatter 2.80 ms; sort without
 buckets 3.99 ms.
 """

@@ -28,7 +28,7 @@ def gdpa(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
         impl = default_impl("gdpa", q.shape[-1])
         if impl == "pallas":   # W1 forward 0.235 vs 0.278 ms, forward + backward 0.738 vs
-            impl = "mosaic"    # 0.969 ms (kernels/NOTES.md); Triton where Mosaic does not apply
+            impl = "mosaic"    # 0.969 ms (docs/kernels.md); Triton where Mosaic does not apply
     if impl == "reference":
         return gdpa_reference(q, k, v, q_offsets, kv_offsets, activation=activation,
                               scale=scale, causal=causal, window=window)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from kernels.jagged_flash import FlashConfig, jagged_flash
 
-# Tiles measured on the H200 (kernels/NOTES.md); interpret mode uses the same.
+# Tiles measured on the H200 (docs/kernels.md); interpret mode uses the same.
 TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=3,
              num_warps_bwd=4, num_stages_bwd=2)
 

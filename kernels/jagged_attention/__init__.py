@@ -27,7 +27,7 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, causal=Fa
     if impl is None:  # Pallas on GPU when its tiles fit D, else the jnp reference
         impl = default_impl("jagged_attention", q.shape[-1])
         if impl == "pallas":   # W1 forward 0.304 vs 0.402 ms, forward + backward 1.079 vs
-            impl = "mosaic"    # 1.334 ms (kernels/NOTES.md); Triton where Mosaic does not apply
+            impl = "mosaic"    # 1.334 ms (docs/kernels.md); Triton where Mosaic does not apply
     if impl == "reference":
         return jagged_attention_reference(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
                                           causal=causal, window=window)

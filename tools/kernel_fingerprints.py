@@ -6,9 +6,9 @@ kernels for platforms=["cuda"] (jax.export lowers the Pallas kernels without a G
 hash per program. Equal hashes before and after a refactor mean the GPU runs the same
 kernels, so GPU test results and timings of the earlier code still stand.
 
-    PYTHONPATH=. python3 experiments/kernel_fingerprints.py --out=/tmp/after.json
-    git stash; ...; python3 experiments/kernel_fingerprints.py --out=/tmp/before.json
-    PYTHONPATH=. python3 experiments/kernel_fingerprints.py --compare=/tmp/before.json
+    python3 -m tools.kernel_fingerprints --out=/tmp/after.json
+    git stash; ...; python3 -m tools.kernel_fingerprints --out=/tmp/before.json
+    python3 -m tools.kernel_fingerprints --compare=/tmp/before.json
 """
 
 import hashlib

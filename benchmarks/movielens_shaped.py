@@ -1,11 +1,11 @@
 """A MovieLens-SHAPED ranking dataset: the layout of experiments/convert_movielens.py's
 ranking output, with random ids, for machines that do not hold MovieLens-1M.
 
-    python experiments/movielens_shaped.py --out=/tmp/gemjax-data/ml-shaped [--users=6040]
+    python -m benchmarks.movielens_shaped --out=/tmp/gemjax-data/ml-shaped [--users=6040]
 
 Writes --out/train.parquet, test.parquet, schema.json and counts.json, shaped like
 
-    python experiments/convert_movielens.py --tasks=ranking --train_positions=5 --max_history=50
+    python -m experiments.convert_movielens --tasks=ranking --train_positions=5 --max_history=50
 
 (the README's `movielens_rank` recipe): the same columns and types (user, gender, age,
 occupation, history_item, history_genre [list<int32>], item, genre [int32], label
@@ -30,13 +30,10 @@ permuted over the users); another count draws t0 from it.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+import numpy as np
+from absl import app, flags
 
 # Measured on the real converted data (convert_movielens.py --tasks=ranking
 # --train_positions=5 --max_history=50 on MovieLens-1M, train.parquet: 151,000 rows,
@@ -60,12 +57,8 @@ FIRST_POSITION_USERS = {
 
 def schema():
     """convert_movielens.movielens_schema at MovieLens-1M's sizes."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convert_movielens.py")
-    spec = importlib.util.spec_from_file_location("experiments_convert_movielens", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)           # defines no flags at import
-    return module.movielens_schema(USERS, USER_VOCAB, ITEM_ROWS, GENRES, MAX_HISTORY)
+    from experiments import convert_movielens   # defines no flags at import
+    return convert_movielens.movielens_schema(USERS, USER_VOCAB, ITEM_ROWS, GENRES, MAX_HISTORY)
 
 
 def first_positions(users: int, rng: np.random.Generator) -> np.ndarray:

@@ -37,7 +37,7 @@ def time_stream(fn, *args, iters: int = 20, warm_s: float = 0.3) -> tuple[float,
 
     First fn runs back to back for warm_s seconds: the H200 reaches its 700 W power cap
     within tens of ms of dense matmul work and its SM clock then drops (1980 to ~1455
-    MHz in session 11), so W1's forward+backward runs ~9% slower sustained than in a
+    MHz measured on W1), so W1's forward+backward runs ~9% slower sustained than in a
     burst of 5 calls. The figures here are the sustained ones a training run sees, for
     every row alike; a row timed right after a lighter one would otherwise start
     at the boost clock.
@@ -192,7 +192,7 @@ def op_fn(op, engine, knobs, qo, ko, scale):
 # chunked-RoPE sets (registers per the resource report: forward 8:1:1:4 80, 4:1:1:4 130;
 # backward 8:1:1:4 123, 4:1:1:2 168, against 244 / 255 + spill unchunked), then the
 # unchunked sets (the forward default 4:2:4 among them; the backward default is
-# 4:1:1:2) and the rest. 2:1:1 was 2.6x slower.
+# 4:1:1:2) and the rest. 2:1:1 ran 2.6x slower.
 BLOCK_FWD_GRID = ["4:2:2:2", "4:2:4:2", "4:2:4:4", "4:2:2:4", "4:1:1:2", "4:3:4:2",
                   "4:2:2", "4:2:4", "4:1:1", "4:1:2", "4:3:2", "4:3:4", "4:2:8", "8:2:2"]
 BLOCK_BWD_GRID = ["4:1:1:2", "4:2:1:2", "4:1:2:2", "4:2:2:2", "4:1:4:2", "4:1:1:4", "4:2:1:4",

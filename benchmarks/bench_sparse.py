@@ -1,6 +1,6 @@
 """Sparse embedding step: routed lookup + fused row-wise Adagrad, every dedup variant vs naive JAX.
 
-    PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=.97 python3 experiments/bench_sparse.py \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=.97 python3 -m benchmarks.bench_sparse \
         --vocab=100000000 --dim=128 --batch=65536 --ids_per_sample=20 --out=$OUT/bench_sparse.json
     ... --shard            the same table row-wise over every local GPU (global batch --batch)
 
@@ -108,7 +108,7 @@ flags.DEFINE_list("fused_sweep", ["16/256/2/0", "16/1024/2/16/16", "16/256/2/16/
                   "programs looping over the short-row groups; omitted: fused_update.KNOBS)")
 flags.DEFINE_integer("profile_steps", 0, "also trace this many steps of every variant (after its "
                      "timed steps) into <--out>.profile/<variant> and print where device time goes "
-                     "(experiments/profile_summary.py); 0 = off")
+                     "(tools/profile_summary.py); 0 = off")
 flags.DEFINE_float("hbm_tbps", 3.6, "reference HBM bandwidth per device, TB/s")
 flags.DEFINE_string("out", "bench_sparse.json", "JSON output path")
 
@@ -203,7 +203,7 @@ def make_coll(vocab, mesh, variant):
 
 def profile_steps(step, state, batches, steps, variant):
     """Trace `steps` more steps; print the device time per op kind and op (per step)."""
-    from experiments import profile_summary
+    from tools import profile_summary
     path = os.path.join(FLAGS.out + ".profile", variant)
     with jax.profiler.trace(path, create_perfetto_trace=True):
         for k in range(steps):

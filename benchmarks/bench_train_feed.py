@@ -1,6 +1,6 @@
 """Does the feed keep the device busy? The train loop's samples/s against the step alone.
 
-    python experiments/bench_train_feed.py --out=runs/train_feed.json
+    python -m benchmarks.bench_train_feed --out=runs/train_feed.json
 
 For each case (--cases; default movielens_rank and h200), in this one process:
 
@@ -11,15 +11,15 @@ For each case (--cases; default movielens_rank and h200), in this one process:
             loop spent blocked on the Feeder for its next batch, over that window.
             Checkpoint writes are skipped (the end-of-run save, outside the window,
             would write every table) and the eval is one batch, after the window.
-  step      the same preset's jitted train step alone (as experiments/bench_step.py):
+  step      the same preset's jitted train step alone (as benchmarks/bench_step.py):
             --batches batches of the same source put on the devices once, then --iters
             steps cycling through them, queued back to back.
-  feed      the Feeder alone (as experiments/bench_feed.py): --feed_steps steps built,
+  feed      the Feeder alone (as benchmarks/bench_feed.py): --feed_steps steps built,
             checked and put on the devices, waited for one by one; no step runs.
   ratio     train samples/s / step samples/s (the acceptance asks >= 0.95).
 
 Cases: "movielens_rank" trains the movielens_rank preset on a MovieLens-shaped Parquet
-dataset (experiments/movielens_shaped.py: the ranking converter's schema, row layout and
+dataset (benchmarks/movielens_shaped.py: the ranking converter's schema, row layout and
 history lengths, random ids), written under --data_dir unless it is already there, or
 on --movielens_dir (convert_movielens.py --tasks=ranking output, e.g. the real data).
 Any other name is a preset trained on its synthetic stream (h200: the model v0 of the
@@ -39,14 +39,11 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
 
 PARQUET_CASES = ("movielens_rank",)
 STEP_LINE = re.compile(r"^step\s+(\d+)/")
@@ -252,7 +249,7 @@ def main(argv):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     data_dir = f.movielens_dir
     if any(c in PARQUET_CASES for c in f.cases) and not data_dir:
-        import movielens_shaped
+        from benchmarks import movielens_shaped
         data_dir = f.data_dir or os.path.join(workdir, "ml-shaped")
         if not os.path.exists(os.path.join(data_dir, "counts.json")):
             print(f"writing the MovieLens-shaped dataset to {data_dir}", flush=True)
@@ -282,6 +279,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))    # movielens_shaped
     define_flags()
     app.run(main)

@@ -1,6 +1,6 @@
 """Where device time goes: a perfetto trace from jax.profiler, summed by op and by kind.
 
-    python experiments/profile_summary.py runs/sweep/profile/replica=2 --steps=3 --top=25
+    python -m tools.profile_summary runs/sweep/profile/replica=2 --steps=3 --top=25
 
 jax.profiler.trace(dir, create_perfetto_trace=True) writes
 dir/plugins/profile/<run>/perfetto_trace.json.gz. On a GPU its device processes

@@ -6,15 +6,14 @@ for forward+backward), the roofline floor max(FLOPs / peak, bytes / HBM BW), and
 the best alternatives in the same run: cuDNN softmax attention on padded tensors
 with sequence lengths, and the GDPA formula in plain jnp on padded tensors.
 
-    PYTHONPATH=. python3 experiments/bench_attention.py --out /tmp/bench.json
-    PYTHONPATH=. python3 experiments/bench_attention.py --sweep --sweep_budget_s=50
+    python3 -m benchmarks.bench_attention --out /tmp/bench.json
+    python3 -m benchmarks.bench_attention --sweep --sweep_budget_s=50
 
 Times are per call in a steady stream of back-to-back calls at the GPU's sustained clock
 (attention_workloads.time_stream: --warm_s=0.3 s of calls first, as the H200 throttles to its 700 W
 power cap within tens of ms; then the slope between rounds of --iters and 2 * --iters
 calls, so a round's fixed cost of first-dispatch latency and final sync drops out); the
-per-call time of the longer round, that cost included, is printed beside it as 'round'
-(sessions 1-10 reported rounds of 20 without the warm-up).
+per-call time of the longer round, that cost included, is printed beside it as 'round'.
 
 --chain=8 also times 8 calls chained inside one jit (per call): no dispatch gap between
 calls, as inside a training step. Rows: our kernels (the public defaults and engine /
@@ -35,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,  # experiments/
-                                 block_knobs_bwd, block_knobs_fwd, pack_arrays,
-                                 fwd_and_train, parse_mosaic_knobs, stream_same_bytes,
-                                 stream_same_bytes_train, time_stream, valid_pairs, workload)
+from benchmarks.attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,
+                                            block_knobs_bwd, block_knobs_fwd, pack_arrays,
+                                            fwd_and_train, parse_mosaic_knobs, stream_same_bytes,
+                                            stream_same_bytes_train, time_stream, valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
 from kernels.block_attention.pallas import block_attention_pallas
 from kernels.gdpa.pallas import gdpa_pallas
@@ -208,7 +207,7 @@ def run_workload(wname, rng):
     if kind != "self":   # the fused backward's other settings beside the default
         # (default "auto": "k_rows" on W2, "q_rows" on W3), the rest kernel one tile per
         # program (rest_group; "auto": 8), and on W2 the dK/dV kernel's query loop whole
-        # (dkv_split 1), every key tile in 2 (the default until session 10) and the 16
+        # (dkv_split 1), every key tile in 2 and the 16
         # heaviest in 8 ("auto": the 32 heaviest in 4)
         alts = [("fused_bwd_off", dict(fused_bwd="off")), ("rest_group1", dict(rest_group=1))]
         if kind == "cross":

@@ -1,10 +1,10 @@
 """Interleaved A/B timing of attention variants on one workload (one GPU).
 
-    PYTHONPATH=. python3 experiments/ab_attention.py --workload=W1 --rounds=6 \\
+    python3 -m tools.ab_attention --workload=W1 --rounds=6 \\
         --variants='gdpa_mosaic,gdpa_mosaic[act_packed=0],gdpa_mosaic[deferred_pv=0]'
 
 The H200's sustained clock drifts by a few percent as it warms under its power cap
-(kernels/NOTES.md, sessions 11-12), more than the knobs we compare gain. So each
+(docs/kernels.md), more than the knobs we compare gain. So each
 round times every variant once (attention_workloads.time_stream: --warm_s of calls,
 then the slope between rounds of --iters and 2 --iters calls), in an order rotated
 by one each round, and the table gives per variant and pass the mean, min and max
@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (fwd_and_train, op_fn, pack_arrays, parse_variant,  # experiments/
-                                 runnable, time_stream, valid_pairs, workload)
+from benchmarks.attention_workloads import (fwd_and_train, op_fn, pack_arrays, parse_variant,
+                                            runnable, time_stream, valid_pairs, workload)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workload", "W1", "W1-W4 (attention_workloads)")

@@ -1,7 +1,7 @@
 """The compiler's resource report of our Pallas Triton kernels for sm_90, on any machine.
 
-    python experiments/triton_report.py --ops=gdpa,softmax,block --out=runs/triton_report
-    python experiments/triton_report.py --triton_python=/path/to/venv/bin/python   # triton elsewhere
+    python -m tools.triton_report --ops=gdpa,softmax,block --out=runs/triton_report
+    python -m tools.triton_report --triton_python=/path/to/venv/bin/python   # triton elsewhere
 
 Step 1 (needs jax, no GPU): lower forward + backward of each op on a bench
 workload's lengths (--workload; W1's are W4's too) for platform "cuda", sm_90, through
@@ -71,7 +71,6 @@ def lower(ops, head_dim: int, out_dir: str, workload: str = "W1") -> list[dict]:
     except (ImportError, AttributeError) as e:  # pragma: no cover
         raise RuntimeError(f"triton_report: the JAX internals it patches moved ({e})") from e
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from kernels.block_attention.pallas import block_attention_pallas
     from kernels.gdpa.pallas import gdpa_pallas
     from kernels.jagged_attention.pallas import jagged_attention_pallas
@@ -87,8 +86,7 @@ def lower(ops, head_dim: int, out_dir: str, workload: str = "W1") -> list[dict]:
     reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
     real_backend = jax.default_backend
     jax.default_backend = lambda: "gpu"          # the kernels' non-interpret path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from attention_workloads import workload as lengths_of
+    from benchmarks.attention_workloads import workload as lengths_of
     _, ql, kl = lengths_of(workload)          # bench_attention's lengths (seed 0)
     q_off, kv_off = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (ql, kl))
     tq, tk = (int(-(-x.sum() // 128) * 128) for x in (ql, kl))

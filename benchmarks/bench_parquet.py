@@ -1,6 +1,6 @@
 """Parquet reader throughput (rows/s), with and without grain as its index / shuffle / worker layer.
 
-    python experiments/bench_parquet.py --rows=1000000 --mean_len=100 --threads=1,4,8 --grain
+    python -m benchmarks.bench_parquet --rows=1000000 --mean_len=100 --threads=1,4,8 --grain
 
 Writes one file of --rows rows (user, item int64; 4 float dense; a 0/1 label; one
 list<int32> column `hist` of log-normal lengths with mean --mean_len, cap 256) in
@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 flags.DEFINE_integer("rows", 1_000_000, "rows in the generated file")
 flags.DEFINE_float("mean_len", 100.0, "mean list length")

@@ -10,15 +10,15 @@ the second launch of a kernel and export its SASS page:
 
 then, anywhere:
 
-    python3 experiments/sass_stalls.py sass.csv.gz --regions=8 --mix=2
+    python3 -m tools.sass_stalls sass.csv.gz --regions=8 --mix=2
 
 It prints the warp-stall samples by reason over the whole kernel, then the hottest
 regions: runs of consecutive instructions executed equally often, i.e. straight-line
 code such as a loop body, with their share of the samples, their length and the
 instructions executed, and for the first --mix of them the samples per opcode. A
 software-pipelined kernel's main loop is one region, so two variants of a kernel can
-be compared loop body against loop body (kernels/NOTES.md, session 15: the Mosaic
-softmax and GDPA forwards). Samples are per warp and every warp is sampled alike:
+be compared loop body against loop body (docs/kernels.md: the Mosaic softmax and GDPA
+forwards). Samples are per warp and every warp is sampled alike:
 a producer warp waiting on a barrier counts as much as a consumer that computes.
 """
 

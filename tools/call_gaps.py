@@ -2,7 +2,7 @@
 traced with jax.profiler, the device's busy time and gaps per call, and the host events
 running while the device idles. One GPU.
 
-    PYTHONPATH=. python3 experiments/call_gaps.py --variants=gdpa_mosaic,block_triton \
+    python3 -m tools.call_gaps --variants=gdpa_mosaic,block_triton \
         --out=$OUT/call_gaps
 
 Each variant is timed as bench_attention times it (`time_stream`: per call in a steady
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (fwd_and_train, op_fn, pack_arrays,  # experiments/
-                                 parse_variant, stream_same_bytes, stream_same_bytes_train,
-                                 time_stream, workload)
-from profile_summary import idle, load_events  # experiments/
+from benchmarks.attention_workloads import (fwd_and_train, op_fn, pack_arrays,
+                                            parse_variant, stream_same_bytes, stream_same_bytes_train,
+                                            time_stream, workload)
+from tools.profile_summary import idle, load_events
 
 FLAGS = flags.FLAGS
 

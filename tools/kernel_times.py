@@ -2,7 +2,7 @@
 CUPTI (jax.experimental.mosaic.gpu.profiler), for forward and forward+backward on a
 workload of attention_workloads.py. One GPU.
 
-    PYTHONPATH=. python3 experiments/kernel_times.py --workload=W1 \
+    python3 -m tools.kernel_times --workload=W1 \
         --variants=gdpa_mosaic,softmax_mosaic,softmax_mosaic[fused_delta=1+overlap_dp=1]
 
 A variant is an op and an engine, `gdpa_triton`, `gdpa_mosaic`, `softmax_triton`,
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import op_fn, pack_arrays, parse_variant, workload  # experiments/
+from benchmarks.attention_workloads import op_fn, pack_arrays, parse_variant, workload
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py")

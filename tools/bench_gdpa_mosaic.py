@@ -1,13 +1,13 @@
 """GDPA (or softmax) forward on W1: the Mosaic GPU kernel (kernels/mosaic_flash.py) vs our
 Triton one.
 
-W1 (experiments/attention_workloads.py): bf16, 4 heads, head dim 128, 64 samples of
+W1 (benchmarks/attention_workloads.py): bf16, 4 heads, head dim 128, 64 samples of
 log-normal lengths (median 512), packed jagged tokens, self-attention, silu,
 scale 1 / max length (as bench_attention.py). One GPU.
 
-    PYTHONPATH=. python3 experiments/bench_gdpa_mosaic.py --out /tmp/bench_gdpa_mosaic.json
-    PYTHONPATH=. python3 experiments/bench_gdpa_mosaic.py --sweep --sweep_deadline_s=90
-    PYTHONPATH=. python3 experiments/bench_gdpa_mosaic.py --mode=softmax --sweep
+    python3 -m tools.bench_gdpa_mosaic --out /tmp/bench_gdpa_mosaic.json
+    python3 -m tools.bench_gdpa_mosaic --sweep --sweep_deadline_s=90
+    python3 -m tools.bench_gdpa_mosaic --mode=softmax --sweep
 
 Rows: Triton forward (kernels.gdpa.gdpa(impl="pallas"), or jagged_attention's with
 --mode=softmax; layout included), Mosaic forward (gdpa_mosaic_forward or
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention_workloads import (pack_arrays, parse_mosaic_knobs, time_calls,  # experiments/
-                                 valid_pairs, workload)
+from benchmarks.attention_workloads import (pack_arrays, parse_mosaic_knobs, time_calls,
+                                            valid_pairs, workload)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_gdpa_mosaic.json", "JSON output path")

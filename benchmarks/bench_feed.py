@@ -1,8 +1,8 @@
 """Host input pipeline throughput: the train loop's Feeder alone, no train step.
 
-    python experiments/bench_feed.py --config=h200 --workers=1,2,4,8          # on the GPU host
-    python experiments/bench_feed.py --config=small --cpu_devices=2 --steps=10
-    python experiments/bench_feed.py --config=movielens_rank --features=DIR/schema.json \
+    python -m benchmarks.bench_feed --config=h200 --workers=1,2,4,8          # on the GPU host
+    python -m benchmarks.bench_feed --config=small --cpu_devices=2 --steps=10
+    python -m benchmarks.bench_feed --config=movielens_rank --features=DIR/schema.json \
         --override=data.source=parquet,data.train_path=DIR/train.parquet,data.eval_path=DIR/test.parquet
 
 For each worker count: the Feeder (gemjax.data.feeding) builds every (step, shard)
@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Time the jitted train step of a preset on fixed batches (device only, no input pipeline).
 
-    python experiments/bench_step.py --config=h200 --override=model.kind=teacher --out=step.json
+    python -m benchmarks.bench_step --config=h200 --override=model.kind=teacher --out=step.json
 
 Reports step time, samples/s, sequence tokens/s, the dense FLOPs per sample of the
 train step and the resulting MFU against the device's peak. FLOPs: for the
@@ -14,13 +14,9 @@ Compare with experiments/train.py's samples/s to see what the input pipeline cos
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 flags.DEFINE_string("config", "small", "preset")
 flags.DEFINE_string("override", "", "section.field=value,...")
