@@ -40,14 +40,16 @@ from attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,  # experiments/
                                  fwd_and_train, parse_mosaic_knobs, stream_same_bytes,
                                  stream_same_bytes_train, time_stream, valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
-from kernels.block_attention.pallas import block_attention_pallas
-from kernels.gdpa.pallas import gdpa_pallas
+from kernels.dispatch import block_attention_pallas
+from kernels.dispatch import gdpa_pallas
 from kernels.jagged_attention import jagged_attention
-from kernels.jagged_attention.pallas import jagged_attention_pallas
-from kernels.jagged_flash import FlashConfig, _forward, adapt_tiles, build_layout, jagged_flash
-from kernels.gdpa.pallas import TILES as GDPA_TILES
-from kernels.jagged_attention.pallas import TILES as SOFTMAX_TILES
-from kernels.block_attention.pallas import TILES as BLOCK_TILED_TILES
+from kernels.dispatch import jagged_attention_pallas
+from kernels.dispatch import jagged_flash
+from kernels.triton import FlashConfig, adapt_tiles, build_layout
+from kernels.triton import run_forward as _forward
+from kernels.dispatch import TILES as GDPA_TILES
+from kernels.dispatch import TILES as SOFTMAX_TILES
+from kernels.triton.block import TILES as BLOCK_TILED_TILES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")

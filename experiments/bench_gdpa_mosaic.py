@@ -134,8 +134,8 @@ def main(_):
                  f"{jax.default_backend()!r}); the Mosaic GPU kernel runs on an H100/H200 only.")
     from kernels.gdpa import gdpa
     from kernels.jagged_attention import jagged_attention
-    from kernels.mosaic_flash import (build_layout, gdpa_mosaic_forward, mosaic_config,
-                                      run_kernel, softmax_mosaic_forward)
+    from kernels.mosaic import (build_layout, gdpa_mosaic_forward, mosaic_config, run_kernel,
+                                softmax_mosaic_forward)
 
     kind, ql, kl = workload(FLAGS.workload)
     if FLAGS.max_samples:

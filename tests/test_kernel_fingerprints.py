@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from kernel_fingerprints import _train, fingerprint  # noqa: E402
 
 SRC = """
-from kernels.gdpa.pallas import gdpa_pallas
+from kernels.dispatch import gdpa_pallas
 def op(q, k, v):
     return gdpa_pallas(q, k, v, QO, KO, activation="silu", scale=0.1, fused_bwd=FB)
 """
@@ -36,7 +36,7 @@ def test_fingerprint_ignores_line_numbers_and_sees_program_changes():
 def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
     """A Mosaic GPU kernel's export blob carries source locations, so the hash reads its
     jaxpr: the same for the same kernel, different when a knob changes its body (p_via_smem)."""
-    from kernels.mosaic_flash import gdpa_mosaic_forward
+    from kernels.mosaic import gdpa_mosaic_forward
     qo = jnp.asarray(np.array([0, 100, 356, 512]), jnp.int32)
 
     def fwd(**tuning):

@@ -1,4 +1,4 @@
-"""The Pallas Mosaic GPU forward (kernels/mosaic_flash.py), GDPA and softmax, against
+"""The Pallas Mosaic GPU kernels (kernels/mosaic), GDPA and softmax, against
 gdpa_reference / jagged_attention_reference.
 
 CPU (default suite):
@@ -32,9 +32,10 @@ import pytest
 
 from kernels.gdpa import gdpa_reference
 from kernels.jagged_attention import jagged_attention_reference
-from kernels.mosaic_flash import (BASE_COL, BIG, TABLE_COLS, WG_COLS, MosaicConfig,
-                                  gdpa_mosaic_forward, row_key_intervals, softmax_mosaic_forward,
-                                  tile_table)
+from kernels.mosaic import (MosaicConfig, gdpa_mosaic_forward, row_key_intervals,
+                            softmax_mosaic_forward, tile_table)
+from kernels.mosaic.layout import BASE_COL, TABLE_COLS, WG_COLS
+from kernels.mosaic.tuning import BIG
 
 # Lengths around the tiles (64-row consumer tile, 128-row CTA, 64 / 128-key tiles):
 # empty, 1, tile - 1 / tile / tile + 1; 580 tokens in capacity 768: a 188-row
@@ -203,7 +204,7 @@ def test_anchored_tiles_compute_fewer_pairs():
 def test_pallas_layout_equals_the_xla_layout(lens, kw):
     """pallas_layout (Pallas Triton, interpret mode) = row_key_intervals + tile_table
     (unanchored, no narrow steps: the Pallas layout builds neither)."""
-    from kernels.mosaic_flash import pallas_layout
+    from kernels.mosaic.layout import pallas_layout
     ql, kl, tq = lens
     qo, ko = offsets_of(ql), offsets_of(kl)
     cfg = MosaicConfig(**kw)
@@ -218,8 +219,8 @@ def test_pallas_layout_equals_the_xla_layout(lens, kw):
 def test_flash_forward_with_the_pallas_layout(interpreter_guard):
     """MosaicFlashForward reads the offsets jagged_flash's layout carries when its config
     asks for the Pallas layout; same output as the XLA layout's."""
-    from kernels.jagged_flash import FlashConfig, build_layout
-    from kernels.mosaic_flash import MosaicFlashForward
+    from kernels.triton import FlashConfig, build_layout
+    from kernels.dispatch import MosaicFlashForward
     q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=12)
     lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 768, 768, 64)
     cfgs = [MosaicConfig(scale=0.3, pallas_layout=p, anchor=False, narrow_last=False)
@@ -565,9 +566,9 @@ def _w1_case():
 def _count_mosaic_calls(monkeypatch):
     """The MosaicConfig of every Mosaic forward traced from now on; the Mosaic backward's
     traces append ("backward", cfg)."""
-    from kernels import mosaic_flash as mosaic
-    calls, run, back = [], mosaic.MosaicFlashForward.__call__, mosaic.run_backward
-    monkeypatch.setattr(mosaic.MosaicFlashForward, "__call__",
+    from kernels import dispatch, mosaic
+    calls, run, back = [], dispatch.MosaicFlashForward.__call__, mosaic.run_backward
+    monkeypatch.setattr(dispatch.MosaicFlashForward, "__call__",
                         lambda self, *a: calls.append(self.cfg) or run(self, *a))
     monkeypatch.setattr(mosaic, "run_backward",
                         lambda cfg, *a, **kw: calls.append(("backward", cfg)) or back(cfg, *a, **kw))
@@ -597,10 +598,10 @@ def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkey
 
 @pytest.mark.parametrize("case", ["float32", "causal", "short_samples", "window", "d32"])
 def test_impl_mosaic_falls_back_to_triton_where_the_kernel_does_not_apply(case):
-    """flash_forward says None (the Triton forward runs) for what the kernel lacks."""
-    from kernels.mosaic_flash import flash_forward
-    from kernels.gdpa.pallas import TILES
-    from kernels.jagged_flash import FlashConfig, adapt_tiles
+    """mosaic_forward says None (the Triton forward runs) for what the kernel lacks."""
+    from kernels.dispatch import mosaic_forward
+    from kernels.dispatch import TILES
+    from kernels.triton import FlashConfig, adapt_tiles
     base = dict(mode="gdpa", activation="silu", scale=0.5, forward="mosaic", interpret=True, **TILES)
     d, dtype, tq, b = 64, jnp.bfloat16, 1024, 8
     if case == "float32":
@@ -615,9 +616,9 @@ def test_impl_mosaic_falls_back_to_triton_where_the_kernel_does_not_apply(case):
         d = 32
     plain = adapt_tiles(FlashConfig(**{**base, "causal": False, "window": None}), 1024, 1024, 8,
                         jnp.bfloat16)
-    assert flash_forward(plain, jnp.bfloat16, 64, 1024, 1024) is not None
+    assert mosaic_forward(plain, jnp.bfloat16, 64, 1024, 1024) is not None
     cfg = adapt_tiles(FlashConfig(**base), tq, tq, b, dtype)
-    assert flash_forward(cfg, dtype, d, tq, tq) is None
+    assert mosaic_forward(cfg, dtype, d, tq, tq) is None
 
 
 def test_impl_mosaic_with_a_mask_equals_the_triton_path(monkeypatch):
@@ -883,8 +884,8 @@ def test_bench_smoke_softmax_mode(tmp_path):
 def _engines_grads(mode, q, k, v, qo, ko, w, engine, **kw):
     """Value-and-grad of sum(out * w) through jagged_flash with both engines = `engine`
     ("triton" / "mosaic"), or the jnp reference (engine None)."""
-    from kernels.gdpa.pallas import gdpa_pallas
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    from kernels.dispatch import gdpa_pallas
+    from kernels.dispatch import jagged_attention_pallas
     if engine is None:   # the Mosaic backward's knobs (mosaic_bwd) do not apply
         kw = {key: val for key, val in kw.items() if not key.startswith("mosaic_")}
         f = ((lambda q, k, v: jagged_attention_reference(q, k, v, qo, ko, **kw)) if mode == "softmax"
@@ -916,11 +917,11 @@ BACKWARD_IDS = [f"{c[0]}-{c[1].get('activation', '')}-d{c[7]}-{'self' if c[2] is
 def _check_backward_case(case, monkeypatch):
     """Mosaic forward + Mosaic dQ and dK / dV vs the jnp reference's gradients; the Mosaic
     backward really ran."""
-    from kernels import mosaic_flash
+    from kernels import mosaic
     mode, kw, ql, kl, tq, tk, h, d = case
     ran = []
-    run = mosaic_flash.run_backward
-    monkeypatch.setattr(mosaic_flash, "run_backward", lambda *a, **k: ran.append(1) or run(*a, **k))
+    run = mosaic.run_backward
+    monkeypatch.setattr(mosaic, "run_backward", lambda *a, **k: ran.append(1) or run(*a, **k))
     q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
     w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
@@ -951,8 +952,8 @@ def test_backward_exports_for_cuda(mode, d, tuning):
     does not fit beside them at D = 128), computing delta from O (fused_delta, the
     default: O's tile beside Q and dO, delta's TMA store) or reading it, overlap_dp in
     both kernels."""
-    from kernels.jagged_flash import FlashConfig, build_layout
-    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    from kernels.triton import FlashConfig, build_layout
+    from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
     cfg = mosaic_config(d, jnp.bfloat16, mode=mode, activation="gelu", scale=0.1,
                         **{**BACKWARD_TUNING, **tuning})
 
@@ -990,12 +991,13 @@ def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard,
 def _check_backward_knobs(knobs, i, monkeypatch, kernels=("dq", "dkv")):
     """BACKWARD_CASES[i] with the Mosaic backward's `knobs` vs the jnp reference; the
     kernels that ran (dQ, dK / dV) are `kernels`, each with the knobs."""
-    from kernels import mosaic_flash
+    from kernels.mosaic import backward as mosaic_backward
     mode, kw, ql, kl, tq, tk, h, d = BACKWARD_CASES[i]
-    seen, ran, dq_kernel, dkv_kernel = [], [], mosaic_flash._dq_kernel, mosaic_flash._dkv_kernel
-    monkeypatch.setattr(mosaic_flash, "_dq_kernel", lambda *a, cfg, **k: ran.append("dq")
+    seen, ran = [], []
+    dq_kernel, dkv_kernel = mosaic_backward._dq_kernel, mosaic_backward._dkv_kernel
+    monkeypatch.setattr(mosaic_backward, "_dq_kernel", lambda *a, cfg, **k: ran.append("dq")
                         or seen.append(cfg) or dq_kernel(*a, cfg=cfg, **k))
-    monkeypatch.setattr(mosaic_flash, "_dkv_kernel", lambda *a, cfg, **k: ran.append("dkv")
+    monkeypatch.setattr(mosaic_backward, "_dkv_kernel", lambda *a, cfg, **k: ran.append("dkv")
                         or seen.append(cfg) or dkv_kernel(*a, cfg=cfg, **k))
     q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
     w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
@@ -1034,8 +1036,8 @@ def test_backward_fused_dq_finds_no_races(d, interpreter_guard, interpreter_redu
     and the final barrier before dK / dV overwrite the K tiles; dQ as the reference's."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from kernels.gdpa import gdpa_reference
-    from kernels.jagged_flash import FlashConfig, build_layout
-    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    from kernels.triton import FlashConfig, build_layout
+    from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
     q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, d, seed=5)
     do = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), q.dtype)
     cfg = mosaic_config(d, q.dtype, mode="gdpa", activation="silu", scale=0.3,
@@ -1050,7 +1052,7 @@ def test_backward_fused_dq_finds_no_races(d, interpreter_guard, interpreter_redu
 
 
 def test_backward_fused_delta_needs_the_output():
-    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
     cfg = mosaic_config(64, jnp.bfloat16, mode="softmax", **{**BACKWARD_TUNING, "fused_delta": True})
     x = jnp.zeros((256, 1, 64), jnp.bfloat16)
     lay = dict(q_start=jnp.zeros(256, jnp.int32), q_end=jnp.zeros(256, jnp.int32),
@@ -1060,16 +1062,16 @@ def test_backward_fused_delta_needs_the_output():
 
 
 def test_backward_falls_back_where_the_kernels_do_not_apply():
-    from kernels.jagged_flash import FlashConfig
-    from kernels.mosaic_flash import flash_backward
+    from kernels.triton import FlashConfig
+    from kernels.dispatch import mosaic_backward
     ok = FlashConfig(mode="softmax", scale=0.1, bq=64, bk=64, backward="mosaic", interpret=True)
-    assert flash_backward(ok, jnp.bfloat16, 64, 1024, 1024) is not None
+    assert mosaic_backward(ok, jnp.bfloat16, 64, 1024, 1024) is not None
     for cfg, dtype, d in [(FlashConfig(mode="softmax", causal=True, bq=64, bk=64, interpret=True),
                            jnp.bfloat16, 64),
                           (ok, jnp.float32, 64), (ok, jnp.bfloat16, 96),
                           (FlashConfig(mode="gdpa", bq=16, bk=16, interpret=True), jnp.bfloat16, 64),
                           (dataclasses.replace(ok, interpret=False), jnp.bfloat16, 64)]:  # CPU
-        assert flash_backward(cfg, dtype, d, 1024, 1024) is None
+        assert mosaic_backward(cfg, dtype, d, 1024, 1024) is None
 
 
 @pytest.mark.parametrize("platform,cc,kind,want", [
@@ -1077,9 +1079,9 @@ def test_backward_falls_back_where_the_kernels_do_not_apply():
     ("gpu", "10.0", "NVIDIA B200", False), ("gpu", None, "NVIDIA H100 80GB HBM3", True),
     ("gpu", None, "NVIDIA A100", False), ("cpu", None, "cpu", False)])
 def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
-    """wgmma / TMA are sm_90 only: elsewhere flash_forward says None (Triton runs)."""
+    """wgmma / TMA are sm_90 only: elsewhere mosaic_forward says None (Triton runs)."""
     import types
-    from kernels.mosaic_flash import is_hopper
+    from kernels.dispatch import is_hopper
     dev = types.SimpleNamespace(platform=platform, device_kind=kind,
                                 **({} if cc is None else {"compute_capability": cc}))
     assert is_hopper(dev) is want
