@@ -119,7 +119,7 @@ def pack_arrays(ql, kl, h, d, dtype, rng):
 
 def parse_mosaic_knobs(spec):
     """'block_kv=64+num_stages=4' -> {'block_kv': 64, 'num_stages': 4}: MosaicConfig knobs
-    (kernels/mosaic_flash.py) as ints, 0 / 1 for its bool fields; ValueError if malformed."""
+    (kernels/mosaic/tuning.py) as ints, 0 / 1 for its bool fields; ValueError if malformed."""
     import dataclasses
     from kernels.mosaic import MosaicConfig
     bools = {f.name for f in dataclasses.fields(MosaicConfig) if f.type in (bool, "bool")}
@@ -131,7 +131,7 @@ def parse_mosaic_knobs(spec):
 
 
 def parse_variant(spec):
-    """'softmax_mosaic[fused_delta=1]' -> ('softmax', 'mosaic', (('fused_delta', True),)):
+    """'softmax_mosaic[fused_dq=1]' -> ('softmax', 'mosaic', (('fused_dq', True),)):
     an op (gdpa / softmax, or block: the per-block kernel, triton only), an engine
     (triton / mosaic) and MosaicConfig knobs (parse_mosaic_knobs, sorted);
     ValueError if malformed."""

@@ -64,7 +64,7 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_list("rows", [], "time only the rows whose name contains one of these (empty: all)")
-flags.DEFINE_list("mosaic_variants", ["fused_delta=0", "overlap_dp=1"],
+flags.DEFINE_list("mosaic_variants", ["schedule_barrier=0", "fused_dq=1"],
                   "W1: extra Mosaic forward + backward rows (softmax and GDPA) with these "
                   "MosaicConfig knobs (knob=int joined by '+') in all three kernels; "
                   "backward-only knobs leave the forward as it is")

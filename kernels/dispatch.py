@@ -65,12 +65,8 @@ class MosaicFlashForward:
     interpret: bool = False
 
     def __call__(self, q, k, v, lay):
-        if self.cfg.pallas_layout:
-            layout = mosaic.build_layout(self.cfg, lay["q_offsets"], lay["kv_offsets"],
-                                         q.shape[0], self.interpret)
-        else:
-            start, end = lay["q_start"], lay["q_end"]
-            layout = tile_table(self.cfg, start, end, k.shape[0]), start, end
+        start, end = lay["q_start"], lay["q_end"]
+        layout = tile_table(self.cfg, start, end, k.shape[0]), start, end
         return run_kernel(self.cfg, layout, q, k, v, self.interpret)
 
 
@@ -118,8 +114,7 @@ def mosaic_backward(flash_cfg, dtype, d, tq, tk):
     tuning = {**BACKWARD_TUNING, **dict(flash_cfg.mosaic_bwd)}
     cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
                         scale=flash_cfg.scale, **tuning)
-    tiles = (cfg.cta_rows, cfg.block_kv, cfg.dq_block_kv or cfg.block_kv)
-    if any(tq % t or tk % t for t in tiles):
+    if any(tq % t or tk % t for t in (cfg.cta_rows, cfg.block_kv)):
         return None
     return cfg
 
@@ -154,7 +149,7 @@ def _flash_bwd(cfg, res, do):
         h, tq = q.shape[1], q.shape[0]
         if cfg.mode != "softmax":
             lse = delta = jnp.zeros((h, tq), F32)                         # unread
-        elif mcfg.fused_delta and not mcfg.fused_dq:
+        elif not mcfg.fused_dq:
             delta = None                                  # the dQ kernel computes it from o
         else:
             delta = softmax_delta(o, do)

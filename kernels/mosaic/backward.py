@@ -1,7 +1,6 @@
 """The Mosaic GPU backward kernels: dQ (query tiles stationary, K / V streamed) and
 dK / dV (key tiles stationary, Q / dO streamed), or with fused_dq one kernel for all three."""
 
-import dataclasses
 import functools
 
 import jax
@@ -30,31 +29,13 @@ def _grad_p(cfg, s, stat, valid, transposed):
 
 
 def _grad_ds(cfg, s, p, dp, delta, valid, transposed):
-    """dS of one tile from s, its P (_grad_p) and dP: softmax P (dP - delta) scale
-    (P's masked zeros carry over), gdpa dP act'(s) scale, masked pairs 0."""
+    """dS of one tile from s, its P (_grad_p) and dP: softmax P (dP scale - delta scale),
+    delta scaled once per row and dP scale - that one FMA per score (P's masked zeros
+    carry over); gdpa dP act'(s) scale, masked pairs 0."""
     if cfg.mode == "softmax":
-        return _ds_apply(cfg, p, dp, delta, transposed)
+        return p * (dp * cfg.scale - _along_queries(delta * cfg.scale, dp.shape, transposed))
     ds = dp * activation_grad_times_scale(s, cfg.activation, cfg.scale)
     return ds if valid is None else jnp.where(valid, ds, 0.0)
-
-
-def _ds_factor(cfg, s, p, valid):
-    """What dS takes from S alone: softmax P (masked), gdpa act'(s) scale (masked 0)."""
-    if cfg.mode == "softmax":
-        return p
-    f = activation_grad_times_scale(s, cfg.activation, cfg.scale)
-    return f if valid is None else jnp.where(valid, f, 0.0)
-
-
-def _ds_apply(cfg, factor, dp, delta, transposed):
-    """dS from _ds_factor's factor and dP: softmax factor (dP - delta) scale, gdpa dP factor.
-    With cfg.fold_scale: factor (dP scale - delta scale), delta scaled once per row and
-    dP scale - that one FMA per score."""
-    if cfg.mode == "softmax" and cfg.fold_scale:
-        return factor * (dp * cfg.scale - _along_queries(delta * cfg.scale, dp.shape, transposed))
-    if cfg.mode == "softmax":
-        return factor * (dp - _along_queries(delta, dp.shape, transposed)) * cfg.scale
-    return dp * factor
 
 
 def _along_queries(x, shape, transposed):
@@ -67,13 +48,13 @@ def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
     return p, _grad_ds(cfg, s, p, dp, delta, valid, transposed)
 
 
-def _backward_roles(cfg, n_tiles, n_heads, make_item, stream):
+def _backward_roles(cfg, make_item, stream):
     """The backward kernels' warpgroups: each consumer wg runs make_item(wg) (its
     one_item(row, head, g0) -> g0') over this CTA's items and waits for its stores; the
     producer streams `stream` (_produce's table, two gmem refs, their rings, loaded and
     free barriers)."""
     wg = lax.axis_index("wg")
-    count, item = _items(cfg, n_tiles, n_heads)
+    count, item = _items()
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -88,13 +69,13 @@ def _backward_roles(cfg, n_tiles, n_heads, make_item, stream):
 
 
 def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               *refs, cfg, n_tiles, n_heads):
+               *refs, cfg):
     """dQ = dS K over each query tile's key tiles (K / V streamed as in the forward).
 
-    With cfg.fused_delta (softmax): delta_ref is the forward's output O [Tq, H, D]; each
-    consumer loads its rows of O beside Q and dO, computes delta = rowsum(O * dO) there
-    and writes it out [H, Tq] float32 for the dK / dV kernel."""
-    fused = cfg.fused_delta and cfg.mode == "softmax"
+    Softmax: delta_ref is the forward's output O [Tq, H, D]; each consumer loads its rows
+    of O beside Q and dO, computes delta = rowsum(O * dO) there and writes it out
+    [H, Tq] float32 for the dK / dV kernel."""
+    fused = cfg.mode == "softmax"
     if fused:
         (dq_ref, delta_out_ref, q_smem, do_smem, o_smem, delta_smem, k_smem, v_smem, ds_smem,
          q_bar, k_bar, v_bar, k_free, v_free) = refs
@@ -120,10 +101,8 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
             lse = delta = None
             if cfg.mode == "softmax":
                 lse = load(lse_ref.at[head, rows])
-                if not fused:
-                    delta = load(delta_ref.at[head, rows])
             wait()
-            if fused:   # delta = rowsum(O dO) in float32, as jagged_flash.softmax_delta
+            if fused:   # delta = rowsum(O dO) in float32, as kernels.triton.softmax_delta
                 tile = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA,  # noqa: E731
                                               optimized=False).astype(F32)
                 delta = jnp.sum(tile(o_smem.at[wg]) * tile(dos), axis=1)
@@ -135,19 +114,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 slot = lax.rem(g0 + j - c_lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                if kind != "skip" and cfg.overlap_dp:
-                    s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
-                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
-                             else None)
-
-                    def overlapped(dp_ref):
-                        plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))  # dO V^T
-                        p = _grad_p(cfg, s, lse, valid, False) if cfg.mode == "softmax" else None
-                        return _ds_factor(cfg, s, p, valid), dp_ref[...]   # factor: while dP runs
-                    factor, dp = pl.run_scoped(overlapped, plgpu.ACC((bq, bk), F32))
-                    ds = _ds_apply(cfg, factor, dp, delta, False)
-                    mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
-                elif kind != "skip":
+                if kind != "skip":
                     s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
                     dp = _scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
                     valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
@@ -171,7 +138,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
             return g0 + (c_hi - c_lo)
         return one_item
 
-    _backward_roles(cfg, n_tiles, n_heads, make_item,
+    _backward_roles(cfg, make_item,
                     (table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free))
 
 
@@ -183,7 +150,7 @@ def _fused_dq_cols(d):
 
 
 def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                *refs, cfg, n_tiles, n_heads):
+                *refs, cfg):
     """dK = dS^T Q and dV = P^T dO over each key tile's query tiles (Q / dO streamed).
 
     Rows are keys here: the table's CTA tiles are key tiles, start / end each key's
@@ -242,20 +209,7 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                     lse, delta = load(lse_ref.at[head, cols]), load(delta_ref.at[head, cols])
                 plgpu.barrier_wait(q_bar.at[slot])
                 plgpu.barrier_wait(do_bar.at[slot])
-                if kind != "skip" and cfg.overlap_dp:
-                    st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
-                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
-                             else None)
-
-                    def overlapped(dpt_ref):
-                        plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))  # dP^T
-                        pt = _grad_p(cfg, st, lse, valid, True)       # while dP^T runs
-                        mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])
-                        return pt, dpt_ref[...]                       # waits for both
-                    pt, dpt = pl.run_scoped(overlapped, plgpu.ACC((bq, bk), F32))
-                    dst = _grad_ds(cfg, st, pt, dpt, delta, valid, True)
-                    mma_from(dk_ref_acc, dst.astype(dtype), ds_stage, q_smem.at[slot])  # dS^T Q
-                elif kind != "skip":
+                if kind != "skip":
                     st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
                     dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
                     valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
@@ -314,28 +268,27 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
             return g0 + (c_hi - c_lo)
         return one_item
 
-    _backward_roles(cfg, n_tiles, n_heads, make_item,
+    _backward_roles(cfg, make_item,
                     (table_ref, q_ref, do_ref, q_smem, do_smem, q_bar, do_bar, q_free, do_free))
 
 
 def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
-    """(dQ, dK, dV) of the forward `cfg` ran: lay from kernels.jagged_flash.build_layout
-    (q_start / q_end, k_start / k_end), lse / delta [H, Tq] float32 (softmax; any
-    [H, Tq] for gdpa, unread). Tq, Tk multiples of cfg.cta_rows and of both streamed
-    tiles (cfg.block_kv for dK / dV, cfg.dq_block_kv for dQ). cfg.fused_delta
-    (softmax): delta is not read (None is fine) but computed in the dQ kernel from o,
-    the forward's output [Tq, H, D]."""
+    """(dQ, dK, dV) of the forward `cfg` ran: lay from kernels.triton.build_layout
+    (q_start / q_end, k_start / k_end), lse [H, Tq] float32 (softmax; any [H, Tq] for
+    gdpa, unread). delta [H, Tq] float32 = rowsum(O dO) is read by the fused_dq kernel
+    only (softmax); otherwise the dQ kernel computes it from o, the forward's output
+    [Tq, H, D] (delta None is fine). Tq, Tk multiples of cfg.cta_rows and of
+    cfg.block_kv (the streamed tile of both kernels). interpret: the P / dS operands of
+    the wgmmas go through shared memory (the interpreter's wgmma takes no register
+    operand)."""
     tq, h, d = q.shape
     tk = k.shape[0]
-    if cfg.persistent:
-        raise NotImplementedError("mosaic backward: persistent CTAs are forward-only")
-    dq_cfg = dataclasses.replace(cfg, block_kv=cfg.dq_block_kv or cfg.block_kv)
-    for t in {cfg.cta_rows, cfg.block_kv, dq_cfg.block_kv}:
+    for t in {cfg.cta_rows, cfg.block_kv}:
         if tq % t or tk % t:
             raise ValueError(f"mosaic backward: Tq={tq} / Tk={tk} must be multiples of "
-                             f"{cfg.cta_rows}, {cfg.block_kv} and {dq_cfg.block_kv}")
+                             f"{cfg.cta_rows} and {cfg.block_kv}")
     bq, stages = cfg.block_q, cfg.num_stages
-    stage_p = interpret or cfg.p_via_smem
+    stage_p = bool(interpret)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)  # noqa: E731
     params = plgpu.CompilerParams(approx_math=True)
@@ -346,7 +299,7 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
         """kernel over kcfg's tile table of rows [start, end): scratch = two stationary
         [NC, block_q, D] tiles and `extra` (`loads` stationary tiles in all, each with
         its barriers, then any other scratch), the ring of two streamed [stages, kcfg.block_kv, D]
-        tiles, `staged` P / dS staging tiles (interpret mode, p_via_smem), the
+        tiles, `staged` P / dS staging tiles (interpret mode), the
         stationary loads' barriers, the ring's loaded / free barriers, then `tail`;
         `more_in`: operands after delta (refs the kernel writes into)."""
         table, bk = tile_table(kcfg, start, end, n_cols), kcfg.block_kv
@@ -356,7 +309,7 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
         stationary = [smem(NUM_CONSUMERS, bq, d), smem(NUM_CONSUMERS, bq, d), *extra]
         stage = [smem(NUM_CONSUMERS, bq, bk) if stage_p else None] * staged
         return plgpu.kernel(
-            functools.partial(kernel, cfg=kcfg, n_tiles=table.shape[0], n_heads=h),
+            functools.partial(kernel, cfg=kcfg),
             out_type=outs, grid=(table.shape[0], h),
             scratch_types=[*stationary, *ring, *stage,
                            plgpu.Barrier(num_barriers=loads * NUM_CONSUMERS), *bars, *tail],
@@ -376,16 +329,16 @@ def run_backward(cfg, lay, q, k, v, do, lse, delta, interpret=False, o=None):
                         tail=[plgpu.Barrier(num_arrivals=NUM_CONSUMERS)])
         return dq_acc[...].astype(q.dtype), dk, dv
 
-    if cfg.fused_delta and cfg.mode == "softmax":
+    if cfg.mode == "softmax":
         if o is None:
-            raise ValueError("mosaic backward: fused_delta needs the forward's output o")
-        dq, delta = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"], tk,
+            raise ValueError("mosaic backward: softmax needs the forward's output o")
+        dq, delta = launch(_dq_kernel, cfg, lay["q_start"], lay["q_end"], tk,
                            (jax.ShapeDtypeStruct(q.shape, q.dtype),
                             jax.ShapeDtypeStruct((h, tq), F32)), 1,
                            extra=[smem(NUM_CONSUMERS, bq, d),
                                   plgpu.SMEM((NUM_CONSUMERS, bq), F32)], loads=3, delta_in=o)
     else:
-        dq = launch(_dq_kernel, dq_cfg, lay["q_start"], lay["q_end"], tk,
+        dq = launch(_dq_kernel, cfg, lay["q_start"], lay["q_end"], tk,
                     jax.ShapeDtypeStruct(q.shape, q.dtype), 1)
     dk, dv = launch(_dkv_kernel, cfg, lay["k_start"], lay["k_end"], tq,
                     (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, 2)

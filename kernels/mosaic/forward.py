@@ -1,7 +1,6 @@
 """The Mosaic GPU forward kernel (GDPA and softmax) and its direct entries
 gdpa_mosaic_forward / softmax_mosaic_forward."""
 
-import dataclasses
 import functools
 
 import jax
@@ -13,12 +12,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.common import check_attention_inputs
 from kernels.mosaic.layout import build_layout
 from kernels.mosaic.pipeline import (_for_items, _items, _item_tiles, _load_stationary,
-                                     _produce, _row_max, _run_walk, _tile_mask, _walk_ranges,
+                                     _produce, _run_walk, _tile_mask, _walk_ranges,
                                      activation_times_scale, mma_from)
 from kernels.mosaic.tuning import F32, LOG2E, NEG, NUM_CONSUMERS, mosaic_config
 
 
-def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_tiles, n_heads):
+def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, deferred):
+    """One CTA of the forward (kernels.mosaic's docstring). deferred: a step's P V is
+    awaited by the next step's score wait (off: in its own step; the interpreter's
+    softmax, which cannot store into a wgmma accumulator)."""
     softmax = cfg.mode == "softmax"
     if softmax:
         (o_ref, lse_ref, qo_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
@@ -30,7 +32,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
     wg = lax.axis_index("wg")
-    count, item = _items(cfg, n_tiles, n_heads)
+    count, item = _items()
 
     # The K/V ring is indexed by the CTA's global key step g (over all its items), so
     # slot g % stages and every barrier phase follow one sequence in all three threads.
@@ -53,13 +55,12 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
             end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
             wait()
 
-            deferred = cfg.deferred_pv
             in_ref = deferred or not softmax   # the accumulator: a wgmma ref for the walk
 
             def step(j, kind, carry, acc_ref=None):
-                """One key step; the accumulator is acc_ref (gdpa; softmax with
-                deferred_pv) or carried (softmax: (acc, m, l)); softmax carries (m, l)
-                and deferred_pv the slot whose P V is still in flight (-1: none) last.
+                """One key step; the accumulator is acc_ref (gdpa; softmax when
+                deferred) or carried (softmax: (acc, m, l)); softmax carries (m, l)
+                and `deferred` the slot whose P V is still in flight (-1: none) last.
                 A "narrow" step works on the first half of the slot's keys."""
                 w = bk // 2 if kind == "narrow" else bk
                 keys = lambda ref: ref if w == bk else ref.at[pl.ds(0, w)]  # noqa: E731
@@ -94,16 +95,16 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                 if softmax:   # online softmax in base 2 (the Triton kernels' lse convention)
                     acc, m, l = (None, *carry[:2]) if in_ref else carry
                     c = cfg.scale * LOG2E
-                    fold = cfg.fold_scale and c > 0   # max(s) c = max(s c) for c > 0
+                    fold = c > 0   # max(s) c = max(s c) for c > 0
                     if not fold:
                         s = s * c
                     if valid is not None:
                         s = jnp.where(valid, s, NEG)
                     if fold:    # m in scaled units; s c - m contracts to one FMA
-                        m_new = jnp.maximum(m, _row_max(s, cfg.row_max_ilp) * c)
+                        m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
                         pr = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, (bq, w), [0]))
                     else:
-                        m_new = jnp.maximum(m, _row_max(s, cfg.row_max_ilp))
+                        m_new = jnp.maximum(m, jnp.max(s, axis=1))
                         pr = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, w), [0]))
                     if valid is not None:   # a row with no valid key yet: exp2(0) = 1 there
                         pr = jnp.where(valid, pr, 0.0)
@@ -131,8 +132,6 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
                     pv(acc_ref, p16, slot)
                     if deferred:   # awaited by the next step's S (or the walk's end)
                         return (m_new, l, slot) if softmax else (slot,)
-                elif cfg.pv_in_place:   # FA3: the carried accumulator is wgmma's
-                    acc = pl.run_state(lambda r: pv(r, p16, slot))(plgpu.ACC.init(acc))
                 else:                   # a fresh accumulator added in registers
                     def fresh(r):
                         pv(r, p16, slot)
@@ -192,32 +191,28 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, n_ti
 
 def run_kernel(cfg, layout, q, k, v, interpret=False):
     """The pallas kernel alone: layout = build_layout(...), q [Tq,H,D] with Tq a multiple
-    of cfg.cta_rows, k / v [Tk,H,D] with Tk a multiple of cfg.block_kv -> [Tq,H,D]."""
+    of cfg.cta_rows, k / v [Tk,H,D] with Tk a multiple of cfg.block_kv -> [Tq,H,D]
+    (softmax: and lse [H, Tq] float32). Grid (CTA tile, head), heads fastest.
+    interpret: the interpreter's wgmma takes shared-memory operands only, so P goes
+    through shared memory, and it cannot store into a wgmma accumulator, so softmax
+    awaits each step's P V in its step."""
     table, start, end = layout
     tq, h, d = q.shape
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.num_stages
     if tq % cfg.cta_rows or k.shape[0] % bk:
         raise ValueError(f"gdpa_mosaic: Tq={tq} / Tk={k.shape[0]} must be multiples of "
                          f"{cfg.cta_rows} / {bk}")
-    if interpret:   # the interpreter's wgmma takes shared-memory operands only, and it
-        # cannot store into a wgmma accumulator (softmax's deferred_pv rescales in one)
-        cfg = dataclasses.replace(cfg, p_via_smem=True, pv_in_place=False, deferred_pv=(
-            cfg.deferred_pv and cfg.mode != "softmax"), row_max_ilp=0)
     n_tiles = table.shape[0]
     softmax = cfg.mode == "softmax"
-    if cfg.persistent:
-        g = cfg.num_ctas or getattr(jax.local_devices()[0], "core_count", None) or 132
-        cfg = dataclasses.replace(cfg, num_ctas=max(1, min(int(g), n_tiles * h)))
-        grid, names = (cfg.num_ctas,), ("cta",)
-    else:
-        grid, names = (n_tiles, h), ("tile", "head")   # last axis fastest: heads together
+    deferred = not (interpret and softmax)
+    grid, names = (n_tiles, h), ("tile", "head")   # last axis fastest: heads together
     # 16-bit rows of 64 / 128 / 256 elements: 128-byte swizzle, (8, 64) tiles.
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)  # noqa: E731
     scratch = [
         smem(NUM_CONSUMERS, bq, d),                     # Q per consumer, then its output
         smem(stages, bk, d), smem(stages, bk, d),       # K, V ring
-        smem(NUM_CONSUMERS, bq, bk) if cfg.p_via_smem else None,   # P per consumer
+        smem(NUM_CONSUMERS, bq, bk) if interpret else None,   # P per consumer
         *([plgpu.SMEM((NUM_CONSUMERS, bq), F32)] if softmax else []),  # lse per consumer
         plgpu.Barrier(num_barriers=NUM_CONSUMERS),      # Q loaded
         plgpu.Barrier(num_barriers=stages),             # K loaded
@@ -229,10 +224,10 @@ def run_kernel(cfg, layout, q, k, v, interpret=False):
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if softmax:   # lse [H, Tq] float32, base 2, as jagged_flash's softmax forward
+    if softmax:   # lse [H, Tq] float32, base 2, as the Triton softmax forward
         out_type = (out_type, jax.ShapeDtypeStruct((h, tq), F32))
     return plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles, n_heads=h),
+        functools.partial(_kernel, cfg=cfg, deferred=deferred),
         out_type=out_type,
         scratch_types=scratch,
         grid=grid,
@@ -259,7 +254,7 @@ def _mosaic_forward(name, mode, q, k, v, q_offsets, kv_offsets, causal, window, 
         return (jnp.zeros_like(q), jnp.zeros((h, tq), F32)) if mode == "softmax" else jnp.zeros_like(q)
     tqp = -(-tq // cfg.cta_rows) * cfg.cta_rows            # a copy unless already a multiple
     tkp = -(-max(k.shape[0], 1) // cfg.block_kv) * cfg.block_kv
-    layout = build_layout(cfg, q_offsets, kv_offsets, tqp, interpret, tkp)
+    layout = build_layout(cfg, q_offsets, kv_offsets, tqp, tkp)
     out = run_kernel(cfg, layout, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp),
                      interpret)
     if mode == "softmax":
@@ -272,7 +267,7 @@ def gdpa_mosaic_forward(q, k, v, q_offsets, kv_offsets, *, activation="silu", sc
     """out = (act(Q K^T) * scale) @ V per jagged sample; see the module docstring.
 
     q [Tq,H,D], k/v [Tk,H,D] bf16/f16, offsets [B+1] int32 -> [Tq,H,D] in q.dtype.
-    `tuning` overrides MosaicConfig fields (block_q, block_kv, num_stages, ...).
+    `tuning` overrides the forward's MosaicTuning fields (block_kv, num_stages, ...).
     interpret: False (compile for the GPU), True or an InterpretGPUParams (CPU).
     causal / window: not supported (NotImplementedError), accepted so that callers
     can pass gdpa's arguments through and fall back.

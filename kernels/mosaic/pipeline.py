@@ -74,28 +74,11 @@ def activation_grad_times_scale(s, activation, scale):
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def _items(cfg, n_tiles, n_heads):
-    """This CTA's work items as (count, item(i) -> (table row, head)).
-
-    A work item is one (CTA tile, head); items are numbered t = row * H + head in table
-    (heaviest-first) order. Non-persistent: one item per CTA (grid (tile, head)).
-    Persistent: grid (G = num_ctas,), round r hands items [r G, (r + 1) G) to the CTAs
-    in snake order (c, then G - 1 - c on odd rounds), so no CTA gets the heaviest item
-    of every round (W1 estimate: makespan 12% over the mean load, round-robin 18%).
-    """
-    if not cfg.persistent:
-        row, head = lax.axis_index("tile"), lax.axis_index("head")
-        return 1, lambda i: (row, head)
-    c = lax.axis_index("cta")
-    g = cfg.num_ctas
-    full, rem = divmod(n_tiles * n_heads, g)
-    last = c if full % 2 == 0 else g - 1 - c          # position in the partial round
-    count = full + (last < rem).astype(jnp.int32)
-
-    def item(i):
-        t = i * g + jnp.where(lax.rem(i, 2) == 0, c, g - 1 - c)
-        return lax.div(t, jnp.int32(n_heads)), lax.rem(t, jnp.int32(n_heads))
-    return count, item
+def _items():
+    """This CTA's work items as (count, item(i) -> (table row, head)): one, the grid's
+    (tile, head); the table lists the tiles heaviest-first."""
+    row, head = lax.axis_index("tile"), lax.axis_index("head")
+    return 1, lambda i: (row, head)
 
 
 def _for_items(count, item, body):
@@ -190,20 +173,6 @@ def _run_walk(spans, step, carry, release=None):
         pend = carry[-1]
         pl.when(pend >= 0)(lambda: release(pend))
     return loop(spans[-1], carry)
-
-
-def _row_max(s, ilp):
-    """max(s, axis=1) of a float32 [rows, cols] tile in the wgmma layout; ilp > 0: with
-    that many independent max chains per thread (acc_ilp), combined pairwise after."""
-    if not ilp:
-        return jnp.max(s, axis=1)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct((s.shape[0],), s.dtype,
-                                                          layout=plgpu.Layout.WGMMA.reduce(1)))
-    def row_max(_, x):
-        return x.reduce("max", 1, acc_ilp=ilp)
-    return row_max(s)
 
 
 def _scores_nt(a_smem, b_smem, rows, cols):
