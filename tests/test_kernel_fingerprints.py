@@ -35,7 +35,8 @@ def test_fingerprint_ignores_line_numbers_and_sees_program_changes():
 
 def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
     """A Mosaic GPU kernel's export blob carries source locations, so the hash reads its
-    jaxpr: the same for the same kernel, different when a knob changes its body (p_via_smem)."""
+    jaxpr: the same for the same kernel, different when a knob changes its body
+    (schedule_barrier)."""
     from kernels.mosaic import gdpa_mosaic_forward
     qo = jnp.asarray(np.array([0, 100, 356, 512]), jnp.int32)
 
@@ -44,4 +45,4 @@ def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
     dims = [(512, 2, 64)] * 4
     a = fingerprint(fwd(), *dims)
     assert fingerprint(fwd(), *dims) == a
-    assert fingerprint(fwd(p_via_smem=True), *dims) != a
+    assert fingerprint(fwd(schedule_barrier=False), *dims) != a
