@@ -202,7 +202,7 @@ BLOCK_BWD_GRID = ["4:1:1:2", "4:2:1:2", "4:1:2:2", "4:2:2:2", "4:1:4:2", "4:1:1:
 def block_knobs_fwd(spec):
     """BLOCK_FWD_GRID entry 'warps:stages:group[:rope_chunks]' -> per-block kernel knobs."""
     nw, ns, g, *ch = (int(x) for x in spec.split(":"))
-    from kernels.triton.block import BLOCK_KNOBS
+    from kernels.triton.tuning import BLOCK_KNOBS
     return {**BLOCK_KNOBS, "num_warps": nw, "num_stages": ns, "group": g,
             "rope_chunks": ch[0] if ch else 1}
 
@@ -210,6 +210,6 @@ def block_knobs_fwd(spec):
 def block_knobs_bwd(spec):
     """BLOCK_BWD_GRID entry 'warps:stages:group[:rope_chunks_bwd]' -> knobs."""
     nw, ns, g, *ch = (int(x) for x in spec.split(":"))
-    from kernels.triton.block import BLOCK_KNOBS
+    from kernels.triton.tuning import BLOCK_KNOBS
     return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group_bwd": g,
             "rope_chunks_bwd": ch[0] if ch else 1}

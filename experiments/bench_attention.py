@@ -49,7 +49,7 @@ from kernels.triton import FlashConfig, adapt_tiles, build_layout
 from kernels.triton import run_forward as _forward
 from kernels.dispatch import TILES as GDPA_TILES
 from kernels.dispatch import TILES as SOFTMAX_TILES
-from kernels.triton.block import TILES as BLOCK_TILED_TILES
+from kernels.dispatch import BLOCK_TILES as BLOCK_TILED_TILES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
@@ -256,19 +256,6 @@ def run_workload(wname, rng):
     meta["layout_only_ms"] = timeit(lay_fn, qo, ko) * 1e3
     meta["gdpa_fwd_kernel_only_ms"] = timeit(kern, q, k, v, lay) * 1e3
     meta["gdpa_fwd_kernel_only_tflops"] = flops / meta["gdpa_fwd_kernel_only_ms"] / 1e9
-    if kind == "self":
-        rows.append(measure("pallas_gdpa_launch_in_order", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        heavy_first=False)), args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure("pallas_gdpa_no_interior", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        interior=False)), args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure("pallas_gdpa_exact_act", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        fast_act=False)), args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure("pallas_softmax_no_interior", fwd_and_train(
-            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, interior=False)), args,
-            flops, bytes_fwd, bytes_bwd))
     if FLAGS.sweep:
         ops = {"gdpa": (GDPA_TILES, lambda q, k, v, t: gdpa_pallas(
             q, k, v, qo, ko, activation=act, scale=scale, **t))}
@@ -386,7 +373,7 @@ def main(_):
         with open(FLAGS.out, "w") as f:  # after every workload: partial runs keep results
             json.dump(dict(device=str(jax.devices()[0]), results=results), f, indent=1)
     if FLAGS.sweep:
-        print(f"\nsweep best (default knobs in kernels/*/pallas.py TILES / BLOCK_KNOBS)")
+        print(f"\nsweep best (default knobs in kernels/triton/tuning.py TUNING / BLOCK_KNOBS)")
         print(f"{'wl':3} {'op':8} {'pass':4} {'best spec':>14} {'ms':>8} {'TF/s':>6}")
         for res in results:
             for op, passes in res["meta"].get("sweep", {}).items():

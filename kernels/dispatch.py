@@ -33,16 +33,16 @@ from kernels.mosaic.layout import tile_table
 from kernels.mosaic.tuning import BACKWARD_TUNING, MosaicConfig, mosaic_config
 from kernels.triton.backward import run_backward as triton_backward
 from kernels.triton.backward import softmax_delta
-from kernels.triton.block import (BLOCK_KNOBS, ENGINE, TILES as BLOCK_TILES, _block_attn,
-                                  block_table, per_block_kernel_fits)
+from kernels.triton.block import ENGINE, _block_attn, block_table, per_block_kernel_fits
 from kernels.triton.forward import run_forward as triton_forward
 from kernels.triton.layout import _pad_rows, build_layout
-from kernels.triton.tuning import (F32, PAD_MULTIPLE, FlashConfig, adapt_tiles, backward_knobs,
-                                   fused_backward_side)
+from kernels.triton.tuning import (BLOCK_KNOBS, F32, PAD_MULTIPLE, FlashConfig, adapt_tiles,
+                                   backward_knobs, fused_backward_side, tuning_of)
 
-# Triton tiles of gdpa and jagged_attention (H200); interpret mode uses the same.
-TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=3,
-             num_warps_bwd=4, num_stages_bwd=2)
+# The Triton tuning of gdpa and jagged_attention, and of block_attention's tiled form, as
+# keyword arguments (kernels.triton.tuning.TUNING; benchmarks start their sweeps there).
+TILES = tuning_of("gdpa")
+BLOCK_TILES = tuning_of("block_attention")
 
 
 def resolve_impl(op, head_dim, impl):
@@ -169,11 +169,14 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_theta=None):
     """q [Tq,H,D], k/v [Tk,H,D], offsets [B+1] -> [Tq,H,D] in q.dtype; differentiable.
 
-    Capacities are padded to a multiple of 128 internally; padding rows come out 0.
-    Tiles are adapted to the shapes (adapt_tiles).
+    cfg: a FlashConfig (kernels.triton.tuning). Capacities are padded to a multiple of 128
+    internally; padding rows come out 0. Tiles are adapted to the shapes (adapt_tiles);
+    16-bit inputs form GDPA's silu / gelu_tanh through tanh.approx (~5e-4 relative, far
+    below bf16's 2e-2 budget; fast_act), float32 keeps the exact formulas.
     """
     tq, h, d = q.shape
     tk = k.shape[0]
+    cfg = dataclasses.replace(cfg, fast_act=jnp.dtype(q.dtype).itemsize == 2)
     cfg = adapt_tiles(cfg, tq, tk, q_offsets.shape[0] - 1, q.dtype)
     cfg = dataclasses.replace(cfg, fused_bwd=fused_backward_side(cfg, tq, tk,
                                                                  q_offsets.shape[0] - 1))
@@ -207,14 +210,12 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
 
 def gdpa_pallas(q, k, v, q_offsets, kv_offsets, *, activation="silu", scale=1.0, causal=False,
                 window=None, **tiles):
-    """Same contract as kernels.gdpa.gdpa; `tiles` overrides TILES and the FlashConfig
-    engine fields (forward, backward, fused_bwd, ...: benchmarks and tests)."""
-    # 16-bit inputs: silu / gelu_tanh through tanh.approx (~5e-4 relative, far below
-    # bf16's 2e-2 budget); float32 keeps the exact formulas.
-    fast = jnp.dtype(q.dtype).itemsize == 2
+    """Same contract as kernels.gdpa.gdpa; `tiles` overrides the Triton tuning
+    (TUNING["gdpa"]) and FlashConfig's engine fields (forward, backward, mosaic_fwd,
+    mosaic_bwd: benchmarks and tests)."""
     cfg = FlashConfig(mode="gdpa", activation=activation, scale=float(scale), causal=causal,
                       window=window, interpret=jax.default_backend() != "gpu",
-                      **{**TILES, "fast_act": fast, **tiles})
+                      **{**tuning_of("gdpa"), **tiles})
     return jagged_flash(cfg, q, k, v, q_offsets, kv_offsets)
 
 
@@ -223,7 +224,8 @@ def jagged_attention_pallas(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, ca
     """Same contract as kernels.jagged_attention.jagged_attention; `tiles` as gdpa_pallas's."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     cfg = FlashConfig(mode="softmax", scale=float(sm_scale), causal=causal, window=window,
-                      interpret=jax.default_backend() != "gpu", **{**TILES, **tiles})
+                      interpret=jax.default_backend() != "gpu",
+                      **{**tuning_of("jagged_attention"), **tiles})
     return jagged_flash(cfg, q, k, v, q_offsets, kv_offsets)
 
 
@@ -232,7 +234,7 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
     """Same contract as kernels.block_attention.block_attention.
 
     knobs: engine ("per_block" or "tiled"; default ENGINE), then BLOCK_KNOBS of the
-    per-block kernel, or FlashConfig tiles when the block goes to the tiled engine
+    per-block kernel, or TritonTuning fields when the block goes to the tiled kernels
     (engine="tiled", or a block size the per-block kernel does not take).
     """
     t, _, d = q.shape
@@ -248,7 +250,7 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
                              f"engine={engine!r}) needs D/2 a power of two >= 16, got D={d}; "
                              "use impl='reference' or a block of 16, 32 or 64")
         cfg = FlashConfig(mode="softmax", scale=float(sm_scale), block=block, rope=True,
-                          interpret=interpret, **{**BLOCK_TILES, **knobs})
+                          interpret=interpret, **{**tuning_of("block_attention"), **knobs})
         return jagged_flash(cfg, q, k, v, offsets, offsets, rope_positions=positions,
                             rope_theta=float(rope_theta))
     dp = padded_head_dim("block_attention", d)

@@ -34,33 +34,8 @@ from kernels.triton.tile import LOG2E
 
 F32 = jnp.float32
 
-# Tiled-engine fallback (blocks the per-block kernel does not take).
-TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
-             num_warps_bwd=4, num_stages_bwd=2)
-# Per-block kernel knobs (defaults; benchmarks override them).
-# group / group_bwd: blocks per program of the forward / backward kernel (a loop inside
-# the program; > 1 amortises the launch).
-# fast_trig: RoPE cos/sin through cos.approx / sin.approx (one MUFU op each; absolute
-# error ~1e-6 on angles reduced to [-pi, pi], ~1e-5 on the unreduced in-block angles
-# below 128 rad, `_trig`) for 16-bit inputs; float32 keeps libdevice cosf / sinf.
-# rope_chunks (forward): RoPE in a loop over that many column chunks of each half (1: the
-# whole [block, D/2] cos / sin tables at once); the resource report for sm_90 (W4, D=128):
-# 1 chunk 244 registers at 4 warps, 2 stages (8 warps per SM); 4 chunks 130 at 4 warps
-# (12 per SM), 80 at 8 warps (24 per SM). rope_chunks_bwd: the same for the backward
-# (1 chunk 255 registers and spills at 4 warps; 4 chunks 168).
-# Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128):
-# forward 4 warps, 2 stages, 4 blocks per program, 1 chunk (0.102-0.106 ms in two runs;
-# 2 blocks 0.106-0.107, 2 or 4 chunks 0.107-0.111, 8 warps >= 0.165); backward 4 warps,
-# 1 stage, 1 block, 2 chunks (forward+backward 0.293-0.297 ms; 1 chunk 0.342-0.347,
-# 4 chunks 0.331, 8 warps 0.54). Session 15, with RoPE by in-block offsets: forward 0.077,
-# forward+backward 0.225 ms; group 2, rope_chunks 2, rope_chunks_bwd 1 / 4, num_stages_bwd
-# 2, group_bwd 2 no faster. prefetch_table: a program's table entries loaded up front
-# (`_each_block`).
-BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
-                   prefetch_table=True)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
-# jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
+# tiled kernels with a block mask).
 ENGINE = "per_block"
 
 

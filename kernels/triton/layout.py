@@ -74,7 +74,7 @@ def _heaviest_first(lo, hi, cfg, short=False):
     """Tile launch order: most inner-loop work first (shorter tail of long samples).
     In order where the inner loop runs over a short side (at most SHORT_SIDE tokens per
     sample: one or two tiles for every tile, nothing to balance), saving the sort."""
-    if not cfg.heavy_first or short:
+    if short:
         return jnp.arange(lo.shape[0], dtype=jnp.int32)
     return jnp.argsort(lo - hi, stable=True).astype(jnp.int32)
 

@@ -167,8 +167,6 @@ def _where(m, x, other):
 
 def _three_loops(lo, flo, fhi, hi, body, init, cfg):
     """fori over [lo, hi) with body(j, carry, masked): tiles in [flo, fhi) are interior."""
-    if not cfg.interior:
-        return lax.fori_loop(lo, hi, functools.partial(body, masked=True), init)
     c = lax.fori_loop(lo, flo, functools.partial(body, masked=True), init)
     c = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), c)
     return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), c)

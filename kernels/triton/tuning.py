@@ -1,6 +1,22 @@
-"""The Triton engine's configuration: FlashConfig (the op and its tiles, warps, stages and
-backward form) and the rules that adapt it to the shapes of a call (adapt_tiles,
-fused_backward_side, backward_knobs)."""
+"""The Triton engine's configuration: one tuning table (TritonTuning, TUNING: the values
+the tiled kernels run with, per op; BLOCK_KNOBS: block_attention's per-block kernel),
+FlashConfig (an op with its tuning), and the rules that adapt a tuning to the shapes of
+a call. What varies, and where it is set:
+
+    op                  TUNING[op]: 64 x 64 tiles, 4 warps; 3 forward stages (2 for
+                        block_attention's tiled form); backward 4 warps, 2 stages
+    dtype               adapt_tiles: float32 tiles at most 64 x 32 (shared memory);
+                        fast_act: 16-bit GDPA forms silu / gelu_tanh through tanh.approx
+    tokens per sample   adapt_tiles: tiles of about one sample where samples are short;
+                        fused_backward_side: "q_rows" / "k_rows" where a side holds at
+                        most SHORT_SIDE tokens per sample; backward_knobs: with "k_rows"
+                        the 32 heaviest key tiles split in 4, with either fused form the
+                        rest kernel over 8 tiles per program
+
+Fixed by the kernels' design rather than tuned: tiles launch heaviest-first (in order
+where the inner loop runs over a short side); tiles whose pairs are all valid skip the
+mask (the interior loop).
+"""
 
 import dataclasses
 
@@ -12,11 +28,60 @@ PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
 # the other side launch in order (one or two tiles of inner loop each, no sort), and a
 # short side gets the fused backward (fused_bwd="auto": "q_rows" / "k_rows").
 SHORT_SIDE = 32
-FUSED_BWD = ("auto", "off", "q_rows", "k_rows")   # FlashConfig.fused_bwd
+FUSED_BWD = ("auto", "off", "q_rows", "k_rows")   # TritonTuning.fused_bwd
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashConfig:
+class TritonTuning:
+    """Launch parameters of the Triton tiled kernels (defaults: gdpa's and
+    jagged_attention's, TUNING). Tiles: powers of two >= 16 dividing PAD_MULTIPLE."""
+    bq: int = 64                   # forward / dQ: query tile
+    bk: int = 64                   # forward / dQ: key tile
+    bq_dkv: int = 64               # dK / dV: query step
+    bk_dkv: int = 64               # dK / dV: key tile
+    num_warps: int = 4             # forward
+    num_stages: int = 3            # forward
+    num_warps_bwd: int = 4         # dQ, dK / dV
+    num_stages_bwd: int = 2        # dQ, dK / dV
+    # FUSED_BWD: "k_rows" / "q_rows" (rows of one side whose whole interval lies in one
+    # tile of the other get their gradient from that tile's program, the rest from
+    # their own kernel), "off" (the dQ and dK/dV kernels), "auto" (fused_backward_side)
+    fused_bwd: str = "auto"
+    # dK / dV: the query loop of each of the first dkv_split_tiles key tiles of the
+    # launch order (the heaviest; 0: every tile) cut into dkv_split chunks, one program
+    # each, their float32 partials summed after the kernel; 1 = off. "auto":
+    # backward_knobs
+    dkv_split: int | str = "auto"
+    dkv_split_tiles: int | str = "auto"
+    # fused_bwd "k_rows" / "q_rows": tiles per program of the kernel that takes the rows
+    # no tile of the other side owns (a loop in the program); "auto": backward_knobs
+    rest_group: int | str = "auto"
+
+
+# The values that run, per op.
+TUNING = {"gdpa": TritonTuning(), "jagged_attention": TritonTuning(),
+          "block_attention": TritonTuning(num_stages=2)}
+# block_attention's per-block kernel (kernels/triton/block.py): warps / stages of its
+# forward and backward; group / group_bwd: blocks per program (a loop inside the
+# program); fast_trig: RoPE cos / sin through cos.approx / sin.approx for 16-bit inputs
+# (float32 keeps libdevice cosf / sinf); rope_chunks / rope_chunks_bwd: RoPE in a loop
+# over that many column chunks of each half (fewer registers; capped to what D/2
+# splits into); prefetch_table: a program's table entries loaded up front.
+BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
+                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
+                   prefetch_table=True)
+
+
+def tuning_of(op):
+    """TUNING[op] as keyword arguments (FlashConfig(**tuning_of(op), mode=...))."""
+    return dataclasses.asdict(TUNING[op])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlashConfig(TritonTuning):
+    """An op on the tiled kernels: its mask and scale, its tuning (TritonTuning's fields),
+    and the engine of each direction (kernels.dispatch picks the Mosaic kernels where
+    they apply)."""
     mode: str                      # "gdpa" | "softmax"
     activation: str = "identity"   # gdpa only
     scale: float = 1.0             # gdpa: after act; softmax: sm_scale on scores
@@ -24,53 +89,13 @@ class FlashConfig:
     window: int | None = None
     block: int | None = None       # block_attention: same pos // block
     rope: bool = False
-    bq: int = 128                  # forward / dQ query tile
-    bk: int = 64                   # forward / dQ key tile
-    bq_dkv: int = 64               # dK/dV: query step
-    bk_dkv: int = 64               # dK/dV: key tile
-    num_warps: int = 8
-    num_stages: int = 2
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
-    heavy_first: bool = True       # launch tiles with the longest key range first
-    interior: bool = True          # tiles whose pairs are all valid skip the mask
-    fast_act: bool = False         # gdpa silu / gelu_tanh through tanh.approx (16-bit inputs)
+    fast_act: bool = False         # gdpa silu / gelu_tanh through tanh.approx (set by
+                                   # kernels.dispatch.jagged_flash for 16-bit inputs)
     interpret: bool = False
-    # forward engine: "triton" (this module's kernel) or "mosaic" (the Mosaic GPU kernel,
-    # kernels/mosaic_flash.py, gdpa and softmax, where it applies: flash_forward; Triton
-    # elsewhere); either engine's forward feeds either backward
-    forward: str = "triton"
-    # backward engine: "triton" (the dQ and dK/dV kernels here) or "mosaic" (the Mosaic
-    # GPU dQ and dK/dV kernels, kernels/mosaic_flash.py run_backward, where they apply:
-    # flash_backward; Triton elsewhere)
-    backward: str = "triton"
-    # MosaicConfig overrides, ((knob, value), ...), for the Mosaic forward / backward
-    # (benchmarks and tests: e.g. (("fused_delta", True),), (("overlap_dp", True),))
-    mosaic_fwd: tuple = ()
-    mosaic_bwd: tuple = ()
-    # Triton backward, FUSED_BWD: "k_rows" / "q_rows" (rows of one side whose whole
-    # interval lies in one tile of the other get their gradient from that tile's
-    # program, the rest from their own kernel), "off" (the dQ and dK/dV kernels), "auto"
-    # (fused_backward_side: "q_rows" for short query sides, "k_rows" for short key sides,
-    # else off; off with RoPE)
-    fused_bwd: str = "auto"
-    # The next three are "auto" by default, resolved by backward_knobs (H200 timings
-    # there). Triton dK/dV kernel: each key tile's query loop cut into this many equal
-    # chunks, one program each, their float32 partial dK / dV summed in XLA after the
-    # kernel (a long sample's key tile is no longer one long serial program: W2's 2975
-    # queries are 47 query tiles). 1 = off. Applies to the plain and "k_rows" backwards.
-    dkv_split: int | str = "auto"
-    # dkv_split over the first dkv_split_tiles key tiles of the launch order only (the
-    # heaviest, with heavy_first): their float32 partials go to a small buffer
-    # [split * L * bk_dkv, H, D], summed and scattered into dK / dV after the kernel,
-    # while every other tile runs whole and stores dK / dV directly. 0 = every tile split
-    # (partials [split * Tk, H, D] summed in full: on W2 two 12 us passes, CUPTI).
-    dkv_split_tiles: int | str = "auto"
-    # fused_bwd "k_rows" / "q_rows": tiles per program of the kernel that takes the rows
-    # no tile of the other side owns (a loop in the program). On W2 / W3 nearly every
-    # tile has none, and one program per tile and head (W2: 5660) costs 13 us of launches
-    # for no work (CUPTI). 1 = one program per tile.
-    rest_group: int | str = "auto"
+    forward: str = "triton"        # "triton" | "mosaic": the engine of each direction;
+    backward: str = "triton"       # either forward feeds either backward
+    mosaic_fwd: tuple = ()         # MosaicTuning overrides ((knob, value), ...) of the
+    mosaic_bwd: tuple = ()         # Mosaic forward / backward (benchmarks and tests)
 
 
 def _pow2_floor(x):
@@ -99,11 +124,9 @@ def fused_backward_side(cfg, tq, tk, b):
     """cfg.fused_bwd resolved for capacities tq / tk and B samples: one of FUSED_BWD but
     "auto".
 
-    "auto": "q_rows" where queries per sample are at most SHORT_SIDE (PMA's 16: W3 on an
-    H200, forward+backward 0.519 ms against 0.610 unfused and 0.574 with dQ added by
-    float32 atomics in the dK/dV kernel, a mode since removed), else "k_rows" where keys
-    per sample are (W2's 32: 0.343 against 0.357 unfused), else "off"; "off" with RoPE
-    (the fused kernels do not rotate).
+    "auto": "q_rows" where queries per sample are at most SHORT_SIDE (PMA's 16), else
+    "k_rows" where keys per sample are (cross-attention to 32 keys), else "off"; "off"
+    with RoPE (the fused kernels do not rotate).
     """
     if cfg.fused_bwd not in FUSED_BWD:
         raise ValueError(f"pallas attention: fused_bwd must be one of {FUSED_BWD}, "
@@ -127,11 +150,7 @@ def backward_knobs(cfg):
     "auto", with "k_rows" (a short key side: each key tile's query loop runs over a whole
     sample's queries, up to 4096): the 32 heaviest key tiles split in 4, the rest kernel
     over 8 tiles per program; with "q_rows" the rest kernel over 8 tiles; else no split,
-    one tile per program. H200, forward+backward per call, one run:
-    W2 GDPA 0.287 ms against 0.330 with the former default (every tile split in 2),
-    0.338 unsplit, 0.351 every tile in 4, 0.281-0.327 over splits {2, 4, 8} x top
-    {16, 32, 64}; softmax 0.338 against 0.383; W3 (call 1) rest_group 8 0.516 / 0.526
-    against 0.519 / 0.541 (GDPA / softmax).
+    one tile per program.
     """
     k_rows, fused = cfg.fused_bwd == "k_rows", cfg.fused_bwd in ("k_rows", "q_rows")
     auto = dict(dkv_split=4 if k_rows else 1, dkv_split_tiles=32 if k_rows else 0,
