@@ -30,7 +30,8 @@ from kernels.common import (MAX_PADDED, default_impl, pad_halves, pad_head_dim, 
                             rope_freq_parts)
 from kernels.mosaic.forward import run_kernel
 from kernels.mosaic.layout import tile_table
-from kernels.mosaic.tuning import BACKWARD_TUNING, MosaicConfig, mosaic_config
+from kernels.mosaic.tuning import TUNING as MOSAIC_TUNING
+from kernels.mosaic.tuning import MosaicConfig, mosaic_config
 from kernels.triton.backward import run_backward as triton_backward
 from kernels.triton.backward import softmax_delta
 from kernels.triton.block import ENGINE, _block_attn, block_table, per_block_kernel_fits
@@ -97,8 +98,9 @@ def mosaic_forward(flash_cfg, dtype, d, tq, tk):
     if min(flash_cfg.bq, flash_cfg.bk) < 64:
         return None
     try:
+        tuning = {**dataclasses.asdict(MOSAIC_TUNING["forward"]), **dict(flash_cfg.mosaic_fwd)}
         cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
-                            scale=flash_cfg.scale, **dict(flash_cfg.mosaic_fwd))
+                            scale=flash_cfg.scale, **tuning)
     except NotImplementedError:
         return None
     if tq % cfg.cta_rows or tk % cfg.block_kv:
@@ -111,7 +113,7 @@ def mosaic_backward(flash_cfg, dtype, d, tq, tk):
     padded capacities, or None where those kernels do not apply (mosaic_forward's list)."""
     if mosaic_forward(flash_cfg, dtype, d, tq, tk) is None:
         return None
-    tuning = {**BACKWARD_TUNING, **dict(flash_cfg.mosaic_bwd)}
+    tuning = {**dataclasses.asdict(MOSAIC_TUNING["backward"]), **dict(flash_cfg.mosaic_bwd)}
     cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
                         scale=flash_cfg.scale, **tuning)
     if any(tq % t or tk % t for t in (cfg.cta_rows, cfg.block_kv)):
