@@ -1,4 +1,5 @@
-"""Shared pieces of the jagged attention ops: layout, masks, RoPE, input checks.
+"""Shared pieces of the jagged attention ops and both engines: layout, tile ranges, masks,
+RoPE, input checks.
 
 Layout (see gemjax/data/jagged.py): B samples packed end to end in a buffer of
 static capacity T; offsets [B+1] int32, offsets[0] = 0, non-decreasing,
