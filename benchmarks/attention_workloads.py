@@ -119,9 +119,9 @@ def pack_arrays(ql, kl, h, d, dtype, rng):
 
 def parse_mosaic_knobs(spec):
     """'block_kv=64+num_stages=4' -> {'block_kv': 64, 'num_stages': 4}: MosaicConfig knobs
-    (kernels/mosaic_flash.py) as ints, 0 / 1 for its bool fields; ValueError if malformed."""
+    (kernels/mosaic/tuning.py) as ints, 0 / 1 for its bool fields; ValueError if malformed."""
     import dataclasses
-    from kernels.mosaic_flash import MosaicConfig
+    from kernels.mosaic import MosaicConfig
     bools = {f.name for f in dataclasses.fields(MosaicConfig) if f.type in (bool, "bool")}
     knobs = {}
     for part in filter(None, spec.split("+")):
@@ -131,7 +131,7 @@ def parse_mosaic_knobs(spec):
 
 
 def parse_variant(spec):
-    """'softmax_mosaic[fused_delta=1]' -> ('softmax', 'mosaic', (('fused_delta', True),)):
+    """'softmax_mosaic[fused_dq=1]' -> ('softmax', 'mosaic', (('fused_dq', True),)):
     an op (gdpa / softmax, or block: the per-block kernel, triton only), an engine
     (triton / mosaic) and MosaicConfig knobs (parse_mosaic_knobs, sorted);
     ValueError if malformed."""
@@ -176,9 +176,9 @@ def op_fn(op, engine, knobs, qo, ko, scale):
     """fn(q, k, v) of a parse_variant triple on offsets qo, ko (GDPA: SiLU with `scale`).
     The knobs go to all three Mosaic kernels; each takes the ones it has (forward-only
     knobs leave the backward as it is, and the other way round)."""
-    from kernels.block_attention.pallas import block_attention_pallas
-    from kernels.gdpa.pallas import gdpa_pallas
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    from kernels.dispatch import block_attention_pallas
+    from kernels.dispatch import gdpa_pallas
+    from kernels.dispatch import jagged_attention_pallas
     if op == "block":
         return lambda q, k, v: block_attention_pallas(q, k, v, qo)
     kw = dict(forward=engine, backward=engine, mosaic_fwd=knobs, mosaic_bwd=knobs)
@@ -202,7 +202,7 @@ BLOCK_BWD_GRID = ["4:1:1:2", "4:2:1:2", "4:1:2:2", "4:2:2:2", "4:1:4:2", "4:1:1:
 def block_knobs_fwd(spec):
     """BLOCK_FWD_GRID entry 'warps:stages:group[:rope_chunks]' -> per-block kernel knobs."""
     nw, ns, g, *ch = (int(x) for x in spec.split(":"))
-    from kernels.block_attention.pallas import BLOCK_KNOBS
+    from kernels.triton.tuning import BLOCK_KNOBS
     return {**BLOCK_KNOBS, "num_warps": nw, "num_stages": ns, "group": g,
             "rope_chunks": ch[0] if ch else 1}
 
@@ -210,6 +210,6 @@ def block_knobs_fwd(spec):
 def block_knobs_bwd(spec):
     """BLOCK_BWD_GRID entry 'warps:stages:group[:rope_chunks_bwd]' -> knobs."""
     nw, ns, g, *ch = (int(x) for x in spec.split(":"))
-    from kernels.block_attention.pallas import BLOCK_KNOBS
+    from kernels.triton.tuning import BLOCK_KNOBS
     return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group_bwd": g,
             "rope_chunks_bwd": ch[0] if ch else 1}

@@ -39,14 +39,16 @@ from benchmarks.attention_workloads import (BLOCK_BWD_GRID, BLOCK_FWD_GRID,
                                             fwd_and_train, parse_mosaic_knobs, stream_same_bytes,
                                             stream_same_bytes_train, time_stream, valid_pairs, workload)
 from kernels.block_attention import block_attention_reference
-from kernels.block_attention.pallas import block_attention_pallas
-from kernels.gdpa.pallas import gdpa_pallas
+from kernels.dispatch import block_attention_pallas
+from kernels.dispatch import gdpa_pallas
 from kernels.jagged_attention import jagged_attention
-from kernels.jagged_attention.pallas import jagged_attention_pallas
-from kernels.jagged_flash import FlashConfig, _forward, adapt_tiles, build_layout, jagged_flash
-from kernels.gdpa.pallas import TILES as GDPA_TILES
-from kernels.jagged_attention.pallas import TILES as SOFTMAX_TILES
-from kernels.block_attention.pallas import TILES as BLOCK_TILED_TILES
+from kernels.dispatch import jagged_attention_pallas
+from kernels.dispatch import jagged_flash
+from kernels.triton import FlashConfig, adapt_tiles, build_layout
+from kernels.triton import run_forward as _forward
+from kernels.dispatch import TILES as GDPA_TILES
+from kernels.dispatch import TILES as SOFTMAX_TILES
+from kernels.dispatch import BLOCK_TILES as BLOCK_TILED_TILES
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
@@ -61,7 +63,7 @@ flags.DEFINE_float("peak_tflops", 625.0, "bf16 matmul ceiling for the roofline (
 flags.DEFINE_float("hbm_tbs", 3.6, "HBM bandwidth for the roofline, TB/s")
 flags.DEFINE_bool("baselines", True, "also time cuDNN padded and padded jnp GDPA")
 flags.DEFINE_list("rows", [], "time only the rows whose name contains one of these (empty: all)")
-flags.DEFINE_list("mosaic_variants", ["fused_delta=0", "overlap_dp=1"],
+flags.DEFINE_list("mosaic_variants", ["schedule_barrier=0", "fused_dq=1"],
                   "W1: extra Mosaic forward + backward rows (softmax and GDPA) with these "
                   "MosaicConfig knobs (knob=int joined by '+') in all three kernels; "
                   "backward-only knobs leave the forward as it is")
@@ -253,19 +255,6 @@ def run_workload(wname, rng):
     meta["layout_only_ms"] = timeit(lay_fn, qo, ko) * 1e3
     meta["gdpa_fwd_kernel_only_ms"] = timeit(kern, q, k, v, lay) * 1e3
     meta["gdpa_fwd_kernel_only_tflops"] = flops / meta["gdpa_fwd_kernel_only_ms"] / 1e9
-    if kind == "self":
-        rows.append(measure("pallas_gdpa_launch_in_order", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        heavy_first=False)), args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure("pallas_gdpa_no_interior", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        interior=False)), args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure("pallas_gdpa_exact_act", fwd_and_train(
-            lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
-                                        fast_act=False)), args, flops, bytes_fwd, bytes_bwd))
-        rows.append(measure("pallas_softmax_no_interior", fwd_and_train(
-            lambda q, k, v: jagged_attention_pallas(q, k, v, qo, ko, interior=False)), args,
-            flops, bytes_fwd, bytes_bwd))
     if FLAGS.sweep:
         ops = {"gdpa": (GDPA_TILES, lambda q, k, v, t: gdpa_pallas(
             q, k, v, qo, ko, activation=act, scale=scale, **t))}
@@ -383,7 +372,7 @@ def main(_):
         with open(FLAGS.out, "w") as f:  # after every workload: partial runs keep results
             json.dump(dict(device=str(jax.devices()[0]), results=results), f, indent=1)
     if FLAGS.sweep:
-        print(f"\nsweep best (default knobs in kernels/*/pallas.py TILES / BLOCK_KNOBS)")
+        print(f"\nsweep best (default knobs in kernels/triton/tuning.py TUNING / BLOCK_KNOBS)")
         print(f"{'wl':3} {'op':8} {'pass':4} {'best spec':>14} {'ms':>8} {'TF/s':>6}")
         for res in results:
             for op, passes in res["meta"].get("sweep", {}).items():

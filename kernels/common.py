@@ -1,4 +1,5 @@
-"""Shared pieces of the jagged attention ops: layout, masks, RoPE, input checks.
+"""Shared pieces of the jagged attention ops and both engines: layout, tile ranges, masks,
+RoPE, input checks.
 
 Layout (see gemjax/data/jagged.py): B samples packed end to end in a buffer of
 static capacity T; offsets [B+1] int32, offsets[0] = 0, non-decreasing,
@@ -57,6 +58,36 @@ def key_layout(kv_offsets, tk):
     ks, kp = segment_layout(kv_offsets, tk)
     b = kv_offsets.shape[0] - 1
     return jnp.where(ks < b, ks, KEY_PAD_SEGMENT), kp
+
+
+def tile_ranges(start, end, row_tile, col_tile):
+    """Per row tile, the [first, last) column tiles covering its tokens' [start, end)."""
+    n = start.shape[0] // row_tile
+    lo = start.reshape(n, row_tile).min(axis=1)
+    hi = end.reshape(n, row_tile).max(axis=1)
+    first = lo // col_tile
+    last = (hi + col_tile - 1) // col_tile
+    empty = hi <= lo
+    return jnp.where(empty, 0, first).astype(jnp.int32), jnp.where(empty, 0, last).astype(jnp.int32)
+
+
+def interior_ranges(start, end, row_tile, col_tile, lo, hi):
+    """Per row tile, the [first, last) column tiles whose every pair is valid.
+
+    A pair is valid iff the column lies in its row's [start, end) (exact for the
+    sample, causal, window and block masks, which give one interval per token), so
+    the columns valid for the whole tile are the intersection [max start, min end);
+    a padding row (start BIG, end 0) empties it. Clipped to [lo, hi) so that
+    lo <= first <= last <= hi; empty -> first = last = hi (all tiles masked).
+    """
+    n = start.shape[0] // row_tile
+    s = start.reshape(n, row_tile).max(axis=1)
+    e = end.reshape(n, row_tile).min(axis=1)
+    first = jnp.clip((s + col_tile - 1) // col_tile, lo, hi)
+    last = jnp.clip(e // col_tile, first, hi)
+    empty = last <= first
+    return (jnp.where(empty, hi, first).astype(jnp.int32),
+            jnp.where(empty, hi, last).astype(jnp.int32))
 
 
 def pair_mask(q_offsets, kv_offsets, tq, tk, causal=False, window=None, block=None):

@@ -81,7 +81,7 @@ def test_block_sweep_grids_are_valid_knobs():
     import jax
     import jax.numpy as jnp
     from benchmarks import attention_workloads as ba   # flag-free: bench_attention's absl flags stay out
-    from kernels.block_attention.pallas import block_attention_pallas
+    from kernels.dispatch import block_attention_pallas
     q = jax.ShapeDtypeStruct((256, 1, 128), jnp.bfloat16)
     off = jnp.asarray([0, 100, 256], jnp.int32)
     specs = ([ba.block_knobs_fwd(s) for s in ba.BLOCK_FWD_GRID]

@@ -7,7 +7,7 @@ import numpy as np
 from tools.kernel_fingerprints import _train, fingerprint
 
 SRC = """
-from kernels.gdpa.pallas import gdpa_pallas
+from kernels.dispatch import gdpa_pallas
 def op(q, k, v):
     return gdpa_pallas(q, k, v, QO, KO, activation="silu", scale=0.1, fused_bwd=FB)
 """
@@ -30,8 +30,9 @@ def test_fingerprint_ignores_line_numbers_and_sees_program_changes():
 
 def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
     """A Mosaic GPU kernel's export blob carries source locations, so the hash reads its
-    jaxpr: the same for the same kernel, different when a knob changes its body (p_via_smem)."""
-    from kernels.mosaic_flash import gdpa_mosaic_forward
+    jaxpr: the same for the same kernel, different when a knob changes its body
+    (schedule_barrier)."""
+    from kernels.mosaic import gdpa_mosaic_forward
     qo = jnp.asarray(np.array([0, 100, 356, 512]), jnp.int32)
 
     def fwd(**tuning):
@@ -39,4 +40,4 @@ def test_fingerprint_of_a_mosaic_kernel_sees_its_body():
     dims = [(512, 2, 64)] * 4
     a = fingerprint(fwd(), *dims)
     assert fingerprint(fwd(), *dims) == a
-    assert fingerprint(fwd(p_via_smem=True), *dims) != a
+    assert fingerprint(fwd(schedule_barrier=False), *dims) != a

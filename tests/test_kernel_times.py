@@ -13,10 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_variant_specs():
     from benchmarks.attention_workloads import parse_variant
     assert parse_variant("gdpa_triton") == ("gdpa", "triton", ())
-    assert parse_variant("softmax_mosaic[fused_delta=1+overlap_dp=1]") == (
-        "softmax", "mosaic", (("fused_delta", True), ("overlap_dp", True)))
-    assert parse_variant("gdpa_mosaic[dq_block_kv=128]") == (
-        "gdpa", "mosaic", (("dq_block_kv", 128),))
+    assert parse_variant("softmax_mosaic[schedule_barrier=0+fused_dq=1]") == (
+        "softmax", "mosaic", (("fused_dq", True), ("schedule_barrier", False)))
+    assert parse_variant("gdpa_mosaic[block_kv=128]") == (
+        "gdpa", "mosaic", (("block_kv", 128),))
     assert parse_variant("block_triton") == ("block", "triton", ())
     for bad in ("block_mosaic", "block_triton[fused_delta=1]", "gdpa_cudnn",
                 "softmax_mosaic[fused_delta=1", "gdpa_mosaic[x]"):

@@ -25,7 +25,7 @@ def _check(impl, lens, t, *, dtype=jnp.float32, h=2, d=32, block=64, theta=10_00
     elif impl == "reference":
         fn = lambda q, k, v: block_attention_reference(q, k, v, jnp.asarray(off), **kw)
     elif knobs:
-        from kernels.block_attention.pallas import block_attention_pallas
+        from kernels.dispatch import block_attention_pallas
         fn = lambda q, k, v: block_attention_pallas(q, k, v, jnp.asarray(off), **kw, **knobs)
     else:
         fn = lambda q, k, v: block_attention(q, k, v, jnp.asarray(off), impl=impl, **kw)
@@ -52,7 +52,7 @@ def test_pallas_block_sizes_and_tails(block, lens, t, knobs):
 def test_pallas_engines_agree_and_bad_engine_is_named():
     _check("pallas", LENS, 384, seed=3, knobs=dict(engine="tiled"))
     _check("pallas", LENS, 384, seed=3, knobs=dict(engine="per_block", fast_trig=False))
-    from kernels.block_attention.pallas import block_attention_pallas
+    from kernels.dispatch import block_attention_pallas
     q = jnp.zeros((64, 1, 32), jnp.float32)
     with pytest.raises(ValueError, match="engine"):
         block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), engine="mosaic")
@@ -68,7 +68,7 @@ def test_pallas_pads_rope_halves(d, block):
 
 
 def test_padded_head_dims_only_through_the_per_block_kernel():
-    from kernels.block_attention.pallas import block_attention_pallas
+    from kernels.dispatch import block_attention_pallas
     q = jnp.zeros((64, 1, 24), jnp.float32)
     off = jnp.array([0, 64], jnp.int32)
     with pytest.raises(ValueError, match="tiled engine"):
@@ -148,7 +148,7 @@ def test_pallas_rope_chunks(d, chunks, chunks_bwd, kw):
 
 
 def test_rope_chunks_must_leave_16_columns():
-    from kernels.block_attention.pallas import block_attention_pallas
+    from kernels.dispatch import block_attention_pallas
     q = jnp.zeros((64, 1, 64), jnp.float32)
     for name in ("rope_chunks", "rope_chunks_bwd"):
         for bad in (0, 3, 4):     # D/2 = 32: 4 chunks of 8 columns, 3 does not divide

@@ -1,5 +1,5 @@
 """Float64 numpy references for the attention kernels (per-sample, padded dense), and
-tests of the shared pieces in kernels/common.py and kernels/jagged_flash.py.
+tests of the shared pieces in kernels/common.py and kernels/triton.
 
 The references here are written independently of kernels/: per sample, dense
 [H, Lq, Lk] scores in float64 with hand-derived gradients. Other kernel tests
@@ -15,7 +15,9 @@ import pytest
 from scipy.special import erf
 
 from kernels.common import pair_mask, rope, segment_layout
-from kernels.jagged_flash import FlashConfig, act_and_grad, build_layout
+from kernels.triton.layout import build_layout
+from kernels.triton.tile import act_and_grad
+from kernels.triton.tuning import FlashConfig
 
 # ------------------------------------------------------------------ helpers
 
@@ -248,7 +250,7 @@ def test_interior_ranges_are_exactly_the_full_tiles(causal, window, block):
 def test_block_table_covers_every_row_once(multiple):
     """Per-block programs: real blocks are the sample's 64-token blocks; tails zero the rest;
     the count is a multiple of `multiple`, the extra programs idle (nothing read or written)."""
-    from kernels.block_attention.pallas import block_table
+    from kernels.triton.block import block_table
     lens = [0, 1, 63, 64, 65, 130, 3]
     off = offsets_of(lens)
     start, ln, wl = (np.asarray(x) for x in block_table(jnp.asarray(off), 400, 64, multiple))
@@ -279,7 +281,7 @@ def test_kernel_activation_and_derivative_match_float64(activation):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_fast_activation_forms_match_float64(activation):
     """The tanh forms used with tanh.approx (here with exact tanh) equal act and act'."""
-    from kernels.jagged_flash import fast_act_and_grad
+    from kernels.triton.tile import fast_act_and_grad
     s = np.linspace(-9, 9, 721)
     a, da = fast_act_and_grad(jnp.asarray(s, jnp.float32), activation, interpret=True)
     wa, wda = np_act(s, activation)

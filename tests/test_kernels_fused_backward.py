@@ -1,4 +1,4 @@
-"""The fused Triton backwards (kernels/jagged_flash.py, FlashConfig.fused_bwd): one side's
+"""The fused Triton backwards (kernels/triton/backward.py, FlashConfig.fused_bwd): one side's
 kernel stores the other side's rows whose whole interval lies in its tile, the other
 kernel doing the rest ("k_rows", "q_rows"; "auto" picks them for short key / query
 sides). Against the float64 per-sample formula, forward and gradients."""
@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import jagged_flash
-from kernels.gdpa.pallas import gdpa_pallas
-from kernels.jagged_attention.pallas import jagged_attention_pallas
-from kernels.jagged_flash import FlashConfig, backward_knobs, fused_backward_side
+from kernels.triton import backward as triton_backward
+from kernels.dispatch import gdpa_pallas
+from kernels.dispatch import jagged_attention_pallas
+from kernels.triton.tuning import FlashConfig, backward_knobs, fused_backward_side
 from test_kernels_common import check_against, np_attention, offsets_of, random_qkv, run_vjp
 
 # short sides at the 16 / 32-token tiles: 0, 1, tile - 1, tile, tile + 1; a sample with
@@ -38,8 +38,8 @@ def _fn(mode, qo, ko, fused_bwd, **kw):
 
 def _count_fused(monkeypatch):
     calls = []
-    real = jagged_flash._backward_rows
-    monkeypatch.setattr(jagged_flash, "_backward_rows", lambda cfg, *a: (
+    real = triton_backward._backward_rows
+    monkeypatch.setattr(triton_backward, "_backward_rows", lambda cfg, *a: (
         calls.append(cfg.fused_bwd) or real(cfg, *a)))
     return calls
 
@@ -76,7 +76,7 @@ def test_row_owners_split_the_rows():
     """CROSS's query rows (k_rows over 32-key tiles): owned rows, straddling rows (keys
     31 + 33 across a tile edge) and empty rows; tiles that need the dQ kernel and
     tiles that do not."""
-    from kernels.jagged_flash import build_layout, row_owners
+    from kernels.triton.layout import build_layout, row_owners
     ql, kl = CROSS
     lay = build_layout(FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32),
                        jnp.asarray(offsets_of(ql)), jnp.asarray(offsets_of(kl)), 384, 256, 32)
@@ -143,8 +143,8 @@ def test_dkv_split_tiles_partials_hold_only_the_split_tiles(monkeypatch):
     """With 1 split tile the partial buffer holds 2 chunks of one 32-row tile (float32
     tiles), not 2 x Tk rows, for dK and for dV."""
     seen = []
-    real = jagged_flash._merge_top
-    monkeypatch.setattr(jagged_flash, "_merge_top", lambda direct, partial, perm, split, top, bk: (
+    real = triton_backward._merge_top
+    monkeypatch.setattr(triton_backward, "_merge_top", lambda direct, partial, perm, split, top, bk: (
         seen.append((partial.shape[0], direct.shape[0], top)) or
         real(direct, partial, perm, split, top, bk)))
     _check("gdpa", LONG_CROSS, "k_rows", monkeypatch, tiles=dict(dkv_split=2, dkv_split_tiles=1))
@@ -199,8 +199,8 @@ def test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides(mon
     assert (got.dkv_split, got.dkv_split_tiles, got.rest_group) == (3, 0, 2)
     # end to end: the backward that ran on CROSS (auto: "k_rows") split its key tiles in 4
     splits = []
-    real = jagged_flash._dkv_outputs
-    monkeypatch.setattr(jagged_flash, "_dkv_outputs",
+    real = triton_backward._dkv_outputs
+    monkeypatch.setattr(triton_backward, "_dkv_outputs",
                         lambda k, split, *a: splits.append(split) or real(k, split, *a))
     assert _check("gdpa", LONG_CROSS, "auto", monkeypatch, seed=4) == ["k_rows"]
     assert splits == [4]
@@ -294,7 +294,7 @@ def _gpu_case(shape, mode, fused, monkeypatch, want_path=None, **tiles):
 def test_tiles_over_a_short_side_launch_in_order():
     """The launch order skips its sort where the inner loop runs over a short side (one
     or two tiles each); the other side stays heaviest-first."""
-    from kernels.jagged_flash import build_layout
+    from kernels.triton.layout import build_layout
     ql, kl = CROSS
     cfg = FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32)
     lay = build_layout(cfg, jnp.asarray(offsets_of(ql)), jnp.asarray(offsets_of(kl)), 384, 256, 32)

@@ -83,7 +83,7 @@ def test_pallas_bf16(activation):  # 16-bit: the tanh.approx form (jnp.tanh in i
 @pytest.mark.parametrize("causal,window", [(False, None), (True, 40)])
 def test_pallas_interior_tiles(causal, window):
     """16-token tiles over long samples: most tiles are interior (mask skipped), fwd and bwd."""
-    from kernels.gdpa.pallas import gdpa_pallas
+    from kernels.dispatch import gdpa_pallas
     lens = [0, 100, 1, 63, 64, 65, 30]
     q, k, v, do, qo, ko = _case(np.random.default_rng(3), lens, lens, 384, 384, 1, 32,
                                 jnp.float32)

@@ -65,7 +65,7 @@ def test_pallas_bf16_d64():
 @pytest.mark.parametrize("causal,window", [(True, None)])  # window: test_kernels_gdpa
 def test_pallas_interior_tiles(causal, window):
     """16-token tiles over long samples: most tiles are interior (mask skipped), fwd and bwd."""
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    from kernels.dispatch import jagged_attention_pallas
     lens = [0, 100, 1, 63, 64, 65, 30]
     rng = np.random.default_rng(3)
     q, k, v, do = random_qkv(rng, 384, 384, 1, 32, jnp.float32, scale=1.0)

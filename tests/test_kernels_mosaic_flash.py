@@ -1,4 +1,4 @@
-"""The Pallas Mosaic GPU forward (kernels/mosaic_flash.py), GDPA and softmax, against
+"""The Pallas Mosaic GPU kernels (kernels/mosaic), GDPA and softmax, against
 gdpa_reference / jagged_attention_reference.
 
 CPU (default suite):
@@ -10,11 +10,10 @@ CPU (default suite):
     bookkeeping checked: a skipped or extra wait deadlocks or raises) and wgmma
     (synchronous, exact f32 math). One difference from the GPU path: the
     interpreter's wgmma takes shared-memory operands only, so in interpret mode
-    P is staged through shared memory (`p_via_smem`, forced), where the GPU default
-    feeds P to the P @ V wgmma from registers; the GPU tests below cover that path
-    (and p_via_smem on the GPU). The interpreter also cannot run `pl.run_state` over
-    a wgmma accumulator (jax's FA3 example's form), so the kernel keeps its output
-    accumulator in one `run_scoped` ACC ref per work item, on the GPU too. Its race
+    P is staged through shared memory, where the GPU feeds P to the P @ V wgmma from
+    registers; the GPU tests below cover that path. The interpreter also cannot store
+    into a wgmma accumulator, so its softmax awaits each step's P V in the step (on
+    the GPU the accumulator stays in one `run_scoped` ACC ref for the walk). Its race
     detector (detect_races) runs on two cases. Not modelled: wgmma asynchrony (a
     slot released before its wgmma completes would pass here), tanh.approx (exact
     tanh here). Realistic sizes are GPU-only (one 3.7k-token case ran > 15 min).
@@ -32,9 +31,10 @@ import pytest
 
 from kernels.gdpa import gdpa_reference
 from kernels.jagged_attention import jagged_attention_reference
-from kernels.mosaic_flash import (BASE_COL, BIG, TABLE_COLS, WG_COLS, MosaicConfig,
-                                  gdpa_mosaic_forward, row_key_intervals, softmax_mosaic_forward,
-                                  tile_table)
+from kernels.mosaic import (MosaicConfig, gdpa_mosaic_forward, row_key_intervals,
+                            softmax_mosaic_forward, tile_table)
+from kernels.mosaic.layout import BASE_COL, TABLE_COLS, WG_COLS
+from kernels.mosaic.tuning import BIG
 
 # Lengths around the tiles (64-row consumer tile, 128-row CTA, 64 / 128-key tiles):
 # empty, 1, tile - 1 / tile / tile + 1; 580 tokens in capacity 768: a 188-row
@@ -98,18 +98,10 @@ def test_exports_every_activation(activation):
     assert "mosaic_gpu" in _export(128, {}, activation=activation)
 
 
-@pytest.mark.parametrize("tuning", [dict(block_kv=128, num_stages=3), dict(p_via_smem=True),
+@pytest.mark.parametrize("tuning", [dict(block_kv=128, num_stages=3),
                                     dict(schedule_barrier=False, interior=False),
-                                    dict(block_q=128, block_kv=64), dict(persistent=True),
-                                    dict(persistent=True, block_kv=64, num_stages=4),
-                                    dict(anchor=False, narrow_last=False),
-                                    dict(anchor=False), dict(act_packed=False),
-                                    dict(deferred_pv=False),
-                                    dict(deferred_pv=False, act_packed=False, persistent=True)],
-                         ids=["bk128_s3", "p_smem", "no_sched_no_interior", "bq128",
-                              "persistent", "persistent_bk64_s4", "unanchored",
-                              "unanchored_narrow", "unpacked", "waited_pv",
-                              "waited_pv_unpacked_persistent"])
+                                    dict(block_kv=64, num_stages=4, heavy_first=False)],
+                         ids=["bk128_s3", "no_sched_no_interior", "bk64_s4_in_order"])
 def test_exports_sweep_knobs(tuning):
     """The benchmark's sweep entries lower too (D=128 is the W1 head dim)."""
     assert "mosaic_gpu" in _export(128, tuning)
@@ -124,13 +116,11 @@ def test_shared_memory_overflow_is_caught_at_export():
 
 @pytest.mark.parametrize("heavy_first", [True, False])
 @pytest.mark.parametrize("cfg_kw", [dict(), dict(block_kv=64), dict(interior=False),
-                                    dict(anchor=False, narrow_last=False),
-                                    dict(anchor=False, block_kv=64),
-                                    dict(anchor=False), dict(block_kv=256)])
+                                    dict(block_kv=256)])
 def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
     """Every valid (row, key) pair lies in its consumer's [lo, hi); interior tiles hold
     only valid pairs; c_lo <= lo <= flo <= fhi <= hi <= c_hi; each CTA tile once;
-    tile j starts at key base + j block_kv, base a multiple of 8 (0 unanchored) and no
+    tile j starts at key base + j block_kv, base a multiple of 8 and no
     tile past the keys' capacity; a narrow last tile [hn, hi) only where the rows' keys
     end in its first half."""
     cfg = MosaicConfig(heavy_first=heavy_first, **cfg_kw)
@@ -148,7 +138,7 @@ def test_tile_table_covers_exactly_the_valid_pairs(cfg_kw, heavy_first):
         ko = np.asarray(ko)
         for row in table:
             tile, c_lo, c_hi, base = *row[:3], row[BASE_COL]
-            assert base % 8 == 0 and base + c_hi * bk <= tq and (cfg.anchor or base == 0), row
+            assert base % 8 == 0 and base + c_hi * bk <= tq, row
             for w in range(2):
                 lo, flo, fhi, hn, hi = row[3 + WG_COLS * w: 3 + WG_COLS * (w + 1)]
                 assert c_lo <= lo <= flo <= fhi <= hn <= hi <= c_hi, row
@@ -173,88 +163,22 @@ def w1_lengths(rng):
 
 
 def test_anchored_tiles_compute_fewer_pairs():
-    """On W1's lengths, tiles anchored at each CTA's first key cover fewer (row, key)
-    pairs than tiles at multiples of 128, narrow last steps fewer still, and all cover
-    the valid ones."""
+    """On W1's lengths, the tile table (tiles anchored at each CTA's first key, narrow
+    last steps) covers fewer (row, key) pairs than tiles at multiples of 128
+    (kernels.common.tile_ranges on the raw intervals), and covers the valid ones."""
+    from kernels.common import tile_ranges
     lens = w1_lengths(np.random.default_rng(0))
     qo = offsets_of(lens)
     tq = -(-int(lens.sum()) // 128) * 128
     start, end = row_key_intervals(qo, qo, tq)
-    covered = {}
-    for knobs in ((), ("anchor",), ("anchor", "narrow_last")):
-        cfg = MosaicConfig(anchor="anchor" in knobs, narrow_last="narrow_last" in knobs)
-        t = np.asarray(tile_table(cfg, start, end, tq))
-        lo, flo, fhi, hn, hi = t[:, 3:3 + 2 * WG_COLS].reshape(-1, 2, WG_COLS).transpose(2, 0, 1)
-        covered[knobs] = int(64 * 128 * (hn - lo).sum() + 64 * 64 * (hi - hn).sum())
+    t = np.asarray(tile_table(MosaicConfig(), start, end, tq))
+    lo, flo, fhi, hn, hi = t[:, 3:3 + 2 * WG_COLS].reshape(-1, 2, WG_COLS).transpose(2, 0, 1)
+    covered = int(64 * 128 * (hn - lo).sum() + 64 * 64 * (hi - hn).sum())
+    plain_lo, plain_hi = (np.asarray(x) for x in tile_ranges(start, end, 64, 128))
+    plain = int(64 * 128 * (plain_hi - plain_lo).sum())
     valid = int((lens.astype(np.int64) ** 2).sum())
-    assert valid <= covered[("anchor", "narrow_last")] < covered[("anchor",)] < covered[()]
-    assert valid / covered[()] < 0.86 and valid / covered[("anchor",)] > 0.88
-    assert valid / covered[("anchor", "narrow_last")] > 0.91
-
-
-# ------------------------------------------------- CPU: the Pallas layout kernel
-
-@pytest.mark.parametrize("lens", [(SELF, SELF, 768), (CROSS_Q, CROSS_KV, 512), ([7], [0], 128),
-                                  ([300] * 3, [1, 500, 2], 1024)],
-                         ids=["self", "cross", "no_keys", "long"])
-@pytest.mark.parametrize("kw", [dict(heavy_first=False), dict(), dict(interior=False),
-                                dict(block_kv=64, heavy_first=False)],
-                         ids=["in_order", "heavy_first", "no_interior", "bk64"])
-def test_pallas_layout_equals_the_xla_layout(lens, kw):
-    """pallas_layout (Pallas Triton, interpret mode) = row_key_intervals + tile_table
-    (unanchored, no narrow steps: the Pallas layout builds neither)."""
-    from kernels.mosaic_flash import pallas_layout
-    ql, kl, tq = lens
-    qo, ko = offsets_of(ql), offsets_of(kl)
-    cfg = MosaicConfig(**kw)
-    table, start, end = jax.jit(lambda a, b: pallas_layout(cfg, a, b, tq, interpret=True))(qo, ko)
-    s2, e2 = row_key_intervals(qo, ko, tq)
-    np.testing.assert_array_equal(np.asarray(start), np.asarray(s2))
-    np.testing.assert_array_equal(np.asarray(end), np.asarray(e2))
-    np.testing.assert_array_equal(np.asarray(table)[:, :TABLE_COLS], np.asarray(tile_table(
-        dataclasses.replace(cfg, anchor=False, narrow_last=False), s2, e2)))
-
-
-def test_flash_forward_with_the_pallas_layout(interpreter_guard):
-    """MosaicFlashForward reads the offsets jagged_flash's layout carries when its config
-    asks for the Pallas layout; same output as the XLA layout's."""
-    from kernels.jagged_flash import FlashConfig, build_layout
-    from kernels.mosaic_flash import MosaicFlashForward
-    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=12)
-    lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 768, 768, 64)
-    cfgs = [MosaicConfig(scale=0.3, pallas_layout=p, anchor=False, narrow_last=False)
-            for p in (True, False)]    # the XLA table as the Pallas one: same sums, same bits
-    outs = [jax.jit(MosaicFlashForward(c, interpret=True))(q, k, v, lay) for c in cfgs]
-    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
-    want = np.asarray(gdpa_reference(q, k, v, qo, ko, scale=0.3), np.float64)
-    assert np.max(np.abs(np.asarray(outs[0], np.float64) - want)) / np.max(np.abs(want)) < TOL
-
-
-def test_pallas_layout_lowers_to_verified_triton(monkeypatch):
-    """Exported for cuda on this CPU: the layout is one verified Triton module beside the
-    Mosaic kernel (as tests/test_sparse_fused.py checks its kernels)."""
-    import types
-    from jax import export
-    try:
-        import jax._src.pallas.triton.pallas_call_registration as reg
-    except ImportError:  # pragma: no cover
-        pytest.skip("JAX internals for the Triton lowering moved")
-    lower, seen = reg.lowering.lower_jaxpr_to_triton_module, []
-
-    def verified(*args, **kwargs):
-        out = lower(*args, **kwargs)
-        assert out.module.operation.verify(), "Triton module does not verify"
-        seen.append(1)
-        return out
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability=90))
-    sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
-    sds += [jax.ShapeDtypeStruct((9,), jnp.int32)] * 2
-    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    f = jax.jit(lambda *a: gdpa_mosaic_forward(*a, pallas_layout=True))
-    module = export.export(f, platforms=["cuda"], disabled_checks=checks)(*sds).mlir_module()
-    assert seen and module.count("__gpu$xla.gpu.triton") == 1 and "mosaic_gpu" in module
+    assert valid <= covered < plain
+    assert valid / plain < 0.86 and valid / covered > 0.91
 
 
 # ---------------------------------------------------------- CPU: interpreter
@@ -326,36 +250,9 @@ INTERPRET_CASES = [
     (SELF, SELF, 768, 768, 1, 64, "gelu_tanh", 0.3, dict(schedule_barrier=False,
                                                           interior=False)),
     (SELF, SELF, 768, 768, 1, 64, "relu", 0.5, dict(heavy_first=False, block_kv=64)),
-    (SELF, SELF, 768, 768, 1, 64, "identity", 0.1, dict(block_q=128, block_kv=64)),
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, "silu", 1.0, dict(block_kv=64)),
     (CROSS_Q, CROSS_KV, 512, 512, 1, 128, "gelu_tanh", 0.3, {}),
-    # persistent: few CTAs looping over (tile, head) items, the K/V ring running on
-    (SELF, SELF, 768, 768, 2, 64, "silu", 0.3, dict(persistent=True, num_ctas=3)),
-    # 8 items over 5 CTAs: one full round and a partial snake round (odd)
-    (CROSS_Q, CROSS_KV, 512, 512, 2, 128, "gelu", 0.2, dict(persistent=True, num_ctas=5,
-                                                             block_kv=64, num_stages=3)),
-    # the layout from one Pallas kernel instead of XLA ops
-    (SELF, SELF, 768, 768, 1, 64, "silu", 0.3, dict(pallas_layout=True)),
-    (CROSS_Q, CROSS_KV, 512, 512, 1, 64, "silu", 0.5, dict(pallas_layout=True, heavy_first=False)),
-    # key tiles at multiples of the tile (the default anchors them at each CTA's first
-    # key, the last CTAs' bases lowered to the capacity), with and without narrow last
-    # steps, in the grid and in persistent CTAs
-    (SELF, SELF, 768, 768, 1, 64, "silu", 0.3, dict(anchor=False, narrow_last=False)),
-    (CROSS_Q, CROSS_KV, 512, 512, 2, 128, "gelu_tanh", 0.3, dict(anchor=False, block_kv=64)),
-    (SELF, SELF, 768, 768, 2, 64, "gelu", 0.2, dict(anchor=False, persistent=True, num_ctas=3)),
-    (SELF, SELF, 768, 768, 1, 128, "silu", 0.3, dict(anchor=False)),
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, "gelu", 0.3, dict(interior=False)),
-    # the activation in float32 and the scale on each score (the default: in bf16, two
-    # lanes per instruction, the scale on the output)
-    (SELF, SELF, 768, 768, 1, 128, "silu", 0.3, dict(act_packed=False)),
-    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, "gelu_tanh", 0.2, dict(act_packed=False, anchor=False)),
-    # P V awaited in its own step (the default: by the next step's score wait, its V
-    # slot released there)
-    (SELF, SELF, 768, 768, 2, 128, "silu", 0.3, dict(deferred_pv=False)),
-    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, "gelu", 0.2, dict(deferred_pv=False, block_kv=64,
-                                                           num_stages=3)),
-    (SELF, SELF, 768, 768, 2, 64, "silu", 0.3, dict(deferred_pv=False, persistent=True,
-                                                    num_ctas=3, act_packed=False)),
 ]
 
 
@@ -368,12 +265,10 @@ def test_interpreter_matches_reference(case, interpreter_guard):
     check(ql, kl, tq, tk, h=h, d=d, activation=act, scale=scale, interpret=True, **tuning)
 
 
-@pytest.mark.parametrize("tuning", [dict(block_kv=64), dict(persistent=True, num_ctas=3),
-                                    dict(deferred_pv=False, block_kv=64)],
-                         ids=["grid", "persistent", "waited_pv"])
+@pytest.mark.parametrize("tuning", [dict(block_kv=64)], ids=["grid"])
 def test_interpreter_finds_no_races(tuning, interpreter_guard):
     """Happens-before race detector over TMA copies / barriers / shared memory (three
-    warpgroups; persistent: the output store vs the next item's Q load)."""
+    warpgroups)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     params = plgpu.InterpretGPUParams(detect_races=True)
     check(SELF, SELF, 768, 768, h=2, d=64, activation="silu", scale=0.3, interpret=params,
@@ -426,21 +321,38 @@ def test_bad_knob_and_activation():
         gdpa_mosaic_forward(q, q, q, off, off, bq=64)
     with pytest.raises(ValueError, match="activation"):
         gdpa_mosaic_forward(q, q, q, off, off, activation="tanh")
-    with pytest.raises(ValueError, match="row_max_ilp=-1"):
-        softmax_mosaic_forward(q, q, q, off, off, row_max_ilp=-1)
+    with pytest.raises(TypeError, match="tuning"):
+        softmax_mosaic_forward(q, q, q, off, off, row_max_ilp=16)   # not a knob
 
 
 
-def test_layout_and_activation_knobs_apply_where_the_kernel_can():
+def test_narrow_steps_and_the_packed_activation_apply_where_the_kernel_can():
     """narrow steps need 128- or 256-key tiles (P V's wgmma K); the packed activation is
-    for gdpa silu / gelu_tanh: elsewhere both knobs are ignored, not an error."""
+    for gdpa silu / gelu_tanh."""
     assert MosaicConfig().narrow and MosaicConfig(block_kv=256).narrow
-    assert not MosaicConfig(block_kv=64).narrow and not MosaicConfig(narrow_last=False).narrow
-    assert MosaicConfig().packed_act          # on by default
-    assert MosaicConfig(activation="gelu_tanh").packed_act
+    assert not MosaicConfig(block_kv=64).narrow
+    assert MosaicConfig().packed_act and MosaicConfig(activation="gelu_tanh").packed_act
     for kw in (dict(activation="relu"), dict(activation="gelu"), dict(mode="softmax")):
-        assert not MosaicConfig(act_packed=True, **kw).packed_act
-    assert not MosaicConfig(act_packed=False).packed_act
+        assert not MosaicConfig(**kw).packed_act
+
+
+def test_the_tuning_table_holds_what_runs(monkeypatch):
+    """gdpa(impl="mosaic") runs the forward with TUNING["forward"] and the backward with
+    TUNING["backward"] (BACKWARD_TUNING: the entries that differ)."""
+    from kernels.gdpa import gdpa
+    from kernels.mosaic import BACKWARD_TUNING, TUNING, MosaicTuning
+    assert BACKWARD_TUNING == dict(block_kv=64, consumer_registers=240, producer_registers=24)
+    calls = _count_mosaic_calls(monkeypatch)
+    q, k, v, qo, ko = make_case([100, 200], [100, 200], 512, 512, 1, 64, seed=1)
+    jax.eval_shape(jax.grad(lambda q: gdpa(q, k, v, qo, ko, impl="mosaic").astype(
+        jnp.float32).sum()), q)
+    tuning = lambda c: MosaicTuning(**{f: getattr(c, f) for f in  # noqa: E731
+                                       MosaicTuning.__dataclass_fields__})
+    fwd = [c for c in calls if not isinstance(c, tuple)]
+    bwd = [c[1] for c in calls if isinstance(c, tuple)]
+    assert fwd and bwd
+    assert all(tuning(c) == TUNING["forward"] for c in fwd), fwd
+    assert all(tuning(c) == TUNING["backward"] for c in bwd), bwd
 
 
 def test_no_samples_gives_zeros():
@@ -473,17 +385,10 @@ def _lognormal_lengths(rng, n, median, cap):
 
 GPU_TUNINGS = {
     "default": {}, "bk64_s4": dict(block_kv=64, num_stages=4),
-    "bk128_s3": dict(block_kv=128, num_stages=3), "p_smem": dict(p_via_smem=True),
+    "bk128_s3": dict(block_kv=128, num_stages=3),
     "no_sched": dict(schedule_barrier=False, interior=False),
-    "persistent": dict(persistent=True),
-    "persistent_bk64_s4": dict(persistent=True, block_kv=64, num_stages=4),
-    "pallas_layout": dict(pallas_layout=True),
-    "unanchored": dict(anchor=False, narrow_last=False),
-    "unanchored_narrow": dict(anchor=False),
-    "unpacked": dict(act_packed=False),
-    "waited_pv": dict(deferred_pv=False),
 }
-GPU_REALISTIC = [(128, name) for name in GPU_TUNINGS] + [(64, "default"), (64, "persistent")]
+GPU_REALISTIC = [(128, name) for name in GPU_TUNINGS] + [(64, "default")]
 
 
 @pytest.mark.gpu
@@ -565,9 +470,9 @@ def _w1_case():
 def _count_mosaic_calls(monkeypatch):
     """The MosaicConfig of every Mosaic forward traced from now on; the Mosaic backward's
     traces append ("backward", cfg)."""
-    from kernels import mosaic_flash as mosaic
-    calls, run, back = [], mosaic.MosaicFlashForward.__call__, mosaic.run_backward
-    monkeypatch.setattr(mosaic.MosaicFlashForward, "__call__",
+    from kernels import dispatch, mosaic
+    calls, run, back = [], dispatch.MosaicFlashForward.__call__, mosaic.run_backward
+    monkeypatch.setattr(dispatch.MosaicFlashForward, "__call__",
                         lambda self, *a: calls.append(self.cfg) or run(self, *a))
     monkeypatch.setattr(mosaic, "run_backward",
                         lambda cfg, *a, **kw: calls.append(("backward", cfg)) or back(cfg, *a, **kw))
@@ -597,10 +502,10 @@ def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkey
 
 @pytest.mark.parametrize("case", ["float32", "causal", "short_samples", "window", "d32"])
 def test_impl_mosaic_falls_back_to_triton_where_the_kernel_does_not_apply(case):
-    """flash_forward says None (the Triton forward runs) for what the kernel lacks."""
-    from kernels.mosaic_flash import flash_forward
-    from kernels.gdpa.pallas import TILES
-    from kernels.jagged_flash import FlashConfig, adapt_tiles
+    """mosaic_forward says None (the Triton forward runs) for what the kernel lacks."""
+    from kernels.dispatch import mosaic_forward
+    from kernels.dispatch import TILES
+    from kernels.triton import FlashConfig, adapt_tiles
     base = dict(mode="gdpa", activation="silu", scale=0.5, forward="mosaic", interpret=True, **TILES)
     d, dtype, tq, b = 64, jnp.bfloat16, 1024, 8
     if case == "float32":
@@ -615,9 +520,9 @@ def test_impl_mosaic_falls_back_to_triton_where_the_kernel_does_not_apply(case):
         d = 32
     plain = adapt_tiles(FlashConfig(**{**base, "causal": False, "window": None}), 1024, 1024, 8,
                         jnp.bfloat16)
-    assert flash_forward(plain, jnp.bfloat16, 64, 1024, 1024) is not None
+    assert mosaic_forward(plain, jnp.bfloat16, 64, 1024, 1024) is not None
     cfg = adapt_tiles(FlashConfig(**base), tq, tq, b, dtype)
-    assert flash_forward(cfg, dtype, d, tq, tq) is None
+    assert mosaic_forward(cfg, dtype, d, tq, tq) is None
 
 
 def test_impl_mosaic_with_a_mask_equals_the_triton_path(monkeypatch):
@@ -674,23 +579,12 @@ SOFTMAX_CASES = [   # (q lens, kv lens, Tq, Tk, h, d, sm_scale, tuning)
     (SELF, SELF, 768, 768, 2, 64, None, {}),
     (SELF, SELF, 768, 768, 1, 128, 0.2, dict(block_kv=64, num_stages=3, interior=False)),
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, None, dict(block_kv=64)),
-    (SELF, SELF, 768, 768, 2, 64, None, dict(persistent=True, num_ctas=3)),
     (SELF, SELF, 768, 768, 1, 64, 0.5, dict(schedule_barrier=False, heavy_first=False)),
-    # the scale folded into exp2's FMA (the default) or not: masked tiles, samples
-    # without keys; a negative scale keeps the unfolded path (max(s c) != max(s) c)
-    (SELF, SELF, 768, 768, 1, 128, None, dict(fold_scale=False, interior=False)),
-    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, -0.3, dict(fold_scale=True, block_kv=64)),
-    # tiles at multiples of the tile, with and without narrow last steps
-    (SELF, SELF, 768, 768, 2, 64, None, dict(anchor=False, narrow_last=False)),
-    (CROSS_Q, CROSS_KV, 512, 512, 1, 128, None, dict(anchor=False, interior=False)),
-    (SELF, SELF, 768, 768, 1, 128, None, dict(anchor=False)),
+    # the scale folded into exp2's FMA where it is positive; a negative scale keeps the
+    # unfolded form (max(s c) != max(s) c)
+    (SELF, SELF, 768, 768, 1, 128, None, dict(interior=False)),
+    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, -0.3, dict(block_kv=64)),
     (CROSS_Q, CROSS_KV, 512, 512, 2, 64, 0.3, dict(interior=False)),
-    # the accumulator carried in registers, P V awaited in its step (the interpreter
-    # always runs this form; on a GPU the default keeps the accumulator in a wgmma
-    # ref for the walk, P V awaited by the next step's scores)
-    (SELF, SELF, 768, 768, 2, 128, None, dict(deferred_pv=False)),
-    (CROSS_Q, CROSS_KV, 512, 512, 2, 64, 0.3, dict(deferred_pv=False, block_kv=64)),
-    (SELF, SELF, 768, 768, 2, 64, None, dict(deferred_pv=False, persistent=True, num_ctas=3)),
 ]
 SOFTMAX_IDS = [f"d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
                + ("_".join(f"{k}{v}" for k, v in c[7].items()) or "default") for c in SOFTMAX_CASES]
@@ -704,18 +598,10 @@ def test_softmax_interpreter_matches_reference(case, interpreter_guard):
     check_softmax(ql, kl, tq, tk, h=h, d=d, sm_scale=scale, interpret=True, **tuning)
 
 
-@pytest.mark.parametrize("tuning", [{}, dict(persistent=True),
-                                    dict(pv_in_place=False, deferred_pv=False),
-                                    dict(p_via_smem=True), dict(fold_scale=False),
-                                    dict(anchor=False, narrow_last=False),
-                                    dict(deferred_pv=False),
-                                    dict(deferred_pv=False, pv_in_place=False, persistent=True),
-                                    dict(row_max_ilp=32), dict(row_max_ilp=8, deferred_pv=False)],
-                         ids=["default", "persistent", "fresh_acc", "p_smem", "unfolded_scale",
-                              "unanchored", "waited_pv", "waited_pv_fresh_acc_persistent",
-                              "row_max_ilp32", "row_max_ilp8_waited_pv"])
+@pytest.mark.parametrize("tuning", [{}, dict(block_kv=64, schedule_barrier=False)],
+                         ids=["default", "bk64_no_sched"])
 def test_softmax_exports_for_cuda(tuning):
-    """The GPU form (P from registers into the carried accumulator, FA3's run_state) lowers."""
+    """The GPU form (P from registers, the accumulator a wgmma ref for the walk) lowers."""
     sds = [jax.ShapeDtypeStruct((1024, 4, 128), jnp.bfloat16)] * 3
     sds += [jax.ShapeDtypeStruct((9,), jnp.int32)] * 2
     f = jax.jit(lambda *a: softmax_mosaic_forward(*a, **tuning))
@@ -744,29 +630,11 @@ def test_gpu_softmax_edge_cases(case):
     check_softmax(ql, kl, tq, tk, h=h, d=d, sm_scale=scale, interpret=False, **tuning)
 
 
-SOFTMAX_GPU_KNOBS = {"row_max_ilp16": dict(row_max_ilp=16), "row_max_ilp32": dict(row_max_ilp=32)}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", list(SOFTMAX_GPU_KNOBS))
-@pytest.mark.parametrize("i", [0, 1, 2, 3, 5, 6, 8, 11], ids=lambda i: SOFTMAX_IDS[i])
-def test_gpu_softmax_gpu_only_knobs_edge_cases(i, knobs):
-    """Softmax forms the interpreter does not run (it takes jnp.max for row_max_ilp's
-    inline Mosaic GPU code) on the edge cases, with and without deferred_pv."""
-    _require_gpu()
-    ql, kl, tq, tk, h, d, scale, tuning = SOFTMAX_CASES[i]
-    check_softmax(ql, kl, tq, tk, h=h, d=d, sm_scale=scale, interpret=False,
-                  **{**tuning, **SOFTMAX_GPU_KNOBS[knobs]})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "persistent", "p_smem", "bk64_s4", "fresh_acc",
-                                  "unanchored", "unanchored_narrow", "waited_pv",
-                                  *SOFTMAX_GPU_KNOBS])
+@pytest.mark.parametrize("name", list(GPU_TUNINGS))
 def test_gpu_softmax_realistic_lengths(name):
     _require_gpu()
-    tuning = {**GPU_TUNINGS, "fresh_acc": dict(pv_in_place=False, deferred_pv=False),
-              **SOFTMAX_GPU_KNOBS}[name]
+    tuning = GPU_TUNINGS[name]
     rng = np.random.default_rng(3)
     lens = _lognormal_lengths(rng, 12, 300, 1500)
     lens[:3] = [0, 1, 64]
@@ -882,8 +750,8 @@ def test_bench_smoke_softmax_mode(tmp_path):
 def _engines_grads(mode, q, k, v, qo, ko, w, engine, **kw):
     """Value-and-grad of sum(out * w) through jagged_flash with both engines = `engine`
     ("triton" / "mosaic"), or the jnp reference (engine None)."""
-    from kernels.gdpa.pallas import gdpa_pallas
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    from kernels.dispatch import gdpa_pallas
+    from kernels.dispatch import jagged_attention_pallas
     if engine is None:   # the Mosaic backward's knobs (mosaic_bwd) do not apply
         kw = {key: val for key, val in kw.items() if not key.startswith("mosaic_")}
         f = ((lambda q, k, v: jagged_attention_reference(q, k, v, qo, ko, **kw)) if mode == "softmax"
@@ -915,11 +783,11 @@ BACKWARD_IDS = [f"{c[0]}-{c[1].get('activation', '')}-d{c[7]}-{'self' if c[2] is
 def _check_backward_case(case, monkeypatch):
     """Mosaic forward + Mosaic dQ and dK / dV vs the jnp reference's gradients; the Mosaic
     backward really ran."""
-    from kernels import mosaic_flash
+    from kernels import mosaic
     mode, kw, ql, kl, tq, tk, h, d = case
     ran = []
-    run = mosaic_flash.run_backward
-    monkeypatch.setattr(mosaic_flash, "run_backward", lambda *a, **k: ran.append(1) or run(*a, **k))
+    run = mosaic.run_backward
+    monkeypatch.setattr(mosaic, "run_backward", lambda *a, **k: ran.append(1) or run(*a, **k))
     q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
     w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
     got = _engines_grads(mode, q, k, v, qo, ko, w, "mosaic", **kw)
@@ -936,22 +804,14 @@ def test_backward_interpreter_matches_reference(case, interpreter_guard, monkeyp
 
 
 @pytest.mark.parametrize("mode", ["softmax", "gdpa"])
-@pytest.mark.parametrize("d,tuning", [(64, {}), (128, {}), (128, dict(p_via_smem=True)),
-                                      (128, dict(dq_block_kv=128, fused_delta=False)),
-                                      (64, dict(fused_delta=False)),
-                                      (128, dict(fused_delta=False)), (128, dict(overlap_dp=True)),
-                                      (64, dict(overlap_dp=True, fused_delta=False)),
-                                      (128, dict(fold_scale=False)),
-                                      (64, dict(fold_scale=False, overlap_dp=True)),
+@pytest.mark.parametrize("d,tuning", [(64, {}), (128, {}), (128, dict(interior=False)),
                                       (128, dict(fused_dq=True)), (64, dict(fused_dq=True))])
 def test_backward_exports_for_cuda(mode, d, tuning):
-    """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower;
-    the dQ kernel with 64-key (default) and 128-key tiles (with fused_delta off: O's tile
-    does not fit beside them at D = 128), computing delta from O (fused_delta, the
-    default: O's tile beside Q and dO, delta's TMA store) or reading it, overlap_dp in
-    both kernels."""
-    from kernels.jagged_flash import FlashConfig, build_layout
-    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower; the
+    softmax dQ kernel computes delta from O (O's tile beside Q and dO, delta's TMA
+    store)."""
+    from kernels.triton import FlashConfig, build_layout
+    from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
     cfg = mosaic_config(d, jnp.bfloat16, mode=mode, activation="gelu", scale=0.1,
                         **{**BACKWARD_TUNING, **tuning})
 
@@ -966,35 +826,28 @@ def test_backward_exports_for_cuda(mode, d, tuning):
 
 
 # (knobs, case index in BACKWARD_CASES): the backward's optional knobs on tile-edge cases
-KNOB_CASES = [(dict(fused_delta=False), 0), (dict(fused_delta=False), 1),
-              (dict(overlap_dp=True), 0), (dict(overlap_dp=True), 2),
-              (dict(overlap_dp=True), 3), (dict(overlap_dp=True), 4),
-              (dict(overlap_dp=True, fused_delta=False), 1),
-              (dict(fold_scale=False), 0), (dict(fold_scale=False, overlap_dp=True), 1),
-              (dict(fold_scale=False, fused_delta=False), 2),
-              (dict(anchor=False), 0), (dict(anchor=False), 1), (dict(anchor=False), 3),
-              (dict(anchor=False, fused_delta=False), 4)]
+KNOB_CASES = [(dict(interior=False), 0), (dict(interior=False), 1),
+              (dict(heavy_first=False), 3), (dict(num_stages=3), 4)]
 
 
 @pytest.mark.parametrize("knobs,i", KNOB_CASES,
                          ids=[f"{'+'.join(kn)}-{BACKWARD_IDS[i]}" for kn, i in KNOB_CASES])
 def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard, monkeypatch):
-    """mosaic_bwd knobs: fused_delta off (delta = rowsum(O dO) by an XLA reduce, not in
-    the dQ kernel), overlap_dp (dP's wgmma overlapping the work on S) and fold_scale off (dS's
-    scale not folded into an FMA), the same gradients as the reference; the kernels really
-    ran with them."""
+    """mosaic_bwd knobs (every tile masked, launch in tile order, three stages): the same
+    gradients as the reference; the kernels really ran with them."""
     _check_backward_knobs(knobs, i, monkeypatch)
 
 
 def _check_backward_knobs(knobs, i, monkeypatch, kernels=("dq", "dkv")):
     """BACKWARD_CASES[i] with the Mosaic backward's `knobs` vs the jnp reference; the
     kernels that ran (dQ, dK / dV) are `kernels`, each with the knobs."""
-    from kernels import mosaic_flash
+    from kernels.mosaic import backward as mosaic_backward
     mode, kw, ql, kl, tq, tk, h, d = BACKWARD_CASES[i]
-    seen, ran, dq_kernel, dkv_kernel = [], [], mosaic_flash._dq_kernel, mosaic_flash._dkv_kernel
-    monkeypatch.setattr(mosaic_flash, "_dq_kernel", lambda *a, cfg, **k: ran.append("dq")
+    seen, ran = [], []
+    dq_kernel, dkv_kernel = mosaic_backward._dq_kernel, mosaic_backward._dkv_kernel
+    monkeypatch.setattr(mosaic_backward, "_dq_kernel", lambda *a, cfg, **k: ran.append("dq")
                         or seen.append(cfg) or dq_kernel(*a, cfg=cfg, **k))
-    monkeypatch.setattr(mosaic_flash, "_dkv_kernel", lambda *a, cfg, **k: ran.append("dkv")
+    monkeypatch.setattr(mosaic_backward, "_dkv_kernel", lambda *a, cfg, **k: ran.append("dkv")
                         or seen.append(cfg) or dkv_kernel(*a, cfg=cfg, **k))
     q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
     w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
@@ -1033,8 +886,8 @@ def test_backward_fused_dq_finds_no_races(d, interpreter_guard, interpreter_redu
     and the final barrier before dK / dV overwrite the K tiles; dQ as the reference's."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from kernels.gdpa import gdpa_reference
-    from kernels.jagged_flash import FlashConfig, build_layout
-    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
+    from kernels.triton import FlashConfig, build_layout
+    from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
     q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, d, seed=5)
     do = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), q.dtype)
     cfg = mosaic_config(d, q.dtype, mode="gdpa", activation="silu", scale=0.3,
@@ -1048,27 +901,27 @@ def test_backward_fused_dq_finds_no_races(d, interpreter_guard, interpreter_redu
     assert _rel(dq, vjp(do)[0]) < TOL
 
 
-def test_backward_fused_delta_needs_the_output():
-    from kernels.mosaic_flash import BACKWARD_TUNING, mosaic_config, run_backward
-    cfg = mosaic_config(64, jnp.bfloat16, mode="softmax", **{**BACKWARD_TUNING, "fused_delta": True})
+def test_backward_softmax_needs_the_output():
+    from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
+    cfg = mosaic_config(64, jnp.bfloat16, mode="softmax", **BACKWARD_TUNING)
     x = jnp.zeros((256, 1, 64), jnp.bfloat16)
     lay = dict(q_start=jnp.zeros(256, jnp.int32), q_end=jnp.zeros(256, jnp.int32),
                k_start=jnp.zeros(256, jnp.int32), k_end=jnp.zeros(256, jnp.int32))
-    with pytest.raises(ValueError, match="fused_delta needs the forward's output"):
+    with pytest.raises(ValueError, match="softmax needs the forward's output"):
         run_backward(cfg, lay, x, x, x, x, jnp.zeros((1, 256)), None, interpret=True)
 
 
 def test_backward_falls_back_where_the_kernels_do_not_apply():
-    from kernels.jagged_flash import FlashConfig
-    from kernels.mosaic_flash import flash_backward
+    from kernels.triton import FlashConfig
+    from kernels.dispatch import mosaic_backward
     ok = FlashConfig(mode="softmax", scale=0.1, bq=64, bk=64, backward="mosaic", interpret=True)
-    assert flash_backward(ok, jnp.bfloat16, 64, 1024, 1024) is not None
+    assert mosaic_backward(ok, jnp.bfloat16, 64, 1024, 1024) is not None
     for cfg, dtype, d in [(FlashConfig(mode="softmax", causal=True, bq=64, bk=64, interpret=True),
                            jnp.bfloat16, 64),
                           (ok, jnp.float32, 64), (ok, jnp.bfloat16, 96),
                           (FlashConfig(mode="gdpa", bq=16, bk=16, interpret=True), jnp.bfloat16, 64),
                           (dataclasses.replace(ok, interpret=False), jnp.bfloat16, 64)]:  # CPU
-        assert flash_backward(cfg, dtype, d, 1024, 1024) is None
+        assert mosaic_backward(cfg, dtype, d, 1024, 1024) is None
 
 
 @pytest.mark.parametrize("platform,cc,kind,want", [
@@ -1076,35 +929,23 @@ def test_backward_falls_back_where_the_kernels_do_not_apply():
     ("gpu", "10.0", "NVIDIA B200", False), ("gpu", None, "NVIDIA H100 80GB HBM3", True),
     ("gpu", None, "NVIDIA A100", False), ("cpu", None, "cpu", False)])
 def test_mosaic_kernels_only_on_hopper(platform, cc, kind, want):
-    """wgmma / TMA are sm_90 only: elsewhere flash_forward says None (Triton runs)."""
+    """wgmma / TMA are sm_90 only: elsewhere mosaic_forward says None (Triton runs)."""
     import types
-    from kernels.mosaic_flash import is_hopper
+    from kernels.dispatch import is_hopper
     dev = types.SimpleNamespace(platform=platform, device_kind=kind,
                                 **({} if cc is None else {"compute_capability": cc}))
     assert is_hopper(dev) is want
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_knobs", "gdpa_knobs",
-                                  "softmax_unanchored", "gdpa_unanchored", "softmax_waited",
-                                  "gdpa_waited", "softmax_fused", "gdpa_fused"])
+@pytest.mark.parametrize("mode", ["softmax", "gdpa", "softmax_fused", "gdpa_fused"])
 def test_gpu_backward_on_w1_lengths(mode):
     """W1 lengths, bf16, H=4, D=128: the Mosaic forward + backward vs the Triton engines,
-    and on a 16-sample slice vs the f32 reference (also with the knobs overlap_dp on and
-    fused_delta off: delta from an XLA reduce; with tiles at multiples of the tile
-    size in all three kernels, no narrow last steps in the forward; with every wgmma
-    wait in its own step and GDPA's activation in float32; with the fused dQ / dK / dV
+    and on a 16-sample slice vs the f32 reference (also with the fused dQ / dK / dV
     kernel)."""
     _require_gpu()
     mode, _, knobs = mode.partition("_")
     kw = {} if mode == "softmax" else dict(activation="silu", scale=1 / 2456)
-    if knobs == "knobs":
-        kw["mosaic_bwd"] = (("overlap_dp", True), ("fused_delta", False))
-    if knobs == "unanchored":
-        kw["mosaic_fwd"] = (("anchor", False), ("narrow_last", False))
-        kw["mosaic_bwd"] = (("anchor", False),)
-    if knobs == "waited":
-        kw["mosaic_fwd"] = (("act_packed", False), ("deferred_pv", False))
     if knobs == "fused":
         kw["mosaic_bwd"] = (("fused_dq", True),)
     rng, lens, (q, k, v, qo, ko), w = _w1_case()

@@ -61,9 +61,9 @@ OFF = jnp.array([0, 1, 64, 128, 300, 700, 1000], jnp.int32)
                                   "gdpa_k_rows_rest_group_split", "softmax_q_rows_rest_group",
                                   "softmax_split_tiles"])
 def test_kernels_lower_to_verified_triton(cuda_lowering, case):
-    from kernels.block_attention.pallas import block_attention_pallas
-    from kernels.gdpa.pallas import gdpa_pallas
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    from kernels.dispatch import block_attention_pallas
+    from kernels.dispatch import gdpa_pallas
+    from kernels.dispatch import jagged_attention_pallas
     from kernels import block_attention, gdpa, jagged_attention
     dtype, n_kernels, d = jnp.bfloat16, 3, 128
     if case == "gdpa_d24_padded":      # the public ops pad D to a power of two

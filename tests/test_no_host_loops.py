@@ -50,16 +50,16 @@ def while_functions(mlir: str) -> list[str]:
 
 @pytest.mark.parametrize("op", ["gdpa_triton", "softmax_mosaic", "block"])
 def test_attention_ops_have_no_host_stepped_loops(monkeypatch, op):
-    from kernels.block_attention.pallas import block_attention_pallas
-    from kernels.gdpa.pallas import gdpa_pallas
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    from kernels.dispatch import block_attention_pallas
+    from kernels.dispatch import gdpa_pallas
+    from kernels.dispatch import jagged_attention_pallas
     fn = {"gdpa_triton": lambda q, k, v, qo, ko: gdpa_pallas(q, k, v, qo, ko, activation="silu",
                                                              scale=0.1),
           "softmax_mosaic": lambda q, k, v, qo, ko: jagged_attention_pallas(
               q, k, v, qo, ko, forward="mosaic", backward="mosaic"),
           "block": lambda q, k, v, qo, ko: block_attention_pallas(q, k, v, qo)}[op]
     if op == "softmax_mosaic":     # the Hopper default: the Mosaic GPU kernels
-        import kernels.mosaic_flash as mf
+        import kernels.dispatch as mf
         monkeypatch.setattr(mf, "is_hopper", lambda *a: True)
     want = {"softmax_mosaic": "mosaic_gpu"}.get(op, "__gpu$xla.gpu.triton")
     assert _host_loops(monkeypatch, fn, want=want) == []
@@ -67,7 +67,7 @@ def test_attention_ops_have_no_host_stepped_loops(monkeypatch, op):
 
 def test_the_check_sees_a_binary_search(monkeypatch):
     """jnp.searchsorted's default (a while loop) in the glue is caught."""
-    from kernels.gdpa.pallas import gdpa_pallas
+    from kernels.dispatch import gdpa_pallas
 
     def fn(q, k, v, qo, ko):
         shift = jnp.searchsorted(qo, jnp.arange(3, dtype=jnp.int32))

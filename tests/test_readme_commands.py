@@ -64,6 +64,11 @@ SKIP = {
     "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
+    "python -m experiments.train --config=frappe --workdir=runs/frappe/gem_s0 --seed=0":
+        "needs the converted Frappe files; tests/test_frappe_trainer.py trains the preset on fake ones",
+    "python -m benchmarks.bench_feed --config=movielens_rank --features=DIR/schema.json "
+    "--override=data.source=parquet,...":
+        "a template (DIR); tests/test_bench_train_feed.py runs the Feeder on a MovieLens-shaped set",
     "./run setup": "installs into .venv; CI's `./run test` runs the same setup",
     "./run train --config=small --override=model.dim=32,data.seq_median=64,train.steps=3000": LONG,
     "./run train --config=h200 --override=model.kind=teacher": "GPU (h200 preset)",

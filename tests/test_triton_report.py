@@ -25,7 +25,7 @@ def test_occupancy_by_hand():
 
 
 def test_lowering_keeps_every_kernel_with_its_launch_parameters(tmp_path):
-    from kernels.gdpa.pallas import TILES
+    from kernels.dispatch import TILES
     rows = R.lower(["gdpa"], 64, str(tmp_path))
     assert [r["kernel"] for r in rows] == ["jagged_flash_fwd_gdpa", "jagged_flash_dq_gdpa",
                                            "jagged_flash_dkv_gdpa"]

@@ -1,7 +1,7 @@
 """Interleaved A/B timing of attention variants on one workload (one GPU).
 
     python3 -m tools.ab_attention --workload=W1 --rounds=6 \\
-        --variants='gdpa_mosaic,gdpa_mosaic[act_packed=0],gdpa_mosaic[deferred_pv=0]'
+        --variants='gdpa_mosaic,gdpa_mosaic[schedule_barrier=0],gdpa_mosaic[fused_dq=1]'
 
 The H200's sustained clock drifts by a few percent as it warms under its power cap
 (docs/kernels.md), more than the knobs we compare gain. So each
@@ -28,7 +28,7 @@ from benchmarks.attention_workloads import (fwd_and_train, op_fn, pack_arrays, p
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workload", "W1", "W1-W4 (attention_workloads)")
-flags.DEFINE_list("variants", ["gdpa_mosaic", "gdpa_mosaic[act_packed=0+deferred_pv=0]"],
+flags.DEFINE_list("variants", ["gdpa_mosaic", "gdpa_mosaic[schedule_barrier=0]"],
                   "parse_variant specs; the first is the baseline of the win counts")
 flags.DEFINE_list("passes", ["fwd", "fwd_bwd"], "fwd and / or fwd_bwd")
 flags.DEFINE_integer("rounds", 4, "rounds; each times every variant once")

@@ -52,27 +52,20 @@ flags.DEFINE_float("target_tflops", 450.0, "issue target for the W1 GDPA forward
 flags.DEFINE_bool("interpret", False, "CPU smoke test of this script: Mosaic in its interpreter, "
                   "Triton in interpret mode (use tiny --max_samples / --heads; times meaningless)")
 
-# Ordered by promise: the default, the persistent grid (one CTA per SM looping over the
-# work items), deeper / shallower rings, then A/B switches of one feature each (ping-pong
-# off, mask on every tile, in-order launch, P via shared memory).
+# Ordered by promise: the default, deeper / shallower rings, then A/B switches of one
+# feature each (ping-pong off, mask on every tile, in-order launch).
 SWEEP = [
     "block_kv=128+num_stages=2",
-    "persistent=1",
-    "persistent=1+block_kv=128+num_stages=3",
-    "persistent=1+block_kv=64+num_stages=4",
     "block_kv=128+num_stages=3",
     "block_kv=64+num_stages=4",
     "block_kv=64+num_stages=2",
     "schedule_barrier=0",
     "interior=0",
     "heavy_first=0",
-    "p_via_smem=1",
     "consumer_registers=240+producer_registers=24",
-    "pallas_layout=1",
-    "pallas_layout=1+heavy_first=0",
 ]
 # Not in the default sweep (a capacity that is not a multiple of the tile costs a padding
-# copy inside the timed call): block_q=128 (256-row CTAs), block_kv=192.
+# copy inside the timed call): block_kv=192.
 _START = time.perf_counter()
 
 
@@ -134,8 +127,8 @@ def main(_):
                  f"{jax.default_backend()!r}); the Mosaic GPU kernel runs on an H100/H200 only.")
     from kernels.gdpa import gdpa
     from kernels.jagged_attention import jagged_attention
-    from kernels.mosaic_flash import (build_layout, gdpa_mosaic_forward, mosaic_config,
-                                      run_kernel, softmax_mosaic_forward)
+    from kernels.mosaic import (build_layout, gdpa_mosaic_forward, mosaic_config, run_kernel,
+                                softmax_mosaic_forward)
 
     kind, ql, kl = workload(FLAGS.workload)
     if FLAGS.max_samples:

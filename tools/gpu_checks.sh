@@ -117,7 +117,7 @@ for s in "$@"; do
         section mosaic_bench_softmax 90 $PY -m tools.bench_gdpa_mosaic --mode=softmax --sweep \
             --sweep_deadline_s=50 --out="$OUT/bench_gdpa_mosaic_softmax.json"
         section kernel_times 120 $PY -m tools.kernel_times --out="$OUT/kernel_times.json" \
-            --variants="softmax_mosaic,softmax_mosaic[fused_delta=0],softmax_mosaic[overlap_dp=1],softmax_mosaic[fused_dq=1],gdpa_mosaic,gdpa_mosaic[overlap_dp=1],gdpa_mosaic[fused_dq=1]"
+            --variants="softmax_mosaic,softmax_mosaic[fused_dq=1],gdpa_mosaic,gdpa_mosaic[fused_dq=1]"
         section mosaic_w1_w4 240 $PY -m benchmarks.bench_attention --workloads=W1,W4 \
             --rows=mosaic,cudnn,pallas_softmax,pallas_gdpa_silu,block,softmax_W1 \
             --out="$OUT/bench_attention_w1_w4.json" ;;

@@ -21,10 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from kernels.block_attention.pallas import block_attention_pallas
-from kernels.gdpa.pallas import gdpa_pallas
-from kernels.jagged_attention.pallas import jagged_attention_pallas
-from kernels.jagged_flash import FUSED_BWD
+from kernels.dispatch import block_attention_pallas, gdpa_pallas, jagged_attention_pallas
+from kernels.triton.tuning import FUSED_BWD
 
 FLAGS = flags.FLAGS
 
@@ -84,9 +82,9 @@ def mosaic_programs(qo, t):
     """The Mosaic GPU kernels (kernels/mosaic_flash.py: forward, and the dQ + dK/dV
     backward at its default tuning) on the self shape, called directly: the public ops
     pick them on a Hopper GPU only."""
-    from kernels.jagged_flash import FlashConfig, build_layout
-    from kernels.mosaic_flash import (BACKWARD_TUNING, gdpa_mosaic_forward, mosaic_config,
-                                      run_backward, softmax_mosaic_forward)
+    from kernels.mosaic import (BACKWARD_TUNING, gdpa_mosaic_forward, mosaic_config,
+                                run_backward, softmax_mosaic_forward)
+    from kernels.triton import FlashConfig, build_layout
     t = -(-t // 256) * 256
     dims = [(t, 4, 128)] * 4
     out = {"mosaic-fwd-gdpa": (lambda q, k, v, do: gdpa_mosaic_forward(

@@ -3,7 +3,7 @@ CUPTI (jax.experimental.mosaic.gpu.profiler), for forward and forward+backward o
 workload of attention_workloads.py. One GPU.
 
     python3 -m tools.kernel_times --workload=W1 \
-        --variants=gdpa_mosaic,softmax_mosaic,softmax_mosaic[fused_delta=1+overlap_dp=1]
+        --variants=gdpa_mosaic,softmax_mosaic,softmax_mosaic[fused_dq=1]
 
 A variant is an op and an engine, `gdpa_triton`, `gdpa_mosaic`, `softmax_triton`,
 `softmax_mosaic` (forward and backward on that engine; `block_triton`: block_attention's

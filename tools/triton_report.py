@@ -71,9 +71,9 @@ def lower(ops, head_dim: int, out_dir: str, workload: str = "W1") -> list[dict]:
     except (ImportError, AttributeError) as e:  # pragma: no cover
         raise RuntimeError(f"triton_report: the JAX internals it patches moved ({e})") from e
 
-    from kernels.block_attention.pallas import block_attention_pallas
-    from kernels.gdpa.pallas import gdpa_pallas
-    from kernels.jagged_attention.pallas import jagged_attention_pallas
+    from kernels.dispatch import block_attention_pallas
+    from kernels.dispatch import gdpa_pallas
+    from kernels.dispatch import jagged_attention_pallas
 
     modules = []
 

@@ -5,7 +5,8 @@ Exact semantics in kernels/block_attention/reference.py.
 
 import jax.numpy as jnp
 
-from kernels.common import check_attention_inputs, check_impl, default_impl, padded_head_dim
+from kernels.common import check_attention_inputs, check_impl, padded_head_dim
+from kernels.dispatch import block_attention_pallas, per_block_kernel_fits, resolve_impl
 from kernels.block_attention.reference import (block_attention_reference,
                                                block_attention_reference_dense)
 
@@ -37,14 +38,12 @@ def block_attention(q, k, v, offsets, *, block=64, positions=None, rope_theta=10
             raise ValueError(f"block_attention: positions must be int [T={q.shape[0]}], got "
                              f"{positions.dtype}{list(positions.shape)}")
     if impl is None:  # Pallas on GPU when its kernels take D (padded if need be), else jnp
-        impl = default_impl("block_attention", q.shape[-1])
+        impl = resolve_impl("block_attention", q.shape[-1], impl)
         if impl == "pallas" and padded_head_dim("block_attention", q.shape[-1]) != q.shape[-1]:
-            from kernels.block_attention.pallas import per_block_kernel_fits
             if not per_block_kernel_fits(block, q.dtype):   # only that kernel pads
                 impl = "reference"
     if impl == "reference":
         return block_attention_reference(q, k, v, offsets, block=block, positions=positions,
                                          rope_theta=rope_theta, sm_scale=sm_scale)
-    from kernels.block_attention.pallas import block_attention_pallas
     return block_attention_pallas(q, k, v, offsets, block=block, positions=positions,
                                   rope_theta=rope_theta, sm_scale=sm_scale)

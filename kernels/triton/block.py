@@ -1,4 +1,4 @@
-"""BlockAttention on the Pallas Triton backend: one program per (head, block), RoPE fused.
+"""block_attention's per-block Triton kernel: one program per (head, block), RoPE fused.
 
 A sample of length L splits into ceil(L / block) blocks; block n starts at token
 start[n] and holds len[n] <= block tokens. Each program loads its block's q, k, v
@@ -17,53 +17,25 @@ so O is not read. dQ and dK are rotated back before the store (RoPE backward fus
 
 Rows of the packed buffer past offsets[-1] are covered by extra "tail" programs
 that store zeros, so every output row is written exactly once and nothing needs a
-memset. Blocks other than 16/32/64 (or 128 in 16-bit) use the tiled engine
-(kernels/jagged_flash.py) with a block mask.
+memset. Blocks other than 16/32/64 (or 128 in 16-bit) use the tiled kernels
+(kernels.dispatch.jagged_flash) with a block mask.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.common import (MAX_PADDED, pad_halves, pad_head_dim, padded_head_dim, rope_angle,
-                            rope_freq_parts, segment_layout)
-from kernels.jagged_flash import LOG2E, FlashConfig, jagged_flash
+from kernels.common import rope_angle, segment_layout
+from kernels.triton.tile import LOG2E
 
 F32 = jnp.float32
 
-# Tiled-engine fallback (blocks the per-block kernel does not take).
-TILES = dict(bq=64, bk=64, bq_dkv=64, bk_dkv=64, num_warps=4, num_stages=2,
-             num_warps_bwd=4, num_stages_bwd=2)
-# Per-block kernel knobs (defaults; benchmarks override them).
-# group / group_bwd: blocks per program of the forward / backward kernel (a loop inside
-# the program; > 1 amortises the launch).
-# fast_trig: RoPE cos/sin through cos.approx / sin.approx (one MUFU op each; absolute
-# error ~1e-6 on angles reduced to [-pi, pi], ~1e-5 on the unreduced in-block angles
-# below 128 rad, `_trig`) for 16-bit inputs; float32 keeps libdevice cosf / sinf.
-# rope_chunks (forward): RoPE in a loop over that many column chunks of each half (1: the
-# whole [block, D/2] cos / sin tables at once); the resource report for sm_90 (W4, D=128):
-# 1 chunk 244 registers at 4 warps, 2 stages (8 warps per SM); 4 chunks 130 at 4 warps
-# (12 per SM), 80 at 8 warps (24 per SM). rope_chunks_bwd: the same for the backward
-# (1 chunk 255 registers and spills at 4 warps; 4 chunks 168).
-# Defaults: the best of bench_attention --sweep on W4 (H200, bf16, D=128):
-# forward 4 warps, 2 stages, 4 blocks per program, 1 chunk (0.102-0.106 ms in two runs;
-# 2 blocks 0.106-0.107, 2 or 4 chunks 0.107-0.111, 8 warps >= 0.165); backward 4 warps,
-# 1 stage, 1 block, 2 chunks (forward+backward 0.293-0.297 ms; 1 chunk 0.342-0.347,
-# 4 chunks 0.331, 8 warps 0.54). Session 15, with RoPE by in-block offsets: forward 0.077,
-# forward+backward 0.225 ms; group 2, rope_chunks 2, rope_chunks_bwd 1 / 4, num_stages_bwd
-# 2, group_bwd 2 no faster. prefetch_table: a program's table entries loaded up front
-# (`_each_block`).
-BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
-                   prefetch_table=True)
 # Which kernel a block the per-block kernel takes goes to: "per_block" or "tiled" (the
-# jagged_flash engine with a block mask). Chosen from bench_attention's W4 rows.
+# tiled kernels with a block mask).
 ENGINE = "per_block"
 
 
@@ -379,75 +351,3 @@ def _block_attn_bwd(cfg, res, do):
 
 
 _block_attn.defvjp(_block_attn_fwd, _block_attn_bwd)
-
-
-def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_theta=10_000.0,
-                           sm_scale=None, **knobs):
-    """Same contract as kernels.block_attention.block_attention.
-
-    knobs: engine ("per_block" or "tiled"; default ENGINE), then BLOCK_KNOBS of the
-    per-block kernel, or FlashConfig tiles when the block goes to the tiled engine
-    (engine="tiled", or a block size the per-block kernel does not take).
-    """
-    t, _, d = q.shape
-    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    interpret = jax.default_backend() != "gpu"
-    knobs = dict(knobs)
-    engine = knobs.pop("engine", ENGINE)
-    if engine not in ("per_block", "tiled"):
-        raise ValueError(f"block_attention_pallas: engine must be 'per_block' or 'tiled', got {engine!r}")
-    if engine == "tiled" or not per_block_kernel_fits(block, q.dtype):
-        if padded_head_dim("block_attention", d) != d:
-            raise ValueError(f"pallas block_attention: the tiled engine (block={block}, "
-                             f"engine={engine!r}) needs D/2 a power of two >= 16, got D={d}; "
-                             "use impl='reference' or a block of 16, 32 or 64")
-        cfg = FlashConfig(mode="softmax", scale=float(sm_scale), block=block, rope=True,
-                          interpret=interpret, **{**TILES, **knobs})
-        return jagged_flash(cfg, q, k, v, offsets, offsets, rope_positions=positions,
-                            rope_theta=float(rope_theta))
-    dp = padded_head_dim("block_attention", d)
-    if dp is None:
-        raise ValueError(f"pallas block_attention: head dim D={d} must be even with D/2 at most "
-                         f"{MAX_PADDED['block_attention']} or a power of two >= 16 (RoPE works on "
-                         "halves, each zero-padded to a power of two; Triton block shapes); "
-                         "use impl='reference'")
-    unknown = set(knobs) - set(BLOCK_KNOBS)
-    if unknown:
-        raise ValueError(f"block_attention_pallas: unknown knobs {sorted(unknown)} for the "
-                         f"per-block kernel (have {sorted(BLOCK_KNOBS)})")
-    offsets = offsets.astype(jnp.int32)
-    groups = [int(knobs.get(g, BLOCK_KNOBS[g])) for g in ("group", "group_bwd")]
-    if min(groups) < 1:
-        raise ValueError(f"block_attention_pallas: group and group_bwd must be >= 1, got {groups}")
-    for name in ("rope_chunks", "rope_chunks_bwd"):
-        if name not in knobs:   # the default, down to what D/2 splits into (>= 16 columns)
-            knobs[name] = max([c for c in range(1, BLOCK_KNOBS[name] + 1)
-                               if (dp // 2) % c == 0 and dp // 2 // c >= 16] or [1])
-        chunks = int(knobs[name])
-        if chunks < 1 or (dp // 2) % chunks or (chunks > 1 and dp // 2 // chunks < 16):
-            raise ValueError(f"block_attention_pallas: {name}={chunks} must divide D/2 = "
-                             f"{dp // 2} into chunks of at least 16 columns (Triton dots)")
-    # idle programs (len 0, write 0) fill the last group of either kernel: built into
-    # the table, not padded onto it (a pad is an XLA kernel launch per call)
-    tab = block_table(offsets, t, block, multiple=math.lcm(*groups))
-    # On GPU masked lanes never touch memory, so reads past T are harmless. Interpret
-    # mode slices with clamped starts instead: pad there so every block read fits.
-    pad = (lambda x: jnp.pad(x, [(0, block)] + [(0, 0)] * (x.ndim - 1))) if interpret else (
-        lambda x: x)
-    (f1, f2, f3), cs = rope_freq_parts(d, rope_theta)     # the real D's frequencies
-    # padded halves [x1 | 0 | x2 | 0]: zero frequencies on the zero lanes (cos 1, sin 0)
-    rope = tuple(jnp.asarray(np.pad(f, (0, (dp - d) // 2))) for f in (f1, f2, f3))
-    # RoPE scores depend on position differences only: rot(q, a + r) . rot(k, a + c) =
-    # rot(q, r) . rot(k, c), and gradients rotated back by rot(., a + r)^T match likewise.
-    # With the default positions (the index within the sample) a block's tokens sit at
-    # a + 0..block-1 for one a per block, so the kernels rotate by the offset r in the
-    # block: no positions to load, and small angles (see _trig).
-    if positions is not None:
-        rope = (pad(positions.astype(jnp.int32)), *rope)
-    if dp != d:
-        q, k = pad_halves(q, dp), pad_halves(k, dp)
-        v = pad_head_dim(v, dp)
-    cfg = (block, {**BLOCK_KNOBS, **knobs}, interpret, float(sm_scale), cs)
-    out = _block_attn(cfg, pad(q), pad(k), pad(v), tab, rope)
-    return out[:t, :, :d]
-

@@ -1,0 +1,113 @@
+"""The Mosaic GPU engine's configuration: one tuning table (MosaicTuning, TUNING: the
+values the forward and the backward kernels run with), MosaicConfig (an op and its
+tuning) and what the kernels take (check_config).
+
+Fixed by the kernels' design rather than tuned: two consumer warpgroups of BLOCK_Q = 64
+rows each (wgmma's M); softmax folds its scale into the exp2 FMA; the streamed tiles of
+a CTA start at its first valid key (rounded down to 8, the TMA tile rows); the
+forward's last masked step is half-width where a consumer's keys end in its first half
+(block_kv 128 or 256); GDPA silu / gelu_tanh form P in the inputs' 16-bit type; the
+forward does not await a step's P V until the next step's scores; the softmax backward
+computes delta = rowsum(O dO) in its dQ kernel.
+"""
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+NEG = -1e30              # softmax: the score of a masked pair
+BIG = 1 << 30            # start of an empty key interval (padding query rows)
+NUM_CONSUMERS = 2        # consumer warpgroups per CTA; the producer is warpgroup 2
+BLOCK_Q = 64             # rows per consumer warpgroup (wgmma M)
+# Activations the kernels form (the names of kernels.gdpa.reference.ACTIVATIONS).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "identity")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTuning:
+    """Launch parameters of the Mosaic kernels (defaults: the forward's, TUNING)."""
+    block_kv: int = 128            # streamed rows per pipeline step (64, 128, 192, 256)
+    num_stages: int = 2            # streamed-tile shared-memory slots (>= 2)
+    consumer_registers: int = 232  # per thread of a consumer warpgroup
+    producer_registers: int = 40   # per thread of the producer warpgroup
+    schedule_barrier: bool = True  # forward: the two consumers ping-pong (FA3)
+    heavy_first: bool = True       # CTAs with the longest streamed range launch first
+    interior: bool = True          # an unmasked loop over tiles whose pairs are all valid
+    fused_dq: bool = False         # backward: one kernel forms dK, dV and dQ (dQ reduce-added
+                                   # in float32 through TMA, its summation order not fixed)
+
+
+# The values that run, by direction. The backward streams 64-row tiles: its dK / dV
+# consumers hold two [64, D] float32 accumulators beside S^T and dP^T, so wider score
+# tiles do not fit; its producer needs few registers, so the consumers take 240.
+TUNING = {"forward": MosaicTuning(),
+          "backward": MosaicTuning(block_kv=64, consumer_registers=240, producer_registers=24)}
+# The backward's entries that differ from the forward's (mosaic_config(**BACKWARD_TUNING)).
+BACKWARD_TUNING = {f.name: getattr(TUNING["backward"], f.name)
+                   for f in dataclasses.fields(MosaicTuning)
+                   if getattr(TUNING["backward"], f.name) != getattr(TUNING["forward"], f.name)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicConfig(MosaicTuning):
+    """An op (mode, activation, scale) with its tuning."""
+    mode: str = "gdpa"            # "gdpa" | "softmax" (online, base 2; also returns lse)
+    activation: str = "silu"      # gdpa
+    scale: float = 1.0            # gdpa: after the activation; softmax: on the scores
+
+    @property
+    def block_q(self):
+        return BLOCK_Q
+
+    @property
+    def cta_rows(self):
+        return NUM_CONSUMERS * BLOCK_Q
+
+    @property
+    def packed_act(self):
+        """Whether the forward forms act(S) in 16 bits (GDPA silu / gelu_tanh)."""
+        return self.mode == "gdpa" and self.activation in ("silu", "gelu_tanh")
+
+    @property
+    def narrow(self):
+        """Whether the forward takes half-width last steps (block_kv 128 or 256: P V's
+        wgmma K is a multiple of 64)."""
+        return self.block_kv % 128 == 0
+
+
+def check_config(cfg, d, dtype):
+    """NotImplementedError (callers fall back) for what the kernel does not take."""
+    if cfg.mode not in ("gdpa", "softmax"):
+        raise ValueError(f"gdpa_mosaic: mode must be gdpa or softmax, got {cfg.mode!r}")
+    if cfg.activation not in ACTIVATIONS:
+        raise ValueError(f"gdpa_mosaic: activation must be one of {sorted(ACTIVATIONS)}, "
+                         f"got {cfg.activation!r}")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise NotImplementedError(f"gdpa_mosaic: only bf16 / f16 inputs, got {jnp.dtype(dtype)}")
+    if d not in (64, 128):
+        raise NotImplementedError(f"gdpa_mosaic: head dim D={d} must be 64 or 128")
+    if cfg.block_kv not in (64, 128, 192, 256):
+        raise NotImplementedError(f"gdpa_mosaic: block_kv={cfg.block_kv} must be 64, 128, 192 "
+                                  "or 256")
+    if cfg.num_stages < 2:
+        raise NotImplementedError(f"gdpa_mosaic: num_stages={cfg.num_stages} must be >= 2")
+    regs = (cfg.consumer_registers, cfg.producer_registers)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs) or (
+            NUM_CONSUMERS * regs[0] + regs[1]) * 128 > 65536:
+        raise NotImplementedError(f"gdpa_mosaic: registers {regs} must be multiples of 8 in "
+                                  "[24, 256] and fit 64K per SM")
+
+
+def mosaic_config(d, dtype, *, mode="gdpa", activation="silu", scale=1.0, **tuning):
+    """MosaicConfig from the tuning knobs (MosaicTuning fields; default the forward's),
+    checked (TypeError for an unknown knob, NotImplementedError for what the kernel
+    does not take)."""
+    unknown = set(tuning) - {f.name for f in dataclasses.fields(MosaicTuning)}
+    if unknown:
+        raise TypeError(f"gdpa_mosaic: unknown tuning knobs {sorted(unknown)}")
+    cfg = MosaicConfig(mode=mode, activation=activation, scale=float(scale), **tuning)
+    check_config(cfg, d, dtype)
+    return cfg
