@@ -1,4 +1,4 @@
-"""Analytic teacher FLOPs (gemjax.train.model_flops) against XLA's CPU count, block by block.
+"""Analytic teacher FLOPs (gemjax.perf.model_flops) against XLA's CPU count, block by block.
 
 Method. Each block of local_mfu.teacher_blocks is compiled forward only (its vjp
 with the backward's outputs dropped, which XLA removes) with every kernels/
@@ -46,9 +46,9 @@ from flax import nnx
 from gemjax.config import get_config
 from gemjax.data.jagged import Jagged
 from gemjax.data.synthetic import SEQUENCES, SyntheticStream
-from gemjax.train import local_mfu as L
-from gemjax.train import mfu as M
-from gemjax.train import model_flops as F
+from gemjax.perf import local_mfu as L
+from gemjax.perf import mfu as M
+from gemjax.perf import model_flops as F
 
 ELEMENTWISE_TOL = 0.15
 
@@ -233,14 +233,14 @@ def test_step_is_three_forwards_and_linear_in_the_batch(variant):
     assert F.teacher_step_flops(cfg, {s: a[s][:8] for s in SEQUENCES}) == sum(per)
 
 
-def test_attention_term_is_local_mfus_kernel_calls():
-    """The attention term is exactly local_mfu.attention_calls' valid pairs (with the
+def test_attention_term_is_the_kernel_calls():
+    """The attention term is exactly attention_calls' valid pairs (with the
     pyramid pooling on every backend: the calls it lists where pooling runs in Pallas)."""
     cfg = get_config("tiny", VARIANTS["gdpa_levels"])
     lens = _lens(cfg)
     det = F.teacher_block_detail(cfg, lens)
     want: dict[str, int] = {}
-    for c in L.attention_calls(cfg, lens, backend="gpu"):     # head dim 16: all in Pallas there
+    for c in F.attention_calls(cfg, lens, backend="gpu"):     # head dim 16: all in Pallas there
         want[c.block] = want.get(c.block, 0) + c.forward_flops
     assert {k: v.attention for k, v in det.items() if v.attention} == want
     assert "interformer0.cross" not in want            # no PMA in this variant

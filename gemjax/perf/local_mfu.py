@@ -17,7 +17,7 @@ per-device batch (B samples, one device's packed sequences):
 Each block's training work is ``jax.vjp`` of its forward with a random cotangent:
 gradients for its parameters AND its inputs (what the real backward computes).
 Inputs are the real activations of the model's own forward on that batch
-(``teacher_forward``; it reproduces GEMTeacher.__call__, checked in the tests).
+(``teacher_taps``: GEMTeacher.__call__ with ``taps``, which records each block's inputs).
 
 FLOPs of a block (``Block.flops``) = XLA's cost analysis of its compiled
 fwd+bwd + ``3 x`` the forward attention FLOPs over valid jagged pairs
@@ -32,7 +32,6 @@ way as the layers.
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Callable, Sequence
 
 import jax
@@ -42,113 +41,9 @@ from flax import nnx
 
 from gemjax.config import Config
 from gemjax.data.features import schema_of
-from gemjax.train import mfu
-from kernels.common import default_impl
-
-# --------------------------------------------------------------------------- attention calls
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionCall:
-    """One kernels/ attention call of the teacher's forward, with its jagged lengths.
-
-    op: "gdpa" | "softmax" | "block" (kernels.gdpa / jagged_attention / block_attention);
-    q_lengths, kv_lengths: [N] per-segment lengths of the call's offsets.
-    """
-
-    block: str
-    name: str
-    op: str
-    q_lengths: np.ndarray
-    kv_lengths: np.ndarray
-    heads: int
-    head_dim: int
-    block_size: int | None = None
-
-    @property
-    def forward_flops(self) -> int:
-        """4 H D x valid (query, key) pairs (mfu.attention_flops)."""
-        return mfu.attention_flops(self.q_lengths, self.kv_lengths, heads=self.heads,
-                                   head_dim=self.head_dim, block=self.block_size)
-
-
-_KERNEL_OPS = {"gdpa": "gdpa", "softmax": "jagged_attention", "block": "block_attention"}
-
-
-def runs_in_pallas(op: str, head_dim: int, backend: str | None = None) -> bool:
-    """Whether kernels/ picks its Pallas kernel for ``op`` (impl=None) on ``backend``
-    (the ops' own rule, kernels.common.default_impl)."""
-    return default_impl(_KERNEL_OPS[op], head_dim, backend) == "pallas"
-
-
-def _hp(cfg: Config, name: str):
-    from gemjax.models.interformer import _hp as hp
-    return hp(cfg, name)
-
-
-def block_lengths(lengths: np.ndarray, block: int) -> np.ndarray:
-    """[B] sample lengths -> [sum ceil(L / block)] lengths of their `block`-token blocks."""
-    lengths = np.asarray(lengths, np.int64)
-    n = -(-lengths // block)
-    out = np.full(int(n.sum()), block, np.int64)
-    last = np.cumsum(n)[n > 0] - 1
-    out[last] = lengths[n > 0] - (n[n > 0] - 1) * block
-    return out
-
-
-def attention_calls(cfg: Config, seq_lengths: dict[str, np.ndarray],
-                    backend: str | None = None) -> list[AttentionCall]:
-    """Every attention call of GEMTeacher's forward on one device's batch, in call order.
-
-    seq_lengths: {sequence name: [B] tokens per sample} (the batch's jagged lengths).
-    backend (default jax.default_backend()): the pyramid's per-block pooling is a
-    kernel call only where jagged_attention runs in Pallas there.
-    """
-    m = cfg.model
-    heads, hd = m.seq_heads, m.dim // m.seq_heads
-    blk = int(m.block)
-    from gemjax.models.interformer import pyramid_levels
-    levels = pyramid_levels(cfg)
-    calls: list[AttentionCall] = []
-
-    def add(block, name, op, q, kv, block_size=None):
-        calls.append(AttentionCall(block, name, op, np.asarray(q, np.int64), np.asarray(kv, np.int64),
-                                   heads, hd, block_size))
-
-    top = []
-    for s in schema_of(cfg).sequence_names:
-        lengths = np.asarray(seq_lengths[s], np.int64)
-        for li, (b, pooled, layers) in enumerate(levels):
-            for j in range(layers):
-                add("pyramid", f"{s}.level{li}.attn{j}", "block", lengths, lengths, b)
-            if pooled is not None:
-                # per-block pooling (PyramidLevel.pools_in_kernel): a jagged_attention call
-                # (pooled queries per block over its tokens) where that kernel runs in
-                # Pallas on `backend`, else a plain einsum that XLA counts itself
-                if runs_in_pallas("softmax", hd, backend):
-                    kv = block_lengths(lengths, b)
-                    add("pyramid", f"{s}.level{li}.pool", "softmax", np.full(kv.shape, pooled), kv)
-                lengths = -(-lengths // b) * pooled
-        top.append(lengths)
-    merged = np.sum(top, axis=0)
-    b_samples = merged.shape[0]
-    c, p = _hp(cfg, "cls_tokens"), _hp(cfg, "pma_tokens")
-    msum = _hp(cfg, "summary_tokens")
-
-    def cross(block):
-        if p:
-            add(block, "pma", "gdpa", np.full(b_samples, p), merged)
-
-    for i in range(_hp(cfg, "interformer_layers")):
-        cross(f"interformer{i}.cross")
-        blk_name = f"interformer{i}.sequence"
-        add(blk_name, "pffn", "gdpa", merged, np.full(b_samples, msum))
-        add(blk_name, "self_attn", m.attention, merged, merged, blk if m.attention == "block" else None)
-        if c:
-            add(blk_name, "cls_attn", "softmax", np.full(b_samples, c), merged)
-    cross("final_cross")
-    return calls
-
+from gemjax.models.gem import build_model
+from gemjax.perf import mfu, model_flops
+from gemjax.perf.model_flops import AttentionCall, attention_calls, runs_in_pallas, shard_seq_lengths
 
 def pallas_attention_flops(calls: Sequence[AttentionCall], backend: str | None = None) -> dict[str, float]:
     """{block: fwd+bwd FLOPs (3 x forward) of its calls that run in Pallas kernels}."""
@@ -156,16 +51,6 @@ def pallas_attention_flops(calls: Sequence[AttentionCall], backend: str | None =
     for c in calls:
         if runs_in_pallas(c.op, c.head_dim, backend):
             out[c.block] = out.get(c.block, 0.0) + float(mfu.train_step_flops(c.forward_flops))
-    return out
-
-
-def shard_seq_lengths(batch, num_shards: int) -> list[dict[str, np.ndarray]]:
-    """Per device shard {sequence: [B_local] lengths} of a host batch of concatenated shards."""
-    out = [dict() for _ in range(num_shards)]
-    for s, jag in batch.sequences.items():
-        off = np.asarray(jag.offsets).reshape(num_shards, -1)
-        for i in range(num_shards):
-            out[i][s] = np.diff(off[i])
     return out
 
 
@@ -181,54 +66,7 @@ def step_attention_flops(cfg: Config, batch, num_shards: int, backend: str | Non
                      for lens in shard_seq_lengths(batch, num_shards)))
 
 
-# --------------------------------------------------------------------------- the teacher's forward, block by block
-
-
-def teacher_inputs(model, acts: dict, batch):
-    """GEMTeacher's token assembly: -> (x [B, n, D], {seq: (tokens [T, D], jagged)})."""
-    b = batch.dense.shape[0]
-    f = schema_of(model.cfg)
-    tokens = [acts[n][:, None, :] for n in f.sparse_names]
-    tokens.append(model.dense_proj(batch.dense).reshape(b, model.dense_tokens, model.dim))
-    x = jnp.concatenate([t.astype(model.dtype) for t in tokens], axis=1)
-    seqs = {s: (sum(acts[f"{s}.{n}"] for n in fields).astype(model.dtype), batch.sequences[s])
-            for s, fields in f.id_fields.items()}
-    return x, seqs
-
-
-def _interaction(layer, tokens):
-    return layer.interaction(tokens)[0] if layer.use_experts else layer.interaction(tokens)
-
-
-def teacher_forward(model, acts: dict, batch) -> dict:
-    """GEMTeacher.__call__ unrolled; returns every block's inputs and the logits.
-
-    {"x", "seqs", "seq", "jagged", "layers": [{"x", "seq", "cls", "x_sum", "tokens"}],
-     "final": {"x", "seq", "cls"}, "summary" [B, F], "logits" [B, K]}
-    """
-    x, seqs = teacher_inputs(model, acts, batch)
-    seq, jag = model.pyramid(seqs)
-    inter = model.interformer
-    b = x.shape[0]
-    if inter.cls_tokens:
-        cls = jnp.broadcast_to(inter.cls_init[...].astype(inter.dtype), (b, inter.cls_tokens, inter.dim))
-    else:
-        cls = jnp.zeros((b, 0, inter.dim), inter.dtype)
-    out = {"x": x, "seqs": seqs, "seq": seq, "jagged": jag, "layers": []}
-    seq = jnp.where(jag.mask[:, None], seq, 0)
-    for layer in inter.layers:
-        x, seq, cls = x.astype(layer.dtype), seq.astype(layer.dtype), cls.astype(layer.dtype)
-        x_sum, s_sum = layer.cross(x, seq, cls, jag)
-        tokens = jnp.concatenate([x, s_sum], axis=1)
-        out["layers"].append({"x": x, "seq": seq, "cls": cls, "x_sum": x_sum, "tokens": tokens})
-        x_new = _interaction(layer, tokens)
-        seq, cls = layer.sequence_arch(seq, cls, x_sum, jag)
-        x = x_new
-    out["final"] = {"x": x, "seq": seq, "cls": cls}
-    x_sum, s_sum = inter.final_cross(x, seq, cls, jag)
-    out["summary"] = jnp.concatenate([x_sum, s_sum], axis=1).reshape(b, -1)
-    out["logits"] = model.head(out["summary"], batch.surface)
-    return out
+# --------------------------------------------------------------------------- the teacher's blocks
 
 
 @dataclasses.dataclass
@@ -241,9 +79,26 @@ class Block:
 
 
 def _inputs_call(model, acts, dense, sequences):
-    """teacher_inputs -> (x, {seq: tokens}) (the jagged layouts are not differentiated)."""
-    x, seqs = teacher_inputs(model, acts, types.SimpleNamespace(dense=dense, sequences=sequences))
+    """GEMTeacher.inputs -> (x, {seq: tokens}) (the jagged layouts are not differentiated)."""
+    x, seqs = model.inputs(acts, dense, sequences)
     return x, {s: v for s, (v, _) in seqs.items()}
+
+
+def _interaction(layer, tokens):
+    return layer.interaction(tokens)[0] if layer.use_experts else layer.interaction(tokens)
+
+
+def teacher_taps(model, acts: dict, batch) -> dict:
+    """Every block's inputs on ``batch``, from the model's own forward (jitted):
+    GEMTeacher.__call__'s taps plus "logits" [B, K]."""
+    graphdef, state = nnx.split(model)
+
+    def run(st, a, bt):
+        taps: dict = {}
+        logits = nnx.merge(graphdef, st)(a, bt, taps=taps)
+        return dict(taps, logits=logits)
+
+    return jax.jit(run)(state, acts, batch)
 
 
 _SEQUENCE_ARCH = ("pffn_norm", "pffn", "attn_norm", "self_attn", "ffn_norm", "ffn", "cls_norm", "cls_attn")
@@ -270,13 +125,13 @@ def _block(name: str, module, call: Callable, diff: tuple, static: tuple, key, p
 
 
 def teacher_blocks(model, acts: dict, batch, seed: int = 0) -> list[Block]:
-    """The teacher's top-level blocks (module docstring) on one device's batch.
+    """The teacher's top-level blocks (model.arch.block_names(), in that order) on one
+    device's batch.
 
     model: a GEMTeacher; acts: {feature: [B, D]}, {"<seq>.<field>": [T, D]};
     batch: a device-local Batch (arrays on the default device).
     """
-    graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda st, a, bt: teacher_forward(nnx.merge(graphdef, st), a, bt))(state, acts, batch)
+    fwd = teacher_taps(model, acts, batch)
     keys = iter(jax.random.split(jax.random.key(seed), 64))
     inter = model.interformer
     blocks = [_block("inputs", model, _inputs_call, (acts,), (batch.dense, batch.sequences), next(keys),
@@ -302,6 +157,9 @@ def teacher_blocks(model, acts: dict, batch, seed: int = 0) -> list[Block]:
                          (fin["x"], fin["seq"], fin["cls"]), (jag,), next(keys)))
     blocks.append(_block("head", model.head, lambda m, h, surf: m(h, surf), (fwd["summary"],),
                          (batch.surface,), next(keys)))
+    names = tuple(b.name for b in blocks)
+    if names != model.arch.block_names():
+        raise AssertionError(f"teacher_blocks: built {names}, the teacher has {model.arch.block_names()}")
     return blocks
 
 
@@ -324,12 +182,10 @@ def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, 
 
     Returns mfu.local_mfu_report's dict, each layer row extended with xla_flops and
     pallas_flops, plus "model_flops" (sum over layers). A layer's flops (the MFU
-    numerator) are its analytic model FLOPs, 3 x gemjax.train.model_flops'
+    numerator) are its analytic model FLOPs, 3 x gemjax.perf.model_flops'
     forward count: XLA's GPU cost analysis of the same block varied 4x between two
     H200 compiles (it dropped GEMMs), and it never sees inside Pallas calls.
     """
-    from gemjax.models.gem import build_model
-    from gemjax.train import model_flops
     if cfg.model.kind != "teacher":
         raise ValueError(f"local_mfu.measure: model.kind must be 'teacher', got {cfg.model.kind!r}")
     dev_batch = jax.device_put(batch)
