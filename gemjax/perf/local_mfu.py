@@ -2,8 +2,9 @@
 
 GEM's definition: every layer runs alone on one GPU, forward +
 backward, no recompute, no communication; Local MFU is the FLOP-weighted mean of
-the per-layer MFUs (``mfu.local_mfu``). The blocks, in model order, at the
-per-device batch (B samples, one device's packed sequences):
+the per-layer MFUs (``mfu.local_mfu``). The blocks are the teacher's own
+(TeacherArch.block_names()), in model order, at the per-device batch (B samples,
+one device's packed sequences):
 
   inputs                  dense projection, feature tokens, sequence field sums
   pyramid                 ParallelPyramid: block attention + per-block pooling
@@ -19,14 +20,13 @@ gradients for its parameters AND its inputs (what the real backward computes).
 Inputs are the real activations of the model's own forward on that batch
 (``teacher_taps``: GEMTeacher.__call__ with ``taps``, which records each block's inputs).
 
-FLOPs of a block (``Block.flops``) = XLA's cost analysis of its compiled
-fwd+bwd + ``3 x`` the forward attention FLOPs over valid jagged pairs
-(``mfu.attention_flops``) of every attention call that runs in a Pallas kernel
-on this backend (XLA's count cannot see inside a Pallas custom call; where the
-jnp reference runs instead, e.g. on CPU, XLA already counts it and nothing is
-added). ``step_attention_flops`` gives the same Pallas term for a whole train
-step, so E2E FLOPs = XLA step FLOPs + Pallas attention FLOPs, counted the same
-way as the layers.
+A block's FLOPs (the MFU numerator) are its analytic model count, 3 x
+gemjax.perf.model_flops' forward count of the same block. ``measure`` also reports
+XLA's cost analysis of each compiled block and the Pallas attention term XLA
+cannot see (``pallas_attention_flops``: 3 x the valid-pair FLOPs of every
+attention call that runs in a Pallas kernel on this backend; none where the jnp
+reference runs, e.g. on CPU). ``step_attention_flops`` gives that Pallas term for
+a whole train step (E2E FLOPs = XLA step FLOPs + Pallas attention FLOPs).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from gemjax.data.features import schema_of
 from gemjax.models.gem import build_model
 from gemjax.perf import mfu, model_flops
 from gemjax.perf.model_flops import AttentionCall, attention_calls, runs_in_pallas, shard_seq_lengths
+
 
 def pallas_attention_flops(calls: Sequence[AttentionCall], backend: str | None = None) -> dict[str, float]:
     """{block: fwd+bwd FLOPs (3 x forward) of its calls that run in Pallas kernels}."""
