@@ -95,6 +95,7 @@ def _rebuilt(cfg) -> Trainer:
 @pytest.mark.parametrize("field,value,match", [
     ("mesh", "fsdp=3", r"parallel.mesh='fsdp=3'"),
     ("logical_rules", "mlp", r"parallel.logical_rules='mlp'"),
+    ("table_replica_axes", "replica", r"parallel.table_replica_axes='replica': \['replica'\] not among"),
     ("table_plan", "user:row_wise", r"parallel.table_plan='user:row_wise'.*no entry for tables"),
     ("table_plan", "user:row_wise@x", r"capacity factor 'x' of table 'user'"),
     ("table_plan", "user:2d", r"parallel.table_plan='user:2d'"),

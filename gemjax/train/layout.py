@@ -76,6 +76,10 @@ def build(cfg: Config, devices=None) -> tuple[Mesh, dict[str, Any]]:
     except ValueError as e:
         raise ValueError(f"parallel.logical_rules={p.logical_rules!r}: {e}") from None
     replica = replica_axes(p.table_replica_axes)
+    missing = [a for a in replica if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"parallel.table_replica_axes={p.table_replica_axes!r}: {missing} not among "
+                         f"the mesh axes {tuple(mesh.axis_names)}")
     kw: dict[str, Any] = {"rules": rules, "table_replica_axes": replica}
     plan = parse_table_plan(p.table_plan)
     try:
