@@ -4,7 +4,7 @@
 
 Reports step time, samples/s, sequence tokens/s, the dense FLOPs per sample of the
 train step and the resulting MFU against the device's peak. FLOPs: for the
-teacher the analytic model count (gemjax.train.model_flops; XLA's GPU cost
+teacher the analytic model count (gemjax.perf.model_flops; XLA's GPU cost
 analysis drops GEMMs and misses Pallas calls, see experiments/sweep_mesh.py),
 otherwise XLA's cost analysis of the compiled step; both are printed, the sparse
 side counts ~0 FLOPs.
@@ -34,7 +34,7 @@ def main(argv):
     from gemjax.config import get_config
     from gemjax.data.feeding import Feeder
     from gemjax.data.synthetic import SyntheticStream
-    from gemjax.train import mfu
+    from gemjax.perf import mfu
     from gemjax.train.step import Trainer
 
     f = flags.FLAGS
@@ -70,7 +70,7 @@ def main(argv):
     b = cfg.data.batch_size
     xla = flops
     if cfg.model.kind == "teacher":
-        from gemjax.train import model_flops
+        from gemjax.perf import model_flops
         flops = float(np.mean([model_flops.batch_step_flops(cfg, h[0], trainer.num_shards)
                                for h in hosts]))
     res = {"config": cfg.name, "model": cfg.model.kind, "devices": n_dev,

@@ -23,17 +23,17 @@ device (the compiled step's arguments + outputs + temporaries; XLA buffers only)
 and the topology model's predicted step.
 
 FLOPs (model.kind=teacher): E2E step FLOPs = the analytic model count of the
-global batch (gemjax.train.model_flops.batch_step_flops: matmuls and valid-pair
+global batch (gemjax.perf.model_flops.batch_step_flops: matmuls and valid-pair
 attention, 3 x forward, padding and embeddings not counted); Local MFU
 (--local_mfu): each top-level teacher block timed alone on one device at the
-per-device batch (gemjax.train.local_mfu), the same analytic count per block.
+per-device batch (gemjax.perf.local_mfu), the same analytic count per block.
 XLA's count is kept beside it ("xla_step_flops": its cost analysis of the compiled
 per-device step x devices + the Pallas attention FLOPs it cannot see,
 local_mfu.step_attention_flops) but not used: on H200s it read 1,905 and 1,167
 GFLOP for the same 1-GPU step in two compiles, against 4,755 analytic (it drops
 GEMMs). Other models: XLA's count (flops_source says which).
 
-Cost model (gemjax.parallel.topology): a Workload from the run (dense / expert
+Cost model (gemjax.perf.topology): a Workload from the run (dense / expert
 params, embedding lookups per sample from the batches' real tokens, emb dim,
 local batch, EP tokens, forward FLOPs per sample from the 1-device step), the
 compute scale calibrated on the 1-device step ONLY, then the predicted step of
@@ -139,7 +139,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
     from gemjax.data.feeding import Feeder
     from gemjax.data.synthetic import SEQUENCES, SyntheticStream
     from gemjax.parallel.mesh import build_mesh
-    from gemjax.train import local_mfu, mfu
+    from gemjax.perf import local_mfu, mfu
     from gemjax.train.step import Trainer
 
     mesh = build_mesh(spec, devices, devices_per_host=FLAGS.devices_per_host)
@@ -154,7 +154,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
     shards = feeder.num_shards
     analytic = None
     if cfg.model.kind == "teacher":   # model FLOPs of this process's shards (x processes)
-        from gemjax.train import model_flops
+        from gemjax.perf import model_flops
         analytic = float(np.mean([model_flops.batch_step_flops(cfg, h[0], len(feeder.local_shards))
                                   for h in hosts])) * jax.process_count()
     attn = 0.0
@@ -220,7 +220,7 @@ def step_job(cfg, spec: str, devices, rules, replica_axes: tuple[str, ...], step
 
 def workload(cfg, row: dict, base: dict, local_batch: int):
     """topology.Workload of one device of ``row``'s run (FLOPs per sample from the 1-device base row)."""
-    from gemjax.parallel import topology
+    from gemjax.perf import topology
     return topology.workload_for(cfg, dense_params=row["dense_params"], expert_params=row["expert_params"],
                                  local_batch=local_batch, seq_tokens_per_sample=base["seq_tokens_per_sample"],
                                  forward_flops_per_sample=base["step_flops"] / 3 / base["global_batch"])
@@ -256,7 +256,7 @@ def pallas_probe() -> float | None:
     if jax.default_backend() != "gpu":
         return None
     from kernels import gdpa
-    from gemjax.train import mfu
+    from gemjax.perf import mfu
     q = jnp.ones((256, 2, 32), jnp.bfloat16)
     off = jnp.array([0, 128, 256], jnp.int32)
     try:
@@ -280,9 +280,9 @@ def main(argv):
     from gemjax.config import get_config
     from gemjax.data.synthetic import SyntheticStream
     from gemjax.parallel import rules as rules_lib
-    from gemjax.parallel import topology
+    from gemjax.perf import topology
     from gemjax.parallel.mesh import resolve_mesh_spec
-    from gemjax.train import local_mfu, mfu
+    from gemjax.perf import local_mfu, mfu
 
     devices = jax.devices()
     n_all = len(devices)

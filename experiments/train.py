@@ -68,6 +68,9 @@ flags.DEFINE_string("mesh", "", "physical mesh axes outer to inner, e.g. replica
 flags.DEFINE_string("logical_rules", "", "logical-axis rule overrides, e.g. mlp=fsdp,embed= (name= replicates)")
 flags.DEFINE_string("table_replica_axes", "", "'+'-separated mesh axes the embedding tables are replicated "
                     "over (e.g. replica); the other axes shard the rows")
+flags.DEFINE_string("table_plan", "", "embedding table plan: '' (the planner), one kind for every table "
+                    "(row_wise, row_wise_range, 2d, fs2d, replicated, table_wise, ...) or per table "
+                    "table:kind[@capacity_factor]/...")
 flags.DEFINE_string("coordinator", None, "multi-process: coordinator host:port ($GEMJAX_COORDINATOR)")
 flags.DEFINE_integer("num_processes", None, "multi-process: process count ($GEMJAX_NUM_PROCESSES)")
 flags.DEFINE_integer("process_id", None, "multi-process: this process's id ($GEMJAX_PROCESS_ID)")
@@ -107,6 +110,9 @@ def build_config():
                        ("baselines", "train.baselines")):
         if getattr(f, flag) is not None:
             over[path] = str(getattr(f, flag))
+    for flag in ("mesh", "logical_rules", "table_replica_axes", "table_plan"):    # Config.parallel
+        if getattr(f, flag):
+            over[f"parallel.{flag}"] = getattr(f, flag)
     over.update(parse_overrides(f.override))
     cfg = apply_overrides(cfg, over)
     validate(cfg)
@@ -156,20 +162,17 @@ def main(argv):
     import jax
     print(f"[gemjax] {multihost.describe()}", flush=True)   # every process: the job's layout
 
-    from gemjax.parallel import rules as rules_lib
-    from gemjax.parallel.mesh import build_mesh
+    from gemjax.train import layout
     from gemjax.train.loop import train
 
-    try:
-        mesh = build_mesh(f.mesh) if f.mesh else None
-        rules = rules_lib.parse_rules(f.logical_rules)
+    try:      # the layout of cfg.parallel (the flags above fill it); train() builds the same
+        mesh, trainer_kw = layout.build(cfg)
     except ValueError as e:
         raise app.UsageError(str(e))
-    replica_axes = tuple(a for a in f.table_replica_axes.split("+") if a)
-    trainer_kw = {"rules": rules, "table_replica_axes": replica_axes}
+    replica_axes = trainer_kw["table_replica_axes"]
     lead = jax.process_index() == 0
     log = print if lead else (lambda s: None)
-    if mesh is not None:
+    if cfg.parallel.mesh:
         log(f"[gemjax] mesh {dict(mesh.shape)} over {jax.process_count()} process(es); "
             f"tables replicated over {replica_axes or 'none'}")
     workdir = f.workdir
@@ -181,8 +184,7 @@ def main(argv):
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"[gemjax] --mode=eval: {e}")
         return
-    summary = train(cfg, workdir, log=log, mesh=mesh, trainer_kw=trainer_kw,
-                    profile_steps=profile_steps)
+    summary = train(cfg, workdir, log=log, profile_steps=profile_steps)
     if not lead:
         return
     if cfg.train.baselines:
@@ -192,8 +194,7 @@ def main(argv):
         for name, vcfg in variants.items():
             vcfg = dataclasses.replace(vcfg, train=dataclasses.replace(vcfg.train, baselines=False))
             log(f"[gemjax] baseline {name}")
-            s = train(vcfg, os.path.join(workdir, "baselines", name), log=log, mesh=mesh,
-                      trainer_kw=trainer_kw)
+            s = train(vcfg, os.path.join(workdir, "baselines", name), log=log)
             summary["baselines"][name] = {k: s[k] for k in ("eval_ne", "eval_auc", "samples_per_sec")}
         with open(os.path.join(workdir, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=1)

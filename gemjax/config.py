@@ -151,11 +151,31 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel layout of a run (gemjax.train.layout builds it; a run's config.json
+    records the layout it ran with). Strings in experiments/train.py's flag syntax."""
+
+    # physical mesh axes outer to inner, gemjax.parallel.mesh's spec, e.g.
+    # "replica=2,fsdp=-1,expert=2"; "": every device on one "batch" axis
+    mesh: str = ""
+    # overrides of the logical-axis rules (gemjax.parallel.rules.DEFAULT_RULES),
+    # e.g. "mlp=fsdp,embed=" (name= replicates); "": the defaults
+    logical_rules: str = ""
+    # '+'-separated mesh axes the embedding tables are replicated over (2d / fs2d plans)
+    table_replica_axes: str = ""
+    # embedding table plan: "" (the planner picks per table), one plan kind for every
+    # table ("row_wise", "2d_range", ...; gemjax.sparse.plans.resolve), or per table
+    # "table:kind[@capacity_factor]/..." (capacity_factor a number or none)
+    table_plan: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "small"
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
     # the features the models are built for (gemjax.data.features.schema_of); None: the
     # default source's, the synthetic stream's schema of `data`
     features: FeatureSchema | None = None
@@ -287,8 +307,9 @@ def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Conf
         overrides = parse_overrides(overrides)
     for path, value in overrides.items():
         section, _, field = path.partition(".")
-        if section not in ("data", "model", "train") or not field:
-            raise ValueError(f"override {path!r}: expected data.<field>, model.<field> or train.<field>")
+        if section not in ("data", "model", "train", "parallel") or not field:
+            raise ValueError(f"override {path!r}: expected data.<field>, model.<field>, train.<field> "
+                             f"or parallel.<field>")
         sub = getattr(cfg, section)
         hints = typing.get_type_hints(type(sub))
         if field not in hints:
@@ -451,13 +472,13 @@ def config_from_dict(d: dict) -> Config:
     unknown = set(d) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, data, model, "
-                         f"train, features")
+                         f"train, parallel, features")
     kw: dict[str, Any] = {}
     if "name" in d:
         kw["name"] = _from_json(d["name"], str, "name")
     if d.get("features") is not None:
         kw["features"] = FeatureSchema.from_dict(d["features"])
-    for section in ("data", "model", "train"):
+    for section in ("data", "model", "train", "parallel"):
         if section not in d:
             continue
         cls = type(getattr(Config(), section))

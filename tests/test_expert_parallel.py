@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gemjax.layers.experts import (WukongExperts, active_expert_axes, expert_capacity,
                                    expert_parallel)
-from gemjax.parallel.equivalence import max_rel_diff
+from gemjax.train.equivalence import max_rel_diff
 from gemjax.parallel.mesh import build_mesh
 from gemjax.parallel.rules import param_shardings
 from gemjax.train.step import (CHECK_VMA, expert_param_mask, expert_parallel_axes,
@@ -205,7 +205,7 @@ def test_trainer_with_ep_matches_one_device_and_exchanges_tokens():
     """(c) 3 train steps of the teacher on replica=2,fsdp=2,expert=2 with EP equal one
     device; (d) the compiled step all_to_alls over `expert` and never all-gathers over it
     (tables are replicated here, so no other collective touches that axis)."""
-    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, train_steps
+    from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, train_steps
 
     single = train_steps(None, 3, overrides=TEACHER)
     res = train_steps("replica=2,fsdp=2,expert=2", 3, overrides=TEACHER,

@@ -1,4 +1,4 @@
-"""Analytic teacher FLOPs (gemjax.train.model_flops) against XLA's CPU count, block by block.
+"""Analytic teacher FLOPs (gemjax.perf.model_flops) against XLA's CPU count, block by block.
 
 Method. Each block of local_mfu.teacher_blocks is compiled forward only (its vjp
 with the backward's outputs dropped, which XLA removes) with every kernels/
@@ -44,11 +44,12 @@ import pytest
 from flax import nnx
 
 from gemjax.config import get_config
+from gemjax.data.features import schema_of
 from gemjax.data.jagged import Jagged
 from gemjax.data.synthetic import SEQUENCES, SyntheticStream
-from gemjax.train import local_mfu as L
-from gemjax.train import mfu as M
-from gemjax.train import model_flops as F
+from gemjax.perf import local_mfu as L
+from gemjax.perf import mfu as M
+from gemjax.perf import model_flops as F
 
 ELEMENTWISE_TOL = 0.15
 
@@ -233,14 +234,14 @@ def test_step_is_three_forwards_and_linear_in_the_batch(variant):
     assert F.teacher_step_flops(cfg, {s: a[s][:8] for s in SEQUENCES}) == sum(per)
 
 
-def test_attention_term_is_local_mfus_kernel_calls():
-    """The attention term is exactly local_mfu.attention_calls' valid pairs (with the
+def test_attention_term_is_the_kernel_calls():
+    """The attention term is exactly attention_calls' valid pairs (with the
     pyramid pooling on every backend: the calls it lists where pooling runs in Pallas)."""
     cfg = get_config("tiny", VARIANTS["gdpa_levels"])
     lens = _lens(cfg)
     det = F.teacher_block_detail(cfg, lens)
     want: dict[str, int] = {}
-    for c in L.attention_calls(cfg, lens, backend="gpu"):     # head dim 16: all in Pallas there
+    for c in F.attention_calls(cfg, lens, backend="gpu"):     # head dim 16: all in Pallas there
         want[c.block] = want.get(c.block, 0) + c.forward_flops
     assert {k: v.attention for k, v in det.items() if v.attention} == want
     assert "interformer0.cross" not in want            # no PMA in this variant
@@ -276,3 +277,47 @@ def test_batch_of_shards_and_cli(capsys):
     out = capsys.readouterr().out
     step = F.teacher_step_flops(cfg, _lens(cfg))
     assert "interformer1.interaction" in out and f"{step * 1e-9:.2f} GFLOP model" in out
+
+
+# The analytic counts of three configs, pinned (computed before the count read the teacher's
+# TeacherArch; model_flops re-derives every shape from it now): {block: (matmul, attention)}
+# of the model count, and the padded program's total, on fixed lengths of 16 samples.
+PINNED = {
+    ("tiny", "model.kind=teacher"): (
+        {"inputs": (2048, 0), "pyramid": (7453440, 6254816), "interformer0.cross": (259072, 45312),
+         "interformer0.interaction": (116224, 0), "interformer0.sequence": (1120256, 808448),
+         "interformer1.cross": (259072, 45312), "interformer1.interaction": (116224, 0),
+         "interformer1.sequence": (1120256, 808448), "final_cross": (259072, 45312), "head": (100352, 0)},
+        19387104),
+    ("h200", "model.kind=teacher,model.num_experts=4,model.top_k=2"): (
+        {"inputs": (65536, 0), "pyramid": (1804533760, 168947200), "interformer0.cross": (88604672, 401408),
+         "interformer0.interaction": (545202176, 0), "interformer0.sequence": (162529280, 6766592),
+         "interformer1.cross": (88604672, 401408), "interformer1.interaction": (545202176, 0),
+         "interformer1.sequence": (162529280, 6766592), "final_cross": (88604672, 401408),
+         "head": (50397184, 0)},
+        4940877312),
+    ("small", "model.kind=teacher,model.attention=gdpa,model.pyramid_levels=16:2:1/8:2:0/16:none:1,"
+              "model.head_towers=shared,model.num_experts=3,model.top_k=2,model.capacity_factor=1.5,"
+              "model.cls_tokens=0,model.interformer_layers=3"): (
+        {"inputs": (4096, 0), "pyramid": (28564480, 5973312), "interformer0.cross": (659456, 25088),
+         "interformer0.interaction": (2524672, 0), "interformer0.sequence": (1069056, 211456),
+         "interformer1.cross": (659456, 25088), "interformer1.interaction": (2524672, 0),
+         "interformer1.sequence": (1069056, 211456), "interformer2.cross": (659456, 25088),
+         "interformer2.interaction": (2524672, 0), "interformer2.sequence": (1069056, 211456),
+         "final_cross": (659456, 25088), "head": (540672, 0)},
+        54988608),
+}
+
+
+@pytest.mark.parametrize("preset,overrides", list(PINNED))
+def test_counts_of_three_presets_are_pinned(preset, overrides):
+    from gemjax.models.interformer import teacher_arch
+    cfg = get_config(preset, overrides)
+    rng = np.random.default_rng(7)
+    lens = {s: rng.integers(0, 300, size=16) for s in schema_of(cfg).sequence_names}
+    caps = {s: int(v.sum()) + 64 for s, v in lens.items()}
+    model, padded = PINNED[(preset, overrides)]
+    got = F.teacher_block_detail(cfg, lens)
+    assert {k: (v.matmul, v.attention) for k, v in got.items()} == model
+    assert tuple(got) == teacher_arch(cfg).block_names()
+    assert sum(v.total for v in F.teacher_block_detail(cfg, lens, caps).values()) == padded

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gemjax.parallel import launch
-from gemjax.parallel.toy_step import toy_data, train_toy
+from toy_step import toy_data, train_toy   # tests/toy_step.py
 
 SPECS = ["replica=2,fsdp=4", "replica=-1,fsdp=2,expert=2", "fsdp=8"]
 KW = dict(steps=3, seed=0, batch=32, dim=16, hidden=24, lr=0.1, momentum=0.9)
@@ -46,7 +46,7 @@ def test_single_process_matches_numpy(single):
 
 
 def test_two_processes_match_one(single):
-    results = launch.launch("gemjax.parallel.toy_step:train_toy", 2, cpu_devices=4,
+    results = launch.launch("tests.toy_step:train_toy", 2, cpu_devices=4,
                             kwargs=dict(mesh_specs=SPECS, **KW), timeout_s=240)
     assert len(results) == 2
     for res in results:
@@ -59,9 +59,9 @@ def test_two_processes_match_one(single):
 
 def test_launch_reports_child_failure():
     with pytest.raises(RuntimeError, match=r"(?s)process 0 exit 1.*has no attribute 'nope'"):
-        launch.launch("gemjax.parallel.toy_step:nope", 1, cpu_devices=1, timeout_s=120)
+        launch.launch("tests.toy_step:nope", 1, cpu_devices=1, timeout_s=120)
     with pytest.raises(ValueError, match="num_processes"):
-        launch.launch("gemjax.parallel.toy_step:train_toy", 0)
+        launch.launch("tests.toy_step:train_toy", 0)
 
 
 # ---------------------------------------------------------------- the real train step
@@ -73,14 +73,14 @@ REAL_KW = dict(steps=3, table_replica_axes=["replica", "expert"], replicate_belo
 
 
 def test_real_train_step_two_processes_match_one():
-    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
+    from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
     one = train_steps(REAL_MESH, **REAL_KW)
     assert one["processes"] == 1 and one["devices"] == 8 and set(one["plans"].values()) == {"fs2d"}
     assert max_rel_diff(one["init_params"], one["params"]) > 1e-3   # the steps do update
     import jax
     cache = {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"} if jax.config.jax_compilation_cache_dir else {}
-    results = launch.launch("gemjax.parallel.equivalence:train_steps", 2, cpu_devices=4,
+    results = launch.launch("gemjax.train.equivalence:train_steps", 2, cpu_devices=4,
                             kwargs=dict(mesh_spec=REAL_MESH, **REAL_KW), timeout_s=400, env=cache)
     for res in results:
         assert res["processes"] == 2 and res["devices"] == 8 and res["ids_overflow"] == 0
@@ -94,7 +94,7 @@ def test_fixed_sparse_branches_two_processes_match_one():
     """Exchange + sync buckets on 2d tables (replica crossing the processes): every
     process reads the same replicated branch needs, so both compile the same plan,
     and the run equals one process."""
-    from gemjax.parallel.equivalence import KEY_BIAS, max_rel_diff, train_steps
+    from gemjax.train.equivalence import KEY_BIAS, max_rel_diff, train_steps
     kw = dict(steps=3, table_replica_axes=["replica"], replicate_below_bytes=0, capacity_factor=None,
               device_budget_bytes=1 << 40,
               overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true")
@@ -103,7 +103,7 @@ def test_fixed_sparse_branches_two_processes_match_one():
     import jax
     cache = {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"} if jax.config.jax_compilation_cache_dir else {}
-    results = launch.launch("gemjax.parallel.equivalence:train_steps", 2, cpu_devices=4,
+    results = launch.launch("gemjax.train.equivalence:train_steps", 2, cpu_devices=4,
                             kwargs=dict(mesh_spec="replica=2,fsdp=4", **kw), timeout_s=400, env=cache)
     for res in results:
         assert res["processes"] == 2 and res["ids_overflow"] == 0

@@ -27,7 +27,7 @@ COMMAND_STARTS = ("./run", "python ", "python3 ", ".venv/bin/python", "srun ", "
 GPU_TEACHER = "--override=model.kind=teacher,model.num_experts=4,model.top_k=2"
 
 TINY = "./run train --config=tiny --workdir=runs/tiny --steps=50"
-FLOPS = "python -m gemjax.train.model_flops --config=h200 --override=model.num_experts=4,model.top_k=2"
+FLOPS = "python -m gemjax.perf.model_flops --config=h200 --override=model.num_experts=4,model.top_k=2"
 REHEARSE_SLURM = ("for i in 0 1; do SLURM_JOB_ID=4242 SLURM_NTASKS=2 SLURM_PROCID=$i SLURM_LOCALID=$i "
                   "SLURM_STEP_NODELIST=localhost .venv/bin/python -m gemjax.parallel.multihost --cpu_devices=2 & "
                   "done; wait")

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gemjax.layers.experts import (active_batch_axes, aux_loss_scale, route_top_k,
                                    sharded_batch)
 from gemjax.models.interformer import attach_aux_loss
-from gemjax.parallel.equivalence import max_rel_diff
+from gemjax.train.equivalence import max_rel_diff
 from gemjax.parallel.mesh import build_mesh
 from test_expert_parallel import TEACHER as EP_TEACHER
 
@@ -126,7 +126,7 @@ def test_trainer_with_load_balancing_loss_matches_one_device():
     up to 2.5e-5 here with lb_coef 0.05 and 1.2e-5 with lb_coef 0, on a pyramid bias
     the router does not touch; key biases, true gradient 0, see equivalence.KEY_BIAS).
     Before the global aux (per-shard loss, attached N times) router leaves differed O(1)."""
-    from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, train_steps
+    from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, train_steps
 
     single = train_steps(None, 3, overrides=TEACHER)
     assert max_rel_diff(single["init_params"], single["params"]) > 1e-3   # the steps do train

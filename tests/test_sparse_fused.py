@@ -331,7 +331,7 @@ def test_trainer_with_the_fused_update_equals_xla():
     """train.sparse_update_impl=pallas (interpret mode here) trains the tiny teacher's
     tables like the XLA update: 2 steps, tables and loss within float32 rounding."""
     from gemjax.config import get_config
-    from gemjax.parallel.equivalence import max_rel_diff, train_steps
+    from gemjax.train.equivalence import max_rel_diff, train_steps
     from gemjax.train.step import Trainer
     over = "model.kind=gem,model.dim=16,data.batch_size=16"
     coll = Trainer.create(get_config("tiny", over + ",train.sparse_update_impl=pallas")).coll

@@ -71,7 +71,7 @@ def test_cost_model_expert_tokens_follow_the_built_experts():
     from gemjax.config import get_config
     from gemjax.layers.experts import expert_capacity
     from gemjax.models.gem import build_model
-    from gemjax.parallel.topology import workload_for
+    from gemjax.perf.topology import workload_for
     cfg = get_config("tiny", "model.kind=teacher,model.num_experts=4,model.top_k=2,"
                      "model.capacity_factor=1.5")
     experts = build_model(cfg, nnx.Rngs(0)).interformer.layers[0].interaction

@@ -16,7 +16,7 @@ import pytest
 from gemjax.config import get_config
 from gemjax.data.feeding import merge_shards
 from gemjax.data.synthetic import SyntheticStream
-from gemjax.parallel.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
+from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
 from gemjax.parallel.mesh import build_mesh
 from gemjax.train.step import Trainer
 

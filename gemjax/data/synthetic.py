@@ -32,14 +32,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gemjax.config import DataConfig
 from gemjax.data.batch import Batch
 from gemjax.data import portable_math
 from gemjax.data.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 from gemjax.data.jagged import Jagged, fit_to_capacity, layout_from_lengths
+
+if TYPE_CHECKING:        # annotations only: gemjax.config imports gemjax.data, not the reverse
+    from gemjax.config import DataConfig
 
 SEQUENCES = ("clicks", "views")
 SEQUENCE_FIELDS = ("item", "cat", "event")

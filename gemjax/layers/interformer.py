@@ -188,7 +188,14 @@ class InterFormerLayer(nnx.Module):
             cls = cls + upd.reshape(cls.shape)
         return seq.astype(self.dtype), cls
 
-    def __call__(self, x: jax.Array, seq: jax.Array, cls: jax.Array, jagged: Jagged):
+    def __call__(self, x: jax.Array, seq: jax.Array, cls: jax.Array, jagged: Jagged,
+                 taps: dict | None = None):
+        """-> (x' [B, n, d], seq' [T, d], cls' [B, c, d], x_sum [B, m, d], s_sum [B, c+p+r, d], aux).
+
+        taps: None, or a dict this call fills with its arches' inputs (cast to the layer
+        dtype): "x", "seq", "cls", "x_sum" (Sequence Arch input) and "tokens" [B, n_in, d]
+        (Interaction Arch input).
+        """
         b, n, d = x.shape
         if (n, d) != (self.num_tokens, self.dim):
             raise ValueError(f"InterFormerLayer: x must be [B, {self.num_tokens}, {self.dim}], got {x.shape}")
@@ -200,6 +207,8 @@ class InterFormerLayer(nnx.Module):
         x, seq, cls = x.astype(self.dtype), seq.astype(self.dtype), cls.astype(self.dtype)
         x_sum, s_sum = self.cross(x, seq, cls, jagged)
         tokens = jnp.concatenate([x, s_sum], axis=1)
+        if taps is not None:
+            taps.update(x=x, seq=seq, cls=cls, x_sum=x_sum, tokens=tokens)
         if self.use_experts:
             x_new, aux = self.interaction(tokens)
         else:
@@ -236,7 +245,9 @@ class InterFormer(nnx.Module):
         self.cls_init = (param(0.02 * jax.random.normal(rngs.params(), (self.cls_tokens, dim)),
                                None, "embed") if self.cls_tokens else None)
 
-    def __call__(self, x: jax.Array, seq: jax.Array, jagged: Jagged):
+    def __call__(self, x: jax.Array, seq: jax.Array, jagged: Jagged, taps: dict | None = None):
+        """taps: None, or a dict this call fills with "layers" (one InterFormerLayer taps
+        dict per layer) and "final" {"x", "seq", "cls"} (the final Cross Arch's inputs)."""
         b = x.shape[0]
         if self.cls_tokens:
             cls = jnp.broadcast_to(self.cls_init[...].astype(self.dtype), (b, self.cls_tokens, self.dim))
@@ -244,9 +255,15 @@ class InterFormer(nnx.Module):
             cls = jnp.zeros((b, 0, self.dim), self.dtype)
         seq = jnp.where(jagged.mask[:, None], seq, 0)
         auxes = []
+        layer_taps = None if taps is None else taps.setdefault("layers", [])
         for layer in self.layers:
-            x, seq, cls, _, _, aux = layer(x, seq, cls, jagged)
+            t = None if layer_taps is None else {}
+            x, seq, cls, _, _, aux = layer(x, seq, cls, jagged, taps=t)
             auxes.append(aux)
+            if t is not None:
+                layer_taps.append(t)
+        if taps is not None:
+            taps["final"] = {"x": x, "seq": seq, "cls": cls}
         x_sum, s_sum = self.final_cross(x, seq, cls, jagged)
         mean_aux = jax.tree.map(lambda *v: sum(v) / len(v), *auxes) if auxes[0] else {}
         return jnp.concatenate([x_sum, s_sum], axis=1), mean_aux

@@ -27,9 +27,13 @@ gradient (tests/test_sharded_aux_loss.py).
 
 Teacher hyper-parameters are config.ModelConfig fields (TEACHER_FIELDS); the Sequence
 Arch self-attention kind is model.attention ("block" | "softmax" | "gdpa").
+`teacher_arch(cfg)` resolves them once into a TeacherArch (shapes, token counts, block
+names) that the model is built from and that gemjax.perf reads to count and time it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -49,28 +53,108 @@ TEACHER_FIELDS = ("interformer_layers", "summary_tokens", "cls_tokens", "pma_tok
                   "recent_tokens", "pyramid_levels", "num_experts", "top_k", "capacity_factor",
                   "cross_layer_attention", "qk_norm", "rope", "lb_coef", "head_towers")
 
+# FFN width multiple of the pyramid's and the InterFormer Sequence Arch's FFNs (the layers'
+# ffn_mult default, which the teacher keeps).
+FFN_MULT = 2
+
 
 def _hp(cfg, name):
     """cfg.model.<name>; duck-typed configs without the field get ModelConfig's default."""
     return getattr(cfg.model, name, getattr(ModelConfig, name))
 
 
-def pyramid_levels(cfg) -> tuple:
-    """The teacher's pyramid levels ((block, pooled, layers), ...): model.pyramid_levels,
-    or by default two levels of model.block tokens (pool each block to 4, then encode only)."""
-    block = int(getattr(cfg.model, "block", 64))
-    return tuple(_hp(cfg, "pyramid_levels") or ((block, 4, 1), (block, None, 1)))
+@dataclasses.dataclass(frozen=True)
+class TeacherArch:
+    """The teacher's architecture, resolved from a config once: GEMTeacher is built from
+    it, and the FLOP count (gemjax.perf.model_flops), the Local-MFU blocks
+    (gemjax.perf.local_mfu) and the cost model (gemjax.perf.topology) read it.
+
+    Tokens per sample: n = sparse features + dense_tokens feature tokens; the
+    Interaction Arch reads n_in = n + seq_summary ([X | S_sum]) and writes n, with
+    fmb of them from its FM block and n - fmb from its linear block. The Sequence
+    Arch's summaries are cls + pma + recent tokens; the head reads out_tokens x dim.
+    levels: ((block, pooled | None, layers), ...) of the pyramid, per sequence.
+    """
+
+    dim: int
+    heads: int
+    dtype: str
+    num_dense: int
+    dense_tokens: int
+    sequences: tuple[str, ...]
+    levels: tuple[tuple[int, int | None, int], ...]
+    attention: str                # Sequence Arch self-attention: "block" | "softmax" | "gdpa"
+    block: int                    # its block size when attention == "block"
+    layers: int                   # InterFormer layers
+    tokens: int                   # n
+    fmb: int
+    summary: int                  # m: x_sum tokens
+    cls: int
+    pma: int
+    recent: int
+    wukong_layers: int
+    wukong_mlp: tuple[int, ...]
+    rank: int
+    experts: int
+    top_k: int
+    capacity_factor: float | None
+    cross_layer_attention: bool
+    rope: bool
+    qk_norm: bool
+    head_mlp: tuple[int, ...]
+    head_towers: str
+    surfaces: int
+    tasks: int
+    lb_coef: float
+    ffn_mult: int = FFN_MULT
+
+    @property
+    def seq_summary(self) -> int:
+        """c + p + r: S_sum tokens."""
+        return self.cls + self.pma + self.recent
+
+    @property
+    def tokens_in(self) -> int:
+        """n_in = n + c + p + r: the Interaction Arch's input tokens."""
+        return self.tokens + self.seq_summary
+
+    @property
+    def lcb(self) -> int:
+        return self.tokens - self.fmb
+
+    @property
+    def out_tokens(self) -> int:
+        """m + c + p + r: [x_sum | s_sum] tokens the head reads."""
+        return self.summary + self.seq_summary
+
+    def block_names(self) -> tuple[str, ...]:
+        """The teacher's top-level blocks in forward order (the keys of the FLOP count and
+        of the Local-MFU layers)."""
+        per_layer = tuple(f"interformer{i}.{part}" for i in range(self.layers)
+                          for part in ("cross", "interaction", "sequence"))
+        return ("inputs", "pyramid") + per_layer + ("final_cross", "head")
 
 
-def interaction_tokens(cfg) -> tuple[int, int, int]:
-    """The teacher's Interaction Arch (Wukong, or the experts) per sample:
-    (input tokens n + summary tokens [X | S_sum], output tokens n, FMB tokens), with
-    n the non-sequence tokens (one per sparse feature of the schema, model.dense_tokens dense)."""
-    m = cfg.model
-    n = len(schema_of(cfg).sparse) + m.dense_tokens
-    fmb = m.fmb_tokens if m.fmb_tokens < n else n // 2
-    summary = sum(_hp(cfg, k) for k in ("cls_tokens", "pma_tokens", "recent_tokens"))
-    return n + summary, n, fmb
+def teacher_arch(cfg) -> TeacherArch:
+    """cfg's TeacherArch. Pyramid levels: model.pyramid_levels, or by default two levels of
+    model.block tokens (pool each block to 4, then encode only). FM-block tokens:
+    model.fmb_tokens when < n, else n // 2."""
+    f, m = schema_of(cfg), cfg.model
+    block = int(getattr(m, "block", 64))
+    n = len(f.sparse) + m.dense_tokens
+    return TeacherArch(
+        dim=m.dim, heads=m.seq_heads, dtype=m.dtype, num_dense=f.num_dense,
+        dense_tokens=m.dense_tokens, sequences=tuple(f.sequence_names),
+        levels=tuple(_hp(cfg, "pyramid_levels") or ((block, 4, 1), (block, None, 1))),
+        attention=m.attention, block=block, layers=_hp(cfg, "interformer_layers"), tokens=n,
+        fmb=m.fmb_tokens if m.fmb_tokens < n else n // 2, summary=_hp(cfg, "summary_tokens"),
+        cls=_hp(cfg, "cls_tokens"), pma=_hp(cfg, "pma_tokens"), recent=_hp(cfg, "recent_tokens"),
+        wukong_layers=m.wukong_layers, wukong_mlp=tuple(m.wukong_mlp), rank=m.fm_rank,
+        experts=_hp(cfg, "num_experts"), top_k=_hp(cfg, "top_k"),
+        capacity_factor=_hp(cfg, "capacity_factor"),
+        cross_layer_attention=_hp(cfg, "cross_layer_attention"), rope=_hp(cfg, "rope"),
+        qk_norm=_hp(cfg, "qk_norm"), head_mlp=tuple(m.head_mlp), head_towers=_hp(cfg, "head_towers"),
+        surfaces=f.num_surfaces, tasks=f.num_tasks, lb_coef=float(_hp(cfg, "lb_coef")))
 
 
 @jax.custom_vjp
@@ -98,46 +182,63 @@ def attach_aux_loss(x: jax.Array, aux: jax.Array, coef: float) -> jax.Array:
 
 
 class GEMTeacher(nnx.Module):
-    """acts {feature: [B, D] or [T, D]}, Batch -> logits [B, K] (float32)."""
+    """acts {feature: [B, D] or [T, D]}, Batch -> logits [B, K] (float32).
+
+    Built from ``self.arch`` (TeacherArch). Its blocks, in ``arch.block_names()`` order:
+    ``inputs`` (feature tokens), ``pyramid``, per InterFormer layer its ``cross``,
+    ``interaction`` and ``sequence`` arches, ``final_cross``, ``head``. Pass ``taps={}`` to
+    __call__ to get every block's inputs back in it (see __call__).
+    """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        f, m = schema_of(cfg), cfg.model
-        if not m.use_sequences:
+        if not cfg.model.use_sequences:
             raise ValueError("GEMTeacher needs model.use_sequences=True (use GEMv0 without)")
         self.cfg = cfg
-        dtype = jnp.dtype(m.dtype)
-        self.dim, self.dense_tokens, self.dtype = m.dim, m.dense_tokens, dtype
-        self.lb_coef = float(_hp(cfg, "lb_coef"))
-        self.dense_proj = dense_projection(f.num_dense, m.dense_tokens * m.dim, dtype=dtype, rngs=rngs)
-        _, n_tokens, fmb = interaction_tokens(cfg)
-        block = int(getattr(m, "block", 64))
-        self.pyramid = ParallelPyramid(f.sequence_names, m.dim, levels=pyramid_levels(cfg),
-                                       num_heads=m.seq_heads, dtype=dtype, rngs=rngs)
+        a = self.arch = teacher_arch(cfg)
+        dtype = jnp.dtype(a.dtype)
+        self.dim, self.dense_tokens, self.dtype = a.dim, a.dense_tokens, dtype
+        self.lb_coef = a.lb_coef
+        self.dense_proj = dense_projection(a.num_dense, a.dense_tokens * a.dim, dtype=dtype, rngs=rngs)
+        self.pyramid = ParallelPyramid(a.sequences, a.dim, levels=a.levels, num_heads=a.heads,
+                                       ffn_mult=a.ffn_mult, dtype=dtype, rngs=rngs)
         self.interformer = InterFormer(
-            n_tokens, m.dim, num_layers=_hp(cfg, "interformer_layers"), num_heads=m.seq_heads,
-            summary_tokens=_hp(cfg, "summary_tokens"), cls_tokens=_hp(cfg, "cls_tokens"),
-            pma_tokens=_hp(cfg, "pma_tokens"), recent_tokens=_hp(cfg, "recent_tokens"),
-            mlp_hidden=m.wukong_mlp, wukong_layers=m.wukong_layers, fmb_tokens=fmb,
-            rank=m.fm_rank, cross_layer_attention=_hp(cfg, "cross_layer_attention"),
-            num_experts=_hp(cfg, "num_experts"), top_k=_hp(cfg, "top_k"),
-            capacity_factor=_hp(cfg, "capacity_factor"), seq_attention=m.attention,
-            block=block,
-            rope=_hp(cfg, "rope"), qk_norm=_hp(cfg, "qk_norm"), dtype=dtype, rngs=rngs)
-        self.head = MultiDomainHead(self.interformer.out_tokens * m.dim, num_surfaces=f.num_surfaces,
-                                    num_tasks=f.num_tasks, hidden=m.head_mlp,
-                                    towers=_hp(cfg, "head_towers"), dtype=dtype, rngs=rngs)
+            a.tokens, a.dim, num_layers=a.layers, num_heads=a.heads,
+            summary_tokens=a.summary, cls_tokens=a.cls, pma_tokens=a.pma, recent_tokens=a.recent,
+            mlp_hidden=a.wukong_mlp, wukong_layers=a.wukong_layers, fmb_tokens=a.fmb,
+            rank=a.rank, cross_layer_attention=a.cross_layer_attention,
+            num_experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor,
+            seq_attention=a.attention, block=a.block, rope=a.rope, qk_norm=a.qk_norm,
+            ffn_mult=a.ffn_mult, dtype=dtype, rngs=rngs)
+        self.head = MultiDomainHead(self.interformer.out_tokens * a.dim, num_surfaces=a.surfaces,
+                                    num_tasks=a.tasks, hidden=a.head_mlp,
+                                    towers=a.head_towers, dtype=dtype, rngs=rngs)
 
-    def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
-        b = batch.dense.shape[0]
+    def inputs(self, acts: dict[str, jax.Array], dense: jax.Array, sequences: dict):
+        """The ``inputs`` block: -> (x [B, n, D] feature tokens, {seq: (tokens [T, D], jagged)}),
+        a sequence's tokens the sum of its field embeddings."""
+        b = dense.shape[0]
         f = schema_of(self.cfg)
         tokens = [acts[n][:, None, :] for n in f.sparse_names]
-        tokens.append(self.dense_proj(batch.dense).reshape(b, self.dense_tokens, self.dim))
+        tokens.append(self.dense_proj(dense).reshape(b, self.dense_tokens, self.dim))
         x = jnp.concatenate([t.astype(self.dtype) for t in tokens], axis=1)
-        seqs = {s: (sum(acts[f"{s}.{n}"] for n in fields).astype(self.dtype), batch.sequences[s])
+        seqs = {s: (sum(acts[f"{s}.{n}"] for n in fields).astype(self.dtype), sequences[s])
                 for s, fields in f.id_fields.items()}
+        return x, seqs
+
+    def __call__(self, acts: dict[str, jax.Array], batch: Batch, taps: dict | None = None) -> jax.Array:
+        """taps: None, or a dict this call fills with the blocks' inputs: "x" [B, n, D],
+        "seqs" {seq: (tokens, jagged)}, "seq" [T, D] and "jagged" (the pyramid's output),
+        InterFormer.__call__'s taps ("layers", "final"), "summary" [B, F]."""
+        b = batch.dense.shape[0]
+        x, seqs = self.inputs(acts, batch.dense, batch.sequences)
         seq, jag = self.pyramid(seqs)
-        summary, aux = self.interformer(x, seq, jag)
-        logits = self.head(summary.reshape(b, -1), batch.surface)
+        if taps is not None:
+            taps.update(x=x, seqs=seqs, seq=seq, jagged=jag)
+        summary, aux = self.interformer(x, seq, jag, taps=taps)
+        summary = summary.reshape(b, -1)
+        if taps is not None:
+            taps["summary"] = summary
+        logits = self.head(summary, batch.surface)
         if "load_balance_loss" in aux and self.lb_coef:
             logits = attach_aux_loss(logits, aux["load_balance_loss"],
                                      self.lb_coef * aux_loss_scale(logits))

@@ -48,6 +48,7 @@ from gemjax.data.feeding import Feeder
 from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
 from gemjax.train.checkpoint import UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer
+from gemjax.train import layout
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
 from gemjax.train.metrics import EvalAccumulator, flat
@@ -309,8 +310,11 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
 
     stop_after: stop (with a checkpoint) once this many total steps are done;
     used to simulate an interrupted run. mesh / trainer_kw: passed to Trainer.create
-    (e.g. rules, table_replica_axes). profile_steps: (a, b) writes a jax.profiler
-    trace of steps a..b-1 (0-based) to WORKDIR/profile (`tracking.ProfileWindow`).
+    (e.g. rules, table_replica_axes); when both are None, the layout is cfg.parallel's
+    (gemjax.train.layout.build). WORKDIR/config.json records the layout that runs
+    (layout.record), so it rebuilds the same mesh and shardings. profile_steps: (a, b)
+    writes a jax.profiler trace of steps a..b-1 (0-based) to WORKDIR/profile
+    (`tracking.ProfileWindow`).
     Raises WorkdirBusy (another run holds the workdir), ResumeMismatch, Interrupted
     (SIGINT / SIGTERM, after saving), FloatingPointError (non-finite loss or state;
     nothing non-finite saved).
@@ -327,6 +331,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     t = cfg.train
     started, compile_timer = time.perf_counter(), tracking.CompileTimer()
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
+    if mesh is None and trainer_kw is None:        # the layout cfg.parallel describes
+        mesh, trainer_kw = layout.build(cfg)
     trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
     stream = make_source(cfg, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
@@ -356,7 +362,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     counters["checkpoints_damaged"] += damaged
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(with_schema(cfg)), f, indent=1)
+            json.dump(dataclasses.asdict(with_schema(layout.record(cfg, trainer, trainer_kw or {}))), f,
+                      indent=1)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_rows = sum(s.vocab * s.dim for s in trainer.coll.specs.values())
     log(f"[gemjax] config={cfg.name} model={cfg.model.kind} devices={trainer.num_shards} "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gemjax.parallel import topology as T
+from gemjax.perf import topology as T
 from gemjax.parallel.mesh import resolve_mesh_spec
 
 

@@ -1,11 +1,11 @@
 """A toy sharded training job (tanh MLP, data parallel + FSDP, optax SGD) for layout tests.
 
 Used by tests/test_parallel_multiprocess.py: the same function runs in one
-process with 8 devices and in 2 processes x 4 devices and must give the same
-losses and parameters. The lead's real train step replaces it later; the
-pattern (mesh from a flag string, params placed by ``rules.param_shardings``,
-each process feeding its own rows, jit with in/out shardings) is the one to
-copy.
+process with 8 devices and in 2 processes x 4 devices (``launch`` target
+"tests.toy_step:train_toy") and must give the same losses and parameters. It
+exercises gemjax.parallel alone: mesh from a flag string, params placed by
+``rules.param_shardings``, each process feeding its own rows, jit with in/out
+shardings.
 
 Model: ``pred = tanh(x @ w1 + b1) @ w2 + b2``, loss = mean((pred - y)^2);
 x [B, D] float32, y [B] float32, w1 [D, H], b1 [H], w2 [H, 1], b2 [1].

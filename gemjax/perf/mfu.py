@@ -11,7 +11,7 @@ Counting conventions (what "model FLOPs" means in every MFU gemjax reports):
   no recompute is counted (that would be hardware FLOPs, not model FLOPs).
 - measured FLOPs of a compiled program (``compiled_flops``) are XLA's cost
   analysis, which sees nothing inside a Pallas custom call (a probe on the H200:
-  4,650 "FLOPs" for a gdpa call of ~8.4 MFLOPs); gemjax.train.local_mfu adds
+  4,650 "FLOPs" for a gdpa call of ~8.4 MFLOPs); gemjax.perf.local_mfu adds
   the valid-pair attention count of every Pallas-run attention call, for the
   Local-MFU layers and for the E2E step alike.
 

@@ -3,8 +3,10 @@
 XLA's cost analysis of the compiled step is not a stable numerator: on GPU it can
 drop GEMMs depending on autotuning (the same pyramid block read 964 and 226 GFLOP
 fwd+bwd in two compiles on an H200) and sees nothing inside Pallas calls. This
-module counts the teacher's forward from the config and the batch's jagged
-lengths alone, with gemjax.train.mfu's conventions:
+module counts the teacher's forward from its description (the TeacherArch of the
+config, gemjax.models.interformer.teacher_arch: the same shapes and block names the
+model is built from) and the batch's jagged lengths alone, with gemjax.perf.mfu's
+conventions:
 
 - matmuls only, [m, k] x [k, n] = 2 m k n; norms, activations, gates, RoPE,
   residual adds, masks, gathers/scatters (expert dispatch, concat_jagged,
@@ -12,7 +14,7 @@ lengths alone, with gemjax.train.mfu's conventions:
 - jagged attention (the kernels/ calls: block attention, softmax / GDPA cross
   attention, PMA, the personalized FFN, CLS attention and the pyramid's
   per-block pooling) = 4 H D x valid (query, key) pairs, the pairs of
-  local_mfu.attention_calls (so the attention term agrees exactly with what the
+  attention_calls (so the attention term agrees exactly with what the
   Pallas kernels compute). The pyramid pooling is an attention of `pooled`
   learned queries over each block's tokens: it counts as such on every backend
   (on GPU it is a jagged_attention kernel call; elsewhere an einsum);
@@ -60,7 +62,7 @@ of the sequence buffer the block reads; every "proj" is d -> d):
                 rows; shared: one MLP F -> head_mlp -> S K on B S rows), F =
                 (m + c + p + r) d
 
-    PYTHONPATH=. python -m gemjax.train.model_flops --config=h200 \\
+    PYTHONPATH=. python -m gemjax.perf.model_flops --config=h200 \\
         --override=model.kind=teacher,model.num_experts=4,model.top_k=2
 
 prints the per-block forward GFLOP and the step total for one batch of the config's source.
@@ -77,13 +79,9 @@ import numpy as np
 from gemjax.config import Config
 from gemjax.data.features import schema_of
 from gemjax.layers.experts import expert_capacity
-from gemjax.models.interformer import _hp, interaction_tokens, pyramid_levels
-from gemjax.train import local_mfu
-from gemjax.train.mfu import dense_flops, mlp_flops, train_step_flops, wukong_layer_flops
-
-# FFN width multiple of the pyramid's and the InterFormer Sequence Arch's FFNs (the
-# layers' ffn_mult default, which GEMTeacher does not override).
-FFN_MULT = 2
+from gemjax.models.interformer import teacher_arch
+from gemjax.perf.mfu import attention_flops, dense_flops, mlp_flops, train_step_flops, wukong_layer_flops
+from kernels.common import default_impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +94,114 @@ class BlockFlops:
     @property
     def total(self) -> int:
         return self.matmul + self.attention
+
+
+# --------------------------------------------------------------------------- attention calls
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One kernels/ attention call of the teacher's forward, with its jagged lengths.
+
+    op: "gdpa" | "softmax" | "block" (kernels.gdpa / jagged_attention / block_attention);
+    q_lengths, kv_lengths: [N] per-segment lengths of the call's offsets.
+    """
+
+    block: str
+    name: str
+    op: str
+    q_lengths: np.ndarray
+    kv_lengths: np.ndarray
+    heads: int
+    head_dim: int
+    block_size: int | None = None
+
+    @property
+    def forward_flops(self) -> int:
+        """4 H D x valid (query, key) pairs (mfu.attention_flops)."""
+        return attention_flops(self.q_lengths, self.kv_lengths, heads=self.heads,
+                               head_dim=self.head_dim, block=self.block_size)
+
+
+_KERNEL_OPS = {"gdpa": "gdpa", "softmax": "jagged_attention", "block": "block_attention"}
+
+
+def runs_in_pallas(op: str, head_dim: int, backend: str | None = None) -> bool:
+    """Whether kernels/ picks its Pallas kernel for ``op`` (impl=None) on ``backend``
+    (the ops' own rule, kernels.common.default_impl)."""
+    return default_impl(_KERNEL_OPS[op], head_dim, backend) == "pallas"
+
+
+def block_lengths(lengths: np.ndarray, block: int) -> np.ndarray:
+    """[B] sample lengths -> [sum ceil(L / block)] lengths of their `block`-token blocks."""
+    lengths = np.asarray(lengths, np.int64)
+    n = -(-lengths // block)
+    out = np.full(int(n.sum()), block, np.int64)
+    last = np.cumsum(n)[n > 0] - 1
+    out[last] = lengths[n > 0] - (n[n > 0] - 1) * block
+    return out
+
+
+def attention_calls(cfg: Config, seq_lengths: Mapping[str, np.ndarray],
+                    backend: str | None = None) -> list[AttentionCall]:
+    """Every attention call of GEMTeacher's forward on one device's batch, in call order.
+
+    seq_lengths: {sequence name: [B] tokens per sample} (the batch's jagged lengths).
+    backend (default jax.default_backend()): the pyramid's per-block pooling is a
+    kernel call only where jagged_attention runs in Pallas there.
+    """
+    a = teacher_arch(cfg)
+    hd = a.dim // a.heads
+    calls: list[AttentionCall] = []
+
+    def add(block, name, op, q, kv, block_size=None):
+        calls.append(AttentionCall(block, name, op, np.asarray(q, np.int64), np.asarray(kv, np.int64),
+                                   a.heads, hd, block_size))
+
+    top = []
+    for s in a.sequences:
+        lengths = np.asarray(seq_lengths[s], np.int64)
+        for li, (b, pooled, layers) in enumerate(a.levels):
+            for j in range(layers):
+                add("pyramid", f"{s}.level{li}.attn{j}", "block", lengths, lengths, b)
+            if pooled is not None:
+                # per-block pooling (PyramidLevel.pools_in_kernel): a jagged_attention call
+                # (pooled queries per block over its tokens) where that kernel runs in
+                # Pallas on `backend`, else a plain einsum that XLA counts itself
+                if runs_in_pallas("softmax", hd, backend):
+                    kv = block_lengths(lengths, b)
+                    add("pyramid", f"{s}.level{li}.pool", "softmax", np.full(kv.shape, pooled), kv)
+                lengths = -(-lengths // b) * pooled
+        top.append(lengths)
+    merged = np.sum(top, axis=0)
+    b_samples = merged.shape[0]
+
+    def cross(block):
+        if a.pma:
+            add(block, "pma", "gdpa", np.full(b_samples, a.pma), merged)
+
+    for i in range(a.layers):
+        cross(f"interformer{i}.cross")
+        name = f"interformer{i}.sequence"
+        add(name, "pffn", "gdpa", merged, np.full(b_samples, a.summary))
+        add(name, "self_attn", a.attention, merged, merged, a.block if a.attention == "block" else None)
+        if a.cls:
+            add(name, "cls_attn", "softmax", np.full(b_samples, a.cls), merged)
+    cross("final_cross")
+    return calls
+
+
+def shard_seq_lengths(batch, num_shards: int) -> list[dict[str, np.ndarray]]:
+    """Per device shard {sequence: [B_local] lengths} of a host batch of concatenated shards."""
+    out = [dict() for _ in range(num_shards)]
+    for s, jag in batch.sequences.items():
+        off = np.asarray(jag.offsets).reshape(num_shards, -1)
+        for i in range(num_shards):
+            out[i][s] = np.diff(off[i])
+    return out
+
+
+# --------------------------------------------------------------------------- per-block count
 
 
 def _ceil_div(a, b):
@@ -136,96 +242,94 @@ def teacher_block_detail(cfg: Config, seq_lengths: Mapping[str, np.ndarray],
     """{block: BlockFlops} of GEMTeacher's forward on one batch (or one device's shard).
 
     cfg: a config with model.kind == "teacher"; seq_lengths: {sequence: [B] tokens
-    per sample} for every sequence (local_mfu.shard_seq_lengths of a batch);
+    per sample} for every sequence (shard_seq_lengths of a batch);
     capacities: None for model FLOPs (valid tokens), or {sequence: packed capacity
-    T} for the padded program's count (module docstring). Blocks as
-    local_mfu.teacher_blocks, in model order. attention: the kernels/ calls
-    (local_mfu.attention_calls, the pyramid pooling always included); matmul:
+    T} for the padded program's count (module docstring). Blocks: the teacher's
+    TeacherArch.block_names(), in model order. attention: the kernels/ calls
+    (attention_calls, the pyramid pooling always included); matmul:
     everything else, the dense cross-layer attention of Wukong included.
     """
     lens = _check(cfg, seq_lengths, capacities)
-    m = cfg.model
-    d, heads = m.dim, m.seq_heads
-    hp = lambda name: _hp(cfg, name)  # noqa: E731   teacher fields (ModelConfig defaults)
+    a = teacher_arch(cfg)
+    d, heads = a.dim, a.heads
     padded = capacities is not None
     b = int(next(iter(lens.values())).shape[0])
-    matmul: dict[str, int] = {}
+    matmul: dict[str, int] = {k: 0 for k in a.block_names()}
     attn: dict[str, int] = {}
 
     def add(block: str, flops: int) -> None:
-        matmul[block] = matmul.get(block, 0) + int(flops)
+        matmul[block] += int(flops)
 
     # inputs: the dense projection (feature tokens and sequence field sums are lookups / adds)
-    add("inputs", dense_flops(b, schema_of(cfg).num_dense, m.dense_tokens * d))
+    add("inputs", dense_flops(b, a.num_dense, a.dense_tokens * d))
 
     # pyramid: per sequence, per level; lengths / buffer rows carried level to level
-    pools: list[local_mfu.AttentionCall] = []
+    pools: list[AttentionCall] = []
     top_tokens = 0
+    ffn = (d, a.ffn_mult * d, d)
     for s in lens:
         lengths = lens[s]
         cap = int(capacities[s]) if padded else 0
-        for li, (blk, pooled, layers) in enumerate(pyramid_levels(cfg)):
+        for li, (blk, pooled, layers) in enumerate(a.levels):
             t = cap if padded else int(lengths.sum())
-            add("pyramid", layers * (_proj(t, d, 4) + mlp_flops(t, (d, FFN_MULT * d, d))))
+            add("pyramid", layers * (_proj(t, d, 4) + mlp_flops(t, ffn)))
             if pooled is None:
                 continue
             # blocks: valid ones (sum ceil(L / block)) or the static bound ceil(T / block) + B
             nb = _ceil_div(cap, blk) + b if padded else int(_ceil_div(lengths, blk).sum())
             add("pyramid", _proj(t, d, 2) + _proj(nb * pooled, d, 2))     # k, v; tiled q, out
-            kv = local_mfu.block_lengths(lengths, blk)
-            pools.append(local_mfu.AttentionCall("pyramid", f"{s}.level{li}.pool", "softmax",
-                                                 np.full(kv.shape, pooled), kv, heads, d // heads))
+            kv = block_lengths(lengths, blk)
+            pools.append(AttentionCall("pyramid", f"{s}.level{li}.pool", "softmax",
+                                       np.full(kv.shape, pooled), kv, heads, d // heads))
             lengths = _ceil_div(lengths, blk) * pooled
             cap = nb * pooled
         top_tokens += cap if padded else int(lengths.sum())
 
     # InterFormer: t = the merged sequence buffer every layer reads
     t = top_tokens
-    n_in, n, fmb = interaction_tokens(cfg)
-    c, p, r, msum = hp("cls_tokens"), hp("pma_tokens"), hp("recent_tokens"), hp("summary_tokens")
+    n_in, n, msum = a.tokens_in, a.tokens, a.summary
 
     def cross(block: str) -> None:
-        add(block, mlp_flops(b, (n * d, *m.wukong_mlp, msum * d)) + _proj(b * msum, d))
-        if p:
-            add(block, _proj(b * p, d, 2) + _proj(t, d, 2))
-        add(block, _proj(b * (c + p + r), d))
+        add(block, mlp_flops(b, (n * d, *a.wukong_mlp, msum * d)) + _proj(b * msum, d))
+        if a.pma:
+            add(block, _proj(b * a.pma, d, 2) + _proj(t, d, 2))
+        add(block, _proj(b * a.seq_summary, d))
 
-    experts, top_k = hp("num_experts"), hp("top_k")
-    if experts:          # Wukong rows: samples x experts run (or every dispatch slot, padded)
-        rows = experts * expert_capacity(b, experts, top_k, hp("capacity_factor")) if padded else top_k * b
+    if a.experts:        # Wukong rows: samples x experts run (or every dispatch slot, padded)
+        rows = (a.experts * expert_capacity(b, a.experts, a.top_k, a.capacity_factor) if padded
+                else a.top_k * b)
     else:
         rows = b
-    for i in range(hp("interformer_layers")):
+    for i in range(a.layers):
         cross(f"interformer{i}.cross")
         block = f"interformer{i}.interaction"
-        if experts:
-            add(block, dense_flops(b, n_in * d, experts))                 # router
+        if a.experts:
+            add(block, dense_flops(b, n_in * d, a.experts))               # router
         tokens = n_in
-        for j in range(m.wukong_layers):
-            if j and hp("cross_layer_attention"):
+        for j in range(a.wukong_layers):
+            if j and a.cross_layer_attention:
                 mem = n_in + j * n            # X_0, then the outputs of layers 0 .. j-1
                 add(block, _proj(rows * tokens, d, 2) + _proj(rows * mem, d, 2)
                     + 4 * rows * tokens * mem * d)                        # dense: every pair valid
-            add(block, wukong_layer_flops(rows, tokens, d, fmb_tokens=fmb, lcb_tokens=n - fmb,
-                                          rank=m.fm_rank, mlp_hidden=m.wukong_mlp))
+            add(block, wukong_layer_flops(rows, tokens, d, fmb_tokens=a.fmb, lcb_tokens=a.lcb,
+                                          rank=a.rank, mlp_hidden=a.wukong_mlp))
             tokens = n
         block = f"interformer{i}.sequence"
         add(block, _proj(t, d, 2) + _proj(b * msum, d, 2))                # personalized FFN
-        add(block, _proj(t, d, 4) + mlp_flops(t, (d, FFN_MULT * d, d)))   # self-attention, FFN
-        if c:
-            add(block, _proj(b * c, d, 2) + _proj(t, d, 2))               # CLS attention
+        add(block, _proj(t, d, 4) + mlp_flops(t, ffn))                    # self-attention, FFN
+        if a.cls:
+            add(block, _proj(b * a.cls, d, 2) + _proj(t, d, 2))           # CLS attention
     cross("final_cross")
 
-    feats = (msum + c + p + r) * d
-    s_, k_ = schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks
-    if hp("head_towers") == "per_surface":
-        add("head", s_ * mlp_flops(b, (feats, *m.head_mlp, k_)))
+    feats = a.out_tokens * d
+    if a.head_towers == "per_surface":
+        add("head", a.surfaces * mlp_flops(b, (feats, *a.head_mlp, a.tasks)))
     else:
-        add("head", mlp_flops(b * s_, (feats, *m.head_mlp, s_ * k_)))
+        add("head", mlp_flops(b * a.surfaces, (feats, *a.head_mlp, a.surfaces * a.tasks)))
 
     # attention: the kernels' valid pairs; backend "cpu" lists every call but the pooling,
     # which is added above on every backend
-    for call in local_mfu.attention_calls(cfg, lens, backend="cpu") + pools:
+    for call in attention_calls(cfg, lens, backend="cpu") + pools:
         attn[call.block] = attn.get(call.block, 0) + call.forward_flops
     return {k: BlockFlops(v, attn.get(k, 0)) for k, v in matmul.items()}
 
@@ -234,7 +338,7 @@ def teacher_block_flops(cfg: Config, seq_lengths: Mapping[str, np.ndarray],
                         capacities: Mapping[str, int] | None = None) -> dict[str, int]:
     """{block: forward FLOPs} of the teacher on one batch / shard (teacher_block_detail's totals).
 
-    Block names and order as local_mfu.teacher_blocks: inputs, pyramid,
+    Block names and order as TeacherArch.block_names(): inputs, pyramid,
     interformer{i}.cross / .interaction / .sequence, final_cross, head.
     """
     return {k: v.total for k, v in teacher_block_detail(cfg, seq_lengths, capacities).items()}
@@ -255,7 +359,7 @@ def batch_block_detail(cfg: Config, batch, num_shards: int = 1) -> dict[str, dic
     """
     out: dict[str, dict[str, BlockFlops]] = {"model": {}, "padded": {}}
     caps = {s: batch.sequences[s].capacity // num_shards for s in schema_of(cfg).sequence_names}
-    for lens in local_mfu.shard_seq_lengths(batch, num_shards):
+    for lens in shard_seq_lengths(batch, num_shards):
         for kind, cap in (("model", None), ("padded", caps)):
             for k, v in teacher_block_detail(cfg, lens, cap).items():
                 o = out[kind].get(k, BlockFlops(0, 0))
@@ -266,7 +370,7 @@ def batch_block_detail(cfg: Config, batch, num_shards: int = 1) -> dict[str, dic
 def batch_step_flops(cfg: Config, batch, num_shards: int = 1) -> int:
     """Model FLOPs of one train step on a host batch of num_shards device shards (all
     devices together): the MFU numerator, sum over shards of teacher_step_flops."""
-    return sum(teacher_step_flops(cfg, lens) for lens in local_mfu.shard_seq_lengths(batch, num_shards))
+    return sum(teacher_step_flops(cfg, lens) for lens in shard_seq_lengths(batch, num_shards))
 
 
 def format_report(flops: dict[str, dict[str, BlockFlops]], samples: int) -> str:

@@ -64,7 +64,7 @@ class Workload:
     param_bytes: bytes per gathered param (2 bf16, 1 fp8); grad_bytes: per reduced gradient.
     local_batch: samples per GPU; lookups_per_sample: embedding rows per sample;
     emb_dim, emb_bytes, id_bytes: sparse payloads; expert_tokens_per_sample, d_model,
-    act_bytes: the EP token exchange; forward_flops_per_sample: analytic (gemjax.train.mfu).
+    act_bytes: the EP token exchange; forward_flops_per_sample: analytic (gemjax.perf.mfu).
     """
 
     dense_params: float
@@ -97,12 +97,11 @@ def workload_for(cfg, *, dense_params: float, expert_params: float, local_batch:
     """
     from gemjax.data.features import schema_of
     from gemjax.layers.experts import expert_capacity
-    from gemjax.models.interformer import interaction_tokens
-    m = cfg.model
-    n_in, n_out, _ = interaction_tokens(cfg)
-    slots = (m.num_experts * expert_capacity(local_batch, m.num_experts, m.top_k, m.capacity_factor)
-             / local_batch) if m.num_experts and expert_params else 0
-    ep_tokens = m.interformer_layers * slots * (n_in + n_out) / 2
+    from gemjax.models.interformer import teacher_arch
+    m, a = cfg.model, teacher_arch(cfg)
+    slots = (a.experts * expert_capacity(local_batch, a.experts, a.top_k, a.capacity_factor)
+             / local_batch) if a.experts and expert_params else 0
+    ep_tokens = a.layers * slots * (a.tokens_in + a.tokens) / 2
     schema = schema_of(cfg)
     fields = [len(s.fields) for s in schema.sequences]
     lookups = len(schema.sparse) + (sum(fields) / len(fields) if fields else 0) * seq_tokens_per_sample
