@@ -16,8 +16,9 @@ from gemjax.data.feeding import Feeder
 from gemjax.data.synthetic import SyntheticStream
 from gemjax.sparse import EmbeddingCollection, TableSpec
 from gemjax.sparse.optimizers import RowWiseAdagrad
-from gemjax.train.checkpoint import Checkpointer
-from gemjax.train.loop import restore_train_state, save_train_state, table_layouts, train
+from gemjax.train.checkpoint import (Checkpointer, restore_train_state, save_train_state,
+                                     table_layouts)
+from gemjax.train.loop import train
 from gemjax.train.step import Trainer
 
 CFG = apply_overrides(get_config("tiny"), "train.steps=5,train.log_every=1,train.eval_every=100,"

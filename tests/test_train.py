@@ -161,7 +161,7 @@ def test_batch_not_divisible_by_devices_is_an_error():
 
 def test_restore_refuses_a_permuted_table_layout():
     """Mod-split tables change row order with the shard count: the loop must refuse."""
-    from gemjax.train.loop import check_table_layouts
+    from gemjax.train.checkpoint import check_table_layouts
     base = dict(vocab=10, padded_vocab=16, num_model=8, num_fs=1, rows_per_shard=2, split="mod",
                 fixed_shard=-1, base=0)
     four = dict(base, num_model=4, rows_per_shard=4)

@@ -5,7 +5,7 @@ the next batch's needs are queued (before this step, so the host stays ahead).""
 import logging
 import types
 
-from gemjax.train.step import PlannedStep
+from gemjax.train.planned import PlannedStep
 
 
 class FakeColl:

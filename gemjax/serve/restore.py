@@ -5,7 +5,7 @@
     run.trainer, run.step, run.state, run.meta
 
 The state is restored onto `mesh` (default: every device on one "batch" axis)
-whatever mesh it was saved from (`gemjax.train.loop.restore_train_state`).
+whatever mesh it was saved from (`gemjax.train.checkpoint.restore_train_state`).
 A missing workdir, config or checkpoint, or a step with no checkpoint, is a
 FileNotFoundError naming the path (and the steps there are).
 """
@@ -69,8 +69,7 @@ def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dic
     overrides: applied to the run's config (see read_config); they must keep the
     model's parameter shapes, or the restore fails naming the leaves that differ.
     """
-    from gemjax.train.checkpoint import Checkpointer      # jax, orbax: imported on use
-    from gemjax.train.loop import restore_train_state
+    from gemjax.train.checkpoint import Checkpointer, restore_train_state   # jax, orbax: imported on use
     from gemjax.train.step import Trainer
 
     cfg = read_config(workdir, overrides)

@@ -180,6 +180,14 @@ def local_rows(lay: Layout, plan: TablePlan) -> int:
     return lay.padded_vocab if plan.kind == "replicated" else lay.rows_per_shard
 
 
+def table_axes(plan: TablePlan) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(model axes: ids exchanged over them, fs axes: an fs2d shard gathered over them,
+    sync axes: replicas kept in sync over them ("2d" and "replicated" tables))."""
+    fs = plan.replica_axes if plan.kind == "fs2d" else ()
+    sync = plan.replica_axes if plan.kind in ("2d", "replicated") else ()
+    return plan.model_axes, fs, sync
+
+
 def bytes_per_device(spec: TableSpec, plan: TablePlan, mesh) -> int:
     """Table + optimizer-state bytes held by each device under the plan (table_wise: its owner)."""
     if plan.kind == "table_wise":

@@ -72,7 +72,7 @@ the index to the host and waits for the device to get there, so the host cannot
 queue the next step while this one runs (2 H200s, h200 teacher: 20-30 ms of idle
 device per step; 83 ms on fsdp=2). `bucket_needs` counts, without collectives,
 what the switches need; computed from the batch before the step
-(EmbeddingCollection.branch_needs / branch_plan, gemjax.train.step.PlannedStep),
+(EmbeddingCollection.branch_needs / branch_plan, gemjax.train.planned.PlannedStep),
 the branch is a trace-time constant and the switch disappears (same results;
 on those GPUs fsdp=2 takes 171 ms per step against 232 with the host conditional,
 replica=2 159 against 164).

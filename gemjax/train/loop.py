@@ -8,7 +8,7 @@ WORKDIR/summary.json at the end (eval figures, timing, devices, mesh, versions,
 git revision: `tracking.timing`, `tracking.run_facts`), and Orbax checkpoints under
 WORKDIR/checkpoints. Rerunning with the same workdir resumes from the newest
 checkpoint, on any mesh shape and table plan (tables are saved in logical row
-order: `save_train_state` / `restore_train_state`); the data stream is a pure
+order: `checkpoint.save_train_state` / `restore_train_state`); the data stream is a pure
 function of the step (and of the shard count), so a resumed run on the same mesh
 equals an uninterrupted one.
 
@@ -47,7 +47,8 @@ from gemjax.config import Config, validate
 from gemjax.data.feeding import Feeder
 from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
-from gemjax.train.checkpoint import UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer
+from gemjax.train.checkpoint import (UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer,
+                                     restore_train_state, save_train_state, state_step)
 from gemjax.train import layout
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
@@ -81,110 +82,6 @@ def _window_ne(ms: list[dict]) -> float:
     ent = -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate))
     per_task = (loss / np.maximum(w, 1e-12)) / ent
     return float(np.sum(per_task * w) / max(np.sum(w), 1e-12))
-
-
-def table_layouts(coll) -> dict[str, dict]:
-    """How each table's rows are stored (JSON), saved with every checkpoint."""
-    return {name: dataclasses.asdict(lay) for name, lay in coll.layouts.items()}
-
-
-def _storage_order(lay: dict):
-    """What fixes the row order of a table's storage array: a "range" split stores rows
-    in logical order on any number of shards; "mod" and table-wise ones depend on them."""
-    if lay["split"] == "range" and lay["fixed_shard"] < 0:
-        return (lay["padded_vocab"],)
-    return tuple(sorted(lay.items()))
-
-
-def check_table_layouts(saved: dict, current: dict) -> None:
-    """Refuse a restore of storage-order tables (checkpoints older than TABLE_ORDER)
-    that would silently permute embedding rows."""
-    bad = [n for n in current if n in saved and _storage_order(saved[n]) != _storage_order(current[n])]
-    if bad:
-        raise CheckpointMismatch(
-            f"checkpoint tables {bad} were stored for another row layout (saved "
-            f"{[saved[n] for n in bad]}, this mesh {[current[n] for n in bad]}): restore on a "
-            f"mesh with the same table sharding, or use 'range' row splits, whose storage order "
-            f"does not depend on the number of shards")
-
-
-# Checkpoints store every table in logical row order (meta["table_order"]), so they
-# restore onto any mesh shape and any plan; older ones hold the storage order.
-TABLE_ORDER = "logical"
-
-
-def save_train_state(ckpt: Checkpointer, coll, step: int, state: dict, meta: dict) -> bool:
-    """Start saving `state` as `step` (False if skipped), tables in logical row order.
-
-    coll: the EmbeddingCollection of state["tables"] (trainer.coll).
-    The tables go in as {table: {name: [L, ...]}} (`EmbeddingCollection.logical_arrays`:
-    sharded, one jitted all_to_all per mod-split array, no host copy of a whole table);
-    meta gets "table_order" and "table_layouts". `state` is left intact (donatable
-    once this returns, like Checkpointer.save).
-    """
-    tables = coll.logical_arrays(state["tables"])
-    meta = {**meta, "table_order": TABLE_ORDER, "table_layouts": table_layouts(coll)}
-    return ckpt.save(step, {**state, "tables": tables}, meta)
-
-
-def restore_train_state(ckpt: Checkpointer, coll, target: dict,
-                        step: int | None = None) -> tuple[int, dict, dict]:
-    """(step, state, meta) from `ckpt` onto coll's mesh and table plan, whatever the
-    mesh and plan it was saved from (logical-order tables; their leading dim is padded
-    or truncated to this mesh's `logical_rows`, then permuted into storage order).
-
-    coll: the EmbeddingCollection of the tables (trainer.coll).
-    target: a train state (e.g. trainer.init_state(seed)); its "tables" arrays are
-    deleted to make room. Checkpoints written before TABLE_ORDER (storage order)
-    restore when their table layouts equal this mesh's, else ValueError.
-    Peak device memory per device for a mod-split table: its logical shard as restored
-    + about 4 shards of permutation temporaries (3.8 measured on XLA:CPU; the storage
-    output reuses the donated logical buffer); tables already in logical order ("range",
-    replicated, one shard) are used as restored, no copy. The host holds only what
-    orbax reads for this process's shards; no whole table is built in numpy.
-    A table whose saved vocabulary differs from coll's, or a state whose own step
-    counter (state["step"]) differs from the checkpoint's step, is refused
-    (CheckpointMismatch); damaged files: CheckpointDamaged.
-    """
-    step, meta = ckpt.metadata(step)
-    saved = meta.get("table_layouts", {})
-    vocab = [f"{n}: checkpoint {saved[n]['vocab']}, this model {lay.vocab}"
-             for n, lay in coll.layouts.items() if n in saved and saved[n]["vocab"] != lay.vocab]
-    if vocab:
-        raise CheckpointMismatch(f"checkpoint step {step} in {ckpt.directory} holds tables of "
-                                 f"another vocabulary ({'; '.join(vocab)})")
-    if meta.get("table_order") != TABLE_ORDER:
-        layouts = table_layouts(coll)
-        check_table_layouts(meta.get("table_layouts", layouts), layouts)
-        return _check_label(ckpt, *ckpt.restore(target, step))
-    for leaf in jax.tree.leaves(target["tables"]):
-        if isinstance(leaf, jax.Array):
-            leaf.delete()
-    step, state, meta = ckpt.restore({**target, "tables": coll.logical_targets()}, step,
-                                     resizable=("tables",))
-    return _check_label(ckpt, step, {**state, "tables": coll.from_logical_arrays(state["tables"])},
-                        meta)
-
-
-def state_step(state: dict) -> int | None:
-    """The train state's own step counter (state["step"], int32 [] replicated) on the
-    host; None if the state has none. Raises if its buffer was donated (mid-step)."""
-    x = state.get("step")
-    if x is None:
-        return None
-    if isinstance(x, jax.Array):
-        x = x.addressable_data(0)
-    return int(np.asarray(x))
-
-
-def _check_label(ckpt: Checkpointer, step: int, state: dict, meta: dict):
-    held = state_step(state)
-    if held is not None and held != step:
-        raise CheckpointMismatch(
-            f"checkpoint step {step} in {ckpt.directory} holds a train state at step {held} "
-            f"(state['step']): resuming from it would repeat or skip batches; move "
-            f"{os.path.join(ckpt.directory, str(step))} away to resume from an older checkpoint")
-    return step, state, meta
 
 
 def _nonfinite_leaves(mesh) -> Callable[[dict], list[str]]:
@@ -312,9 +209,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     used to simulate an interrupted run. mesh / trainer_kw: passed to Trainer.create
     (e.g. rules, table_replica_axes); when both are None, the layout is cfg.parallel's
     (gemjax.train.layout.build). WORKDIR/config.json records the layout that runs
-    (layout.record), so it rebuilds the same mesh and shardings. profile_steps: (a, b)
-    writes a jax.profiler trace of steps a..b-1 (0-based) to WORKDIR/profile
-    (`tracking.ProfileWindow`).
+    (layout.record), so it rebuilds the same mesh and shardings. profile_steps: (a, b) writes a jax.profiler
+    trace of steps a..b-1 (0-based) to WORKDIR/profile (`tracking.ProfileWindow`).
     Raises WorkdirBusy (another run holds the workdir), ResumeMismatch, Interrupted
     (SIGINT / SIGTERM, after saving), FloatingPointError (non-finite loss or state;
     nothing non-finite saved).
@@ -338,7 +234,84 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
                     id_fields=trainer.id_fields, workers=cfg.data.host_workers)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
-    state = trainer.init_state(t.seed)
+    start, state, last_eval, counters = _start(ckpt, trainer, trainer_kw or {}, stream, cfg, workdir,
+                                               lead, log)
+    _announce(cfg, workdir, trainer, state, lead, log)
+
+    evaluator = Evaluator(trainer, cfg)
+    train_step = trainer.make_train_step()
+    meter = Throughput(window=5)   # in log intervals
+    meter.update(0, 0)             # opens the clock; compile time lands in the first interval
+    end = t.steps if stop_after is None else min(t.steps, stop_after)
+    window = _Window(counters)
+    runlog = tracking.RunLog(workdir, start_step=start, tensorboard=t.tensorboard, enabled=lead,
+                             log=log)
+    profile = tracking.ProfileWindow(profile_steps, os.path.join(workdir, "profile"), start, end,
+                                     log=log, enabled=lead, paused=meter.paused)
+    save = _Saver(ckpt, trainer, cfg)
+
+    finished = False
+    try:
+        if stop.agreed(True):
+            raise Interrupted(stop.signum, None, f"stopped by {stop.name()} before the first "
+                              f"step: nothing new to save (checkpoint step {start or 'none'})")
+        for (step, batch, infos, tokens), nxt in _with_next(feeder.batches(start, end)):
+            state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
+            window.add(m, tokens, infos)
+            done = step + 1
+            pause_for_test("step", done, stop, log)
+            at_log = done % t.log_every == 0 or done == end
+            stopping = stop.agreed(at_log)   # a stop logs the open window and saves this step
+            if at_log or stopping:
+                window.log_point(done, cfg, meter, last_eval, ckpt, runlog.append, log)
+            if done % t.eval_every == 0 or done == end:
+                pause_for_test("eval", done, stop, log)
+                last_eval = _eval_point(evaluator, state, done, meter, runlog.append, log)
+            saved = done % t.checkpoint_every == 0 or done == end or stopping
+            if saved:
+                with meter.paused():
+                    save(state)
+                pause_for_test("save", done, stop, log)
+            profile.step_done(done, state)
+            if not stopping and not window.pending and stop.agreed(True):   # a signal during log/eval/save
+                stopping = True
+                if not saved:
+                    save(state)
+            if stopping:
+                ckpt.wait()
+                raise Interrupted(stop.signum, done, f"stopped by {stop.name()} after step {done}: "
+                                  f"checkpoint step {done} saved in {ckpt.directory}; rerun the "
+                                  f"same command to resume")
+        finished = True
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:        # a second signal: stop at once
+        _save_at_once(save, state, ckpt, log)
+        raise
+    finally:
+        _close(ckpt, log, raise_errors=finished)   # waits for in-flight saves on every exit path
+    if end < t.steps:
+        return {"steps": end, "stopped_early": True}
+    summary = _summary(cfg, trainer, evaluator, state, last_eval, window.counters, meter,
+                       started, compile_timer, lead, runlog)
+    runlog.close()
+    if lead:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+# The eval figures a train row and the summary repeat from the newest eval.
+_HEADLINE = ("ne", "auc", "calibration")
+
+
+def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: Config, workdir: str,
+           lead: bool,
+           log: Callable[[str], None]) -> tuple[int, dict, dict, dict]:
+    """(start step, state, last eval figures, fallback counters): the initial state, or
+    the newest intact checkpoint with metrics.jsonl cut back to its step and the counters
+    and eval figures logged up to it. Writes WORKDIR/config.json with the layout that runs (layout.record)."""
+    state = trainer.init_state(cfg.train.seed)
     start, last_eval = 0, {}
     counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
                 "ids_overflow": 0, "checkpoints_damaged": 0,   # fallbacks, counted over the whole run
@@ -353,7 +326,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
             _rewrite_jsonl(metrics_path, kept)
         evals = [r for r in kept if r["kind"] == "eval"]
         if evals:
-            last_eval = {k: evals[-1][k] for k in ("ne", "auc", "calibration")}
+            last_eval = {k: evals[-1][k] for k in _HEADLINE}
         trains = [r for r in kept if r["kind"] == "train"]
         if trains:
             counters = {k: trains[-1].get(k, 0) for k in counters}
@@ -362,129 +335,124 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     counters["checkpoints_damaged"] += damaged
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(with_schema(layout.record(cfg, trainer, trainer_kw or {}))), f,
+            json.dump(dataclasses.asdict(with_schema(layout.record(cfg, trainer, trainer_kw))), f,
                       indent=1)
+    return start, state, last_eval, counters
+
+
+def _announce(cfg: Config, workdir: str, trainer: Trainer, state: dict, lead: bool,
+              log: Callable[[str], None]) -> None:
+    """The run's opening line: config, model, devices, parameter counts, steps, batch."""
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_rows = sum(s.vocab * s.dim for s in trainer.coll.specs.values())
     log(f"[gemjax] config={cfg.name} model={cfg.model.kind} devices={trainer.num_shards} "
-        f"dense params={n_params:,} embedding params={n_rows:,} steps={t.steps} "
+        f"dense params={n_params:,} embedding params={n_rows:,} steps={cfg.train.steps} "
         f"batch={cfg.data.batch_size}")
 
-    evaluator = Evaluator(trainer, cfg)
-    train_step = trainer.make_train_step()
-    meter = Throughput(window=5)   # in log intervals
-    meter.update(0, 0)             # opens the clock; compile time lands in the first interval
-    window_tokens = 0
-    end = t.steps if stop_after is None else min(t.steps, stop_after)
-    pending: list[dict] = []
 
-    runlog = tracking.RunLog(workdir, start_step=start, tensorboard=t.tensorboard, enabled=lead,
-                             log=log)
-    write = runlog.append
-    profile = tracking.ProfileWindow(profile_steps, os.path.join(workdir, "profile"), start, end,
-                                     log=log, enabled=lead, paused=meter.paused)
+class _Window:
+    """The steps since the last log point: their metrics (device arrays until the log
+    point reads them), tokens, and the run's fallback counters."""
 
-    nonfinite = _nonfinite_leaves(trainer.mesh)
+    def __init__(self, counters: dict):
+        self.counters, self.pending, self.tokens = counters, [], 0
 
-    def save() -> int:
-        """Save `state` labelled with its own step counter (returned)."""
+    def add(self, metrics: dict, tokens: int, infos) -> None:
+        self.pending.append(metrics)
+        self.tokens += tokens
+        for i in infos:
+            for k, v in fallback_counters(i).items():
+                if k in self.counters:
+                    self.counters[k] += v
+
+    def log_point(self, done: int, cfg: Config, meter: Throughput, last_eval: dict,
+                  ckpt: Checkpointer, write: Callable[[dict], None],
+                  log: Callable[[str], None]) -> None:
+        """Read the window to the host (the only host sync: once per log interval), write
+        its metrics.jsonl row and progress line, and open the next window.
+        FloatingPointError on a non-finite loss or grad norm."""
+        ms = jax.device_get(self.pending)
+        meter.update(len(ms) * cfg.data.batch_size, self.tokens)
+        self.pending, self.tokens = [], 0
+        loss = float(np.mean([x["loss"] for x in ms]))
+        grad_norm = float(np.max([x["grad_norm"] for x in ms]))
+        if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+            raise FloatingPointError(
+                f"loss is {loss} (largest grad norm {grad_norm}) at step {done}: stopped, "
+                f"nothing of it saved; the checkpoints kept ({ckpt.all_steps()}) hold "
+                f"finite states")
+        for c in ("ids_out_of_range", "ids_overflow"):
+            self.counters[c] += int(sum(x[c] for x in ms))
+        row = {"step": done, "kind": "train", "loss": loss, "ne": _window_ne(ms),
+               "grad_norm": float(ms[-1]["grad_norm"]),
+               "samples_per_sec": meter.samples_per_sec,
+               "tokens_per_sec": meter.tokens_per_sec, **self.counters}
+        if last_eval:
+            row["auc"] = last_eval.get("auc")
+        write(row)
+        steps = cfg.train.steps
+        log(progress_line(done, steps, loss, row["ne"], meter.samples_per_sec,
+                          meter.eta((steps - done) / max(len(ms), 1)),
+                          tokens_per_sec=meter.tokens_per_sec))
+
+
+def _eval_point(evaluator: "Evaluator", state: dict, done: int, meter: Throughput,
+                write: Callable[[dict], None], log: Callable[[str], None]) -> dict:
+    """Evaluate `state` (off the throughput clock), write its metrics.jsonl row and eval
+    line; returns the _HEADLINE figures."""
+    with meter.paused():
+        res = evaluator(state)
+    write({"step": done, "kind": "eval", "loss": res["log_loss"], **flat(res),
+           "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec})
+    bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.4f})"
+    log(f"[eval] step {done}: NE {res['ne']:.4f}{bayes} "
+        f"AUC {res['auc']:.4f} calibration {res['calibration']:.3f}")
+    return {k: res[k] for k in _HEADLINE}
+
+
+class _Saver:
+    """save(state) -> step: start saving a finite `state` labelled with its own step
+    counter; FloatingPointError (nothing saved) if it holds a NaN or inf."""
+
+    def __init__(self, ckpt: Checkpointer, trainer: Trainer, cfg: Config):
+        self.ckpt, self.coll, self.cfg = ckpt, trainer.coll, cfg
+        self.nonfinite = _nonfinite_leaves(trainer.mesh)
+
+    def __call__(self, state: dict) -> int:
         held = state_step(state)
-        bad = nonfinite(state)
+        bad = self.nonfinite(state)
         if bad:
             raise FloatingPointError(
                 f"train state at step {held} holds NaN or inf in {len(bad)} arrays ({bad[:3]}): "
-                f"not saved; the checkpoints kept ({ckpt.all_steps()}) hold finite states")
-        save_train_state(ckpt, trainer.coll, held, state,
+                f"not saved; the checkpoints kept ({self.ckpt.all_steps()}) hold finite states")
+        cfg = self.cfg
+        save_train_state(self.ckpt, self.coll, held, state,
                          {"data_step": held, "config": cfg.name, "run": run_fields(cfg),
                           "features": schema_of(cfg).to_dict()})
         return held
 
-    step, finished = start, False
+
+def _save_at_once(save: _Saver, state: dict, ckpt: Checkpointer,
+                  log: Callable[[str], None]) -> None:
+    """On a second signal: save `state` and wait, unless the step it was in had donated
+    it already (then the newest checkpoint stands)."""
     try:
-        if stop.agreed(True):
-            raise Interrupted(stop.signum, None, f"stopped by {stop.name()} before the first "
-                              f"step: nothing new to save (checkpoint step {start or 'none'})")
-        for (step, batch, infos, tokens), nxt in _with_next(feeder.batches(start, end)):
-            state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
-            pending.append(m)
-            window_tokens += tokens
-            for i in infos:
-                for k, v in fallback_counters(i).items():
-                    if k in counters:
-                        counters[k] += v
-            done = step + 1
-            pause_for_test("step", done, stop, log)
-            at_log = done % t.log_every == 0 or done == end
-            stopping = stop.agreed(at_log)   # a stop logs the open window and saves this step
-            if at_log or stopping:
-                ms = jax.device_get(pending)   # the only host sync: once per log interval
-                meter.update(len(ms) * cfg.data.batch_size, window_tokens)
-                pending, window_tokens = [], 0
-                loss = float(np.mean([x["loss"] for x in ms]))
-                grad_norm = float(np.max([x["grad_norm"] for x in ms]))
-                if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-                    raise FloatingPointError(
-                        f"loss is {loss} (largest grad norm {grad_norm}) at step {done}: stopped, "
-                        f"nothing of it saved; the checkpoints kept ({ckpt.all_steps()}) hold "
-                        f"finite states")
-                for c in ("ids_out_of_range", "ids_overflow"):
-                    counters[c] += int(sum(x[c] for x in ms))
-                row = {"step": done, "kind": "train", "loss": loss, "ne": _window_ne(ms),
-                       "grad_norm": float(ms[-1]["grad_norm"]),
-                       "samples_per_sec": meter.samples_per_sec,
-                       "tokens_per_sec": meter.tokens_per_sec, **counters}
-                if last_eval:
-                    row["auc"] = last_eval.get("auc")
-                write(row)
-                log(progress_line(done, t.steps, loss, row["ne"], meter.samples_per_sec,
-                                  meter.eta((t.steps - done) / max(len(ms), 1)),
-                                  tokens_per_sec=meter.tokens_per_sec))
-            if done % t.eval_every == 0 or done == end:
-                pause_for_test("eval", done, stop, log)
-                with meter.paused():
-                    res = evaluator(state)
-                last_eval = {"ne": res["ne"], "auc": res["auc"], "calibration": res["calibration"]}
-                write({"step": done, "kind": "eval", "loss": res["log_loss"], **flat(res),
-                       "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec})
-                bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.4f})"
-                log(f"[eval] step {done}: NE {res['ne']:.4f}{bayes} "
-                    f"AUC {res['auc']:.4f} calibration {res['calibration']:.3f}")
-            saved = done % t.checkpoint_every == 0 or done == end or stopping
-            if saved:
-                with meter.paused():
-                    save()
-                pause_for_test("save", done, stop, log)
-            step = done
-            profile.step_done(done, state)
-            if not stopping and not pending and stop.agreed(True):   # a signal during log/eval/save
-                stopping = True
-                if not saved:
-                    save()
-            if stopping:
-                ckpt.wait()
-                raise Interrupted(stop.signum, done, f"stopped by {stop.name()} after step {done}: "
-                                  f"checkpoint step {done} saved in {ckpt.directory}; rerun the "
-                                  f"same command to resume")
-        finished = True
-    except Interrupted:
-        raise
-    except KeyboardInterrupt:        # a second signal: stop at once
-        try:
-            held = save()
-            ckpt.wait()
-            log(f"[gemjax] interrupted: saved step {held}")
-        except Exception as e:  # interrupted inside the step: its donated input is gone
-            log(f"[gemjax] interrupted mid-step, nothing new saved ({e.__class__.__name__}); "
-                f"newest checkpoint: step {ckpt.latest_step()}")
-        raise
-    finally:
-        _close(ckpt, log, raise_errors=finished)   # waits for in-flight saves on every exit path
-    if end < t.steps:
-        return {"steps": end, "stopped_early": True}
+        held = save(state)
+        ckpt.wait()
+        log(f"[gemjax] interrupted: saved step {held}")
+    except Exception as e:  # interrupted inside the step: its donated input is gone
+        log(f"[gemjax] interrupted mid-step, nothing new saved ({e.__class__.__name__}); "
+            f"newest checkpoint: step {ckpt.latest_step()}")
+
+
+def _summary(cfg: Config, trainer: Trainer, evaluator: "Evaluator", state: dict, last_eval: dict,
+             counters: dict, meter: Throughput, started: float,
+             compile_timer: tracking.CompileTimer, lead: bool, runlog: tracking.RunLog) -> dict:
+    """summary.json of a finished run (evaluating `state` if no eval ran since the start;
+    `started`: the run's time.perf_counter() at its start)."""
     res = evaluator(state) if not last_eval else None
-    final = last_eval if res is None else {"ne": res["ne"], "auc": res["auc"],
-                                           "calibration": res["calibration"]}
-    summary = {"config": cfg.name, "model": cfg.model.kind, "steps": t.steps,
+    final = last_eval if res is None else {k: res[k] for k in _HEADLINE}
+    summary = {"config": cfg.name, "model": cfg.model.kind, "steps": cfg.train.steps,
                "eval_ne": final["ne"], "eval_auc": final["auc"],
                "eval_calibration": final["calibration"], "bayes_ne": evaluator.bayes["ne"],
                "bayes_auc": evaluator.bayes["auc"],
@@ -492,8 +460,4 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                                  compile_timer.stop()), **counters}
     summary.update(tracking.run_facts(trainer.mesh) if lead else {},
                    tensorboard_dir=runlog.tensorboard_dir)
-    runlog.close()
-    if lead:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
     return summary

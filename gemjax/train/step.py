@@ -1,22 +1,26 @@
-"""The jit-compiled train and eval steps, on any mesh from gemjax.parallel.mesh.build_mesh.
+"""Where a batch becomes a loss and gradients: `loss_fn` and `train_step` (and `eval_step`),
+top-level functions of (StepContext, state, batch); the `Trainer` builds the context and
+jits them, on any mesh from gemjax.parallel.mesh.build_mesh.
 
 Train state (a plain pytree, checkpointed whole):
     {"step": int32 [], "params": nested dict of float32 arrays (the NNX params),
      "opt_state": optax state, "tables": {table: {"weights": [V, D], "accum": [V]}}}
 
-One step:  ids -> sparse lookup (tables never enter jax.grad) -> dense model ->
-loss; value_and_grad w.r.t. (dense params, looked-up activations); optax on the
-dense params, the fused row-wise optimizer on the touched table rows only.
+One step (`train_step`):  ids -> sparse lookup (tables never enter jax.grad) -> dense
+model -> loss (`loss_fn`; the per-task loss itself: `masked_bce_sums`);
+value_and_grad w.r.t. (dense params, looked-up activations); optax on the dense
+params, the fused row-wise optimizer on the touched table rows only. The sparse
+branch plan of each batch is fixed ahead of the step by gemjax.train.planned.
 
-Layout (DESIGN 3.3), for a mesh such as replica=2,fsdp=2,expert=2:
+Layout, for a mesh such as replica=2,fsdp=2,expert=2:
   batch    sharded over ALL mesh axes: each device holds its own packed jagged
-           shard (DESIGN 3.1); the model forward is a `jax.shard_map` over them.
+           shard; the model forward is a `jax.shard_map` over them.
   params   + optax state placed by `rules.param_shardings` (logical names on every
            parameter; FSDP within "fsdp", replicated across "replica"). Inside the
            shard_map each parameter is all-gathered over its sharded axes, so the
            backward pass reduce-scatters its gradient back to the shard (and
            sums over the replica axes); params and optimizer state stay sharded.
-  experts  expert parallelism (DESIGN 2: "2D FSDP + EP"): when the rules shard the
+  experts  expert parallelism ("2D FSDP + EP"): when the rules shard the
            experts' stacked dim over mesh axes of size ep > 1 (default: "expert",
            if it divides E), expert params are NOT gathered over those axes: each
            device keeps its [E/ep, ...] shard (still gathered over fsdp) and the
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -56,6 +60,7 @@ from gemjax.layers.experts import sharded_batch
 from gemjax.models.gem import build_model, sequence_id_fields, table_specs
 from gemjax.parallel import rules as rules_lib
 from gemjax.sparse import EmbeddingCollection, routing
+from gemjax.train.planned import PlannedStep, planned_jit
 
 BATCH_AXIS = "batch"
 # The Pallas kernels' outputs carry no varying-manual-axes type, which check_vma=True
@@ -124,9 +129,99 @@ def expert_parallel_axes(mesh: Mesh, p_specs: Any, is_expert: Any) -> tuple[str,
     return axes
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepContext:
+    """What the step functions read besides the state and the batch (`Trainer.context`).
+
+    p_specs: PartitionSpecs like state["params"]; local_dims: like it, the dims each
+    param keeps as its local shard inside the shard_map ((0,) for experts under EP);
+    ep_axes: the expert-parallel mesh axes, or None.
+    """
+
+    graphdef: Any
+    mesh: Mesh
+    tx: optax.GradientTransformation
+    coll: EmbeddingCollection
+    id_fields: dict[str, tuple[str, ...]]
+    p_specs: Any
+    local_dims: Any
+    ep_axes: tuple[str, ...] | None
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(self.mesh.axis_names)
+
+
+def local_forward(ctx: StepContext, params, acts, batch: Batch):
+    """Per device, inside shard_map: (loss_sum, weight_sum, positive_sum) [K] each, summed
+    over the mesh, and this shard's logits [B_local, K]."""
+    full = jax.tree.map(gather_param, params, ctx.p_specs, ctx.local_dims)
+    ep = expert_parallel_context(ctx.ep_axes) if ctx.ep_axes else contextlib.nullcontext()
+    with ep, sharded_batch(ctx.batch_axes):    # router aux over the global batch
+        logits = nnx.merge(ctx.graphdef, full)(acts, batch)
+    sums = masked_bce_sums(logits, batch)      # the task loss: per-task sums over the shard
+    return jax.tree.map(lambda s: jax.lax.psum(s, ctx.batch_axes), sums), logits
+
+
+def loss_fn(ctx: StepContext, params, acts, batch: Batch):
+    """(loss [], (loss_sum [K], weight_sum [K], positive_sum [K], logits [B, K])).
+
+    params: like state["params"] (sharded); acts: the looked-up activations
+    (`EmbeddingCollection.lookup`); the loss is the weighted mean log loss over the
+    global batch and every task.
+    """
+    axes = ctx.batch_axes
+    fwd = jax.shard_map(functools.partial(local_forward, ctx), mesh=ctx.mesh,
+                        in_specs=(ctx.p_specs, P(axes), P(axes)), out_specs=(P(), P(axes)),
+                        check_vma=CHECK_VMA)
+    (loss_sum, w_sum, pos_sum), logits = fwd(params, acts, batch)
+    loss = jnp.sum(loss_sum) / jnp.maximum(jnp.sum(w_sum), 1.0)
+    return loss, (loss_sum, w_sum, pos_sum, logits)
+
+
+def train_step(ctx: StepContext, state: dict, batch: Batch) -> tuple[dict, dict]:
+    """One optimizer step: (new state, metrics).
+
+    metrics: "loss" [], "loss_sum" / "weight_sum" / "positive_sum" [K], "grad_norm" []
+    (dense params) and the sparse lookup's counters ("ids_out_of_range", "ids_overflow").
+    """
+    acts, residuals = ctx.coll.lookup(state["tables"], id_features(batch, ctx.id_fields))
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, ctx), argnums=(0, 1), has_aux=True)
+    (loss, (loss_sum, w_sum, pos_sum, _)), (g_params, g_acts) = grad_fn(
+        state["params"], acts, batch)
+    updates, opt_state = ctx.tx.update(g_params, state["opt_state"], state["params"])
+    new_state = {"step": state["step"] + 1,
+                 "params": optax.apply_updates(state["params"], updates),
+                 "opt_state": opt_state,
+                 "tables": ctx.coll.apply_gradients(state["tables"], residuals, g_acts)}
+    metrics = {"loss": loss, "loss_sum": loss_sum, "weight_sum": w_sum,
+               "positive_sum": pos_sum, "grad_norm": optax.global_norm(g_params),
+               **residuals["stats"]}
+    return new_state, metrics
+
+
+def eval_step(ctx: StepContext, state: dict, batch: Batch) -> jax.Array:
+    """Sigmoid probabilities [B, K] of the batch (no update)."""
+    acts, _ = ctx.coll.lookup(state["tables"], id_features(batch, ctx.id_fields))
+    _, (_, _, _, logits) = loss_fn(ctx, state["params"], acts, batch)
+    return jax.nn.sigmoid(logits)
+
+
+def process_rows(out: jax.Array) -> np.ndarray:
+    """The rows of `out` (sharded over its first dim) held by this process's devices, in
+    shard order, as numpy (each shard once, however often it is replicated)."""
+    shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
+    seen, rows = set(), []
+    for s in shards:
+        if (s.index[0].start or 0) not in seen:
+            seen.add(s.index[0].start or 0)
+            rows.append(np.asarray(s.data))
+    return np.concatenate(rows)
+
+
 @dataclasses.dataclass
 class Trainer:
-    """Everything the steps close over: config, model graph, optimizers, mesh, shardings."""
+    """Builds and jits the steps: config, model graph, optimizers, mesh, shardings."""
 
     cfg: Config
     mesh: Mesh
@@ -207,172 +302,40 @@ class Trainer:
         return {"step": step, "params": params, "opt_state": opt_state,
                 "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
 
-    # ------------------------------------------------------------ forward
-    def _sharded_forward(self) -> Callable:
-        """(params, acts, batch) -> (loss, (loss_sum, weight_sum, positive_sum, logits))."""
-        graphdef, axes = self.graphdef, self.batch_axes
+    def context(self) -> StepContext:
+        """The StepContext of this trainer (expert parallelism per `expert_parallel`)."""
         p_specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
-        is_expert = expert_param_mask(graphdef, jax.tree.map(lambda _: 0.0, p_specs,
-                                                             is_leaf=lambda s: isinstance(s, P)))
+        is_expert = expert_param_mask(self.graphdef, jax.tree.map(
+            lambda _: 0.0, p_specs, is_leaf=lambda s: isinstance(s, P)))
         ep_axes = (expert_parallel_axes(self.mesh, p_specs, is_expert)
                    if self.expert_parallel else None)
         local_dims = jax.tree.map(lambda e: (0,) if e and ep_axes else (), is_expert)
+        return StepContext(self.graphdef, self.mesh, self.tx, self.coll, self.id_fields,
+                           p_specs, local_dims, ep_axes)
 
-        def local(params, acts, batch):
-            full = jax.tree.map(gather_param, params, p_specs, local_dims)
-            ctx = expert_parallel_context(ep_axes) if ep_axes else contextlib.nullcontext()
-            with ctx, sharded_batch(axes):    # router aux over the global batch
-                logits = nnx.merge(graphdef, full)(acts, batch)
-            sums = masked_bce_sums(logits, batch)
-            return jax.tree.map(lambda s: jax.lax.psum(s, axes), sums), logits
+    def make_train_step(self) -> PlannedStep:
+        """`train_step` as (state, batch[, next_batch]) -> (state, metrics), jitted; state
+        donated, outputs placed like the input. See `PlannedStep` for next_batch."""
+        shardings = (self.state_shardings(), NamedSharding(self.mesh, P()))
+        return self._planned(functools.partial(train_step, self.context()), "train step",
+                             donate_argnums=(0,), out_shardings=shardings)
 
-        fwd = jax.shard_map(local, mesh=self.mesh, in_specs=(p_specs, P(axes), P(axes)),
-                            out_specs=(P(), P(axes)), check_vma=CHECK_VMA)
-
-        def loss_fn(params, acts, batch):
-            (loss_sum, w_sum, pos_sum), logits = fwd(params, acts, batch)
-            loss = jnp.sum(loss_sum) / jnp.maximum(jnp.sum(w_sum), 1.0)
-            return loss, (loss_sum, w_sum, pos_sum, logits)
-
-        return loss_fn
-
-    def make_train_step(self) -> "PlannedStep":
-        """(state, batch[, next_batch]) -> (state, metrics), jitted; state donated, outputs
-        placed like the input. See `PlannedStep` for next_batch."""
-        loss_fn = self._sharded_forward()
-        coll, tx, id_fields = self.coll, self.tx, self.id_fields
-
-        def step(state, batch: Batch):
-            acts, residuals = coll.lookup(state["tables"], id_features(batch, id_fields))
-            (loss, (loss_sum, w_sum, pos_sum, _)), (g_params, g_acts) = jax.value_and_grad(
-                loss_fn, argnums=(0, 1), has_aux=True)(state["params"], acts, batch)
-            updates, opt_state = tx.update(g_params, state["opt_state"], state["params"])
-            new_state = {"step": state["step"] + 1,
-                         "params": optax.apply_updates(state["params"], updates),
-                         "opt_state": opt_state,
-                         "tables": coll.apply_gradients(state["tables"], residuals, g_acts)}
-            metrics = {"loss": loss, "loss_sum": loss_sum, "weight_sum": w_sum,
-                       "positive_sum": pos_sum, "grad_norm": optax.global_norm(g_params),
-                       **residuals["stats"]}
-            return new_state, metrics
-
-        replicated = NamedSharding(self.mesh, P())
-        shardings = (self.state_shardings(), replicated)
-
-        return self._planned(step, "train step", donate_argnums=(0,), out_shardings=shardings)
-
-    def _planned(self, step: Callable, name: str, **jit_kw) -> "PlannedStep":
+    def _planned(self, step: Callable, name: str, **jit_kw) -> PlannedStep:
         """PlannedStep `name` of `step` (state, batch) -> ..., traced with each sparse branch
         plan fixed and jitted with jit_kw."""
-        coll = self.coll
-
-        def build(plan: tuple) -> Callable:
-            def fixed(state, batch):
-                with coll.fixed_branches(plan):
-                    return step(state, batch)
-            return jax.jit(fixed, **jit_kw)
-
-        return PlannedStep(coll, self.id_fields, build, fixed=self.cfg.train.sparse_fixed_branches,
-                           name=name)
+        return planned_jit(self.coll, self.id_fields, step, name,
+                           fixed=self.cfg.train.sparse_fixed_branches, **jit_kw)
 
     def make_eval_step(self) -> Callable:
-        """(state, batch) -> sigmoid probabilities [rows of this process's shards, K] (numpy).
+        """`eval_step` as (state, batch) -> sigmoid probabilities [rows of this process's
+        shards, K] (numpy).
 
         On one process that is the whole batch; with several, each process gets
-        the rows of its own devices' shards, in the order it fed them. The sparse
-        branches are fixed per batch as in training (a PlannedStep: no host-synced
-        conditional in the program).
+        the rows of its own devices' shards, in the order it fed them (`process_rows`).
+        The sparse branches are fixed per batch as in training (a PlannedStep: no
+        host-synced conditional in the program).
         """
-        loss_fn = self._sharded_forward()
-        coll, id_fields = self.coll, self.id_fields
-
-        def step(state, batch: Batch):
-            acts, _ = coll.lookup(state["tables"], id_features(batch, id_fields))
-            _, (_, _, _, logits) = loss_fn(state["params"], acts, batch)
-            return jax.nn.sigmoid(logits)
-
-        planned = self._planned(step, "eval step")
+        planned = self._planned(functools.partial(eval_step, self.context()), "eval step")
         if jax.process_count() == 1:
             return planned
-
-        def local_rows(state, batch):
-            out = planned(state, batch)
-            shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
-            seen, rows = set(), []
-            for s in shards:
-                if (s.index[0].start or 0) not in seen:
-                    seen.add(s.index[0].start or 0)
-                    rows.append(np.asarray(s.data))
-            return np.concatenate(rows)
-
-        return local_rows
-
-
-class PlannedStep:
-    """A jitted step (the train step, the eval step), one program per sparse branch plan.
-
-    Tables whose bucketed exchange or replica sync hold collectives inside a
-    lax.switch (EmbeddingCollection.has_switches: train.sparse_exchange_buckets on
-    model-parallel tables, train.sparse_sync_buckets on replicated ones) would make
-    XLA:GPU stop the host at that conditional until the device reaches it, so the
-    host could not queue the next step while this one runs (2 H200s: 20-30 ms of
-    idle device per step). Instead the step is traced with the branches fixed
-    (`coll.fixed_branches`), from the batch's `branch_plan`: a small jitted count
-    of unique ids per table. Call with next_batch= and that count for the next
-    batch is queued before this step and read after it is queued, so the host
-    stays one step ahead. A plan at least as large as the batch needs in every
-    table that is compiled already is reused (same results, fewer compiles);
-    `plans` lists the compiled ones. Without switched tables, or with fixed=False
-    (train.sparse_fixed_branches: the switches stay in the step): one program.
-    """
-
-    def __init__(self, coll: EmbeddingCollection, id_fields, build: Callable[[tuple], Callable],
-                 fixed: bool = True, name: str = "step"):
-        self.coll, self.id_fields, self._build, self.name = coll, id_fields, build, name
-        self._fns: dict[tuple, Callable] = {}
-        self._ahead: tuple[Any, tuple] | None = None     # (next batch, its plan)
-        self._switched = fixed and coll.has_switches()
-
-    @property
-    def plans(self) -> list[tuple]:
-        return list(self._fns)
-
-    def _fn(self, plan: tuple) -> Callable:
-        if plan not in self._fns:
-            if self._fns:   # a batch needing larger buckets than any compiled plan: say why it stalls
-                logging.warning("gemjax: compiling the %s for sparse branch plan %d %s "
-                                "(table, exchange index, sync index)", self.name,
-                                len(self._fns) + 1, plan)
-            self._fns[plan] = self._build(plan)
-        return self._fns[plan]
-
-    def _needs(self, batch: Batch):
-        return self.coll.branch_needs(id_features(batch, self.id_fields))
-
-    def plan(self, batch: Batch, needs: Any = None) -> tuple:
-        """The branch plan the step runs `batch` with (reads `needs` to the host)."""
-        if not self._switched:
-            return ()
-        feats = id_features(batch, self.id_fields)
-        if needs is None:
-            needs = self.coll.branch_needs(feats)
-        want = self.coll.branch_plan(feats, jax.device_get(needs))
-        covers = [p for p in self._fns if len(p) == len(want) and all(
-            a[0] == b[0] and a[1] >= b[1] and a[2] >= b[2] for a, b in zip(p, want))]
-        return min(covers, key=lambda p: sum(x + y for _, x, y in p)) if covers else want
-
-    def __call__(self, state, batch: Batch, next_batch: Batch | None = None):
-        if not self._switched:
-            return self._fn(())(state, batch)
-        if self._ahead is not None and self._ahead[0] is batch:
-            plan = self._ahead[1]
-        else:
-            plan = self.plan(batch)
-        needs = self._needs(next_batch) if next_batch is not None else None  # queued first
-        out = self._fn(plan)(state, batch)
-        self._ahead = None if next_batch is None else (next_batch, self.plan(next_batch, needs))
-        return out
-
-    def lower(self, state, batch: Batch):
-        """The jitted program `batch` runs with, lowered (e.g. .compile().memory_analysis())."""
-        return self._fn(self.plan(batch)).lower(state, batch)
+        return lambda state, batch: process_rows(planned(state, batch))
