@@ -7,9 +7,12 @@ process builds the shards of its addressable devices only, checks them, and
 assembles the global arrays. ``Feeder.batches`` builds every (step, shard) in a
 pool of ``workers`` threads (numpy releases the GIL in its bulk work), starts each
 shard's host-to-device copy in that thread (``device_put`` to the shard's own
-device: no host-side concatenation, the transfer overlaps the next shards'
-generation), and assembles the global arrays from the per-device pieces
-(``make_array_from_single_device_arrays``).
+device: no host-side concatenation of shards, the transfer overlaps the next
+shards' generation), and assembles the global arrays from the per-device pieces.
+By default a shard travels as ONE byte buffer (gemjax.data.packing: one transfer
+instead of one per leaf) that one jitted function unpacks on the mesh into the
+arrays a per-leaf copy gives (``make_array_from_single_device_arrays`` per leaf);
+``pack=False``, or GEMJAX_FEED_PACK=0 in the environment, copies leaf by leaf.
 
 ``regroup`` feeds a mesh of n devices from a stream cut into K shards (K a
 multiple of n): device i gets source shards [i K/n, (i+1) K/n) packed into one
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -27,8 +31,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from gemjax.data import packing
 from gemjax.data.batch import Batch, id_features
 from gemjax.data.jagged import Jagged, layout_from_lengths
+
+ENV_PACK = "GEMJAX_FEED_PACK"
+
+
+def pack_default() -> bool:
+    """Feeder's `pack` default: $GEMJAX_FEED_PACK ("1" or unset: packed, "0": per leaf)."""
+    v = os.environ.get(ENV_PACK, "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"${ENV_PACK}={v!r}: expected 1 (one packed copy per shard) or 0 "
+                         f"(one copy per leaf)")
+    return v == "1"
 
 
 def validate_batch(batch: Batch, check_ids: Callable[[dict], None] | None = None,
@@ -128,11 +144,14 @@ class Feeder:
     safe: `workers` threads (data.host_workers in the trainer) build, validate
     and device_put (step, shard) pieces, up to max(prefetch, workers) steps
     ahead of the consumer; every piece of a step must have the same shapes.
+    pack: copy each shard as one byte buffer (gemjax.data.packing) rather than leaf by
+    leaf; None: pack_default() ($GEMJAX_FEED_PACK). Both give the same arrays.
     """
 
     def __init__(self, make_shard: Callable[[int, int, int], tuple[Batch, Any]], mesh: Mesh,
                  axis: str | tuple[str, ...] | None = None, check_ids: Callable | None = None,
-                 id_fields: dict | None = None, prefetch: int = 2, workers: int = 1):
+                 id_fields: dict | None = None, prefetch: int = 2, workers: int = 1,
+                 pack: bool | None = None):
         axes = tuple(mesh.axis_names) if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
         if sorted(axes) != sorted(mesh.axis_names):
             raise ValueError(f"Feeder: batch axes {axes} must name every mesh axis {mesh.axis_names} "
@@ -151,6 +170,7 @@ class Feeder:
                              f"contiguous block; build the mesh with gemjax.parallel.mesh.build_mesh")
         self.local_devices = [devs[i] for i in self.local_shards]
         self.prefetch, self.workers = max(prefetch, workers), max(workers, 1)
+        self.pack = pack_default() if pack is None else bool(pack)
 
     def _checked_shard(self, step: int, shard: int):
         """(Batch of numpy arrays, info, real tokens) for one shard, validated."""
@@ -177,21 +197,45 @@ class Feeder:
     def _device_shard(self, step: int, shard: int, device):
         """One shard built, validated and sent to its device (the copy runs asynchronously).
 
-        Returns (Batch of single-device arrays, info, real tokens)."""
+        Returns (piece, info, real tokens); piece: a Batch of single-device arrays, or
+        with `pack` (uint8 [1, nbytes] single-device array, its packing.Layout)."""
         b, info, tokens = self._checked_shard(step, shard)
+        if self.pack:
+            row, layout = packing.pack(b)
+            return (jax.device_put(row, device), layout), info, tokens
         return jax.device_put(b, device), info, tokens
+
+    def _check_shapes(self, shapes: list[list[tuple]], paths: Callable[[], list[str]],
+                      step: int | None) -> None:
+        """ValueError naming the first shard and leaf whose shape differs from the first shard's."""
+        for s, sh in zip(self.local_shards[1:], shapes[1:]):
+            if sh != shapes[0]:
+                i = next(i for i, (a, b) in enumerate(zip(shapes[0], sh)) if a != b)
+                raise ValueError(f"step {step}: shard {s} leaf {paths()[i]} has shape {sh[i]}, shard "
+                                 f"{self.local_shards[0]} has {shapes[0][i]}; every shard of a step must "
+                                 f"have the same shapes (same local batch size and capacity)")
+
+    def assemble_packed(self, parts: list[tuple[jax.Array, packing.Layout]],
+                        step: int | None = None) -> Batch:
+        """This process's packed shards (in local_shards order, each (uint8 [1, nbytes] on
+        its device, Layout)) -> global arrays, equal to assemble() of the unpacked shards."""
+        layouts = [lay for _, lay in parts]
+        first = layouts[0]
+        if any(lay != first for lay in layouts[1:]):
+            def paths():
+                tree = jax.tree.unflatten(first.treedef, [0] * len(first.leaves))
+                return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree)]
+            self._check_shapes([[(sh, dt) for sh, dt, _ in lay.leaves] for lay in layouts], paths, step)
+        rows = jax.make_array_from_single_device_arrays(
+            (self.num_shards, first.nbytes), self.sharding, [r for r, _ in parts])
+        return packing.unpacker(self.mesh, self.axis, first)(rows)
 
     def assemble(self, parts: list[Batch], step: int | None = None) -> Batch:
         """This process's per-device shards (in local_shards order, each on its device)
         -> global arrays; every shard must have the same leaf shapes."""
         shapes = [[np.shape(x) for x in jax.tree.leaves(p)] for p in parts]
-        for s, sh in zip(self.local_shards[1:], shapes[1:]):
-            if sh != shapes[0]:
-                paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(parts[0])]
-                i = next(i for i, (a, b) in enumerate(zip(shapes[0], sh)) if a != b)
-                raise ValueError(f"step {step}: shard {s} leaf {paths[i]} has shape {sh[i]}, shard "
-                                 f"{self.local_shards[0]} has {shapes[0][i]}; every shard of a step must "
-                                 f"have the same shapes (same local batch size and capacity)")
+        self._check_shapes(shapes, lambda: [jax.tree_util.keystr(k) for k, _ in
+                                            jax.tree_util.tree_leaves_with_path(parts[0])], step)
 
         def glob(*xs):
             shape = (xs[0].shape[0] * self.num_shards,) + xs[0].shape[1:]
@@ -216,7 +260,8 @@ class Feeder:
                                   for s, d in zip(self.local_shards, self.local_devices)])
                     nxt += 1
                 parts = [f.result() for f in ahead.popleft()]
-                batch = self.assemble([p[0] for p in parts], step)
+                batch = (self.assemble_packed if self.pack else self.assemble)(
+                    [p[0] for p in parts], step)
                 yield step, batch, [p[1] for p in parts], sum(p[2] for p in parts)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
