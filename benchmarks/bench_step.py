@@ -28,6 +28,8 @@ flags.DEFINE_string("out", "", "JSON output path")
 
 def main(argv):
     del argv
+    from gemjax.train import runtime
+    runtime.enable_gpu_graphs()     # before any device use, as experiments/train.py
     import jax
     import numpy as np
 

@@ -27,6 +27,9 @@ preset; --case_override=h200:model.kind=teacher,model.num_experts=4,model.top_k=
 for the README's teacher). --case_override=CASE:OVERRIDES (repeatable) applies on top
 of a case's preset.
 
+On GPU the run uses CUDA graphs unless GEMJAX_GPU_GRAPHS=0, and packed shard copies unless
+GEMJAX_FEED_PACK=0 (gemjax.train.runtime, gemjax.data.feeding); both are printed with the table.
+
 Per-case errors are recorded and the next case runs. Writes everything to --out (JSON);
 the table is printed last.
 """
@@ -242,6 +245,8 @@ def main(argv):
     import jax
     if f.cpu_devices:
         jax.config.update("jax_num_cpu_devices", f.cpu_devices)
+    from gemjax.train import runtime
+    runtime.enable_gpu_graphs()     # before any device use, as experiments/train.py
     workdir = f.workdir or tempfile.mkdtemp(prefix="gemjax-train-feed-")
     os.makedirs(workdir, exist_ok=True)
     if not jax.config.jax_compilation_cache_dir:     # the step alone reuses train()'s compile
@@ -254,8 +259,10 @@ def main(argv):
         if not os.path.exists(os.path.join(data_dir, "counts.json")):
             print(f"writing the MovieLens-shaped dataset to {data_dir}", flush=True)
             movielens_shaped.write(data_dir)
+    from gemjax.data.feeding import pack_default
     facts = {"devices": [str(d) for d in jax.devices()], "device_kind": jax.devices()[0].device_kind,
-             "host_cores": os.cpu_count(), "warmup": f.warmup, "steps": f.steps,
+             "host_cores": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+             "feed_pack": pack_default(), "warmup": f.warmup, "steps": f.steps,
              "log_every": f.log_every, "iters": f.iters, "batches": f.batches}
     rows = []
     t0 = time.perf_counter()
@@ -275,6 +282,7 @@ def main(argv):
     print(f"\ntrain loop vs step alone, {len(jax.devices())} x {facts['device_kind']}, "
           f"{os.cpu_count()} host cores; {time.perf_counter() - t0:.0f} s"
           + (f"; {f.out}" if f.out else ""))
+    print(f"feed packed: {facts['feed_pack']}; XLA_FLAGS: {facts['xla_flags'] or '(none)'}")
     print(table(rows))
 
 

@@ -159,6 +159,11 @@ def main(argv):
         multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)
     except ValueError as e:
         raise app.UsageError(str(e))
+    from gemjax.train import runtime
+    try:   # CUDA graphs on GPU, before the backend starts (GEMJAX_GPU_GRAPHS=0: off)
+        runtime.enable_gpu_graphs()
+    except ValueError as e:
+        raise app.UsageError(str(e))
     import jax
     print(f"[gemjax] {multihost.describe()}", flush=True)   # every process: the job's layout
 

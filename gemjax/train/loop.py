@@ -49,7 +49,7 @@ from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
 from gemjax.train.checkpoint import (UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer,
                                      restore_train_state, save_train_state, state_step)
-from gemjax.train import layout
+from gemjax.train import layout, runtime
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
 from gemjax.train.metrics import EvalAccumulator, flat
@@ -216,6 +216,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     nothing non-finite saved).
     """
     validate(cfg)
+    runtime.enable_gpu_graphs(log)   # CUDA graphs on GPU if no device was used yet (runtime)
     os.makedirs(workdir, exist_ok=True)
     with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop:
         return _train(cfg, workdir, log, mesh, stop_after, trainer_kw, stop, profile_steps)

@@ -1,0 +1,106 @@
+"""Process-wide XLA runtime defaults, set before the JAX backend starts.
+
+CUDA graphs on GPU: a small train step is launch-bound (the host launches thousands
+of small kernels per step), and XLA:GPU's command buffers replay them as CUDA
+graphs. ``enable_gpu_graphs`` adds GRAPH_FLAGS to $XLA_FLAGS when the run is on GPU;
+a key the user's $XLA_FLAGS already sets is left as the user set it. XLA reads
+$XLA_FLAGS once, when the backend initialises (the first device use; importing jax
+is not one), so call it before any device use: experiments/train.py and the
+benchmarks call it right after parsing their flags, gemjax.train.loop.train at its
+entry (where it only acts if no device was used yet). GEMJAX_GPU_GRAPHS=0 turns it
+off (an environment variable, not a Config field: the flags hold for the whole
+process and must be set before a config reaches any code that starts the backend).
+
+On GPU means: jax_platforms ($JAX_PLATFORMS) names cuda or gpu, or, when it is not
+set, a CUDA PJRT plugin is installed. On CPU it does nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
+from typing import Callable
+
+ENV_GRAPHS = "GEMJAX_GPU_GRAPHS"
+
+# command buffers for every kind of thunk that supports them, and a graph even for a
+# single kernel (the default minimum of 5 leaves many small steps' kernels ungraphed)
+GRAPH_FLAGS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES,WHILE,"
+                                     "CONDITIONAL,DYNAMIC_SLICE_FUSION",
+    "xla_gpu_graph_min_graph_size": "1",
+}
+
+_done = False
+
+
+def flag_keys(xla_flags: str) -> set[str]:
+    """The keys an XLA_FLAGS string sets ("--a=1 --b" -> {"a", "b"})."""
+    return {tok.lstrip("-").split("=", 1)[0] for tok in xla_flags.split() if tok.startswith("--")}
+
+
+def missing_graph_flags(xla_flags: str) -> list[str]:
+    """The GRAPH_FLAGS ("--key=value") whose key xla_flags does not set."""
+    have = flag_keys(xla_flags)
+    return [f"--{k}={v}" for k, v in GRAPH_FLAGS.items() if k not in have]
+
+
+def with_graph_flags(xla_flags: str) -> str:
+    """xla_flags plus each GRAPH_FLAGS key it does not set already."""
+    return " ".join([xla_flags.strip()] * bool(xla_flags.strip()) + missing_graph_flags(xla_flags))
+
+
+def graphs_enabled() -> bool:
+    """$GEMJAX_GPU_GRAPHS: "1" or unset: on, "0": off."""
+    v = os.environ.get(ENV_GRAPHS, "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"${ENV_GRAPHS}={v!r}: expected 1 (CUDA graphs on GPU) or 0 (XLA's defaults)")
+    return v == "1"
+
+
+def _cuda_plugin_installed() -> bool:
+    names = []
+    if importlib.util.find_spec("jax_plugins") is not None:
+        import jax_plugins
+        names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    names += [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
+    return any("cuda" in n for n in names)
+
+
+def on_gpu() -> bool:
+    """Whether this process's JAX backend is (or will be) a GPU, without starting it
+    when it has not started."""
+    import jax
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        return jax.default_backend() == "gpu"
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return any(p.strip() in ("cuda", "gpu") for p in platforms.split(","))
+    return _cuda_plugin_installed()
+
+
+def enable_gpu_graphs(log: Callable[[str], None] = print) -> str:
+    """Add GRAPH_FLAGS to $XLA_FLAGS on GPU (once per process); returns what it added ("" when
+    nothing: off, not on GPU, the user set every key, or the backend already started, which
+    is logged since the flags could no longer take effect)."""
+    global _done
+    if _done or not graphs_enabled():
+        return ""
+    _done = True
+    if not on_gpu():
+        return ""
+    old = os.environ.get("XLA_FLAGS", "")
+    added = " ".join(missing_graph_flags(old))
+    if not added:
+        return ""
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        log(f"[gemjax] CUDA graphs not enabled: the JAX backend started before "
+            f"gemjax.train.runtime.enable_gpu_graphs ran (set {added} in XLA_FLAGS yourself)")
+        return ""
+    os.environ["XLA_FLAGS"] = with_graph_flags(old)
+    log(f"[gemjax] CUDA graphs on GPU: XLA_FLAGS += {added} ({ENV_GRAPHS}=0 turns this off)")
+    return added
