@@ -8,7 +8,7 @@ assembles the global arrays. ``Feeder.batches`` builds every (step, shard) in a
 pool of ``workers`` threads (numpy releases the GIL in its bulk work), starts each
 shard's host-to-device copy in that thread (``device_put`` to the shard's own
 device: no host-side concatenation of shards, the transfer overlaps the next
-shards' generation), and assembles the global arrays from the per-device pieces.
+shards' generation), and assembles the global arrays from the per-device pieces there too.
 By default a shard travels as ONE byte buffer (gemjax.data.packing: one transfer
 instead of one per leaf) that one jitted function unpacks on the mesh into the
 arrays a per-leaf copy gives (``make_array_from_single_device_arrays`` per leaf);
@@ -243,12 +243,22 @@ class Feeder:
 
         return jax.tree.map(glob, *parts)
 
+    def _assembled_step(self, step: int, shards: list):
+        """(global Batch, infos, tokens) of one step from its shard futures (run in a
+        feeder thread: the consumer's thread only takes the result)."""
+        parts = [f.result() for f in shards]
+        batch = (self.assemble_packed if self.pack else self.assemble)([p[0] for p in parts], step)
+        return batch, [p[1] for p in parts], sum(p[2] for p in parts)
+
     def batches(self, start: int, stop_step: int):
         """Yields (step, device Batch, infos, tokens) for step in [start, stop_step), in order.
 
         `workers` threads build the (step, shard) pieces up to `prefetch` steps
-        ahead, each validated and copied to its device in the thread that built it.
-        The result equals to_device(host_batch(step)[0]).
+        ahead, each validated and copied to its device in the thread that built it,
+        and assemble each step's global arrays; the consumer's thread does no per-step
+        work here beyond taking the assembled step. The pool runs tasks in submission
+        order, so a step's assembly, submitted after its shards, never waits on a
+        shard that has not started. The result equals to_device(host_batch(step)[0]).
         """
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gemjax-feed")
         ahead: collections.deque = collections.deque()
@@ -256,12 +266,11 @@ class Feeder:
         try:
             for step in range(start, stop_step):
                 while nxt < stop_step and len(ahead) < max(self.prefetch, 1):
-                    ahead.append([pool.submit(self._device_shard, nxt, s, d)
-                                  for s, d in zip(self.local_shards, self.local_devices)])
+                    shards = [pool.submit(self._device_shard, nxt, s, d)
+                              for s, d in zip(self.local_shards, self.local_devices)]
+                    ahead.append(pool.submit(self._assembled_step, nxt, shards))
                     nxt += 1
-                parts = [f.result() for f in ahead.popleft()]
-                batch = (self.assemble_packed if self.pack else self.assemble)(
-                    [p[0] for p in parts], step)
-                yield step, batch, [p[1] for p in parts], sum(p[2] for p in parts)
+                batch, infos, tokens = ahead.popleft().result()
+                yield step, batch, infos, tokens
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
