@@ -8,11 +8,13 @@ assembles the global arrays. ``Feeder.batches`` builds every (step, shard) in a
 pool of ``workers`` threads (numpy releases the GIL in its bulk work), starts each
 shard's host-to-device copy in that thread (``device_put`` to the shard's own
 device: no host-side concatenation of shards, the transfer overlaps the next
-shards' generation), and assembles the global arrays from the per-device pieces there too.
-By default a shard travels as ONE byte buffer (gemjax.data.packing: one transfer
-instead of one per leaf) that one jitted function unpacks on the mesh into the
-arrays a per-leaf copy gives (``make_array_from_single_device_arrays`` per leaf);
-``pack=False``, or GEMJAX_FEED_PACK=0 in the environment, copies leaf by leaf.
+shards' generation), and assembles each step's global arrays in a pool thread too,
+so the consumer's thread (the train loop's, which launches the step) only takes
+them. By default a shard travels as ONE byte buffer (gemjax.data.packing: one
+transfer instead of one per leaf) that one jitted function unpacks on the mesh
+into the arrays a per-leaf copy gives (``make_array_from_single_device_arrays``
+per leaf); ``pack=False``, or GEMJAX_FEED_PACK=0 in the environment, copies leaf
+by leaf.
 
 ``regroup`` feeds a mesh of n devices from a stream cut into K shards (K a
 multiple of n): device i gets source shards [i K/n, (i+1) K/n) packed into one
