@@ -12,7 +12,7 @@
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep
 #                (chunked RoPE first) (~5)
 #   triton_report the compiler's resource report of every kernel (tools/triton_report.py) (~1)
-#   mosaic       the Mosaic GPU kernels (kernels/mosaic_flash.py: GDPA and softmax, forward and
+#   mosaic       the Mosaic GPU kernels (kernels/mosaic: GDPA and softmax, forward and
 #                backward):
 #                their gpu tests (with block_attention's) over 3 pytest processes (~10 min
 #                serial), tools/bench_gdpa_mosaic.py's sweeps against the Triton
@@ -23,7 +23,7 @@
 #   mosaic_fused_dq  the Mosaic backward's fused_dq knob (one kernel for dQ, dK, dV): its gpu
 #                tests over 3 processes, then W1 softmax and GDPA with and without it,
 #                interleaved (tools/ab_attention.py) (~5)
-#   fused_bwd    the Triton fused backwards (kernels/jagged_flash.py fused_bwd "k_rows" /
+#   fused_bwd    the Triton fused backwards (kernels/triton/backward.py fused_bwd "k_rows" /
 #                "q_rows", dkv_split, dkv_split_tiles, rest_group): their gpu tests, then bench_attention on W2 and W3 with
 #                the settings side by side (~4)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
