@@ -51,6 +51,8 @@ from gemjax.train.checkpoint import UNVERIFIED, CheckpointDamaged, CheckpointMis
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
 from gemjax.train.metrics import EvalAccumulator, flat
+from gemjax.train.retrieval import METRICS as RETRIEVAL_METRICS
+from gemjax.train.retrieval import RetrievalEvaluator, RetrievalTrainer, is_retrieval
 from gemjax.train.step import Trainer
 from gemjax.train.throughput import Throughput, progress_line
 from gemjax.train import tracking
@@ -327,7 +329,9 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     t = cfg.train
     started, compile_timer = time.perf_counter(), tracking.CompileTimer()
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
-    trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
+    retrieval = is_retrieval(cfg)   # next-item retrieval: gemjax.train.retrieval
+    trainer = (RetrievalTrainer if retrieval else Trainer).create(cfg, mesh, **(trainer_kw or {}))
+    headline = RETRIEVAL_METRICS if retrieval else ("ne", "auc", "calibration")
     stream = make_source(cfg, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
                     id_fields=trainer.id_fields, workers=cfg.data.host_workers)
@@ -347,7 +351,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
             _rewrite_jsonl(metrics_path, kept)
         evals = [r for r in kept if r["kind"] == "eval"]
         if evals:
-            last_eval = {k: evals[-1][k] for k in ("ne", "auc", "calibration")}
+            last_eval = {k: evals[-1].get(k) for k in headline}
         trains = [r for r in kept if r["kind"] == "train"]
         if trains:
             counters = {k: trains[-1].get(k, 0) for k in counters}
@@ -363,7 +367,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
         f"dense params={n_params:,} embedding params={n_rows:,} steps={t.steps} "
         f"batch={cfg.data.batch_size}")
 
-    evaluator = Evaluator(trainer, cfg)
+    evaluator = (RetrievalEvaluator if retrieval else Evaluator)(trainer, cfg)
     train_step = trainer.make_train_step()
     meter = Throughput(window=5)   # in log intervals
     meter.update(0, 0)             # opens the clock; compile time lands in the first interval
@@ -422,17 +426,25 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                         f"finite states")
                 for c in ("ids_out_of_range", "ids_overflow"):
                     counters[c] += int(sum(x[c] for x in ms))
-                row = {"step": done, "kind": "train", "loss": loss, "ne": _window_ne(ms),
+                ne = None if retrieval else _window_ne(ms)
+                row = {"step": done, "kind": "train", "loss": loss, "ne": ne,
                        "grad_norm": float(ms[-1]["grad_norm"]),
                        "samples_per_sec": meter.samples_per_sec,
                        "tokens_per_sec": meter.tokens_per_sec, **counters}
                 if last_eval:
-                    row["auc"] = last_eval.get("auc")
+                    row["hr@10" if retrieval else "auc"] = last_eval.get("hr@10" if retrieval else "auc")
                 write(row)
                 log(progress_line(done, t.steps, loss, row["ne"], meter.samples_per_sec,
                                   meter.eta((t.steps - done) / max(len(ms), 1)),
                                   tokens_per_sec=meter.tokens_per_sec))
-            if done % t.eval_every == 0 or done == end:
+            if retrieval and (done % t.eval_every == 0 or done == end):
+                pause_for_test("eval", done, stop, log)
+                with meter.paused():
+                    res = evaluator(state)
+                last_eval = {k: res[k] for k in headline}
+                write({"step": done, "kind": "eval", **res, "samples_per_sec": meter.samples_per_sec})
+                log(evaluator.line(done, res))
+            elif done % t.eval_every == 0 or done == end:
                 pause_for_test("eval", done, stop, log)
                 with meter.paused():
                     res = evaluator(state)
@@ -475,12 +487,12 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     if end < t.steps:
         return {"steps": end, "stopped_early": True}
     res = evaluator(state) if not last_eval else None
-    final = last_eval if res is None else {"ne": res["ne"], "auc": res["auc"],
-                                           "calibration": res["calibration"]}
+    final = last_eval if res is None else {k: res[k] for k in headline}
     summary = {"config": cfg.name, "model": cfg.model.kind, "steps": t.steps,
-               "eval_ne": final["ne"], "eval_auc": final["auc"],
-               "eval_calibration": final["calibration"], "bayes_ne": evaluator.bayes["ne"],
+               "eval_ne": final.get("ne"), "eval_auc": final.get("auc"),
+               "eval_calibration": final.get("calibration"), "bayes_ne": evaluator.bayes["ne"],
                "bayes_auc": evaluator.bayes["auc"],
+               **({f"eval_{k}": final[k] for k in headline} if retrieval else {}),
                **tracking.timing(meter, cfg.data.batch_size, time.perf_counter() - started,
                                  compile_timer.stop()), **counters}
     summary.update(tracking.run_facts(trainer.mesh) if lead else {},
