@@ -357,7 +357,7 @@ def validate(cfg: Config) -> None:
         (d.recent >= 1, "data.recent must be >= 1"),
         (m.kind in ("gem", "teacher", "lr", "retrieval"),
          f"model.kind must be gem, teacher, lr or retrieval, got {m.kind!r}"),
-        *_retrieval_checks(m),
+        *_retrieval_checks(m, cfg.train),
         (m.attention in ("block", "softmax", "gdpa"), f"model.attention must be block, softmax or gdpa, got {m.attention!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
         (m.block >= 1, f"model.block must be >= 1, got {m.block}"),
@@ -422,16 +422,23 @@ def _feature_checks(cfg: Config) -> list[tuple[bool, str]]:
              f"data.num_tasks is {d.num_surfaces} x {d.num_tasks} (the evaluator counts those)")]
 
 
-def _retrieval_checks(m: ModelConfig) -> list[tuple[bool, str]]:
+def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
+    on = m.kind == "retrieval"
     return [(m.retrieval_negatives >= 0,
              f"model.retrieval_negatives must be >= 0, got {m.retrieval_negatives}"),
             (m.retrieval_temperature > 0,
              f"model.retrieval_temperature must be > 0, got {m.retrieval_temperature}"),
             (0.0 <= m.retrieval_dropout < 1.0,
              f"model.retrieval_dropout must be in [0, 1), got {m.retrieval_dropout}"),
-            (m.kind != "retrieval" or m.attention in ("softmax", "gdpa"),
+            (not on or m.attention in ("softmax", "gdpa"),
              f"model.kind=retrieval needs causal attention: model.attention softmax or gdpa, "
-             f"got {m.attention!r}")]
+             f"got {m.attention!r}"),
+            (not on or m.use_sequences,
+             "model.kind=retrieval reads the event sequence: model.use_sequences must be true"),
+            # the scored item rows are ids of no batch, so no per-batch sparse branch plan
+            (not on or not (t.sparse_exchange_buckets or t.sparse_sync_buckets),
+             "model.kind=retrieval runs with train.sparse_exchange_buckets and "
+             "train.sparse_sync_buckets off")]
 
 
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:

@@ -172,3 +172,8 @@ def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tm
     for k in ("eval_hr@10", "eval_ndcg@10", "eval_hr@50", "eval_hr@10_unmasked"):
         assert whole[k] == resumed[k] and 0 <= whole[k] <= 1, k
     assert whole["eval_ne"] is None and whole["model"] == "retrieval"
+    # eval-only on the finished run (experiments/train.py --mode=eval) reproduces its last eval
+    from gemjax.serve.evaluate import evaluate_checkpoint
+    row = evaluate_checkpoint(str(tmp_path / "whole"), None, mesh, log=quiet)
+    assert row["step"] == 6 and all(row[k] == a[-1][k] for k in ("hr@10", "ndcg@10", "hr@50",
+                                                                   "hr@10_unmasked", "rows"))
