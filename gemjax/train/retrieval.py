@@ -19,7 +19,7 @@ the device's batch shard), so a resumed run draws what the uninterrupted one dre
 Eval (RetrievalEvaluator, every row of the eval stream once): the user vector at the
 last history token of each row scored against every item row; rank = items scoring
 strictly higher than the row's candidate (ties in its favour), among the catalogue
-(rows >= 1 that occur in the train or eval files: item column or history), with the
+(rows >= 1 that occur in the train or eval data: a row's item or history), with the
 row's history items excluded ("hr@10", "ndcg@10", "hr@50", "ndcg@50", the published
 protocol) and kept ("..._unmasked"). Scores and ranks are computed on device; the
 host receives [B, 2] ranks per batch.
@@ -31,6 +31,7 @@ stats. There is no NE for a softmax over items: metrics.jsonl carries ne null.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -196,29 +197,24 @@ class RetrievalTrainer(Trainer):
 
 
 def catalog_rows(cfg: Config, vocab: int) -> np.ndarray:
-    """[V] bool: the item rows a ranking competes over. Parquet: rows >= 1 occurring in
-    the train or eval files (the target feature's column or the history's item lists);
-    otherwise every row >= 1."""
+    """[V] bool: the item rows a ranking competes over. A file source: rows >= 1 that
+    occur in the train or eval data (a row's next item or a history item), read once in
+    file order through make_source; the synthetic stream: every row >= 1."""
     out = np.zeros(vocab, bool)
-    if cfg.data.source != "parquet":
+    if cfg.data.source == "synthetic":
         out[1:] = True
         return out
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from gemjax.data.parquet import list_files, sequence_column
-    cols = (target_feature(cfg), sequence_column(retrieval_sequence(cfg), ITEM_FIELD))
+    seq, tgt = retrieval_sequence(cfg), target_feature(cfg)
     for path in (cfg.data.train_path, cfg.data.eval_path):
-        for f in list_files(path):
-            t = pq.read_table(f, columns=list(cols))
-            for c in cols:
-                col = t.column(c)
-                if c == cols[1]:
-                    col = pc.list_flatten(col)
-                ids = np.asarray(col.to_numpy(zero_copy_only=False), np.int64)
-                ids = ids[(ids >= 0) & (ids < vocab)]
-                out[ids] = True
-    out[0] = False
+        one_pass = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, eval_path=path, eval_batches=0))
+        source = make_source(one_pass, "eval")
+        for step in range(eval_steps(source, one_pass)):
+            batch, _ = source.shard_batch(step, 0, 1)
+            for ids in (batch.sparse[tgt], batch.sequences[seq].values[ITEM_FIELD]):
+                ids = np.asarray(ids, np.int64)
+                out[ids[(ids >= 0) & (ids < vocab)]] = True
+    out[0] = False           # padding: the item of no row, and the value of unused tokens
     return out
 
 
