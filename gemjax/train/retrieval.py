@@ -13,7 +13,10 @@ up through the EmbeddingCollection as one more feature of the item table
                                   step, shared by that device's tokens (sampled
                                   softmax; a negative equal to the target is dropped)
 
-The draw and the input dropout take their keys from (train.seed, state["step"]) (and
+Negatives are shared per device (one [T, N] product instead of gathering [T, N, d]
+rows per token), so N can be large; for a catalogue of a few thousand rows (ML-1M:
+3,953) the full softmax costs one [T, V] product and is the default. The draw and the
+input dropout take their keys from (train.seed, state["step"]) (and
 the device's batch shard), so a resumed run draws what the uninterrupted one drew.
 
 Eval (RetrievalEvaluator, every row of the eval stream once): the user vector at the
