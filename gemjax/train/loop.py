@@ -6,7 +6,9 @@ Writes WORKDIR/metrics.jsonl (one JSON object per log or eval point; the same
 numbers as TensorBoard scalars under WORKDIR/tensorboard: `tracking.RunLog`),
 WORKDIR/summary.json at the end (eval figures, timing, devices, mesh, versions,
 git revision: `tracking.timing`, `tracking.run_facts`), and Orbax checkpoints under
-WORKDIR/checkpoints. Rerunning with the same workdir resumes from the newest
+WORKDIR/checkpoints. model.kind="retrieval" trains and evaluates through
+gemjax.train.retrieval (RetrievalTrainer, RetrievalEvaluator): its eval rows and summary
+hold HR@k / NDCG@k where the others hold NE / AUC. Rerunning with the same workdir resumes from the newest
 checkpoint, on any mesh shape and table plan (tables are saved in logical row
 order: `save_train_state` / `restore_train_state`); the data stream is a pure
 function of the step (and of the shard count), so a resumed run on the same mesh
