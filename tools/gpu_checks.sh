@@ -35,7 +35,7 @@
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
 #                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_sync_buckets=false;
 #                SWEEP_PROFILE=N traces N steps per mesh and prints where device time goes
-#   movielens    MovieLens-1M with the defaults (~4)
+#   movielens    MovieLens-1M retrieval through the trainer, ML_EPOCHS epochs (default 100) (~5)
 #   teacher_small  the `small` teacher (the ablation's model) on one device: step time and
 #                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
@@ -158,7 +158,7 @@ for s in "$@"; do
         section feed 120 $PY -m benchmarks.bench_feed --config=h200 --workers=1,2,4,8 --step_ms=190 \
             --out="$OUT/bench_feed.json" ;;
     movielens)
-        section movielens 300 $PY -m experiments.movielens --time_limit_s=240 --out="$OUT/movielens.json" ;;
+        section movielens 600 $PY -m experiments.movielens --epochs=${ML_EPOCHS:-100} --workdir="$OUT/movielens" ;;
     ablate)
         # ABLATE_CAP (s, default 3000) caps every variant's process; ABLATE_WORKDIR (default
         # $OUT/ablate) may hold earlier finished runs (config.json + summary.json), reused.
