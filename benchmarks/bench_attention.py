@@ -194,7 +194,7 @@ def run_workload(wname, rng):
         lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale)),
         args, flops, bytes_fwd, bytes_bwd))
     if kind == "self" and jax.default_backend() == "gpu":
-        # the Mosaic GPU forward (kernels/mosaic_flash.py) with the Triton backward
+        # the Mosaic GPU forward (kernels/mosaic/forward.py) with the Triton backward
         rows.append(measure(f"mosaic_fwd_gdpa_{act}", fwd_and_train(
             lambda q, k, v: gdpa_pallas(q, k, v, qo, ko, activation=act, scale=scale,
                                         forward="mosaic")), args, flops, bytes_fwd, bytes_bwd))

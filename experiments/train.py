@@ -204,6 +204,14 @@ def main(argv):
         with open(os.path.join(workdir, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
     print(f"[gemjax] summary ({workdir}/summary.json):")
+    if summary.get("eval_hr@10") is not None:        # model.kind=retrieval: full ranking
+        print(f"  {'model':<12}{'HR@10':>8}{'NDCG@10':>9}{'HR@50':>8}{'wall s':>9}{'samples/s':>11}"
+              f"   (history excluded from the ranking; kept: HR@10 "
+              f"{summary['eval_hr@10_unmasked']:.4f})")
+        print(f"  {summary['model']:<12}{summary['eval_hr@10']:>8.4f}{summary['eval_ndcg@10']:>9.4f}"
+              f"{summary['eval_hr@50']:>8.4f}{summary['wall_time_s']:>9.1f}"
+              f"{summary['samples_per_sec'] or 0:>11.1f}")
+        return
     rows = [(summary["model"], summary)] + list(summary.get("baselines", {}).items())
     print(f"  {'model':<22}{'eval NE':>10}{'eval AUC':>10}")
     for name, s in rows:

@@ -9,7 +9,7 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOP = ("gemjax", "kernels", "experiments", "benchmarks", "tools", "tests", "docs")
-# a path under one of the top-level folders, e.g. kernels/gdpa/pallas.py, tests/test_*.py
+# a path under one of the top-level folders, e.g. kernels/gdpa/reference.py, tests/test_*.py
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w*.<>/-]*[\w*])" % "|".join(TOP))
 MARKDOWN = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
 AREAS = ("data", "sparse", "models", "parallel", "train", "kernels")

@@ -21,7 +21,6 @@ LAYERS = ("parallel", "kernels", "data", "config", "sparse", "layers", "models",
 KNOWN_CYCLES = (
     {"gemjax.data.features", "gemjax.data.synthetic"},   # schema_of's default: the stream's schema
     {"gemjax.data.parquet", "gemjax.data.source"},       # make_source picks the source class
-    {"kernels.jagged_flash", "kernels.mosaic_flash"},    # the two kernel engines
 )
 
 

@@ -92,7 +92,7 @@ def test_pallas_custom_positions_bf16_d64():
 @pytest.mark.parametrize("block", [64, 128])
 def test_pallas_bf16_default_positions(block):
     """16-bit inputs with the default positions: the kernels rotate by each token's offset
-    in its block with unreduced angles (kernels/block_attention/pallas.py, _trig)."""
+    in its block with unreduced angles (kernels/triton/block.py, _trig)."""
     _check("pallas", LENS + [128, 129], 640, dtype=jnp.bfloat16, d=64, h=1, block=block,
            seed=7)
 

@@ -56,6 +56,13 @@ ML_RANK = ("python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m
            "data.eval_path=/tmp/gemjax-data/ml-1m/ranking/test.parquet,data.eval_batches=0,"
            "model.kind=teacher")
 
+# README "Data": MovieLens-1M retrieval
+ML_RETRIEVAL = ("python -m experiments.movielens --workdir=runs/ml_retrieval --epochs=100",
+                "python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m "
+                "--tasks=retrieval --train_positions=1",
+                "./run train --config=movielens_retrieval --workdir=runs/ml_retrieval_0 "
+                "--steps=4800 --eval_every=480")
+
 LONG = "small preset, minutes on CPU; the tiny command runs the same train.py path"
 SKIP = {
     "./run train": LONG,
@@ -90,6 +97,8 @@ SKIP = {
     "--override=data.batch_size=1024,model.dim=32,model.seq_heads=1": "one H200, 7 variants x 1000 steps",
     **{cmd: "MovieLens-1M (not in CI); tests/test_movielens_trainer.py runs it on a fake MovieLens"
        for cmd in ML_RANK},
+    **{cmd: "MovieLens-1M (not in CI); tests/test_movielens.py and tests/test_retrieval.py run "
+            "it on a fake MovieLens" for cmd in ML_RETRIEVAL},
 }
 
 

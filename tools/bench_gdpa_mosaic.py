@@ -1,4 +1,4 @@
-"""GDPA (or softmax) forward on W1: the Mosaic GPU kernel (kernels/mosaic_flash.py) vs our
+"""GDPA (or softmax) forward on W1: the Mosaic GPU kernel (kernels/mosaic/forward.py) vs our
 Triton one.
 
 W1 (benchmarks/attention_workloads.py): bf16, 4 heads, head dim 128, 64 samples of

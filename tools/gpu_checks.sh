@@ -12,7 +12,7 @@
 #   kernel_bench_w4   bench_attention on W4 only, with the per-block kernel's knob sweep
 #                (chunked RoPE first) (~5)
 #   triton_report the compiler's resource report of every kernel (tools/triton_report.py) (~1)
-#   mosaic       the Mosaic GPU kernels (kernels/mosaic_flash.py: GDPA and softmax, forward and
+#   mosaic       the Mosaic GPU kernels (kernels/mosaic: GDPA and softmax, forward and
 #                backward):
 #                their gpu tests (with block_attention's) over 3 pytest processes (~10 min
 #                serial), tools/bench_gdpa_mosaic.py's sweeps against the Triton
@@ -23,7 +23,7 @@
 #   mosaic_fused_dq  the Mosaic backward's fused_dq knob (one kernel for dQ, dK, dV): its gpu
 #                tests over 3 processes, then W1 softmax and GDPA with and without it,
 #                interleaved (tools/ab_attention.py) (~5)
-#   fused_bwd    the Triton fused backwards (kernels/jagged_flash.py fused_bwd "k_rows" /
+#   fused_bwd    the Triton fused backwards (kernels/triton/backward.py fused_bwd "k_rows" /
 #                "q_rows", dkv_split, dkv_split_tiles, rest_group): their gpu tests, then bench_attention on W2 and W3 with
 #                the settings side by side (~4)
 #   teacher_h200 the full teacher (4 experts, top 2) at the h200 preset through
@@ -35,7 +35,7 @@
 #   sweep        sweep_mesh: weak scaling 1 -> all GPUs, Local/E2E MFU, calibrated cost model (~7);
 #                SWEEP_OVERRIDE adds overrides, e.g. train.sparse_sync_buckets=false;
 #                SWEEP_PROFILE=N traces N steps per mesh and prints where device time goes
-#   movielens    MovieLens-1M with the defaults (~4)
+#   movielens    MovieLens-1M retrieval through the trainer, ML_EPOCHS epochs (default 100) (~5)
 #   teacher_small  the `small` teacher (the ablation's model) on one device: step time and
 #                each block timed alone, to see where its step goes (~2)
 #   feed         the host input pipeline (bench_feed) with 1-8 Feeder threads, h200 preset (~1)
@@ -158,7 +158,7 @@ for s in "$@"; do
         section feed 120 $PY -m benchmarks.bench_feed --config=h200 --workers=1,2,4,8 --step_ms=190 \
             --out="$OUT/bench_feed.json" ;;
     movielens)
-        section movielens 300 $PY -m experiments.movielens --time_limit_s=240 --out="$OUT/movielens.json" ;;
+        section movielens 600 $PY -m experiments.movielens --epochs=${ML_EPOCHS:-100} --workdir="$OUT/movielens" ;;
     ablate)
         # ABLATE_CAP (s, default 3000) caps every variant's process; ABLATE_WORKDIR (default
         # $OUT/ablate) may hold earlier finished runs (config.json + summary.json), reused.

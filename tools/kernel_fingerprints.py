@@ -79,7 +79,7 @@ def programs():
 
 
 def mosaic_programs(qo, t):
-    """The Mosaic GPU kernels (kernels/mosaic_flash.py: forward, and the dQ + dK/dV
+    """The Mosaic GPU kernels (kernels/mosaic: forward, and the dQ + dK/dV
     backward at its default tuning) on the self shape, called directly: the public ops
     pick them on a Hopper GPU only."""
     from kernels.mosaic import (BACKWARD_TUNING, gdpa_mosaic_forward, mosaic_config,

@@ -42,12 +42,19 @@ def sequence_id_fields(cfg: Config) -> dict[str, tuple[str, ...]]:
 def table_specs(cfg: Config) -> list[TableSpec]:
     """One TableSpec per schema table that a used feature reads, features as
     FeatureSchema.table_features. Width: the table's dim, or model.dim; the LR baseline
-    stores S*K weights per id in every table."""
+    stores S*K weights per id in every table. model.kind "retrieval": the item table also
+    serves the feature CANDIDATES (the rows its softmax scores, gemjax.models.retrieval)."""
     schema, m = schema_of(cfg), cfg.model
     lr_dim = schema.num_surfaces * schema.num_tasks if m.kind == "lr" else None
     opt = RowWiseAdagrad(lr=cfg.train.sparse_lr)
     specs = []
+    scored = None
+    if m.kind == "retrieval":      # the retrieval head scores rows of the item table
+        from gemjax.models.retrieval import CANDIDATES, item_table
+        scored = item_table(cfg)
     for name, feats in schema.table_features(sequences=m.use_sequences).items():
+        if name == scored:
+            feats = tuple(feats) + (CANDIDATES,)
         t = schema.table(name)
         dim = lr_dim or t.dim or m.dim
         if lr_dim is None and dim != m.dim:
@@ -136,9 +143,13 @@ class LogisticRegression(nnx.Module):
 
 
 def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
-    """model.kind: "gem" (v0), "teacher" (gemjax.models.interformer.GEMTeacher) or "lr"."""
+    """model.kind: "gem" (v0), "teacher" (gemjax.models.interformer.GEMTeacher), "lr" or
+    "retrieval" (gemjax.models.retrieval.RetrievalTower: user vectors [T, dim])."""
     if cfg.model.kind == "lr":
         return LogisticRegression(cfg, rngs=rngs)
+    if cfg.model.kind == "retrieval":
+        from gemjax.models.retrieval import RetrievalTower
+        return RetrievalTower(cfg, rngs=rngs)
     if cfg.model.kind == "teacher":
         from gemjax.models.interformer import GEMTeacher   # imports this module's helpers
         return GEMTeacher(cfg, rngs=rngs)

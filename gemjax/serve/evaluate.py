@@ -46,11 +46,14 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, mesh=None, *,
 
     from gemjax.train.loop import Evaluator
     from gemjax.train.metrics import flat
+    from gemjax.train.retrieval import RetrievalEvaluator, is_retrieval
 
     run = restore(workdir, step, mesh, trainer_kw=trainer_kw, overrides=overrides)
-    evaluator = Evaluator(run.trainer, run.cfg)
+    retrieval = is_retrieval(run.cfg)      # HR / NDCG rows instead of NE / AUC
+    evaluator = (RetrievalEvaluator if retrieval else Evaluator)(run.trainer, run.cfg)
     res = evaluator(run.state)
-    row = {"step": run.step, "kind": KIND, "loss": res["log_loss"], **flat(res),
+    figures = res if retrieval else {"loss": res["log_loss"], **flat(res)}
+    row = {"step": run.step, "kind": KIND, **figures,
            "bayes_ne": evaluator.bayes["ne"], "mesh": dict(run.trainer.mesh.shape),
            "devices": run.trainer.num_shards, "eval_batches": run.cfg.data.eval_batches}
     if jax.process_index() == 0:
@@ -60,6 +63,9 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, mesh=None, *,
             json.dump(row, f, indent=1)
         os.replace(path + ".tmp", path)
         bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.6f})"
-        log(f"[eval] checkpoint step {run.step} of {workdir} on mesh {row['mesh']}: NE {res['ne']:.6f}"
-            f"{bayes} AUC {res['auc']:.6f} calibration {res['calibration']:.4f} -> {path}")
+        if retrieval:
+            log(f"{evaluator.line(run.step, res)} (checkpoint of {workdir}) -> {path}")
+        else:
+            log(f"[eval] checkpoint step {run.step} of {workdir} on mesh {row['mesh']}: NE {res['ne']:.6f}"
+                f"{bayes} AUC {res['auc']:.6f} calibration {res['calibration']:.4f} -> {path}")
     return row

@@ -74,7 +74,9 @@ def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dic
 
     cfg = read_config(workdir, overrides)
     directory = checkpoint_dir(workdir)
-    trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
+    from gemjax.train.retrieval import RetrievalTrainer, is_retrieval
+    trainer = (RetrievalTrainer if is_retrieval(cfg) else Trainer).create(cfg, mesh,
+                                                                          **(trainer_kw or {}))
     with Checkpointer(directory, read_only=True) as ckpt:   # a training may be saving
         steps = ckpt.all_steps()   # named before the (possibly large) initial state is built
         if not steps:

@@ -6,7 +6,9 @@ Writes WORKDIR/metrics.jsonl (one JSON object per log or eval point; the same
 numbers as TensorBoard scalars under WORKDIR/tensorboard: `tracking.RunLog`),
 WORKDIR/summary.json at the end (eval figures, timing, devices, mesh, versions,
 git revision: `tracking.timing`, `tracking.run_facts`), and Orbax checkpoints under
-WORKDIR/checkpoints. Rerunning with the same workdir resumes from the newest
+WORKDIR/checkpoints. model.kind="retrieval" trains and evaluates through
+gemjax.train.retrieval (RetrievalTrainer, RetrievalEvaluator): its eval rows and summary
+hold HR@k / NDCG@k where the others hold NE / AUC. Rerunning with the same workdir resumes from the newest
 checkpoint, on any mesh shape and table plan (tables are saved in logical row
 order: `checkpoint.save_train_state` / `restore_train_state`); the data stream is a pure
 function of the step (and of the shard count), so a resumed run on the same mesh
@@ -53,6 +55,8 @@ from gemjax.train import layout, runtime
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
 from gemjax.train.metrics import EvalAccumulator, flat
+from gemjax.train.retrieval import METRICS as RETRIEVAL_METRICS
+from gemjax.train.retrieval import RetrievalEvaluator, RetrievalTrainer, is_retrieval
 from gemjax.train.step import Trainer
 from gemjax.train.throughput import Throughput, progress_line
 from gemjax.train import tracking
@@ -230,7 +234,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
     if mesh is None and trainer_kw is None:        # the layout cfg.parallel describes
         mesh, trainer_kw = layout.build(cfg)
-    trainer = Trainer.create(cfg, mesh, **(trainer_kw or {}))
+    retrieval = is_retrieval(cfg)   # next-item retrieval: gemjax.train.retrieval
+    trainer = (RetrievalTrainer if retrieval else Trainer).create(cfg, mesh, **(trainer_kw or {}))
     stream = make_source(cfg, "train")
     feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
                     id_fields=trainer.id_fields, workers=cfg.data.host_workers)
@@ -239,12 +244,12 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                                                lead, log)
     _announce(cfg, workdir, trainer, state, lead, log)
 
-    evaluator = Evaluator(trainer, cfg)
+    evaluator = (RetrievalEvaluator if retrieval else Evaluator)(trainer, cfg)
     train_step = trainer.make_train_step()
     meter = Throughput(window=5)   # in log intervals
     meter.update(0, 0)             # opens the clock; compile time lands in the first interval
     end = t.steps if stop_after is None else min(t.steps, stop_after)
-    window = _Window(counters)
+    window = _Window(counters, retrieval)
     runlog = tracking.RunLog(workdir, start_step=start, tensorboard=t.tensorboard, enabled=lead,
                              log=log)
     profile = tracking.ProfileWindow(profile_steps, os.path.join(workdir, "profile"), start, end,
@@ -306,6 +311,10 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
 _HEADLINE = ("ne", "auc", "calibration")
 
 
+def _headline(cfg: Config) -> tuple[str, ...]:
+    return RETRIEVAL_METRICS if is_retrieval(cfg) else _HEADLINE
+
+
 def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: Config, workdir: str,
            lead: bool,
            log: Callable[[str], None]) -> tuple[int, dict, dict, dict]:
@@ -327,7 +336,7 @@ def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: 
             _rewrite_jsonl(metrics_path, kept)
         evals = [r for r in kept if r["kind"] == "eval"]
         if evals:
-            last_eval = {k: evals[-1][k] for k in _HEADLINE}
+            last_eval = {k: evals[-1].get(k) for k in _headline(cfg)}
         trains = [r for r in kept if r["kind"] == "train"]
         if trains:
             counters = {k: trains[-1].get(k, 0) for k in counters}
@@ -355,8 +364,9 @@ class _Window:
     """The steps since the last log point: their metrics (device arrays until the log
     point reads them), tokens, and the run's fallback counters."""
 
-    def __init__(self, counters: dict):
+    def __init__(self, counters: dict, retrieval: bool = False):
         self.counters, self.pending, self.tokens = counters, [], 0
+        self.retrieval = retrieval   # no NE for a softmax over items; HR@10 in place of AUC
 
     def add(self, metrics: dict, tokens: int, infos) -> None:
         self.pending.append(metrics)
@@ -384,12 +394,14 @@ class _Window:
                 f"finite states")
         for c in ("ids_out_of_range", "ids_overflow"):
             self.counters[c] += int(sum(x[c] for x in ms))
-        row = {"step": done, "kind": "train", "loss": loss, "ne": _window_ne(ms),
+        ne = None if self.retrieval else _window_ne(ms)
+        row = {"step": done, "kind": "train", "loss": loss, "ne": ne,
                "grad_norm": float(ms[-1]["grad_norm"]),
                "samples_per_sec": meter.samples_per_sec,
                "tokens_per_sec": meter.tokens_per_sec, **self.counters}
         if last_eval:
-            row["auc"] = last_eval.get("auc")
+            key = "hr@10" if self.retrieval else "auc"
+            row[key] = last_eval.get(key)
         write(row)
         steps = cfg.train.steps
         log(progress_line(done, steps, loss, row["ne"], meter.samples_per_sec,
@@ -403,6 +415,10 @@ def _eval_point(evaluator: "Evaluator", state: dict, done: int, meter: Throughpu
     line; returns the _HEADLINE figures."""
     with meter.paused():
         res = evaluator(state)
+    if isinstance(evaluator, RetrievalEvaluator):
+        write({"step": done, "kind": "eval", **res, "samples_per_sec": meter.samples_per_sec})
+        log(evaluator.line(done, res))
+        return {k: res[k] for k in RETRIEVAL_METRICS}
     write({"step": done, "kind": "eval", "loss": res["log_loss"], **flat(res),
            "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec})
     bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.4f})"
@@ -452,11 +468,13 @@ def _summary(cfg: Config, trainer: Trainer, evaluator: "Evaluator", state: dict,
     """summary.json of a finished run (evaluating `state` if no eval ran since the start;
     `started`: the run's time.perf_counter() at its start)."""
     res = evaluator(state) if not last_eval else None
-    final = last_eval if res is None else {k: res[k] for k in _HEADLINE}
+    headline = _headline(cfg)
+    final = last_eval if res is None else {k: res[k] for k in headline}
     summary = {"config": cfg.name, "model": cfg.model.kind, "steps": cfg.train.steps,
-               "eval_ne": final["ne"], "eval_auc": final["auc"],
-               "eval_calibration": final["calibration"], "bayes_ne": evaluator.bayes["ne"],
+               "eval_ne": final.get("ne"), "eval_auc": final.get("auc"),
+               "eval_calibration": final.get("calibration"), "bayes_ne": evaluator.bayes["ne"],
                "bayes_auc": evaluator.bayes["auc"],
+               **({f"eval_{k}": final[k] for k in headline} if is_retrieval(cfg) else {}),
                **tracking.timing(meter, cfg.data.batch_size, time.perf_counter() - started,
                                  compile_timer.stop()), **counters}
     summary.update(tracking.run_facts(trainer.mesh) if lead else {},

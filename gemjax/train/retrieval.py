@@ -1,0 +1,258 @@
+"""Next-item retrieval through the trainer: the train / eval steps and the evaluator.
+
+model.kind="retrieval" (gemjax.models.retrieval.RetrievalTower) trains on rows of
+(history, next item): every history token predicts the item after it (the last token
+the row's candidate item), with a softmax over the rows of the SHARED item table, the
+one the history tokens read (gemjax.train.retrieval_loss). The scored rows are looked
+up through the EmbeddingCollection as one more feature of the item table
+(CANDIDATES), so its row-wise optimizer updates the rows they touch:
+
+  model.retrieval_negatives = 0   every item row is scored by every token: the full
+                                  softmax over the catalogue
+  model.retrieval_negatives = N   N rows drawn uniformly from [1, V) per device per
+                                  step, shared by that device's tokens (sampled
+                                  softmax; a negative equal to the target is dropped)
+
+Negatives are shared per device (one [T, N] product instead of gathering [T, N, d]
+rows per token), so N can be large; for a catalogue of a few thousand rows (ML-1M:
+3,953) the full softmax costs one [T, V] product and is the default. The draw and the
+input dropout take their keys from (train.seed, state["step"]) (and
+the device's batch shard), so a resumed run draws what the uninterrupted one drew.
+
+Eval (RetrievalEvaluator, every row of the eval stream once): the user vector at the
+last history token of each row scored against every item row; rank = items scoring
+strictly higher than the row's candidate (ties in its favour), among the catalogue
+(rows >= 1 that occur in the train or eval data: a row's item or history), with the
+row's history items excluded ("hr@10", "ndcg@10", "hr@50", "ndcg@50", the published
+protocol) and kept ("..._unmasked"). Scores and ranks are computed on device; the
+host receives [B, 2] ranks per batch.
+
+Train metrics: "loss" (mean per-token cross-entropy), "loss_sum" / "weight_sum" [1]
+(sums over the tokens, weighted by the row weights), "grad_norm", the collection's
+stats. There is no NE for a softmax over items: metrics.jsonl carries ne null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from gemjax.config import Config
+from gemjax.data.batch import Batch, id_features
+from gemjax.data.features import schema_of
+from gemjax.data.feeding import Feeder
+from gemjax.data.source import eval_steps, make_source
+from gemjax.models.retrieval import (CANDIDATES, ITEM_FIELD, item_table, l2_normalize,
+                                     retrieval_sequence, target_feature)
+from gemjax.train.retrieval_loss import (history_mask, next_item_targets, ranking_summary,
+                                         sampled_softmax, target_ranks)
+from gemjax.train.step import CHECK_VMA, PlannedStep, Trainer, gather_param
+
+KS = (10, 50)
+METRICS = tuple(f"{m}@{k}{s}" for s in ("", "_unmasked") for k in KS for m in ("hr", "ndcg"))
+_NEGATIVES, _DROPOUT = 1, 2             # fold_in tags of the per-step keys
+
+
+def is_retrieval(cfg: Config) -> bool:
+    return cfg.model.kind == "retrieval"
+
+
+class RetrievalTrainer(Trainer):
+    """Trainer with the retrieval forward (module docstring); create() / state /
+    checkpoints as Trainer."""
+
+    @property
+    def _seq(self) -> str:
+        return retrieval_sequence(self.cfg)
+
+    @property
+    def vocab(self) -> int:
+        """Rows of the item table (row 0: padding)."""
+        return schema_of(self.cfg).table(item_table(self.cfg)).vocab
+
+    def candidate_ids(self, step: jax.Array, train: bool) -> jax.Array:
+        """[num_shards * N] int32 ids, shard i's N rows on device i (P(batch axes)): every
+        item row (eval, or retrieval_negatives 0), else N uniform rows in [1, V) drawn
+        from (train.seed, step)."""
+        s, n = self.num_shards, self.cfg.model.retrieval_negatives
+        if not train or n == 0:
+            ids = jnp.tile(jnp.arange(self.vocab, dtype=jnp.int32), s)
+        else:
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.train.seed),
+                                                        _NEGATIVES), step)
+            ids = jax.random.randint(key, (s * n,), 1, self.vocab, dtype=jnp.int32)
+        return jax.lax.with_sharding_constraint(ids, NamedSharding(self.mesh, P(self.batch_axes)))
+
+    def _local(self, train: bool) -> Callable:
+        """Per-device forward (inside shard_map): train -> (loss_sum [1], weight_sum [1]);
+        eval -> ranks [B, 2] int32 (history excluded, kept)."""
+        graphdef, axes, cfg = self.graphdef, self.batch_axes, self.cfg
+        m, seq, tgt_feat = cfg.model, self._seq, target_feature(cfg)
+        p_specs = jax.tree.map(lambda sh: sh.spec, self.param_shardings)
+        hist_feat = f"{seq}.{ITEM_FIELD}"
+
+        def items(e):
+            return l2_normalize(e) if m.retrieval_l2norm else e.astype(jnp.float32)
+
+        def local(params, acts, batch: Batch, cand_ids, step, catalog):
+            full = jax.tree.map(gather_param, params, p_specs)
+            model = nnx.merge(graphdef, full)
+            key = None
+            if train:
+                key = jax.random.fold_in(jax.random.key(cfg.train.seed), _DROPOUT)
+                key = jax.random.fold_in(jax.random.fold_in(key, step),
+                                         jax.lax.axis_index(axes))
+            h = model(acts, batch, key)                                          # [T, d]
+            jag = batch.sequences[seq]
+            cand_e = items(acts[CANDIDATES])                                     # [N, d]
+            if train:
+                tgt_e = next_item_targets(jag, items(acts[hist_feat]), items(acts[tgt_feat]))
+                tgt_ids = next_item_targets(jag, jag.values[ITEM_FIELD], batch.sparse[tgt_feat])
+                ce = sampled_softmax(h, tgt_e, tgt_ids, cand_e, cand_ids, m.retrieval_temperature)
+                seg = jnp.minimum(jag.segment_ids, jag.num_samples - 1)
+                w = jnp.where(jag.mask, jnp.take(batch.weights, seg), 0.0)
+                sums = (jnp.sum(ce * w)[None], jnp.sum(w)[None])
+                return jax.tree.map(lambda x: jax.lax.psum(x, axes), sums)
+            last = jnp.maximum(jag.offsets[1:] - 1, 0)
+            scores = (jnp.take(h, last, axis=0) @ cand_e.T) / m.retrieval_temperature   # [B, V]
+            b, v = scores.shape
+            not_item = jnp.broadcast_to(~catalog | (jnp.arange(v) == 0), (b, v))
+            hist = history_mask(jag, jag.values[ITEM_FIELD], v)
+            targets = batch.sparse[tgt_feat]
+            kept = target_ranks(scores, targets, not_item)
+            masked = target_ranks(scores, targets, not_item | hist)
+            return jnp.stack([masked, kept], axis=1)
+
+        return local
+
+    def _sharded(self, train: bool) -> Callable:
+        axes = self.batch_axes
+        p_specs = jax.tree.map(lambda sh: sh.spec, self.param_shardings)
+        out = (P(), P()) if train else P(axes)
+        return jax.shard_map(self._local(train), mesh=self.mesh,
+                             in_specs=(p_specs, P(axes), P(axes), P(axes), P(), P()),
+                             out_specs=out, check_vma=CHECK_VMA)
+
+    def make_train_step(self) -> PlannedStep:
+        """(state, batch[, next_batch]) -> (state, metrics), jitted; state donated."""
+        fwd = self._sharded(train=True)
+        coll, tx, id_fields = self.coll, self.tx, self.id_fields
+        no_catalog = jnp.ones((self.vocab,), bool)
+
+        def loss_fn(params, acts, batch, cand, step):
+            loss_sum, w_sum = fwd(params, acts, batch, cand, step, no_catalog)
+            return jnp.sum(loss_sum) / jnp.maximum(jnp.sum(w_sum), 1.0), (loss_sum, w_sum)
+
+        def step(state, batch: Batch):
+            cand = self.candidate_ids(state["step"], train=True)
+            feats = {**id_features(batch, id_fields), CANDIDATES: cand}
+            acts, residuals = coll.lookup(state["tables"], feats)
+            (loss, (loss_sum, w_sum)), (g_params, g_acts) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1), has_aux=True)(state["params"], acts, batch, cand,
+                                                       state["step"])
+            updates, opt_state = tx.update(g_params, state["opt_state"], state["params"])
+            new_state = {"step": state["step"] + 1,
+                         "params": optax.apply_updates(state["params"], updates),
+                         "opt_state": opt_state,
+                         "tables": coll.apply_gradients(state["tables"], residuals, g_acts)}
+            metrics = {"loss": loss, "loss_sum": loss_sum, "weight_sum": w_sum,
+                       "grad_norm": optax.global_norm(g_params), **residuals["stats"]}
+            return new_state, metrics
+
+        replicated = NamedSharding(self.mesh, P())
+        return self._planned(step, "train step", donate_argnums=(0,),
+                             out_shardings=(self.state_shardings(), replicated))
+
+    def make_eval_step(self, catalog: np.ndarray | None = None) -> Callable:
+        """(state, batch) -> ranks [rows of this process's shards, 2] int32 numpy: per row,
+        items above its candidate with its history excluded, and kept. catalog [V] bool:
+        the rankable rows (None: every row >= 1)."""
+        fwd = self._sharded(train=False)
+        coll, id_fields = self.coll, self.id_fields
+        cat = jnp.asarray(np.ones(self.vocab, bool) if catalog is None else catalog)
+
+        def step(state, batch: Batch):
+            cand = self.candidate_ids(state["step"], train=False)
+            acts, _ = coll.lookup(state["tables"], {**id_features(batch, id_fields),
+                                                    CANDIDATES: cand})
+            return fwd(state["params"], acts, batch, cand, state["step"], cat)
+
+        planned = self._planned(step, "eval step")
+
+        def local_rows(state, batch):
+            out = planned(state, batch)
+            shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
+            seen, rows = set(), []
+            for s in shards:
+                if (s.index[0].start or 0) not in seen:
+                    seen.add(s.index[0].start or 0)
+                    rows.append(np.asarray(s.data))
+            return np.concatenate(rows)
+
+        return local_rows
+
+
+def catalog_rows(cfg: Config, vocab: int) -> np.ndarray:
+    """[V] bool: the item rows a ranking competes over. A file source: rows >= 1 that
+    occur in the train or eval data (a row's next item or a history item), read once in
+    file order through make_source; the synthetic stream: every row >= 1."""
+    out = np.zeros(vocab, bool)
+    if cfg.data.source == "synthetic":
+        out[1:] = True
+        return out
+    seq, tgt = retrieval_sequence(cfg), target_feature(cfg)
+    for path in (cfg.data.train_path, cfg.data.eval_path):
+        one_pass = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, eval_path=path, eval_batches=0))
+        source = make_source(one_pass, "eval")
+        for step in range(eval_steps(source, one_pass)):
+            batch, _ = source.shard_batch(step, 0, 1)
+            for ids in (batch.sparse[tgt], batch.sequences[seq].values[ITEM_FIELD]):
+                ids = np.asarray(ids, np.int64)
+                out[ids[(ids >= 0) & (ids < vocab)]] = True
+    out[0] = False           # padding: the item of no row, and the value of unused tokens
+    return out
+
+
+def _all_processes(x: np.ndarray) -> np.ndarray:
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class RetrievalEvaluator:
+    """Full-ranking metrics over every row of the eval stream (module docstring);
+    __call__(state) -> {"hr@10", "ndcg@10", "hr@50", "ndcg@50", the same "_unmasked",
+    "rows", "catalog"}."""
+
+    def __init__(self, trainer: RetrievalTrainer, cfg: Config):
+        self.stream = make_source(cfg, "eval")
+        self.feeder = Feeder(self.stream.shard_batch, trainer.mesh, prefetch=0)
+        self.catalog = catalog_rows(cfg, trainer.vocab)
+        self.step_fn = trainer.make_eval_step(self.catalog)
+        self._host = [self.feeder.host_batch(i) for i in range(eval_steps(self.stream, cfg))]
+        self.bayes = {"ne": None, "auc": None}
+
+    def __call__(self, state) -> dict[str, Any]:
+        ranks = []
+        for batch, _, _ in self._host:
+            r = np.asarray(self.step_fn(state, self.feeder.to_device(batch)))
+            ranks.append(r[np.asarray(batch.weights) > 0])
+        r = _all_processes(np.concatenate(ranks))
+        out = {**ranking_summary(r[:, 0], KS),
+               **{f"{k}_unmasked": v for k, v in ranking_summary(r[:, 1], KS).items()}}
+        return {**out, "rows": int(len(r)), "catalog": int(self.catalog.sum())}
+
+    @staticmethod
+    def line(step: int, res: dict) -> str:
+        return (f"[eval] step {step}: HR@10 {res['hr@10']:.4f} NDCG@10 {res['ndcg@10']:.4f} "
+                f"HR@50 {res['hr@50']:.4f} (history excluded; kept: HR@10 "
+                f"{res['hr@10_unmasked']:.4f}) over {res['rows']} rows, {res['catalog']} items")
