@@ -53,7 +53,7 @@ from gemjax.models.retrieval import (CANDIDATES, ITEM_FIELD, item_table, l2_norm
                                      retrieval_sequence, target_feature)
 from gemjax.train.retrieval_loss import (history_mask, next_item_targets, ranking_summary,
                                          sampled_softmax, target_ranks)
-from gemjax.train.step import CHECK_VMA, PlannedStep, Trainer, gather_param
+from gemjax.train.step import CHECK_VMA, PlannedStep, Trainer, gather_param, process_rows
 
 KS = (10, 50)
 METRICS = tuple(f"{m}@{k}{s}" for s in ("", "_unmasked") for k in KS for m in ("hr", "ndcg"))
@@ -187,14 +187,7 @@ class RetrievalTrainer(Trainer):
         planned = self._planned(step, "eval step")
 
         def local_rows(state, batch):
-            out = planned(state, batch)
-            shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
-            seen, rows = set(), []
-            for s in shards:
-                if (s.index[0].start or 0) not in seen:
-                    seen.add(s.index[0].start or 0)
-                    rows.append(np.asarray(s.data))
-            return np.concatenate(rows)
+            return process_rows(planned(state, batch))
 
         return local_rows
 
