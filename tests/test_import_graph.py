@@ -12,8 +12,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Bottom to top. "gemjax" is the package's own __init__ (its lazy attributes); distill and
-# precision hold no module yet.
+# Bottom to top. "gemjax" is the package's own __init__ (its lazy attributes); distill
+# holds no module yet.
 LAYERS = ("parallel", "kernels", "data", "config", "sparse", "layers", "models", "perf",
           "precision", "distill", "train", "serve", "gemjax")
 

@@ -1,7 +1,12 @@
-"""Reserved for low-precision training (block-scaled FP8 matmuls and their scaling recipes).
+"""Low-precision numerics: block-scaled FP8 formats, quantization and the Hadamard transform.
 
-It holds no code yet: every model computes in `model.dtype` (float32 or bfloat16, with
-float32 parameters; gemjax.config.ModelConfig), embedding tables are stored in float32 or
-bfloat16 (gemjax.sparse.TableSpec.dtype) with the sparse optimizers' math in float32, and
-the attention kernels compute in the dtype of their inputs.
+  formats.py   FP8 element formats (E4M3, E5M2: dtype, max finite, mantissa bits) and
+               block-scaling layouts (MX 1x32 with E8M0 scales, 1x128 activation tiles,
+               128x128 weight blocks, float32 or power-of-two scales)
+  quantize.py  BlockScaled (FP8 values + per-block scales + layout) and quantize /
+               dequantize with round-to-nearest-even or stochastic rounding
+  hadamard.py  blockwise seeded random Hadamard transform and its inverse
+
+Pure jnp, jit-able. Models do not use it yet: every model computes in `model.dtype`
+(float32 or bfloat16; gemjax.config.ModelConfig). Imports nothing from gemjax.
 """
