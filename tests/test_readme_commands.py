@@ -71,6 +71,11 @@ SKIP = {
     "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
+    "python -m benchmarks.bench_train_feed": "GPU benchmark (minutes); tests/test_bench_train_feed.py "
+                                             "runs it on CPU with a small model",
+    "python -m experiments.train --config=movielens_retrieval --seed=S":
+        "a template (S, the converted MovieLens-1M); tests/test_retrieval.py trains the preset "
+        "on a fake MovieLens",
     "python -m experiments.train --config=frappe --workdir=runs/frappe/gem_s0 --seed=0":
         "needs the converted Frappe files; tests/test_frappe_trainer.py trains the preset on fake ones",
     "python -m benchmarks.bench_feed --config=movielens_rank --features=DIR/schema.json "
