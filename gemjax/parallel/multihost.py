@@ -32,6 +32,7 @@ cross-process all-gather sees each process once (a launch check before a long jo
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import jax
@@ -191,8 +192,20 @@ def _check(argv=None) -> None:
     lay["allgather"] = seen.tolist()
     print(f"[gemjax] {describe()}; all-gather saw processes {seen.tolist()}", flush=True)
     print("LAYOUT " + json.dumps(lay), flush=True)
-    if sorted(seen.tolist()) != list(range(lay["process_count"])):
-        raise SystemExit(f"all-gather saw processes {seen.tolist()}, expected 0..{lay['process_count'] - 1}")
+    ok = sorted(seen.tolist()) == list(range(lay["process_count"]))
+    if not ok:
+        print(f"all-gather saw processes {seen.tolist()}, expected 0..{lay['process_count'] - 1}",
+              file=sys.stderr, flush=True)
+    if lay["process_count"] > 1:
+        # Leave the job together (the coordination service's shutdown barrier), then exit
+        # without interpreter teardown: the CPU collectives' transport can block at exit
+        # on a peer process that has already gone.
+        jax.distributed.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if ok else 1)
+    if not ok:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
