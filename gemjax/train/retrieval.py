@@ -53,7 +53,8 @@ from gemjax.models.retrieval import (CANDIDATES, ITEM_FIELD, item_table, l2_norm
                                      retrieval_sequence, target_feature)
 from gemjax.train.retrieval_loss import (history_mask, next_item_targets, ranking_summary,
                                          sampled_softmax, target_ranks)
-from gemjax.train.step import CHECK_VMA, PlannedStep, Trainer, gather_param, process_rows
+from gemjax.train.step import (CHECK_VMA, PlannedStep, Trainer, gather_param, process_rows,
+                               updated_state)
 
 KS = (10, 50)
 METRICS = tuple(f"{m}@{k}{s}" for s in ("", "_unmasked") for k in KS for m in ("hr", "ndcg"))
@@ -157,11 +158,7 @@ class RetrievalTrainer(Trainer):
             (loss, (loss_sum, w_sum)), (g_params, g_acts) = jax.value_and_grad(
                 loss_fn, argnums=(0, 1), has_aux=True)(state["params"], acts, batch, cand,
                                                        state["step"])
-            updates, opt_state = tx.update(g_params, state["opt_state"], state["params"])
-            new_state = {"step": state["step"] + 1,
-                         "params": optax.apply_updates(state["params"], updates),
-                         "opt_state": opt_state,
-                         "tables": coll.apply_gradients(state["tables"], residuals, g_acts)}
+            new_state = updated_state(tx, coll, state, residuals, g_params, g_acts)
             metrics = {"loss": loss, "loss_sum": loss_sum, "weight_sum": w_sum,
                        "grad_norm": optax.global_norm(g_params), **residuals["stats"]}
             return new_state, metrics

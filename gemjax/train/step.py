@@ -179,6 +179,18 @@ def loss_fn(ctx: StepContext, params, acts, batch: Batch):
     return loss, (loss_sum, w_sum, pos_sum, logits)
 
 
+def updated_state(tx: optax.GradientTransformation, coll: EmbeddingCollection, state: dict,
+                  residuals: dict, g_params, g_acts) -> dict:
+    """The next train state: dense params through `tx`, the looked-up table rows through
+    the collection's sparse optimizer (`residuals` of its lookup, `g_acts` their
+    gradients), step + 1."""
+    updates, opt_state = tx.update(g_params, state["opt_state"], state["params"])
+    return {"step": state["step"] + 1,
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "tables": coll.apply_gradients(state["tables"], residuals, g_acts)}
+
+
 def train_step(ctx: StepContext, state: dict, batch: Batch) -> tuple[dict, dict]:
     """One optimizer step: (new state, metrics).
 
@@ -189,11 +201,7 @@ def train_step(ctx: StepContext, state: dict, batch: Batch) -> tuple[dict, dict]
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, ctx), argnums=(0, 1), has_aux=True)
     (loss, (loss_sum, w_sum, pos_sum, _)), (g_params, g_acts) = grad_fn(
         state["params"], acts, batch)
-    updates, opt_state = ctx.tx.update(g_params, state["opt_state"], state["params"])
-    new_state = {"step": state["step"] + 1,
-                 "params": optax.apply_updates(state["params"], updates),
-                 "opt_state": opt_state,
-                 "tables": ctx.coll.apply_gradients(state["tables"], residuals, g_acts)}
+    new_state = updated_state(ctx.tx, ctx.coll, state, residuals, g_params, g_acts)
     metrics = {"loss": loss, "loss_sum": loss_sum, "weight_sum": w_sum,
                "positive_sum": pos_sum, "grad_norm": optax.global_norm(g_params),
                **residuals["stats"]}
