@@ -245,6 +245,27 @@ PRESETS: dict[str, Config] = {
                           head_mlp=(512,), dtype="bfloat16"),
         train=TrainConfig(steps=2_000, log_every=50, eval_every=500, dense_lr=1e-3, sparse_lr=0.1,
                           baselines=False, sparse_exchange_buckets=True, sparse_sync_buckets=True)),
+    # GEM-shaped teacher for one H200 (issue: GEM scale). 1,253M dense parameters (965M in
+    # the 8 Wukong experts, 288M outside), width 512 (4 heads of 128), two event sequences of
+    # log-normal lengths (median 1,024, sigma 0.6, cap 8,192; about 2,330 events per sample),
+    # ~51 GFLOP of model FLOPs per sample per train step (gemjax.perf.model_size prints both
+    # counts; tests/test_gem1b.py pins them). The FLOPs sit in big GEMMs: the pyramid's
+    # per-token projections and FFN over ~2.4M tokens a step, Wukong MLPs 1,024 -> 8,192 ->
+    # 8,192 in each expert (top 2 of 8, capacity 1.25: 320 rows per expert, not 8 x the
+    # batch), summary MLPs 6,656 -> 8,192 and per-surface heads 6,144 -> 4,096. capacity_slack
+    # 1.05: the packed buffers hold 1.32M tokens per sequence per step (1.19M expected).
+    "gem1b": Config(
+        name="gem1b",
+        data=DataConfig(batch_size=1024, vocab_user=2_000_000, vocab_item=1_000_000,
+                        num_categories=64, seq_median=1024, seq_sigma=0.6, seq_cap=8192, recent=64,
+                        capacity_slack=1.05, eval_batches=4, host_workers=12),
+        model=ModelConfig(kind="teacher", dim=512, block=64, seq_heads=4, dense_tokens=8,
+                          wukong_layers=2, fmb_tokens=16, lcb_tokens=16, fm_rank=32,
+                          wukong_mlp=(8192,), head_mlp=(4096,), num_experts=8, top_k=2,
+                          capacity_factor=1.25, dtype="bfloat16"),
+        train=TrainConfig(steps=300, warmup_steps=50, log_every=20, eval_every=300,
+                          checkpoint_every=1_000_000, dense_lr=3e-4, sparse_lr=0.05,
+                          baselines=False)),
     # MovieLens-1M next-item retrieval (gemjax.train.retrieval; experiments/movielens.py
     # runs it): the recipe of the standalone script's defaults that reached HR@10 0.3061
     # (README "Measured so far"): item dim 64, 2 causal softmax blocks of 2 heads
