@@ -63,6 +63,8 @@ flags.DEFINE_integer("seed", None, "seed of data, teacher and init")
 flags.DEFINE_integer("batch_size", None, "global batch size")
 flags.DEFINE_bool("baselines", None, "also train LR and the no-sequence model (same stream)")
 flags.DEFINE_string("profile_steps", "", "A:B traces steps A..B-1 (0-based) into WORKDIR/profile")
+flags.DEFINE_float("peak_flops", None, "peak FLOP/s per device of summary.json's e2e_mfu (default: "
+                   "the device kind's spec peak; none on CPU)")
 flags.DEFINE_string("mesh", "", "physical mesh axes outer to inner, e.g. replica=2,fsdp=-1,expert=2 "
                     "(default: every device on one 'batch' axis)")
 flags.DEFINE_string("logical_rules", "", "logical-axis rule overrides, e.g. mlp=fsdp,embed= (name= replicates)")
@@ -189,7 +191,8 @@ def main(argv):
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"[gemjax] --mode=eval: {e}")
         return
-    summary = train(cfg, workdir, log=log, profile_steps=profile_steps)
+    summary = train(cfg, workdir, log=log, profile_steps=profile_steps,
+                    peak_flops=flags.FLAGS.peak_flops)
     if not lead:
         return
     if cfg.train.baselines:

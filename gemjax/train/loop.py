@@ -206,7 +206,7 @@ def _with_next(items):
 
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
           mesh=None, stop_after: int | None = None, trainer_kw: dict | None = None,
-          profile_steps: tuple[int, int] | None = None) -> dict:
+          profile_steps: tuple[int, int] | None = None, peak_flops: float | None = None) -> dict:
     """Train cfg.train.steps steps (resuming from workdir); returns the summary dict.
 
     stop_after: stop (with a checkpoint) once this many total steps are done;
@@ -215,6 +215,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     (gemjax.train.layout.build). WORKDIR/config.json records the layout that runs
     (layout.record), so it rebuilds the same mesh and shardings. profile_steps: (a, b) writes a jax.profiler
     trace of steps a..b-1 (0-based) to WORKDIR/profile (`tracking.ProfileWindow`).
+    peak_flops: the per-device peak FLOP/s of summary.json's e2e_mfu (default: the spec
+    peak of the device kind, gemjax.perf.mfu.PEAK_FLOPS; none on CPU).
     Raises WorkdirBusy (another run holds the workdir), ResumeMismatch, Interrupted
     (SIGINT / SIGTERM, after saving), FloatingPointError (non-finite loss or state;
     nothing non-finite saved).
@@ -223,12 +225,13 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     runtime.enable_gpu_graphs(log)   # CUDA graphs on GPU if no device was used yet (runtime)
     os.makedirs(workdir, exist_ok=True)
     with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop:
-        return _train(cfg, workdir, log, mesh, stop_after, trainer_kw, stop, profile_steps)
+        return _train(cfg, workdir, log, mesh, stop_after, trainer_kw, stop, profile_steps,
+                      peak_flops)
 
 
 def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_after: int | None,
            trainer_kw: dict | None, stop: StopSignals,
-           profile_steps: tuple[int, int] | None) -> dict:
+           profile_steps: tuple[int, int] | None, peak_flops: float | None) -> dict:
     t = cfg.train
     started, compile_timer = time.perf_counter(), tracking.CompileTimer()
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
@@ -255,13 +258,14 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     profile = tracking.ProfileWindow(profile_steps, os.path.join(workdir, "profile"), start, end,
                                      log=log, enabled=lead, paused=meter.paused)
     save = _Saver(ckpt, trainer, cfg)
+    waits = tracking.HostWait()    # seconds blocked on the feed
 
     finished = False
     try:
         if stop.agreed(True):
             raise Interrupted(stop.signum, None, f"stopped by {stop.name()} before the first "
                               f"step: nothing new to save (checkpoint step {start or 'none'})")
-        for (step, batch, infos, tokens), nxt in _with_next(feeder.batches(start, end)):
+        for (step, batch, infos, tokens), nxt in _with_next(waits.timed(feeder.batches(start, end))):
             state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
             window.add(m, tokens, infos)
             done = step + 1
@@ -270,6 +274,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
             stopping = stop.agreed(at_log)   # a stop logs the open window and saves this step
             if at_log or stopping:
                 window.log_point(done, cfg, meter, last_eval, ckpt, runlog.append, log)
+                waits.log_point(done)
             if done % t.eval_every == 0 or done == end:
                 pause_for_test("eval", done, stop, log)
                 last_eval = _eval_point(evaluator, state, done, meter, runlog.append, log)
@@ -300,6 +305,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
         return {"steps": end, "stopped_early": True}
     summary = _summary(cfg, trainer, evaluator, state, last_eval, window.counters, meter,
                        started, compile_timer, lead, runlog)
+    summary.update(_efficiency(cfg, trainer, stream, summary["step_time_s"], waits, peak_flops))
     runlog.close()
     if lead:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -460,6 +466,38 @@ def _save_at_once(save: _Saver, state: dict, ckpt: Checkpointer,
     except Exception as e:  # interrupted inside the step: its donated input is gone
         log(f"[gemjax] interrupted mid-step, nothing new saved ({e.__class__.__name__}); "
             f"newest checkpoint: step {ckpt.latest_step()}")
+
+
+def _efficiency(cfg: Config, trainer: Trainer, stream, step_time_s: float | None,
+                waits: tracking.HostWait, peak_flops: float | None) -> dict:
+    """tracking.efficiency's figures of the run: model FLOPs per step the analytic count
+    (gemjax.perf.model_flops; the teacher on the synthetic stream, whose batches are a
+    pure function of the step) averaged over the stream's first two steps, every global shard; the peak `peak_flops` or the device kind's spec peak in the
+    model's dtype (bf16; tf32 for float32 matmuls)."""
+    from gemjax.perf import mfu
+    from gemjax.perf.model_flops import shard_seq_lengths, teacher_step_flops
+
+    n = trainer.num_shards
+    flops = None
+    if cfg.model.kind == "teacher" and cfg.data.source == "synthetic":
+        try:
+            per = []
+            for step in range(min(2, max(cfg.train.steps, 1))):
+                shards = [stream.shard_batch(step, i, n)[0] for i in range(n)]
+                per.append(sum(teacher_step_flops(cfg, lens) for b in shards
+                               for lens in shard_seq_lengths(b, 1)))
+            flops = float(np.mean(per))
+        except ValueError:           # a schema the count does not cover
+            flops = None
+    devices = list(trainer.mesh.devices.flat)
+    try:
+        peak = mfu.peak_flops(devices[0].device_kind,
+                              "bf16" if cfg.model.dtype == "bfloat16" else "tf32", peak_flops)
+    except ValueError:               # CPU and unknown device kinds
+        peak = None
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return tracking.efficiency(step_time_s, flops, peak, len(devices), waits.steady_per_step,
+                               tracking.peak_memory_bytes(local))
 
 
 def _summary(cfg: Config, trainer: Trainer, evaluator: "Evaluator", state: dict, last_eval: dict,

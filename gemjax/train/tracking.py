@@ -189,6 +189,85 @@ def timing(meter, batch_size: int, wall_time_s: float, compile_s: float) -> dict
             "samples_per_sec_incl_compile": num(meter.total_samples_per_sec)}
 
 
+class HostWait:
+    """Seconds the train loop spends blocked on its input (waiting for the Feeder's next
+    step), and the steady share of it.
+
+    `timed(items)` wraps the feeder's iterator and adds the time each `next` blocks;
+    `log_point(done)` marks the total at a log point. The steady figures run from the
+    first log point (whose interval holds the compile) to the last, as
+    timing()'s steady step time does."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.seconds, self._clock = 0.0, clock
+        self._first: tuple[int, float] | None = None
+        self._last: tuple[int, float] | None = None
+
+    def timed(self, items):
+        it = iter(items)
+        while True:
+            t = self._clock()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.seconds += self._clock() - t
+            yield item
+
+    def log_point(self, done: int) -> None:
+        if self._first is None:
+            self._first = (done, self.seconds)
+        self._last = (done, self.seconds)
+
+    @property
+    def steady_per_step(self) -> float | None:
+        """Seconds blocked per step between the first and the last log point (None with
+        fewer than two log points)."""
+        if self._first is None or self._last[0] <= self._first[0]:
+            return None
+        return (self._last[1] - self._first[1]) / (self._last[0] - self._first[0])
+
+
+def peak_memory_bytes(devices) -> int | None:
+    """Largest peak_bytes_in_use of `devices`' memory_stats() (None where the backend
+    keeps no such statistic, e.g. CPU)."""
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - a backend without memory statistics
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def efficiency(step_time_s: float | None, model_flops_per_step: float | None,
+               peak_flops_per_device: float | None, num_devices: int,
+               host_wait_s: float | None, peak_memory: int | None) -> dict:
+    """summary.json's efficiency figures:
+
+    model_flops_per_step: analytic model FLOPs of one step, all devices
+      (gemjax.perf.model_flops; None for models it does not count).
+    peak_flops_per_device: the spec peak of the device kind in the model's dtype
+      (gemjax.perf.mfu.PEAK_FLOPS; None on CPU and unknown kinds).
+    e2e_mfu: model_flops_per_step / step_time_s / (peak_flops_per_device x devices),
+      the steady step with its host feed (None where a factor is None).
+    host_wait_s / host_wait_share: steady seconds per step blocked on the feed
+      (HostWait), and their share of step_time_s.
+    peak_memory_bytes: peak_memory_bytes() of the run's devices.
+    """
+    ok = step_time_s and model_flops_per_step and peak_flops_per_device
+    return {"model_flops_per_step": model_flops_per_step,
+            "peak_flops_per_device": peak_flops_per_device,
+            "e2e_mfu": (model_flops_per_step / step_time_s / (peak_flops_per_device * num_devices)
+                        if ok else None),
+            "host_wait_s": host_wait_s,
+            "host_wait_share": host_wait_s / step_time_s if host_wait_s is not None and step_time_s
+            else None,
+            "peak_memory_bytes": peak_memory}
+
+
 def git_revision(path: str | None = None) -> tuple[str | None, bool | None]:
     """(commit, dirty) of the git checkout holding the gemjax package (or `path`);
     (None, None) when the code is not in a git checkout or git is missing."""
