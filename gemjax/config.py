@@ -62,6 +62,10 @@ class DataConfig:
     dense_signal: float = 0.4
     clicks_signal: float = 3.0
     views_signal: float = 1.5
+    # Base Batch Shuffling (gemjax.data.balance): the train batch dealt to the devices as
+    # length-sorted sub-batches of bbs_sub_batch samples, in snake order (synthetic source)
+    bbs: bool = False
+    bbs_sub_batch: int = 8
 
     @property
     def sequence_capacity(self) -> int:
@@ -410,6 +414,10 @@ def validate(cfg: Config) -> None:
          f"got {d.eval_batches}"),
         (d.host_workers >= 0, f"data.host_workers must be >= 0, got {d.host_workers}"),
         (d.capacity_slack > 0, f"data.capacity_slack must be > 0, got {d.capacity_slack}"),
+        (d.bbs_sub_batch >= 1 and (not d.bbs or d.batch_size % d.bbs_sub_batch == 0),
+         f"data.bbs_sub_batch ({d.bbs_sub_batch}) must be >= 1 and divide data.batch_size "
+         f"({d.batch_size}) when data.bbs is on"),
+        (not d.bbs or d.source == "synthetic", "data.bbs needs data.source=synthetic"),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.sparse_update_impl in ("xla", "pallas"),
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),

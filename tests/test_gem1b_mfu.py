@@ -1,6 +1,6 @@
 """summary.json's efficiency figures (e2e_mfu, model FLOPs per step, host wait, peak
-memory): present and consistent on a tiny teacher run with a given peak; HostWait's
-arithmetic on a fake clock."""
+memory) and metrics.jsonl's rank loads: present and consistent on a tiny teacher run
+with BBS on 2 devices and a given peak; HostWait's arithmetic on a fake clock."""
 
 import json
 import os
@@ -12,14 +12,14 @@ from jax.sharding import Mesh
 
 from gemjax.config import apply_overrides, get_config
 from gemjax.data.feeding import concat_shards
-from gemjax.data.synthetic import SyntheticStream
+from gemjax.data import balance
 from gemjax.perf.model_flops import batch_step_flops
 from gemjax.train import tracking
 from gemjax.train.loop import train
 
 CFG = apply_overrides(get_config("tiny"), "model.kind=teacher,model.interformer_layers=1,model.pyramid_levels=8:none:1,"
                                           "model.cls_tokens=0,model.pma_tokens=0,model.recent_tokens=1,"
-                                          "train.steps=6,train.log_every=2,train.eval_every=6,"
+                                          "data.bbs=true,data.bbs_sub_batch=8,train.steps=6,train.log_every=2,train.eval_every=6,"
                                           "train.checkpoint_every=6,train.tensorboard=false")
 PEAK = 2.5e9      # a made-up per-device peak: CPU has none in the table
 
@@ -38,7 +38,7 @@ def summary(tmp_path_factory):
 def test_summary_efficiency_fields_are_consistent(summary):
     s, _ = summary
     # the analytic count, here from the stream's batches of 2 shards concatenated (another path)
-    stream = SyntheticStream(CFG.data, CFG.train.seed)
+    stream = balance.train_source(CFG)
     want = np.mean([batch_step_flops(CFG, concat_shards([stream.shard_batch(step, i, 2)[0]
                                                          for i in range(2)]), 2)
                     for step in (0, 1)])
@@ -48,6 +48,23 @@ def test_summary_efficiency_fields_are_consistent(summary):
     assert 0 <= s["host_wait_s"] <= s["step_time_s"]
     assert s["host_wait_share"] == pytest.approx(s["host_wait_s"] / s["step_time_s"])
     assert s["peak_memory_bytes"] is None          # CPU keeps no memory statistics
+
+
+def test_train_rows_hold_the_rank_loads_of_their_steps(summary):
+    _, rows = summary
+    src = balance.train_source(CFG)
+    trains = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == [2, 4, 6]
+    for r in trains:
+        per_step = []
+        for step in (r["step"] - 2, r["step"] - 1):
+            loads = [balance.shard_load(src.shard_batch(step, i, 2)[0]) for i in range(2)]
+            per_step.append([balance.load_ratio([x[k] for x in loads]) for k in (0, 1)])
+        per_step = np.array(per_step)
+        assert r["load_tokens_max_over_mean"] == pytest.approx(per_step[:, 0].mean())
+        assert r["load_pairs_max_over_mean"] == pytest.approx(per_step[:, 1].mean())
+        assert r["load_pairs_max_over_mean_worst"] == pytest.approx(per_step[:, 1].max())
+        assert 1.0 <= r["load_tokens_max_over_mean"] < 1.2
 
 
 def test_without_a_peak_on_cpu_mfu_is_none():

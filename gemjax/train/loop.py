@@ -46,6 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gemjax.config import Config, validate
+from gemjax.data import balance
 from gemjax.data.feeding import Feeder
 from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
@@ -239,8 +240,9 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
         mesh, trainer_kw = layout.build(cfg)
     retrieval = is_retrieval(cfg)   # next-item retrieval: gemjax.train.retrieval
     trainer = (RetrievalTrainer if retrieval else Trainer).create(cfg, mesh, **(trainer_kw or {}))
-    stream = make_source(cfg, "train")
-    feeder = Feeder(stream.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
+    stream = balance.train_source(cfg)        # with data.bbs: Base Batch Shuffling
+    loads = balance.LoadLog(trainer.num_shards)
+    feeder = Feeder(loads.wrap(stream.shard_batch), trainer.mesh, check_ids=trainer.coll.check_ids,
                     id_fields=trainer.id_fields, workers=cfg.data.host_workers)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     start, state, last_eval, counters = _start(ckpt, trainer, trainer_kw or {}, stream, cfg, workdir,
@@ -268,12 +270,14 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
         for (step, batch, infos, tokens), nxt in _with_next(waits.timed(feeder.batches(start, end))):
             state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
             window.add(m, tokens, infos)
+            loads.step_done(step)
             done = step + 1
             pause_for_test("step", done, stop, log)
             at_log = done % t.log_every == 0 or done == end
             stopping = stop.agreed(at_log)   # a stop logs the open window and saves this step
             if at_log or stopping:
-                window.log_point(done, cfg, meter, last_eval, ckpt, runlog.append, log)
+                window.log_point(done, cfg, meter, last_eval, ckpt,
+                                 lambda row: runlog.append({**row, **loads.row()}), log)
                 waits.log_point(done)
             if done % t.eval_every == 0 or done == end:
                 pause_for_test("eval", done, stop, log)
