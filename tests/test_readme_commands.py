@@ -84,6 +84,9 @@ SKIP = {
     "./run setup": "installs into .venv; CI's `./run test` runs the same setup",
     "./run train --config=small --override=model.dim=32,data.seq_median=64,train.steps=3000": LONG,
     "./run train --config=h200 --override=model.kind=teacher": "GPU (h200 preset)",
+    "./run train --config=gem1b --steps=60 --eval_every=60 --workdir=runs/gem1b": "GPU (gem1b preset)",
+    "python -m gemjax.perf.model_size --config=gem1b": "tests/test_gem1b.py runs its main() and "
+                                                       "pins the figures the README quotes",
     f"./run train --config=h200 {GPU_TEACHER} --workdir=runs/h200": "GPU (h200 preset)",
     f"./run train --config=h200 {GPU_TEACHER} --mesh=replica=-1 --table_replica_axes=replica "
     "--batch_size=32768 --workdir=runs/h200x8": "8 GPUs",
