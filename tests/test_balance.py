@@ -44,38 +44,45 @@ def test_gem1b_rank_loads_on_8_shards_with_and_without_bbs(capsys):
     src = balance.train_source(cfg)
     ratios = {}
     for step in (0, 1):
-        loads = np.array([balance.shard_load(b) for b, _ in src.sub_batches(step)])
-        for name, plan in (("without", balance.identity_plan(128, 8)), ("bbs", src.plan(step, 8))):
+        loads = src.sub_batch_loads(step, 8)
+        for name, plan in (("without", balance.identity_plan(128, 8)), ("with", src.plan(step, 8))):
             ratios[name, step] = [balance.load_ratio(loads[:, k][plan].sum(1)) for k in (0, 1)]
-    # the ranks' batches themselves: the same loads as the plan's sums
+    # the ranks' batches themselves: without BBS the stream's own 8 shards; with, the plan's sums
+    plain = [balance.shard_load(src.inner.shard_batch(1, r, 8)[0]) for r in range(8)]
     got = [balance.shard_load(src.shard_batch(1, r, 8)[0]) for r in range(8)]
-    assert balance.load_ratio([t for t, _ in got]) == pytest.approx(ratios["bbs", 1][0])
+    assert [balance.load_ratio([x[k] for x in plain]) for k in (0, 1)] == pytest.approx(ratios["without", 1])
+    assert [balance.load_ratio([x[k] for x in got]) for k in (0, 1)] == pytest.approx(ratios["with", 1])
+    assert sum(t for t, _ in got) == sum(t for t, _ in plain)
     with capsys.disabled():
         for (name, step), (tok, pairs) in sorted(ratios.items()):
             print(f"\n[bbs] gem1b step {step}, 8 ranks, {name} BBS: max/mean tokens {tok:.4f}, "
                   f"attention pairs {pairs:.4f}", end="")
     for step in (0, 1):
-        assert ratios["bbs", step][0] <= 1.03 < ratios["without", step][0]
-        assert ratios["bbs", step][1] < ratios["without", step][1]
+        assert ratios["with", step][0] <= 1.03 < ratios["without", step][0]
+        assert ratios["with", step][1] < ratios["without", step][1]
 
 
 def test_bbs_keeps_the_step_samples_and_only_moves_them():
     # room for every event on every rank (a rank cut to its capacity loses events, counted)
     cfg = get_config("tiny", "data.bbs=true,data.bbs_sub_batch=4,data.capacity_slack=4")
     src = balance.train_source(cfg)
-    ref = balance.BalancedSource(src.inner, src.sequence_capacity, 64, 4, balance=False)
     for step in (0, 3):
-        plan = src.plan(step, 8)
-        assert plan.tolist() != balance.identity_plan(16, 8).tolist()     # it does move them
         for n in (8, 2):
-            assert sum(src.shard_batch(step, r, n)[1].seq_truncated_to_capacity for r in range(n)) == 0
-            with_bbs = collections.Counter(f for r in range(n) for f in _fingerprints(src.shard_batch(step, r, n)[0]))
-            without = collections.Counter(f for r in range(n) for f in _fingerprints(ref.shard_batch(step, r, n)[0]))
+            plan = src.plan(step, n)
+            assert plan.tolist() != balance.identity_plan(16, n).tolist()     # it does move them
+            shards = [src.shard_batch(step, r, n) for r in range(n)]
+            assert sum(i.seq_truncated_to_capacity for _, i in shards) == 0
+            with_bbs = collections.Counter(f for b, _ in shards for f in _fingerprints(b))
+            without = collections.Counter(f for r in range(n)
+                                          for f in _fingerprints(src.inner.shard_batch(step, r, n)[0]))
             assert with_bbs == without and sum(with_bbs.values()) == 64
-        # a rank holds exactly its sub-batches' samples
-        rank = _fingerprints(src.shard_batch(step, 5, 8)[0])
-        parts = src.sub_batches(step)
-        assert rank == [f for i in plan[5] for f in _fingerprints(parts[i][0])]
+            # a rank holds exactly its sub-batches' samples, in plan order, with their true_probs
+            flat = [f for r in range(n) for f in _fingerprints(src.inner.shard_batch(step, r, n)[0])]
+            want = [f for j in plan[1] for f in flat[4 * j:4 * j + 4]]
+            assert _fingerprints(shards[1][0]) == want
+            probs = np.concatenate([src.inner.shard_batch(step, r, n)[1].true_probs for r in range(n)])
+            np.testing.assert_array_equal(shards[1][1].true_probs,
+                                          np.concatenate([probs[4 * j:4 * j + 4] for j in plan[1]]))
 
 
 def _jag_batch(lengths, start=0):
@@ -93,7 +100,7 @@ def _jag_batch(lengths, start=0):
 
 def test_pack_shards_keeps_the_newest_events_when_a_rank_overflows():
     a, b = _jag_batch([3, 0, 6]), _jag_batch([2, 5], start=100)
-    packed, n_cut = balance.pack_shards([a, b], capacity=12)
+    packed, n_cut = balance.pack_shards([(a, 0, 3), (b, 0, 2)], capacity=12)
     # 16 events into 12: the common cap is 3 (3 + 0 + 3 + 2 + 3 = 11 <= 12; 4 would give 14)
     assert n_cut == 2
     jag = packed.sequences["s"]
@@ -102,9 +109,15 @@ def test_pack_shards_keeps_the_newest_events_when_a_rank_overflows():
     want = [0, 1, 2, 6, 7, 8, 100, 101, 104, 105, 106]     # newest 3 of the 6 and of the 5
     assert items[:11].tolist() == want and items[11:].tolist() == [0]
     assert packed.sparse["user"].tolist() == [0, 1, 2, 100, 101]
-    packed, n_cut = balance.pack_shards([a, b], capacity=128)
+    packed, n_cut = balance.pack_shards([(a, 0, 3), (b, 0, 2)], capacity=128)
     assert n_cut == 0 and np.asarray(packed.sequences["s"].values["item"])[:16].tolist() == \
         [0, 1, 2, 3, 4, 5, 6, 7, 8, 100, 101, 102, 103, 104, 105, 106]
+    # a sample range from the middle of a shard: its samples' events only
+    packed, n_cut = balance.pack_shards([(a, 2, 3), (b, 1, 2)], capacity=128)
+    assert np.diff(packed.sequences["s"].offsets).tolist() == [6, 5] and n_cut == 0
+    assert np.asarray(packed.sequences["s"].values["item"])[:11].tolist() == \
+        [3, 4, 5, 6, 7, 8, 102, 103, 104, 105, 106]
+    assert packed.sparse["user"].tolist() == [2, 101]
 
 
 def test_load_log_ratios_per_step():

@@ -10,20 +10,21 @@ each of the R ranks gets G / R sub-batches and about 1 / R of the tokens:
     plan = snake_plan(tokens_per_sub_batch, num_ranks)     # [R, G / R] sub-batch ids
     source = train_source(cfg)                              # the loop's train source
 
-Mechanism, no communication: sub-batch j of step t is the planted stream's shard
-j of G (`shard_batch(t, j, G)`, generated with room for every event, so no
-sub-batch is cut), a pure function of (seed, t, j). Every process generates the
-step's G sub-batches (in one thread, once per step: `BalancedSource` caches the
-newest steps), reads their lengths, computes the same plan and keeps the
-sub-batches of its own ranks. The step's samples are the G sub-batches whatever
-the plan and the rank count; only their placement changes. With one process
-(one host and its GPUs) the process generates the global batch as without BBS;
-with P processes each generates all of it (P x the host work of its share).
+Mechanism, no communication: the step's samples are those of the source without
+BBS, its R shards (`shard_batch(step, c, R)`, each a pure function of (seed,
+step, c, R)); sub-batch j is samples [j s, (j + 1) s) of their concatenation.
+Every process builds the step's R shards (in one thread, once per step:
+`BalancedSource` caches the newest steps), reads the sub-batches' lengths,
+computes the same plan and keeps the sub-batches of its own ranks. So a step
+trains on exactly the samples it trains on without BBS, only their rank
+changes. With one process (one host and its GPUs) the process builds the global
+batch as without BBS; with P processes each builds all of it (P x the host work
+of its share).
 
 A rank's sub-batches are packed, in plan order, into the rank's static capacity
-(the config's capacity over R ranks); a rank whose tokens do not fit loses its
-longest sequences' oldest events (gemjax.data.jagged.fit_to_capacity), counted
-in seq_truncated_to_capacity.
+(the source's shard capacity); a rank whose tokens do not fit loses its longest
+sequences' oldest events (gemjax.data.jagged.fit_to_capacity), counted in
+seq_truncated_to_capacity.
 
 Rank load (`shard_load`): tokens = the events of every sequence of the shard;
 pairs = sum over its samples and sequences of L^2, the (query, key) pairs of a
@@ -36,10 +37,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
-from typing import Any, Callable
+from typing import Any
 
+import jax
 import numpy as np
 
 from gemjax.data.batch import Batch
@@ -89,14 +90,16 @@ def load_ratio(values) -> float:
     return float(v.max() / mean) if mean > 0 else 1.0
 
 
-def pack_shards(parts: list[Batch], capacity: int) -> tuple[Batch, int]:
-    """Sub-batches -> (one shard of every sequence packed into `capacity` tokens, sequences
-    cut to fit). Samples in `parts` order; a sample cut keeps its most recent events."""
+def pack_shards(parts: list[tuple[Batch, int, int]], capacity: int) -> tuple[Batch, int]:
+    """Sample ranges (batch, lo, hi) -> (one shard holding samples lo..hi-1 of each part,
+    in order, every sequence packed into `capacity` tokens; sequences cut to fit).
+    A cut sample keeps its most recent events."""
     seqs, n_cut = {}, 0
-    for name in parts[0].sequences:
-        jags = [p.sequences[name] for p in parts]
-        lengths = np.concatenate([np.diff(np.asarray(j.offsets)).astype(np.int64) for j in jags])
-        ends = [int(np.asarray(j.offsets)[-1]) for j in jags]
+    for name in parts[0][0].sequences:
+        jags = [(p.sequences[name], lo, hi) for p, lo, hi in parts]
+        spans = [np.asarray(j.offsets)[[lo, hi]].astype(np.int64) for j, lo, hi in jags]
+        lengths = np.concatenate([np.diff(np.asarray(j.offsets)[lo:hi + 1]).astype(np.int64)
+                                  for j, lo, hi in jags])
         cut = fit_to_capacity(lengths, capacity)
         n_cut += int((cut < lengths).sum())
         offsets, segment_ids, positions = layout_from_lengths(cut, capacity)
@@ -107,37 +110,52 @@ def pack_shards(parts: list[Batch], capacity: int) -> tuple[Batch, int]:
             pos_from_end = np.cumsum(lengths)[seg] - 1 - np.arange(total)
             keep = pos_from_end < cut[seg]
 
-        def field(*vals):
-            v = np.concatenate([np.asarray(x)[:n] for x, n in zip(vals, ends)])
+        def field(key):
+            v = np.concatenate([np.asarray(j.values[key])[a:b] for (j, _, _), (a, b) in zip(jags, spans)])
             if keep is not None:
                 v = v[keep]
             out = np.zeros((capacity,) + v.shape[1:], v.dtype)
             out[:v.shape[0]] = v
             return out
 
-        values = {k: field(*[j.values[k] for j in jags]) for k in jags[0].values}
-        seqs[name] = Jagged(values, offsets, segment_ids, positions)
-    merged = merge_shards([p.replace(sequences={}) for p in parts])
-    return merged.replace(sequences=seqs), n_cut
+        seqs[name] = Jagged({k: field(k) for k in jags[0][0].values}, offsets, segment_ids, positions)
+    flat = [jax.tree.map(lambda x, lo=lo, hi=hi: np.asarray(x)[lo:hi], p.replace(sequences={}))
+            for p, lo, hi in parts]
+    return merge_shards(flat).replace(sequences=seqs), n_cut
+
+
+def _slice_info(info: Any, lo: int, hi: int, counters: bool) -> Any:
+    """Samples lo..hi-1 of a dataclass info: per-sample arrays sliced, integer counters
+    kept (counters=True) or zeroed, so a shard's counters are counted once."""
+    if not dataclasses.is_dataclass(info):
+        return info
+    out = {}
+    for f in dataclasses.fields(info):
+        v = getattr(info, f.name)
+        if isinstance(v, np.ndarray):
+            out[f.name] = v[lo:hi]
+        elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            out[f.name] = v if counters else 0
+        else:
+            out[f.name] = v
+    return type(info)(**out)
 
 
 class BalancedSource:
     """A source (gemjax.data.source protocol) whose shards are BBS's ranks.
 
-    inner: the uncut sub-batch source (shard j of num_sub_batches is sub-batch j);
-    capacity: rank capacity as a function of the rank count; sub_batch: s samples per
-    sub-batch; balance: False deals the same sub-batches without sorting
-    (identity_plan), the reference BBS is compared with. Thread safe (the Feeder's
-    workers call shard_batch concurrently); keeps the newest `keep_steps` steps.
+    inner: the source without BBS; sub_batch: s samples per sub-batch; balance:
+    False deals the sub-batches without sorting (identity_plan: rank r holds inner
+    shard r, as without BBS). Thread safe (the Feeder's workers call shard_batch
+    concurrently); keeps the inner shards of the newest `keep_steps` steps.
     """
 
-    def __init__(self, inner, capacity: Callable[[int], int], batch_size: int, sub_batch: int,
-                 balance: bool = True, keep_steps: int = 64):
+    def __init__(self, inner, batch_size: int, sub_batch: int, balance: bool = True,
+                 keep_steps: int = 64):
         if sub_batch < 1 or batch_size % sub_batch:
             raise ValueError(f"data.bbs_sub_batch={sub_batch} must be >= 1 and divide "
                              f"data.batch_size={batch_size}")
-        self.inner, self._capacity = inner, capacity
-        self.batch_size, self.sub_batch, self.balance = batch_size, sub_batch, balance
+        self.inner, self.batch_size, self.sub_batch, self.balance = inner, batch_size, sub_batch, balance
         self.num_sub_batches = batch_size // sub_batch
         self._steps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -149,79 +167,86 @@ class BalancedSource:
         return getattr(self.inner, name)
 
     def local_batch_size(self, num_shards: int) -> int:
-        if self.batch_size % num_shards:
-            raise ValueError(f"data.batch_size={self.batch_size} is not divisible by the "
-                             f"{num_shards} batch shards (devices)")
-        return self.batch_size // num_shards
+        return self.inner.local_batch_size(num_shards)
 
-    def sequence_capacity(self, num_shards: int) -> int:
-        return self._capacity(num_shards)
+    def sequence_capacity(self, num_shards: int):
+        return self.inner.sequence_capacity(num_shards)
 
-    def sub_batches(self, step: int) -> list[tuple[Batch, Any]]:
-        """The step's G sub-batches (generated once, cached)."""
+    def inner_shards(self, step: int, num_shards: int) -> list[tuple[Batch, Any]]:
+        """The step's shards without BBS (built once per (step, num_shards), cached)."""
+        key = (step, num_shards)
         with self._lock:
-            entry = self._steps.get(step)
-            if entry is None:
-                entry = self._steps[step] = {"ready": threading.Event(), "parts": None}
-                mine = True
+            entry = self._steps.get(key)
+            mine = entry is None
+            if mine:
+                entry = self._steps[key] = {"ready": threading.Event(), "shards": None}
                 while len(self._steps) > self._keep:
                     self._steps.popitem(last=False)
-            else:
-                mine = False
         if mine:
             try:
-                entry["parts"] = [self.inner.shard_batch(step, j, self.num_sub_batches)
-                                  for j in range(self.num_sub_batches)]
+                entry["shards"] = [self.inner.shard_batch(step, c, num_shards) for c in range(num_shards)]
             finally:
                 entry["ready"].set()
         entry["ready"].wait()
-        if entry["parts"] is None:
+        if entry["shards"] is None:
             with self._lock:
-                self._steps.pop(step, None)
-            raise RuntimeError(f"BBS: building the sub-batches of step {step} failed in another thread")
-        return entry["parts"]
+                self._steps.pop(key, None)
+            raise RuntimeError(f"BBS: building the shards of step {step} failed in another thread")
+        return entry["shards"]
+
+    def sub_batch_loads(self, step: int, num_shards: int) -> np.ndarray:
+        """[G, 2] (tokens, pairs) of the step's sub-batches."""
+        s = self.sub_batch
+        out = []
+        for batch, _ in self.inner_shards(step, num_shards):
+            lens = sample_lengths(batch)                             # [S, b]
+            per = lens.reshape(lens.shape[0], -1, s)
+            out.append(np.stack([per.sum((0, 2)), (per * per).sum((0, 2))], 1))
+        return np.concatenate(out)
 
     def plan(self, step: int, num_shards: int) -> np.ndarray:
         """[R, G / R] sub-batch ids of each rank at `step`."""
-        if self.num_sub_batches % num_shards:
-            raise ValueError(f"BBS: the {self.num_sub_batches} sub-batches (data.batch_size / "
-                             f"data.bbs_sub_batch) cannot be dealt evenly to {num_shards} devices")
+        b = self.local_batch_size(num_shards)
+        if b % self.sub_batch:
+            raise ValueError(f"BBS: data.bbs_sub_batch={self.sub_batch} must divide the "
+                             f"{b} samples of each of the {num_shards} devices")
         if not self.balance:
             return identity_plan(self.num_sub_batches, num_shards)
-        tokens = [shard_load(b)[0] for b, _ in self.sub_batches(step)]
-        return snake_plan(np.asarray(tokens), num_shards)
+        return snake_plan(self.sub_batch_loads(step, num_shards)[:, 0], num_shards)
 
     def shard_batch(self, step: int, shard: int, num_shards: int) -> tuple[Batch, Any]:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range for {num_shards} shards")
-        parts = self.sub_batches(step)
         ids = self.plan(step, num_shards)[shard]
-        batch, n_cut = pack_shards([parts[i][0] for i in ids], self.sequence_capacity(num_shards))
-        info = merge_infos([parts[i][1] for i in ids])
+        shards = self.inner_shards(step, num_shards)
+        per = self.local_batch_size(num_shards) // self.sub_batch     # sub-batches per inner shard
+        parts, infos = [], []
+        for j in ids:
+            c, k = divmod(int(j), per)
+            lo, hi = k * self.sub_batch, (k + 1) * self.sub_batch
+            parts.append((shards[c][0], lo, hi))
+            # the inner shard's counters go with its first sub-batch
+            infos.append(_slice_info(shards[c][1], lo, hi, counters=k == 0))
+        batch, n_cut = pack_shards(parts, self.sequence_capacity(num_shards))
+        info = merge_infos(infos)
         if n_cut and hasattr(info, "seq_truncated_to_capacity"):
             info = dataclasses.replace(info, seq_truncated_to_capacity=info.seq_truncated_to_capacity + n_cut)
         return batch, info
 
 
 def train_source(cfg, seed: int | None = None):
-    """The train loop's source: make_source(cfg, "train"), or with data.bbs its
-    BalancedSource (synthetic stream only; sub-batches generated with room for every
-    event: capacity s x data.seq_cap tokens per sequence)."""
+    """The train loop's source: make_source(cfg, "train"), with data.bbs wrapped in a
+    BalancedSource (synthetic stream only)."""
     from gemjax.data.source import make_source
 
     d = cfg.data
-    if not getattr(d, "bbs", False):
-        return make_source(cfg, "train", seed=seed)
-    if d.source != "synthetic":
-        raise ValueError(f"data.bbs needs data.source=synthetic (its sub-batches are a pure "
-                         f"function of the step), got {d.source!r}")
     plain = make_source(cfg, "train", seed=seed)
-    mean_len = min(d.seq_median * math.exp(d.seq_sigma ** 2 / 2), d.seq_cap)
-    # sub-batch capacity = slack * batch * mean / G >= s * seq_cap: no sub-batch is ever cut
-    roomy = dataclasses.replace(cfg, data=dataclasses.replace(
-        d, capacity_slack=1.0001 * d.seq_cap / mean_len, bbs=False))
-    inner = make_source(roomy, "train", seed=seed)
-    return BalancedSource(inner, plain.sequence_capacity, d.batch_size, d.bbs_sub_batch)
+    if not getattr(d, "bbs", False):
+        return plain
+    if d.source != "synthetic":
+        raise ValueError(f"data.bbs needs data.source=synthetic (its shards are a pure "
+                         f"function of the step), got {d.source!r}")
+    return BalancedSource(plain, d.batch_size, d.bbs_sub_batch)
 
 
 class LoadLog:
