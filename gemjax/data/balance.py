@@ -111,11 +111,15 @@ def pack_shards(parts: list[tuple[Batch, int, int]], capacity: int) -> tuple[Bat
             keep = pos_from_end < cut[seg]
 
         def field(key):
-            v = np.concatenate([np.asarray(j.values[key])[a:b] for (j, _, _), (a, b) in zip(jags, spans)])
+            pieces = [np.asarray(j.values[key])[a:b] for (j, _, _), (a, b) in zip(jags, spans)]
             if keep is not None:
-                v = v[keep]
-            out = np.zeros((capacity,) + v.shape[1:], v.dtype)
-            out[:v.shape[0]] = v
+                pieces = [np.concatenate(pieces)[keep]]
+            out = np.empty((capacity,) + pieces[0].shape[1:], pieces[0].dtype)
+            at = 0
+            for v in pieces:                              # one copy, straight into the buffer
+                out[at:at + v.shape[0]] = v
+                at += v.shape[0]
+            out[at:] = 0
             return out
 
         seqs[name] = Jagged({k: field(k) for k in jags[0][0].values}, offsets, segment_ids, positions)
@@ -147,11 +151,13 @@ class BalancedSource:
     inner: the source without BBS; sub_batch: s samples per sub-batch; balance:
     False deals the sub-batches without sorting (identity_plan: rank r holds inner
     shard r, as without BBS). Thread safe (the Feeder's workers call shard_batch
-    concurrently); keeps the inner shards of the newest `keep_steps` steps.
+    concurrently); keeps a step's inner shards until each of its num_shards ranks was
+    built once (with several processes, that never happens: then the newest `keep_steps`
+    steps are kept); a step asked for again is rebuilt, the same.
     """
 
     def __init__(self, inner, batch_size: int, sub_batch: int, balance: bool = True,
-                 keep_steps: int = 64):
+                 keep_steps: int = 16):
         if sub_batch < 1 or batch_size % sub_batch:
             raise ValueError(f"data.bbs_sub_batch={sub_batch} must be >= 1 and divide "
                              f"data.batch_size={batch_size}")
@@ -179,7 +185,7 @@ class BalancedSource:
             entry = self._steps.get(key)
             mine = entry is None
             if mine:
-                entry = self._steps[key] = {"ready": threading.Event(), "shards": None}
+                entry = self._steps[key] = {"ready": threading.Event(), "shards": None, "served": 0}
                 while len(self._steps) > self._keep:
                     self._steps.popitem(last=False)
         if mine:
@@ -227,6 +233,12 @@ class BalancedSource:
             parts.append((shards[c][0], lo, hi))
             # the inner shard's counters go with its first sub-batch
             infos.append(_slice_info(shards[c][1], lo, hi, counters=k == 0))
+        with self._lock:                             # every rank built: drop the step's shards
+            entry = self._steps.get((step, num_shards))
+            if entry is not None:
+                entry["served"] += 1
+                if entry["served"] >= num_shards:
+                    del self._steps[(step, num_shards)]
         batch, n_cut = pack_shards(parts, self.sequence_capacity(num_shards))
         info = merge_infos(infos)
         if n_cut and hasattr(info, "seq_truncated_to_capacity"):
