@@ -134,3 +134,31 @@ def test_load_log_ratios_per_step():
     assert row["load_pairs_max_over_mean"] == pytest.approx((32 / 17 + 1.0) / 2)
     assert row["load_tokens_max_over_mean_worst"] == pytest.approx(1.6)
     assert log.row() == {}
+
+
+def test_threads_share_a_step_each_inner_shard_built_once():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = get_config("tiny", "data.bbs=true,data.bbs_sub_batch=4,data.capacity_slack=4")
+    plain = balance.train_source(cfg).inner
+    calls = collections.Counter()
+    lock = threading.Lock()
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(plain, name)
+
+        def shard_batch(self, step, shard, n):
+            with lock:
+                calls[step, shard] += 1
+            return plain.shard_batch(step, shard, n)
+
+    src = balance.BalancedSource(Counting(), 64, 4)
+    serial = balance.BalancedSource(plain, 64, 4)
+    with ThreadPoolExecutor(8) as pool:       # as the Feeder: every rank of a step at once
+        got = list(pool.map(lambda k: src.shard_batch(k // 8, k % 8, 8), range(24)))
+    assert set(calls.values()) == {1} and len(calls) == 24
+    for k, (batch, _) in enumerate(got):
+        assert _fingerprints(batch) == _fingerprints(serial.shard_batch(k // 8, k % 8, 8)[0])
+    assert not src._steps                     # every step's shards dropped once its ranks were built

@@ -13,8 +13,8 @@ each of the R ranks gets G / R sub-batches and about 1 / R of the tokens:
 Mechanism, no communication: the step's samples are those of the source without
 BBS, its R shards (`shard_batch(step, c, R)`, each a pure function of (seed,
 step, c, R)); sub-batch j is samples [j s, (j + 1) s) of their concatenation.
-Every process builds the step's R shards (in one thread, once per step:
-`BalancedSource` caches the newest steps), reads the sub-batches' lengths,
+Every process builds the step's R shards (once per step, shared by the Feeder
+threads asking for its ranks: `BalancedSource`), reads the sub-batches' lengths,
 computes the same plan and keeps the sub-batches of its own ranks. So a step
 trains on exactly the samples it trains on without BBS, only their rank
 changes. With one process (one host and its GPUs) the process builds the global
@@ -178,53 +178,62 @@ class BalancedSource:
     def sequence_capacity(self, num_shards: int):
         return self.inner.sequence_capacity(num_shards)
 
-    def inner_shards(self, step: int, num_shards: int) -> list[tuple[Batch, Any]]:
-        """The step's shards without BBS (built once per (step, num_shards), cached)."""
+    def inner_shards(self, step: int, num_shards: int, first: int = 0) -> list[tuple[Batch, Any]]:
+        """The step's shards without BBS (each built once per (step, num_shards), cached).
+
+        Threads asking for the same step share the work: each builds the shards no
+        other thread has claimed yet (from shard `first` on), then waits for the rest."""
         key = (step, num_shards)
         with self._lock:
             entry = self._steps.get(key)
-            mine = entry is None
-            if mine:
-                entry = self._steps[key] = {"ready": threading.Event(), "shards": None, "served": 0}
+            if entry is None:
+                entry = self._steps[key] = {"claimed": [False] * num_shards, "served": 0,
+                                            "done": [threading.Event() for _ in range(num_shards)],
+                                            "shards": [None] * num_shards}
                 while len(self._steps) > self._keep:
                     self._steps.popitem(last=False)
-        if mine:
-            try:
-                entry["shards"] = [self.inner.shard_batch(step, c, num_shards) for c in range(num_shards)]
-            finally:
-                entry["ready"].set()
-        entry["ready"].wait()
-        if entry["shards"] is None:
+        for c in [(first + i) % num_shards for i in range(num_shards)]:
             with self._lock:
-                self._steps.pop(key, None)
-            raise RuntimeError(f"BBS: building the shards of step {step} failed in another thread")
-        return entry["shards"]
+                if entry["claimed"][c]:
+                    continue
+                entry["claimed"][c] = True
+            try:
+                entry["shards"][c] = self.inner.shard_batch(step, c, num_shards)
+            finally:
+                entry["done"][c].set()
+        for c, done in enumerate(entry["done"]):
+            done.wait()
+            if entry["shards"][c] is None:
+                with self._lock:
+                    self._steps.pop(key, None)
+                raise RuntimeError(f"BBS: building shard {c} of step {step} failed in another thread")
+        return list(entry["shards"])
 
-    def sub_batch_loads(self, step: int, num_shards: int) -> np.ndarray:
+    def sub_batch_loads(self, step: int, num_shards: int, first: int = 0) -> np.ndarray:
         """[G, 2] (tokens, pairs) of the step's sub-batches."""
         s = self.sub_batch
         out = []
-        for batch, _ in self.inner_shards(step, num_shards):
+        for batch, _ in self.inner_shards(step, num_shards, first):
             lens = sample_lengths(batch)                             # [S, b]
             per = lens.reshape(lens.shape[0], -1, s)
             out.append(np.stack([per.sum((0, 2)), (per * per).sum((0, 2))], 1))
         return np.concatenate(out)
 
-    def plan(self, step: int, num_shards: int) -> np.ndarray:
-        """[R, G / R] sub-batch ids of each rank at `step`."""
+    def plan(self, step: int, num_shards: int, first: int = 0) -> np.ndarray:
+        """[R, G / R] sub-batch ids of each rank at `step` (first: see inner_shards)."""
         b = self.local_batch_size(num_shards)
         if b % self.sub_batch:
             raise ValueError(f"BBS: data.bbs_sub_batch={self.sub_batch} must divide the "
                              f"{b} samples of each of the {num_shards} devices")
         if not self.balance:
             return identity_plan(self.num_sub_batches, num_shards)
-        return snake_plan(self.sub_batch_loads(step, num_shards)[:, 0], num_shards)
+        return snake_plan(self.sub_batch_loads(step, num_shards, first)[:, 0], num_shards)
 
     def shard_batch(self, step: int, shard: int, num_shards: int) -> tuple[Batch, Any]:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range for {num_shards} shards")
-        ids = self.plan(step, num_shards)[shard]
-        shards = self.inner_shards(step, num_shards)
+        ids = self.plan(step, num_shards, first=shard)[shard]
+        shards = self.inner_shards(step, num_shards, first=shard)
         per = self.local_batch_size(num_shards) // self.sub_batch     # sub-batches per inner shard
         parts, infos = [], []
         for j in ids:
