@@ -280,16 +280,20 @@ class LoadLog:
         self.num_shards = num_shards
         self._loads: dict[tuple[int, int], tuple[int, int]] = {}
         self._ratios: list[tuple[float, float]] = []
+        self._lock = threading.Lock()           # the Feeder's threads record, the loop takes
 
     def wrap(self, make_shard):
         def make(step: int, shard: int, num_shards: int):
             batch, info = make_shard(step, shard, num_shards)
-            self._loads[(step, shard)] = shard_load(batch)
+            load = shard_load(batch)
+            with self._lock:
+                self._loads[(step, shard)] = load
             return batch, info
         return make
 
     def step_done(self, step: int) -> None:
-        loads = [self._loads.pop(k) for k in [k for k in list(self._loads) if k[0] == step]]
+        with self._lock:
+            loads = [self._loads.pop(k) for k in [k for k in self._loads if k[0] == step]]
         if loads:
             self._ratios.append((load_ratio([t for t, _ in loads]), load_ratio([p for _, p in loads])))
 
