@@ -1,8 +1,6 @@
 """The gem1b preset: its size (parameters from shapes, analytic FLOPs) pinned, its shape
 requirements, and its forward + backward traced without allocating a parameter."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +58,7 @@ def test_param_counts_match_a_materialised_model():
 def test_gem1b_forward_and_backward_trace_from_shapes():
     cfg = get_config("gem1b")
     model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
-    batch, _ = SyntheticStream(dataclasses.replace(cfg.data), 0).shard_batch(0)
+    batch, _ = SyntheticStream(cfg.data, 0).shard_batch(0)
     b, d = batch.dense.shape[0], cfg.model.dim
     acts = {f: jax.ShapeDtypeStruct((b, d), jnp.bfloat16) for f in SPARSE_FEATURES}
     for s in SEQUENCES:
