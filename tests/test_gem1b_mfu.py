@@ -17,10 +17,11 @@ from gemjax.perf.model_flops import batch_step_flops
 from gemjax.train import tracking
 from gemjax.train.loop import train
 
-CFG = apply_overrides(get_config("tiny"), "model.kind=teacher,model.interformer_layers=1,model.pyramid_levels=8:none:1,"
-                                          "model.cls_tokens=0,model.pma_tokens=0,model.recent_tokens=1,"
-                                          "data.bbs=true,data.bbs_sub_batch=8,train.steps=6,train.log_every=2,train.eval_every=6,"
-                                          "train.checkpoint_every=6,train.tensorboard=false")
+CFG = apply_overrides(get_config("tiny"), ",".join((
+    "model.kind=teacher,model.interformer_layers=1,model.pyramid_levels=8:none:1",
+    "model.cls_tokens=0,model.pma_tokens=0,model.recent_tokens=1",
+    "data.bbs=true,data.bbs_sub_batch=8,train.steps=6,train.log_every=2,train.eval_every=6",
+    "train.checkpoint_every=6,train.tensorboard=false")))
 PEAK = 2.5e9      # a made-up per-device peak: CPU has none in the table
 
 

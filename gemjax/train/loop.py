@@ -309,7 +309,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
         return {"steps": end, "stopped_early": True}
     summary = _summary(cfg, trainer, evaluator, state, last_eval, window.counters, meter,
                        started, compile_timer, lead, runlog)
-    summary.update(_efficiency(cfg, trainer, stream, summary["step_time_s"], waits, peak_flops))
+    summary.update(tracking.run_efficiency(cfg, trainer.mesh, stream, summary["step_time_s"], waits,
+                                           peak_flops))
     runlog.close()
     if lead:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -470,38 +471,6 @@ def _save_at_once(save: _Saver, state: dict, ckpt: Checkpointer,
     except Exception as e:  # interrupted inside the step: its donated input is gone
         log(f"[gemjax] interrupted mid-step, nothing new saved ({e.__class__.__name__}); "
             f"newest checkpoint: step {ckpt.latest_step()}")
-
-
-def _efficiency(cfg: Config, trainer: Trainer, stream, step_time_s: float | None,
-                waits: tracking.HostWait, peak_flops: float | None) -> dict:
-    """tracking.efficiency's figures of the run: model FLOPs per step the analytic count
-    (gemjax.perf.model_flops; the teacher on the synthetic stream, whose batches are a
-    pure function of the step) averaged over the stream's first two steps, every global shard; the peak `peak_flops` or the device kind's spec peak in the
-    model's dtype (bf16; tf32 for float32 matmuls)."""
-    from gemjax.perf import mfu
-    from gemjax.perf.model_flops import shard_seq_lengths, teacher_step_flops
-
-    n = trainer.num_shards
-    flops = None
-    if cfg.model.kind == "teacher" and cfg.data.source == "synthetic":
-        try:
-            per = []
-            for step in range(min(2, max(cfg.train.steps, 1))):
-                shards = [stream.shard_batch(step, i, n)[0] for i in range(n)]
-                per.append(sum(teacher_step_flops(cfg, lens) for b in shards
-                               for lens in shard_seq_lengths(b, 1)))
-            flops = float(np.mean(per))
-        except ValueError:           # a schema the count does not cover
-            flops = None
-    devices = list(trainer.mesh.devices.flat)
-    try:
-        peak = mfu.peak_flops(devices[0].device_kind,
-                              "bf16" if cfg.model.dtype == "bfloat16" else "tf32", peak_flops)
-    except ValueError:               # CPU and unknown device kinds
-        peak = None
-    local = [d for d in devices if d.process_index == jax.process_index()]
-    return tracking.efficiency(step_time_s, flops, peak, len(devices), waits.steady_per_step,
-                               tracking.peak_memory_bytes(local))
 
 
 def _summary(cfg: Config, trainer: Trainer, evaluator: "Evaluator", state: dict, last_eval: dict,

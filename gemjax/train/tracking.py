@@ -268,6 +268,38 @@ def efficiency(step_time_s: float | None, model_flops_per_step: float | None,
             "peak_memory_bytes": peak_memory}
 
 
+def run_efficiency(cfg, mesh, stream, step_time_s: float | None, waits: HostWait,
+                   peak_flops: float | None) -> dict:
+    """efficiency()'s figures of a run on `mesh` (every device one batch shard). Model
+    FLOPs per step: the analytic count (gemjax.perf.model_flops; the teacher on the
+    synthetic stream, whose batches are a pure function of the step) averaged over the
+    stream's first two steps, every shard; None otherwise. Peak: `peak_flops`, else the
+    device kind's spec peak in the model's dtype (bf16; tf32 for float32 matmuls)."""
+    import numpy as np
+
+    from gemjax.perf import mfu
+    from gemjax.perf.model_flops import shard_seq_lengths, teacher_step_flops
+
+    devices = list(mesh.devices.flat)
+    n = len(devices)
+    flops = None
+    if cfg.model.kind == "teacher" and cfg.data.source == "synthetic":
+        try:
+            per = [sum(teacher_step_flops(cfg, lens) for i in range(n)
+                       for lens in shard_seq_lengths(stream.shard_batch(step, i, n)[0], 1))
+                   for step in range(min(2, max(cfg.train.steps, 1)))]
+            flops = float(np.mean(per))
+        except ValueError:           # a schema the count does not cover
+            flops = None
+    try:
+        peak = mfu.peak_flops(devices[0].device_kind,
+                              "bf16" if cfg.model.dtype == "bfloat16" else "tf32", peak_flops)
+    except ValueError:               # CPU and unknown device kinds
+        peak = None
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return efficiency(step_time_s, flops, peak, n, waits.steady_per_step, peak_memory_bytes(local))
+
+
 def git_revision(path: str | None = None) -> tuple[str | None, bool | None]:
     """(commit, dirty) of the git checkout holding the gemjax package (or `path`);
     (None, None) when the code is not in a git checkout or git is missing."""
