@@ -154,8 +154,9 @@ def test_threads_share_a_step_each_inner_shard_built_once():
                 calls[step, shard] += 1
             return plain.shard_batch(step, shard, n)
 
-    src = balance.BalancedSource(Counting(), 64, 4)
-    serial = balance.BalancedSource(plain, 64, 4)
+    cap = balance.train_source(cfg).sequence_capacity
+    src = balance.BalancedSource(Counting(), cap, 64, 4)
+    serial = balance.BalancedSource(plain, cap, 64, 4)
     with ThreadPoolExecutor(8) as pool:       # as the Feeder: every rank of a step at once
         got = list(pool.map(lambda k: src.shard_batch(k // 8, k % 8, 8), range(24)))
     assert set(calls.values()) == {1} and len(calls) == 24

@@ -17,7 +17,9 @@ Every process builds the step's R shards (once per step, shared by the Feeder
 threads asking for its ranks: `BalancedSource`), reads the sub-batches' lengths,
 computes the same plan and keeps the sub-batches of its own ranks. So a step
 trains on exactly the samples it trains on without BBS, only their rank
-changes. With one process (one host and its GPUs) the process builds the global
+changes (the shards are built with twice the packed capacity, so where the
+source alone would cut a shard's sequences to fit, only the balanced rank's
+packing cuts). With one process (one host and its GPUs) the process builds the global
 batch as without BBS; with P processes each builds all of it (P x the host work
 of its share).
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -148,20 +150,22 @@ def _slice_info(info: Any, lo: int, hi: int, counters: bool) -> Any:
 class BalancedSource:
     """A source (gemjax.data.source protocol) whose shards are BBS's ranks.
 
-    inner: the source without BBS; sub_batch: s samples per sub-batch; balance:
-    False deals the sub-batches without sorting (identity_plan: rank r holds inner
-    shard r, as without BBS). Thread safe (the Feeder's workers call shard_batch
+    inner: the source without BBS, built with room to spare (INNER_ROOM); capacity:
+    the ranks' packed capacity by rank count (the source's own without BBS); sub_batch:
+    s samples per sub-batch; balance: False deals the sub-batches without sorting
+    (identity_plan: rank r holds inner shard r). Thread safe (the Feeder's workers call shard_batch
     concurrently); keeps a step's inner shards until each of its num_shards ranks was
     built once (with several processes, that never happens: then the newest `keep_steps`
     steps are kept); a step asked for again is rebuilt, the same.
     """
 
-    def __init__(self, inner, batch_size: int, sub_batch: int, balance: bool = True,
-                 keep_steps: int = 16):
+    def __init__(self, inner, capacity: Callable[[int], Any], batch_size: int, sub_batch: int,
+                 balance: bool = True, keep_steps: int = 16):
         if sub_batch < 1 or batch_size % sub_batch:
             raise ValueError(f"data.bbs_sub_batch={sub_batch} must be >= 1 and divide "
                              f"data.batch_size={batch_size}")
-        self.inner, self.batch_size, self.sub_batch, self.balance = inner, batch_size, sub_batch, balance
+        self.inner, self._capacity = inner, capacity
+        self.batch_size, self.sub_batch, self.balance = batch_size, sub_batch, balance
         self.num_sub_batches = batch_size // sub_batch
         self._steps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -176,7 +180,7 @@ class BalancedSource:
         return self.inner.local_batch_size(num_shards)
 
     def sequence_capacity(self, num_shards: int):
-        return self.inner.sequence_capacity(num_shards)
+        return self._capacity(num_shards)
 
     def inner_shards(self, step: int, num_shards: int, first: int = 0) -> list[tuple[Batch, Any]]:
         """The step's shards without BBS (each built once per (step, num_shards), cached).
@@ -255,9 +259,15 @@ class BalancedSource:
         return batch, info
 
 
+# The inner shards' capacity over the ranks': a shard the source would cut to its capacity
+# is built whole (its draws, so its samples, do not depend on the capacity) and only the
+# rank's packing cuts, after balancing.
+INNER_ROOM = 2.0
+
+
 def train_source(cfg, seed: int | None = None):
-    """The train loop's source: make_source(cfg, "train"), with data.bbs wrapped in a
-    BalancedSource (synthetic stream only)."""
+    """The train loop's source: make_source(cfg, "train"), with data.bbs a BalancedSource
+    over the same stream built with INNER_ROOM x its capacity (synthetic stream only)."""
     from gemjax.data.source import make_source
 
     d = cfg.data
@@ -267,7 +277,10 @@ def train_source(cfg, seed: int | None = None):
     if d.source != "synthetic":
         raise ValueError(f"data.bbs needs data.source=synthetic (its shards are a pure "
                          f"function of the step), got {d.source!r}")
-    return BalancedSource(plain, d.batch_size, d.bbs_sub_batch)
+    roomy = dataclasses.replace(cfg, data=dataclasses.replace(
+        d, capacity_slack=INNER_ROOM * d.capacity_slack))
+    return BalancedSource(make_source(roomy, "train", seed=seed), plain.sequence_capacity,
+                          d.batch_size, d.bbs_sub_batch)
 
 
 class LoadLog:
