@@ -38,7 +38,7 @@ def test_gem1b_parameter_and_flop_counts_are_pinned(capsys):
     assert round(flops) == PINNED_STEP_FLOPS and flops / cfg.data.batch_size >= 20e9
     model_size.main(["--config=gem1b"])
     out = capsys.readouterr().out
-    assert "dense parameters 1,253.3M (965.2M in experts, 288.2M outside)" in out
+    assert "dense parameters 1,253,349,636 = 1,253.3M (965.2M in experts, 288.2M outside)" in out
     assert f"{flops / cfg.data.batch_size / 1e9:.2f} GFLOP" in out
 
 
