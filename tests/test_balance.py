@@ -133,6 +133,7 @@ def test_load_log_ratios_per_step():
     assert row["load_tokens_max_over_mean"] == pytest.approx((1.6 + 1.0) / 2)
     assert row["load_pairs_max_over_mean"] == pytest.approx((32 / 17 + 1.0) / 2)
     assert row["load_tokens_max_over_mean_worst"] == pytest.approx(1.6)
+    assert row["load_tokens_per_rank"] == [(8 + 3) / 2, (2 + 3) / 2]     # shard order
     assert log.row() == {}
 
 

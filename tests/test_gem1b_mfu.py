@@ -66,6 +66,9 @@ def test_train_rows_hold_the_rank_loads_of_their_steps(summary):
         assert r["load_pairs_max_over_mean"] == pytest.approx(per_step[:, 1].mean())
         assert r["load_pairs_max_over_mean_worst"] == pytest.approx(per_step[:, 1].max())
         assert 1.0 <= r["load_tokens_max_over_mean"] < 1.2
+        ranks = [[balance.shard_load(src.shard_batch(step, i, 2)[0])[0] for i in range(2)]
+                 for step in (r["step"] - 2, r["step"] - 1)]
+        assert r["load_tokens_per_rank"] == pytest.approx(np.mean(ranks, axis=0).tolist())
 
 
 def test_without_a_peak_on_cpu_mfu_is_none():

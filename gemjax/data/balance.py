@@ -285,14 +285,15 @@ def train_source(cfg, seed: int | None = None):
 
 class LoadLog:
     """Per-step rank loads for metrics.jsonl: `wrap(make_shard)` records each shard's
-    (tokens, pairs) as the Feeder builds it; `step_done(step)` takes the step's ratios
-    (max / mean over the shards this process built); `row()` gives the mean and max
-    of the ratios of the steps since the last row, and starts the next window."""
+    (tokens, pairs) as the Feeder builds it; `step_done(step)` takes the step's loads
+    (the shards this process built); `row()` gives, over the steps since the last row,
+    the mean and the largest of each step's max / mean ratios and each rank's mean
+    tokens (`load_tokens_per_rank`, in shard order), and starts the next window."""
 
     def __init__(self, num_shards: int):
         self.num_shards = num_shards
         self._loads: dict[tuple[int, int], tuple[int, int]] = {}
-        self._ratios: list[tuple[float, float]] = []
+        self._steps: list[np.ndarray] = []      # [R, 2] (tokens, pairs) per finished step
         self._lock = threading.Lock()           # the Feeder's threads record, the loop takes
 
     def wrap(self, make_shard):
@@ -306,16 +307,18 @@ class LoadLog:
 
     def step_done(self, step: int) -> None:
         with self._lock:
-            loads = [self._loads.pop(k) for k in [k for k in self._loads if k[0] == step]]
+            keys = sorted(k for k in self._loads if k[0] == step)
+            loads = [self._loads.pop(k) for k in keys]
         if loads:
-            self._ratios.append((load_ratio([t for t, _ in loads]), load_ratio([p for _, p in loads])))
+            self._steps.append(np.asarray(loads, np.float64))
 
     def row(self) -> dict:
-        r = np.asarray(self._ratios, np.float64).reshape(-1, 2)
-        self._ratios = []
-        if not r.size:
+        steps, self._steps = self._steps, []
+        if not steps or len({s.shape for s in steps}) != 1:
             return {}
+        r = np.asarray([[load_ratio(s[:, 0]), load_ratio(s[:, 1])] for s in steps])
         return {"load_tokens_max_over_mean": float(r[:, 0].mean()),
                 "load_pairs_max_over_mean": float(r[:, 1].mean()),
                 "load_tokens_max_over_mean_worst": float(r[:, 0].max()),
-                "load_pairs_max_over_mean_worst": float(r[:, 1].max())}
+                "load_pairs_max_over_mean_worst": float(r[:, 1].max()),
+                "load_tokens_per_rank": [float(x) for x in np.mean(steps, axis=0)[:, 0]]}
