@@ -104,7 +104,7 @@ def test_bench_train_feed_measures_each_case_and_records_a_failing_one(tmp_path)
     # the table is printed last: its rows are the JSON's figures
     lines = r.stdout.strip().splitlines()
     assert lines[-5].startswith("train loop vs step alone, 1 x cpu")
-    assert lines[-4] == "feed packed: True; XLA_FLAGS: (none)"   # CPU: no CUDA-graph flags added
+    assert lines[-4] == "feed packed: True; steps per call: 1; XLA_FLAGS: (none)"  # CPU: no graphs
     assert lines[-3].split()[:4] == ["case", "model", "batch", "train/s"]
     row = lines[-2].split()
     assert row[:3] == ["movielens_rank", "lr", "64"]
