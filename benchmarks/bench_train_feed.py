@@ -33,7 +33,9 @@ for the README's teacher). --case_override=CASE:OVERRIDES (repeatable) applies o
 of a case's preset.
 
 On GPU the run uses CUDA graphs unless GEMJAX_GPU_GRAPHS=0, and packed shard copies unless
-GEMJAX_FEED_PACK=0 (gemjax.train.runtime, gemjax.data.feeding); both are printed with the table.
+GEMJAX_FEED_PACK=0 (gemjax.train.runtime, gemjax.data.feeding); the train loop runs with the
+GIL switch interval of $GEMJAX_GIL_SWITCH_US (gemjax.train.runtime.short_gil_switch; 5000 is
+Python's default); all three are printed with the table.
 
 Per-case errors are recorded and the next case runs. Writes everything to --out (JSON);
 the table is printed last.
@@ -284,7 +286,7 @@ def main(argv):
              "host_cores": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
              "feed_pack": pack_default(), "warmup": f.warmup, "steps": f.steps,
              "log_every": f.log_every, "iters": f.iters, "batches": f.batches,
-             "steps_per_call": f.steps_per_call}
+             "steps_per_call": f.steps_per_call, "gil_switch_us": runtime.gil_switch_us()}
     rows = []
     t0 = time.perf_counter()
     for case in f.cases:
@@ -304,7 +306,7 @@ def main(argv):
           f"{os.cpu_count()} host cores; {time.perf_counter() - t0:.0f} s"
           + (f"; {f.out}" if f.out else ""))
     print(f"feed packed: {facts['feed_pack']}; steps per call: {f.steps_per_call}; "
-          f"XLA_FLAGS: {facts['xla_flags'] or '(none)'}")
+          f"GIL switch: {facts['gil_switch_us']} us; XLA_FLAGS: {facts['xla_flags'] or '(none)'}")
     print(table(rows))
 
 

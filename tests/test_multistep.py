@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import signal
+import sys
 import time
 
 import jax
@@ -17,7 +18,7 @@ from jax.sharding import Mesh
 from gemjax.config import apply_overrides, get_config
 from gemjax.data.feeding import Feeder
 from gemjax.data.source import make_source
-from gemjax.train import layout, multistep
+from gemjax.train import layout, multistep, runtime
 from gemjax.train.loop import train
 from gemjax.train.step import Trainer
 from test_faults import Run, host, restored, rows, steps_in
@@ -160,3 +161,22 @@ def test_what_k_steps_per_call_cannot_do_is_refused_by_name(tmp_path):
         multistep.MultiStep(trainer, 4)
     multistep.MultiStep(Trainer.create(dataclasses.replace(cfg, train=dataclasses.replace(
         cfg.train, sparse_fixed_branches=False)), mesh, **kw), 4)     # switches inside the step
+
+
+def test_gil_switch_interval_is_short_inside_the_loop_and_restored(monkeypatch):
+    before = sys.getswitchinterval()
+    monkeypatch.delenv(runtime.ENV_GIL_SWITCH, raising=False)
+    with runtime.short_gil_switch():
+        assert sys.getswitchinterval() == pytest.approx(runtime.GIL_SWITCH_US * 1e-6)
+    assert sys.getswitchinterval() == before
+    monkeypatch.setenv(runtime.ENV_GIL_SWITCH, "2000")
+    with runtime.short_gil_switch():
+        assert sys.getswitchinterval() == pytest.approx(2e-3)
+    assert sys.getswitchinterval() == before
+    for bad in ("0", "0.5", "fast"):
+        monkeypatch.setenv(runtime.ENV_GIL_SWITCH, bad)
+        with pytest.raises(ValueError, match=rf"\$GEMJAX_GIL_SWITCH_US='{re.escape(bad)}': expected a "
+                                             r"positive integer of microseconds"):
+            with runtime.short_gil_switch():
+                pass
+    assert sys.getswitchinterval() == before

@@ -223,7 +223,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     validate(cfg)
     runtime.enable_gpu_graphs(log)   # CUDA graphs on GPU if no device was used yet (runtime)
     os.makedirs(workdir, exist_ok=True)
-    with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop:
+    with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop, \
+            runtime.short_gil_switch():   # the loop's thread gets the GIL back sooner (runtime)
         return _train(cfg, workdir, log, mesh, stop_after, trainer_kw, stop, profile_steps)
 
 
