@@ -9,6 +9,9 @@ analysis drops GEMMs and misses Pallas calls, see experiments/sweep_mesh.py),
 otherwise XLA's cost analysis of the compiled step; both are printed, the sparse
 side counts ~0 FLOPs.
 Compare with experiments/train.py's samples/s to see what the input pipeline costs.
+--steps_per_call=K times the program that train.steps_per_call=K trains with: K steps per
+jitted call (gemjax.train.multistep) on --batches groups of K stacked batches, --iters
+calls; step_ms and the rates are per step.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ flags.DEFINE_string("config", "small", "preset")
 flags.DEFINE_string("override", "", "section.field=value,...")
 flags.DEFINE_integer("iters", 10, "timed steps")
 flags.DEFINE_integer("batches", 3, "distinct batches cycled through")
+flags.DEFINE_integer("steps_per_call", 1, "train steps per jitted call (train.steps_per_call)")
 flags.DEFINE_float("peak_flops", None, "peak FLOP/s per device (default: table by device kind)")
 flags.DEFINE_string("out", "", "JSON output path")
 
@@ -37,22 +41,33 @@ def main(argv):
     from gemjax.data.feeding import Feeder
     from gemjax.data.synthetic import SyntheticStream
     from gemjax.perf import mfu
+    from gemjax.train import multistep
     from gemjax.train.step import Trainer
 
     f = flags.FLAGS
+    k = f.steps_per_call
+    if k < 1:
+        raise app.UsageError(f"--steps_per_call must be >= 1, got {k}")
     cfg = get_config(f.config, f.override)
     trainer = Trainer.create(cfg)
     state = trainer.init_state(0)
     stream = SyntheticStream(cfg.data, 0)
     feeder = Feeder(stream.shard_batch, trainer.mesh)
     t0 = time.perf_counter()
-    hosts = [feeder.host_batch(i) for i in range(f.batches)]
-    host_s = (time.perf_counter() - t0) / f.batches
-    batches = [feeder.to_device(h[0]) for h in hosts]
+    hosts = [feeder.host_batch(i) for i in range(f.batches * k)]
+    host_s = (time.perf_counter() - t0) / len(hosts)
+    if k == 1:
+        batches = [feeder.to_device(h[0]) for h in hosts]
+        step = trainer.make_train_step()
+    else:       # the StackedFeeder's placement: [K, B, ...] sharded on the batch dim
+        stacked = multistep.stacked_sharding(trainer.mesh, feeder.axis)
+        batches = [jax.device_put(multistep.stack([h[0] for h in hosts[g * k:(g + 1) * k]]),
+                                  stacked) for g in range(f.batches)]
+        step = multistep.MultiStep(trainer, k)
     tokens = float(np.mean([h[2] for h in hosts]))
-    step = trainer.make_train_step()
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batches[0]).compile()
+    t0 = time.perf_counter()      # the FLOPs of one step: the one-step program's
+    one = batches[0] if k == 1 else feeder.to_device(hosts[0][0])
+    compiled = trainer.make_train_step().lower(state, one).compile()
     compile_s = time.perf_counter() - t0
     flops = mfu.compiled_flops(compiled, default=float("nan"))
     nb = len(batches)
@@ -63,7 +78,7 @@ def main(argv):
     for i in range(f.iters):
         state, m = step(state, batches[i % nb], next_batch=batches[(i + 1) % nb])
     jax.block_until_ready((state, m))
-    step_s = (time.perf_counter() - t0) / f.iters
+    step_s = (time.perf_counter() - t0) / f.iters / k
     n_dev = trainer.num_shards
     try:
         peak = mfu.peak_flops(jax.devices()[0].device_kind, "bf16", f.peak_flops)
@@ -83,7 +98,7 @@ def main(argv):
            "train_step_flops_per_sample": flops / b, "forward_flops_per_sample": flops / b / 3,
            "tflops_per_sec_per_device": flops / step_s / n_dev / 1e12,
            "mfu": flops / step_s / n_dev / peak, "compile_s": compile_s,
-           "host_batch_s": host_s, "loss": float(m["loss"]),
+           "host_batch_s": host_s, "loss": float(np.ravel(m["loss"])[-1]), "steps_per_call": k,
            "dense_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
            "embedding_params": int(sum(s.vocab * s.dim for s in trainer.coll.specs.values()))}
     width = max(len(k) for k in res)

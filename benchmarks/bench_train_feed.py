@@ -18,6 +18,11 @@ For each case (--cases; default movielens_rank and h200), in this one process:
             checked and put on the devices, waited for one by one; no step runs.
   ratio     train samples/s / step samples/s (the acceptance asks >= 0.95).
 
+--steps_per_call=K sets train.steps_per_call for every case: the train loop then runs
+K steps per jitted call (gemjax.train.multistep) and the step alone times that same
+program (MultiStep on --batches stacked groups of K batches), so both rates are of one
+program; --warmup, --steps and --log_every must be multiples of K.
+
 Cases: "movielens_rank" trains the movielens_rank preset on a MovieLens-shaped Parquet
 dataset (benchmarks/movielens_shaped.py: the ranking converter's schema, row layout and
 history lengths, random ids), written under --data_dir unless it is already there, or
@@ -28,7 +33,9 @@ for the README's teacher). --case_override=CASE:OVERRIDES (repeatable) applies o
 of a case's preset.
 
 On GPU the run uses CUDA graphs unless GEMJAX_GPU_GRAPHS=0, and packed shard copies unless
-GEMJAX_FEED_PACK=0 (gemjax.train.runtime, gemjax.data.feeding); both are printed with the table.
+GEMJAX_FEED_PACK=0 (gemjax.train.runtime, gemjax.data.feeding); the train loop runs with the
+GIL switch interval of $GEMJAX_GIL_SWITCH_US (gemjax.train.runtime.short_gil_switch; 5000 is
+Python's default); all three are printed with the table.
 
 Per-case errors are recorded and the next case runs. Writes everything to --out (JSON);
 the table is printed last.
@@ -66,15 +73,17 @@ def define_flags():
     flags.DEFINE_string("movielens_dir", "", "train movielens_rank on this converted ranking "
                         "directory (schema.json, train.parquet, test.parquet) instead")
     flags.DEFINE_string("workdir", "", "scratch directory (default: a temporary one, removed)")
+    flags.DEFINE_integer("steps_per_call", 1, "train.steps_per_call of every case (K steps "
+                         "per jitted call in the loop and in the step alone)")
     flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (0: the real devices)")
     flags.DEFINE_string("out", "", "JSON output path")
 
 
 def case_config(case: str, overrides: str, data_dir: str, warmup: int, steps: int,
-                log_every: int):
+                log_every: int, steps_per_call: int = 1):
     """The Config a case trains: its preset (on `data_dir`'s Parquet files for a Parquet
     case), --warmup + --steps steps, a log row every log_every, one eval batch and the
-    only eval and save at the end."""
+    only eval and save at the end, steps_per_call steps per jitted call."""
     from gemjax.config import apply_overrides, get_config
     from gemjax.data.features import FeatureSchema
     cfg = get_config(case)
@@ -87,7 +96,7 @@ def case_config(case: str, overrides: str, data_dir: str, warmup: int, steps: in
     cfg = apply_overrides(cfg, f"data.eval_batches=1,train.steps={total},"
                                f"train.log_every={log_every},train.eval_every={total},"
                                f"train.checkpoint_every={total},train.tensorboard=false,"
-                               "train.baselines=false")
+                               f"train.baselines=false,train.steps_per_call={steps_per_call}")
     return apply_overrides(cfg, overrides) if overrides else cfg
 
 
@@ -98,32 +107,32 @@ def time_train(cfg, workdir: str, warmup: int) -> dict:
 
     waits: list[tuple[float, float]] = []       # (blocked from, until) per next batch
     synced: dict[int, float] = {}               # step -> time its log row was written
+    untimed = Feeder.batches        # the loop's Feeder or StackedFeeder (steps_per_call > 1)
 
-    class TimedFeeder(Feeder):
-        def batches(self, start, stop_step):
-            it = super().batches(start, stop_step)
-            while True:
-                t = time.perf_counter()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                waits.append((t, time.perf_counter()))
-                yield item
+    def timed_batches(self, start, stop_step):
+        it = untimed(self, start, stop_step)
+        while True:
+            t = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            waits.append((t, time.perf_counter()))
+            yield item
 
     def log(line: str) -> None:
         m = STEP_LINE.match(line)
         if m:
             synced[int(m.group(1))] = time.perf_counter()
 
-    saved = (loop.Feeder, loop.save_train_state)
-    loop.Feeder, loop.save_train_state = TimedFeeder, lambda *a, **k: True
+    saved = loop.save_train_state
+    Feeder.batches, loop.save_train_state = timed_batches, lambda *a, **k: True
     try:
         t0 = time.perf_counter()
         summary = loop.train(cfg, workdir, log=log)
         wall = time.perf_counter() - t0
     finally:
-        loop.Feeder, loop.save_train_state = saved
+        Feeder.batches, loop.save_train_state = untimed, saved
     first = min((s for s in synced if s >= warmup), default=None)
     last = max(synced, default=None)
     if first is None or last is None or last <= first:
@@ -138,22 +147,26 @@ def time_train(cfg, workdir: str, warmup: int) -> dict:
 
 
 def time_step(cfg, iters: int, batches: int) -> dict:
-    """The jitted train step alone on device-resident batches of the case's source."""
+    """The jitted train step alone on device-resident batches of the case's source
+    (train.steps_per_call K > 1: the K-step program on `batches` groups of K batches,
+    `iters` calls; ms_per_step and samples/s are per step)."""
     import jax
     import numpy as np
 
-    from gemjax.data.feeding import Feeder
+    from gemjax.train import multistep
     from gemjax.data.source import make_source
     from gemjax.train.step import Trainer
 
+    k = cfg.train.steps_per_call
     trainer = Trainer.create(cfg)
     state = trainer.init_state(cfg.train.seed)
     source = make_source(cfg, "train")
-    feeder = Feeder(source.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
-                    id_fields=trainer.id_fields)
-    hosts = [feeder.host_batch(i) for i in range(batches)]
-    device = [feeder.to_device(h[0]) for h in hosts]
-    step = trainer.make_train_step()
+    feeder = multistep.feeder(k, source.shard_batch, trainer.mesh,
+                              check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields)
+    it = feeder.batches(0, batches * k)
+    device = [b for _, b, _, _ in it]      # placed as the train loop's (stacked for K > 1)
+    hosts = [feeder.host_batch(i) for i in range(batches * k)]
+    step = trainer.make_train_step() if k == 1 else multistep.MultiStep(trainer, k)
     t0 = time.perf_counter()
     for i in range(batches):         # compile, and every batch's sparse branch plan
         state, m = step(state, device[i], next_batch=device[(i + 1) % batches])
@@ -163,38 +176,44 @@ def time_step(cfg, iters: int, batches: int) -> dict:
     for i in range(iters):
         state, m = step(state, device[i % batches], next_batch=device[(i + 1) % batches])
     jax.block_until_ready((state, m))
-    sec = (time.perf_counter() - t0) / iters
+    sec = (time.perf_counter() - t0) / iters / k
     tokens = float(np.mean([h[2] for h in hosts]))
     return {"samples_per_s": cfg.data.batch_size / sec, "ms_per_step": 1e3 * sec,
-            "tokens_per_batch": tokens, "compile_and_warmup_s": warm, "loss": float(m["loss"])}
+            "tokens_per_batch": tokens, "compile_and_warmup_s": warm,
+            "loss": float(np.ravel(m["loss"])[-1]), "steps_per_call": k}
 
 
 def time_feed(cfg, steps: int) -> dict:
-    """The Feeder alone (cfg.data.host_workers threads): ms per step, process CPU ms."""
+    """The Feeder alone (cfg.data.host_workers threads; with train.steps_per_call K > 1 the
+    StackedFeeder, `steps` rounded up to calls of K): ms per step, process CPU ms."""
     import jax
 
-    from gemjax.data.feeding import Feeder
     from gemjax.data.source import make_source
+    from gemjax.train import multistep
     from gemjax.train.step import Trainer
 
+    k = cfg.train.steps_per_call
+    calls = -(-steps // k)
     trainer = Trainer.create(cfg)        # the id check and fields only: no tables allocated
     source = make_source(cfg, "train")
-    feeder = Feeder(source.shard_batch, trainer.mesh, check_ids=trainer.coll.check_ids,
-                    id_fields=trainer.id_fields, workers=cfg.data.host_workers)
-    it = feeder.batches(0, steps + 2)
+    feeder = multistep.feeder(k, source.shard_batch, trainer.mesh,
+                              check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields,
+                              workers=cfg.data.host_workers)
+    it = feeder.batches(0, (calls + 2) * k)
     for _ in range(2):
         jax.block_until_ready(next(it)[1])
     t, c = time.perf_counter(), time.process_time()
     for _, batch, _, _ in it:
         jax.block_until_ready(batch)
-    return {"ms_per_step": 1e3 * (time.perf_counter() - t) / steps,
-            "cpu_ms_per_step": 1e3 * (time.process_time() - c) / steps,
+    return {"ms_per_step": 1e3 * (time.perf_counter() - t) / (calls * k),
+            "cpu_ms_per_step": 1e3 * (time.process_time() - c) / (calls * k),
             "workers": cfg.data.host_workers}
 
 
 def run_case(case: str, overrides: str, data_dir: str, workdir: str, f) -> dict:
-    cfg = case_config(case, overrides, data_dir, f.warmup, f.steps, f.log_every)
+    cfg = case_config(case, overrides, data_dir, f.warmup, f.steps, f.log_every, f.steps_per_call)
     row = {"case": case, "overrides": overrides, "batch": cfg.data.batch_size,
+           "steps_per_call": cfg.train.steps_per_call,
            "model": cfg.model.kind, "host_workers": cfg.data.host_workers,
            "source": cfg.data.source, "data": data_dir if case in PARQUET_CASES else None}
     print(f"[{case}] train loop: {f.warmup} + {f.steps} steps", flush=True)
@@ -232,6 +251,9 @@ def main(argv):
     if f.steps < f.log_every or f.steps % f.log_every or f.warmup < f.log_every \
             or f.warmup % f.log_every:
         raise app.UsageError("--steps and --warmup must be multiples of --log_every (>= 1 each)")
+    if f.steps_per_call < 1 or f.log_every % f.steps_per_call:
+        raise app.UsageError(f"--log_every ({f.log_every}) must be a multiple of --steps_per_call "
+                             f"({f.steps_per_call} >= 1)")
     if f.iters < 1 or f.batches < 1 or f.feed_steps < 0:
         raise app.UsageError("--iters and --batches must be >= 1, --feed_steps >= 0")
     overrides = {}
@@ -263,7 +285,8 @@ def main(argv):
     facts = {"devices": [str(d) for d in jax.devices()], "device_kind": jax.devices()[0].device_kind,
              "host_cores": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
              "feed_pack": pack_default(), "warmup": f.warmup, "steps": f.steps,
-             "log_every": f.log_every, "iters": f.iters, "batches": f.batches}
+             "log_every": f.log_every, "iters": f.iters, "batches": f.batches,
+             "steps_per_call": f.steps_per_call, "gil_switch_us": runtime.gil_switch_us()}
     rows = []
     t0 = time.perf_counter()
     for case in f.cases:
@@ -282,7 +305,8 @@ def main(argv):
     print(f"\ntrain loop vs step alone, {len(jax.devices())} x {facts['device_kind']}, "
           f"{os.cpu_count()} host cores; {time.perf_counter() - t0:.0f} s"
           + (f"; {f.out}" if f.out else ""))
-    print(f"feed packed: {facts['feed_pack']}; XLA_FLAGS: {facts['xla_flags'] or '(none)'}")
+    print(f"feed packed: {facts['feed_pack']}; steps per call: {f.steps_per_call}; "
+          f"GIL switch: {facts['gil_switch_us']} us; XLA_FLAGS: {facts['xla_flags'] or '(none)'}")
     print(table(rows))
 
 

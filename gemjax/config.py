@@ -158,6 +158,10 @@ class TrainConfig:
     # write metrics.jsonl's rows as TensorBoard scalars too, under WORKDIR/tensorboard
     # (needs tensorboardX; without it the run logs one line and writes metrics.jsonl only)
     tensorboard: bool = True
+    # K steps per call: train steps run K at a time inside one jitted call (a lax.scan over
+    # K stacked batches, gemjax.train.multistep); the metrics rows are those of K = 1.
+    # train.steps and the log / eval / checkpoint intervals must be multiples of it
+    steps_per_call: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +426,7 @@ def validate(cfg: Config) -> None:
         (cfg.train.sparse_update_impl in ("xla", "pallas"),
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),
         *_train_checks(cfg.train),
+        *_steps_per_call_checks(cfg),
         *_teacher_checks(m),
         *_feature_checks(cfg),
     ]
@@ -442,6 +447,21 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     out += [(0.0 <= getattr(t, f) <= MAX_LR,
              f"train.{f} must be a finite number in [0, {MAX_LR:g}], got {getattr(t, f)}")
             for f in ("dense_lr", "sparse_lr")]
+    return out
+
+
+def _steps_per_call_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """K >= 1; train.steps and the log / eval / checkpoint intervals multiples of K (every
+    boundary falls between two calls); retrieval trains one step per call."""
+    k = cfg.train.steps_per_call
+    if k < 1:
+        return [(False, f"train.steps_per_call must be >= 1, got {k}")]
+    out = [(getattr(cfg.train, f) % k == 0,
+            f"train.{f} ({getattr(cfg.train, f)}) must be a multiple of train.steps_per_call "
+            f"({k}): the loop logs, evaluates, checkpoints and stops between calls of {k} steps")
+           for f in ("steps", "log_every", "eval_every", "checkpoint_every")]
+    out.append((k == 1 or cfg.model.kind != "retrieval",
+                f"model.kind=retrieval runs with train.steps_per_call=1, got {k}"))
     return out
 
 

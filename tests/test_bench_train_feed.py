@@ -1,6 +1,7 @@
 """benchmarks/movielens_shaped.py (a MovieLens-shaped ranking dataset of random ids) against
 the ranking converter's output and the real file's measured lengths; and
-benchmarks/bench_train_feed.py end to end on it, 2 + 2 train steps of a small model."""
+benchmarks/bench_train_feed.py end to end on it, 2 + 4 train steps of a small model, 2 steps
+per jitted call."""
 
 import dataclasses
 import json
@@ -89,8 +90,9 @@ def test_bench_train_feed_measures_each_case_and_records_a_failing_one(tmp_path)
         [sys.executable, "-m", "benchmarks.bench_train_feed", "--cases=movielens_rank,no_such_preset",
          "--case_override=movielens_rank:model.kind=lr,data.batch_size=64",
          "--warmup=2", "--steps=4", "--log_every=2", "--iters=2", "--batches=2", "--feed_steps=2",
-         "--cpu_devices=1", f"--data_dir={data}", f"--workdir={tmp_path / 'work'}", f"--out={out}"],
-        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+         "--steps_per_call=2", "--cpu_devices=1", f"--data_dir={data}", f"--workdir={tmp_path / 'work'}", f"--out={out}"],
+        cwd=ROOT, env={**{k: v for k, v in os.environ.items() if k != "GEMJAX_GIL_SWITCH_US"},
+                       "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
         timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.load(open(out))
@@ -98,13 +100,15 @@ def test_bench_train_feed_measures_each_case_and_records_a_failing_one(tmp_path)
     assert bad["case"] == "no_such_preset" and "no_such_preset" in bad["error"]
     assert (ok["case"], ok["model"], ok["batch"], ok["source"]) == ("movielens_rank", "lr", 64, "parquet")
     assert ok["train"]["window_steps"] == [2, 6] and np.isfinite(ok["train"]["eval_auc"])
+    assert ok["steps_per_call"] == ok["step"]["steps_per_call"] == 2     # one program timed
     assert 0 <= ok["train"]["host_wait_share"] <= 1
     assert ok["ratio"] == ok["train"]["samples_per_s"] / ok["step"]["samples_per_s"]
     assert np.isfinite(ok["step"]["loss"]) and ok["feed"]["workers"] == 1
     # the table is printed last: its rows are the JSON's figures
     lines = r.stdout.strip().splitlines()
     assert lines[-5].startswith("train loop vs step alone, 1 x cpu")
-    assert lines[-4] == "feed packed: True; XLA_FLAGS: (none)"   # CPU: no CUDA-graph flags added
+    assert lines[-4] == ("feed packed: True; steps per call: 2; GIL switch: 500 us; "
+                         "XLA_FLAGS: (none)")                        # CPU: no graph flags
     assert lines[-3].split()[:4] == ["case", "model", "batch", "train/s"]
     row = lines[-2].split()
     assert row[:3] == ["movielens_rank", "lr", "64"]

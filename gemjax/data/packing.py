@@ -70,13 +70,16 @@ def _unpack_row(row: jax.Array, layout: Layout):
 
 
 @functools.lru_cache(maxsize=64)
-def unpacker(mesh: Mesh, axes: tuple[str, ...], layout: Layout):
+def unpacker(mesh: Mesh, axes: tuple[str, ...], layout: Layout, lead: int = 0):
     """jitted uint8 [num_shards, nbytes] (rows sharded over `axes`) -> the global pytree:
     each leaf [num_shards * rows, ...] sharded over `axes` on its leading axis, each
-    device's block unpacked from its own row."""
+    device's block unpacked from its own row. lead: leading dims every device holds
+    whole (1 for steps stacked [K, rows, ...]: the leaf is [K, num_shards * rows, ...],
+    sharded on its second axis)."""
     spec = P(axes)
-    sharding = NamedSharding(mesh, spec)
+    out_spec = P(*([None] * lead), axes)
+    sharding = NamedSharding(mesh, out_spec)
     body = jax.shard_map(functools.partial(_unpack_row, layout=layout), mesh=mesh,
-                         in_specs=spec, out_specs=spec, check_vma=False)
+                         in_specs=spec, out_specs=out_spec, check_vma=False)
     out = jax.tree.unflatten(layout.treedef, [sharding] * len(layout.leaves))
     return jax.jit(body, out_shardings=out)

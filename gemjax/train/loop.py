@@ -35,6 +35,7 @@ those run while that checkpoint was written in the background.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -52,7 +53,7 @@ from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
 from gemjax.train.checkpoint import (UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer,
                                      restore_train_state, save_train_state, state_step)
-from gemjax.train import layout, runtime
+from gemjax.train import layout, multistep, runtime
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
 from gemjax.train.metrics import EvalAccumulator, flat
@@ -225,7 +226,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     validate(cfg)
     runtime.enable_gpu_graphs(log)   # CUDA graphs on GPU if no device was used yet (runtime)
     os.makedirs(workdir, exist_ok=True)
-    with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop:
+    with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop, \
+            runtime.short_gil_switch():   # the loop's thread gets the GIL back sooner (runtime)
         return _train(cfg, workdir, log, mesh, stop_after, trainer_kw, stop, profile_steps,
                       peak_flops)
 
@@ -242,18 +244,21 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     trainer = (RetrievalTrainer if retrieval else Trainer).create(cfg, mesh, **(trainer_kw or {}))
     stream = balance.train_source(cfg)        # with data.bbs: Base Batch Shuffling
     loads = balance.LoadLog(trainer.num_shards)
-    feeder = Feeder(loads.wrap(stream.shard_batch), trainer.mesh, check_ids=trainer.coll.check_ids,
-                    id_fields=trainer.id_fields, workers=cfg.data.host_workers)
+    k = t.steps_per_call      # K steps per jitted call (gemjax.train.multistep)
+    feeder = (Feeder if k == 1 else functools.partial(multistep.StackedFeeder, steps_per_call=k))(
+        loads.wrap(stream.shard_batch), trainer.mesh, check_ids=trainer.coll.check_ids,
+        id_fields=trainer.id_fields, workers=cfg.data.host_workers)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     start, state, last_eval, counters = _start(ckpt, trainer, trainer_kw or {}, stream, cfg, workdir,
                                                lead, log)
     _announce(cfg, workdir, trainer, state, lead, log)
 
     evaluator = (RetrievalEvaluator if retrieval else Evaluator)(trainer, cfg)
-    train_step = trainer.make_train_step()
+    train_step = trainer.make_train_step() if k == 1 else multistep.MultiStep(trainer, k)
     meter = Throughput(window=5)   # in log intervals
     meter.update(0, 0)             # opens the clock; compile time lands in the first interval
     end = t.steps if stop_after is None else min(t.steps, stop_after)
+    multistep.check_bounds(k, start, end, profile_steps)
     window = _Window(counters, retrieval)
     runlog = tracking.RunLog(workdir, start_step=start, tensorboard=t.tensorboard, enabled=lead,
                              log=log)
@@ -269,9 +274,10 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                               f"step: nothing new to save (checkpoint step {start or 'none'})")
         for (step, batch, infos, tokens), nxt in _with_next(waits.timed(feeder.batches(start, end))):
             state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
-            window.add(m, tokens, infos)
-            loads.step_done(step)
-            done = step + 1
+            window.add(m, tokens, infos, steps=k)
+            for s in range(step, step + k):
+                loads.step_done(s)
+            done = step + k
             pause_for_test("step", done, stop, log)
             at_log = done % t.log_every == 0 or done == end
             stopping = stop.agreed(at_log)   # a stop logs the open window and saves this step
@@ -379,8 +385,9 @@ class _Window:
         self.counters, self.pending, self.tokens = counters, [], 0
         self.retrieval = retrieval   # no NE for a softmax over items; HR@10 in place of AUC
 
-    def add(self, metrics: dict, tokens: int, infos) -> None:
-        self.pending.append(metrics)
+    def add(self, metrics: dict, tokens: int, infos, steps: int = 1) -> None:
+        """metrics of one call of `steps` steps (each leaf stacked [steps, ...] when > 1)."""
+        self.pending.append((metrics, steps))
         self.tokens += tokens
         for i in infos:
             for k, v in fallback_counters(i).items():
@@ -393,7 +400,7 @@ class _Window:
         """Read the window to the host (the only host sync: once per log interval), write
         its metrics.jsonl row and progress line, and open the next window.
         FloatingPointError on a non-finite loss or grad norm."""
-        ms = jax.device_get(self.pending)
+        ms = [m for got, k in jax.device_get(self.pending) for m in multistep.unstack(got, k)]
         meter.update(len(ms) * cfg.data.batch_size, self.tokens)
         self.pending, self.tokens = [], 0
         loss = float(np.mean([x["loss"] for x in ms]))

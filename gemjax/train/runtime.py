@@ -13,17 +13,29 @@ process and must be set before a config reaches any code that starts the backend
 
 On GPU means: jax_platforms ($JAX_PLATFORMS) names cuda or gpu, or, when it is not
 set, a CUDA PJRT plugin is installed. On CPU it does nothing.
+
+The GIL switch interval during training (``short_gil_switch``): the train loop's thread
+launches each step with the GIL released (jax's dispatch releases it while it enqueues
+the program's kernels) and must take it back afterwards; while a Feeder thread is running
+Python code, the loop's thread waits until the interpreter asks that thread to drop the
+GIL, which it does after the switch interval (Python's default: 5 ms, as long as a small
+step). The train loop lowers it to $GEMJAX_GIL_SWITCH_US microseconds (default
+GIL_SWITCH_US) and restores it on exit; it changes when threads switch, no value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
 import pkgutil
+import sys
 from typing import Callable
 
 ENV_GRAPHS = "GEMJAX_GPU_GRAPHS"
+ENV_GIL_SWITCH = "GEMJAX_GIL_SWITCH_US"
+GIL_SWITCH_US = 500
 
 # command buffers for every kind of thunk that supports them, and a graph even for a
 # single kernel (the default minimum of 5 leaves many small steps' kernels ungraphed)
@@ -104,3 +116,25 @@ def enable_gpu_graphs(log: Callable[[str], None] = print) -> str:
     os.environ["XLA_FLAGS"] = with_graph_flags(old)
     log(f"[gemjax] CUDA graphs on GPU: XLA_FLAGS += {added} ({ENV_GRAPHS}=0 turns this off)")
     return added
+
+
+def gil_switch_us() -> int:
+    """$GEMJAX_GIL_SWITCH_US (a positive integer of microseconds), or GIL_SWITCH_US unset."""
+    v = os.environ.get(ENV_GIL_SWITCH, str(GIL_SWITCH_US)).strip()
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"${ENV_GIL_SWITCH}={v!r}: expected a positive integer of microseconds "
+                         f"(the interpreter's thread switch interval while training; Python's "
+                         f"default is 5000)")
+    return int(v)
+
+
+@contextlib.contextmanager
+def short_gil_switch():
+    """sys.setswitchinterval(gil_switch_us() microseconds) inside, the previous one restored
+    after (module docstring)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(gil_switch_us() * 1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)

@@ -1,0 +1,182 @@
+"""train.steps_per_call (gemjax.train.multistep): K steps per jitted call train what K calls
+of one step train, the stacked feed equals the per-step feed, a K-step run killed (kill -9)
+and stopped (SIGTERM) resumes to the uninterrupted K-step run's bits, and the settings it
+cannot honour are refused by name."""
+
+import dataclasses
+import os
+import re
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from gemjax.config import apply_overrides, get_config
+from gemjax.data.feeding import Feeder
+from gemjax.data.source import make_source
+from gemjax.train import layout, multistep, runtime
+from gemjax.train.loop import train
+from gemjax.train.step import Trainer
+from test_faults import Run, host, restored, rows, steps_in
+
+OVERRIDES = ("train.log_every=4,train.eval_every=8,train.checkpoint_every=4,data.eval_batches=1,"
+             "train.tensorboard=false")
+
+
+def tiny(k, steps=16, extra=""):
+    over = f"{OVERRIDES},train.steps={steps},train.steps_per_call={k}" + (f",{extra}" if extra else "")
+    return apply_overrides(get_config("tiny"), over)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_k_steps_per_call_train_what_one_step_per_call_trains(tmp_path):
+    """2 devices, 8 steps: K=4 writes the K=1 run's metrics.jsonl rows (every train and
+    eval figure, the fallback counters) and ends in its state, to float32 rounding."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+    runs = {}
+    for k in (1, 4):
+        runs[k] = str(tmp_path / f"k{k}")
+        train(tiny(k, steps=8), runs[k], log=lambda s: None, mesh=mesh)
+    for kind in ("train", "eval"):
+        one, four = rows(runs[1], kind), rows(runs[4], kind)
+        assert [r["step"] for r in one] == [r["step"] for r in four]
+        assert [r["step"] for r in one] == ([4, 8] if kind == "train" else [8])
+        for a, b in zip(one, four):
+            assert a.keys() == b.keys()
+            for key in a:
+                if isinstance(a[key], float):
+                    np.testing.assert_allclose(b[key], a[key], rtol=2e-6, err_msg=f"{kind} {key}")
+                else:
+                    assert a[key] == b[key], (kind, key)
+    trainer = Trainer.create(tiny(1, steps=8), mesh)
+    got = restored(trainer, os.path.join(runs[4], "checkpoints"), 8)
+    want = restored(trainer, os.path.join(runs[1], "checkpoints"), 8)
+    assert got[0] == want[0] == 8
+    for a, b in zip(host(got[1]), host(want[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_stacked_feed_is_the_per_step_feed(pack):
+    """StackedFeeder items on 8 devices: [K, B, ...] arrays, sharded over the batch axis on
+    their second dim, holding steps first .. first + K - 1 of the plain Feeder; the infos
+    and tokens of those steps, step by step."""
+    cfg = tiny(3, steps=12, extra="data.batch_size=32,train.log_every=3,train.eval_every=12,"
+                                  "train.checkpoint_every=12")
+    trainer = Trainer.create(cfg)
+    source = make_source(cfg, "train")
+    kw = dict(check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields, pack=pack)
+    plain = Feeder(source.shard_batch, trainer.mesh, **kw)
+    stacked = multistep.feeder(3, source.shard_batch, trainer.mesh, workers=2, **kw)
+    items = list(stacked.batches(3, 9))
+    assert [i[0] for i in items] == [3, 6]
+    for first, batch, infos, tokens in items:
+        want = [plain.host_batch(s) for s in range(first, first + 3)]
+        for leaf, *per_step in zip(jax.tree.leaves(batch), *[jax.tree.leaves(w[0]) for w in want]):
+            assert leaf.shape == (3,) + per_step[0].shape
+            assert leaf.sharding.spec == multistep.stacked_sharding(trainer.mesh, ("batch",)).spec
+            np.testing.assert_array_equal(np.asarray(leaf), np.stack(per_step))
+        assert tokens == sum(w[2] for w in want)
+        want_infos = [i for w in want for i in w[1]]
+        assert len(infos) == len(want_infos) == 3 * 8
+        for a, b in zip(infos, want_infos):
+            for x, y in zip(_leaves(dataclasses.asdict(a)), _leaves(dataclasses.asdict(b))):
+                np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match=r"steps \[2, 9\) must start and end at multiples of "
+                                         r"train.steps_per_call=3"):
+        next(stacked.batches(2, 9))
+
+
+def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
+    """experiments/train.py at K=4 (one CPU device): kill -9 after checkpoint 4 is on disk
+    and step 8 ran, resume, SIGTERM after step 12, resume to 16. The eval rows, the train
+    rows and the final checkpoint equal an uninterrupted K=4 run's, bit for bit."""
+    args = ["--config=tiny", "--steps=16",
+            f"--override={OVERRIDES},train.steps_per_call=4"]
+    reference, workdir = str(tmp_path / "whole"), str(tmp_path / "cut")
+    checkpoints = os.path.join(workdir, "checkpoints")
+
+    run = Run(workdir, pause="step:8", args=args)
+    run.wait_for("test pause at step 8")
+    deadline = time.monotonic() + 120       # checkpoint 4 committed (saves are asynchronous)
+    while 4 not in steps_in(checkpoints):
+        assert time.monotonic() < deadline, run.out[-3000:]
+        time.sleep(0.02)
+    run.proc.kill()
+    assert run.finish() == -signal.SIGKILL
+    assert steps_in(checkpoints) == [4]
+
+    run = Run(workdir, pause="step:12", args=args)
+    train(tiny(4), reference, log=lambda s: None, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
+    run.wait_for("test pause at step 12")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
+    assert "resumed from step 4" in run.out
+    assert "stopped by SIGTERM after step 12: checkpoint step 12 saved" in run.out
+
+    run = Run(workdir, args=args)
+    assert run.finish() == 0, run.out[-3000:]
+    assert "resumed from step 12" in run.out
+    assert rows(workdir, "eval") == rows(reference, "eval")           # every digit
+    assert rows(workdir, "train") == rows(reference, "train")
+    assert [r["step"] for r in rows(reference, "train")] == [4, 8, 12, 16]
+    trainer = Trainer.create(tiny(4), Mesh(np.array(jax.devices()[:1]), ("batch",)))
+    got = restored(trainer, checkpoints, 16)
+    want = restored(trainer, os.path.join(reference, "checkpoints"), 16)
+    assert got[0] == want[0] == 16
+    for a, b in zip(host(got[1]), host(want[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_what_k_steps_per_call_cannot_do_is_refused_by_name(tmp_path):
+    for over, field in (("train.log_every=6", "train.log_every (6)"),
+                        ("train.eval_every=10", "train.eval_every (10)"),
+                        ("train.checkpoint_every=2", "train.checkpoint_every (2)"),
+                        ("train.steps=18", "train.steps (18)")):
+        with pytest.raises(ValueError, match=re.escape(f"{field} must be a multiple of "
+                                                       f"train.steps_per_call (4)")):
+            tiny(4, extra=over)
+    with pytest.raises(ValueError, match=r"train.steps_per_call must be >= 1, got 0"):
+        tiny(0)
+    with pytest.raises(ValueError, match=r"model.kind=retrieval runs with train.steps_per_call=1"):
+        apply_overrides(get_config("movielens_retrieval"), "train.steps_per_call=2,train.steps=4800,"
+                        "train.log_every=2,train.eval_every=2,train.checkpoint_every=2")
+    # a stop or resume between two calls of 4 steps
+    with pytest.raises(ValueError, match=r"train.steps_per_call=4: the last step \(stop_after\) "
+                                         r"is 6, not a multiple of 4"):
+        train(tiny(4), str(tmp_path / "stop"), log=lambda s: None, stop_after=6)
+    # sparse branch plans fixed per batch (model-parallel tables with exchange buckets)
+    cfg = tiny(4, extra="train.sparse_exchange_buckets=true,parallel.table_plan=row_wise")
+    mesh, kw = layout.build(cfg)
+    trainer = Trainer.create(cfg, mesh, **kw)
+    assert trainer.coll.has_switches()
+    with pytest.raises(ValueError, match=r"train.steps_per_call=4: .* train.sparse_fixed_branches"):
+        multistep.MultiStep(trainer, 4)
+    multistep.MultiStep(Trainer.create(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, sparse_fixed_branches=False)), mesh, **kw), 4)     # switches inside the step
+
+
+def test_gil_switch_interval_is_short_inside_the_loop_and_restored(monkeypatch):
+    before = sys.getswitchinterval()
+    monkeypatch.delenv(runtime.ENV_GIL_SWITCH, raising=False)
+    with runtime.short_gil_switch():
+        assert sys.getswitchinterval() == pytest.approx(runtime.GIL_SWITCH_US * 1e-6)
+    assert sys.getswitchinterval() == before
+    monkeypatch.setenv(runtime.ENV_GIL_SWITCH, "2000")
+    with runtime.short_gil_switch():
+        assert sys.getswitchinterval() == pytest.approx(2e-3)
+    assert sys.getswitchinterval() == before
+    for bad in ("0", "0.5", "fast"):
+        monkeypatch.setenv(runtime.ENV_GIL_SWITCH, bad)
+        with pytest.raises(ValueError, match=rf"\$GEMJAX_GIL_SWITCH_US='{re.escape(bad)}': expected a "
+                                             r"positive integer of microseconds"):
+            with runtime.short_gil_switch():
+                pass
+    assert sys.getswitchinterval() == before
