@@ -1,6 +1,6 @@
 """summary.json's efficiency figures (e2e_mfu, model FLOPs per step, host wait, peak
 memory) and metrics.jsonl's rank loads: present and consistent on a tiny teacher run
-with BBS on 2 devices and a given peak; HostWait's arithmetic on a fake clock."""
+with BBS on 2 devices, 2 steps per call and a given peak; HostWait's arithmetic on a fake clock."""
 
 import json
 import os
@@ -21,7 +21,7 @@ CFG = apply_overrides(get_config("tiny"), ",".join((
     "model.kind=teacher,model.interformer_layers=1,model.pyramid_levels=8:none:1",
     "model.cls_tokens=0,model.pma_tokens=0,model.recent_tokens=1",
     "data.bbs=true,data.bbs_sub_batch=8,train.steps=6,train.log_every=2,train.eval_every=6",
-    "train.checkpoint_every=6,train.tensorboard=false")))
+    "train.checkpoint_every=6,train.tensorboard=false,train.steps_per_call=2")))
 PEAK = 2.5e9      # a made-up per-device peak: CPU has none in the table
 
 
