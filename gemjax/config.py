@@ -62,6 +62,11 @@ class DataConfig:
     dense_signal: float = 0.4
     clicks_signal: float = 3.0
     views_signal: float = 1.5
+    # drifting online stream (gemjax.data.drift; experiments/online.py); drift_every=0: off
+    drift_every: int = 0             # steps per window; the planted model moves at each window start
+    drift_strength: float = 0.0      # share of fresh parameters per window: p' = sqrt(1-s^2) p + s n
+    popularity_shift: int = 0        # within-category item popularity ranks rotate this far per window
+    new_id_rate: float = 0.0         # share of items drawn from the window's block of never-seen ids
 
     @property
     def sequence_capacity(self) -> int:
@@ -377,6 +382,10 @@ def validate(cfg: Config) -> None:
         (1 <= d.seq_cap <= 16_384, f"data.seq_cap must be in [1, 16384], got {d.seq_cap}"),
         (d.seq_median > 0 and d.seq_sigma >= 0, "data.seq_median must be > 0 and data.seq_sigma >= 0"),
         (d.recent >= 1, "data.recent must be >= 1"),
+        (d.drift_every >= 0, f"data.drift_every must be >= 0, got {d.drift_every}"),
+        (0.0 <= d.drift_strength <= 1.0, f"data.drift_strength must be in [0, 1], got {d.drift_strength}"),
+        (d.popularity_shift >= 0, f"data.popularity_shift must be >= 0, got {d.popularity_shift}"),
+        (0.0 <= d.new_id_rate <= 1.0, f"data.new_id_rate must be in [0, 1], got {d.new_id_rate}"),
         (m.kind in ("gem", "teacher", "lr", "retrieval"),
          f"model.kind must be gem, teacher, lr or retrieval, got {m.kind!r}"),
         *_retrieval_checks(m, cfg.train),
