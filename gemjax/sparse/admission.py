@@ -50,9 +50,9 @@ class FrequencyAdmission:
         self.next_row = self.buckets
         self.totals = {"lookups": 0, "hashed": 0, "seen": 0, "admitted": 0, "refused": 0}
 
-    def lookup(self, raw) -> tuple[np.ndarray, int]:
-        """(rows int32 shaped like `raw`, how many of them are shared rows); counted in
-        totals["lookups"] / ["hashed"]."""
+    def lookup(self, raw, count: bool = True) -> tuple[np.ndarray, int]:
+        """(rows int32 shaped like `raw`, how many of them are shared rows); with `count`,
+        added to totals["lookups"] / ["hashed"]."""
         raw = np.asarray(raw, np.int64)
         if raw.size and raw.min() < 0:
             raise ValueError(f"admission: raw ids must be >= 0, got {raw.min()}")
@@ -60,8 +60,9 @@ class FrequencyAdmission:
         own = np.array([self.row_of.get(int(u), -1) for u in uniq], np.int64)
         rows = np.where(own >= 0, own, bucket_of(uniq, self.buckets))[inv]
         hashed = int((own[inv] < 0).sum())
-        self.totals["lookups"] += int(raw.size)
-        self.totals["hashed"] += hashed
+        if count:
+            self.totals["lookups"] += int(raw.size)
+            self.totals["hashed"] += hashed
         return rows.reshape(raw.shape).astype(np.int32), hashed
 
     def observe(self, raw) -> dict[str, int]:
