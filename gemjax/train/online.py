@@ -10,9 +10,11 @@ a model sees them. The models are `Member`s:
   fresh    the teacher trained continuously, window after window;
   frozen   a copy of the fresh teacher (state and admission) taken at the end of
            window spec.warmup_windows - 1, never trained or admitting again;
-  ...      more members (students) added by `spec.extra_members`: each a Member with
-           its own train and eval steps and an optional `refresh` run at the start
-           of a window (e.g. re-distilling from the current teacher).
+  ...      more members added by `spec.extra_members` (students, teacher snapshots):
+           each a Member with its own train and eval steps, an optional `refresh`
+           run at the start of every window (e.g. taking a new snapshot of the fresh
+           teacher), and its own admission or another member's (`shares_admission`:
+           a student reads its teacher's id map, so both see the same rows).
 
 Per window w:
   1. progressive validation: every member scores every batch of the window before
@@ -81,8 +83,8 @@ class OnlineSpec:
     # rows of each admitted table (its schema vocab when absent): the raw id space of an
     # endless stream is unbounded, the table is not
     table_rows: tuple[tuple[str, int], ...] = ()
-    # hook: (cfg, fresh Member) -> further Members (students); called once per run
-    extra_members: Callable[[Config, "Member"], list["Member"]] | None = None
+    # hook: (cfg, {name: Member} so far) -> further Members; called once per run
+    extra_members: Callable[[Config, dict], list["Member"]] | None = None
 
     def fields(self) -> dict:
         """The settings a resume must keep (JSON values)."""
@@ -108,10 +110,13 @@ class Member:
     """One model of the online run.
 
     state: its train state (None until it exists: the frozen teacher before the
-    warm-up ends); admission: {table: FrequencyAdmission}; train_step: None for a
-    model that is never trained; refresh: (member, members by name, window) -> None,
-    run at the start of every window before validation (a student re-distilled from
-    its teacher); trainer: its Trainer (model, tables, shardings).
+    warm-up ends; a member without a state is neither validated, trained nor
+    checkpointed); admission: {table: FrequencyAdmission} (unused with
+    shares_admission: the member named there holds it); eval_step: (state, device
+    batch) -> probabilities [B, K]; train_step: (state, device batch) -> (state,
+    metrics with "loss"), None for a model that is never trained; refresh: (member,
+    members by name, window) -> None, run at the start of every window before
+    validation, in member order; trainer: its Trainer (model, tables, shardings).
     """
 
     name: str
@@ -121,6 +126,7 @@ class Member:
     eval_step: Callable
     train_step: Callable | None
     refresh: Callable[["Member", dict, int], None] | None = None
+    shares_admission: str | None = None
 
 
 def online_trainer(cfg: Config, mesh=None) -> Trainer:
@@ -223,10 +229,15 @@ class OnlineRun:
                        trainer.make_eval_step(), trainer.make_train_step())
         frozen = Member("frozen", trainer, None, {}, fresh.eval_step, None)
         self.members = {"fresh": fresh, "frozen": frozen}
-        for m in (spec.extra_members(cfg, fresh) if spec.extra_members else []):
+        for m in (spec.extra_members(cfg, dict(self.members)) if spec.extra_members else []):
             if m.name in self.members:
                 raise ValueError(f"online: member name {m.name!r} is taken")
             self.members[m.name] = m
+        for m in self.members.values():
+            owner = self.members.get(m.shares_admission or m.name)
+            if owner is None or owner.shares_admission:
+                raise ValueError(f"online: member {m.name!r} shares the admission of "
+                                 f"{m.shares_admission!r}, which is not a member owning one")
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2, async_save=False)
         self.window = 0
 
@@ -236,8 +247,12 @@ class OnlineRun:
                               for s in range(self.num_shards)))
         return list(shards), list(infos)
 
+    def admission_of(self, member: Member) -> dict[str, FrequencyAdmission]:
+        """The id maps `member` reads (its own, or those of the member it shares)."""
+        return self.members[member.shares_admission or member.name].admission
+
     def _device_batch(self, member: Member, shards: list[Batch], count: bool):
-        mapped, hashed = self.fields.mapped(shards, member.admission, count)
+        mapped, hashed = self.fields.mapped(shards, self.admission_of(member), count)
         coll, id_fields = member.trainer.coll, member.trainer.id_fields
         for s, b in enumerate(mapped):
             validate_batch(b, coll.check_ids, id_fields, where=f"member {member.name} shard {s}")
@@ -248,7 +263,7 @@ class OnlineRun:
         steps = list(self.stream.window_steps(w))
         raw = [self._raw_step(t) for t in steps]
         for m in self.members.values():
-            if m.refresh is not None and m.state is not None:
+            if m.refresh is not None:
                 m.refresh(m, self.members, w)
         row = {"step": steps[-1] + 1, "kind": "window", "window": w}
         bayes = EvalAccumulator(*self.grid)
@@ -272,10 +287,10 @@ class OnlineRun:
                 continue
             losses = []
             for shards, _ in raw:
-                batch, hashed = self._device_batch(m, shards, count=True)
+                batch, hashed = self._device_batch(m, shards, count=m is fresh)
                 m.state, metrics = m.train_step(m.state, batch)
                 losses.append(metrics["loss"])
-                for table, adm in m.admission.items():
+                for table, adm in ({} if m.shares_admission else m.admission).items():
                     got = adm.observe(self.fields.raw_ids(shards, table))
                     if m is fresh:
                         new_ids[table] += got["new_ids"]
@@ -293,22 +308,23 @@ class OnlineRun:
         return row
 
     # -- checkpoints --------------------------------------------------------------
-    def _targets(self) -> dict:
-        return {n: {**m.trainer.init_state(self.cfg.train.seed),
-                    "tables": m.trainer.coll.logical_targets()}
-                for n, m in self.members.items()}
+    def _targets(self, names) -> dict:
+        return {n: {**self.members[n].trainer.init_state(self.cfg.train.seed),
+                    "tables": self.members[n].trainer.coll.logical_targets()}
+                for n in names}
 
     def _meta(self) -> dict:
+        held = [n for n, m in self.members.items() if m.state is not None]
         return {"window": self.window, "data_step": self.window * self.cfg.data.drift_every,
                 "run": run_fields(self.cfg), "online": self.spec.fields(),
-                "members": sorted(self.members),
+                "members": sorted(self.members), "held": held,
                 "admission": {n: {t: a.state() for t, a in m.admission.items()}
-                              for n, m in self.members.items()}}
+                              for n, m in self.members.items() if not m.shares_admission}}
 
     def save(self) -> None:
-        """Checkpoint every member (all exist once the warm-up is over)."""
+        """Checkpoint every member that has a state, and every admission."""
         tree = {n: {**m.state, "tables": m.trainer.coll.logical_arrays(m.state["tables"])}
-                for n, m in self.members.items()}
+                for n, m in self.members.items() if m.state is not None}
         self.ckpt.save(self.window * self.cfg.data.drift_every, tree, self._meta())
 
     def restore(self) -> int | None:
@@ -323,12 +339,15 @@ class OnlineRun:
             raise ResumeMismatch(f"cannot resume {self.workdir} at step {step}: "
                                  + "; ".join(problems) + ". Use the checkpoint's settings or "
                                  "a new workdir")
-        step, tree, meta = self.ckpt.restore(self._targets(), step,
-                                             resizable=tuple(f"{n}/tables" for n in self.members))
-        for n, m in self.members.items():
+        held = meta["held"]
+        step, tree, meta = self.ckpt.restore(self._targets(held), step,
+                                             resizable=tuple(f"{n}/tables" for n in held))
+        for n in held:
+            m = self.members[n]
             m.state = {**tree[n], "tables": m.trainer.coll.from_logical_arrays(tree[n]["tables"])}
-            m.admission = {t: FrequencyAdmission.from_state(s)
-                           for t, s in meta["admission"][n].items()}
+        for n, tables in meta["admission"].items():
+            self.members[n].admission = {t: FrequencyAdmission.from_state(s)
+                                         for t, s in tables.items()}
         self.window = int(meta["window"])
         return step
 
@@ -415,7 +434,8 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
                "rows": rows, "table": table,
                "fresh_ahead_after_drift": bool(after) and all(r["ne_fresh"] < r["ne_frozen"]
                                                               for r in after),
-               "digests": {n: state_digest(m.state, m.trainer) for n, m in run.members.items()},
+               "digests": {n: state_digest(m.state, m.trainer) for n, m in run.members.items()
+                           if m.state is not None},
                "admission": {t: a.totals for t, a in run.members["fresh"].admission.items()},
                "wall_time_s": time.perf_counter() - started}
     with open(os.path.join(workdir, "summary.json"), "w") as f:
