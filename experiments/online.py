@@ -26,11 +26,13 @@ from gemjax.train.guards import Interrupted
 from gemjax.distill.transfer import DistillConfig, Distiller, Teacher, student_config
 from gemjax.train.online import Member, OnlineSpec, copy_state, online_trainer, run_online
 
-# The online stream on top of the preset: windows of 20 steps, 40% fresh teacher
-# parameters per window, item popularity moving, 5% of items never seen before;
-# per-item biases make the item ids (and their admission) matter.
-STREAM = ("data.drift_every=20,data.drift_strength=0.4,data.popularity_shift=3,"
-          "data.new_id_rate=0.05,data.item_bias=0.5,train.warmup_steps=10")
+# The online stream on top of the preset: windows of 40 steps of 128 samples, 40% fresh
+# teacher parameters per window, item popularity moving, 5% of items never seen before;
+# per-item biases make the item ids (and their admission) matter; a constant learning
+# rate after 10 warm-up steps (gemjax.train.online.online_trainer).
+STREAM = ("data.drift_every=40,data.batch_size=128,data.drift_strength=0.4,data.popularity_shift=3,"
+          "data.new_id_rate=0.05,data.item_bias=0.5,train.warmup_steps=10,train.dense_lr=5e-3,"
+          "train.sparse_lr=0.3")
 
 
 def snapshot_member(fresh: Member, refresh_every: int, warmup_windows: int) -> Member:

@@ -23,7 +23,7 @@ from gemjax.train.guards import ResumeMismatch
 from gemjax.train.online import OnlineSpec, run_online, summary_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OVERRIDE = "data.drift_every=2"
+OVERRIDE = "data.drift_every=2,data.batch_size=64"
 WINDOWS = 4
 ARGS = ["--config=tiny", f"--windows={WINDOWS}", f"--override={OVERRIDE}", "--item_rows=1024", "--students=0",
         "--min_count=2", "--buckets=16"]

@@ -68,6 +68,8 @@ SKIP = {
     "./run train": LONG,
     "./run": "the script named in prose, no command",
     "./run test": "the suite itself (CI runs it; this test is part of it)",
+    "python -m experiments.online --workdir=runs/online":
+        "minutes on CPU; tests/test_online_resume.py runs the same script on a 4-window stream",
     "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
