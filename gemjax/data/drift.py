@@ -178,7 +178,6 @@ class DriftingStream:
             return self._teachers[window]
 
     def _stream_of(self, window: int, teacher_window: int) -> _WindowStream:
-        teacher = self.teacher(max(window, teacher_window))   # fills the cache in order
         teacher = self.teacher(teacher_window)
         with self._lock:
             key = (window, teacher_window)
