@@ -112,3 +112,30 @@ def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     with pytest.raises(ResumeMismatch, match="min_count"):
         run_online(_cfg(), ref_dir, OnlineSpec(windows=WINDOWS, min_count=3, buckets=16,
                                                table_rows=(("item", 1024),)), mesh=mesh)
+
+
+def test_students_and_snapshot_resume_exactly(tmp_path):
+    """A run of 2 windows extended to 3 (restoring the teachers, the snapshot, both
+    students and the shared id maps) equals a 3-window run; the students appear after
+    the warm-up and learn from their own teachers."""
+    from experiments.online import student_members
+    from gemjax.distill.transfer import DistillConfig
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    cfg = apply_overrides(get_config("tiny"), STREAM + ",data.drift_every=2,data.batch_size=32")
+
+    def spec(windows):
+        return OnlineSpec(windows=windows, min_count=2, buckets=16, table_rows=(("item", 1024),),
+                          extra_members=student_members(1, 1, DistillConfig(methods="kd")))
+    whole = run_online(cfg, str(tmp_path / "whole"), spec(3), mesh=mesh, log=lambda s: None)
+    run_online(cfg, str(tmp_path / "parts"), spec(2), mesh=mesh, log=lambda s: None)
+    parts = run_online(cfg, str(tmp_path / "parts"), spec(3), mesh=mesh, log=lambda s: None)
+    assert parts["rows"] == whole["rows"]
+    assert parts["digests"] == whole["digests"]
+    assert sorted(whole["digests"]) == ["fresh", "frozen", "snapshot", "student_fresh",
+                                        "student_frozen"]
+    r0, r1, r2 = whole["rows"]
+    assert r0["ne_student_fresh"] is None and r1["ne_student_fresh"] is not None
+    # window 1: the snapshot is the frozen teacher, so both students start alike
+    assert r1["ne_student_fresh"] == r1["ne_student_frozen"]
+    assert r2["ne_snapshot"] == r2["ne_fresh"] != r2["ne_frozen"]

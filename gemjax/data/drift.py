@@ -12,10 +12,12 @@ stream is stationary; at each window start three things move:
   popularity      the item of within-category Zipf rank r is rank
                   (r + w * popularity_shift) mod per_cat (candidates and sequence
                   events): the head items of window w were tail items before;
-  new ids         each item (candidate or event) is, with probability new_id_rate,
-                  drawn (Zipf) from window w's block of NEW_BLOCK = per_cat // 4 fresh
-                  ranks per category, ranks per_cat + w * NEW_BLOCK + j: raw item ids
-                  (category + num_categories * rank) that no earlier window holds.
+  new ids         window w opens a block of NEW_BLOCK = per_cat // 4 fresh ranks per
+                  category, ranks per_cat + w * NEW_BLOCK + j (j < NEW_BLOCK): raw item
+                  ids (category + num_categories * rank) that no earlier window holds.
+                  Each item (candidate or event) is, with probability new_id_rate, a
+                  fresh one: the fresh ranks opened so far ordered newest first, Zipf
+                  over that order (the newest ids most popular, older ones fading).
                   Raw ids reach beyond data.vocab_item; `gemjax.sparse.admission`
                   maps them to table rows. A fresh id's item bias is drawn once from
                   (seed, its block) with the scale of data.item_bias and does not drift.
@@ -125,8 +127,9 @@ class _WindowStream(SyntheticStream):
             ranks %= per_cat
         if c.new_id_rate > 0:
             fresh = rng.random(cats.shape) < c.new_id_rate
-            j = zipf_ranks(rng, new_block(c), c.zipf, cats.shape)
-            ranks = np.where(fresh, per_cat + self.window * new_block(c) + j, ranks)
+            opened = (self.window + 1) * new_block(c)          # fresh ranks opened so far
+            age = zipf_ranks(rng, opened, c.zipf, cats.shape)  # 0: the newest fresh rank
+            ranks = np.where(fresh, per_cat + opened - 1 - age, ranks)
         items = ranks * c.num_categories + cats
         if out is None:
             return items
