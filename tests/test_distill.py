@@ -267,3 +267,35 @@ def test_distill_tuned_share_updates_tables(teacher_and_feed):
     state, _ = d.step(state, batches[0], 0)
     assert not np.array_equal(np.asarray(state["tables"]["item"]["weights"]),
                               np.asarray(teacher.state["tables"]["item"]["weights"]))
+
+
+def test_cotrain_trains_the_teacher_and_frozen_share_follows_it(teacher_and_feed):
+    tcfg, teacher, batches = teacher_and_feed
+    tt = teacher.trainer
+    live = Teacher(tt, jax.tree.map(jnp.copy, teacher.state))
+    dcfg = DistillConfig(methods="kd,share", teacher_mode="cotrain")
+    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
+    d = Distiller(Trainer.create(scfg, tt.mesh), live, dcfg)
+    state = d.init_state(1)
+    t0 = int(live.state["step"])
+    state, _ = d.step(state, batches[0], 0)
+    seen = jax.device_get(live.state["tables"])        # what the second step copies
+    state, _ = d.step(state, batches[1], 1)
+    assert int(live.state["step"]) == t0 + 2            # the teacher trained on both batches
+    for n in state["tables"]:   # frozen: the student holds the teacher's rows of its step
+        np.testing.assert_array_equal(np.asarray(state["tables"][n]["weights"]),
+                                      seen[n]["weights"])
+    assert not np.array_equal(seen["item"]["weights"],
+                              np.asarray(live.state["tables"]["item"]["weights"]))
+
+
+def test_student_trains_and_checkpoints_with_the_train_loop(tmp_path):
+    from gemjax.serve.restore import restore
+    from gemjax.train.loop import train
+    cfg = get_config("tiny", "model.kind=student,model.student_arch=wukong,train.steps=2,"
+                             "train.checkpoint_every=2,train.eval_every=2,train.log_every=2,"
+                             "train.tensorboard=false")
+    summary = train(cfg, str(tmp_path), log=lambda *_: None)
+    assert np.isfinite(summary["eval_ne"])
+    run = restore(str(tmp_path))
+    assert run.step == 2 and run.cfg.model.kind == "student"
