@@ -10,14 +10,17 @@ Per seed:
    (`Teacher.from_workdir`: the offline teacher). --teacher_mode=cotrain trains a fresh
    teacher inside each student's run instead (the same batches, the teacher's outputs
    taken before it trains on them).
-2. One student (model.kind=student, `--student_override`) per row, trained
+2. One student (model.kind=student, `--student_override`: by default a DLRM of the
+   teacher's width 16, so shared tables need no projection) per row, trained
    --student_steps steps from the same init seed on the same stream with
    gemjax.distill.transfer.Distiller (the student Trainer's own train_step):
      none      the labels alone
      kd        standard KD (--alpha, --temperature)
      kd+adapter    KD on the Student Adapter's corrected teacher logits
-     +repr     kd+adapter and the teacher's sequence embeddings as inputs
-     +share    kd+adapter and the teacher's embedding tables (--share frozen|tuned)
+     +repr     kd+adapter and the teacher's sequence embeddings as inputs (each sample's
+               own by default; --repr_window=N serves a user's cached one up to N steps)
+     +share    kd+adapter and the teacher's embedding tables (--share tuned by default,
+               or frozen: then checked bit-identical after training)
      all       kd+adapter+repr+share
      hier      (--hierarchical) teacher -> domain model (a wider wukong student,
                kd+adapter) -> the student (kd+adapter)
@@ -54,7 +57,7 @@ SYNTHETIC_DATA = ("data.batch_size=128,data.vocab_user=2000,data.vocab_item=400,
 TEACHER = ("model.kind=gem,model.dim=16,model.wukong_layers=2,model.fmb_tokens=4,"
            "model.lcb_tokens=4,model.fm_rank=4,model.wukong_mlp=32,model.head_mlp=32,"
            "train.dense_lr=4e-3,train.sparse_lr=0.2")
-STUDENT = ("model.kind=student,model.student_arch=dlrm,model.dim=8,model.head_mlp=16,"
+STUDENT = ("model.kind=student,model.student_arch=dlrm,model.dim=16,model.head_mlp=16,"
            "model.student_recent=8,train.dense_lr=4e-3,train.sparse_lr=0.2")
 DOMAIN = "model.kind=student,model.student_arch=wukong,model.dim=16,model.head_mlp=32"
 
