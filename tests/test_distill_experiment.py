@@ -21,7 +21,8 @@ def _run(args, tmp_path):
 
 
 def test_distill_experiment_table(tmp_path):
-    p = _run([f"--out={tmp_path}", "--seeds=0,1", "--teacher_steps=4", "--student_steps=2",
+    p = _run([f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
+              "--share=frozen",
               "--rows=none,kd,kd+adapter,+repr,+share,all", "--adapter_refresh=1",
               "--latency_batch=16", "--data_overrides=data.eval_batches=1,data.batch_size=32"],
              tmp_path)
@@ -33,12 +34,12 @@ def test_distill_experiment_table(tmp_path):
     for row in rows:
         ne = {r["seed"]: r["ne"] for r in res["runs"] if r["row"] == row}
         base = {r["seed"]: r["ne"] for r in res["runs"] if r["row"] == "none"}
-        assert res["summary"][row]["ne"] == [ne[0], ne[1]]
-        np.testing.assert_allclose(res["summary"][row]["gain"], [base[0] - ne[0], base[1] - ne[1]])
+        assert res["summary"][row]["ne"] == [ne[0]]
+        np.testing.assert_allclose(res["summary"][row]["gain"], [base[0] - ne[0]])
         assert all(np.isfinite(v) for v in ne.values())
     assert all(r["shared_tables_unchanged"] for r in res["runs"] if r["row"] in ("+share", "all"))
-    assert len(res["summary"]["teacher_ne"]) == 2
-    assert os.path.exists(os.path.join(out, "teacher_s1", "summary.json"))   # offline checkpoints
+    assert len(res["summary"]["teacher_ne"]) == 1
+    assert os.path.exists(os.path.join(out, "teacher_s0", "summary.json"))   # offline checkpoint
     # the budget's FLOPs are the student's analytic count for its config
     from gemjax.config import apply_overrides, get_config
     from gemjax.models.student import forward_flops
