@@ -9,7 +9,8 @@ Per seed:
    finished one, with summary.json, is reused) and is read back from its checkpoint
    (`Teacher.from_workdir`: the offline teacher). --teacher_mode=cotrain trains a fresh
    teacher inside each student's run instead (the same batches, the teacher's outputs
-   taken before it trains on them).
+   taken before it trains on them; the teacher's NE is that of the first row's
+   teacher after --student_steps steps; no hierarchical row).
 2. One student (model.kind=student, `--student_override`: by default a DLRM of the
    teacher's width 16, so shared tables need no projection) per row, trained
    --student_steps steps from the same init seed on the same stream with
@@ -247,7 +248,11 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     base = base_config(args.dataset, args.frappe_dir, args.data_overrides)
     mesh = default_mesh(jax.devices()[:1])
-    rows = list(args.rows) + (["hier"] if args.hierarchical else [])
+    hier = args.hierarchical and args.teacher_mode == "offline"
+    if args.hierarchical and not hier:
+        print("[distill] --teacher_mode=cotrain: no hierarchical row (its domain model is an "
+              "offline teacher)")
+    rows = list(args.rows) + (["hier"] if hier else [])
     results, teacher_ne = [], []
     t_start = time.time()
     for seed in [int(s) for s in args.seeds]:
@@ -270,8 +275,12 @@ def main(argv):
                 res, _, _ = run_student(scfg, dom_cfg, domain, "kd,adapter", args,
                                         args.student_steps, mesh)
             else:
-                res, _, _ = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
+                res, d, _ = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
                                         mesh)
+                if args.teacher_mode == "cotrain" and row == rows[0]:
+                    # the co-trained teacher of the first row, after its student_steps steps
+                    step = d.teacher.trainer.make_eval_step()
+                    teacher_ne.append(evaluate(tcfg, lambda b: step(d.teacher.state, b), mesh)["ne"])
             results.append({"seed": seed, "row": row, "ne": res["ne"], "auc": res["auc"],
                             "calibration": res["calibration"],
                             "shared_tables_unchanged": res.get("shared_tables_unchanged"),
