@@ -5,7 +5,9 @@
 
 E (`repr_dim(cfg)`) per model kind:
   "gem"      per sequence, the SequenceEncoder output pooled over the whole history
-             and over the data.recent newest events: E = 2 * sequences * dim;
+             and over the data.recent newest events: E = 2 * sequences * dim; without
+             sequences (e.g. Frappe), the Wukong output the head reads:
+             E = (fmb_tokens + lcb_tokens) * dim;
   "teacher"  the mean of the pyramid's output tokens (the InterFormer's sequence
              input): E = dim;
   "student"  its sequence summary (whole-history and recent means of the event
@@ -34,7 +36,20 @@ def repr_dim(cfg: Config) -> int:
                          f"got {m.kind!r}")
     if m.kind == "teacher":
         return m.dim
-    return 2 * len(schema_of(cfg).sequence_names) * m.dim if m.use_sequences else 0
+    n_seq = len(schema_of(cfg).sequence_names) if m.use_sequences else 0
+    if m.kind == "gem" and n_seq == 0:
+        return (m.fmb_tokens + m.lcb_tokens) * m.dim
+    return 2 * n_seq * m.dim
+
+
+def _wukong_output(model, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
+    """GEMv0 without sequences: its Wukong output flattened, [B, out_tokens * dim]."""
+    f, m = schema_of(model.cfg), model.cfg.model
+    b = batch.dense.shape[0]
+    tokens = [acts[n][:, None, :] for n in f.sparse_names]
+    tokens.append(model.dense_proj(batch.dense).reshape(b, m.dense_tokens, m.dim))
+    x = jnp.concatenate([t.astype(jnp.dtype(m.dtype)) for t in tokens], axis=1)
+    return model.wukong(x).reshape(b, -1)
 
 
 def represent(model, acts: dict[str, jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -57,6 +72,8 @@ def represent(model, acts: dict[str, jax.Array], batch: Batch) -> tuple[jax.Arra
                 jag = batch.sequences[s]
                 x = model.encoders[s](sum(acts[f"{s}.{n}"] for n in fields), jag)
                 parts += [mean_pool(x, jag), recent_mean_pool(x, jag, cfg.data.recent)]
+        if not parts:
+            parts = [_wukong_output(model, acts, batch)]
     else:
         raise ValueError(f"representation transfer reads a teacher of model.kind in {KINDS}, "
                          f"got {kind!r}")
