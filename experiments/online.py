@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--item_rows", type=int, default=2048, help="rows of the item table (raw item "
                    "ids are unbounded: admitted ids take rows until they run out)")
     a = p.parse_args(argv)
+    if a.refresh_every < 1:
+        p.error(f"--refresh_every must be >= 1, got {a.refresh_every}")
     cfg = apply_overrides(get_config(a.config), STREAM + ("," + a.override if a.override else ""))
     spec = OnlineSpec(windows=a.windows, warmup_windows=a.warmup_windows, min_count=a.min_count,
                       buckets=a.buckets, table_rows=(("item", a.item_rows),),

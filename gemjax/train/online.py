@@ -40,7 +40,8 @@ admission state is restored, so the rows and final states equal an uninterrupted
 run's. A resume with other data / seed / online settings is refused
 (ResumeMismatch). SIGINT / SIGTERM stop at the end of the current window, after its
 checkpoint (`Interrupted`); kill -9 loses the windows since the newest checkpoint.
-One process (the model may span all its local devices).
+One process (the model may span all its local devices); a window's W host batches
+are built once (raw ids) and held while the window runs.
 """
 
 from __future__ import annotations
