@@ -62,6 +62,11 @@ class DataConfig:
     dense_signal: float = 0.4
     clicks_signal: float = 3.0
     views_signal: float = 1.5
+    # drifting online stream (gemjax.data.drift; experiments/online.py); drift_every=0: off
+    drift_every: int = 0             # steps per window; the planted model moves at each window start
+    drift_strength: float = 0.0      # share of fresh parameters per window: p' = sqrt(1-s^2) p + s n
+    popularity_shift: int = 0        # within-category item popularity ranks rotate this far per window
+    new_id_rate: float = 0.0         # share of items drawn from the window's block of never-seen ids
     # Base Batch Shuffling (gemjax.data.balance): the train batch dealt to the devices as
     # length-sorted sub-batches of bbs_sub_batch samples, in snake order (synthetic source)
     bbs: bool = False
@@ -122,6 +127,11 @@ class ModelConfig:
     retrieval_temperature: float = 1.0   # logits = user . item / temperature
     retrieval_l2norm: bool = False   # l2-normalise user and item vectors (cosine logits)
     retrieval_dropout: float = 0.2   # dropout on the input tokens while training
+    # --- distillation students (kind="student": gemjax.models.student) ---
+    student_arch: str = "dlrm"       # "dlrm" (pairwise dots + MLP) or "wukong" (small Wukong + MLP)
+    student_width: int = 0           # token width; 0: model.dim (else looked-up rows are projected)
+    student_recent: int = 8          # newest events of each sequence's short summary
+    teacher_repr_dim: int = 0        # E of the teacher features the batch carries (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,8 +416,13 @@ def validate(cfg: Config) -> None:
         (1 <= d.seq_cap <= 16_384, f"data.seq_cap must be in [1, 16384], got {d.seq_cap}"),
         (d.seq_median > 0 and d.seq_sigma >= 0, "data.seq_median must be > 0 and data.seq_sigma >= 0"),
         (d.recent >= 1, "data.recent must be >= 1"),
-        (m.kind in ("gem", "teacher", "lr", "retrieval"),
-         f"model.kind must be gem, teacher, lr or retrieval, got {m.kind!r}"),
+        (d.drift_every >= 0, f"data.drift_every must be >= 0, got {d.drift_every}"),
+        (0.0 <= d.drift_strength <= 1.0, f"data.drift_strength must be in [0, 1], got {d.drift_strength}"),
+        (d.popularity_shift >= 0, f"data.popularity_shift must be >= 0, got {d.popularity_shift}"),
+        (0.0 <= d.new_id_rate <= 1.0, f"data.new_id_rate must be in [0, 1], got {d.new_id_rate}"),
+        (m.kind in ("gem", "teacher", "lr", "retrieval", "student"),
+         f"model.kind must be gem, teacher, lr, retrieval or student, got {m.kind!r}"),
+        *_student_checks(m),
         *_retrieval_checks(m, cfg.train),
         (m.attention in ("block", "softmax", "gdpa"), f"model.attention must be block, softmax or gdpa, got {m.attention!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
@@ -491,6 +506,15 @@ def _feature_checks(cfg: Config) -> list[tuple[bool, str]]:
     return [(f.num_surfaces == d.num_surfaces and f.num_tasks == d.num_tasks,
              f"features has {f.num_surfaces} surfaces x {f.num_tasks} tasks, data.num_surfaces x "
              f"data.num_tasks is {d.num_surfaces} x {d.num_tasks} (the evaluator counts those)")]
+
+
+def _student_checks(m: ModelConfig) -> list[tuple[bool, str]]:
+    return [(m.student_arch in ("dlrm", "wukong"),
+             f"model.student_arch must be dlrm or wukong, got {m.student_arch!r}"),
+            (m.student_width >= 0, f"model.student_width must be >= 0, got {m.student_width}"),
+            (m.student_recent >= 1, f"model.student_recent must be >= 1, got {m.student_recent}"),
+            (m.teacher_repr_dim >= 0,
+             f"model.teacher_repr_dim must be >= 0, got {m.teacher_repr_dim}")]
 
 
 def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:

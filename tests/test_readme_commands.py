@@ -68,8 +68,15 @@ SKIP = {
     "./run train": LONG,
     "./run": "the script named in prose, no command",
     "./run test": "the suite itself (CI runs it; this test is part of it)",
+    "python -m experiments.online --workdir=runs/online":
+        "minutes on CPU; tests/test_online_resume.py runs the same script on a 4-window stream",
     "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
+    "python -m experiments.distill --dataset=synthetic --seeds=0,1,2 --out=runs/distill":
+        "minutes on CPU; tests/test_distill_experiment.py runs the script at a toy size",
+    "python -m experiments.distill --dataset=frappe --seeds=0,1,2 --teacher_steps=180 "
+    "--student_steps=60 --out=runs/distill":
+        "needs the converted Frappe; tests/test_distill_experiment.py runs the synthetic table",
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
     "python -m benchmarks.bench_train_feed": "GPU benchmark (minutes); tests/test_bench_train_feed.py "
                                              "runs it on CPU with a small model",

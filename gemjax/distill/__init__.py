@@ -1,5 +1,8 @@
-"""Reserved for knowledge transfer from the GEM teacher to smaller served models.
+"""Knowledge transfer from the GEM teacher to smaller served models.
 
-It holds no code yet: a run trains one model (`model.kind`: lr, gem or teacher) on the
-data's own labels; gemjax.serve loads, evaluates and exports it.
+losses (KD objective, representation-matching loss), adapter (the Student Adapter),
+batch (DistillBatch: a Batch carrying the teacher's outputs), represent (teacher
+features), transfer (DistillConfig, Teacher, Distiller, refresh_student). Students are
+gemjax.models.student (model.kind="student"); experiments/distill.py compares the
+methods.
 """

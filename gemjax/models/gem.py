@@ -143,8 +143,9 @@ class LogisticRegression(nnx.Module):
 
 
 def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
-    """model.kind: "gem" (v0), "teacher" (gemjax.models.interformer.GEMTeacher), "lr" or
-    "retrieval" (gemjax.models.retrieval.RetrievalTower: user vectors [T, dim])."""
+    """model.kind: "gem" (v0), "teacher" (gemjax.models.interformer.GEMTeacher), "lr",
+    "retrieval" (gemjax.models.retrieval.RetrievalTower: user vectors [T, dim]) or
+    "student" (gemjax.models.student.Student)."""
     if cfg.model.kind == "lr":
         return LogisticRegression(cfg, rngs=rngs)
     if cfg.model.kind == "retrieval":
@@ -153,4 +154,7 @@ def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
     if cfg.model.kind == "teacher":
         from gemjax.models.interformer import GEMTeacher   # imports this module's helpers
         return GEMTeacher(cfg, rngs=rngs)
+    if cfg.model.kind == "student":
+        from gemjax.models.student import Student          # imports this module's helpers
+        return Student(cfg, rngs=rngs)
     return GEMv0(cfg, rngs=rngs)

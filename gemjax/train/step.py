@@ -135,7 +135,11 @@ class StepContext:
 
     p_specs: PartitionSpecs like state["params"]; local_dims: like it, the dims each
     param keeps as its local shard inside the shard_map ((0,) for experts under EP);
-    ep_axes: the expert-parallel mesh axes, or None.
+    ep_axes: the expert-parallel mesh axes, or None. objective: the per-task loss, a
+    function (logits [B_local, K], batch) -> (loss_sum, weight_sum, positive_sum) [K]
+    each over the local shard; None: `masked_bce_sums` (the labels' log loss). A
+    distilled student's objective reads the soft targets its batch carries
+    (gemjax.distill.losses, gemjax.distill.batch.DistillBatch).
     """
 
     graphdef: Any
@@ -146,6 +150,8 @@ class StepContext:
     p_specs: Any
     local_dims: Any
     ep_axes: tuple[str, ...] | None
+    # knowledge distillation: the loss hook (None: the labels' log loss)
+    objective: Callable | None = None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -159,7 +165,8 @@ def local_forward(ctx: StepContext, params, acts, batch: Batch):
     ep = expert_parallel_context(ctx.ep_axes) if ctx.ep_axes else contextlib.nullcontext()
     with ep, sharded_batch(ctx.batch_axes):    # router aux over the global batch
         logits = nnx.merge(ctx.graphdef, full)(acts, batch)
-    sums = masked_bce_sums(logits, batch)      # the task loss: per-task sums over the shard
+    task_loss = masked_bce_sums if ctx.objective is None else ctx.objective
+    sums = task_loss(logits, batch)            # the task loss: per-task sums over the shard
     return jax.tree.map(lambda s: jax.lax.psum(s, ctx.batch_axes), sums), logits
 
 
@@ -240,6 +247,7 @@ class Trainer:
     param_shardings: Any        # nested dict of NamedSharding, like state["params"]
     opt_shardings: Any          # like state["opt_state"]
     expert_parallel: bool = True  # EP when the rules shard the expert dim (module docstring)
+    objective: Callable | None = None  # StepContext.objective of the steps (None: log loss)
 
     @classmethod
     def create(cls, cfg: Config, mesh: Mesh | None = None, *, rules: rules_lib.Rules | None = None,
@@ -319,7 +327,7 @@ class Trainer:
                    if self.expert_parallel else None)
         local_dims = jax.tree.map(lambda e: (0,) if e and ep_axes else (), is_expert)
         return StepContext(self.graphdef, self.mesh, self.tx, self.coll, self.id_fields,
-                           p_specs, local_dims, ep_axes)
+                           p_specs, local_dims, ep_axes, self.objective)
 
     def make_train_step(self) -> PlannedStep:
         """`train_step` as (state, batch[, next_batch]) -> (state, metrics), jitted; state

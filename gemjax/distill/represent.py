@@ -1,0 +1,82 @@
+"""Teacher features for representation transfer: a model's logits and its sequence
+(user-history) embedding in one forward.
+
+    logits [B, K], repr [B, E] = represent(model, acts, batch)
+
+E (`repr_dim(cfg)`) per model kind:
+  "gem"      per sequence, the SequenceEncoder output pooled over the whole history
+             and over the data.recent newest events: E = 2 * sequences * dim; without
+             sequences (e.g. Frappe), the Wukong output the head reads:
+             E = (fmb_tokens + lcb_tokens) * dim;
+  "teacher"  the mean of the pyramid's output tokens (the InterFormer's sequence
+             input): E = dim;
+  "student"  its sequence summary (whole-history and recent means of the event
+             embeddings): E = 2 * sequences * dim (a domain model teaching further).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gemjax.config import Config
+from gemjax.data.batch import Batch
+from gemjax.data.features import schema_of
+from gemjax.layers.sequence import mean_pool
+from gemjax.models.gem import recent_mean_pool
+
+KINDS = ("gem", "teacher", "student")
+
+
+def repr_dim(cfg: Config) -> int:
+    """E, the width of `represent`'s features for this config's model."""
+    m = cfg.model
+    if m.kind not in KINDS:
+        raise ValueError(f"representation transfer reads a teacher of model.kind in {KINDS}, "
+                         f"got {m.kind!r}")
+    if m.kind == "teacher":
+        return m.dim
+    n_seq = len(schema_of(cfg).sequence_names) if m.use_sequences else 0
+    if m.kind == "gem" and n_seq == 0:
+        return (m.fmb_tokens + m.lcb_tokens) * m.dim
+    return 2 * n_seq * m.dim
+
+
+def _wukong_output(model, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
+    """GEMv0 without sequences: its Wukong output flattened, [B, out_tokens * dim]."""
+    f, m = schema_of(model.cfg), model.cfg.model
+    b = batch.dense.shape[0]
+    tokens = [acts[n][:, None, :] for n in f.sparse_names]
+    tokens.append(model.dense_proj(batch.dense).reshape(b, m.dense_tokens, m.dim))
+    x = jnp.concatenate([t.astype(jnp.dtype(m.dtype)) for t in tokens], axis=1)
+    return model.wukong(x).reshape(b, -1)
+
+
+def represent(model, acts: dict[str, jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(logits [B, K] float32, repr [B, E] float32) of `model` (module docstring)."""
+    cfg = model.cfg
+    kind = cfg.model.kind
+    if kind == "teacher":
+        taps: dict = {}
+        logits = model(acts, batch, taps=taps)
+        rep = mean_pool(taps["seq"], taps["jagged"])
+        return logits, rep.astype(jnp.float32)
+    logits = model(acts, batch)
+    b = batch.dense.shape[0]
+    if kind == "student":
+        parts = model.sequence_summary(acts, batch)
+    elif kind == "gem":
+        parts = []
+        if cfg.model.use_sequences:
+            for s, fields in schema_of(cfg).id_fields.items():
+                jag = batch.sequences[s]
+                x = model.encoders[s](sum(acts[f"{s}.{n}"] for n in fields), jag)
+                parts += [mean_pool(x, jag), recent_mean_pool(x, jag, cfg.data.recent)]
+        if not parts:
+            parts = [_wukong_output(model, acts, batch)]
+    else:
+        raise ValueError(f"representation transfer reads a teacher of model.kind in {KINDS}, "
+                         f"got {kind!r}")
+    rep = (jnp.concatenate([p.astype(jnp.float32) for p in parts], axis=1) if parts
+           else jnp.zeros((b, 0), jnp.float32))
+    return logits, rep

@@ -1,0 +1,310 @@
+"""Knowledge transfer from a teacher to a student, each method selectable by config.
+
+    dcfg = DistillConfig(methods="kd,adapter,repr,share", temperature=1.0, alpha=0.5)
+    teacher = Teacher.from_workdir("runs/teacher")          # offline: a cached checkpoint
+    scfg = student_config(student_cfg, teacher.cfg, dcfg)    # repr / share change the student
+    d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
+    state = d.init_state(seed)
+    for step, batch, _, _ in feeder.batches(0, steps):
+        state, metrics = d.step(state, batch, step)
+
+Methods (DistillConfig.methods, comma-separated; "" trains on the labels alone):
+  kd       the student's loss mixes the labels with the teacher's probabilities
+           (gemjax.distill.losses: temperature, alpha);
+  adapter  the soft targets are the teacher's logits corrected by a StudentAdapter
+           fitted on the newest `adapter_window` labeled rows (refit every
+           `adapter_refresh` steps; a batch is corrected before its labels join the
+           window); needs kd;
+  repr     the teacher's sequence embedding of each sample (gemjax.distill.represent)
+           is a student input (model.teacher_repr_dim); in training it is served from
+           a per-user cache refreshed when older than `repr_window` steps (0: always
+           the sample's own), in eval the sample's own;
+  share    the student's embedding tables are the teacher's (model.dim = the
+           teacher's, the student projects them to its width): "frozen" (the student
+           never updates them: sparse lr 0; with a co-trained teacher they are copied
+           from it before every step) or "tuned" (copied once, then trained).
+Hierarchical transfer is the same machinery twice: a Distiller trains a domain model
+from the teacher, and `Teacher(domain_trainer, domain_state)` teaches the student.
+
+Teacher modes: "offline" (the teacher's state is fixed: a checkpoint, `from_workdir`)
+or "cotrain" (the Distiller also trains the teacher on each batch, after the
+teacher's outputs for that batch are taken). One process (the teacher's outputs pass
+through the host for the adapter and the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from gemjax.config import Config
+from gemjax.data.batch import Batch, id_features
+from gemjax.data.feeding import Feeder
+from gemjax.data.features import schema_of
+from gemjax.data.source import eval_steps, make_source
+from gemjax.distill.adapter import StudentAdapter
+from gemjax.distill.batch import DistillBatch, with_teacher
+from gemjax.distill.losses import kd_objective
+from gemjax.distill.represent import repr_dim, represent
+from gemjax.train.metrics import EvalAccumulator
+from gemjax.train.step import CHECK_VMA, Trainer, gather_param, process_rows
+
+METHODS = ("kd", "adapter", "repr", "share")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """How a student learns from its teacher (module docstring)."""
+
+    methods: str = "kd"              # comma-separated subset of METHODS; "": labels only
+    temperature: float = 1.0
+    alpha: float = 0.5               # weight of the soft term (losses.kd_loss)
+    adapter_window: int = 4096       # labeled rows per task the adapter fits on
+    adapter_refresh: int = 10        # steps between adapter refits
+    repr_window: int = 50            # steps a user's cached teacher embedding is served
+    share: str = "frozen"            # "frozen" | "tuned"
+    teacher_mode: str = "offline"    # "offline" | "cotrain"
+
+    @property
+    def method_set(self) -> frozenset[str]:
+        return frozenset(m.strip() for m in self.methods.split(",") if m.strip())
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field."""
+        bad = sorted(self.method_set - set(METHODS))
+        checks = [
+            (not bad, f"distill methods: unknown {bad}; choose from {', '.join(METHODS)}"),
+            ("adapter" not in self.method_set or "kd" in self.method_set,
+             "distill methods: adapter corrects the KD soft labels, so it needs kd"),
+            (self.temperature > 0, f"distill temperature must be > 0, got {self.temperature}"),
+            (0.0 <= self.alpha <= 1.0, f"distill alpha must be in [0, 1], got {self.alpha}"),
+            (self.adapter_window >= 1, f"distill adapter_window must be >= 1, got {self.adapter_window}"),
+            (self.adapter_refresh >= 1, f"distill adapter_refresh must be >= 1, got {self.adapter_refresh}"),
+            (self.repr_window >= 0, f"distill repr_window must be >= 0, got {self.repr_window}"),
+            (self.share in ("frozen", "tuned"), f"distill share must be frozen or tuned, got {self.share!r}"),
+            (self.teacher_mode in ("offline", "cotrain"),
+             f"distill teacher_mode must be offline or cotrain, got {self.teacher_mode!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+def student_config(student: Config, teacher: Config, dcfg: DistillConfig) -> Config:
+    """The student's Config for these methods: repr sets model.teacher_repr_dim to the
+    teacher's feature width; share makes the student's tables the teacher's width
+    (model.dim = the teacher's, model.student_width = the student's own width) and,
+    frozen, sets train.sparse_lr = 0."""
+    dcfg.validate()
+    m, t = student.model, student.train
+    methods = dcfg.method_set
+    if m.kind != "student" and methods & {"repr", "share"}:
+        raise ValueError(f"distill methods repr / share need a model.kind=student student, got "
+                         f"{m.kind!r}")
+    if "repr" in methods:
+        m = dataclasses.replace(m, teacher_repr_dim=repr_dim(teacher))
+    if "share" in methods:
+        m = dataclasses.replace(m, dim=teacher.model.dim, student_width=m.student_width or m.dim)
+        if dcfg.share == "frozen":
+            t = dataclasses.replace(t, sparse_lr=0.0)
+    return dataclasses.replace(student, model=m, train=t)
+
+
+def _local_outputs(ctx, params, acts, batch):
+    full = jax.tree.map(gather_param, params, ctx.p_specs, ctx.local_dims)
+    return represent(nnx.merge(ctx.graphdef, full), acts, batch)
+
+
+def teacher_outputs(ctx, state: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(logits [B, K], repr [B, E]) of the teacher in `ctx` (a StepContext) on `batch`."""
+    acts, _ = ctx.coll.lookup(state["tables"], id_features(batch, ctx.id_fields))
+    axes = ctx.batch_axes
+    fwd = jax.shard_map(functools.partial(_local_outputs, ctx), mesh=ctx.mesh,
+                        in_specs=(ctx.p_specs, P(axes), P(axes)), out_specs=(P(axes), P(axes)),
+                        check_vma=CHECK_VMA)
+    return fwd(state["params"], acts, batch)
+
+
+class Teacher:
+    """A model teaching a student: its Trainer and train state; `outputs(batch)` gives
+    (logits [B, K], repr [B, E]) as numpy, `train(batch)` one optimizer step (co-training)."""
+
+    def __init__(self, trainer: Trainer, state: dict):
+        self.trainer, self.state, self.cfg = trainer, state, trainer.cfg
+        self._outputs = trainer._planned(functools.partial(teacher_outputs, trainer.context()),
+                                         "teacher outputs")
+        self._train = None
+
+    @classmethod
+    def from_workdir(cls, workdir: str, step: int | None = None, mesh=None) -> "Teacher":
+        """The teacher of a finished run (its newest checkpoint, or `step`), offline."""
+        from gemjax.serve.restore import restore
+        run = restore(workdir, step, mesh)
+        return cls(run.trainer, run.state)
+
+    def outputs(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        logits, rep = self._outputs(self.state, batch)
+        return process_rows(logits), process_rows(rep)
+
+    def train(self, batch: Batch) -> dict:
+        """One train step of the teacher on `batch` (its own labels); returns its metrics."""
+        if self._train is None:
+            self._train = self.trainer.make_train_step()
+        self.state, metrics = self._train(self.state, batch)
+        return metrics
+
+
+class ReprCache:
+    """Teacher embeddings per user: `serve(users [B], fresh [B, E], step)` returns [B, E],
+    a user's cached row while it is younger than `window` steps, else (and then
+    cached) the sample's fresh one. window 0: always the fresh rows."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.rows: dict[int, tuple[np.ndarray, int]] = {}
+        self.hits = self.misses = 0
+
+    def serve(self, users: np.ndarray, fresh: np.ndarray, step: int) -> np.ndarray:
+        if self.window == 0:
+            self.misses += len(users)
+            return fresh
+        out = fresh.copy()
+        for i, u in enumerate(np.asarray(users).tolist()):
+            got = self.rows.get(u)
+            if got is not None and step - got[1] < self.window:
+                out[i] = got[0]
+                self.hits += 1
+            else:
+                self.rows[u] = (fresh[i].copy(), step)
+                self.misses += 1
+        return out
+
+
+class Distiller:
+    """Trains a student from `teacher` with `dcfg`'s methods, through the student
+    Trainer's own train_step (its StepContext.objective is the KD loss with kd on).
+
+    student_trainer: built from `student_config(...)` on the teacher's mesh.
+    """
+
+    def __init__(self, student_trainer: Trainer, teacher: Teacher, dcfg: DistillConfig,
+                 user_feature: str = "user"):
+        dcfg.validate()
+        self.dcfg, self.teacher, self.trainer = dcfg, teacher, student_trainer
+        self.methods = dcfg.method_set
+        self.mesh = student_trainer.mesh
+        if "kd" in self.methods:
+            student_trainer.objective = kd_objective(dcfg.alpha, dcfg.temperature)
+        k = schema_of(student_trainer.cfg).num_tasks
+        self.adapter = (StudentAdapter(k, dcfg.adapter_window, dcfg.adapter_refresh)
+                        if "adapter" in self.methods else None)
+        self.cache = ReprCache(dcfg.repr_window) if "repr" in self.methods else None
+        self.user_feature = user_feature
+        self._step = student_trainer.make_train_step()
+        self._eval = student_trainer.make_eval_step()
+        if "share" in self.methods:
+            self._check_shared_tables()
+
+    def _check_shared_tables(self) -> None:
+        mine = {n: (s.vocab, s.dim) for n, s in self.trainer.coll.specs.items()}
+        theirs = {n: (s.vocab, s.dim) for n, s in self.teacher.trainer.coll.specs.items()}
+        if any(theirs.get(n) != v for n, v in mine.items()):
+            raise ValueError(f"share: the student's tables {mine} are not the teacher's {theirs} "
+                             f"(build the student with student_config)")
+
+    def shared_tables(self) -> dict:
+        """A copy of the teacher's tables the student reads (share)."""
+        return jax.tree.map(jnp.copy, {n: self.teacher.state["tables"][n]
+                                       for n in self.trainer.coll.specs})
+
+    def init_state(self, seed: int) -> dict:
+        """The student's initial train state (with share: the teacher's tables)."""
+        state = self.trainer.init_state(seed)
+        if "share" in self.methods:
+            state["tables"] = self.shared_tables()
+        return state
+
+    def _uses_teacher(self) -> bool:
+        return bool(self.methods & {"kd", "repr"})
+
+    def prepare(self, batch: Batch, step: int, *, training: bool = True) -> tuple[Batch, Any]:
+        """(the student's batch, the teacher's raw logits [B, K] or None) for `batch`.
+
+        Training: soft targets adapter-corrected (with adapter), teacher features
+        through the per-user cache (with repr). Eval: raw logits and fresh features.
+        """
+        if not self._uses_teacher():
+            return batch, None
+        logits, rep = self.teacher.outputs(batch)
+        soft = logits
+        if training and self.adapter is not None:
+            soft = self.adapter.correct(logits)
+        if "repr" not in self.methods:
+            rep = np.zeros((logits.shape[0], 0), np.float32)
+        elif training and self.cache is not None:
+            rep = self.cache.serve(process_rows(batch.sparse[self.user_feature]), rep, step)
+        return with_teacher(batch, soft, rep, self.mesh), logits
+
+    def step(self, state: dict, batch: Batch, step: int) -> tuple[dict, dict]:
+        """One student step on `batch` (then the adapter observes its labels; co-training:
+        then the teacher trains on it). Returns (student state, metrics)."""
+        if "share" in self.methods and self.dcfg.share == "frozen" and \
+                self.dcfg.teacher_mode == "cotrain":
+            state = {**state, "tables": self.shared_tables()}
+        sbatch, logits = self.prepare(batch, step)
+        state, metrics = self._step(state, sbatch)
+        if self.adapter is not None:
+            self.adapter.observe(logits, process_rows(batch.labels),
+                                 process_rows(batch.label_mask), process_rows(batch.weights))
+        if self.dcfg.teacher_mode == "cotrain":
+            self.teacher.train(batch)
+        return state, metrics
+
+    def predict(self, state: dict, batch: Batch) -> np.ndarray:
+        """The student's probabilities [B, K] on `batch` (fresh teacher features)."""
+        sbatch, _ = self.prepare(batch, 0, training=False)
+        return np.asarray(self._eval(state, sbatch))
+
+
+def refresh_student(distiller: Distiller, student_state: dict, teacher_state: dict,
+                    batches: Iterable[Batch], start_step: int = 0) -> tuple[dict, list[dict]]:
+    """Refresh a student from the current teacher: `teacher_state` becomes the
+    distiller's (offline) teacher state, then the student trains one Distiller.step
+    per batch of `batches` (device Batches, e.g. Feeder.batches' second items),
+    numbered from start_step (the repr cache's clock).
+
+    Returns (student state, [metrics per step] as host dicts). The teacher state is
+    read, never updated (also in cotrain mode: refreshing is not training it).
+    """
+    distiller.teacher.state = teacher_state
+    mode = distiller.dcfg.teacher_mode
+    distiller.dcfg = dataclasses.replace(distiller.dcfg, teacher_mode="offline")
+    out = []
+    try:
+        for i, batch in enumerate(batches):
+            student_state, m = distiller.step(student_state, batch, start_step + i)
+            out.append(jax.device_get(m))
+    finally:
+        distiller.dcfg = dataclasses.replace(distiller.dcfg, teacher_mode=mode)
+    return student_state, out
+
+
+def evaluate(cfg: Config, predict, mesh) -> dict:
+    """Eval metrics (EvalAccumulator.result: ne, auc, calibration, ...) of
+    `predict(batch) -> probs [B, K]` over cfg's eval stream (one process)."""
+    stream = make_source(cfg, "eval")
+    feeder = Feeder(stream.shard_batch, mesh, prefetch=0)
+    f = schema_of(cfg)
+    acc = EvalAccumulator(f.num_surfaces, f.num_tasks)
+    for i in range(eval_steps(stream, cfg)):
+        host, _, _ = feeder.host_batch(i)
+        probs = predict(feeder.to_device(host))
+        acc.add(probs, host.labels, host.label_mask, host.surface, host.weights)
+    return acc.result()

@@ -1,0 +1,301 @@
+"""Knowledge transfer (gemjax.distill, gemjax.models.student): the KD loss and the
+representation loss against numpy, the Student Adapter's window (no future labels),
+NaN inputs, the students' FLOP count against the dot products of their jaxpr, and a
+teacher -> student run through the student Trainer's own train_step (frozen shared
+tables bit-identical, the step's loss equal to the KD formula on its logits)."""
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gemjax.config import get_config
+from gemjax.data.feeding import Feeder
+from gemjax.data.source import make_source
+from gemjax.distill import losses
+from gemjax.distill.adapter import StudentAdapter, fit_platt
+from gemjax.distill.batch import with_teacher
+from gemjax.distill.transfer import (DistillConfig, Distiller, ReprCache, Teacher,
+                                     refresh_student, student_config)
+from gemjax.models import student as student_lib
+from gemjax.train.step import Trainer
+
+
+def _np_bce(p, q):
+    return -(p * np.log(q) + (1 - p) * np.log(1 - q))
+
+
+def _sig(x):
+    return 1 / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("alpha,temperature", [(0.0, 1.0), (0.5, 1.0), (0.7, 3.0), (1.0, 0.5)])
+def test_kd_sums_match_numpy(alpha, temperature):
+    rng = np.random.default_rng(0)
+    b, k = 64, 3
+    s, t = rng.normal(0, 2, (b, k)), rng.normal(0, 2, (b, k))
+    y = (rng.random((b, k)) < 0.3).astype(np.float64)
+    mask = (rng.random((b, k)) < 0.8).astype(np.float64)
+    wts = rng.random(b)
+    batch = types.SimpleNamespace(labels=jnp.float32(y), label_mask=jnp.float32(mask),
+                                  weights=jnp.float32(wts), teacher_logits=jnp.float32(t))
+    loss_sum, w_sum, pos_sum = losses.kd_objective(alpha, temperature)(jnp.float32(s), batch)
+    w = mask * wts[:, None]
+    T = temperature
+    ref = ((1 - alpha) * _np_bce(y, _sig(s)) + alpha * T * T * _np_bce(_sig(t / T), _sig(s / T)))
+    np.testing.assert_allclose(loss_sum, (ref * w).sum(0), rtol=2e-5)
+    np.testing.assert_allclose(w_sum, w.sum(0), rtol=1e-6)
+    np.testing.assert_allclose(pos_sum, (y * w).sum(0), rtol=1e-6)
+
+
+def test_kd_soft_gradient_scale_and_bad_args():
+    # the T^2 convention: d soft / d s -> (s - t) / 4 for large T
+    s, t = jnp.float32([[0.3]]), jnp.float32([[-0.5]])
+    g = jax.grad(lambda x: jnp.sum(losses.kd_loss(x, jnp.zeros((1, 1)), t, alpha=1.0,
+                                                  temperature=100.0)))(s)
+    np.testing.assert_allclose(g, (0.3 + 0.5) / 4, rtol=1e-3)
+    with pytest.raises(ValueError, match="alpha"):
+        losses.kd_objective(1.5, 1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        losses.kd_objective(0.5, 0.0)
+
+
+def test_feature_mse_matches_numpy():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(5, 7)), rng.normal(size=(5, 7))
+    np.testing.assert_allclose(losses.feature_mse(jnp.float32(a), jnp.float32(b)),
+                               ((a - b) ** 2).mean(-1), rtol=1e-5)
+    g = jax.grad(lambda t: jnp.sum(losses.feature_mse(jnp.float32(a), t)))(jnp.float32(b))
+    assert not np.any(np.asarray(g))          # no gradient into the teacher side
+
+
+def _stream(seed, n_batches, b=64, flip_from=None):
+    """Batches of (teacher logits [b, 2], labels, mask, weights): labels follow
+    sigmoid(2 z - 1) (a miscalibrated teacher); from batch flip_from on, 1 - that."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_batches):
+        z = rng.normal(0, 1.5, (b, 2))
+        u = rng.random((b, 2))
+        y = (u < _sig(2 * z - 1)).astype(np.float64)
+        if flip_from is not None and i >= flip_from:
+            y = 1 - y
+        mask = np.ones((b, 2))
+        mask[: b // 4, 1] = 0            # task 1 partly unlabeled
+        out.append((z, y, mask, np.ones(b)))
+    return out
+
+
+def _soft_labels(stream, adapter):
+    """The Distiller's order: correct a batch, then observe its labels."""
+    soft = []
+    for z, y, m, w in stream:
+        soft.append(adapter.correct(z))
+        adapter.observe(z, y, m, w)
+    return soft
+
+
+def test_adapter_sees_no_future_labels():
+    t = 5
+    same, flipped = _stream(0, 9), _stream(0, 9, flip_from=t)
+    a = _soft_labels(same, StudentAdapter(2, window=200, refresh_every=1))
+    b = _soft_labels(flipped, StudentAdapter(2, window=200, refresh_every=1))
+    for i in range(t + 1):     # batch t is corrected before its (flipped) labels arrive
+        np.testing.assert_array_equal(a[i], b[i])
+    assert not np.allclose(a[t + 1], b[t + 1])   # the flipped labels do move the fit afterwards
+
+
+def test_adapter_fits_the_newest_window_only():
+    window = 150
+    base = _stream(2, 6)
+    other_past = _stream(3, 2) + base[2:]          # different labels before the window
+    a, b = StudentAdapter(2, window=window), StudentAdapter(2, window=window)
+    for z, y, m, w in base:
+        a.observe(z, y, m, w)
+    for z, y, m, w in other_past:
+        b.observe(z, y, m, w)
+    np.testing.assert_array_equal(a.coef, b.coef)
+    # the coefficients are the penalised logistic fit on exactly the newest `window` rows
+    for k in range(2):
+        rows = [(z[:, k][m[:, k] > 0], y[:, k][m[:, k] > 0]) for z, y, m, _ in base]
+        zz = np.concatenate([r[0] for r in rows])[-window:]
+        yy = np.concatenate([r[1] for r in rows])[-window:]
+        c = a.coef[k]
+        p = _sig(c[0] * zz + c[1])
+        grad = np.array([np.sum((p - yy) * zz), np.sum(p - yy)]) / len(zz) + 2e-3 * (c - [1, 0])
+        np.testing.assert_allclose(grad, 0, atol=1e-8)
+    # the miscalibrated teacher (labels ~ sigmoid(2 z - 1)) is corrected towards (2, -1)
+    assert abs(a.coef[0, 0] - 2) < 0.6 and abs(a.coef[0, 1] + 1) < 0.6
+
+
+def test_nan_inputs_are_named():
+    ad = StudentAdapter(2, window=10)
+    z = np.zeros((4, 2))
+    z[1, 1] = np.nan
+    with pytest.raises(ValueError, match="teacher_logits.*non-finite"):
+        ad.correct(z)
+    with pytest.raises(ValueError, match="labels.*non-finite"):
+        ad.observe(np.zeros((4, 2)), np.full((4, 2), np.nan), np.ones((4, 2)), np.ones(4))
+    batch = types.SimpleNamespace(labels=np.zeros((4, 2)))
+    rep = np.zeros((4, 3))
+    rep[2, 0] = np.inf
+    with pytest.raises(ValueError, match="teacher_repr.*non-finite"):
+        with_teacher(batch, np.zeros((4, 2)), rep)
+    with pytest.raises(ValueError, match="teacher_logits: shape"):
+        with_teacher(batch, np.zeros((3, 2)), np.zeros((4, 3)))
+    with pytest.raises(ValueError, match="needs kd"):
+        DistillConfig(methods="adapter").validate()
+    with pytest.raises(ValueError, match="unknown"):
+        DistillConfig(methods="kd,magic").validate()
+
+
+def test_repr_cache_serves_within_its_window():
+    c = ReprCache(window=3)
+    f0 = np.arange(6.0).reshape(3, 2)
+    out0 = c.serve(np.array([7, 8, 7]), f0, step=0)
+    np.testing.assert_array_equal(out0, [f0[0], f0[1], f0[0]])       # user 7 cached at its first row
+    out1 = c.serve(np.array([7, 9]), f0[:2] + 100, step=2)
+    np.testing.assert_array_equal(out1, [f0[0], f0[1] + 100])         # 7 still fresh enough
+    out2 = c.serve(np.array([7]), f0[:1] + 200, step=3)
+    np.testing.assert_array_equal(out2, f0[:1] + 200)                 # 3 steps old: refreshed
+
+
+def _dot_flops(fn, *args) -> int:
+    """2 * (product of the output dims) * (contracted size) summed over the dot_generals
+    of fn's jaxpr (recursing into sub-jaxprs)."""
+    total = 0
+
+    def walk(jaxpr):
+        nonlocal total
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (lc, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval.shape
+                total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(
+                    np.prod([lhs[d] for d in lc]))
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                    if hasattr(sub, "jaxpr"):
+                        walk(getattr(sub.jaxpr, "jaxpr", sub.jaxpr))
+                    elif hasattr(sub, "eqns"):
+                        walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return total
+
+
+@pytest.mark.parametrize("over", [
+    "model.student_arch=dlrm",
+    "model.student_arch=dlrm,model.student_width=4,model.teacher_repr_dim=12",
+    "model.student_arch=wukong,model.wukong_layers=2,model.teacher_repr_dim=5"])
+def test_student_flops_match_its_jaxpr(over):
+    cfg = get_config("tiny", "model.kind=student," + over)
+    model = student_lib.Student(cfg, rngs=nnx.Rngs(0))
+    stream = make_source(cfg, "train")
+    batch, _ = stream.shard_batch(0, 0, 1)
+    b = batch.labels.shape[0]
+    rep = np.ones((b, cfg.model.teacher_repr_dim), np.float32)
+    batch = with_teacher(batch, np.zeros(batch.labels.shape, np.float32), rep)
+    from gemjax.data.batch import id_features
+    acts = {n: jnp.ones(np.shape(ids) + (cfg.model.dim,))
+            for n, ids in id_features(batch, student_lib.schema_of(cfg).id_fields).items()}
+    got = _dot_flops(lambda a, bt: model(a, bt), acts, batch)
+    assert got == b * student_lib.forward_flops(cfg)
+
+
+@pytest.fixture(scope="module")
+def teacher_and_feed():
+    tcfg = get_config("tiny", "train.steps=4")
+    tt = Trainer.create(tcfg)
+    teacher = Teacher(tt, tt.init_state(0))
+    stream = make_source(tcfg, "train")
+    feeder = Feeder(stream.shard_batch, tt.mesh, check_ids=tt.coll.check_ids,
+                    id_fields=tt.id_fields, prefetch=0)
+    batches = [b for _, b, _, _ in feeder.batches(0, 3)]
+    for b in batches[:2]:
+        teacher.train(b)            # a teacher that is not its initial state
+    return tcfg, teacher, batches
+
+
+def _sigmoid_np(x):
+    return 1 / (1 + np.exp(-np.asarray(x, np.float64)))
+
+
+def test_distill_step_frozen_share_and_kd_loss(teacher_and_feed):
+    tcfg, teacher, batches = teacher_and_feed
+    before = jax.device_get(teacher.state)
+    dcfg = DistillConfig(methods="kd,adapter,repr,share", alpha=0.6, temperature=2.0,
+                         adapter_refresh=1, repr_window=2)
+    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4,train.steps=4"),
+                          tcfg, dcfg)
+    assert scfg.train.sparse_lr == 0.0 and scfg.model.dim == tcfg.model.dim
+    d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
+    state = d.init_state(1)
+    # the train step's loss is the KD formula on the student's logits (same train_step)
+    sbatch, raw = d.prepare(batches[0], 0)
+    probs = np.asarray(d._eval(state, sbatch), np.float64)
+    s = np.log(probs) - np.log1p(-probs)
+    t = np.asarray(sbatch.teacher_logits, np.float64)
+    y = np.asarray(sbatch.labels, np.float64)
+    w = np.asarray(sbatch.label_mask) * np.asarray(sbatch.weights)[:, None]
+    ref = (0.4 * _np_bce(y, _sig(s)) + 0.6 * 4 * _np_bce(_sig(t / 2), _sig(s / 2)))
+    _, m = d._step(jax.tree.map(jnp.copy, state), sbatch)
+    np.testing.assert_allclose(float(m["loss"]), (ref * w).sum() / w.sum(), rtol=1e-4)
+    for i, b in enumerate(batches):
+        state, m = d.step(state, b, i)
+        assert np.isfinite(float(m["loss"]))
+    assert d.adapter.fits == len(batches) and d.cache.hits > 0
+    after = jax.device_get(teacher.state)
+    for n in state["tables"]:     # frozen: the shared teacher rows bit-identical after training
+        np.testing.assert_array_equal(np.asarray(state["tables"][n]["weights"]),
+                                      after["tables"][n]["weights"])
+    jax.tree.map(np.testing.assert_array_equal, before, after)   # offline teacher untouched
+    # refresh_student (for the online trainer) runs the same steps from a given teacher state
+    state2, ms = refresh_student(d, state, teacher.state, batches[:1], start_step=10)
+    assert len(ms) == 1 and int(state2["step"]) == len(batches) + 1
+
+
+def test_distill_tuned_share_updates_tables(teacher_and_feed):
+    tcfg, teacher, batches = teacher_and_feed
+    dcfg = DistillConfig(methods="kd,share", share="tuned")
+    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
+    d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
+    state = d.init_state(1)
+    state, _ = d.step(state, batches[0], 0)
+    assert not np.array_equal(np.asarray(state["tables"]["item"]["weights"]),
+                              np.asarray(teacher.state["tables"]["item"]["weights"]))
+
+
+def test_cotrain_trains_the_teacher_and_frozen_share_follows_it(teacher_and_feed):
+    tcfg, teacher, batches = teacher_and_feed
+    tt = teacher.trainer
+    live = Teacher(tt, jax.tree.map(jnp.copy, teacher.state))
+    dcfg = DistillConfig(methods="kd,share", teacher_mode="cotrain")
+    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
+    d = Distiller(Trainer.create(scfg, tt.mesh), live, dcfg)
+    state = d.init_state(1)
+    t0 = int(live.state["step"])
+    state, _ = d.step(state, batches[0], 0)
+    seen = jax.device_get(live.state["tables"])        # what the second step copies
+    state, _ = d.step(state, batches[1], 1)
+    assert int(live.state["step"]) == t0 + 2            # the teacher trained on both batches
+    for n in state["tables"]:   # frozen: the student holds the teacher's rows of its step
+        np.testing.assert_array_equal(np.asarray(state["tables"][n]["weights"]),
+                                      seen[n]["weights"])
+    assert not np.array_equal(seen["item"]["weights"],
+                              np.asarray(live.state["tables"]["item"]["weights"]))
+
+
+def test_student_trains_and_checkpoints_with_the_train_loop(tmp_path):
+    from gemjax.serve.restore import restore
+    from gemjax.train.loop import train
+    cfg = get_config("tiny", "model.kind=student,model.student_arch=wukong,train.steps=2,"
+                             "train.checkpoint_every=2,train.eval_every=2,train.log_every=2,"
+                             "train.tensorboard=false")
+    summary = train(cfg, str(tmp_path), log=lambda *_: None)
+    assert np.isfinite(summary["eval_ne"])
+    run = restore(str(tmp_path))
+    assert run.step == 2 and run.cfg.model.kind == "student"

@@ -1,0 +1,141 @@
+"""Online training (gemjax.train.online): a run stopped by SIGTERM, resumed, killed with
+kill -9, and resumed again ends with the metrics rows and member states of an
+uninterrupted run. The interrupted runs are `experiments/online.py` subprocesses on one
+CPU device; the reference runs in this process on a one-device mesh with the same
+config."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from experiments.online import STREAM
+from gemjax.config import apply_overrides, get_config
+from gemjax.train.guards import ResumeMismatch
+from gemjax.train.online import OnlineSpec, run_online, summary_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERRIDE = "data.drift_every=2,data.batch_size=64"
+WINDOWS = 4
+ARGS = ["--config=tiny", f"--windows={WINDOWS}", f"--override={OVERRIDE}", "--item_rows=1024", "--students=0",
+        "--min_count=2", "--buckets=16"]
+SPEC = OnlineSpec(windows=WINDOWS, min_count=2, buckets=16, table_rows=(("item", 1024),))
+
+
+def _cfg():
+    return apply_overrides(get_config("tiny"), STREAM + "," + OVERRIDE)
+
+
+class Run:
+    """experiments/online.py on `workdir` in a subprocess, its output read by a thread."""
+
+    def __init__(self, workdir):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
+                   JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+        self.proc = subprocess.Popen([sys.executable, "-m", "experiments.online", *ARGS,
+                                      f"--workdir={workdir}"], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout),
+                                        daemon=True)
+        self._reader.start()
+
+    @property
+    def out(self):
+        return "".join(self.lines)
+
+    def wait_for(self, text, timeout=300):
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                f"no {text!r} (exit {self.proc.poll()}):\n{self.out[-3000:]}"
+            time.sleep(0.02)
+
+    def finish(self, timeout=300):
+        rc = self.proc.wait(timeout)
+        self._reader.join(30)
+        return rc
+
+
+def _rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
+    ref_dir, dir_ = str(tmp_path / "reference"), str(tmp_path / "interrupted")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    ref = run_online(_cfg(), ref_dir, SPEC, mesh=mesh, log=lambda s: None)
+
+    run = Run(dir_)                      # SIGTERM during window 1: stops after its checkpoint
+    run.wait_for("[online] window 0:")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 130, run.out[-3000:]
+    assert "stopped by SIGTERM after window" in run.out
+    stopped_at = max(r["window"] for r in _rows(dir_))
+    assert stopped_at < WINDOWS - 1
+
+    run = Run(dir_)                      # resume, then kill -9 after the next window's checkpoint
+    run.wait_for(f"[online] window {stopped_at + 1}:")
+    run.proc.kill()
+    assert run.finish() == -signal.SIGKILL
+    assert f"resumed at window {stopped_at + 1}" in run.out
+
+    run = Run(dir_)                      # resume to the end
+    assert run.finish() == 0, run.out[-3000:]
+    assert "resumed at window" in run.out
+
+    assert _rows(dir_) == _rows(ref_dir)
+    with open(os.path.join(dir_, "summary.json")) as f:
+        got = json.load(f)
+    assert got["digests"] == ref["digests"]
+    assert got["admission"] == ref["admission"]
+    assert ref["admission"]["item"]["admitted"] > 0 and ref["admission"]["item"]["hashed"] > 0
+    rows = ref["rows"]
+    assert [r["window"] for r in rows] == list(range(WINDOWS))
+    # the frozen teacher is the fresh one at the end of window 0: equal on window 1's batches
+    assert rows[0]["ne_frozen"] is None and rows[1]["ne_frozen"] == rows[1]["ne_fresh"]
+    assert rows[2]["ne_frozen"] != rows[2]["ne_fresh"]
+    assert all(r["item_new_ids"] > 0 for r in rows)
+    assert "window | bayes | fresh | frozen" in summary_table(rows, ["fresh", "frozen"])
+
+    # a resume with another admission rule is refused, naming it
+    with pytest.raises(ResumeMismatch, match="min_count"):
+        run_online(_cfg(), ref_dir, OnlineSpec(windows=WINDOWS, min_count=3, buckets=16,
+                                               table_rows=(("item", 1024),)), mesh=mesh)
+
+
+def test_students_and_snapshot_resume_exactly(tmp_path):
+    """A run of 2 windows extended to 3 (restoring the teachers, the snapshot, both
+    students and the shared id maps) equals a 3-window run; the students appear after
+    the warm-up and learn from their own teachers."""
+    from experiments.online import student_members
+    from gemjax.distill.transfer import DistillConfig
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    cfg = apply_overrides(get_config("tiny"), STREAM + ",data.drift_every=2,data.batch_size=32")
+
+    def spec(windows):
+        return OnlineSpec(windows=windows, min_count=2, buckets=16, table_rows=(("item", 1024),),
+                          extra_members=student_members(1, 1, DistillConfig(methods="kd")))
+    whole = run_online(cfg, str(tmp_path / "whole"), spec(3), mesh=mesh, log=lambda s: None)
+    run_online(cfg, str(tmp_path / "parts"), spec(2), mesh=mesh, log=lambda s: None)
+    parts = run_online(cfg, str(tmp_path / "parts"), spec(3), mesh=mesh, log=lambda s: None)
+    assert parts["rows"] == whole["rows"]
+    assert parts["digests"] == whole["digests"]
+    assert sorted(whole["digests"]) == ["fresh", "frozen", "snapshot", "student_fresh",
+                                        "student_frozen"]
+    r0, r1, r2 = whole["rows"]
+    assert r0["ne_student_fresh"] is None and r1["ne_student_fresh"] is not None
+    # window 1: the snapshot is the frozen teacher, so both students start alike
+    assert r1["ne_student_fresh"] == r1["ne_student_frozen"]
+    assert r2["ne_snapshot"] == r2["ne_fresh"] != r2["ne_frozen"]
