@@ -1,7 +1,8 @@
 """train.steps_per_call (gemjax.train.multistep): K steps per jitted call train what K calls
 of one step train, the stacked feed equals the per-step feed, a K-step run killed (kill -9)
 and stopped (SIGTERM) resumes to the uninterrupted K-step run's bits, and the settings it
-cannot honour are refused by name."""
+cannot honour are refused by name; with sparse branch plans per batch a call runs its K
+steps on one plan covering each."""
 
 import dataclasses
 import os
@@ -152,15 +153,37 @@ def test_what_k_steps_per_call_cannot_do_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"train.steps_per_call=4: the last step \(stop_after\) "
                                          r"is 6, not a multiple of 4"):
         train(tiny(4), str(tmp_path / "stop"), log=lambda s: None, stop_after=6)
-    # sparse branch plans fixed per batch (model-parallel tables with exchange buckets)
-    cfg = tiny(4, extra="train.sparse_exchange_buckets=true,parallel.table_plan=row_wise")
-    mesh, kw = layout.build(cfg)
+
+
+def test_switched_tables_run_k_steps_on_one_plan_covering_each_batch():
+    """Model-parallel tables with exchange buckets on 2 devices (a plan per batch): the call's
+    plan covers each of its 4 batches' own plans, and the 4 steps equal 4 one-step calls
+    on that plan, bit for bit (losses and state)."""
+    cfg = tiny(4, steps=8, extra="train.sparse_exchange_buckets=true,"
+                                 "train.sparse_sync_buckets=true,parallel.table_plan=row_wise,"
+                                 "data.batch_size=32")
+    mesh, kw = layout.build(cfg, jax.devices()[:2])
     trainer = Trainer.create(cfg, mesh, **kw)
     assert trainer.coll.has_switches()
-    with pytest.raises(ValueError, match=r"train.steps_per_call=4: .* train.sparse_fixed_branches"):
-        multistep.MultiStep(trainer, 4)
-    multistep.MultiStep(Trainer.create(dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, sparse_fixed_branches=False)), mesh, **kw), 4)     # switches inside the step
+    source = make_source(cfg, "train")
+    fkw = dict(check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields)
+    _, stacked, _, _ = next(iter(multistep.feeder(4, source.shard_batch, mesh, **fkw).batches(0, 4)))
+    plain = Feeder(source.shard_batch, mesh, **fkw)
+    singles = [plain.to_device(plain.host_batch(i)[0]) for i in range(4)]
+    four, one = multistep.MultiStep(trainer, 4), trainer.make_train_step()
+    plan = four.plan(stacked)
+    for own in map(one.plan, singles):
+        assert [t for t, _, _ in own] == [t for t, _, _ in plan]
+        assert all(x >= a and y >= b for (_, x, y), (_, a, b) in zip(plan, own)), (plan, own)
+    state4, m4 = four(trainer.init_state(0), stacked)
+    assert four.plans == [plan]
+    state, losses = trainer.init_state(0), []
+    for batch in singles:
+        state, m = one._fn(plan)(state, batch)
+        losses.append(np.asarray(m["loss"]))
+    np.testing.assert_array_equal(np.asarray(m4["loss"]), np.stack(losses))
+    for a, b in zip(_leaves(state4), _leaves(state)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_gil_switch_interval_is_short_inside_the_loop_and_restored(monkeypatch):

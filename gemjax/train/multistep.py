@@ -19,11 +19,8 @@ sharded over the batch axes on their second axis (`stacked_sharding`). With K = 
 the train loop uses the plain Feeder and Trainer.make_train_step: the same programs
 as without this module.
 
-Sparse branch plans (gemjax.train.planned) are fixed per batch before its step; one
-call of K steps would need one plan for the K batches, which is not built: a trainer
-whose tables hold switched collectives with train.sparse_fixed_branches on is refused
-(ValueError). With sparse_fixed_branches off the switches stay inside the step and
-run inside the scan.
+Sparse branch plans (gemjax.train.planned), where tables switch their exchange or sync
+buckets per batch: one plan per call, covering each of its K batches (`MultiStep`).
 """
 
 from __future__ import annotations
@@ -32,12 +29,14 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data import packing
-from gemjax.data.batch import Batch
+from gemjax.data.batch import Batch, id_features
 from gemjax.data.feeding import Feeder
+from gemjax.train.planned import PlannedStep, jit_per_plan
 from gemjax.train.step import Trainer, train_step
 
 
@@ -157,34 +156,45 @@ def scan_steps(step: Callable, state, batches: Batch):
     return jax.lax.scan(step, state, batches)
 
 
-class MultiStep:
-    """The trainer's train_step, K steps per jitted call: (state, batches [K, ...]) ->
-    (state, metrics [K, ...]); state donated, placed like Trainer.make_train_step's.
-    ValueError when the trainer needs per-batch sparse branch plans (module docstring)."""
+class MultiStep(PlannedStep):
+    """The trainer's train_step, K steps per jitted call: (state, batches [K, ...][,
+    next_batches]) -> (state, metrics [K, ...]); state donated, placed like
+    Trainer.make_train_step's.
+
+    Sparse branch plans (gemjax.train.planned): one plan for the K batches of a call, the
+    per-table largest of theirs (`max_needs`: each batch's unique-id counts, maxed over
+    the K in one jitted call); a plan that covers a batch's needs gives that batch the
+    results of its own plan, so the K steps train as K one-step calls. As in PlannedStep,
+    the next call's needs are queued before this call and read after it."""
 
     def __init__(self, trainer: Trainer, k: int):
         if k < 2:
             raise ValueError(f"MultiStep: k must be >= 2 (k=1 is Trainer.make_train_step), got {k}")
-        if trainer.cfg.train.sparse_fixed_branches and trainer.coll.has_switches():
-            raise ValueError(
-                f"train.steps_per_call={k}: this mesh's tables switch their sparse exchange or "
-                f"sync buckets per batch (train.sparse_exchange_buckets / sparse_sync_buckets), "
-                f"with the branches fixed per batch ahead of the step "
-                f"(train.sparse_fixed_branches=true), which K steps in one call cannot do; set "
-                f"train.steps_per_call=1, or train.sparse_fixed_branches=false (the switches "
-                f"then run inside the step), or turn those buckets off")
         self.k = k
         out = (trainer.state_shardings(), NamedSharding(trainer.mesh, P()))
-        one = functools.partial(train_step, trainer.context())
-        self._fn = jax.jit(functools.partial(scan_steps, one), donate_argnums=(0,),
-                           out_shardings=out)
+        scanned = functools.partial(scan_steps, functools.partial(train_step, trainer.context()))
+        super().__init__(trainer.coll, trainer.id_fields,
+                         jit_per_plan(trainer.coll, scanned, donate_argnums=(0,), out_shardings=out),
+                         fixed=trainer.cfg.train.sparse_fixed_branches,
+                         name=f"train step x{k}")
+        self._max_needs = jax.jit(self.max_needs)
 
-    def __call__(self, state, batches: Batch, next_batch: Batch | None = None):
-        """next_batch: accepted for the loop's PlannedStep call signature, unused."""
-        del next_batch
-        return self._fn(state, batches)
+    def max_needs(self, feats: dict) -> dict:
+        """feats stacked [K, ...] -> {table: [2] int32}: `EmbeddingCollection.branch_needs`
+        of each of the K batches, the largest per entry (traced)."""
+        per = [self.coll.branch_needs(jax.tree.map(lambda x, j=j: x[j], feats))
+               for j in range(self.k)]
+        return jax.tree.map(lambda *xs: jnp.max(jnp.stack(xs), axis=0), *per)
 
-    def lower(self, state, batches: Batch):
-        """The jitted program, lowered (e.g. .compile().memory_analysis())."""
-        return self._fn.lower(state, batches)
+    def _needs(self, batch: Batch):
+        return self._max_needs(id_features(batch, self.id_fields))
 
+    def plan(self, batch: Batch, needs: Any = None) -> tuple:
+        """The branch plan the call runs the K batches of `batch` with (reads `needs`)."""
+        if not self._switched:
+            return ()
+        if needs is None:
+            needs = self._needs(batch)
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                           id_features(batch, self.id_fields))     # one step's shapes
+        return self.covering(self.coll.branch_plan(one, jax.device_get(needs)))

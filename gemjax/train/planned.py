@@ -24,12 +24,17 @@ def _run_with_plan(coll, plan: tuple, fn: Callable, state, batch):
         return fn(state, batch)
 
 
+def jit_per_plan(coll, fn: Callable, **jit_kw) -> Callable[[tuple], Callable]:
+    """plan -> fn (state, batch) -> ... jitted with jit_kw, traced with that plan fixed."""
+    def build(plan: tuple) -> Callable:
+        return jax.jit(functools.partial(_run_with_plan, coll, plan, fn), **jit_kw)
+    return build
+
+
 def planned_jit(coll, id_fields: dict[str, tuple[str, ...]], fn: Callable, name: str,
                 fixed: bool = True, **jit_kw) -> "PlannedStep":
     """PlannedStep `name` of fn (state, batch) -> ..., each plan's program jitted with jit_kw."""
-    def build(plan: tuple) -> Callable:
-        return jax.jit(functools.partial(_run_with_plan, coll, plan, fn), **jit_kw)
-    return PlannedStep(coll, id_fields, build, fixed=fixed, name=name)
+    return PlannedStep(coll, id_fields, jit_per_plan(coll, fn, **jit_kw), fixed=fixed, name=name)
 
 
 class PlannedStep:
@@ -82,7 +87,10 @@ class PlannedStep:
         feats = id_features(batch, self.id_fields)
         if needs is None:
             needs = self.coll.branch_needs(feats)
-        want = self.coll.branch_plan(feats, jax.device_get(needs))
+        return self.covering(self.coll.branch_plan(feats, jax.device_get(needs)))
+
+    def covering(self, want: tuple) -> tuple:
+        """The smallest compiled plan at least as large as `want` in every table, else want."""
         covers = [p for p in self._fns if len(p) == len(want) and all(
             a[0] == b[0] and a[1] >= b[1] and a[2] >= b[2] for a, b in zip(p, want))]
         return min(covers, key=lambda p: sum(x + y for _, x, y in p)) if covers else want
