@@ -223,7 +223,8 @@ def summarize(results: list[dict], rows: list[str], teacher_ne: list[float]) -> 
         kd_gain, all_gain = (base - ne["kd"]).mean(), (base - ne["all"]).mean()
         ratio = all_gain / kd_gain if kd_gain != 0 else float("nan")
         figures["combined_over_kd_gain"] = float(ratio)
-        lines.append(f"\ncombined gain / KD gain: {ratio:.2f} (seeds {seeds})")
+        note = "" if kd_gain > 0 else " (the KD gain is not positive: no ratio to read)"
+        lines.append(f"\ncombined gain / KD gain: {ratio:.2f} (seeds {seeds}){note}")
     return "\n".join(lines), figures
 
 
@@ -295,7 +296,9 @@ def main(argv):
     btable += [f"| {r['model']} | {r['arch']} | {r['flops_per_sample']:,} | "
                f"{r['table_bytes']:,} ({r['own_table_bytes']:,}) | {r['latency_ms_b512']} |"
                for r in budget]
-    text = (f"dataset {args.dataset}, teacher {args.teacher_mode} ({args.teacher_steps} steps), "
+    t_steps = (f"{args.teacher_steps} steps" if args.teacher_mode == "offline"
+               else f"trained with each student, {args.student_steps} steps")
+    text = (f"dataset {args.dataset}, teacher {args.teacher_mode} ({t_steps}), "
             f"students {args.student_steps} steps, seeds {args.seeds}\n\n{table}\n\n"
             + "\n".join(btable))
     with open(os.path.join(out, "results.json"), "w") as f:

@@ -155,6 +155,6 @@ def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
         from gemjax.models.interformer import GEMTeacher   # imports this module's helpers
         return GEMTeacher(cfg, rngs=rngs)
     if cfg.model.kind == "student":
-        from gemjax.models.student import Student          # imports this module's helpers
+        from gemjax.models.student import Student
         return Student(cfg, rngs=rngs)
     return GEMv0(cfg, rngs=rngs)
