@@ -154,6 +154,13 @@ class TrainConfig:
     # write metrics.jsonl's rows as TensorBoard scalars too, under WORKDIR/tensorboard
     # (needs tensorboardX; without it the run logs one line and writes metrics.jsonl only)
     tensorboard: bool = True
+    # --- activation checkpointing (model.kind=teacher; gemjax.layers.regions, gemjax.train.remat) ---
+    # "none" (autodiff keeps what it needs), "region:policy,..." with regions pyramid, cross,
+    # seq, attention, interaction, heads (or all) and policies save, recompute, offload,
+    # quantize (FP8-kept inputs), e.g. "seq:recompute,attention:save,interaction:offload";
+    # or "auto": the planner picks the plan for memory_budget_gb at start
+    remat: str = "none"
+    memory_budget_gb: float = 0.0    # device memory budget of remat=auto (GiB of the train step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +402,7 @@ def validate(cfg: Config) -> None:
         *_train_checks(cfg.train),
         *_teacher_checks(m),
         *_feature_checks(cfg),
+        *_remat_checks(cfg),
     ]
     for ok, msg in checks:
         if not ok:
@@ -414,6 +422,16 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
              f"train.{f} must be a finite number in [0, {MAX_LR:g}], got {getattr(t, f)}")
             for f in ("dense_lr", "sparse_lr")]
     return out
+
+
+def _remat_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """The plan's syntax is checked where the teacher is built (gemjax.layers.regions)."""
+    t = cfg.train
+    return [(t.memory_budget_gb >= 0, f"train.memory_budget_gb must be >= 0, got {t.memory_budget_gb}"),
+            (t.remat != "auto" or t.memory_budget_gb > 0,
+             "train.remat=auto needs train.memory_budget_gb > 0 (the device memory budget, GiB)"),
+            (t.remat in ("", "none") or cfg.model.kind == "teacher",
+             f"train.remat={t.remat} applies to model.kind=teacher only, got {cfg.model.kind!r}")]
 
 
 SOURCES = ("synthetic", "parquet")
