@@ -155,9 +155,9 @@ class TrainConfig:
     # (needs tensorboardX; without it the run logs one line and writes metrics.jsonl only)
     tensorboard: bool = True
     # --- activation checkpointing (model.kind=teacher; gemjax.layers.regions, gemjax.train.remat) ---
-    # "none" (autodiff keeps what it needs), "region:policy,..." with regions pyramid, cross,
+    # "none" (autodiff keeps what it needs), "region:policy/..." with regions pyramid, cross,
     # seq, attention, interaction, heads (or all) and policies save, recompute, offload,
-    # quantize (FP8-kept inputs), e.g. "seq:recompute,attention:save,interaction:offload";
+    # quantize (FP8-kept inputs), e.g. "seq:recompute/attention:save/interaction:offload";
     # or "auto": the planner picks the plan for memory_budget_gb at start
     remat: str = "none"
     memory_budget_gb: float = 0.0    # device memory budget of remat=auto (GiB of the train step)

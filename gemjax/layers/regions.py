@@ -1,7 +1,7 @@
 """Activation-checkpointing regions: named parts of a model's forward, each run under
 one policy that decides what its backward keeps from the forward.
 
-    plan = parse_plan("seq:recompute,attention:save,interaction:offload")
+    plan = parse_plan("seq:recompute/attention:save/interaction:offload")
     with active(plan):                       # while the forward is traced
         y = run("attention", block_fn, x, jagged)
 
@@ -55,9 +55,11 @@ _local = threading.local()
 
 
 def parse_plan(text: str, flag: str = FLAG) -> tuple[tuple[str, str], ...]:
-    """"none" / "" -> () (every region saves); "region:policy,..." -> ((region, policy), ...)
-    in REGIONS order, regions not named keeping "save"; "all:policy" sets every region
-    (later items override it). Raises ValueError naming `flag` and the bad item."""
+    """"none" / "" -> () (every region saves); "region:policy/..." (items separated by "/"
+    or ",": "/" passes through --override, whose items are comma-separated) ->
+    ((region, policy), ...) in REGIONS order, regions not named keeping "save";
+    "all:policy" sets every region (later items override it). Raises ValueError naming
+    `flag` and the bad item."""
     text = (text or "").strip()
     if text in ("", "none"):
         return ()
@@ -66,7 +68,7 @@ def parse_plan(text: str, flag: str = FLAG) -> tuple[tuple[str, str], ...]:
                          f"gemjax.train.remat.resolve(cfg) (experiments/train.py does) before "
                          f"building the model")
     plan: dict[str, str] = {}
-    for item in text.split(","):
+    for item in text.replace("/", ",").split(","):
         region, sep, policy = item.strip().partition(":")
         if not sep or policy not in POLICIES or region not in REGIONS + ("all",):
             raise ValueError(f"{flag}: bad item {item.strip()!r} in {text!r}; expected "
@@ -78,9 +80,10 @@ def parse_plan(text: str, flag: str = FLAG) -> tuple[tuple[str, str], ...]:
 
 
 def format_plan(plan: Mapping[str, str] | tuple[tuple[str, str], ...]) -> str:
-    """The flag text of a plan (inverse of parse_plan): "none" when every region saves."""
+    """The flag text of a plan (inverse of parse_plan, "/"-separated): "none" when every
+    region saves."""
     items = dict(plan)
-    text = ",".join(f"{r}:{items[r]}" for r in REGIONS if items.get(r, "save") != "save")
+    text = "/".join(f"{r}:{items[r]}" for r in REGIONS if items.get(r, "save") != "save")
     return text or "none"
 
 

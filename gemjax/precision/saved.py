@@ -88,6 +88,9 @@ def _block_fwd(spec, exact, leaves):
 def _block_bwd(spec, res, g):
     conv, tree, _ = spec
     exact, kept, dtypes = res
+    # tie the kept inputs to the cotangent (as jax.checkpoint does), so XLA cannot move
+    # the recomputation ahead into the forward pass and keep its activations after all
+    kept, g = jax.lax.optimization_barrier((kept, g))
     leaves = [restore(k, d.dtype) for k, d in zip(kept, dtypes)]
     _, vjp = jax.vjp(lambda c, xs: conv(*jax.tree.unflatten(tree, xs), *c), exact, leaves)
     return vjp(g)
