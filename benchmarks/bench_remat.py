@@ -29,7 +29,7 @@ flags.DEFINE_string("fractions", "1.0,0.8,0.6,0.4", "budgets as fractions of the
 flags.DEFINE_string("regions", "", "regions the planner may change (default: all)")
 flags.DEFINE_string("policies", "", "policies it may use (default: every one the backend has)")
 flags.DEFINE_integer("steps", 5, "timed steps per plan")
-flags.DEFINE_bool("smoke", False, "tiny teacher, two regions, recompute only: a CPU check")
+flags.DEFINE_bool("smoke", False, "tiny teacher, the pyramid region, recompute only: a CPU check")
 flags.DEFINE_string("out", "", "JSON output path")
 
 SMOKE_OVERRIDE = ("model.kind=teacher,model.interformer_layers=1,model.pyramid_levels=16:2:1,"
@@ -68,7 +68,7 @@ def main(argv):
     regions, policies, steps = f.regions, f.policies, f.steps
     if f.smoke:
         config, override = "tiny", ",".join(x for x in (SMOKE_OVERRIDE, override) if x)
-        regions, policies, steps = regions or "seq,interaction", policies or "recompute", 1
+        regions, policies, steps = regions or "pyramid", policies or "recompute", 1
     cfg = get_config(config, override)
     if cfg.model.kind != "teacher":
         raise app.UsageError("--override must set model.kind=teacher (the regions are the teacher's)")

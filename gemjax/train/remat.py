@@ -73,16 +73,18 @@ class StepMeasurer:
     """measure(plan_text) -> Measured for the train step of `cfg` under each plan.
 
     One train state and `batches` synthetic batches, shared by every plan (the plan
-    changes the program, not the state's structure); each plan gets its own Trainer.
+    changes the program, not the state's structure); each plan gets its own Trainer, on
+    `mesh` with `trainer_kw` (gemjax.train.layout.build's) when given.
     """
 
-    def __init__(self, cfg: Config, *, steps: int = 3, batches: int = 2, seed: int = 0):
+    def __init__(self, cfg: Config, *, steps: int = 3, batches: int = 2, seed: int = 0,
+                 mesh=None, trainer_kw: dict | None = None):
         from gemjax.data.feeding import Feeder
         from gemjax.data.synthetic import SyntheticStream
         from gemjax.train.step import Trainer
 
-        self.cfg, self.steps = cfg, steps
-        trainer = Trainer.create(apply_overrides(cfg, {"train.remat": "none"}))
+        self.cfg, self.steps, self.trainer_kw = cfg, steps, dict(trainer_kw or {})
+        trainer = Trainer.create(apply_overrides(cfg, {"train.remat": "none"}), mesh, **self.trainer_kw)
         self.state = trainer.init_state(seed)
         feeder = Feeder(SyntheticStream(cfg.data, seed).shard_batch, trainer.mesh)
         self.batches = [feeder.to_device(feeder.host_batch(i)[0]) for i in range(batches)]
@@ -91,7 +93,8 @@ class StepMeasurer:
     def __call__(self, plan: str) -> Measured:
         from gemjax.train.step import Trainer
 
-        trainer = Trainer.create(apply_overrides(self.cfg, {"train.remat": plan}), self.mesh)
+        trainer = Trainer.create(apply_overrides(self.cfg, {"train.remat": plan}), self.mesh,
+                                 **self.trainer_kw)
         step = trainer.make_train_step()
         mem = step.lower(self.state, self.batches[0]).compile().memory_analysis()
         state, nb = self.state, len(self.batches)
