@@ -67,14 +67,15 @@ def _teacher_grads(plan: str):
     return text, jax.tree.leaves(jax.jit(grad)(params, acts))
 
 
+@pytest.mark.slow
 def test_policies_on_the_teacher_gradients():
     ref_text, ref = _teacher_grads("none")
-    # "none" wraps nothing: no checkpoint, no checkpoint names in the program
-    assert not any(k in ref_text for k in ("checkpoint[", "remat", "name["))
+    # "none" wraps nothing: no checkpoint names, only the kernels' own checkpoints
+    assert "name[" not in ref_text
     # every region under recompute or offload, each policy on three regions
     mixed = "pyramid:recompute/cross:offload/seq:recompute/attention:offload/interaction:recompute/heads:offload"
     text, got = _teacher_grads(mixed)
-    assert any(k in text for k in ("checkpoint[", "remat")) and "name[" in text
+    assert text.count("remat") > ref_text.count("remat") and "name[" in text
     for a, b in zip(ref, got):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
     # quantize everywhere: each kept input within REL_BOUND = 2**-4 of itself (E4M3, saved.py);
@@ -108,7 +109,8 @@ def test_plan_path_greedy_order_on_additive_measure():
     """An additive memory / time model: the path takes the changes by bytes saved per
     second added, a region moving on to a better policy by the difference."""
     saving = {("seq", "recompute"): (40, 4.0), ("seq", "quantize"): (50, 6.0),
-              ("heads", "recompute"): (10, 0.5), ("interaction", "recompute"): (30, 1.0)}
+              ("heads", "recompute"): (10, 0.5), ("heads", "quantize"): (5, 1.0),
+              ("interaction", "recompute"): (30, 1.0), ("interaction", "quantize"): (20, 2.0)}
     seen = []
 
     def measure(plan: str) -> remat.Measured:
@@ -120,14 +122,16 @@ def test_plan_path_greedy_order_on_additive_measure():
 
     path = remat.plan_path(measure, regions=("seq", "heads", "interaction"),
                            policies=("recompute", "quantize"))
-    # ratios: interaction 30, heads 20, seq:recompute 10, then seq:quantize over it 10/2 = 5
+    # ratios: interaction 30, heads 20, seq:recompute 10 (seq:quantize 8.3), then seq:quantize
+    # over it 10/2 = 5; heads / interaction quantize over recompute save less: never taken
     assert [m.plan for m in path.steps] == [
-        "none", "interaction:recompute", "heads:recompute/interaction:recompute",
-        "seq:recompute/heads:recompute/interaction:recompute",
-        "seq:quantize/heads:recompute/interaction:recompute"]
+        "none", "interaction:recompute", "interaction:recompute/heads:recompute",
+        "seq:recompute/interaction:recompute/heads:recompute",
+        "seq:quantize/interaction:recompute/heads:recompute"]
     assert len(seen) == len(set(seen))          # nothing measured twice
 
 
+@pytest.mark.slow
 def test_bench_remat_smoke_curve():
     """The curve tool on CPU: the planner's real measurements of the tiny teacher's train
     step; each budget's plan fits it, smaller budgets get no more memory, one budget
