@@ -191,6 +191,12 @@ def main(argv):
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"[gemjax] --mode=eval: {e}")
         return
+    if cfg.train.remat == "auto":     # the planner's plan for train.memory_budget_gb, measured here
+        from gemjax.train import remat
+        try:
+            cfg = remat.resolve(cfg, log=log, mesh=mesh, trainer_kw=trainer_kw)
+        except ValueError as e:
+            raise app.UsageError(str(e))
     summary = train(cfg, workdir, log=log, profile_steps=profile_steps,
                     peak_flops=flags.FLAGS.peak_flops)
     if not lead:

@@ -172,6 +172,13 @@ class TrainConfig:
     # K stacked batches, gemjax.train.multistep); the metrics rows are those of K = 1.
     # train.steps and the log / eval / checkpoint intervals must be multiples of it
     steps_per_call: int = 1
+    # --- activation checkpointing (model.kind=teacher; gemjax.layers.regions, gemjax.train.remat) ---
+    # "none" (autodiff keeps what it needs), "region:policy/..." with regions pyramid, cross,
+    # seq, attention, interaction, heads (or all) and policies save, recompute, offload,
+    # quantize (FP8-kept inputs), e.g. "seq:recompute/attention:save/interaction:offload";
+    # or "auto": the planner picks the plan for memory_budget_gb at start
+    remat: str = "none"
+    memory_budget_gb: float = 0.0    # device memory budget of remat=auto (GiB of the train step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +451,7 @@ def validate(cfg: Config) -> None:
         *_steps_per_call_checks(cfg),
         *_teacher_checks(m),
         *_feature_checks(cfg),
+        *_remat_checks(cfg),
     ]
     for ok, msg in checks:
         if not ok:
@@ -478,6 +486,16 @@ def _steps_per_call_checks(cfg: Config) -> list[tuple[bool, str]]:
     out.append((k == 1 or cfg.model.kind != "retrieval",
                 f"model.kind=retrieval runs with train.steps_per_call=1, got {k}"))
     return out
+
+
+def _remat_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """The plan's syntax is checked where the teacher is built (gemjax.layers.regions)."""
+    t = cfg.train
+    return [(t.memory_budget_gb >= 0, f"train.memory_budget_gb must be >= 0, got {t.memory_budget_gb}"),
+            (t.remat != "auto" or t.memory_budget_gb > 0,
+             "train.remat=auto needs train.memory_budget_gb > 0 (the device memory budget, GiB)"),
+            (t.remat in ("", "none") or cfg.model.kind == "teacher",
+             f"train.remat={t.remat} applies to model.kind=teacher only, got {cfg.model.kind!r}")]
 
 
 SOURCES = ("synthetic", "parquet")

@@ -4,7 +4,7 @@ mlp (MLP), wukong (Wukong, cross-layer attention), experts (mixture of Wukong
 experts), attention (jagged self/cross attention through kernels/), sequence
 (SequenceEncoder, pooling), interformer (Cross / Interaction / Sequence Arch),
 heads (multi-domain per-surface, per-task logits), pyramid (pyramid-parallel
-sequence encoding),
+sequence encoding), regions (activation-checkpointing regions and their policies),
 axes (logical sharding names on parameters).
 """
 

@@ -23,6 +23,7 @@ from flax import nnx
 
 from gemjax.data.jagged import Jagged
 from gemjax.layers.axes import linear, rms_norm
+from gemjax.layers.regions import tag
 from kernels import block_attention, gdpa, jagged_attention
 from kernels.common import rope as _kernels_rope, segment_layout
 
@@ -94,6 +95,7 @@ class JaggedSelfAttention(nnx.Module):
         if self.rope and self.attention != "block":      # block_attention rotates itself
             q = rope(q, jagged.positions, self.rope_theta)
             k = rope(k, jagged.positions, self.rope_theta)
+        q, k, v = (tag(a, "attn.qkv") for a in (q, k, v))
         off = jnp.asarray(jagged.offsets, jnp.int32)
         if self.attention == "softmax":
             o = jagged_attention(q, k, v, off, off, causal=self.causal, window=self.window)
@@ -109,6 +111,7 @@ class JaggedSelfAttention(nnx.Module):
             o = block_attention(q, k, v, off, block=self.block,
                                 positions=jnp.asarray(jagged.positions, jnp.int32),
                                 rope_theta=self.rope_theta)
+        o = tag(o, "attn.out")
         out = self.out_proj(o.reshape(t, self.dim).astype(self.dtype))
         return jnp.where(jagged.mask[:, None], out, 0).astype(self.dtype)
 
@@ -203,6 +206,7 @@ class JaggedCrossAttention(nnx.Module):
         v = self.v_proj(kv_tokens.astype(self.dtype)).reshape(tk, h, dh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (tag(a, "attn.qkv") for a in (q, k, v))
         seg, _ = segment_layout(q_offsets, tq)                        # padding -> B
         kv_len = jnp.concatenate([kv_offsets[1:] - kv_offsets[:-1], jnp.zeros((1,), jnp.int32)])
         n_keys = kv_len[seg]                                             # [Tq], 0 on padding
@@ -213,5 +217,6 @@ class JaggedCrossAttention(nnx.Module):
             o = gdpa(q, k, v, q_offsets, kv_offsets, activation=self.gdpa_activation, scale=scale)
             if self.gdpa_scale is None:
                 o = o * (1.0 / jnp.maximum(n_keys, 1)).astype(o.dtype)[:, None, None]
+        o = tag(o, "attn.out")
         out = self.out_proj(o.reshape(tq, self.dim).astype(self.dtype))
         return jnp.where((n_keys > 0)[:, None], out, 0).astype(self.dtype)

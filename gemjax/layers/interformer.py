@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemjax.data.jagged import Jagged
+from gemjax.layers import regions
 from gemjax.layers.attention import JaggedCrossAttention, JaggedSelfAttention, uniform_offsets
 from gemjax.layers.axes import layer_norm, param
 from gemjax.layers.experts import WukongExperts
@@ -176,15 +177,31 @@ class InterFormerLayer(nnx.Module):
             self.cls_norm = self.cls_attn = None
 
     def sequence_arch(self, seq, cls, x_sum, jagged: Jagged):
-        """-> (seq' [T, d], cls' [B, c, d])."""
-        b, mask = x_sum.shape[0], jagged.mask[:, None]
-        seq = seq + self.pffn(self.pffn_norm(seq), jagged.offsets, _pack_tokens(x_sum),
-                              uniform_offsets(b, self.summary_tokens))
-        seq = seq + self.self_attn(self.attn_norm(seq), jagged)
+        """-> (seq' [T, d], cls' [B, c, d]). Checkpointing regions (layers.regions): the
+        self-attention block is "attention", the blocks before and after it "seq"."""
+        mask = jagged.mask[:, None]
+        seq = regions.run("seq", self._personalized_ffn, seq, x_sum, jagged.offsets)
+        seq = regions.run("attention", self._self_attention, seq, jagged)
+        return regions.run("seq", self._ffn_cls, seq, cls, mask, jagged.offsets)
+
+    def _personalized_ffn(self, seq, x_sum, offsets):
+        """seq [T, d] + PFFN(LN seq) with K/V from x_sum [B, m, d]."""
+        b = x_sum.shape[0]
+        return seq + self.pffn(self.pffn_norm(seq), offsets, _pack_tokens(x_sum),
+                               uniform_offsets(b, self.summary_tokens))
+
+    def _self_attention(self, seq, jagged: Jagged):
+        """seq [T, d] + SelfAttn(LN seq)."""
+        return seq + self.self_attn(self.attn_norm(seq), jagged)
+
+    def _ffn_cls(self, seq, cls, mask, offsets):
+        """seq [T, d] + FFN(LN seq) (0 on padding, mask [T, 1]) and the CLS update of cls
+        [B, c, d] from it -> (seq' [T, d] in the layer dtype, cls')."""
+        b = cls.shape[0]
         seq = jnp.where(mask, seq + self.ffn(self.ffn_norm(seq)), 0)
         if self.cls_tokens:
             upd = self.cls_attn(_pack_tokens(self.cls_norm(cls)), uniform_offsets(b, self.cls_tokens),
-                                seq, jagged.offsets)
+                                seq, offsets)
             cls = cls + upd.reshape(cls.shape)
         return seq.astype(self.dtype), cls
 
@@ -205,14 +222,14 @@ class InterFormerLayer(nnx.Module):
             raise ValueError(f"InterFormerLayer: jagged has {jagged.num_samples} samples and cls is "
                              f"{cls.shape}; expected B={b} and cls [B, {self.cls_tokens}, {d}]")
         x, seq, cls = x.astype(self.dtype), seq.astype(self.dtype), cls.astype(self.dtype)
-        x_sum, s_sum = self.cross(x, seq, cls, jagged)
+        x_sum, s_sum = regions.run("cross", self.cross, x, seq, cls, jagged)
         tokens = jnp.concatenate([x, s_sum], axis=1)
         if taps is not None:
             taps.update(x=x, seq=seq, cls=cls, x_sum=x_sum, tokens=tokens)
         if self.use_experts:
-            x_new, aux = self.interaction(tokens)
+            x_new, aux = regions.run("interaction", self.interaction, tokens)
         else:
-            x_new, aux = self.interaction(tokens), {}
+            x_new, aux = regions.run("interaction", self.interaction, tokens), {}
         seq_new, cls_new = self.sequence_arch(seq, cls, x_sum, jagged)
         return x_new, seq_new, cls_new, x_sum, s_sum, aux
 
@@ -264,6 +281,6 @@ class InterFormer(nnx.Module):
                 layer_taps.append(t)
         if taps is not None:
             taps["final"] = {"x": x, "seq": seq, "cls": cls}
-        x_sum, s_sum = self.final_cross(x, seq, cls, jagged)
+        x_sum, s_sum = regions.run("cross", self.final_cross, x, seq, cls, jagged)
         mean_aux = jax.tree.map(lambda *v: sum(v) / len(v), *auxes) if auxes[0] else {}
         return jnp.concatenate([x_sum, s_sum], axis=1), mean_aux

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemjax.layers.axes import layer_norm as _layer_norm, linear
+from gemjax.layers.regions import tag
 
 ACTIVATIONS: dict[str, Callable] = {
     "relu": jax.nn.relu,
@@ -81,6 +82,7 @@ class MLP(nnx.Module):
         for i, lin in enumerate(self.linears):
             x = lin(x)
             if i < n - 1:
+                x = tag(x, "mlp.hidden")
                 if len(self.norms):
                     x = self.norms[i](x)
                 x = self._act(x)

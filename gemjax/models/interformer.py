@@ -42,6 +42,7 @@ from flax import nnx
 from gemjax.config import ModelConfig
 from gemjax.data.batch import Batch
 from gemjax.data.features import schema_of
+from gemjax.layers import regions
 from gemjax.layers.axes import dense_projection
 from gemjax.layers.experts import aux_loss_scale
 from gemjax.layers.heads import MultiDomainHead
@@ -198,6 +199,7 @@ class GEMTeacher(nnx.Module):
         dtype = jnp.dtype(a.dtype)
         self.dim, self.dense_tokens, self.dtype = a.dim, a.dense_tokens, dtype
         self.lb_coef = a.lb_coef
+        self.remat_plan = regions.parse_plan(getattr(getattr(cfg, "train", None), "remat", "none"))
         self.dense_proj = dense_projection(a.num_dense, a.dense_tokens * a.dim, dtype=dtype, rngs=rngs)
         self.pyramid = ParallelPyramid(a.sequences, a.dim, levels=a.levels, num_heads=a.heads,
                                        ffn_mult=a.ffn_mult, dtype=dtype, rngs=rngs)
@@ -228,17 +230,26 @@ class GEMTeacher(nnx.Module):
     def __call__(self, acts: dict[str, jax.Array], batch: Batch, taps: dict | None = None) -> jax.Array:
         """taps: None, or a dict this call fills with the blocks' inputs: "x" [B, n, D],
         "seqs" {seq: (tokens, jagged)}, "seq" [T, D] and "jagged" (the pyramid's output),
-        InterFormer.__call__'s taps ("layers", "final"), "summary" [B, F]."""
+        InterFormer.__call__'s taps ("layers", "final"), "summary" [B, F].
+
+        Activation checkpointing: the forward runs under ``self.remat_plan`` (the
+        parse of train.remat, gemjax.layers.regions); "none" wraps nothing."""
+        if not self.remat_plan:
+            return self._forward(acts, batch, taps)
+        with regions.active(self.remat_plan):
+            return self._forward(acts, batch, taps)
+
+    def _forward(self, acts: dict[str, jax.Array], batch: Batch, taps: dict | None) -> jax.Array:
         b = batch.dense.shape[0]
         x, seqs = self.inputs(acts, batch.dense, batch.sequences)
-        seq, jag = self.pyramid(seqs)
+        seq, jag = regions.run("pyramid", self.pyramid, seqs)
         if taps is not None:
             taps.update(x=x, seqs=seqs, seq=seq, jagged=jag)
         summary, aux = self.interformer(x, seq, jag, taps=taps)
         summary = summary.reshape(b, -1)
         if taps is not None:
             taps["summary"] = summary
-        logits = self.head(summary, batch.surface)
+        logits = regions.run("heads", self.head, summary, batch.surface)
         if "load_balance_loss" in aux and self.lb_coef:
             logits = attach_aux_loss(logits, aux["load_balance_loss"],
                                      self.lb_coef * aux_loss_scale(logits))

@@ -6,7 +6,10 @@
   quantize.py  BlockScaled (FP8 values + per-block scales + layout) and quantize /
                dequantize with round-to-nearest-even or stochastic rounding
   hadamard.py  blockwise seeded random Hadamard transform and its inverse
+  saved.py     8-bit saved activations: a block whose backward keeps its inputs in E4M3
+               (the teacher's train.remat "quantize" policy, gemjax.layers.regions)
 
-Pure jnp, jit-able. Models do not use it yet: every model computes in `model.dtype`
-(float32 or bfloat16; gemjax.config.ModelConfig). Imports nothing from gemjax.
+Pure jnp, jit-able. Models compute in `model.dtype` (float32 or bfloat16;
+gemjax.config.ModelConfig); FP8 appears only in what a "quantize" region keeps for its
+backward. Imports nothing from gemjax outside this package.
 """

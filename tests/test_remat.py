@@ -1,0 +1,153 @@
+"""Activation-checkpointing regions (gemjax.layers.regions) on the tiny teacher and the
+planner (gemjax.train.remat): plans parse or fail naming the flag, "none" traces the
+unwrapped program, recompute / offload give the same gradients, quantize stays within
+E4M3's rounding, the planner's choices shrink with the budget and fit it."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gemjax.config import get_config
+from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES, SyntheticStream
+from gemjax.layers.regions import REGIONS, format_plan, parse_plan
+from gemjax.models.interformer import GEMTeacher
+from gemjax.precision.saved import REL_BOUND
+from gemjax.train import remat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_parse_plan_round_trip_and_errors_name_the_flag():
+    assert parse_plan("none") == () and parse_plan("") == ()
+    plan = parse_plan("seq:recompute,attention:save,interaction:offload/heads:quantize")
+    assert plan == (("seq", "recompute"), ("interaction", "offload"), ("heads", "quantize"))
+    assert parse_plan(format_plan(plan)) == plan
+    assert dict(parse_plan("all:recompute/heads:save")) == {r: "recompute" for r in REGIONS if r != "heads"}
+    for bad in ("seq:sometimes", "mlp:save", "seq", "auto"):
+        with pytest.raises(ValueError, match="train.remat"):
+            parse_plan(bad)
+    with pytest.raises(ValueError, match="train.memory_budget_gb"):
+        get_config("tiny", "model.kind=teacher,train.remat=auto")
+    with pytest.raises(ValueError, match="model.kind=teacher"):
+        get_config("tiny", "train.remat=seq:recompute")
+
+
+def _teacher_grads(plan: str):
+    """(jaxpr text, gradient leaves) of a squared-logits loss of a tiny teacher with two
+    experts, w.r.t. params and looked-up activations, under train.remat=plan."""
+    base = get_config("tiny")
+    model_cfg = dataclasses.replace(base.model, kind="teacher", interformer_layers=1,
+                                    pyramid_levels=((16, 2, 1),), num_experts=2)
+    cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=16), model=model_cfg,
+                                train=dataclasses.replace(base.train, remat=plan))
+    model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
+    out = SyntheticStream(cfg.data, seed=0).shard_batch(0)
+    batch = out[0] if isinstance(out, tuple) else out
+    rng = np.random.default_rng(1)
+    acts = {f: jnp.asarray(rng.normal(size=(16, model_cfg.dim)), jnp.float32) for f in SPARSE_FEATURES}
+    for s in SEQUENCES:
+        for f in SEQUENCE_FIELDS:
+            acts[f"{s}.{f}"] = jnp.asarray(rng.normal(size=(batch.sequences[s].capacity, model_cfg.dim)),
+                                           jnp.float32)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p, a):
+        return jnp.sum(nnx.merge(graphdef, p)(a, batch) ** 2)
+    grad = jax.grad(loss, argnums=(0, 1))
+    text = str(jax.make_jaxpr(grad)(params, acts))
+    return text, jax.tree.leaves(jax.jit(grad)(params, acts))
+
+
+@pytest.mark.slow
+def test_policies_on_the_teacher_gradients():
+    ref_text, ref = _teacher_grads("none")
+    # "none" wraps nothing: no checkpoint names, only the kernels' own checkpoints
+    assert "name[" not in ref_text
+    # every region under recompute or offload, each policy on three regions
+    mixed = "pyramid:recompute/cross:offload/seq:recompute/attention:offload/interaction:recompute/heads:offload"
+    text, got = _teacher_grads(mixed)
+    assert text.count("remat") > ref_text.count("remat") and "name[" in text
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
+    # quantize everywhere: each kept input within REL_BOUND = 2**-4 of itself (E4M3, saved.py);
+    # the gradient, a smooth function of those inputs, moves by at most a small multiple of
+    # that: relative L2 error <= 2 * 2**-4 here, and not zero (8 bits were kept)
+    _, got = _teacher_grads("all:quantize")
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(ref, got))
+    den = sum(float(jnp.sum(a ** 2)) for a in ref)
+    rel = (num / den) ** 0.5
+    assert 1e-4 < rel <= 2 * REL_BOUND, rel
+
+
+def _measured(peak: int, t: float, plan: str = "p") -> remat.Measured:
+    return remat.Measured(plan, peak, 0, 0, t)
+
+
+def test_choose_smaller_budget_never_more_memory_and_error_names_flag():
+    rng = np.random.default_rng(0)
+    for _ in range(200):            # arbitrary paths: the measured peaks need not fall
+        peaks = rng.integers(1, 100, size=rng.integers(1, 8))
+        path = remat.Path(_measured(int(peaks[0]), 0.0), {}, [_measured(int(p), 0.0) for p in peaks])
+        budgets = np.sort(rng.integers(int(peaks.min()), 110, size=5))
+        chosen = [remat.choose(path, int(b)).peak_bytes for b in budgets]
+        assert all(c <= b for c, b in zip(chosen, budgets))
+        assert all(small <= large for small, large in zip(chosen, chosen[1:]))
+        with pytest.raises(ValueError, match="train.memory_budget_gb"):
+            remat.choose(path, int(peaks.min()) - 1)
+
+
+def test_plan_path_greedy_order_on_additive_measure():
+    """An additive memory / time model: the path takes the changes by bytes saved per
+    second added, a region moving on to a better policy by the difference."""
+    saving = {("seq", "recompute"): (40, 4.0), ("seq", "quantize"): (50, 6.0),
+              ("heads", "recompute"): (10, 0.5), ("heads", "quantize"): (5, 1.0),
+              ("interaction", "recompute"): (30, 1.0), ("interaction", "quantize"): (20, 2.0)}
+    seen = []
+
+    def measure(plan: str) -> remat.Measured:
+        seen.append(plan)
+        items = dict(parse_plan(plan))
+        saved = sum(saving[kv][0] for kv in items.items())
+        cost = sum(saving[kv][1] for kv in items.items())
+        return _measured(1000 - saved, 1.0 + cost, plan)
+
+    path = remat.plan_path(measure, regions=("seq", "heads", "interaction"),
+                           policies=("recompute", "quantize"))
+    # ratios: interaction 30, heads 20, seq:recompute 10 (seq:quantize 8.3), then seq:quantize
+    # over it 10/2 = 5; heads / interaction quantize over recompute save less: never taken
+    assert [m.plan for m in path.steps] == [
+        "none", "interaction:recompute", "interaction:recompute/heads:recompute",
+        "seq:recompute/interaction:recompute/heads:recompute",
+        "seq:quantize/interaction:recompute/heads:recompute"]
+    assert len(seen) == len(set(seen))          # nothing measured twice
+
+
+@pytest.mark.slow
+def test_bench_remat_smoke_curve():
+    """The curve tool on CPU: the planner's real measurements of the tiny teacher's train
+    step; each budget's plan fits it, smaller budgets get no more memory, one budget
+    below every plan is reported infeasible naming the flag."""
+    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"remat_smoke_{os.getpid()}.json")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_remat", "--smoke",
+                        "--fractions=1.0,0.9,0.75,0.3", f"--out={out}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "infeasible" in r.stdout.rstrip().splitlines()[-1]         # the curve table is last
+    res = json.load(open(out))
+    path = res["path"]
+    assert path[0]["plan"] == "none" and path[0]["peak_gib"] == res["baseline"]["peak_gib"]
+    assert len(path) == 2 and path[1]["peak_gib"] < path[0]["peak_gib"]    # recompute saved memory
+    rows = sorted(res["curve"], key=lambda row: row["budget_gib"])
+    assert [row.get("plan") for row in rows] == [None, path[1]["plan"], path[1]["plan"], "none"]
+    assert all(row["peak_gib"] <= row["budget_gib"] for row in rows[1:])
+    assert "train.memory_budget_gb" in rows[0]["error"]
