@@ -102,6 +102,10 @@ def define_flags():
     flags.DEFINE_integer("repr_window", 0,
                          "steps a cached user embedding is served (0: the sample's own)")
     flags.DEFINE_enum("share", "tuned", ["frozen", "tuned"], "shared teacher tables")
+    flags.DEFINE_enum("drift_teacher_lr", "decay", ["decay", "constant"],
+                      "--dataset=drift: the teacher's dense lr decays over its steps (the batch "
+                      "trainer's schedule) or stays at train.dense_lr after the warm-up "
+                      "(gemjax.train.online.online_trainer: recent windows weigh as much as old ones)")
     flags.DEFINE_string("frappe_dir", "/tmp/gemjax-data/frappe", "converted Frappe")
     flags.DEFINE_integer("latency_batch", 512, "batch of the CPU latency figure (0: skip)")
     flags.DEFINE_string("compile_cache", os.path.join(tempfile.gettempdir(), "gemjax-jax-cache"),
@@ -191,12 +195,14 @@ class DriftWindows:
             bayes.add(np.concatenate([i.true_probs for i in infos]), *cols)
         return {**acc.result(), "bayes_ne": bayes.result()["ne"]}
 
-    def train_teacher(self, tcfg, mesh):
-        """The offline teacher: tcfg's model trained on the teacher steps, then fixed."""
+    def train_teacher(self, tcfg, mesh, lr: str = "decay"):
+        """The offline teacher: tcfg's model trained on the teacher steps, then fixed;
+        lr "decay": the batch trainer's schedule, "constant": online_trainer's."""
         from gemjax.data.feeding import Feeder
         from gemjax.distill.transfer import Teacher
+        from gemjax.train.online import online_trainer
         from gemjax.train.step import Trainer
-        tr = Trainer.create(tcfg, mesh)
+        tr = online_trainer(tcfg, mesh) if lr == "constant" else Trainer.create(tcfg, mesh)
         state, step_fn = tr.init_state(tcfg.train.seed), tr.make_train_step()
         feeder = Feeder(self.source("teacher", "train"), mesh, check_ids=tr.coll.check_ids,
                         id_fields=tr.id_fields)
@@ -377,7 +383,7 @@ def main(argv):
                 windows = DriftWindows(tcfg, args.teacher_steps, args.student_steps)
             except ValueError as e:
                 raise app.UsageError(str(e)) from None
-            teacher = windows.train_teacher(tcfg, mesh)
+            teacher = windows.train_teacher(tcfg, mesh, args.drift_teacher_lr)
             step = teacher.trainer.make_eval_step()
             got = windows.evaluate(tcfg, lambda b: step(teacher.state, b), mesh, "teacher")
             teacher_ne.append(got["ne"])
@@ -439,7 +445,8 @@ def main(argv):
         json.dump({"flags": {k: getattr(args, k) for k in (
                        "dataset", "seeds", "teacher_steps", "student_steps", "data_overrides",
                        "teacher_override", "student_override", "teacher_mode", "alpha",
-                       "temperature", "adapter_window", "adapter_refresh", "repr_window", "share")},
+                       "temperature", "adapter_window", "adapter_refresh", "repr_window", "share",
+                       "drift_teacher_lr")},
                    "runs": results, "summary": figures, "budget": budget,
                    "drift_steps": consumed or None,
                    "wall_s": round(time.time() - t_start, 1)}, f, indent=1)
