@@ -347,6 +347,7 @@ def main(argv):
     args = flags.FLAGS
     logging.set_verbosity(logging.WARNING)      # orbax's per-checkpoint info lines
     import jax
+    import numpy as np
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -372,7 +373,7 @@ def main(argv):
         raise app.UsageError("--dataset=drift trains the teacher offline on the earlier windows: "
                              "--teacher_mode must be offline")
     rows = list(args.rows) + (["hier"] if hier else [])
-    results, teacher_ne, bayes_ne, consumed = [], [], [], {}
+    results, teacher_ne, bayes_ne, consumed, teacher_adapter = [], [], [], {}, []
     t_start = time.time()
     for seed in [int(s) for s in args.seeds]:
         tcfg = model_config(base, args.teacher_override, args.teacher_steps, seed)
@@ -412,6 +413,13 @@ def main(argv):
                     # the co-trained teacher of the first row, after its student_steps steps
                     step = d.teacher.trainer.make_eval_step()
                     teacher_ne.append(evaluate(tcfg, lambda b: step(d.teacher.state, b), mesh)["ne"])
+                if windows is not None and row == "kd+adapter":
+                    # the teacher's own eval logits through this student's final adapter
+                    # (fitted on the newest student-window labels): its drift that
+                    # calibration can correct
+                    got = windows.evaluate(tcfg, lambda b: 1 / (1 + np.exp(-d.adapter.correct(
+                        teacher.outputs(b)[0]))), mesh, "teacher+adapter")
+                    teacher_adapter.append({"ne": got["ne"], "auc": got["auc"]})
             results.append({"seed": seed, "row": row, "ne": res["ne"], "auc": res["auc"],
                             "calibration": res["calibration"],
                             "shared_tables_unchanged": res.get("shared_tables_unchanged"),
@@ -425,6 +433,11 @@ def main(argv):
                               "eval_window": windows.stream.window(windows.eval.start),
                               "models": windows.record()}
     table, figures = summarize(results, rows, teacher_ne or [float("nan")], bayes_ne)
+    if teacher_adapter:
+        ta = np.array([t["ne"] for t in teacher_adapter])
+        figures["teacher_adapter"] = teacher_adapter
+        table += (f"\nteacher through the kd+adapter student's final adapter (drift): NE "
+                  f"{ta.mean():.4f} ± {ta.std():.4f}")
     tcfg = model_config(base, args.teacher_override, 1, 0)
     budget = budget_rows(base, args, tcfg, mesh)
     btable = ["| student | arch | FLOPs / sample | table bytes (own) | CPU ms, batch "
