@@ -50,8 +50,12 @@ popularity moving at each window start), time-ordered per seed:
             drift_every steps from T + S), labelled by that window's planted model:
             samples none of the models trained on; its Bayes-optimal NE is printed too.
 T and S must be multiples of data.drift_every; data.new_id_rate must be 0 (fresh raw
-ids need an id admission, experiments/online.py). results.json records, per seed and
-model, the global steps it trained on and was evaluated on.
+ids need an id admission, experiments/online.py); data.eval_batches is not used. The
+teacher trains in this process (--drift_teacher_lr: its lr schedule) and is not kept
+as a checkpoint; --teacher_mode=cotrain is refused. A line under the table scores the
+teacher's eval logits through the kd+adapter student's final adapter (how much of the
+teacher's drift a recalibration removes). results.json records, per seed and model
+("drift_steps"), the global steps it trained on and was evaluated on.
 Writes OUT/<dataset>/results.json and OUT/<dataset>/table.md and prints the table.
 """
 
