@@ -35,7 +35,27 @@ Per seed:
 
 --dataset=frappe reads the converted Frappe of --frappe_dir (experiments/frappe.py
 converts it); when it is absent the run says so and exits 0. --data_overrides applies
-to the dataset config of every model (e.g. the drift fields of data.*).
+to the dataset config of every model.
+
+--dataset=drift is the drifting synthetic stream (gemjax.data.drift.DriftingStream,
+DRIFT_DATA: windows of data.drift_every steps, the planted model and the item
+popularity moving at each window start), time-ordered per seed:
+  teacher   trains (offline, before any student) on global steps [0, T) with
+            T = --teacher_steps, the earlier windows;
+  students  (and the hierarchical row's domain model) train on the next
+            --student_steps steps [T, T + S), the recent window(s), with the fixed
+            teacher's outputs; the Student Adapter observes only these labels, so its
+            fit is on the newest labeled rows (--adapter_window rows);
+  eval      every row, the teacher too, on the whole window after them (the
+            drift_every steps from T + S), labelled by that window's planted model:
+            samples none of the models trained on; its Bayes-optimal NE is printed too.
+T and S must be multiples of data.drift_every; data.new_id_rate must be 0 (fresh raw
+ids need an id admission, experiments/online.py); data.eval_batches is not used. The
+teacher trains in this process (--drift_teacher_lr: its lr schedule) and is not kept
+as a checkpoint; --teacher_mode=cotrain is refused. A line under the table scores the
+teacher's eval logits through the kd+adapter student's final adapter (how much of the
+teacher's drift a recalibration removes). results.json records, per seed and model
+("drift_steps"), the global steps it trained on and was evaluated on.
 Writes OUT/<dataset>/results.json and OUT/<dataset>/table.md and prints the table.
 """
 
@@ -60,11 +80,15 @@ TEACHER = ("model.kind=gem,model.dim=16,model.wukong_layers=2,model.fmb_tokens=4
            "train.dense_lr=4e-3,train.sparse_lr=0.2")
 STUDENT = ("model.kind=student,model.student_arch=dlrm,model.dim=16,model.head_mlp=16,"
            "model.student_recent=8,train.dense_lr=4e-3,train.sparse_lr=0.2")
+# the drifting stream: windows of 50 steps, 30% fresh planted parameters per window, item
+# popularity ranks rotated by 2 per window (the default 400 / 150 steps: 8 teacher windows,
+# 3 student windows, the 12th window evaluated)
+DRIFT_DATA = "data.drift_every=50,data.drift_strength=0.3,data.popularity_shift=2"
 DOMAIN = "model.kind=student,model.student_arch=wukong,model.dim=16,model.head_mlp=32"
 
 
 def define_flags():
-    flags.DEFINE_enum("dataset", "synthetic", ["synthetic", "frappe"], "data of every model")
+    flags.DEFINE_enum("dataset", "synthetic", ["synthetic", "frappe", "drift"], "data of every model")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds (teacher and student init, stream)")
     flags.DEFINE_string("out", "runs/distill", "results.json, table.md and teacher runs")
     flags.DEFINE_integer("teacher_steps", 400, "teacher train steps")
@@ -82,6 +106,10 @@ def define_flags():
     flags.DEFINE_integer("repr_window", 0,
                          "steps a cached user embedding is served (0: the sample's own)")
     flags.DEFINE_enum("share", "tuned", ["frozen", "tuned"], "shared teacher tables")
+    flags.DEFINE_enum("drift_teacher_lr", "decay", ["decay", "constant"],
+                      "--dataset=drift: the teacher's dense lr decays over its steps (the batch "
+                      "trainer's schedule) or stays at train.dense_lr after the warm-up "
+                      "(gemjax.train.online.online_trainer: recent windows weigh as much as old ones)")
     flags.DEFINE_string("frappe_dir", "/tmp/gemjax-data/frappe", "converted Frappe")
     flags.DEFINE_integer("latency_batch", 512, "batch of the CPU latency figure (0: skip)")
     flags.DEFINE_string("compile_cache", os.path.join(tempfile.gettempdir(), "gemjax-jax-cache"),
@@ -99,6 +127,8 @@ def base_config(dataset: str, frappe_dir: str, data_overrides: str):
         cfg = apply_overrides(cfg, f"data.train_path={frappe_dir}/train.parquet,"
                                    f"data.eval_path={frappe_dir}/test.parquet,"
                                    f"data.batch_size=512,train.warmup_steps=20")
+    elif dataset == "drift":
+        cfg = get_config("tiny", f"{SYNTHETIC_DATA},{DRIFT_DATA}")
     else:
         cfg = get_config("tiny", SYNTHETIC_DATA)
     cfg = apply_overrides(cfg, "train.tensorboard=false,train.baselines=false")
@@ -119,8 +149,81 @@ def train_teacher(cfg, workdir: str):
         train(cfg, workdir, log=lambda *_: None)
 
 
-def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh):
-    """(eval metrics, Distiller, state) of one student trained with `methods`."""
+class DriftWindows:
+    """The drift dataset of one seed (module docstring): the DriftingStream of cfg.data
+    and seed cfg.train.seed, the global step ranges of the teacher, the students and
+    the eval window, and `consumed[model] = {"train": set, "eval": set}`, the steps
+    each model's batches were read at (recorded by the source each model reads)."""
+
+    def __init__(self, cfg, teacher_steps: int, student_steps: int):
+        from gemjax.data.drift import DriftingStream
+        d = cfg.data
+        if d.drift_every < 1:
+            raise ValueError(f"--dataset=drift needs data.drift_every >= 1, got {d.drift_every}")
+        for flag, n in (("--teacher_steps", teacher_steps), ("--student_steps", student_steps)):
+            if n < 1 or n % d.drift_every:
+                raise ValueError(f"--dataset=drift: {flag}={n} must be a positive multiple of "
+                                 f"data.drift_every={d.drift_every} (whole windows)")
+        if d.new_id_rate:
+            raise ValueError(f"--dataset=drift needs data.new_id_rate=0 (fresh raw ids need an id "
+                             f"admission: experiments/online.py), got {d.new_id_rate}")
+        self.stream = DriftingStream(d, cfg.train.seed)
+        self.teacher = range(0, teacher_steps)
+        self.student = range(teacher_steps, teacher_steps + student_steps)
+        self.eval = self.stream.window_steps(self.stream.window(self.student.stop))
+        self.consumed: dict[str, dict[str, set]] = {}
+
+    def source(self, model: str, use: str):
+        """`shard_batch` of the stream, recording the steps read under consumed[model][use]."""
+        seen = self.consumed.setdefault(model, {"train": set(), "eval": set()})[use]
+
+        def shard_batch(step: int, shard: int = 0, num_shards: int = 1):
+            seen.add(step)
+            return self.stream.shard_batch(step, shard, num_shards)
+        return shard_batch
+
+    def evaluate(self, cfg, predict, mesh, model: str) -> dict:
+        """EvalAccumulator.result of `predict(batch) -> probs [B, K]` over the eval window,
+        with "bayes_ne": the NE of the window's true probabilities."""
+        import numpy as np
+        from gemjax.data.features import schema_of
+        from gemjax.data.feeding import Feeder
+        from gemjax.train.metrics import EvalAccumulator
+        f = schema_of(cfg)
+        acc, bayes = (EvalAccumulator(f.num_surfaces, f.num_tasks) for _ in range(2))
+        feeder = Feeder(self.source(model, "eval"), mesh, prefetch=0)
+        for step in self.eval:
+            host, infos, _ = feeder.host_batch(step)
+            cols = (host.labels, host.label_mask, host.surface, host.weights)
+            acc.add(predict(feeder.to_device(host)), *cols)
+            bayes.add(np.concatenate([i.true_probs for i in infos]), *cols)
+        return {**acc.result(), "bayes_ne": bayes.result()["ne"]}
+
+    def train_teacher(self, tcfg, mesh, lr: str = "decay"):
+        """The offline teacher: tcfg's model trained on the teacher steps, then fixed;
+        lr "decay": the batch trainer's schedule, "constant": online_trainer's."""
+        from gemjax.data.feeding import Feeder
+        from gemjax.distill.transfer import Teacher
+        from gemjax.train.online import online_trainer
+        from gemjax.train.step import Trainer
+        tr = online_trainer(tcfg, mesh) if lr == "constant" else Trainer.create(tcfg, mesh)
+        state, step_fn = tr.init_state(tcfg.train.seed), tr.make_train_step()
+        feeder = Feeder(self.source("teacher", "train"), mesh, check_ids=tr.coll.check_ids,
+                        id_fields=tr.id_fields)
+        for _, batch, _, _ in feeder.batches(self.teacher.start, self.teacher.stop):
+            state, _ = step_fn(state, batch)
+        return Teacher(tr, state)
+
+    def record(self) -> dict:
+        """consumed as sorted lists (results.json)."""
+        return {m: {u: sorted(v) for u, v in uses.items()} for m, uses in self.consumed.items()}
+
+
+def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
+                windows: DriftWindows | None = None, name: str = "student"):
+    """(eval metrics, Distiller, state) of one student trained with `methods`: `steps`
+    steps from step 0 of the dataset's train stream, or with `windows` (drift) its
+    student steps, then evaluated on its eval window (consumed under `name`)."""
     import numpy as np
     from gemjax.data.feeding import Feeder
     from gemjax.data.source import make_source
@@ -137,12 +240,22 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh):
     cfg = student_config(scfg, tcfg, dcfg)
     d = Distiller(Trainer.create(cfg, mesh), teacher, dcfg)
     state = d.init_state(cfg.train.seed)
-    stream = make_source(cfg, "train")
-    feeder = Feeder(stream.shard_batch, mesh, check_ids=d.trainer.coll.check_ids,
+    if windows is None:
+        shard_batch, start, stop = make_source(cfg, "train").shard_batch, 0, steps
+    else:
+        if steps != len(windows.student):
+            raise ValueError(f"--dataset=drift: {name} trains on the {len(windows.student)} "
+                             f"student steps, not {steps}")
+        shard_batch = windows.source(name, "train")
+        start, stop = windows.student.start, windows.student.stop
+    feeder = Feeder(shard_batch, mesh, check_ids=d.trainer.coll.check_ids,
                     id_fields=d.trainer.id_fields)
-    for step, batch, _, _ in feeder.batches(0, steps):
+    for step, batch, _, _ in feeder.batches(start, stop):
         state, _ = d.step(state, batch, step)
-    res = evaluate(cfg, lambda b: d.predict(state, b), mesh)
+    if windows is None:
+        res = evaluate(cfg, lambda b: d.predict(state, b), mesh)
+    else:
+        res = windows.evaluate(cfg, lambda b: d.predict(state, b), mesh, name)
     if "share" in methods and args.share == "frozen":
         same = all(np.array_equal(np.asarray(state["tables"][n]["weights"]),
                                   np.asarray(teacher.state["tables"][n]["weights"]))
@@ -204,8 +317,10 @@ def budget_rows(base, args, tcfg, mesh) -> list[dict]:
     return out
 
 
-def summarize(results: list[dict], rows: list[str], teacher_ne: list[float]) -> tuple[str, dict]:
-    """Markdown table (NE and gain, mean ± std over seeds) and the figures behind it."""
+def summarize(results: list[dict], rows: list[str], teacher_ne: list[float],
+              bayes_ne: list[float] | None = None) -> tuple[str, dict]:
+    """Markdown table (NE and gain, mean ± std over seeds) and the figures behind it;
+    bayes_ne (drift): the eval window's Bayes-optimal NE per seed, a first row."""
     import numpy as np
     seeds = sorted({r["seed"] for r in results})
     ne = {row: np.array([next(r["ne"] for r in results if r["row"] == row and r["seed"] == s)
@@ -214,6 +329,9 @@ def summarize(results: list[dict], rows: list[str], teacher_ne: list[float]) -> 
     lines = ["| model | NE (mean ± std) | gain vs none (mean ± std) |", "|---|---|---|",
              f"| teacher | {np.mean(teacher_ne):.4f} ± {np.std(teacher_ne):.4f} | |"]
     figures = {"teacher_ne": [float(x) for x in teacher_ne]}
+    if bayes_ne:
+        lines.insert(2, f"| Bayes-optimal | {np.mean(bayes_ne):.4f} ± {np.std(bayes_ne):.4f} | |")
+        figures["bayes_ne"] = [float(x) for x in bayes_ne]
     for row in rows:
         gain = base - ne[row] if base is not None else None
         g = "" if gain is None else f"{gain.mean():+.4f} ± {gain.std():.4f}"
@@ -233,6 +351,7 @@ def main(argv):
     args = flags.FLAGS
     logging.set_verbosity(logging.WARNING)      # orbax's per-checkpoint info lines
     import jax
+    import numpy as np
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -253,14 +372,28 @@ def main(argv):
     if args.hierarchical and not hier:
         print("[distill] --teacher_mode=cotrain: no hierarchical row (its domain model is an "
               "offline teacher)")
+    drift = args.dataset == "drift"
+    if drift and args.teacher_mode == "cotrain":
+        raise app.UsageError("--dataset=drift trains the teacher offline on the earlier windows: "
+                             "--teacher_mode must be offline")
     rows = list(args.rows) + (["hier"] if hier else [])
-    results, teacher_ne = [], []
+    results, teacher_ne, bayes_ne, consumed, teacher_adapter = [], [], [], {}, []
     t_start = time.time()
     for seed in [int(s) for s in args.seeds]:
         tcfg = model_config(base, args.teacher_override, args.teacher_steps, seed)
         scfg = model_config(base, args.student_override, args.student_steps, seed)
-        teacher = None
-        if args.teacher_mode == "offline":
+        teacher, windows = None, None
+        if drift:
+            try:
+                windows = DriftWindows(tcfg, args.teacher_steps, args.student_steps)
+            except ValueError as e:
+                raise app.UsageError(str(e)) from None
+            teacher = windows.train_teacher(tcfg, mesh, args.drift_teacher_lr)
+            step = teacher.trainer.make_eval_step()
+            got = windows.evaluate(tcfg, lambda b: step(teacher.state, b), mesh, "teacher")
+            teacher_ne.append(got["ne"])
+            bayes_ne.append(got["bayes_ne"])
+        elif args.teacher_mode == "offline":
             workdir = os.path.join(out, f"teacher_s{seed}")
             train_teacher(tcfg, workdir)
             teacher = Teacher.from_workdir(workdir, mesh=mesh)
@@ -269,26 +402,46 @@ def main(argv):
         for row in rows:
             t0 = time.time()
             if row == "hier":
-                dom_cfg = model_config(base, DOMAIN, args.teacher_steps // 2, seed)
+                # the domain model: on the drift stream, the students' recent windows
+                dom_steps = args.student_steps if drift else args.teacher_steps // 2
+                dom_cfg = model_config(base, DOMAIN, dom_steps, seed)
                 _, dd, dstate = run_student(dom_cfg, tcfg, teacher, "kd,adapter", args,
-                                            args.teacher_steps // 2, mesh)
+                                            dom_steps, mesh, windows, "hier/domain")
                 domain = Teacher(dd.trainer, dstate)
                 res, _, _ = run_student(scfg, dom_cfg, domain, "kd,adapter", args,
-                                        args.student_steps, mesh)
+                                        args.student_steps, mesh, windows, row)
             else:
                 res, d, _ = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
-                                        mesh)
+                                        mesh, windows, row)
                 if args.teacher_mode == "cotrain" and row == rows[0]:
                     # the co-trained teacher of the first row, after its student_steps steps
                     step = d.teacher.trainer.make_eval_step()
                     teacher_ne.append(evaluate(tcfg, lambda b: step(d.teacher.state, b), mesh)["ne"])
+                if windows is not None and row == "kd+adapter":
+                    # the teacher's own eval logits through this student's final adapter
+                    # (fitted on the newest student-window labels): its drift that
+                    # calibration can correct
+                    got = windows.evaluate(tcfg, lambda b: 1 / (1 + np.exp(-d.adapter.correct(
+                        teacher.outputs(b)[0]))), mesh, "teacher+adapter")
+                    teacher_adapter.append({"ne": got["ne"], "auc": got["auc"]})
             results.append({"seed": seed, "row": row, "ne": res["ne"], "auc": res["auc"],
                             "calibration": res["calibration"],
                             "shared_tables_unchanged": res.get("shared_tables_unchanged"),
                             "seconds": round(time.time() - t0, 1)})
             print(f"[distill] seed {seed} {row:10s} NE {res['ne']:.4f} AUC {res['auc']:.4f} "
                   f"({results[-1]['seconds']} s)", flush=True)
-    table, figures = summarize(results, rows, teacher_ne or [float("nan")])
+        if windows is not None:
+            consumed[seed] = {"teacher": [windows.teacher.start, windows.teacher.stop],
+                              "student": [windows.student.start, windows.student.stop],
+                              "eval": [windows.eval.start, windows.eval.stop],
+                              "eval_window": windows.stream.window(windows.eval.start),
+                              "models": windows.record()}
+    table, figures = summarize(results, rows, teacher_ne or [float("nan")], bayes_ne)
+    if teacher_adapter:
+        ta = np.array([t["ne"] for t in teacher_adapter])
+        figures["teacher_adapter"] = teacher_adapter
+        table += (f"\nteacher through the kd+adapter student's final adapter (drift): NE "
+                  f"{ta.mean():.4f} ± {ta.std():.4f}")
     tcfg = model_config(base, args.teacher_override, 1, 0)
     budget = budget_rows(base, args, tcfg, mesh)
     btable = ["| student | arch | FLOPs / sample | table bytes (own) | CPU ms, batch "
@@ -298,6 +451,10 @@ def main(argv):
                for r in budget]
     t_steps = (f"{args.teacher_steps} steps" if args.teacher_mode == "offline"
                else f"trained with each student, {args.student_steps} steps")
+    if drift:
+        w = base.data.drift_every
+        t_steps += (f", windows 0-{args.teacher_steps // w - 1} of {w} steps; students on the "
+                    f"next {args.student_steps // w}, every row evaluated on the window after")
     text = (f"dataset {args.dataset}, teacher {args.teacher_mode} ({t_steps}), "
             f"students {args.student_steps} steps, seeds {args.seeds}\n\n{table}\n\n"
             + "\n".join(btable))
@@ -305,8 +462,10 @@ def main(argv):
         json.dump({"flags": {k: getattr(args, k) for k in (
                        "dataset", "seeds", "teacher_steps", "student_steps", "data_overrides",
                        "teacher_override", "student_override", "teacher_mode", "alpha",
-                       "temperature", "adapter_window", "adapter_refresh", "repr_window", "share")},
+                       "temperature", "adapter_window", "adapter_refresh", "repr_window", "share",
+                       "drift_teacher_lr")},
                    "runs": results, "summary": figures, "budget": budget,
+                   "drift_steps": consumed or None,
                    "wall_s": round(time.time() - t_start, 1)}, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text + "\n")
