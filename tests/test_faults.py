@@ -38,9 +38,10 @@ CFG = apply_overrides(get_config("tiny"), OVERRIDES + ",train.steps=8")
 
 
 class Run:
-    """experiments/train.py on `workdir` in a subprocess; its output collected by a thread."""
+    """`python -m module` (experiments/train.py by default) on `workdir` in a subprocess;
+    its output collected by a thread."""
 
-    def __init__(self, workdir, pause=None, args=ARGS):
+    def __init__(self, workdir, pause=None, args=ARGS, module="experiments.train"):
         env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
                    JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
@@ -48,7 +49,7 @@ class Run:
         if pause:
             env["GEMJAX_TEST_PAUSE"] = pause
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "experiments.train", *args,
+            [sys.executable, "-m", module, *args,
              f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True)
         self.lines = []
@@ -98,6 +99,17 @@ def rows(workdir, kind):
 
 def steps_in(checkpoints):
     return sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit())
+
+
+def kill_once_saved(run: Run, checkpoints: str, step: int) -> None:
+    """kill -9 `run` as soon as checkpoint `step` is committed under `checkpoints` (saves
+    are asynchronous: the run may be paused past that step while it is written)."""
+    deadline = time.monotonic() + 120
+    while step not in steps_in(checkpoints):
+        assert time.monotonic() < deadline, run.out[-3000:]
+        time.sleep(0.02)
+    run.proc.kill()
+    assert run.finish() == -signal.SIGKILL
 
 
 def damage_chunk(step_dir):
@@ -206,12 +218,7 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
 
     run = Run(workdir, pause="step:5", args=args)
     run.wait_for("test pause at step 5")
-    deadline = time.monotonic() + 120       # checkpoint 4 committed (saves are asynchronous)
-    while 4 not in steps_in(checkpoints):
-        assert time.monotonic() < deadline, run.out[-3000:]
-        time.sleep(0.02)
-    run.proc.kill()
-    assert run.finish() == -signal.SIGKILL
+    kill_once_saved(run, checkpoints, 4)
     assert steps_in(checkpoints) == [2, 4]
 
     run = Run(workdir, pause="step:7", args=args)

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import sys
-import time
 
 import jax
 import numpy as np
@@ -22,7 +21,7 @@ from gemjax.data.source import make_source
 from gemjax.train import layout, multistep, runtime
 from gemjax.train.loop import train
 from gemjax.train.step import Trainer
-from test_faults import Run, host, restored, rows, steps_in
+from test_faults import Run, host, kill_once_saved, restored, rows, steps_in
 
 OVERRIDES = ("train.log_every=4,train.eval_every=8,train.checkpoint_every=4,data.eval_batches=1,"
              "train.tensorboard=false")
@@ -106,12 +105,7 @@ def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
 
     run = Run(workdir, pause="step:8", args=args)
     run.wait_for("test pause at step 8")
-    deadline = time.monotonic() + 120       # checkpoint 4 committed (saves are asynchronous)
-    while 4 not in steps_in(checkpoints):
-        assert time.monotonic() < deadline, run.out[-3000:]
-        time.sleep(0.02)
-    run.proc.kill()
-    assert run.finish() == -signal.SIGKILL
+    kill_once_saved(run, checkpoints, 4)
     assert steps_in(checkpoints) == [4]
 
     run = Run(workdir, pause="step:12", args=args)

@@ -7,10 +7,6 @@ config."""
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 
 import jax
 import numpy as np
@@ -21,8 +17,8 @@ from experiments.online import STREAM
 from gemjax.config import apply_overrides, get_config
 from gemjax.train.guards import ResumeMismatch
 from gemjax.train.online import OnlineSpec, run_online, summary_table
+from test_faults import Run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDE = "data.drift_every=2,data.batch_size=64"
 WINDOWS = 4
 ARGS = ["--config=tiny", f"--windows={WINDOWS}", f"--override={OVERRIDE}", "--item_rows=1024", "--students=0",
@@ -32,38 +28,6 @@ SPEC = OnlineSpec(windows=WINDOWS, min_count=2, buckets=16, table_rows=(("item",
 
 def _cfg():
     return apply_overrides(get_config("tiny"), STREAM + "," + OVERRIDE)
-
-
-class Run:
-    """experiments/online.py on `workdir` in a subprocess, its output read by a thread."""
-
-    def __init__(self, workdir):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-                   JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
-        self.proc = subprocess.Popen([sys.executable, "-m", "experiments.online", *ARGS,
-                                      f"--workdir={workdir}"], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout),
-                                        daemon=True)
-        self._reader.start()
-
-    @property
-    def out(self):
-        return "".join(self.lines)
-
-    def wait_for(self, text, timeout=300):
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in list(self.lines)):
-            assert self.proc.poll() is None and time.monotonic() < deadline, \
-                f"no {text!r} (exit {self.proc.poll()}):\n{self.out[-3000:]}"
-            time.sleep(0.02)
-
-    def finish(self, timeout=300):
-        rc = self.proc.wait(timeout)
-        self._reader.join(30)
-        return rc
 
 
 def _rows(workdir):
@@ -76,7 +40,7 @@ def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
     ref = run_online(_cfg(), ref_dir, SPEC, mesh=mesh, log=lambda s: None)
 
-    run = Run(dir_)                      # SIGTERM during window 1: stops after its checkpoint
+    run = Run(dir_, args=ARGS, module="experiments.online")                      # SIGTERM during window 1: stops after its checkpoint
     run.wait_for("[online] window 0:")
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish() == 130, run.out[-3000:]
@@ -84,13 +48,13 @@ def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     stopped_at = max(r["window"] for r in _rows(dir_))
     assert stopped_at < WINDOWS - 1
 
-    run = Run(dir_)                      # resume, then kill -9 after the next window's checkpoint
+    run = Run(dir_, args=ARGS, module="experiments.online")                      # resume, then kill -9 after the next window's checkpoint
     run.wait_for(f"[online] window {stopped_at + 1}:")
     run.proc.kill()
     assert run.finish() == -signal.SIGKILL
     assert f"resumed at window {stopped_at + 1}" in run.out
 
-    run = Run(dir_)                      # resume to the end
+    run = Run(dir_, args=ARGS, module="experiments.online")                      # resume to the end
     assert run.finish() == 0, run.out[-3000:]
     assert "resumed at window" in run.out
 
