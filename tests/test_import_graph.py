@@ -14,8 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Bottom to top. "gemjax" is the package's own __init__ (its lazy attributes); distill
 # holds no module yet.
-LAYERS = ("parallel", "kernels", "data", "config", "sparse", "layers", "models", "perf",
-          "precision", "distill", "train", "serve", "gemjax")
+LAYERS = ("parallel", "precision", "kernels", "data", "config", "sparse", "layers", "models",
+          "perf", "distill", "train", "serve", "gemjax")
 
 # Module cycles that exist today, each closed by an import inside a function.
 KNOWN_CYCLES = (

@@ -32,6 +32,7 @@ from gemjax.layers.axes import ConstantTokens
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import SequenceEncoder, mean_pool
 from gemjax.layers.wukong import Wukong
+from gemjax.precision.policy import Policy, apply_policy
 from gemjax.sparse import RowWiseAdagrad, TableSpec
 
 def sequence_id_fields(cfg: Config) -> dict[str, tuple[str, ...]]:
@@ -146,11 +147,14 @@ def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
     """model.kind: "gem" (v0), "teacher" (gemjax.models.interformer.GEMTeacher), "lr" or
     "retrieval" (gemjax.models.retrieval.RetrievalTower: user vectors [T, dim])."""
     if cfg.model.kind == "lr":
-        return LogisticRegression(cfg, rngs=rngs)
-    if cfg.model.kind == "retrieval":
+        model = LogisticRegression(cfg, rngs=rngs)
+    elif cfg.model.kind == "retrieval":
         from gemjax.models.retrieval import RetrievalTower
-        return RetrievalTower(cfg, rngs=rngs)
-    if cfg.model.kind == "teacher":
+        model = RetrievalTower(cfg, rngs=rngs)
+    elif cfg.model.kind == "teacher":
         from gemjax.models.interformer import GEMTeacher   # imports this module's helpers
-        return GEMTeacher(cfg, rngs=rngs)
-    return GEMv0(cfg, rngs=rngs)
+        model = GEMTeacher(cfg, rngs=rngs)
+    else:
+        model = GEMv0(cfg, rngs=rngs)
+    # model.precision="fp8": the policy's linears get FP8 GEMMs (bf16: untouched)
+    return apply_policy(model, Policy.from_model_config(cfg.model))

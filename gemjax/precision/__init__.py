@@ -6,7 +6,11 @@
   quantize.py  BlockScaled (FP8 values + per-block scales + layout) and quantize /
                dequantize with round-to-nearest-even or stochastic rounding
   hadamard.py  blockwise seeded random Hadamard transform and its inverse
+  gemm.py      fp8_dot: x @ w in FP8 (row-wise or 128-block scales) with its dgrad / wgrad
+  policy.py    which linears of a model run FP8 (regions from ModelConfig.precision, ...)
+  fsdp.py      FP8 FSDP all-gather: weights quantized per shard before the collective
 
-Pure jnp, jit-able. Models do not use it yet: every model computes in `model.dtype`
-(float32 or bfloat16; gemjax.config.ModelConfig). Imports nothing from gemjax.
+Pure jnp / flax, jit-able. A model computes in `model.dtype` (float32 or bfloat16) except
+the linears its precision policy puts in FP8. Imports nothing from gemjax outside this
+package (the models import it, so it sits below them).
 """
