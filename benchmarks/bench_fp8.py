@@ -35,6 +35,7 @@ flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
 flags.DEFINE_string("out", "", "JSON output path")
 
+FP8_VARIANTS = ("fp8_rowwise", "fp8_tensor", "fp8_blocked")
 _DOT = re.compile(r"stablehlo\.dot_general [^,]+, [^,]+, contracting_dims = \[(\d+)\] x \[0\], "
                   r"precision = [^:]*: \(tensor<([0-9x]+)x\w+>, tensor<(\d+)x(\d+)x\w+>\)")
 
@@ -88,6 +89,7 @@ def bench_gemm(m, k, n, iters, seed=0):
     variants = {
         "bf16": lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ()))),
         "fp8_rowwise": lambda a, b: fp8_dot(a, b, Recipe("rowwise")),
+        "fp8_tensor": lambda a, b: fp8_dot(a, b, Recipe("tensor")),
         "fp8_blocked": lambda a, b: fp8_dot(a, b, Recipe("blocked")),
     }
     res: dict = {}
@@ -105,7 +107,7 @@ def bench_gemm(m, k, n, iters, seed=0):
                      # (cuBLAS / cuBLASLt FP8 on GPU) and how many fusions
                      "custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
                      "fusions": len(re.findall(r"= \S+ fusion\(", hlo))}
-    for name in ("fp8_rowwise", "fp8_blocked"):
+    for name in FP8_VARIANTS:
         res[name]["fwd_speedup"] = res["bf16"]["fwd_ms"] / res[name]["fwd_ms"]
         res[name]["fwdbwd_speedup"] = res["bf16"]["fwdbwd_ms"] / res[name]["fwdbwd_ms"]
     return res
@@ -186,23 +188,25 @@ def main(argv):
         res["step"]["speedup"] = bf16_step["step_ms"] / res["step"]["fp8"]["step_ms"]
     # totals over the shapes, weighted by their counts
     tot = {v: {p: sum(g["count"] * g[v][f"{p}_ms"] for g in res["gemms"]) for p in ("fwd", "fwdbwd")}
-           for v in ("bf16", "fp8_rowwise", "fp8_blocked")}
+           for v in ("bf16",) + FP8_VARIANTS}
     res["gemm_totals_ms"] = tot
     if f.out:
         with open(f.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    hdr = (f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f/fb ms':>15} | "
-           f"{'rowwise f/fb ms':>15} {'x f':>5} {'x fb':>5} {'err':>7} | "
-           f"{'blocked f/fb ms':>15} {'x f':>5} {'x fb':>5} {'err':>7} | {'bf16 err':>8}")
+    short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked"}
+    hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
+    for v in FP8_VARIANTS:
+        hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"
     print(hdr)
     for g in res["gemms"]:
-        b, r, k = g["bf16"], g["fp8_rowwise"], g["fp8_blocked"]
-        print(f"{g['m']:>8} {g['k']:>5} {g['n']:>5} {g['count']:>3} | "
-              f"{b['fwd_ms']:>7.3f}/{b['fwdbwd_ms']:<7.3f} | "
-              f"{r['fwd_ms']:>7.3f}/{r['fwdbwd_ms']:<7.3f} {r['fwd_speedup']:>5.2f} "
-              f"{r['fwdbwd_speedup']:>5.2f} {r['rel_err']:>7.1e} | "
-              f"{k['fwd_ms']:>7.3f}/{k['fwdbwd_ms']:<7.3f} {k['fwd_speedup']:>5.2f} "
-              f"{k['fwdbwd_speedup']:>5.2f} {k['rel_err']:>7.1e} | {b['rel_err']:>8.1e}")
+        b = g["bf16"]
+        line = (f"{g['m']:>8} {g['k']:>5} {g['n']:>5} {g['count']:>3} | "
+                f"{b['fwd_ms']:>8.3f}/{b['fwdbwd_ms']:<8.3f} {b['rel_err']:>7.1e}")
+        for v in FP8_VARIANTS:
+            r = g[v]
+            line += (f" | {r['fwd_ms']:>8.3f}/{r['fwdbwd_ms']:<8.3f} {r['fwd_speedup']:>5.2f} "
+                     f"{r['fwdbwd_speedup']:>5.2f} {r['rel_err']:>7.1e}")
+        print(line)
     for v, t in tot.items():
         print(f"total {v:<12} fwd {t['fwd']:.3f} ms  fwd+bwd {t['fwdbwd']:.3f} ms  "
               f"(x{tot['bf16']['fwd'] / max(t['fwd'], 1e-12):.2f} / "

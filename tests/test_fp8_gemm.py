@@ -20,7 +20,8 @@ from gemjax.precision.quantize import quantize
 # M-shape (leading dims of x), K, N: ragged K (not a multiple of 128), M = 1, K < 128
 SHAPES = [((4, 8), 200, 48), ((1,), 130, 17), ((3, 5), 64, 129)]
 # (recipe, how many of SHAPES it runs on)
-RECIPES = [(Recipe("rowwise"), 3), (Recipe("blocked"), 2), (Recipe("rowwise", grad_fmt="e4m3"), 1)]
+RECIPES = [(Recipe("rowwise"), 3), (Recipe("blocked"), 2), (Recipe("tensor"), 1),
+           (Recipe("rowwise", grad_fmt="e4m3"), 1)]
 
 
 _quantize = jax.jit(quantize, static_argnums=(1, 2))
@@ -28,11 +29,14 @@ _reference = jax.jit(fp8_dot_reference, static_argnums=(2,))
 _grads_reference = jax.jit(fp8_grads_reference, static_argnums=(3,))
 
 
-def _blocks(scaling, k, role):
-    """Quantization block of an operand of a GEMM with contraction length k; role "a"
-    (left, along its last axis), "w" (right, a weight) or "act" (right, activation-like)."""
+def _blocks(scaling, shape, role):
+    """Quantization block of an operand of `shape` in a GEMM; role "a" (left, contracting
+    its last axis), "w" (right, a weight) or "act" (right, activation-like)."""
+    k = shape[1] if role == "a" else shape[0]
     if scaling == "rowwise":
         return (1, k) if role == "a" else (k, 1)
+    if scaling == "tensor":
+        return tuple(shape)
     return {"a": (1, 128), "w": (128, 128), "act": (128, 1)}[role]
 
 
@@ -54,8 +58,8 @@ def _check_product(got, a, b, scaling, a_fmt, b_fmt, b_role):
     if scaling == "blocked" and k % 128:                 # the GEMM pads K with zeros
         a = np.pad(a, ((0, 0), (0, -k % 128)))
         b = np.pad(b, ((0, -k % 128), (0, 0)))
-    da, ea = _deq64(a, _blocks(scaling, k, "a"), a_fmt)
-    db, eb = _deq64(b, _blocks(scaling, k, b_role), b_fmt)
+    da, ea = _deq64(a, _blocks(scaling, a.shape, "a"), a_fmt)
+    db, eb = _deq64(b, _blocks(scaling, b.shape, b_role), b_fmt)
     got = np.asarray(got, np.float64)
     mag = np.abs(da) @ np.abs(db)
     np.testing.assert_array_less(np.abs(got - da @ db), (k + 8) * 2.0 ** -23 * mag + 1e-30)
@@ -78,7 +82,7 @@ def _data(lead, k, n, seed):
     return x, w, dy
 
 
-@pytest.mark.parametrize("recipe,shapes", RECIPES, ids=lambda r: getattr(r, "scaling", ""))
+@pytest.mark.parametrize("recipe,shapes", RECIPES, ids=lambda r: getattr(r, "scaling", str(r)))
 def test_forward_and_backward_vs_float64(recipe, shapes):
     for i, (lead, k, n) in enumerate(SHAPES[:shapes]):
         x, w, dy = _data(lead, k, n, i)
@@ -103,7 +107,7 @@ def test_forward_and_backward_vs_float64(recipe, shapes):
 def test_error_bound_is_tight_enough_to_catch_the_wrong_format():
     """E5M2 where E4M3 is promised breaks the E4M3 bound: the check can fail."""
     x, w, _ = _data((64,), 256, 64, 7)
-    y = fp8_dot(x, w, Recipe(fwd_fmt="e5m2"))
+    y = jax.jit(fp8_dot, static_argnums=2)(x, w, Recipe(fwd_fmt="e5m2"))
     with pytest.raises(AssertionError):
         _check_product(np.asarray(y), x, w, "rowwise", "e4m3", "e4m3", "w")
 

@@ -20,6 +20,10 @@ scales factor out of the sum and multiply the float32 product (M = prod(x.shape[
     wgrad    x per column over M   [1, K]     dy per column over M [1, N]
     y = dot(qa, qb) * sa * sb
 
+  recipe.scaling="tensor" (one scale per operand): written as the float32 dequantize
+  feeding the dot, dot(f32(qa) * sa, f32(qb) * sb), the pattern XLA:GPU rewrites into one
+  cuBLASLt FP8 GEMM with both scales (and the output cast) inside the call.
+
   recipe.scaling="blocked" (the Hopper block-scaled recipe: 1x128 activation tiles,
   128x128 weight blocks, 128x1 tiles for the wgrad's dy):
     y = sum over 128-blocks b of the contraction of dot(qa[:, b], qb[b, :]) * sa[:, b] * sb[b, :]
@@ -51,7 +55,7 @@ from jax import lax
 from gemjax.precision.formats import FORMATS, Layout
 from gemjax.precision.quantize import quantize
 
-SCALINGS = ("rowwise", "blocked")
+SCALINGS = ("rowwise", "tensor", "blocked")
 WGRADS = ("fp8", "bf16", "f32")
 BLOCK = 128
 
@@ -60,7 +64,7 @@ BLOCK = 128
 class Recipe:
     """How fp8_dot quantizes (hashable: a static argument).
 
-    scaling: "rowwise" or "blocked" (module docstring).
+    scaling: "rowwise", "tensor" or "blocked" (module docstring).
     fwd_fmt: format of x and w ("e4m3").
     grad_fmt: format of dy in dgrad and wgrad ("e5m2" or "e4m3").
     wgrad: "fp8" (quantized like the other products), "bf16" or "f32" (x^T @ dy unquantized,
@@ -92,6 +96,8 @@ def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bo
     """Quantization blocks of a [M, K] (along K) and b [K, N] (along K)."""
     if scaling == "rowwise":
         return (1, k), (k, 1)
+    if scaling == "tensor":
+        return (a_rows, k), (k, b_cols)
     return (1, BLOCK), ((BLOCK, BLOCK) if b_weight else (BLOCK, 1))
 
 
@@ -109,6 +115,11 @@ def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
         y = lax.dot_general(qa, qb, (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
         return y * sa * sb
+    if scaling == "tensor":
+        qa, sa = _quant(a, blk_a, a_fmt)                     # sa [1, 1]
+        qb, sb = _quant(b, blk_b, b_fmt)                     # sb [1, 1]
+        return lax.dot_general(qa.astype(jnp.float32) * sa[0, 0], qb.astype(jnp.float32) * sb[0, 0],
+                               (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     pad = -k % BLOCK
     if pad:                                                  # zeros change no amax
         a = jnp.pad(a, ((0, 0), (0, pad)))
