@@ -118,11 +118,11 @@ class ModelConfig:
     retrieval_temperature: float = 1.0   # logits = user . item / temperature
     retrieval_l2norm: bool = False   # l2-normalise user and item vectors (cosine logits)
     retrieval_dropout: float = 0.2   # dropout on the input tokens while training
-    # --- FP8 GEMMs per region (gemjax.precision.policy; names separated by ",") ---
+    # --- FP8 GEMMs per region (gemjax.precision.policy; names separated by "+") ---
     precision: str = "bf16"          # "bf16": every GEMM in `dtype`; "fp8": fp8_regions' linears in FP8
-    fp8_regions: str = "wukong,interformer,attn_proj,sequence"
-    fp8_exclude: str = "heads,last"  # regions (or "last": the last layer) kept in `dtype`
-    fp8_scaling: str = "rowwise"     # "rowwise" or "blocked" (1x128 / 128x128 scales)
+    fp8_regions: str = "wukong+interformer+attn_proj+sequence"
+    fp8_exclude: str = "heads+last"  # regions (or "last": the last layer) kept in `dtype`
+    fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales)
     fp8_grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
     wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
 

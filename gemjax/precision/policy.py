@@ -45,7 +45,7 @@ _PROJ = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def _names(value: str, known: tuple[str, ...], field: str) -> frozenset[str]:
-    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    names = frozenset(n.strip() for n in value.split("+") if n.strip())
     bad = sorted(names - set(known))
     if bad:
         raise ValueError(f"model.{field}: unknown names {bad}; known: {', '.join(known)}")
@@ -55,7 +55,8 @@ def _names(value: str, known: tuple[str, ...], field: str) -> frozenset[str]:
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """precision: "bf16" (no FP8) or "fp8"; regions / exclude: region names (module
-    docstring; exclude may also name "last"); recipe: how FP8 GEMMs quantize."""
+    docstring; exclude may also name "last"; in ModelConfig "+"-separated, e.g.
+    fp8_regions="wukong+attn_proj"); recipe: how FP8 GEMMs quantize."""
     precision: str = "bf16"
     regions: frozenset[str] = frozenset()
     exclude: frozenset[str] = frozenset()
