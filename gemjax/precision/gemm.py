@@ -87,9 +87,24 @@ class Recipe:
 
 
 def _quant(t: jax.Array, block: tuple[int, int], fmt: str):
-    """t [R, C] -> (q [R, C] fmt, scales float32 [ceil(R/br), ceil(C/bc)])."""
-    bs = quantize(t, Layout(block=block, scale="f32"), FORMATS[fmt])
-    return bs.q, bs.scales
+    """t [R, C] -> (q [R, C] fmt, scales float32 [ceil(R/br), ceil(C/bc)]).
+
+    Blocks spanning whole rows, columns or the tensor (the rowwise and tensor recipes)
+    take a reduce + broadcast, the same arithmetic as gemjax.precision.quantize without
+    its block reshapes and scale gathers; other blocks go through quantize."""
+    rows, cols = t.shape
+    axes = tuple(a for a, (b, n) in enumerate(zip(block, (rows, cols))) if b == n)
+    if any(b not in (1, n) for b, n in zip(block, (rows, cols))) or not axes:
+        bs = quantize(t, Layout(block=block, scale="f32"), FORMATS[fmt])
+        return bs.q, bs.scales
+    f = FORMATS[fmt]
+    t32 = t.astype(jnp.float32)
+    amax = jnp.max(jnp.where(jnp.isfinite(t32), jnp.abs(t32), 0.0), axis=axes, keepdims=True)
+    s = jnp.where(amax > 0, jnp.maximum(amax / f.max_finite, jnp.finfo(jnp.float32).tiny), 1.0)
+    y = jnp.clip(t32 / s, -f.max_finite, f.max_finite)
+    inf = jnp.copysign(jnp.float32(jnp.inf if f.has_inf else jnp.nan), t32)
+    y = jnp.where(jnp.isnan(t32), jnp.nan, jnp.where(jnp.isinf(t32), inf, y))
+    return y.astype(f.dtype), s
 
 
 def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bool):
