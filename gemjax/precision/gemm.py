@@ -20,9 +20,9 @@ scales factor out of the sum and multiply the float32 product (M = prod(x.shape[
     wgrad    x per column over M   [1, K]     dy per column over M [1, N]
     y = dot(qa, qb) * sa * sb
 
-  recipe.scaling="tensor" (one scale per operand): written as the float32 dequantize
-  feeding the dot, dot(f32(qa) * sa, f32(qb) * sb), the pattern XLA:GPU rewrites into one
-  cuBLASLt FP8 GEMM with both scales (and the output cast) inside the call.
+  recipe.scaling="tensor" (one scale per operand): y = dot(qa, qb) * (sa * sb). x, w and
+  dy are each quantized once: the backward reuses the forward's FP8 x and w (saved as the
+  residuals instead of x and w), since a per-tensor scale is constant along every axis.
 
   recipe.scaling="blocked" (the Hopper block-scaled recipe: 1x128 activation tiles,
   128x128 weight blocks, 128x1 tiles for the wgrad's dy):
@@ -30,8 +30,9 @@ scales factor out of the sum and multiply the float32 product (M = prod(x.shape[
   as one batched dot over the blocks (float32 partials [Kb, M, N]) and a scaled sum.
 
 Scales are float32 amax / max_finite (gemjax.precision.quantize, layout scale "f32"), so
-no finite value saturates. The residuals saved for the backward are x and w themselves (in
-their own dtype): the backward products quantize them again with their own scaling axes.
+no finite value saturates. Under "rowwise" and "blocked" the residuals saved for the
+backward are x and w themselves (in their own dtype): the backward products quantize them
+again along their own contraction axes.
 
 Non-finite inputs: they do not enter amax, so the finite values of their row / block keep
 their precision; NaN stays NaN, +-inf is NaN in E4M3 (no infinity) and +-inf in E5M2. An
@@ -116,6 +117,12 @@ def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bo
     return (1, BLOCK), ((BLOCK, BLOCK) if b_weight else (BLOCK, 1))
 
 
+def _f8_mm(qa, sa, qb, sb, contract) -> jax.Array:
+    """dot(qa, qb) over `contract` (float32) times the scalar scales sa * sb ([1, 1] each)."""
+    y = lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=jnp.float32)
+    return y * (sa[0, 0] * sb[0, 0])
+
+
 def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
                b_weight: bool) -> jax.Array:
     """a [M, K] @ b [K, N] -> float32 [M, N] with both operands quantized along K.
@@ -133,8 +140,7 @@ def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
     if scaling == "tensor":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [1, 1]
         qb, sb = _quant(b, blk_b, b_fmt)                     # sb [1, 1]
-        return lax.dot_general(qa.astype(jnp.float32) * sa[0, 0], qb.astype(jnp.float32) * sb[0, 0],
-                               (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return _f8_mm(qa, sa, qb, sb, ((1,), (0,)))
     pad = -k % BLOCK
     if pad:                                                  # zeros change no amax
         a = jnp.pad(a, ((0, 0), (0, pad)))
@@ -188,15 +194,37 @@ def _fp8_dot(x, w, recipe):
 
 
 def _fp8_dot_fwd(x, w, recipe):
-    return _forward(x, w, recipe), (x, w)
+    if recipe.scaling != "tensor":
+        return _forward(x, w, recipe), (x, w)
+    # one scale per operand: x and w are quantized once, and the backward reuses them
+    # (qx for the wgrad, qw for the dgrad: a per-tensor scale is constant along any axis)
+    x2 = _flat(x)
+    qx, sx = _quant(x2, x2.shape, recipe.fwd_fmt)
+    qw, sw = _quant(w, w.shape, recipe.fwd_fmt)
+    y = _f8_mm(qx, sx, qw, sw, ((1,), (0,)))
+    y = y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
+    keep_x = x if recipe.wgrad != "fp8" else None
+    # x_like [..., 0], w_like [0]: x's leading shape and both dtypes, no data
+    return y, (qx, sx, qw, sw, keep_x, jnp.zeros(x.shape[:-1] + (0,), x.dtype),
+               jnp.zeros((0,), w.dtype))
 
 
 def _fp8_dot_bwd(recipe, res, dy):
-    x, w = res
     dy2 = _flat(dy)
-    dx = _dgrad(dy2, w, recipe).astype(x.dtype).reshape(x.shape)
-    dw = _wgrad(_flat(x), dy2, recipe).astype(w.dtype)
-    return dx, dw
+    if recipe.scaling != "tensor":
+        x, w = res
+        dx = _dgrad(dy2, w, recipe).astype(x.dtype).reshape(x.shape)
+        dw = _wgrad(_flat(x), dy2, recipe).astype(w.dtype)
+        return dx, dw
+    qx, sx, qw, sw, x, x_like, w_like = res
+    qdy, sdy = _quant(dy2, dy2.shape, recipe.grad_fmt)
+    dx = _f8_mm(qdy, sdy, qw, sw, ((1,), (1,)))
+    dx = dx.astype(x_like.dtype).reshape(x_like.shape[:-1] + (qw.shape[0],))
+    if recipe.wgrad == "fp8":
+        dw = _f8_mm(qx, sx, qdy, sdy, ((0,), (0,)))
+    else:
+        dw = _wgrad(_flat(x), dy2, recipe)
+    return dx, dw.astype(w_like.dtype)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
