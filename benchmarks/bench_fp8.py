@@ -30,7 +30,8 @@ flags.DEFINE_string("override", "model.kind=teacher", "section.field=value,... (
 flags.DEFINE_string("fp8_override", "model.precision=fp8", "added to --override for the FP8 step")
 flags.DEFINE_integer("iters", 20, "timed calls per GEMM / steps per train step")
 flags.DEFINE_integer("batches", 3, "distinct batches cycled through in the step timing")
-flags.DEFINE_integer("max_shapes", 0, "keep the N most frequent GEMM shapes (0: all)")
+flags.DEFINE_integer("max_shapes", 6, "keep the N shapes of most FLOPs (count x 2MKN; 0: all)")
+flags.DEFINE_string("shapes", "", "MxKxN[:count],... to time instead of the config's shapes")
 flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
 flags.DEFINE_string("out", "", "JSON output path")
@@ -59,6 +60,26 @@ def linear_gemms(hlo_text: str) -> dict[tuple[int, int, int], int]:
         key = (rows, k, n)
         out[key] = out.get(key, 0) + 1
     return out
+
+
+def step_gemms(cfg) -> dict[tuple[int, int, int], int]:
+    """linear_gemms of cfg's BF16 train step, lowered (not compiled) with tiny embedding
+    tables: the dense GEMM shapes do not depend on the vocabularies."""
+    import dataclasses
+
+    from gemjax.data.feeding import Feeder
+    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.train.step import Trainer
+
+    d = cfg.data
+    small = dataclasses.replace(cfg, data=dataclasses.replace(
+        d, vocab_user=min(d.vocab_user, 1_000), vocab_item=min(d.vocab_item, max(1_000, d.num_categories))),
+        model=dataclasses.replace(cfg.model, precision="bf16"))
+    trainer = Trainer.create(small)
+    state = trainer.init_state(0)
+    feeder = Feeder(SyntheticStream(small.data, 0).shard_batch, trainer.mesh)
+    batch = feeder.to_device(feeder.host_batch(0)[0])
+    return linear_gemms(trainer.make_train_step().lower(state, batch).as_text())
 
 
 def _time(fn, args, iters):
@@ -94,12 +115,13 @@ def bench_gemm(m, k, n, iters, seed=0):
     }
     res: dict = {}
     for name, f in variants.items():
-        fwd = jax.jit(f)
+        fwd = jax.jit(f).lower(x, w).compile()
         fb = jax.jit(lambda a, b, g, f=f: (lambda y, vjp: (y,) + vjp(g))(*jax.vjp(f, a, b)))
+        fb = fb.lower(x, w, dy).compile()
         t_f = _time(fwd, (x, w), iters)
         t_fb = _time(fb, (x, w, dy), iters)
         err = float(jnp.max(jnp.abs(fwd(x, w).astype(jnp.float32) - ref))) / max(scale, 1e-30)
-        hlo = fb.lower(x, w, dy).compile().as_text()
+        hlo = fb.as_text()
         res[name] = {"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
                      "fwd_tflops": 2 * m * k * n / t_f / 1e12,
                      "fwdbwd_tflops": 6 * m * k * n / t_fb / 1e12, "rel_err": err,
@@ -107,7 +129,23 @@ def bench_gemm(m, k, n, iters, seed=0):
                      # (cuBLAS / cuBLASLt FP8 on GPU) and how many fusions
                      "custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
                      "fusions": len(re.findall(r"= \S+ fusion\(", hlo))}
-    for name in FP8_VARIANTS:
+    # the FP8 GEMMs alone, on operands quantized beforehand (E4M3 x, w; E5M2 dy): forward
+    # dot(qx, qw), forward+backward also dot(qdy, qw^T) and dot(qx^T, qdy), f32 out
+    q = [a.astype(t) for a, t in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
+                                  (dy, jnp.float8_e5m2))]
+    mm = lambda a, b, c: lax.dot_general(a, b, (c, ((), ())),                   # noqa: E731
+                                         preferred_element_type=jnp.float32)
+    g_f = jax.jit(lambda qx, qw: mm(qx, qw, ((1,), (0,)))).lower(*q[:2]).compile()
+    g_fb = jax.jit(lambda qx, qw, qd: (mm(qx, qw, ((1,), (0,))), mm(qd, qw, ((1,), (1,))),
+                                       mm(qx, qd, ((0,), (0,))))).lower(*q).compile()
+    t_f, t_fb = _time(g_f, q[:2], iters), _time(g_fb, q, iters)
+    res["fp8_gemm_only"] = {"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
+                            "fwd_tflops": 2 * m * k * n / t_f / 1e12,
+                            "fwdbwd_tflops": 6 * m * k * n / t_fb / 1e12, "rel_err": float("nan"),
+                            "custom_calls": sorted(set(re.findall(
+                                r'custom_call_target="([^"]+)"', g_fb.as_text()))),
+                            "fusions": len(re.findall(r"= \S+ fusion\(", g_fb.as_text()))}
+    for name in FP8_VARIANTS + ("fp8_gemm_only",):
         res[name]["fwd_speedup"] = res["bf16"]["fwd_ms"] / res[name]["fwd_ms"]
         res[name]["fwdbwd_speedup"] = res["bf16"]["fwdbwd_ms"] / res[name]["fwdbwd_ms"]
     return res
@@ -138,7 +176,7 @@ def bench_step(cfg, iters, n_batches):
         state, met = step(state, batches[i % nb], next_batch=batches[(i + 1) % nb])
     jax.block_until_ready((state, met))
     return {"step_ms": (time.perf_counter() - t0) / iters * 1e3, "compile_s": compile_s,
-            "loss": float(met["loss"])}, (trainer, state, batches[0], step)
+            "loss": float(met["loss"])}, None
 
 
 def _join(*parts: str) -> str:
@@ -160,20 +198,18 @@ def main(argv):
     cfg = get_config(config, override)
     res = {"config": config, "override": override, "fp8_override": f.fp8_override,
            "device_kind": jax.devices()[0].device_kind, "gemms": [], "step": {}}
-    if f.step:
-        bf16_step, (trainer, state, batch, step) = bench_step(cfg, iters, f.batches)
+    if f.shapes:
+        shapes = {}
+        for item in f.shapes.split(","):
+            dims, _, count = item.partition(":")
+            shapes[tuple(int(d) for d in dims.split("x"))] = int(count or 1)
     else:
-        from gemjax.data.feeding import Feeder
-        from gemjax.data.synthetic import SyntheticStream
-        from gemjax.train.step import Trainer
-        trainer = Trainer.create(cfg)
-        state = trainer.init_state(0)
-        feeder = Feeder(SyntheticStream(cfg.data, 0).shard_batch, trainer.mesh)
-        batch = feeder.to_device(feeder.host_batch(0)[0])
-        step = trainer.make_train_step()
-    shapes = linear_gemms(step.lower(state, batch).as_text())
-    del state, step, trainer
-    order = sorted(shapes.items(), key=lambda kv: (-kv[1], -kv[0][0] * kv[0][1] * kv[0][2]))
+        t0 = time.perf_counter()
+        shapes = step_gemms(cfg)
+        print(f"{len(shapes)} GEMM shapes from the lowered step in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    order = sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1] * kv[0][2])
+    res["all_shapes"] = [{"m": m, "k": k, "n": n, "count": c} for (m, k, n), c in order]
     keep = 3 if f.smoke else (f.max_shapes or len(order))
     for (m, k, n), count in order[:keep]:
         r = bench_gemm(m, k, n, iters)
@@ -182,27 +218,29 @@ def main(argv):
             f"{v} {r[v]['fwd_ms']:.3f}/{r[v]['fwdbwd_ms']:.3f} ms {r[v]['custom_calls']} "
             f"{r[v]['fusions']} fusions" for v in r), flush=True)
     if f.step:
-        res["step"]["bf16"] = bf16_step
+        res["step"]["bf16"], _ = bench_step(cfg, iters, f.batches)
+        bf16_step = res["step"]["bf16"]
         fp8_cfg = get_config(config, _join(override, f.fp8_override))
         res["step"]["fp8"], _ = bench_step(fp8_cfg, iters, f.batches)
         res["step"]["speedup"] = bf16_step["step_ms"] / res["step"]["fp8"]["step_ms"]
     # totals over the shapes, weighted by their counts
     tot = {v: {p: sum(g["count"] * g[v][f"{p}_ms"] for g in res["gemms"]) for p in ("fwd", "fwdbwd")}
-           for v in ("bf16",) + FP8_VARIANTS}
+           for v in ("bf16",) + FP8_VARIANTS + ("fp8_gemm_only",)}
     res["gemm_totals_ms"] = tot
     if f.out:
         with open(f.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked"}
+    short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked",
+             "fp8_gemm_only": "gemm"}
     hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
-    for v in FP8_VARIANTS:
+    for v in FP8_VARIANTS + ("fp8_gemm_only",):
         hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"
     print(hdr)
     for g in res["gemms"]:
         b = g["bf16"]
         line = (f"{g['m']:>8} {g['k']:>5} {g['n']:>5} {g['count']:>3} | "
                 f"{b['fwd_ms']:>8.3f}/{b['fwdbwd_ms']:<8.3f} {b['rel_err']:>7.1e}")
-        for v in FP8_VARIANTS:
+        for v in FP8_VARIANTS + ("fp8_gemm_only",):
             r = g[v]
             line += (f" | {r['fwd_ms']:>8.3f}/{r['fwdbwd_ms']:<8.3f} {r['fwd_speedup']:>5.2f} "
                      f"{r['fwdbwd_speedup']:>5.2f} {r['rel_err']:>7.1e}")

@@ -39,4 +39,4 @@ def test_smoke_shapes_and_figures(tmp_path):
                 # FP8 (3 mantissa bits) errs more than BF16 (7), within E4M3's 2 x 2**-4 per
                 # product term times the sqrt(K) growth of random sums over max |y|
                 assert g["bf16"]["rel_err"] < x["rel_err"] < 0.25
-    assert r.stdout.strip().splitlines()[-1].startswith("total fp8_blocked")
+    assert r.stdout.strip().splitlines()[-1].startswith("total fp8_gemm_only")

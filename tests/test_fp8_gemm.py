@@ -163,3 +163,19 @@ def test_bad_input_named():
         Recipe(scaling="mx")
     with pytest.raises(ValueError, match="Recipe.wgrad"):
         Recipe(wgrad="fp16")
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensor"])
+def test_bfloat16_operands_write_a_bfloat16_product(scaling):
+    """bf16 x, w: the GEMM writes bf16 (then rescales), so y, dx, dw are the float32
+    reference's within bf16 rounding (2 roundings of 2**-9)."""
+    x, w, dy = (jnp.asarray(a, jnp.bfloat16) for a in _data((32,), 192, 40, 11))
+    r = Recipe(scaling)
+    y, vjp = jax.vjp(jax.jit(lambda x, w: fp8_dot(x, w, r)), x, w)
+    dx, dw = vjp(dy)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    rdx, rdw = _grads_reference(x, w, dy, r)
+    for got, ref in ((y, _reference(x, w, r)), (dx, rdx), (dw, rdw)):
+        ref = np.asarray(ref, np.float64)
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2 ** -7,
+                                   atol=2 ** -7 * np.abs(ref).max())

@@ -29,6 +29,10 @@ scales factor out of the sum and multiply the float32 product (M = prod(x.shape[
     y = sum over 128-blocks b of the contraction of dot(qa[:, b], qb[b, :]) * sa[:, b] * sb[b, :]
   as one batched dot over the blocks (float32 partials [Kb, M, N]) and a scaled sum.
 
+The rowwise and tensor GEMMs write their product in the output's dtype when that is
+16-bit (bfloat16 / float16; else float32), accumulating in float32, and the scales then
+multiply it: half the bytes of a float32 product for the rescale pass to read.
+
 Scales are float32 amax / max_finite (gemjax.precision.quantize, layout scale "f32"), so
 no finite value saturates. Under "rowwise" and "blocked" the residuals saved for the
 backward are x and w themselves (in their own dtype): the backward products quantize them
@@ -117,30 +121,39 @@ def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bo
     return (1, BLOCK), ((BLOCK, BLOCK) if b_weight else (BLOCK, 1))
 
 
-def _f8_mm(qa, sa, qb, sb, contract) -> jax.Array:
-    """dot(qa, qb) over `contract` (float32) times the scalar scales sa * sb ([1, 1] each)."""
-    y = lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=jnp.float32)
-    return y * (sa[0, 0] * sb[0, 0])
+def _gemm_dtype(out_dtype) -> jnp.dtype:
+    """The dtype the FP8 GEMM writes: a 16-bit output dtype itself, else float32."""
+    out_dtype = jnp.dtype(out_dtype)
+    return out_dtype if out_dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) \
+        else jnp.dtype(jnp.float32)
+
+
+def _f8_mm(qa, sa, qb, sb, contract, out=jnp.float32) -> jax.Array:
+    """dot(qa, qb) over `contract` (written in _gemm_dtype(out), float32 accumulation)
+    times the scalar scales sa * sb ([1, 1] each): float32."""
+    y = lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=_gemm_dtype(out))
+    return y.astype(jnp.float32) * (sa[0, 0] * sb[0, 0])
 
 
 def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
-               b_weight: bool) -> jax.Array:
+               b_weight: bool, out=jnp.float32) -> jax.Array:
     """a [M, K] @ b [K, N] -> float32 [M, N] with both operands quantized along K.
 
     b_weight: b is a weight (128x128 blocks under "blocked"), else an activation-like
-    operand (128x1 tiles)."""
+    operand (128x1 tiles). out: the caller's output dtype (a 16-bit one is what the
+    rowwise / tensor GEMM writes before its rescale)."""
     (m, k), n = a.shape, b.shape[1]
     blk_a, blk_b = _operand_blocks(m, k, n, scaling, b_weight)
     if scaling == "rowwise":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [M, 1]
         qb, sb = _quant(b, blk_b, b_fmt)                     # sb [1, N]
         y = lax.dot_general(qa, qb, (((1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        return y * sa * sb
+                            preferred_element_type=_gemm_dtype(out))
+        return y.astype(jnp.float32) * sa * sb
     if scaling == "tensor":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [1, 1]
         qb, sb = _quant(b, blk_b, b_fmt)                     # sb [1, 1]
-        return _f8_mm(qa, sa, qb, sb, ((1,), (0,)))
+        return _f8_mm(qa, sa, qb, sb, ((1,), (0,)), out)
     pad = -k % BLOCK
     if pad:                                                  # zeros change no amax
         a = jnp.pad(a, ((0, 0), (0, pad)))
@@ -170,13 +183,13 @@ def _check(x: jax.Array, w: jax.Array) -> None:
 
 
 def _forward(x, w, recipe: Recipe):
-    y = _scaled_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True)
+    y = _scaled_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True, x.dtype)
     return y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
 
 
-def _dgrad(dy2, w, recipe: Recipe):
+def _dgrad(dy2, w, recipe: Recipe, out):
     """dy [M, N] @ w^T [N, K] -> float32 [M, K]."""
-    return _scaled_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True)
+    return _scaled_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True, out)
 
 
 def _wgrad(x2, dy2, recipe: Recipe):
@@ -185,7 +198,8 @@ def _wgrad(x2, dy2, recipe: Recipe):
         dt = jnp.bfloat16 if recipe.wgrad == "bf16" else jnp.float32
         return lax.dot_general(x2.astype(dt), dy2.astype(dt), (((0,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)
-    return _scaled_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False)
+    return _scaled_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False,
+                      dy2.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -201,7 +215,7 @@ def _fp8_dot_fwd(x, w, recipe):
     x2 = _flat(x)
     qx, sx = _quant(x2, x2.shape, recipe.fwd_fmt)
     qw, sw = _quant(w, w.shape, recipe.fwd_fmt)
-    y = _f8_mm(qx, sx, qw, sw, ((1,), (0,)))
+    y = _f8_mm(qx, sx, qw, sw, ((1,), (0,)), x.dtype)
     y = y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
     keep_x = x if recipe.wgrad != "fp8" else None
     # x_like [..., 0], w_like [0]: x's leading shape and both dtypes, no data
@@ -213,15 +227,15 @@ def _fp8_dot_bwd(recipe, res, dy):
     dy2 = _flat(dy)
     if recipe.scaling != "tensor":
         x, w = res
-        dx = _dgrad(dy2, w, recipe).astype(x.dtype).reshape(x.shape)
+        dx = _dgrad(dy2, w, recipe, x.dtype).astype(x.dtype).reshape(x.shape)
         dw = _wgrad(_flat(x), dy2, recipe).astype(w.dtype)
         return dx, dw
     qx, sx, qw, sw, x, x_like, w_like = res
     qdy, sdy = _quant(dy2, dy2.shape, recipe.grad_fmt)
-    dx = _f8_mm(qdy, sdy, qw, sw, ((1,), (1,)))
+    dx = _f8_mm(qdy, sdy, qw, sw, ((1,), (1,)), x_like.dtype)
     dx = dx.astype(x_like.dtype).reshape(x_like.shape[:-1] + (qw.shape[0],))
     if recipe.wgrad == "fp8":
-        dw = _f8_mm(qx, sx, qdy, sdy, ((0,), (0,)))
+        dw = _f8_mm(qx, sx, qdy, sdy, ((0,), (0,)), w_like.dtype)
     else:
         dw = _wgrad(_flat(x), dy2, recipe)
     return dx, dw.astype(w_like.dtype)
