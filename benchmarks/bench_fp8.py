@@ -5,13 +5,18 @@
         --out=fp8.json
 
 1. GEMMs: the forward linear GEMMs x [M, K] @ w [K, N] of the BF16 train step of --config
-   (read from its lowered StableHLO: dot_generals contracting x's last axis with a 2-D w's
-   first, no batch axes), one row per distinct (M, K, N) with its count. Each runs as
-   BF16 (lax.dot_general, bf16 out), FP8 row-wise and FP8 K-blocked (fp8_dot), forward and
-   forward+backward (y, dx, dw for a fixed dy): ms, TFLOP/s (2MKN forward, 6MKN forward +
-   backward), speedup over BF16 and max error relative to max |y| of the float32 product.
-2. Step: the whole jitted train step (bench_step's timing: fixed batches, device only) with
-   --override, then with --override plus --fp8_override (default model.precision=fp8).
+   (read from its StableHLO, lowered but not compiled, with tiny embedding tables:
+   dot_generals contracting x's last axis with a 2-D w's first, no batch axes), one row per
+   distinct (M, K, N) with its count, the --max_shapes of most FLOPs; or --shapes
+   MxKxN[:count],... as given. Each runs as BF16 (lax.dot_general, bf16 out), FP8
+   row-wise, per-tensor and K-blocked (fp8_dot), and as the FP8 GEMMs alone on operands
+   quantized beforehand, forward and forward+backward (y, dx, dw for a fixed dy): ms,
+   TFLOP/s (2MKN forward, 6MKN forward + backward), speedup over BF16, max error relative
+   to max |y| of the float32 product, and the compiled program's custom calls (cuBLASLt
+   FP8 or not) and fusion count.
+2. Step (unless --nostep): the whole jitted train step (bench_step's timing: fixed
+   batches, device only) with --override, then with --override plus --fp8_override
+   (default model.precision=fp8).
 
 Prints the table last and writes every figure as JSON to --out. --smoke: the tiny preset's
 teacher, 2 shapes, 1 timed iteration (a CPU check of the script, not a measurement).
