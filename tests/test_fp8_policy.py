@@ -11,7 +11,8 @@ from flax import nnx
 from gemjax.config import get_config
 from gemjax.models.gem import build_model
 from gemjax.models.interformer import GEMTeacher
-from gemjax.precision.policy import Fp8DotGeneral, Policy, fp8_linears, linear_regions
+from gemjax.precision.policy import (Fp8DotGeneral, Policy, fp8_linears, linear_regions,
+                                     region_of)
 
 
 def _model(overrides):
@@ -30,6 +31,7 @@ def test_regions_and_default_exclusions():
     assert regions["interformer/layers/1/ffn/linears/1"] == ("interformer", True)
     assert regions["interformer/final_cross/x_summary/linears/0"] == ("interformer", True)
     assert regions["dense_proj"] == ("inputs", False)
+    assert region_of(("interformer", "layers", 0, "interaction", "router")) == "router"
     assert any(p.startswith("pyramid/") and r == ("sequence", False) for p, r in regions.items())
     # default: fp8 = every linear of wukong / interformer / attn_proj / sequence outside the
     # heads and the last layer

@@ -7,6 +7,7 @@ A layer's region comes from where it sits in the model (its nnx graph path), the
 rule that matches:
 
     heads        under the model's `head` (the task towers)
+    router       a mixture of experts' router (`router`)
     attn_proj    a q_proj / k_proj / v_proj / out_proj (every attention block: sequence
                  encoders, pyramid, InterFormer self / CLS / cross-layer attention, PMA,
                  the personalized FFN)
@@ -39,7 +40,7 @@ from jax import lax
 from gemjax.precision.gemm import SCALINGS, WGRADS, Recipe, fp8_dot
 
 PRECISIONS = ("bf16", "fp8")
-REGIONS = ("heads", "attn_proj", "wukong", "sequence", "interformer", "inputs", "other")
+REGIONS = ("heads", "router", "attn_proj", "wukong", "sequence", "interformer", "inputs", "other")
 EXCLUDES = REGIONS + ("last",)
 _PROJ = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -107,6 +108,8 @@ def region_of(path: tuple) -> str:
     names = [str(p) for p in path]
     if names and names[0] == "head":
         return "heads"
+    if names and names[-1] == "router":
+        return "router"
     if names and names[-1] in _PROJ:
         return "attn_proj"
     if "fmb_mlp" in names:
