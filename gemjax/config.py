@@ -132,6 +132,13 @@ class ModelConfig:
     student_width: int = 0           # token width; 0: model.dim (else looked-up rows are projected)
     student_recent: int = 8          # newest events of each sequence's short summary
     teacher_repr_dim: int = 0        # E of the teacher features the batch carries (0: none)
+    # --- FP8 GEMMs per region (gemjax.precision.policy; names separated by "+") ---
+    precision: str = "bf16"          # "bf16": every GEMM in `dtype`; "fp8": fp8_regions' linears in FP8
+    fp8_regions: str = "wukong+interformer+attn_proj+sequence"
+    fp8_exclude: str = "heads+last"  # regions (or "last": the last layer) kept in `dtype`
+    fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales)
+    fp8_grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
+    wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
 
 
 @dataclasses.dataclass(frozen=True)

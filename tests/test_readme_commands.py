@@ -106,6 +106,9 @@ SKIP = {
     "python -m benchmarks.bench_remat --config=h200 --override=model.kind=teacher --regions=pyramid,seq,"
     "attention,interaction --policies=recompute,quantize --out=remat.json":
         "GPU (h200 preset); tests/test_remat.py runs its --smoke",
+    "python -m benchmarks.bench_fp8 --config=h200 --override=model.kind=teacher,model.dim=512,"
+    "model.wukong_mlp=4096,data.batch_size=1024 --out=fp8.json":
+        "GPU benchmark; tests/test_fp8_bench.py runs it with --smoke on CPU",
     "python -m gemjax.parallel.multihost": "a description; its rehearsals below run",
     "srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python -m gemjax.parallel.multihost":
         "SLURM cluster; tests/test_multihost_env.py starts 2 processes with srun's environment",

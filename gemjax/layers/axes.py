@@ -27,11 +27,14 @@ def param(value: jax.Array, *names: str | None) -> nnx.Param:
 
 
 def linear(in_features: int, out_features: int, *, names=("embed", "mlp"), use_bias=True,
-           dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Linear:
-    """nnx.Linear [in, out] with float32 params named `names` (bias: names[1])."""
+           dtype=jnp.float32, dot_general=jax.lax.dot_general, rngs: nnx.Rngs) -> nnx.Linear:
+    """nnx.Linear [in, out] with float32 params named `names` (bias: names[1]).
+
+    dot_general: its GEMM (gemjax.precision.policy sets an FP8 one on the linears of FP8
+    regions after the model is built)."""
     return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
                       param_dtype=jnp.float32, kernel_metadata=axes(*names),
-                      bias_metadata=axes(names[1]), rngs=rngs)
+                      bias_metadata=axes(names[1]), dot_general=dot_general, rngs=rngs)
 
 
 def layer_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.LayerNorm:

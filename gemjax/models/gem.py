@@ -32,6 +32,7 @@ from gemjax.layers.axes import ConstantTokens
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import SequenceEncoder, mean_pool
 from gemjax.layers.wukong import Wukong
+from gemjax.precision.policy import Policy, apply_policy
 from gemjax.sparse import RowWiseAdagrad, TableSpec
 
 def sequence_id_fields(cfg: Config) -> dict[str, tuple[str, ...]]:
@@ -147,14 +148,17 @@ def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
     "retrieval" (gemjax.models.retrieval.RetrievalTower: user vectors [T, dim]) or
     "student" (gemjax.models.student.Student)."""
     if cfg.model.kind == "lr":
-        return LogisticRegression(cfg, rngs=rngs)
-    if cfg.model.kind == "retrieval":
+        model = LogisticRegression(cfg, rngs=rngs)
+    elif cfg.model.kind == "retrieval":
         from gemjax.models.retrieval import RetrievalTower
-        return RetrievalTower(cfg, rngs=rngs)
-    if cfg.model.kind == "teacher":
+        model = RetrievalTower(cfg, rngs=rngs)
+    elif cfg.model.kind == "teacher":
         from gemjax.models.interformer import GEMTeacher   # imports this module's helpers
-        return GEMTeacher(cfg, rngs=rngs)
-    if cfg.model.kind == "student":
+        model = GEMTeacher(cfg, rngs=rngs)
+    elif cfg.model.kind == "student":
         from gemjax.models.student import Student
-        return Student(cfg, rngs=rngs)
-    return GEMv0(cfg, rngs=rngs)
+        model = Student(cfg, rngs=rngs)
+    else:
+        model = GEMv0(cfg, rngs=rngs)
+    # model.precision="fp8": the policy's linears get FP8 GEMMs (bf16: untouched)
+    return apply_policy(model, Policy.from_model_config(cfg.model))

@@ -8,8 +8,12 @@
   hadamard.py  blockwise seeded random Hadamard transform and its inverse
   saved.py     8-bit saved activations: a block whose backward keeps its inputs in E4M3
                (the teacher's train.remat "quantize" policy, gemjax.layers.regions)
+  gemm.py      fp8_dot: x @ w in FP8 (row-wise or 128-block scales) with its dgrad / wgrad
+  policy.py    which linears of a model run FP8 (regions from ModelConfig.precision, ...)
+  fsdp.py      FP8 FSDP all-gather: weights quantized per shard before the collective
 
-Pure jnp, jit-able. Models compute in `model.dtype` (float32 or bfloat16;
-gemjax.config.ModelConfig); FP8 appears only in what a "quantize" region keeps for its
-backward. Imports nothing from gemjax outside this package.
+Pure jnp / flax, jit-able. A model computes in `model.dtype` (float32 or bfloat16) except
+the linears its precision policy puts in FP8 and what a "quantize" region keeps for its
+backward. Imports nothing from gemjax outside this package (the layers and models import
+it, so it sits below them).
 """

@@ -1,0 +1,264 @@
+"""BF16 against FP8 (gemjax.precision.gemm) on a preset's linear-layer GEMMs, then its train step.
+
+    python -m benchmarks.bench_fp8 --config=h200 \\
+        --override=model.kind=teacher,model.dim=512,model.wukong_mlp=4096,data.batch_size=1024 \\
+        --out=fp8.json
+
+1. GEMMs: the forward linear GEMMs x [M, K] @ w [K, N] of the BF16 train step of --config
+   (read from its StableHLO, lowered but not compiled, with tiny embedding tables:
+   dot_generals contracting x's last axis with a 2-D w's first, no batch axes), one row per
+   distinct (M, K, N) with its count, the --max_shapes of most FLOPs; or --shapes
+   MxKxN[:count],... as given. Each runs as BF16 (lax.dot_general, bf16 out), FP8
+   row-wise, per-tensor and K-blocked (fp8_dot), and as the FP8 GEMMs alone on operands
+   quantized beforehand, forward and forward+backward (y, dx, dw for a fixed dy): ms,
+   TFLOP/s (2MKN forward, 6MKN forward + backward), speedup over BF16, max error relative
+   to max |y| of the float32 product, and the compiled program's custom calls (cuBLASLt
+   FP8 or not) and fusion count.
+2. Step (unless --nostep): the whole jitted train step (bench_step's timing: fixed
+   batches, device only) with --override, then with --override plus --fp8_override
+   (default model.precision=fp8).
+
+Prints the table last and writes every figure as JSON to --out. --smoke: the tiny preset's
+teacher, 2 shapes, 1 timed iteration (a CPU check of the script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("config", "h200", "preset")
+flags.DEFINE_string("override", "model.kind=teacher", "section.field=value,... (both runs)")
+flags.DEFINE_string("fp8_override", "model.precision=fp8", "added to --override for the FP8 step")
+flags.DEFINE_integer("iters", 20, "timed calls per GEMM / steps per train step")
+flags.DEFINE_integer("batches", 3, "distinct batches cycled through in the step timing")
+flags.DEFINE_integer("max_shapes", 6, "keep the N shapes of most FLOPs (count x 2MKN; 0: all)")
+flags.DEFINE_string("shapes", "", "MxKxN[:count],... to time instead of the config's shapes")
+flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
+flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
+flags.DEFINE_string("out", "", "JSON output path")
+
+FP8_VARIANTS = ("fp8_rowwise", "fp8_tensor", "fp8_blocked")
+_DOT = re.compile(r"stablehlo\.dot_general [^,]+, [^,]+, contracting_dims = \[(\d+)\] x \[0\], "
+                  r"precision = [^:]*: \(tensor<([0-9x]+)x\w+>, tensor<(\d+)x(\d+)x\w+>\)")
+
+
+def linear_gemms(hlo_text: str) -> dict[tuple[int, int, int], int]:
+    """{(M, K, N): count} of the linear forward GEMMs in lowered StableHLO text."""
+    out: dict[tuple[int, int, int], int] = {}
+    for line in hlo_text.splitlines():
+        if "batching_dims" in line:
+            continue
+        m = _DOT.search(line)
+        if not m:
+            continue
+        lhs = [int(d) for d in m.group(2).split("x")]
+        k, n = int(m.group(3)), int(m.group(4))
+        if int(m.group(1)) != len(lhs) - 1 or lhs[-1] != k:
+            continue
+        rows = 1
+        for d in lhs[:-1]:
+            rows *= d
+        key = (rows, k, n)
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def step_gemms(cfg) -> dict[tuple[int, int, int], int]:
+    """linear_gemms of cfg's BF16 train step, lowered (not compiled) with tiny embedding
+    tables: the dense GEMM shapes do not depend on the vocabularies."""
+    import dataclasses
+
+    from gemjax.data.feeding import Feeder
+    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.train.step import Trainer
+
+    d = cfg.data
+    small = dataclasses.replace(cfg, data=dataclasses.replace(
+        d, vocab_user=min(d.vocab_user, 1_000), vocab_item=min(d.vocab_item, max(1_000, d.num_categories))),
+        model=dataclasses.replace(cfg.model, precision="bf16"))
+    trainer = Trainer.create(small)
+    state = trainer.init_state(0)
+    feeder = Feeder(SyntheticStream(small.data, 0).shard_batch, trainer.mesh)
+    batch = feeder.to_device(feeder.host_batch(0)[0])
+    return linear_gemms(trainer.make_train_step().lower(state, batch).as_text())
+
+
+def _time(fn, args, iters):
+    import jax
+    jax.block_until_ready(fn(*args))                      # compile + warm-up
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        r = fn(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t0) / iters
+
+
+def bench_gemm(m, k, n, iters, seed=0):
+    """One GEMM shape: {variant: {fwd_ms, fwdbwd_ms, fwd_tflops, fwdbwd_tflops, rel_err}}."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from gemjax.precision.gemm import Recipe, fp8_dot
+
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (m, n), jnp.float32).astype(jnp.bfloat16)
+    ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    scale = float(jnp.max(jnp.abs(ref)))
+    variants = {
+        "bf16": lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ()))),
+        "fp8_rowwise": lambda a, b: fp8_dot(a, b, Recipe("rowwise")),
+        "fp8_tensor": lambda a, b: fp8_dot(a, b, Recipe("tensor")),
+        "fp8_blocked": lambda a, b: fp8_dot(a, b, Recipe("blocked")),
+    }
+    res: dict = {}
+    for name, f in variants.items():
+        fwd = jax.jit(f).lower(x, w).compile()
+        fb = jax.jit(lambda a, b, g, f=f: (lambda y, vjp: (y,) + vjp(g))(*jax.vjp(f, a, b)))
+        fb = fb.lower(x, w, dy).compile()
+        t_f = _time(fwd, (x, w), iters)
+        t_fb = _time(fb, (x, w, dy), iters)
+        err = float(jnp.max(jnp.abs(fwd(x, w).astype(jnp.float32) - ref))) / max(scale, 1e-30)
+        hlo = fb.as_text()
+        res[name] = {"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
+                     "fwd_tflops": 2 * m * k * n / t_f / 1e12,
+                     "fwdbwd_tflops": 6 * m * k * n / t_fb / 1e12, "rel_err": err,
+                     # what the compiled forward+backward calls: the GEMM custom calls
+                     # (cuBLAS / cuBLASLt FP8 on GPU) and how many fusions
+                     "custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
+                     "fusions": len(re.findall(r"= \S+ fusion\(", hlo))}
+    # the FP8 GEMMs alone, on operands quantized beforehand (E4M3 x, w; E5M2 dy): forward
+    # dot(qx, qw), forward+backward also dot(qdy, qw^T) and dot(qx^T, qdy), f32 out
+    q = [a.astype(t) for a, t in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
+                                  (dy, jnp.float8_e5m2))]
+    mm = lambda a, b, c: lax.dot_general(a, b, (c, ((), ())),                   # noqa: E731
+                                         preferred_element_type=jnp.float32)
+    g_f = jax.jit(lambda qx, qw: mm(qx, qw, ((1,), (0,)))).lower(*q[:2]).compile()
+    g_fb = jax.jit(lambda qx, qw, qd: (mm(qx, qw, ((1,), (0,))), mm(qd, qw, ((1,), (1,))),
+                                       mm(qx, qd, ((0,), (0,))))).lower(*q).compile()
+    t_f, t_fb = _time(g_f, q[:2], iters), _time(g_fb, q, iters)
+    res["fp8_gemm_only"] = {"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
+                            "fwd_tflops": 2 * m * k * n / t_f / 1e12,
+                            "fwdbwd_tflops": 6 * m * k * n / t_fb / 1e12, "rel_err": float("nan"),
+                            "custom_calls": sorted(set(re.findall(
+                                r'custom_call_target="([^"]+)"', g_fb.as_text()))),
+                            "fusions": len(re.findall(r"= \S+ fusion\(", g_fb.as_text()))}
+    for name in FP8_VARIANTS + ("fp8_gemm_only",):
+        res[name]["fwd_speedup"] = res["bf16"]["fwd_ms"] / res[name]["fwd_ms"]
+        res[name]["fwdbwd_speedup"] = res["bf16"]["fwdbwd_ms"] / res[name]["fwdbwd_ms"]
+    return res
+
+
+def bench_step(cfg, iters, n_batches):
+    """bench_step's timing of cfg's train step: {step_ms, compile_s, loss}."""
+    import jax
+
+    from gemjax.data.feeding import Feeder
+    from gemjax.data.synthetic import SyntheticStream
+    from gemjax.train.step import Trainer
+
+    trainer = Trainer.create(cfg)
+    state = trainer.init_state(0)
+    feeder = Feeder(SyntheticStream(cfg.data, 0).shard_batch, trainer.mesh)
+    batches = [feeder.to_device(feeder.host_batch(i)[0]) for i in range(n_batches)]
+    step = trainer.make_train_step()
+    t0 = time.perf_counter()
+    step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    nb = len(batches)
+    for i in range(nb):
+        state, met = step(state, batches[i], next_batch=batches[(i + 1) % nb])
+    jax.block_until_ready(met)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        state, met = step(state, batches[i % nb], next_batch=batches[(i + 1) % nb])
+    jax.block_until_ready((state, met))
+    return {"step_ms": (time.perf_counter() - t0) / iters * 1e3, "compile_s": compile_s,
+            "loss": float(met["loss"])}, None
+
+
+def _join(*parts: str) -> str:
+    return ",".join(p for p in parts if p)
+
+
+def main(argv):
+    del argv
+    from gemjax.train import runtime
+    runtime.enable_gpu_graphs()
+    import jax
+
+    from gemjax.config import get_config
+
+    f = flags.FLAGS
+    config, override, iters = f.config, f.override, f.iters
+    if f.smoke:
+        config, iters = "tiny", 1
+    cfg = get_config(config, override)
+    res = {"config": config, "override": override, "fp8_override": f.fp8_override,
+           "device_kind": jax.devices()[0].device_kind, "gemms": [], "step": {}}
+    if f.shapes:
+        shapes = {}
+        for item in f.shapes.split(","):
+            dims, _, count = item.partition(":")
+            shapes[tuple(int(d) for d in dims.split("x"))] = int(count or 1)
+    else:
+        t0 = time.perf_counter()
+        shapes = step_gemms(cfg)
+        print(f"{len(shapes)} GEMM shapes from the lowered step in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    order = sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1] * kv[0][2])
+    res["all_shapes"] = [{"m": m, "k": k, "n": n, "count": c} for (m, k, n), c in order]
+    keep = 2 if f.smoke else (f.max_shapes or len(order))
+    for (m, k, n), count in order[:keep]:
+        r = bench_gemm(m, k, n, iters)
+        res["gemms"].append({"m": m, "k": k, "n": n, "count": count, **r})
+        print(f"gemm {m}x{k}x{n} (x{count}): " + ", ".join(
+            f"{v} {r[v]['fwd_ms']:.3f}/{r[v]['fwdbwd_ms']:.3f} ms {r[v]['custom_calls']} "
+            f"{r[v]['fusions']} fusions" for v in r), flush=True)
+    if f.step:
+        res["step"]["bf16"], _ = bench_step(cfg, iters, f.batches)
+        bf16_step = res["step"]["bf16"]
+        fp8_cfg = get_config(config, _join(override, f.fp8_override))
+        res["step"]["fp8"], _ = bench_step(fp8_cfg, iters, f.batches)
+        res["step"]["speedup"] = bf16_step["step_ms"] / res["step"]["fp8"]["step_ms"]
+    # totals over the shapes, weighted by their counts
+    tot = {v: {p: sum(g["count"] * g[v][f"{p}_ms"] for g in res["gemms"]) for p in ("fwd", "fwdbwd")}
+           for v in ("bf16",) + FP8_VARIANTS + ("fp8_gemm_only",)}
+    res["gemm_totals_ms"] = tot
+    if f.out:
+        with open(f.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked",
+             "fp8_gemm_only": "gemm"}
+    hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
+    for v in FP8_VARIANTS + ("fp8_gemm_only",):
+        hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"
+    print(hdr)
+    for g in res["gemms"]:
+        b = g["bf16"]
+        line = (f"{g['m']:>8} {g['k']:>5} {g['n']:>5} {g['count']:>3} | "
+                f"{b['fwd_ms']:>8.3f}/{b['fwdbwd_ms']:<8.3f} {b['rel_err']:>7.1e}")
+        for v in FP8_VARIANTS + ("fp8_gemm_only",):
+            r = g[v]
+            line += (f" | {r['fwd_ms']:>8.3f}/{r['fwdbwd_ms']:<8.3f} {r['fwd_speedup']:>5.2f} "
+                     f"{r['fwdbwd_speedup']:>5.2f} {r['rel_err']:>7.1e}")
+        print(line)
+    for v, t in tot.items():
+        print(f"total {v:<12} fwd {t['fwd']:.3f} ms  fwd+bwd {t['fwdbwd']:.3f} ms  "
+              f"(x{tot['bf16']['fwd'] / max(t['fwd'], 1e-12):.2f} / "
+              f"x{tot['bf16']['fwdbwd'] / max(t['fwdbwd'], 1e-12):.2f} vs bf16)")
+    if f.step:
+        s = res["step"]
+        print(f"train step: bf16 {s['bf16']['step_ms']:.2f} ms  fp8 {s['fp8']['step_ms']:.2f} ms  "
+              f"speedup x{s['speedup']:.3f}  (loss {s['bf16']['loss']:.4f} / {s['fp8']['loss']:.4f})")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,292 @@
+"""Scaled FP8 GEMM with its backward: y = x @ w in FP8 with float32 accumulation.
+
+    fp8_dot(x [..., K], w [K, N], recipe=Recipe()) -> y [..., N] (x's dtype)
+
+All three products of a linear layer run on float8 operands through `lax.dot_general`
+with preferred_element_type=float32 (on Hopper XLA lowers this to a cuBLASLt FP8 GEMM):
+
+    forward  y  = x  @ w      contraction K   x: E4M3, w: E4M3
+    dgrad    dx = dy @ w^T    contraction N   dy: recipe.grad_fmt (E5M2), w: E4M3
+    wgrad    dw = x^T @ dy    contraction M   x: E4M3, dy: grad_fmt; or, with
+                                              recipe.wgrad="bf16" / "f32", an
+                                              unquantized GEMM in that dtype
+
+Each operand is quantized with scales constant along its GEMM's contraction axis, so the
+scales factor out of the sum and multiply the float32 product (M = prod(x.shape[:-1])):
+
+  recipe.scaling="rowwise" (the fast path: one GEMM, then an elementwise rescale)
+    forward  x per row over K      [M, 1]     w per column over K  [1, N]
+    dgrad    dy per row over N     [M, 1]     w per row over N     [K, 1]
+    wgrad    x per column over M   [1, K]     dy per column over M [1, N]
+    y = dot(qa, qb) * sa * sb
+
+  recipe.scaling="tensor" (one scale per operand): y = dot(qa, qb) * (sa * sb). x, w and
+  dy are each quantized once: the backward reuses the forward's FP8 x and w (saved as the
+  residuals instead of x and w), since a per-tensor scale is constant along every axis.
+
+  recipe.scaling="blocked" (the Hopper block-scaled recipe: 1x128 activation tiles,
+  128x128 weight blocks, 128x1 tiles for the wgrad's dy):
+    y = sum over 128-blocks b of the contraction of dot(qa[:, b], qb[b, :]) * sa[:, b] * sb[b, :]
+  as one batched dot over the blocks (float32 partials [Kb, M, N]) and a scaled sum.
+
+The rowwise and tensor GEMMs write their product in the output's dtype when that is
+16-bit (bfloat16 / float16; else float32), accumulating in float32, and the scales then
+multiply it: half the bytes of a float32 product for the rescale pass to read.
+
+Scales are float32 amax / max_finite (gemjax.precision.quantize, layout scale "f32"), so
+no finite value saturates. Under "rowwise" and "blocked" the residuals saved for the
+backward are x and w themselves (in their own dtype): the backward products quantize them
+again along their own contraction axes.
+
+Non-finite inputs: they do not enter amax, so the finite values of their row / block keep
+their precision; NaN stays NaN, +-inf is NaN in E4M3 (no infinity) and +-inf in E5M2. An
+output entry is non-finite (NaN for an E4M3 operand) exactly when its contraction touches a
+non-finite input; every other output entry is finite and unaffected.
+
+`fp8_dot_reference` computes the same quantized product in float32 or float64 jnp
+(dequantize, then an exact-precision matmul): the FP8 GEMMs match it up to float32
+summation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gemjax.precision.formats import FORMATS, Layout
+from gemjax.precision.quantize import quantize
+
+SCALINGS = ("rowwise", "tensor", "blocked")
+WGRADS = ("fp8", "bf16", "f32")
+BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How fp8_dot quantizes (hashable: a static argument).
+
+    scaling: "rowwise", "tensor" or "blocked" (module docstring).
+    fwd_fmt: format of x and w ("e4m3").
+    grad_fmt: format of dy in dgrad and wgrad ("e5m2" or "e4m3").
+    wgrad: "fp8" (quantized like the other products), "bf16" or "f32" (x^T @ dy unquantized,
+      in that dtype, float32 accumulation).
+    """
+    scaling: str = "rowwise"
+    fwd_fmt: str = "e4m3"
+    grad_fmt: str = "e5m2"
+    wgrad: str = "fp8"
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        for name in ("fwd_fmt", "grad_fmt"):
+            if getattr(self, name) not in FORMATS:
+                raise ValueError(f"Recipe.{name} must be one of {sorted(FORMATS)}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.wgrad not in WGRADS:
+            raise ValueError(f"Recipe.wgrad must be one of {WGRADS}, got {self.wgrad!r}")
+
+
+def _quant(t: jax.Array, block: tuple[int, int], fmt: str):
+    """t [R, C] -> (q [R, C] fmt, scales float32 [ceil(R/br), ceil(C/bc)]).
+
+    Blocks spanning whole rows, columns or the tensor (the rowwise and tensor recipes)
+    take a reduce + broadcast, the same arithmetic as gemjax.precision.quantize without
+    its block reshapes and scale gathers; other blocks go through quantize."""
+    rows, cols = t.shape
+    axes = tuple(a for a, (b, n) in enumerate(zip(block, (rows, cols))) if b == n)
+    if any(b not in (1, n) for b, n in zip(block, (rows, cols))) or not axes:
+        bs = quantize(t, Layout(block=block, scale="f32"), FORMATS[fmt])
+        return bs.q, bs.scales
+    f = FORMATS[fmt]
+    t32 = t.astype(jnp.float32)
+    amax = jnp.max(jnp.where(jnp.isfinite(t32), jnp.abs(t32), 0.0), axis=axes, keepdims=True)
+    s = jnp.where(amax > 0, jnp.maximum(amax / f.max_finite, jnp.finfo(jnp.float32).tiny), 1.0)
+    y = jnp.clip(t32 / s, -f.max_finite, f.max_finite)
+    inf = jnp.copysign(jnp.float32(jnp.inf if f.has_inf else jnp.nan), t32)
+    y = jnp.where(jnp.isnan(t32), jnp.nan, jnp.where(jnp.isinf(t32), inf, y))
+    return y.astype(f.dtype), s
+
+
+def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bool):
+    """Quantization blocks of a [M, K] (along K) and b [K, N] (along K)."""
+    if scaling == "rowwise":
+        return (1, k), (k, 1)
+    if scaling == "tensor":
+        return (a_rows, k), (k, b_cols)
+    return (1, BLOCK), ((BLOCK, BLOCK) if b_weight else (BLOCK, 1))
+
+
+def _gemm_dtype(out_dtype) -> jnp.dtype:
+    """The dtype the FP8 GEMM writes: a 16-bit output dtype itself, else float32."""
+    out_dtype = jnp.dtype(out_dtype)
+    return out_dtype if out_dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) \
+        else jnp.dtype(jnp.float32)
+
+
+def _f8_mm(qa, sa, qb, sb, contract, out=jnp.float32) -> jax.Array:
+    """dot(qa, qb) over `contract` (written in _gemm_dtype(out), float32 accumulation)
+    times the scalar scales sa * sb ([1, 1] each): float32."""
+    y = lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=_gemm_dtype(out))
+    return y.astype(jnp.float32) * (sa[0, 0] * sb[0, 0])
+
+
+def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
+               b_weight: bool, out=jnp.float32) -> jax.Array:
+    """a [M, K] @ b [K, N] -> float32 [M, N] with both operands quantized along K.
+
+    b_weight: b is a weight (128x128 blocks under "blocked"), else an activation-like
+    operand (128x1 tiles). out: the caller's output dtype (a 16-bit one is what the
+    rowwise / tensor GEMM writes before its rescale)."""
+    (m, k), n = a.shape, b.shape[1]
+    blk_a, blk_b = _operand_blocks(m, k, n, scaling, b_weight)
+    if scaling == "rowwise":
+        qa, sa = _quant(a, blk_a, a_fmt)                     # sa [M, 1]
+        qb, sb = _quant(b, blk_b, b_fmt)                     # sb [1, N]
+        y = lax.dot_general(qa, qb, (((1,), (0,)), ((), ())),
+                            preferred_element_type=_gemm_dtype(out))
+        return y.astype(jnp.float32) * sa * sb
+    if scaling == "tensor":
+        qa, sa = _quant(a, blk_a, a_fmt)                     # sa [1, 1]
+        qb, sb = _quant(b, blk_b, b_fmt)                     # sb [1, 1]
+        return _f8_mm(qa, sa, qb, sb, ((1,), (0,)), out)
+    pad = -k % BLOCK
+    if pad:                                                  # zeros change no amax
+        a = jnp.pad(a, ((0, 0), (0, pad)))
+        b = jnp.pad(b, ((0, pad), (0, 0)))
+    kb = (k + pad) // BLOCK
+    qa, sa = _quant(a, blk_a, a_fmt)                         # sa [M, Kb]
+    qb, sb = _quant(b, blk_b, b_fmt)                         # sb [Kb, ceil(N/bc)]
+    if sb.shape[1] != n:
+        sb = jnp.repeat(sb, BLOCK, axis=1, total_repeat_length=sb.shape[1] * BLOCK)[:, :n]
+    qa3 = qa.reshape(m, kb, BLOCK)
+    qb3 = qb.reshape(kb, BLOCK, n)
+    part = lax.dot_general(qa3, qb3, (((2,), (1,)), ((1,), (0,))),
+                           preferred_element_type=jnp.float32)       # [Kb, M, N]
+    return jnp.einsum("kmn,mk,kn->mn", part, sa, sb, precision=lax.Precision.HIGHEST)
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _check(x: jax.Array, w: jax.Array) -> None:
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"fp8_dot: x {x.shape} @ w {w.shape}: need x [..., K], w [K, N]")
+    for name, t in (("x", x), ("w", w)):
+        if not jnp.issubdtype(t.dtype, jnp.floating):
+            raise TypeError(f"fp8_dot: {name} must be a float array, got dtype {t.dtype}")
+
+
+def _forward(x, w, recipe: Recipe):
+    y = _scaled_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True, x.dtype)
+    return y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
+
+
+def _dgrad(dy2, w, recipe: Recipe, out):
+    """dy [M, N] @ w^T [N, K] -> float32 [M, K]."""
+    return _scaled_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True, out)
+
+
+def _wgrad(x2, dy2, recipe: Recipe):
+    """x^T [K, M] @ dy [M, N] -> float32 [K, N]."""
+    if recipe.wgrad != "fp8":
+        dt = jnp.bfloat16 if recipe.wgrad == "bf16" else jnp.float32
+        return lax.dot_general(x2.astype(dt), dy2.astype(dt), (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    return _scaled_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False,
+                      dy2.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_dot(x, w, recipe):
+    return _forward(x, w, recipe)
+
+
+def _fp8_dot_fwd(x, w, recipe):
+    if recipe.scaling != "tensor":
+        return _forward(x, w, recipe), (x, w)
+    # one scale per operand: x and w are quantized once, and the backward reuses them
+    # (qx for the wgrad, qw for the dgrad: a per-tensor scale is constant along any axis)
+    x2 = _flat(x)
+    qx, sx = _quant(x2, x2.shape, recipe.fwd_fmt)
+    qw, sw = _quant(w, w.shape, recipe.fwd_fmt)
+    y = _f8_mm(qx, sx, qw, sw, ((1,), (0,)), x.dtype)
+    y = y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
+    keep_x = x if recipe.wgrad != "fp8" else None
+    # x_like [..., 0], w_like [0]: x's leading shape and both dtypes, no data
+    return y, (qx, sx, qw, sw, keep_x, jnp.zeros(x.shape[:-1] + (0,), x.dtype),
+               jnp.zeros((0,), w.dtype))
+
+
+def _fp8_dot_bwd(recipe, res, dy):
+    dy2 = _flat(dy)
+    if recipe.scaling != "tensor":
+        x, w = res
+        dx = _dgrad(dy2, w, recipe, x.dtype).astype(x.dtype).reshape(x.shape)
+        dw = _wgrad(_flat(x), dy2, recipe).astype(w.dtype)
+        return dx, dw
+    qx, sx, qw, sw, x, x_like, w_like = res
+    qdy, sdy = _quant(dy2, dy2.shape, recipe.grad_fmt)
+    dx = _f8_mm(qdy, sdy, qw, sw, ((1,), (1,)), x_like.dtype)
+    dx = dx.astype(x_like.dtype).reshape(x_like.shape[:-1] + (qw.shape[0],))
+    if recipe.wgrad == "fp8":
+        dw = _f8_mm(qx, sx, qdy, sdy, ((0,), (0,)), w_like.dtype)
+    else:
+        dw = _wgrad(_flat(x), dy2, recipe)
+    return dx, dw.astype(w_like.dtype)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def fp8_dot(x: jax.Array, w: jax.Array, recipe: Recipe = Recipe()) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x.dtype, every product in FP8 (module docstring).
+
+    Differentiable in x and w (custom_vjp: dgrad and wgrad as the recipe says); jit-able."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _check(x, w)
+    return _fp8_dot(x, w, recipe)
+
+
+def fp8_dot_reference(x, w, recipe: Recipe = Recipe(), dtype=jnp.float32):
+    """The forward of fp8_dot in `dtype` jnp: dequantized operands, exact-precision matmul.
+
+    x [..., K], w [K, N] -> [..., N] in `dtype`."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _check(x, w)
+    return _reference_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True,
+                         dtype).reshape(x.shape[:-1] + (w.shape[1],))
+
+
+def fp8_grads_reference(x, w, dy, recipe: Recipe = Recipe(), dtype=jnp.float32):
+    """(dx [..., K], dw [K, N]) of fp8_dot's backward for cotangent dy [..., N], in `dtype`."""
+    x, w, dy = jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy)
+    x2, dy2 = _flat(x), _flat(dy)
+    dx = _reference_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True, dtype)
+    if recipe.wgrad == "fp8":
+        dw = _reference_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False, dtype)
+    else:
+        dt = jnp.bfloat16 if recipe.wgrad == "bf16" else jnp.float32
+        dw = jnp.matmul(x2.astype(dt).astype(dtype).T, dy2.astype(dt).astype(dtype),
+                        precision=lax.Precision.HIGHEST)
+    return dx.reshape(x.shape), dw
+
+
+def _reference_mm(a, b, a_fmt, b_fmt, scaling, b_weight, dtype):
+    """dequantize(quantize(a)) @ dequantize(quantize(b)) in `dtype` ([M, K] @ [K, N])."""
+    (m, k), n = a.shape, b.shape[1]
+    blk_a, blk_b = _operand_blocks(m, k, n, scaling, b_weight)
+
+    def deq(t, blk, fmt):
+        bs = quantize(t, Layout(block=blk, scale="f32"), FORMATS[fmt])
+        s = jnp.repeat(jnp.repeat(bs.scales.astype(dtype), blk[0], axis=0)[:t.shape[0]],
+                       blk[1], axis=1)[:, :t.shape[1]]
+        return bs.q.astype(dtype) * s
+
+    return jnp.matmul(deq(a, blk_a, a_fmt), deq(b, blk_b, b_fmt), precision=lax.Precision.HIGHEST)
+

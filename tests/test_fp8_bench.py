@@ -1,0 +1,42 @@
+"""benchmarks/bench_fp8.py --smoke on CPU: the GEMM shapes it reads from the lowered train
+step are the model's linear layers, and its figures follow from the timings it reports."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_smoke_shapes_and_figures(tmp_path):
+    out = tmp_path / "fp8.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--smoke", "--nostep",
+                        f"--out={out}"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(out))
+    from flax import nnx
+
+    from gemjax.config import get_config
+    from gemjax.models.gem import build_model
+    cfg = get_config("tiny", "model.kind=teacher")
+    model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
+    kernels = {tuple(n.kernel.shape) for _, n in nnx.iter_graph(model) if isinstance(n, nnx.Linear)}
+    assert len(res["gemms"]) == 2
+    for g in res["gemms"]:
+        m, k, n = g["m"], g["k"], g["n"]
+        assert (k, n) in kernels and g["count"] >= 1
+        for v in ("bf16", "fp8_rowwise", "fp8_tensor", "fp8_blocked"):
+            x = g[v]
+            np.testing.assert_allclose(x["fwd_tflops"], 2 * m * k * n / x["fwd_ms"] / 1e9, rtol=1e-6)
+            np.testing.assert_allclose(x["fwdbwd_tflops"], 6 * m * k * n / x["fwdbwd_ms"] / 1e9,
+                                       rtol=1e-6)
+            if v != "bf16":
+                np.testing.assert_allclose(x["fwd_speedup"], g["bf16"]["fwd_ms"] / x["fwd_ms"])
+                # FP8 (3 mantissa bits) errs more than BF16 (7), within E4M3's 2 x 2**-4 per
+                # product term times the sqrt(K) growth of random sums over max |y|
+                assert g["bf16"]["rel_err"] < x["rel_err"] < 0.25
+    assert r.stdout.strip().splitlines()[-1].startswith("total fp8_gemm_only")
