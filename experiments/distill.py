@@ -108,7 +108,8 @@ def define_flags():
                       "plus a linear term in --adapter_features (features)")
     flags.DEFINE_string("adapter_features", "dense",
                         "features adapter inputs: dense (the sample's dense inputs), repr (the "
-                        "teacher's sequence embedding), comma-separated")
+                        "teacher's sequence embedding), student (the student's own logits "
+                        "before its step), comma-separated")
     flags.DEFINE_float("adapter_l2", 1e-3, "L2 penalty of the adapter fit (toward the identity)")
     flags.DEFINE_integer("repr_window", 0,
                          "steps a cached user embedding is served (0: the sample's own)")
@@ -419,7 +420,7 @@ def main(argv):
                 res, _, _ = run_student(scfg, dom_cfg, domain, "kd,adapter", args,
                                         args.student_steps, mesh, windows, row)
             else:
-                res, d, _ = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
+                res, d, sstate = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
                                         mesh, windows, row)
                 if args.teacher_mode == "cotrain" and row == rows[0]:
                     # the co-trained teacher of the first row, after its student_steps steps
@@ -430,7 +431,7 @@ def main(argv):
                     # (fitted on the newest student-window labels): its drift that
                     # calibration can correct
                     got = windows.evaluate(
-                        tcfg, lambda b: 1 / (1 + np.exp(-d.corrected_teacher(b))), mesh,
+                        tcfg, lambda b: 1 / (1 + np.exp(-d.corrected_teacher(b, sstate))), mesh,
                         "teacher+adapter")
                     teacher_adapter.append({"ne": got["ne"], "auc": got["auc"]})
             results.append({"seed": seed, "row": row, "ne": res["ne"], "auc": res["auc"],

@@ -310,30 +310,38 @@ def test_distill_step_frozen_share_and_kd_loss(teacher_and_feed):
 
 def test_feature_adapter_in_the_distiller(teacher_and_feed):
     """adapter_kind=features: the adapter fits on [teacher logit, 1, dense inputs, teacher
-    repr] of the observed batches, and the soft labels are that fit's prediction."""
+    repr, the student's logits before its step] of the observed batches, and the soft
+    labels are that fit's prediction."""
     tcfg, teacher, batches = teacher_and_feed
     dcfg = DistillConfig(methods="kd,adapter", adapter_refresh=1, adapter_kind="features",
-                         adapter_features="dense,repr", adapter_l2=0.05)
+                         adapter_features="dense,repr,student", adapter_l2=0.05)
     scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
     d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
     state = d.init_state(1)
+
+    def features(b, state):
+        raw, rep = teacher.outputs(b)
+        p = np.asarray(d._eval(state, with_teacher(b, raw, np.zeros((len(raw), 0), np.float32),
+                                                   d.mesh)), np.float64)
+        return raw, np.column_stack([np.asarray(b.dense), rep, np.log(p) - np.log1p(-p)])
     feats = []
     for i, b in enumerate(batches[:2]):
+        feats.append(features(b, state)[1])
         state, _ = d.step(state, b, i)
-        _, rep = teacher.outputs(b)
-        feats.append(np.column_stack([np.asarray(b.dense), rep]))
-    nd, ne = np.shape(batches[0].dense)[1], feats[0].shape[1] - np.shape(batches[0].dense)[1]
-    assert d.adapter.num_features == nd + ne and nd > 0 and ne > 0
+    nd, k = np.shape(batches[0].dense)[1], np.shape(batches[0].labels)[1]
+    assert d.adapter.num_features == feats[0].shape[1] and nd > 0 and feats[0].shape[1] > nd + k
     m = [np.asarray(b.label_mask)[:, 0] * np.asarray(b.weights) > 0 for b in batches[:2]]
     _, _, _, f = d.adapter.window_rows(0)
-    np.testing.assert_allclose(f, np.concatenate([x[k] for x, k in zip(feats, m)]), rtol=1e-6)
+    np.testing.assert_allclose(f, np.concatenate([x[j] for x, j in zip(feats, m)]),
+                               rtol=1e-4, atol=1e-4)
     assert np.any(d.adapter.coef[:, 2:] != 0)
-    sbatch, raw = d.prepare(batches[2], 2)
-    _, rep = teacher.outputs(batches[2])
-    x = np.column_stack([np.asarray(batches[2].dense), rep])
+    raw, x = features(batches[2], state)
     want = raw * d.adapter.coef[:, 0] + d.adapter.coef[:, 1] + x @ d.adapter.coef[:, 2:].T
+    sbatch, _ = d.prepare(batches[2], 2, state=state)
     np.testing.assert_allclose(np.asarray(sbatch.teacher_logits), want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(d.corrected_teacher(batches[2]), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(d.corrected_teacher(batches[2], state), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="student's state"):
+        d.prepare(batches[2], 2)
 
 
 def test_distill_tuned_share_updates_tables(teacher_and_feed):

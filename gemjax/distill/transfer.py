@@ -18,7 +18,8 @@ Methods (DistillConfig.methods, comma-separated; "" trains on the labels alone):
            teacher logit; "features": plus a linear term in cheap per-sample
            features the drift changes the response to (`adapter_features`: "dense",
            the sample's dense inputs Batch.dense [B, D]; "repr", the teacher's
-           sequence embedding [B, E]), L2 penalty `adapter_l2`;
+           sequence embedding [B, E]; "student", the student's own logits [B, K]
+           before its step on the batch: one more forward), L2 penalty `adapter_l2`;
   repr     the teacher's sequence embedding of each sample (gemjax.distill.represent)
            is a student input (model.teacher_repr_dim); in training it is served from
            a per-user cache refreshed when older than `repr_window` steps (0: always
@@ -61,7 +62,7 @@ from gemjax.train.metrics import EvalAccumulator
 from gemjax.train.step import CHECK_VMA, Trainer, gather_param, process_rows
 
 METHODS = ("kd", "adapter", "repr", "share")
-ADAPTER_FEATURES = ("dense", "repr")
+ADAPTER_FEATURES = ("dense", "repr", "student")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +226,7 @@ class Distiller:
         if "kd" in self.methods:
             student_trainer.objective = kd_objective(dcfg.alpha, dcfg.temperature)
         k = schema_of(student_trainer.cfg).num_tasks
-        widths = {"dense": schema_of(student_trainer.cfg).num_dense,
+        widths = {"dense": schema_of(student_trainer.cfg).num_dense, "student": k,
                   "repr": repr_dim(teacher.cfg) if "repr" in dcfg.feature_list else 0}
         self.adapter = (StudentAdapter(k, dcfg.adapter_window, dcfg.adapter_refresh,
                                        sum(widths[f] for f in dcfg.feature_list), dcfg.adapter_l2)
@@ -259,25 +260,37 @@ class Distiller:
     def _uses_teacher(self) -> bool:
         return bool(self.methods & {"kd", "repr"})
 
-    def adapter_inputs(self, batch: Batch, rep: np.ndarray) -> np.ndarray:
-        """The adapter's features [B, F] of `batch` (dcfg.feature_list's sources in order,
-        rep: the teacher's fresh repr [B, E]); [B, 0] for the affine adapter."""
-        cols = {"dense": lambda: process_rows(batch.dense), "repr": lambda: rep}
+    def adapter_inputs(self, batch: Batch, rep: np.ndarray, state: dict | None = None,
+                       logits: np.ndarray | None = None) -> np.ndarray:
+        """The adapter's features [B, F] of `batch` (dcfg.feature_list's sources in order;
+        rep: the teacher's fresh repr [B, E]; "student" reads the student's logits [B, K]
+        under `state`, before it trains on `batch`, with `logits` the teacher's raw
+        logits as its soft targets); [B, 0] for the affine adapter."""
+        def student():
+            if state is None:
+                raise ValueError("adapter_features 'student' needs the student's state")
+            r = rep if "repr" in self.methods else np.zeros((rep.shape[0], 0), np.float32)
+            p = np.clip(np.asarray(self._eval(state, with_teacher(batch, logits, r, self.mesh)),
+                                   np.float64), 1e-7, 1 - 1e-7)
+            return np.log(p) - np.log1p(-p)
+        cols = {"dense": lambda: process_rows(batch.dense), "repr": lambda: rep,
+                "student": student}
         parts = [np.asarray(cols[f](), np.float64) for f in self.dcfg.feature_list]
         return np.concatenate(parts, 1) if parts else np.zeros((rep.shape[0], 0))
 
-    def corrected_teacher(self, batch: Batch) -> np.ndarray:
-        """The teacher's logits [B, K] on `batch` through the adapter's current fit."""
+    def corrected_teacher(self, batch: Batch, state: dict | None = None) -> np.ndarray:
+        """The teacher's logits [B, K] on `batch` through the adapter's current fit
+        (`state`: the student's, for adapter_features "student")."""
         logits, rep = self.teacher.outputs(batch)
-        return self.adapter.correct(logits, self.adapter_inputs(batch, rep))
+        return self.adapter.correct(logits, self.adapter_inputs(batch, rep, state, logits))
 
-    def _prepare(self, batch: Batch, step: int, training: bool):
+    def _prepare(self, batch: Batch, step: int, training: bool, state: dict | None = None):
         if not self._uses_teacher():
             return batch, None, None
         logits, rep = self.teacher.outputs(batch)
         soft, feats = logits, None
         if training and self.adapter is not None:
-            feats = self.adapter_inputs(batch, rep)
+            feats = self.adapter_inputs(batch, rep, state, logits)
             soft = self.adapter.correct(logits, feats)
         if "repr" not in self.methods:
             rep = np.zeros((logits.shape[0], 0), np.float32)
@@ -285,14 +298,15 @@ class Distiller:
             rep = self.cache.serve(process_rows(batch.sparse[self.user_feature]), rep, step)
         return with_teacher(batch, soft, rep, self.mesh), logits, feats
 
-    def prepare(self, batch: Batch, step: int, *, training: bool = True) -> tuple[Batch, Any]:
+    def prepare(self, batch: Batch, step: int, *, training: bool = True,
+                state: dict | None = None) -> tuple[Batch, Any]:
         """(the student's batch, the teacher's raw logits [B, K] or None) for `batch`.
 
         Training: soft targets adapter-corrected (with adapter: from the teacher's
         logits and, adapter_kind "features", `adapter_inputs`), teacher features
         through the per-user cache (with repr). Eval: raw logits and fresh features.
         """
-        sbatch, logits, _ = self._prepare(batch, step, training)
+        sbatch, logits, _ = self._prepare(batch, step, training, state)
         return sbatch, logits
 
     def step(self, state: dict, batch: Batch, step: int) -> tuple[dict, dict]:
@@ -301,7 +315,7 @@ class Distiller:
         if "share" in self.methods and self.dcfg.share == "frozen" and \
                 self.dcfg.teacher_mode == "cotrain":
             state = {**state, "tables": self.shared_tables()}
-        sbatch, logits, feats = self._prepare(batch, step, True)
+        sbatch, logits, feats = self._prepare(batch, step, True, state)
         state, metrics = self._step(state, sbatch)
         if self.adapter is not None:
             self.adapter.observe(logits, process_rows(batch.labels),
