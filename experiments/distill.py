@@ -17,7 +17,10 @@ Per seed:
    gemjax.distill.transfer.Distiller (the student Trainer's own train_step):
      none      the labels alone
      kd        standard KD (--alpha, --temperature)
-     kd+adapter    KD on the Student Adapter's corrected teacher logits
+     kd+adapter    KD on the Student Adapter's corrected teacher logits (--adapter:
+               affine, a per-task Platt scaling, or features, plus a linear term in
+               --adapter_features: dense inputs, the teacher's repr, the student's
+               own logits; L2 --adapter_l2, fitted on the newest --adapter_window rows)
      +repr     kd+adapter and the teacher's sequence embeddings as inputs (each sample's
                own by default; --repr_window=N serves a user's cached one up to N steps)
      +share    kd+adapter and the teacher's embedding tables (--share tuned by default,
