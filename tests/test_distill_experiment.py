@@ -76,13 +76,15 @@ def test_distill_drift_evaluates_on_an_unseen_window(tmp_path):
     steps = res["drift_steps"]["0"]
     assert steps["eval_window"] == 3 and steps["eval"] == [6, 8]
     models = steps["models"]
-    assert sorted(models) == sorted(["teacher", "none", "kd+adapter", "all", "hier/domain", "hier"])
+    assert sorted(models) == sorted(["teacher", "none", "kd+adapter", "all", "hier/domain", "hier",
+                                     "teacher+adapter"])
     assert models["teacher"]["train"] == [0, 1, 2, 3]
     for name, used in models.items():
         assert used["eval"] == [6, 7], name
         assert not set(used["eval"]) & set(used["train"]), name
-        if name != "teacher":
+        if name not in ("teacher", "teacher+adapter"):
             assert used["train"] == [4, 5], name
+    assert models["teacher+adapter"]["train"] == []     # the teacher's logits, scored only
     assert {r["row"] for r in res["runs"]} == {"none", "kd+adapter", "all", "hier"}
     assert all(np.isfinite(r["ne"]) for r in res["runs"])
     assert np.isfinite(res["summary"]["teacher_adapter"][0]["ne"])   # the feature adapter's line
