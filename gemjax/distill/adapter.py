@@ -11,8 +11,9 @@ embedding), the corrected soft-target logit is
 (Platt scaling, plus a linear term in f: it can re-weigh what the teacher ranks
 by, where the affine part only rescales the teacher's logit). The coefficients
 start at the identity (a = 1, b = 0, w = 0) and are refitted every `refresh_every`
-observed batches by Newton's method on the L2-penalised log loss of the rows in the window: the newest
-`window` observed rows whose task-k label is present (label_mask * weight > 0).
+observed batches by Newton's method on the L2-penalised log loss of the rows in the
+window: the newest `window` observed rows whose task-k label is present
+(label_mask * weight > 0).
 `correct` uses the coefficients of the last fit, so a batch's own labels (observed
 after it is corrected) and every later label never reach the soft labels of earlier
 batches. Host-side numpy, float64.
