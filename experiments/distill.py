@@ -17,7 +17,10 @@ Per seed:
    gemjax.distill.transfer.Distiller (the student Trainer's own train_step):
      none      the labels alone
      kd        standard KD (--alpha, --temperature)
-     kd+adapter    KD on the Student Adapter's corrected teacher logits
+     kd+adapter    KD on the Student Adapter's corrected teacher logits (--adapter:
+               affine, a per-task Platt scaling, or features, plus a linear term in
+               --adapter_features: dense inputs, the teacher's repr, the student's
+               own logits; L2 --adapter_l2, fitted on the newest --adapter_window rows)
      +repr     kd+adapter and the teacher's sequence embeddings as inputs (each sample's
                own by default; --repr_window=N serves a user's cached one up to N steps)
      +share    kd+adapter and the teacher's embedding tables (--share tuned by default,
@@ -103,6 +106,14 @@ def define_flags():
     flags.DEFINE_float("temperature", 1.0, "KD temperature")
     flags.DEFINE_integer("adapter_window", 2048, "labeled rows per task the adapter fits on")
     flags.DEFINE_integer("adapter_refresh", 10, "steps between adapter refits")
+    flags.DEFINE_enum("adapter", "affine", ["affine", "features"],
+                      "Student Adapter: per-task Platt scaling of the teacher logit (affine) or "
+                      "plus a linear term in --adapter_features (features)")
+    flags.DEFINE_string("adapter_features", "dense",
+                        "features adapter inputs: dense (the sample's dense inputs), repr (the "
+                        "teacher's sequence embedding), student (the student's own logits "
+                        "before its step), comma-separated")
+    flags.DEFINE_float("adapter_l2", 1e-3, "L2 penalty of the adapter fit (toward the identity)")
     flags.DEFINE_integer("repr_window", 0,
                          "steps a cached user embedding is served (0: the sample's own)")
     flags.DEFINE_enum("share", "tuned", ["frozen", "tuned"], "shared teacher tables")
@@ -232,7 +243,8 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
     from gemjax.train.step import Trainer
     dcfg = DistillConfig(methods=methods, temperature=args.temperature, alpha=args.alpha,
                          adapter_window=args.adapter_window, adapter_refresh=args.adapter_refresh,
-                         repr_window=args.repr_window, share=args.share,
+                         adapter_kind=args.adapter, adapter_features=args.adapter_features,
+                         adapter_l2=args.adapter_l2, repr_window=args.repr_window, share=args.share,
                          teacher_mode=args.teacher_mode)
     if args.teacher_mode == "cotrain":
         tt = Trainer.create(tcfg, mesh)
@@ -411,7 +423,7 @@ def main(argv):
                 res, _, _ = run_student(scfg, dom_cfg, domain, "kd,adapter", args,
                                         args.student_steps, mesh, windows, row)
             else:
-                res, d, _ = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
+                res, d, sstate = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
                                         mesh, windows, row)
                 if args.teacher_mode == "cotrain" and row == rows[0]:
                     # the co-trained teacher of the first row, after its student_steps steps
@@ -421,8 +433,9 @@ def main(argv):
                     # the teacher's own eval logits through this student's final adapter
                     # (fitted on the newest student-window labels): its drift that
                     # calibration can correct
-                    got = windows.evaluate(tcfg, lambda b: 1 / (1 + np.exp(-d.adapter.correct(
-                        teacher.outputs(b)[0]))), mesh, "teacher+adapter")
+                    got = windows.evaluate(
+                        tcfg, lambda b: 1 / (1 + np.exp(-d.corrected_teacher(b, sstate))), mesh,
+                        "teacher+adapter")
                     teacher_adapter.append({"ne": got["ne"], "auc": got["auc"]})
             results.append({"seed": seed, "row": row, "ne": res["ne"], "auc": res["auc"],
                             "calibration": res["calibration"],
@@ -462,7 +475,8 @@ def main(argv):
         json.dump({"flags": {k: getattr(args, k) for k in (
                        "dataset", "seeds", "teacher_steps", "student_steps", "data_overrides",
                        "teacher_override", "student_override", "teacher_mode", "alpha",
-                       "temperature", "adapter_window", "adapter_refresh", "repr_window", "share",
+                       "temperature", "adapter_window", "adapter_refresh", "adapter",
+                       "adapter_features", "adapter_l2", "repr_window", "share",
                        "drift_teacher_lr")},
                    "runs": results, "summary": figures, "budget": budget,
                    "drift_steps": consumed or None,

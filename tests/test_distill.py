@@ -132,6 +132,51 @@ def test_adapter_fits_the_newest_window_only():
     assert abs(a.coef[0, 0] - 2) < 0.6 and abs(a.coef[0, 1] + 1) < 0.6
 
 
+def test_feature_adapter_matches_a_scipy_fit():
+    """The features adapter's coefficients are the minimiser of the weighted, L2-penalised
+    log loss (found here by scipy's BFGS), and `correct` is a z + b + w . f with them."""
+    from scipy.optimize import minimize
+    rng = np.random.default_rng(4)
+    n, nf, l2 = 240, 3, 0.02
+    z, f = rng.normal(0, 1.5, (n, 1)), rng.normal(0, 1, (n, nf))
+    y = (rng.random(n) < _sig(0.7 * z[:, 0] + 0.3 + f @ [1.0, -0.5, 0.0])).astype(float)
+    w = rng.uniform(0.5, 2.0, n)
+    ad = StudentAdapter(1, window=n, num_features=nf, l2=l2)
+    ad.observe(z[:120], y[:120, None], np.ones((120, 1)), w[:120], f[:120])
+    ad.observe(z[120:], y[120:, None], np.ones((120, 1)), w[120:], f[120:])
+    x = np.column_stack([z[:, 0], np.ones(n), f])
+    prior = np.array([1.0, 0, 0, 0, 0])
+
+    def loss(c):
+        p = _sig(x @ c)
+        return np.sum(w * -(y * np.log(p) + (1 - y) * np.log(1 - p))) / w.sum() + \
+            l2 * np.sum((c - prior) ** 2)
+    ref = minimize(loss, prior, method="BFGS", options={"gtol": 1e-10}).x
+    np.testing.assert_allclose(ad.coef[0], ref, atol=1e-5)
+    assert ad.coef[0, 2] > 0.3 and ad.coef[0, 3] < -0.1     # the planted feature weights' signs
+    zt, ft = rng.normal(size=(5, 1)), rng.normal(size=(5, nf))
+    np.testing.assert_allclose(ad.correct(zt, ft)[:, 0], np.column_stack([zt, np.ones(5), ft]) @ ref,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"features must be \[5, 3\]"):
+        ad.correct(zt, ft[:, :2])
+
+
+def test_feature_adapter_sees_no_future_labels():
+    t, rng = 5, np.random.default_rng(5)
+    feats = [rng.normal(size=(64, 2)) for _ in range(9)]
+
+    def soft(stream):
+        ad, out = StudentAdapter(2, window=200, refresh_every=1, num_features=2, l2=0.01), []
+        for (z, y, m, w), f in zip(stream, feats):
+            out.append(ad.correct(z, f))
+            ad.observe(z, y, m, w, f)
+        return out
+    a, b = soft(_stream(0, 9)), soft(_stream(0, 9, flip_from=t))
+    for i in range(t + 1):
+        np.testing.assert_array_equal(a[i], b[i])
+    assert not np.allclose(a[t + 1], b[t + 1])
+
+
 def test_nan_inputs_are_named():
     ad = StudentAdapter(2, window=10)
     z = np.zeros((4, 2))
@@ -151,6 +196,11 @@ def test_nan_inputs_are_named():
         DistillConfig(methods="adapter").validate()
     with pytest.raises(ValueError, match="unknown"):
         DistillConfig(methods="kd,magic").validate()
+    with pytest.raises(ValueError, match="adapter_kind"):
+        DistillConfig(methods="kd,adapter", adapter_kind="mlp").validate()
+    with pytest.raises(ValueError, match="adapter_features"):
+        DistillConfig(methods="kd,adapter", adapter_kind="features",
+                      adapter_features="dense,age").validate()
 
 
 def test_repr_cache_serves_within_its_window():
@@ -256,6 +306,42 @@ def test_distill_step_frozen_share_and_kd_loss(teacher_and_feed):
     # refresh_student (for the online trainer) runs the same steps from a given teacher state
     state2, ms = refresh_student(d, state, teacher.state, batches[:1], start_step=10)
     assert len(ms) == 1 and int(state2["step"]) == len(batches) + 1
+
+
+def test_feature_adapter_in_the_distiller(teacher_and_feed):
+    """adapter_kind=features: the adapter fits on [teacher logit, 1, dense inputs, teacher
+    repr, the student's logits before its step] of the observed batches, and the soft
+    labels are that fit's prediction."""
+    tcfg, teacher, batches = teacher_and_feed
+    dcfg = DistillConfig(methods="kd,adapter", adapter_refresh=1, adapter_kind="features",
+                         adapter_features="dense,repr,student", adapter_l2=0.05)
+    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
+    d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
+    state = d.init_state(1)
+
+    def features(b, state):
+        raw, rep = teacher.outputs(b)
+        p = np.asarray(d._eval(state, with_teacher(b, raw, np.zeros((len(raw), 0), np.float32),
+                                                   d.mesh)), np.float64)
+        return raw, np.column_stack([np.asarray(b.dense), rep, np.log(p) - np.log1p(-p)])
+    feats = []
+    for i, b in enumerate(batches[:2]):
+        feats.append(features(b, state)[1])
+        state, _ = d.step(state, b, i)
+    nd, k = np.shape(batches[0].dense)[1], np.shape(batches[0].labels)[1]
+    assert d.adapter.num_features == feats[0].shape[1] and nd > 0 and feats[0].shape[1] > nd + k
+    m = [np.asarray(b.label_mask)[:, 0] * np.asarray(b.weights) > 0 for b in batches[:2]]
+    _, _, _, f = d.adapter.window_rows(0)
+    np.testing.assert_allclose(f, np.concatenate([x[j] for x, j in zip(feats, m)]),
+                               rtol=1e-4, atol=1e-4)
+    assert np.any(d.adapter.coef[:, 2:] != 0)
+    raw, x = features(batches[2], state)
+    want = raw * d.adapter.coef[:, 0] + d.adapter.coef[:, 1] + x @ d.adapter.coef[:, 2:].T
+    sbatch, _ = d.prepare(batches[2], 2, state=state)
+    np.testing.assert_allclose(np.asarray(sbatch.teacher_logits), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(d.corrected_teacher(batches[2], state), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="student's state"):
+        d.prepare(batches[2], 2)
 
 
 def test_distill_tuned_share_updates_tables(teacher_and_feed):

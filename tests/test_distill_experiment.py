@@ -60,29 +60,34 @@ def test_distill_experiment_table(tmp_path):
 
 
 def test_distill_drift_evaluates_on_an_unseen_window(tmp_path):
-    """--dataset=drift (windows of 2 steps): the teacher reads steps 0-3, every student
-    (and the domain model) 4-5, and every row, the teacher included, is evaluated on
-    window 3 (steps 6-7) only, as recorded by the source each model read; the Bayes
-    NE it reports is that of window 3's planted model, recomputed here from the
-    stream; steps that are not whole windows are refused naming the flag."""
+    """--dataset=drift (windows of 2 steps, the features Student Adapter): the teacher
+    reads steps 0-3, every student (and the domain model) 4-5, and every row, the
+    teacher included, is evaluated on window 3 (steps 6-7) only, as recorded by the
+    source each model read; the Bayes NE it reports is that of window 3's planted
+    model, recomputed here from the stream; steps that are not whole windows are
+    refused naming the flag."""
     over = "--data_overrides=data.drift_every=2,data.batch_size=32"
     p = _run([f"--out={tmp_path}", "--dataset=drift", "--seeds=0", "--teacher_steps=4",
-              "--student_steps=2", "--rows=none,all", "--latency_batch=0", over],
+              "--student_steps=2", "--rows=none,kd+adapter,all", "--latency_batch=0",
+              "--adapter=features", "--adapter_features=dense,student", over],
              tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.load(open(os.path.join(tmp_path, "drift", "results.json")))
     steps = res["drift_steps"]["0"]
     assert steps["eval_window"] == 3 and steps["eval"] == [6, 8]
     models = steps["models"]
-    assert sorted(models) == sorted(["teacher", "none", "all", "hier/domain", "hier"])
+    assert sorted(models) == sorted(["teacher", "none", "kd+adapter", "all", "hier/domain", "hier",
+                                     "teacher+adapter"])
     assert models["teacher"]["train"] == [0, 1, 2, 3]
     for name, used in models.items():
         assert used["eval"] == [6, 7], name
         assert not set(used["eval"]) & set(used["train"]), name
-        if name != "teacher":
+        if name not in ("teacher", "teacher+adapter"):
             assert used["train"] == [4, 5], name
-    assert {r["row"] for r in res["runs"]} == {"none", "all", "hier"}
+    assert models["teacher+adapter"]["train"] == []     # the teacher's logits, scored only
+    assert {r["row"] for r in res["runs"]} == {"none", "kd+adapter", "all", "hier"}
     assert all(np.isfinite(r["ne"]) for r in res["runs"])
+    assert np.isfinite(res["summary"]["teacher_adapter"][0]["ne"])   # the feature adapter's line
 
     # the Bayes NE of the eval window, from window 3's true probabilities
     sys.path.insert(0, ROOT)

@@ -82,6 +82,13 @@ SKIP = {
     "python -m experiments.distill --dataset=drift --seeds=0,1,2 --teacher_steps=550 "
     "--student_steps=50 --out=runs/distill":
         "minutes on CPU; tests/test_distill_experiment.py runs the drift mode at a toy size",
+    "python -m experiments.distill --dataset=drift --seeds=0,1,2 --adapter=features "
+    "--adapter_features=dense,student --adapter_window=8192 --adapter_refresh=5 --out=runs/distill":
+        "minutes on CPU; tests/test_distill_experiment.py runs the drift mode at a toy size",
+    "python -m experiments.distill --dataset=drift --seeds=0,1,2 --teacher_steps=550 "
+    "--student_steps=50 --adapter=features --adapter_features=dense,student --adapter_window=8192 "
+    "--adapter_refresh=5 --out=runs/distill":
+        "minutes on CPU; tests/test_distill_experiment.py runs the drift mode at a toy size",
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
     "python -m benchmarks.bench_train_feed": "GPU benchmark (minutes); tests/test_bench_train_feed.py "
                                              "runs it on CPU with a small model",

@@ -1,15 +1,19 @@
 """The Student Adapter: a per-task calibration of the teacher's logit, fitted only on
 the most recent labeled window and refitted as labels arrive.
 
-For task k, with the teacher logit z [B] and optional student-side features
-f [B, F], the corrected soft-target logit is
+For task k, with the teacher logit z [B] and optional per-sample features f [B, F]
+(cheap inputs the drift changes the response to; the Distiller's adapter_kind
+"features" passes the sample's dense inputs and / or the teacher's sequence
+embedding), the corrected soft-target logit is
 
     a_k * z + b_k + w_k . f
 
-(Platt scaling, plus a linear term in f). The coefficients start at the identity
-(a = 1, b = 0, w = 0) and are refitted every `refresh_every` observed batches by
-Newton's method on the L2-penalised log loss of the rows in the window: the newest
-`window` observed rows whose task-k label is present (label_mask * weight > 0).
+(Platt scaling, plus a linear term in f: it can re-weigh what the teacher ranks
+by, where the affine part only rescales the teacher's logit). The coefficients
+start at the identity (a = 1, b = 0, w = 0) and are refitted every `refresh_every`
+observed batches by Newton's method on the L2-penalised log loss of the rows in the
+window: the newest `window` observed rows whose task-k label is present
+(label_mask * weight > 0).
 `correct` uses the coefficients of the last fit, so a batch's own labels (observed
 after it is corrected) and every later label never reach the soft labels of earlier
 batches. Host-side numpy, float64.

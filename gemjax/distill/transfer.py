@@ -14,7 +14,12 @@ Methods (DistillConfig.methods, comma-separated; "" trains on the labels alone):
   adapter  the soft targets are the teacher's logits corrected by a StudentAdapter
            fitted on the newest `adapter_window` labeled rows (refit every
            `adapter_refresh` steps; a batch is corrected before its labels join the
-           window); needs kd;
+           window); needs kd. adapter_kind "affine": per-task Platt scaling of the
+           teacher logit; "features": plus a linear term in cheap per-sample
+           features the drift changes the response to (`adapter_features`: "dense",
+           the sample's dense inputs Batch.dense [B, D]; "repr", the teacher's
+           sequence embedding [B, E]; "student", the student's own logits [B, K]
+           before its step on the batch: one more forward), L2 penalty `adapter_l2`;
   repr     the teacher's sequence embedding of each sample (gemjax.distill.represent)
            is a student input (model.teacher_repr_dim); in training it is served from
            a per-user cache refreshed when older than `repr_window` steps (0: always
@@ -57,6 +62,7 @@ from gemjax.train.metrics import EvalAccumulator
 from gemjax.train.step import CHECK_VMA, Trainer, gather_param, process_rows
 
 METHODS = ("kd", "adapter", "repr", "share")
+ADAPTER_FEATURES = ("dense", "repr", "student")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,9 @@ class DistillConfig:
     alpha: float = 0.5               # weight of the soft term (losses.kd_loss)
     adapter_window: int = 4096       # labeled rows per task the adapter fits on
     adapter_refresh: int = 10        # steps between adapter refits
+    adapter_kind: str = "affine"     # "affine" | "features" (module docstring)
+    adapter_features: str = "dense"  # comma-separated subset of ADAPTER_FEATURES
+    adapter_l2: float = 1e-3         # the adapter fit's L2 penalty (toward the identity)
     repr_window: int = 50            # steps a user's cached teacher embedding is served
     share: str = "frozen"            # "frozen" | "tuned"
     teacher_mode: str = "offline"    # "offline" | "cotrain"
@@ -75,6 +84,13 @@ class DistillConfig:
     @property
     def method_set(self) -> frozenset[str]:
         return frozenset(m.strip() for m in self.methods.split(",") if m.strip())
+
+    @property
+    def feature_list(self) -> tuple[str, ...]:
+        """The adapter's feature sources, in column order ("affine": none)."""
+        if self.adapter_kind != "features":
+            return ()
+        return tuple(f.strip() for f in self.adapter_features.split(",") if f.strip())
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
@@ -87,6 +103,13 @@ class DistillConfig:
             (0.0 <= self.alpha <= 1.0, f"distill alpha must be in [0, 1], got {self.alpha}"),
             (self.adapter_window >= 1, f"distill adapter_window must be >= 1, got {self.adapter_window}"),
             (self.adapter_refresh >= 1, f"distill adapter_refresh must be >= 1, got {self.adapter_refresh}"),
+            (self.adapter_kind in ("affine", "features"),
+             f"distill adapter_kind must be affine or features, got {self.adapter_kind!r}"),
+            (set(self.feature_list) <= set(ADAPTER_FEATURES) and
+             (self.adapter_kind == "affine" or self.feature_list),
+             f"distill adapter_features must be a non-empty subset of {ADAPTER_FEATURES}, got "
+             f"{self.adapter_features!r}"),
+            (self.adapter_l2 >= 0, f"distill adapter_l2 must be >= 0, got {self.adapter_l2}"),
             (self.repr_window >= 0, f"distill repr_window must be >= 0, got {self.repr_window}"),
             (self.share in ("frozen", "tuned"), f"distill share must be frozen or tuned, got {self.share!r}"),
             (self.teacher_mode in ("offline", "cotrain"),
@@ -203,7 +226,10 @@ class Distiller:
         if "kd" in self.methods:
             student_trainer.objective = kd_objective(dcfg.alpha, dcfg.temperature)
         k = schema_of(student_trainer.cfg).num_tasks
-        self.adapter = (StudentAdapter(k, dcfg.adapter_window, dcfg.adapter_refresh)
+        widths = {"dense": schema_of(student_trainer.cfg).num_dense, "student": k,
+                  "repr": repr_dim(teacher.cfg) if "repr" in dcfg.feature_list else 0}
+        self.adapter = (StudentAdapter(k, dcfg.adapter_window, dcfg.adapter_refresh,
+                                       sum(widths[f] for f in dcfg.feature_list), dcfg.adapter_l2)
                         if "adapter" in self.methods else None)
         self.cache = ReprCache(dcfg.repr_window) if "repr" in self.methods else None
         self.user_feature = user_feature
@@ -234,23 +260,54 @@ class Distiller:
     def _uses_teacher(self) -> bool:
         return bool(self.methods & {"kd", "repr"})
 
-    def prepare(self, batch: Batch, step: int, *, training: bool = True) -> tuple[Batch, Any]:
-        """(the student's batch, the teacher's raw logits [B, K] or None) for `batch`.
+    def adapter_inputs(self, batch: Batch, rep: np.ndarray, state: dict | None = None,
+                       logits: np.ndarray | None = None) -> np.ndarray:
+        """The adapter's features [B, F] of `batch` (dcfg.feature_list's sources in order;
+        rep: the teacher's fresh repr [B, E]; "student" reads the student's logits [B, K]
+        under `state`, before it trains on `batch`, with `logits` the teacher's raw
+        logits as its soft targets); [B, 0] for the affine adapter."""
+        def student():
+            if state is None:
+                raise ValueError("adapter_features 'student' needs the student's state")
+            r = rep if "repr" in self.methods else np.zeros((rep.shape[0], 0), np.float32)
+            p = np.clip(np.asarray(self._eval(state, with_teacher(batch, logits, r, self.mesh)),
+                                   np.float64), 1e-7, 1 - 1e-7)
+            return np.log(p) - np.log1p(-p)
+        cols = {"dense": lambda: process_rows(batch.dense), "repr": lambda: rep,
+                "student": student}
+        parts = [np.asarray(cols[f](), np.float64) for f in self.dcfg.feature_list]
+        return np.concatenate(parts, 1) if parts else np.zeros((rep.shape[0], 0))
 
-        Training: soft targets adapter-corrected (with adapter), teacher features
-        through the per-user cache (with repr). Eval: raw logits and fresh features.
-        """
-        if not self._uses_teacher():
-            return batch, None
+    def corrected_teacher(self, batch: Batch, state: dict | None = None) -> np.ndarray:
+        """The teacher's logits [B, K] on `batch` through the adapter's current fit
+        (`state`: the student's, for adapter_features "student")."""
         logits, rep = self.teacher.outputs(batch)
-        soft = logits
+        return self.adapter.correct(logits, self.adapter_inputs(batch, rep, state, logits))
+
+    def _prepare(self, batch: Batch, step: int, training: bool, state: dict | None = None):
+        if not self._uses_teacher():
+            return batch, None, None
+        logits, rep = self.teacher.outputs(batch)
+        soft, feats = logits, None
         if training and self.adapter is not None:
-            soft = self.adapter.correct(logits)
+            feats = self.adapter_inputs(batch, rep, state, logits)
+            soft = self.adapter.correct(logits, feats)
         if "repr" not in self.methods:
             rep = np.zeros((logits.shape[0], 0), np.float32)
         elif training and self.cache is not None:
             rep = self.cache.serve(process_rows(batch.sparse[self.user_feature]), rep, step)
-        return with_teacher(batch, soft, rep, self.mesh), logits
+        return with_teacher(batch, soft, rep, self.mesh), logits, feats
+
+    def prepare(self, batch: Batch, step: int, *, training: bool = True,
+                state: dict | None = None) -> tuple[Batch, Any]:
+        """(the student's batch, the teacher's raw logits [B, K] or None) for `batch`.
+
+        Training: soft targets adapter-corrected (with adapter: from the teacher's
+        logits and, adapter_kind "features", `adapter_inputs`), teacher features
+        through the per-user cache (with repr). Eval: raw logits and fresh features.
+        """
+        sbatch, logits, _ = self._prepare(batch, step, training, state)
+        return sbatch, logits
 
     def step(self, state: dict, batch: Batch, step: int) -> tuple[dict, dict]:
         """One student step on `batch` (then the adapter observes its labels; co-training:
@@ -258,11 +315,12 @@ class Distiller:
         if "share" in self.methods and self.dcfg.share == "frozen" and \
                 self.dcfg.teacher_mode == "cotrain":
             state = {**state, "tables": self.shared_tables()}
-        sbatch, logits = self.prepare(batch, step)
+        sbatch, logits, feats = self._prepare(batch, step, True, state)
         state, metrics = self._step(state, sbatch)
         if self.adapter is not None:
             self.adapter.observe(logits, process_rows(batch.labels),
-                                 process_rows(batch.label_mask), process_rows(batch.weights))
+                                 process_rows(batch.label_mask), process_rows(batch.weights),
+                                 feats)
         if self.dcfg.teacher_mode == "cotrain":
             self.teacher.train(batch)
         return state, metrics
