@@ -72,7 +72,7 @@ def available_policies() -> tuple[str, ...]:
 class StepMeasurer:
     """measure(plan_text) -> Measured for the train step of `cfg` under each plan.
 
-    One train state and `batches` synthetic batches, shared by every plan (the plan
+    One train state and `batches` batches of cfg's train source, shared by every plan (the plan
     changes the program, not the state's structure); each plan gets its own Trainer, on
     `mesh` with `trainer_kw` (gemjax.train.layout.build's) when given.
     """
@@ -80,13 +80,13 @@ class StepMeasurer:
     def __init__(self, cfg: Config, *, steps: int = 3, batches: int = 2, seed: int = 0,
                  mesh=None, trainer_kw: dict | None = None):
         from gemjax.data.feeding import Feeder
-        from gemjax.data.synthetic import SyntheticStream
+        from gemjax.data.source import make_source
         from gemjax.train.step import Trainer
 
         self.cfg, self.steps, self.trainer_kw = cfg, steps, dict(trainer_kw or {})
         trainer = Trainer.create(apply_overrides(cfg, {"train.remat": "none"}), mesh, **self.trainer_kw)
         self.state = trainer.init_state(seed)
-        feeder = Feeder(SyntheticStream(cfg.data, seed).shard_batch, trainer.mesh)
+        feeder = Feeder(make_source(cfg, seed=seed).shard_batch, trainer.mesh)
         self.batches = [feeder.to_device(feeder.host_batch(i)[0]) for i in range(batches)]
         self.mesh = trainer.mesh
 
