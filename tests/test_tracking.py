@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import Mesh
 
 from experiments import plot_metrics
+from tools import profile_summary
 from gemjax.config import apply_overrides, get_config
 from gemjax.train import tracking
 from gemjax.train.loop import train
@@ -213,10 +214,12 @@ def test_a_resume_after_a_run_without_tensorboard_backfills_its_rows(tmp_path):
         ("eval/task0/auc", 2): np.float32(0.6), ("train/loss", 4): np.float32(0.6)}
 
 
-def test_profile_steps_write_an_xplane_trace(run):
+def test_profile_steps_write_an_xplane_and_a_perfetto_trace(run):
     wd, _, _ = run
     traces = glob.glob(os.path.join(wd, "profile", "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+    # the file tools/profile_summary.py reads (host-only on CPU: it says so)
+    assert profile_summary.find_trace(os.path.join(wd, "profile")).endswith("perfetto_trace.json.gz")
 
 
 @pytest.mark.parametrize("value,message", [

@@ -354,7 +354,8 @@ class ProfileWindow:
     """A jax.profiler trace of train steps a..b-1 (0-based; the steps that take the done
     count from a to b, with the logging, eval and checkpointing that follow them) into
     logdir: logdir/plugins/profile/<time>/<host>.xplane.pb, for xprof or TensorBoard's
-    profile tab.
+    profile tab, and perfetto_trace.json.gz beside it, which `python -m
+    tools.profile_summary logdir --steps=b-a` sums per op (device time per step).
 
     The trace starts at construction when a == first (else once `step_done(a, state)`
     is called) and stops at `step_done(b, state)`, after `state` is ready, so it holds
@@ -379,7 +380,7 @@ class ProfileWindow:
 
     def _start(self) -> None:
         with self.paused():
-            jax.profiler.start_trace(self.logdir)
+            jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
         self.active = True
 
     def step_done(self, done: int, state) -> None:
