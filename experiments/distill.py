@@ -64,7 +64,6 @@ Writes OUT/<dataset>/results.json and OUT/<dataset>/table.md and prints the tabl
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
@@ -131,13 +130,8 @@ def base_config(dataset: str, frappe_dir: str, data_overrides: str):
     """The dataset's config (its data section; model and train come from overrides)."""
     from gemjax.config import apply_overrides, get_config
     if dataset == "frappe":
-        from gemjax.data.features import FeatureSchema
-        with open(os.path.join(frappe_dir, "schema.json")) as f:
-            schema = FeatureSchema.from_dict(json.load(f))
-        cfg = dataclasses.replace(get_config("frappe"), features=schema)
-        cfg = apply_overrides(cfg, f"data.train_path={frappe_dir}/train.parquet,"
-                                   f"data.eval_path={frappe_dir}/test.parquet,"
-                                   f"data.batch_size=512,train.warmup_steps=20")
+        from gemjax.config import on_converted_files
+        cfg = on_converted_files("frappe", frappe_dir, "data.batch_size=512,train.warmup_steps=20")
     elif dataset == "drift":
         cfg = get_config("tiny", f"{SYNTHETIC_DATA},{DRIFT_DATA}")
     else:

@@ -35,7 +35,6 @@ the test AUC / NE table.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -93,14 +92,8 @@ def _convert_frappe():
 
 def run_config(data: str, model: str, seed: int, override: str = ""):
     """The `frappe` preset on the converted files in `data`, for `model` and `seed`."""
-    from gemjax.config import apply_overrides, get_config
-    from gemjax.data.features import FeatureSchema
-    with open(os.path.join(data, "schema.json")) as f:
-        schema = FeatureSchema.from_dict(json.load(f))
-    cfg = dataclasses.replace(get_config("frappe"), features=schema)
-    cfg = apply_overrides(cfg, f"data.train_path={data}/train.parquet,"
-                               f"data.eval_path={data}/test.parquet,{MODELS[model]},"
-                               f"train.seed={seed},train.tensorboard=false")
+    from gemjax.config import apply_overrides, on_converted_files
+    cfg = on_converted_files("frappe", data, f"{MODELS[model]},train.seed={seed},train.tensorboard=false")
     return apply_overrides(cfg, override) if override else cfg
 
 

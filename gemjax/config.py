@@ -595,6 +595,24 @@ def get_config(name: str, overrides: str | dict[str, str] | None = None) -> Conf
     return apply_overrides(cfg, overrides)
 
 
+
+def on_converted_files(name: str, data_dir: str, overrides: str | dict[str, str] | None = None) -> Config:
+    """Preset `name` on the files a converter (experiments/convert_*.py) wrote to data_dir:
+    its schema.json as Config.features, train.parquet and test.parquet as the train and
+    eval streams; then `overrides`. FileNotFoundError / ValueError name the schema file."""
+    import json
+    import os
+    path = os.path.join(data_dir, "schema.json")
+    with open(path) as f:
+        try:
+            schema = FeatureSchema.from_dict(json.load(f))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a feature schema ({e})") from e
+    cfg = apply_overrides(dataclasses.replace(get_config(name), features=schema),
+                          {"data.train_path": os.path.join(data_dir, "train.parquet"),
+                           "data.eval_path": os.path.join(data_dir, "test.parquet")})
+    return apply_overrides(cfg, overrides)
+
 def _from_json(value: Any, typ: Any, path: str):
     """A JSON value (lists for tuples) as field type `typ`; ValueError naming `path`."""
     origin = typing.get_origin(typ)

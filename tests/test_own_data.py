@@ -276,3 +276,17 @@ def test_one_step_of_every_source_through_one_trainer(one_trainer, source):
     # the reference: the synthetic batch 0's loss, the same samples through the same step
     assert np.isfinite(loss)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)
+
+
+def test_on_converted_files_reads_the_schema_and_names_a_bad_one(tmp_path):
+    from gemjax.config import FRAPPE_SCHEMA, on_converted_files
+    with pytest.raises(FileNotFoundError, match="schema.json"):
+        on_converted_files("frappe", str(tmp_path))
+    (tmp_path / "schema.json").write_text(json.dumps({"tables": "nonsense"}))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "schema.json"))):
+        on_converted_files("frappe", str(tmp_path))
+    (tmp_path / "schema.json").write_text(json.dumps(FRAPPE_SCHEMA.to_dict()))
+    cfg = on_converted_files("frappe", str(tmp_path), "train.seed=3")
+    assert cfg.features == FRAPPE_SCHEMA and cfg.train.seed == 3
+    assert (cfg.data.train_path, cfg.data.eval_path) == (str(tmp_path / "train.parquet"),
+                                                         str(tmp_path / "test.parquet"))
