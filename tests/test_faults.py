@@ -112,6 +112,27 @@ def kill_once_saved(run: Run, checkpoints: str, step: int) -> None:
     assert run.finish() == -signal.SIGKILL
 
 
+def sigterm_at_pause(run: Run, step: int, resumed_from: int) -> None:
+    """`run` (resumed from checkpoint `resumed_from`, paused after `step`) gets SIGTERM:
+    it must stop with exit 128 + SIGTERM after saving checkpoint `step`."""
+    run.wait_for(f"test pause at step {step}")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
+    assert f"resumed from step {resumed_from}" in run.out
+    assert f"stopped by SIGTERM after step {step}: checkpoint step {step} saved" in run.out
+
+
+def assert_same_checkpoint(trainer, checkpoints: str, reference: str, step: int) -> dict:
+    """Checkpoint `step` under `checkpoints` holds the arrays (bit for bit) and step of the
+    uninterrupted run in `reference`; returns its data position (restored's third item)."""
+    got = restored(trainer, checkpoints, step)
+    want = restored(trainer, os.path.join(reference, "checkpoints"), step)
+    assert got[0] == want[0] == step
+    for a, b in zip(host(got[1]), host(want[1])):
+        np.testing.assert_array_equal(a, b)
+    return got[2]
+
+
 def damage_chunk(step_dir):
     """Random bytes over the middle of the largest array data chunk of a step."""
     chunks = [p for p in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)]
@@ -154,11 +175,7 @@ def test_signals_kill_and_a_damaged_checkpoint_resume_exactly(reference, tmp_pat
 
     # 2. SIGTERM right after step 5 (neither a log nor a save point): saved, not lost
     run = Run(workdir, pause="step:5")
-    run.wait_for("test pause at step 5")
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
-    assert "resumed from step 4" in run.out
-    assert "stopped by SIGTERM after step 5: checkpoint step 5 saved" in run.out
+    sigterm_at_pause(run, 5, 4)
     assert steps_in(checkpoints) == [3, 4, 5]
     assert [r["step"] for r in rows(workdir, "train")][-1] == 5       # its window logged
 
@@ -187,11 +204,7 @@ def test_signals_kill_and_a_damaged_checkpoint_resume_exactly(reference, tmp_pat
     for key in ("eval_ne", "eval_auc", "eval_calibration", "steps"):
         assert json.load(open(os.path.join(workdir, "summary.json")))[key] == \
             json.load(open(os.path.join(reference, "summary.json")))[key]
-    got = restored(trainer, checkpoints, 8)
-    want = restored(trainer, os.path.join(reference, "checkpoints"), 8)
-    assert got[0] == want[0] == 8
-    for a, b in zip(host(got[1]), host(want[1])):
-        np.testing.assert_array_equal(a, b)
+    assert_same_checkpoint(trainer, checkpoints, reference, 8)
 
 
 def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
@@ -223,11 +236,7 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
 
     run = Run(workdir, pause="step:7", args=args)
     train(cfg, reference, log=lambda s: None, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
-    run.wait_for("test pause at step 7")
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
-    assert "resumed from step 4" in run.out
-    assert "stopped by SIGTERM after step 7: checkpoint step 7 saved" in run.out
+    sigterm_at_pause(run, 7, 4)
 
     run = Run(workdir, args=args)
     assert run.finish() == 0, run.out[-3000:]
@@ -240,11 +249,7 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
     assert [r for r in rows(workdir, "train") if r["step"] <= 6] == upto_6
     assert upto_6[-1]["ids_clamped"] >= 3                             # the source's counters too
     trainer = one_device_trainer(cfg)
-    got = restored(trainer, checkpoints, 8)
-    want = restored(trainer, os.path.join(reference, "checkpoints"), 8)
-    assert got[0] == want[0] == 8 and got[2]["data_step"] == 8
-    for a, b in zip(host(got[1]), host(want[1])):
-        np.testing.assert_array_equal(a, b)
+    assert assert_same_checkpoint(trainer, checkpoints, reference, 8)["data_step"] == 8
 
 
 def _truncate(path):

@@ -7,7 +7,6 @@ steps on one plan covering each."""
 import dataclasses
 import os
 import re
-import signal
 import sys
 
 import jax
@@ -21,7 +20,7 @@ from gemjax.data.source import make_source
 from gemjax.train import layout, multistep, runtime
 from gemjax.train.loop import train
 from gemjax.train.step import Trainer
-from test_faults import Run, host, kill_once_saved, restored, rows, steps_in
+from test_faults import Run, assert_same_checkpoint, host, kill_once_saved, restored, rows, sigterm_at_pause, steps_in
 
 OVERRIDES = ("train.log_every=4,train.eval_every=8,train.checkpoint_every=4,data.eval_batches=1,"
              "train.tensorboard=false")
@@ -110,11 +109,7 @@ def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
 
     run = Run(workdir, pause="step:12", args=args)
     train(tiny(4), reference, log=lambda s: None, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
-    run.wait_for("test pause at step 12")
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
-    assert "resumed from step 4" in run.out
-    assert "stopped by SIGTERM after step 12: checkpoint step 12 saved" in run.out
+    sigterm_at_pause(run, 12, 4)
 
     run = Run(workdir, args=args)
     assert run.finish() == 0, run.out[-3000:]
@@ -123,11 +118,7 @@ def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
     assert rows(workdir, "train") == rows(reference, "train")
     assert [r["step"] for r in rows(reference, "train")] == [4, 8, 12, 16]
     trainer = Trainer.create(tiny(4), Mesh(np.array(jax.devices()[:1]), ("batch",)))
-    got = restored(trainer, checkpoints, 16)
-    want = restored(trainer, os.path.join(reference, "checkpoints"), 16)
-    assert got[0] == want[0] == 16
-    for a, b in zip(host(got[1]), host(want[1])):
-        np.testing.assert_array_equal(a, b)
+    assert_same_checkpoint(trainer, checkpoints, reference, 16)
 
 
 def test_what_k_steps_per_call_cannot_do_is_refused_by_name(tmp_path):
