@@ -131,22 +131,28 @@ def _own_config(tmp_path, order="shuffle"):
         "train.checkpoint_every": "2", "train.tensorboard": "false"})
 
 
-def test_resume_on_a_parquet_source_equals_the_uninterrupted_run(tmp_path):
+def whole_and_resumed(cfg, tmp_path, mesh, stop_after: int):
+    """train(cfg) uninterrupted in tmp_path/whole, and in tmp_path/cut stopped after step
+    `stop_after` then resumed. Returns (whole summary, resumed summary, whole's
+    metrics.jsonl rows, cut's rows), the rows without their timing fields."""
     from gemjax.train.loop import train
-    cfg = _own_config(tmp_path)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))   # 200 rows, 32 a step: step 6 starts epoch 1
     quiet = lambda s: None  # noqa: E731
     whole = train(cfg, str(tmp_path / "whole"), log=quiet, mesh=mesh)
-    assert train(cfg, str(tmp_path / "cut"), log=quiet, mesh=mesh, stop_after=4)["stopped_early"]
+    assert train(cfg, str(tmp_path / "cut"), log=quiet, mesh=mesh, stop_after=stop_after)["stopped_early"]
     resumed = train(cfg, str(tmp_path / "cut"), log=quiet, mesh=mesh)
-
     timing = ("samples_per_sec", "tokens_per_sec")
 
     def rows(wd):
         return [{k: v for k, v in json.loads(ln).items() if k not in timing}
                 for ln in open(tmp_path / wd / "metrics.jsonl")]
 
-    a, b = rows("whole"), rows("cut")
+    return whole, resumed, rows("whole"), rows("cut")
+
+
+def test_resume_on_a_parquet_source_equals_the_uninterrupted_run(tmp_path):
+    cfg = _own_config(tmp_path)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))   # 200 rows, 32 a step: step 6 starts epoch 1
+    whole, resumed, a, b = whole_and_resumed(cfg, tmp_path, mesh, stop_after=4)
     assert [(r["step"], r["kind"]) for r in a] == [(2, "train"), (4, "train"), (4, "eval"), (6, "train"),
                                                     (8, "train"), (8, "eval")]
     assert a == b                                  # every loss, NE, AUC and counter, bit for bit

@@ -148,23 +148,13 @@ def test_evaluator_matches_a_numpy_ranking_of_the_table_rows(fake_retrieval):
 def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tmp_path):
     """The preset with sampled negatives and dropout on 2 devices: stopped after 3 steps
     and resumed, every logged loss and eval figure equals the uninterrupted run's."""
-    from gemjax.train.loop import train
+    from test_own_data import whole_and_resumed
     cfg, _ = fake_retrieval
     cfg = apply_overrides(cfg, {"model.retrieval_negatives": "6", "train.steps": "6",
                                 "train.log_every": "1", "train.eval_every": "3",
                                 "train.checkpoint_every": "3", "train.warmup_steps": "1"})
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
-    quiet = lambda s: None  # noqa: E731
-    whole = train(cfg, str(tmp_path / "whole"), log=quiet, mesh=mesh)
-    assert train(cfg, str(tmp_path / "cut"), log=quiet, mesh=mesh, stop_after=3)["stopped_early"]
-    resumed = train(cfg, str(tmp_path / "cut"), log=quiet, mesh=mesh)
-    timing = ("samples_per_sec", "tokens_per_sec")
-
-    def rows(wd):
-        return [{k: v for k, v in json.loads(ln).items() if k not in timing}
-                for ln in open(tmp_path / wd / "metrics.jsonl")]
-
-    a, b = rows("whole"), rows("cut")
+    whole, resumed, a, b = whole_and_resumed(cfg, tmp_path, mesh, stop_after=3)
     assert [r["kind"] for r in a].count("eval") == 2 and a == b
     losses = [r["loss"] for r in a if r["kind"] == "train"]
     assert len(losses) == 6 and all(np.isfinite(losses)) and len(set(losses)) == 6
@@ -174,6 +164,6 @@ def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tm
     assert whole["eval_ne"] is None and whole["model"] == "retrieval"
     # eval-only on the finished run (experiments/train.py --mode=eval) reproduces its last eval
     from gemjax.serve.evaluate import evaluate_checkpoint
-    row = evaluate_checkpoint(str(tmp_path / "whole"), None, mesh, log=quiet)
+    row = evaluate_checkpoint(str(tmp_path / "whole"), None, mesh, log=lambda s: None)
     assert row["step"] == 6 and all(row[k] == a[-1][k] for k in ("hr@10", "ndcg@10", "hr@50",
                                                                    "hr@10_unmasked", "rows"))
