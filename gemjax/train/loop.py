@@ -35,7 +35,6 @@ those run while that checkpoint was written in the background.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -245,9 +244,9 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     stream = balance.train_source(cfg)        # with data.bbs: Base Batch Shuffling
     loads = balance.LoadLog(trainer.num_shards)
     k = t.steps_per_call      # K steps per jitted call (gemjax.train.multistep)
-    feeder = (Feeder if k == 1 else functools.partial(multistep.StackedFeeder, steps_per_call=k))(
-        loads.wrap(stream.shard_batch), trainer.mesh, check_ids=trainer.coll.check_ids,
-        id_fields=trainer.id_fields, workers=cfg.data.host_workers)
+    feeder = multistep.feeder(k, loads.wrap(stream.shard_batch), trainer.mesh,
+                              check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields,
+                              workers=cfg.data.host_workers)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     start, state, last_eval, counters = _start(ckpt, trainer, trainer_kw or {}, stream, cfg, workdir,
                                                lead, log)
