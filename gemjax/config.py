@@ -139,6 +139,10 @@ class ModelConfig:
     fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales)
     fp8_grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
     wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
+    # --- the teacher's transformer FFN activation (pyramid and InterFormer Sequence Arch) ---
+    # "gelu" (exact, erf), "gelu_tanh" (tanh approximation: on GPUs it runs with the bias add
+    # inside cuBLASLt's GEMM epilogue), "relu" or "silu"
+    ffn_activation: str = "gelu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,6 +565,9 @@ def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
              "train.sparse_sync_buckets off")]
 
 
+FFN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+
+
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
     levels = m.pyramid_levels or ()
     return [
@@ -576,6 +583,8 @@ def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
         (m.capacity_factor is None or m.capacity_factor > 0,
          f"model.capacity_factor must be > 0 or none, got {m.capacity_factor}"),
         (m.lb_coef >= 0, f"model.lb_coef must be >= 0, got {m.lb_coef}"),
+        (m.ffn_activation in FFN_ACTIVATIONS,
+         f"model.ffn_activation must be one of {FFN_ACTIVATIONS}, got {m.ffn_activation!r}"),
         (m.head_towers in ("per_surface", "shared"),
          f"model.head_towers must be per_surface or shared, got {m.head_towers!r}"),
         (m.pyramid_levels is None or (

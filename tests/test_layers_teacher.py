@@ -59,3 +59,28 @@ def test_teacher_logits_depend_on_sequences_and_surface():
     flipped = batch.replace(surface=(batch.surface + 1) % cfg.data.num_surfaces)
     logits3 = nnx.jit(lambda m, a, bt: m(a, bt))(model, acts, flipped)
     assert np.abs(np.asarray(logits3) - np.asarray(logits)).max() > 1e-4
+
+
+def test_ffn_activation_reaches_every_teacher_ffn():
+    """model.ffn_activation sets the pyramid's and the InterFormer Sequence Arch's FFNs (and
+    nothing else): each FFN's output equals its two Linears around that activation."""
+    import pytest
+    from gemjax.config import apply_overrides, validate
+    base = get_config("tiny")
+    model_cfg = dataclasses.replace(base.model, interformer_layers=1,
+                                    pyramid_levels=((16, 2, 1),), num_experts=0,
+                                    ffn_activation="gelu_tanh")
+    cfg = types.SimpleNamespace(data=base.data, model=model_cfg)
+    model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
+    ffns = [model.interformer.layers[0].ffn] + [
+        lv.encoder.blocks[0].ffn for p in model.pyramid.pyramids.values() for lv in p.levels]
+    x = jax.random.normal(jax.random.key(1), (5, model_cfg.dim))
+    for ffn in ffns:
+        assert ffn.activation == "gelu_tanh"
+        l0, l1 = ffn.linears
+        want = l1(jax.nn.gelu(l0(x), approximate=True))
+        exact = l1(jax.nn.gelu(l0(x), approximate=False))
+        np.testing.assert_allclose(np.asarray(ffn(x)), np.asarray(want), rtol=1e-6, atol=1e-6)
+        assert float(jnp.max(jnp.abs(want - exact))) > 1e-6      # the two forms do differ
+    with pytest.raises(ValueError, match="model.ffn_activation"):
+        validate(apply_overrides(get_config("tiny"), "model.kind=teacher,model.ffn_activation=gelu2"))

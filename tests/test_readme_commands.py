@@ -110,6 +110,8 @@ SKIP = {
     f"./run train --config=h200 {GPU_TEACHER} --mesh=replica=-1 --table_replica_axes=replica "
     "--batch_size=32768 --workdir=runs/h200x8": "8 GPUs",
     "python -m pytest -m gpu": "GPU tests",
+    "python -m tools.roofline WORKDIR/profile DUMP/STEP_MODULE.txt --steps=N": (
+        "placeholder paths of a GPU run's trace and HLO dump; tests/test_roofline.py runs it"),
     "python -m tools.profile_summary WORKDIR/profile --steps=N": ("a run's placeholder path; "
         "tests/test_tracking.py finds the trace it reads, tests/test_profile_summary.py runs it"),
     "python -m experiments.train --config=gem1b --steps=40 --eval_every=40 "

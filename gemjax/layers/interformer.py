@@ -129,8 +129,8 @@ class InterFormerLayer(nnx.Module):
                  top_k: int = 1, capacity_factor: float | None = None,
                  seq_attention: str = "softmax", causal: bool = False, window: int | None = None,
                  block: int = 64, rope: bool = False, qk_norm: bool = False,
-                 gdpa_activation: str = "silu", ffn_mult: int = 2, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 gdpa_activation: str = "silu", ffn_mult: int = 2, ffn_activation: str = "gelu",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         if min(cls_tokens, pma_tokens, recent_tokens) < 0 or \
                 cls_tokens + pma_tokens + recent_tokens == 0:
             raise ValueError(f"InterFormerLayer: cls_tokens={cls_tokens}, pma_tokens={pma_tokens}, "
@@ -168,7 +168,7 @@ class InterFormerLayer(nnx.Module):
                                              window=window, block=block, rope=rope, qk_norm=qk_norm,
                                              gdpa_activation=gdpa_activation, dtype=dtype, rngs=rngs)
         self.ffn_norm = layer_norm(d, dtype=dtype, rngs=rngs)
-        self.ffn = MLP(d, (ffn_mult * d,), d, activation="gelu", dtype=dtype, rngs=rngs)
+        self.ffn = MLP(d, (ffn_mult * d,), d, activation=ffn_activation, dtype=dtype, rngs=rngs)
         if cls_tokens:
             self.cls_norm = layer_norm(d, dtype=dtype, rngs=rngs)
             self.cls_attn = JaggedCrossAttention(d, num_heads, attention="softmax", qk_norm=qk_norm,

@@ -108,6 +108,7 @@ class TeacherArch:
     tasks: int
     lb_coef: float
     ffn_mult: int = FFN_MULT
+    ffn_activation: str = "gelu"
 
     @property
     def seq_summary(self) -> int:
@@ -155,7 +156,8 @@ def teacher_arch(cfg) -> TeacherArch:
         capacity_factor=_hp(cfg, "capacity_factor"),
         cross_layer_attention=_hp(cfg, "cross_layer_attention"), rope=_hp(cfg, "rope"),
         qk_norm=_hp(cfg, "qk_norm"), head_mlp=tuple(m.head_mlp), head_towers=_hp(cfg, "head_towers"),
-        surfaces=f.num_surfaces, tasks=f.num_tasks, lb_coef=float(_hp(cfg, "lb_coef")))
+        surfaces=f.num_surfaces, tasks=f.num_tasks, lb_coef=float(_hp(cfg, "lb_coef")),
+        ffn_activation=getattr(m, "ffn_activation", "gelu"))
 
 
 @jax.custom_vjp
@@ -202,7 +204,8 @@ class GEMTeacher(nnx.Module):
         self.remat_plan = regions.parse_plan(getattr(getattr(cfg, "train", None), "remat", "none"))
         self.dense_proj = dense_projection(a.num_dense, a.dense_tokens * a.dim, dtype=dtype, rngs=rngs)
         self.pyramid = ParallelPyramid(a.sequences, a.dim, levels=a.levels, num_heads=a.heads,
-                                       ffn_mult=a.ffn_mult, dtype=dtype, rngs=rngs)
+                                       ffn_mult=a.ffn_mult, ffn_activation=a.ffn_activation,
+                                       dtype=dtype, rngs=rngs)
         self.interformer = InterFormer(
             a.tokens, a.dim, num_layers=a.layers, num_heads=a.heads,
             summary_tokens=a.summary, cls_tokens=a.cls, pma_tokens=a.pma, recent_tokens=a.recent,
@@ -210,7 +213,7 @@ class GEMTeacher(nnx.Module):
             rank=a.rank, cross_layer_attention=a.cross_layer_attention,
             num_experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor,
             seq_attention=a.attention, block=a.block, rope=a.rope, qk_norm=a.qk_norm,
-            ffn_mult=a.ffn_mult, dtype=dtype, rngs=rngs)
+            ffn_mult=a.ffn_mult, ffn_activation=a.ffn_activation, dtype=dtype, rngs=rngs)
         self.head = MultiDomainHead(self.interformer.out_tokens * a.dim, num_surfaces=a.surfaces,
                                     num_tasks=a.tasks, hidden=a.head_mlp,
                                     towers=a.head_towers, dtype=dtype, rngs=rngs)
