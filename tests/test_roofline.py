@@ -85,6 +85,10 @@ def test_rows_join_trace_and_hlo(tmp_path):
     assert list(table)[0] == "cuBLAS GEMMs"                          # sorted by time
     text = R.format_rows(list(table.values()))
     assert "loop_add_fusion_2" in text and "ms of device kernels per step" in text
+    want = sum(min(r["ms"], r["roofline_ms"]) if r["roofline_ms"] else r["ms"]
+               for r in table.values())
+    assert R.at_roofline(list(table.values())) == pytest.approx(want)
+    assert want < sum(r["ms"] for r in table.values())
 
 
 def test_shape_bytes_and_tuples():
