@@ -84,3 +84,22 @@ def test_ffn_activation_reaches_every_teacher_ffn():
         assert float(jnp.max(jnp.abs(want - exact))) > 1e-6      # the two forms do differ
     with pytest.raises(ValueError, match="model.ffn_activation"):
         validate(apply_overrides(get_config("tiny"), "model.kind=teacher,model.ffn_activation=gelu2"))
+
+
+def test_token_bias_false_drops_the_pyramid_biases_only():
+    """model.token_bias=False: no bias on the pyramid's block-attention projections, FFNs and
+    pooling attention; the InterFormer and the heads keep theirs."""
+    base = get_config("tiny")
+    cfgs = [types.SimpleNamespace(data=base.data, model=dataclasses.replace(
+        base.model, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=0,
+        token_bias=tb)) for tb in (True, False)]
+    with_b, without = (GEMTeacher(c, rngs=nnx.Rngs(0)) for c in cfgs)
+    level = next(iter(without.pyramid.pyramids.values())).levels[0]
+    linears = [level.encoder.blocks[0].attn.q_proj, level.encoder.blocks[0].attn.out_proj,
+               *level.encoder.blocks[0].ffn.linears, level.pool.k_proj, level.pool.v_proj]
+    assert all(lin.bias is None for lin in linears)
+    assert without.interformer.layers[0].ffn.linears[0].bias is not None
+    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    d, n_pyr = base.model.dim, len(with_b.pyramid.pyramids)
+    # per pyramid: 4 self-attention projections (d) + FFN (2d + d) + 4 pooling projections (d)
+    assert count(with_b) - count(without) == n_pyr * (4 * d + 3 * d + 4 * d)

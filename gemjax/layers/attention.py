@@ -60,7 +60,7 @@ class JaggedSelfAttention(nnx.Module):
                  gdpa_activation: str = "silu", gdpa_scale: float | None = None,
                  causal: bool = False, window: int | None = None, block: int = 64,
                  rope: bool = False, rope_theta: float = 10_000.0, qk_norm: bool = False,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 use_bias: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if num_heads <= 0 or dim % num_heads:
@@ -74,7 +74,7 @@ class JaggedSelfAttention(nnx.Module):
         self.causal, self.window, self.block = causal, window, block
         self.rope, self.rope_theta = rope or attention == "block", rope_theta
         self.dtype = dtype
-        lin = lambda names: linear(dim, dim, names=names, dtype=dtype, rngs=rngs)
+        lin = lambda names: linear(dim, dim, names=names, use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.q_proj, self.k_proj, self.v_proj = (lin(("embed", "mlp")) for _ in range(3))
         self.out_proj = lin(("mlp", "embed"))
         if qk_norm:
@@ -168,7 +168,7 @@ class JaggedCrossAttention(nnx.Module):
 
     def __init__(self, dim: int, num_heads: int, *, kv_dim: int | None = None,
                  attention: str = "gdpa", gdpa_activation: str = "silu",
-                 gdpa_scale: float | None = None, qk_norm: bool = False,
+                 gdpa_scale: float | None = None, qk_norm: bool = False, use_bias: bool = True,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         if attention not in ("gdpa", "softmax"):
             raise ValueError(f"JaggedCrossAttention: attention must be 'gdpa' or 'softmax', "
@@ -179,10 +179,11 @@ class JaggedCrossAttention(nnx.Module):
         self.dim, self.kv_dim, self.num_heads, self.head_dim = dim, kv_dim, num_heads, dim // num_heads
         self.attention, self.gdpa_activation, self.gdpa_scale = attention, gdpa_activation, gdpa_scale
         self.dtype = dtype
-        self.q_proj = linear(dim, dim, names=("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.k_proj = linear(kv_dim, dim, names=("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.v_proj = linear(kv_dim, dim, names=("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.out_proj = linear(dim, dim, names=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        b = dict(use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(dim, dim, names=("embed", "mlp"), **b)
+        self.k_proj = linear(kv_dim, dim, names=("embed", "mlp"), **b)
+        self.v_proj = linear(kv_dim, dim, names=("embed", "mlp"), **b)
+        self.out_proj = linear(dim, dim, names=("mlp", "embed"), **b)
         if qk_norm:
             self.q_norm = rms_norm(self.head_dim, dtype=dtype, rngs=rngs)
             self.k_norm = rms_norm(self.head_dim, dtype=dtype, rngs=rngs)

@@ -46,11 +46,12 @@ class MLP(nnx.Module):
       out_features: output width.
       activation: name from ACTIVATIONS, applied after each hidden layer.
       layer_norm: LayerNorm on each hidden layer's pre-activation.
+      use_bias: biases on the Linears.
       dtype: compute dtype (float32 params are cast to it).
     """
 
     def __init__(self, in_features: int, hidden: Sequence[int], out_features: int, *,
-                 activation: str = "relu", layer_norm: bool = False,
+                 activation: str = "relu", layer_norm: bool = False, use_bias: bool = True,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         hidden = tuple(int(h) for h in hidden)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
@@ -68,7 +69,7 @@ class MLP(nnx.Module):
         names = [("embed", "mlp") if i == 0 else ("mlp", "embed") if i == len(dims) - 2
                  else ("mlp", None) for i in range(len(dims) - 1)]
         self.linears = nnx.List([
-            linear(a, b, names=nm, dtype=dtype, rngs=rngs)
+            linear(a, b, names=nm, use_bias=use_bias, dtype=dtype, rngs=rngs)
             for a, b, nm in zip(dims[:-1], dims[1:], names)])
         self.norms = nnx.List([_layer_norm(h, dtype=dtype, rngs=rngs) for h in hidden]
                               if layer_norm else [])

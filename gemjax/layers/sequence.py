@@ -63,14 +63,16 @@ class SequenceBlock(nnx.Module):
     """One pre-LN transformer block over jagged tokens: [T, dim] -> [T, dim]."""
 
     def __init__(self, dim: int, *, num_heads: int, ffn_mult: int = 2, dropout: float = 0.0,
-                 ffn_activation: str = "gelu", dtype=jnp.float32, rngs: nnx.Rngs, **attention_kw):
+                 ffn_activation: str = "gelu", use_bias: bool = True, dtype=jnp.float32,
+                 rngs: nnx.Rngs, **attention_kw):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"SequenceBlock: dropout must be in [0, 1), got {dropout}")
         self.attn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
-        self.attn = JaggedSelfAttention(dim, num_heads, dtype=dtype, rngs=rngs, **attention_kw)
+        self.attn = JaggedSelfAttention(dim, num_heads, use_bias=use_bias, dtype=dtype, rngs=rngs,
+                                        **attention_kw)
         self.ffn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
-        self.ffn = MLP(dim, (ffn_mult * dim,), dim, activation=ffn_activation, dtype=dtype,
-                       rngs=rngs)
+        self.ffn = MLP(dim, (ffn_mult * dim,), dim, activation=ffn_activation, use_bias=use_bias,
+                       dtype=dtype, rngs=rngs)
         # Built only when used, so dropout=0 leaves the parameter tree and rng stream unchanged.
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
 
@@ -95,8 +97,8 @@ class SequenceEncoder(nnx.Module):
       gdpa_activation: GDPA's element-wise activation.
       causal, window: attention masking (not with "block").
       ffn_mult: FFN hidden width = ffn_mult * dim.
-      ffn_activation: the FFN's activation (gemjax.layers.mlp.ACTIVATIONS; "gelu_tanh"
-        runs in cuBLASLt's GEMM epilogue on GPUs, exact "gelu" as a separate pass).
+      ffn_activation: the FFN's activation (gemjax.layers.mlp.ACTIVATIONS).
+      use_bias: biases on the attention projections and the FFN's Linears.
       rope, qk_norm, gdpa_scale, block: passed to JaggedSelfAttention.
       final_norm: LayerNorm on the output tokens.
       dropout: rate of the dropout on each block's attention and FFN outputs
@@ -112,13 +114,14 @@ class SequenceEncoder(nnx.Module):
                  causal: bool = False, window: int | None = None, ffn_mult: int = 2,
                  rope: bool = False, qk_norm: bool = False, gdpa_scale: float | None = None,
                  block: int = 64, final_norm: bool = True, dropout: float = 0.0,
-                 ffn_activation: str = "gelu", dtype=jnp.float32, rngs: nnx.Rngs):
+                 ffn_activation: str = "gelu", use_bias: bool = True, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if num_layers < 1:
             raise ValueError(f"SequenceEncoder: num_layers must be >= 1, got {num_layers}")
         self.dim, self.dtype = dim, dtype
         self.blocks = nnx.List([
             SequenceBlock(dim, num_heads=num_heads, ffn_mult=ffn_mult, dropout=dropout,
-                          ffn_activation=ffn_activation, dtype=dtype, rngs=rngs,
+                          ffn_activation=ffn_activation, use_bias=use_bias, dtype=dtype, rngs=rngs,
                           attention=attention, gdpa_activation=gdpa_activation,
                           gdpa_scale=gdpa_scale, causal=causal, window=window, block=block,
                           rope=rope, qk_norm=qk_norm)
