@@ -104,7 +104,8 @@ def test_no_vjp_and_bad_inputs():
 
 def test_cuda_lowering_verifies(monkeypatch):
     """The compiled kernel (not interpret) lowers to Triton IR that verifies, for sm_90,
-    float32 and bfloat16 g, with the partials' second pass (two launches)."""
+    float32 and bfloat16 g, with the partials' passes: 600k positions in blocks of 32
+    leave 37500, 2344, 148 partials, then 10 for the XLA reduction (four launches)."""
     reg = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
     lower = reg.lowering.lower_jaxpr_to_triton_module
     count = [0]
@@ -127,8 +128,8 @@ def test_cuda_lowering_verifies(monkeypatch):
                             disabled_checks=[export.DisabledSafetyCheck.custom_call(
                                 "__gpu$xla.gpu.triton")])(
             sds((n + 1, 512), dtype), sds((n,), jnp.int32), sds((n,), jnp.int32))
-        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 2
-    assert count[0] == 4
+        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 4
+    assert count[0] == 8
 
 
 # ----------------------------------------------------------------------------- GPU (compiled)

@@ -28,10 +28,10 @@ Grid (blocks of BN positions + row chunks of BR rows, ceil(D / BD) column tiles)
     (`present` is 0): gaps between blocks and the rows past the last segment.
 
 Then the partials, 2 nb rows with non-decreasing targets (the blocks' first and
-last seg), are summed per target (XLA's sorted segment_sum up to
-`direct_partials` rows, else this kernel again on the float32 partials, whose
-blocks shrink them BN / 2 times per level) and set into out at their target rows
-(one scatter of distinct rows). Every row of out is written once: by a block,
+last seg), are summed per target (this kernel again on the float32 partials, whose
+blocks shrink them BN / 2 times per level, down to `direct_partials` rows, which
+one masked XLA reduction sums) and set into out at their target rows (one scatter
+of distinct rows). Every row of out is written once: by a block,
 a row chunk, or the partials' scatter; no atomics, no zero-initialised buffer,
 and the result is the same bits on every run.
 
@@ -62,13 +62,17 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 # block_n: positions per block (BN, the one-hot matmul is BN x BN x BD); block_d: columns
 # per program (BD); block_rows: rows per zero-fill program (BR); direct_partials: the
-# largest partials count summed by XLA's segment_sum (above it this kernel recurses).
+# largest partials count summed by one XLA reduction over a [P, P, D] masked copy (above
+# it this kernel recurses).
 # Timed on one H200 (benchmarks/bench_segment_sum.py --sweep: N = 2.6M, D = 512, bf16,
-# Zipf 1.1 over 2M ids, blocking calls): BN/BD/warps 32/128/4 4.15 ms, 32/256/4 4.51,
-# 32/128/2 4.59, 16/256/4 4.85, 64/128/4 6.10, 128/128/8 9.20 (XLA's segment_sum 14.6).
-# The [BN, BN] rank and row work per program grows as BN^2, hence the small blocks.
+# Zipf 1.1 over 2M ids, blocking calls, the last <= 4096 partials then summed by XLA's
+# segment_sum): BN/BD/warps 32/128/4 4.15 ms, 32/256/4 4.51, 32/128/2 4.59, 16/256/4
+# 4.85, 64/128/4 6.10, 128/128/8 9.20 (XLA's segment_sum alone 14.6). The [BN, BN] rank
+# and row work per program grows as BN^2, hence the small blocks. A variant without
+# ranks (S[i, j] = seg[i] == seg[j], each run stored from its first lane) was slower at
+# BN = 32 (4.97 ms) in a later run where XLA's time repeated (14.7 ms).
 KNOBS = dict(block_n=32, block_d=128, block_rows=128, num_warps=4, num_stages=1,
-             direct_partials=4096)
+             direct_partials=64)
 # flag of a non-finite element, counted per segment by the flags matmul (base 256)
 _NAN, _PINF, _NINF = 1.0, 256.0, 65536.0
 _NONE = jnp.iinfo(jnp.int32).min
@@ -216,7 +220,9 @@ def segment_sum_pallas(g: Array, idx: Array, seg: Array, num_segments: int, *,
     rows = jnp.full((2 * nb,), k, jnp.int32).at[jnp.where(new, dense, 2 * nb)].set(
         jnp.where(ok, tgt, k), mode="drop")
     if 2 * nb <= knobs["direct_partials"]:
-        sums = jax.ops.segment_sum(part, dense, num_segments=2 * nb, indices_are_sorted=True)
+        # a fixed-order XLA reduction (XLA's segment_sum adds with atomics, in no fixed order)
+        hit = dense[None, :] == jnp.arange(2 * nb, dtype=jnp.int32)[:, None]
+        sums = jnp.sum(jnp.where(hit[:, :, None], part[None], 0.0), axis=1)
     else:
         sums = segment_sum_pallas(part, jnp.arange(2 * nb, dtype=jnp.int32), dense, 2 * nb,
                                   interpret=interpret, knobs=knobs)
