@@ -100,6 +100,10 @@ def test_no_vjp_and_bad_inputs():
         sorted_segment_sum(g, idx, seg, 8, impl="pallas", block_d=24)
     with pytest.raises(ValueError, match="impl must be"):
         sorted_segment_sum(g, idx, seg, 8, impl="triton")
+    with pytest.raises(ValueError, match="g must be bfloat16, float16 or float32"):
+        sorted_segment_sum(g.astype(jnp.int32), idx, seg, 8, impl="pallas")
+    with pytest.raises(ValueError, match="num_segments must be a static int"):
+        sorted_segment_sum(g, idx, seg, 8.0)
 
 
 def test_cuda_lowering_verifies(monkeypatch):

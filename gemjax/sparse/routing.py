@@ -479,7 +479,8 @@ def _fused(state: dict[str, Array], rows: Array, perm: Array, seg: Array, g: Arr
 
 def update_rows(state: dict[str, Array], rows: Array, grads: Array, optimizer,
                 rows_unique: bool = False, dedup: str = "sort", buckets=(),
-                update_impl: str = "xla", fused_knobs=(), segment_sum: str = "auto") -> dict[str, Array]:
+                update_impl: str = "xla", fused_knobs=(),
+                segment_sum: str = "auto") -> dict[str, Array]:
     """Sum duplicate rows' grads, apply the optimizer to those rows only.
 
     state {"weights": [V, D], <opt>: [V, ...]}, rows [K] (-1 = none), grads [K, D].

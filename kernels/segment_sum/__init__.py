@@ -10,6 +10,7 @@ blocks of sorted positions with a one-hot matmul and writes every output row onc
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ __all__ = ["KNOBS", "sorted_segment_sum", "sorted_segment_sum_reference"]
 def sorted_segment_sum(g, idx, seg, num_segments, *, impl=None, **knobs):
     """out[s] = sum of g[idx[p]] (float32) over the positions p with seg[p] == s.
 
-    g [M, D] bfloat16 / float16 / float32, idx [N] int32 (rows of g, in [0, M)),
+    g [M, D] float (the kernel: bfloat16 / float16 / float32), idx [N] int32 (rows of g, in [0, M)),
     seg [N] int32 non-decreasing, num_segments K (a static int) -> float32 [K, D].
     Positions whose seg lies outside [0, K) add nothing; rows no position names are 0.
     NaN / Inf reach only their own segment's row, as in a sequential sum.
@@ -41,8 +42,11 @@ def sorted_segment_sum(g, idx, seg, num_segments, *, impl=None, **knobs):
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     if impl == "reference":
         return sorted_segment_sum_reference(g, idx, seg, num_segments)
+    if g.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"sorted_segment_sum(impl='pallas'): g must be bfloat16, float16 or "
+                         f"float32, got {g.dtype}")
     interpret = jax.default_backend() != "gpu"
-    return _kernel(g, idx.astype(jnp.int32), seg.astype(jnp.int32), int(num_segments),
+    return _kernel(g, idx.astype(jnp.int32), seg.astype(jnp.int32), operator.index(num_segments),
                    (interpret, tuple(sorted(knobs.items()))))
 
 
@@ -68,9 +72,8 @@ _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 def _check_inputs(g, idx, seg, num_segments):
     """ValueError naming the bad input."""
     if getattr(g, "ndim", None) != 2:
-        raise ValueError(f"sorted_segment_sum: g must be [M, D], got shape {getattr(g, 'shape', None)}")
-    if g.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        raise ValueError(f"sorted_segment_sum: g must be bfloat16, float16 or float32, got {g.dtype}")
+        raise ValueError(f"sorted_segment_sum: g must be [M, D], got shape "
+                         f"{getattr(g, 'shape', None)}")
     for name, x in (("idx", idx), ("seg", seg)):
         if getattr(x, "ndim", None) != 1:
             raise ValueError(f"sorted_segment_sum: {name} must be [N], got shape "
@@ -78,8 +81,13 @@ def _check_inputs(g, idx, seg, num_segments):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"sorted_segment_sum: {name} must be integer (int32), got {x.dtype}")
     if idx.shape != seg.shape:
-        raise ValueError(f"sorted_segment_sum: idx {idx.shape} and seg {seg.shape} must both be [N]")
-    if not isinstance(num_segments, int) or isinstance(num_segments, bool) or num_segments < 0:
+        raise ValueError(f"sorted_segment_sum: idx {idx.shape} and seg {seg.shape} must both "
+                         "be [N]")
+    try:
+        ok = not isinstance(num_segments, bool) and operator.index(num_segments) >= 0
+    except TypeError:
+        ok = False
+    if not ok:
         raise ValueError(f"sorted_segment_sum: num_segments must be a static int >= 0, got "
                          f"{num_segments!r}")
     if g.shape[0] == 0 and idx.shape[0] > 0:

@@ -163,8 +163,8 @@ def _kernel(seg_ref, idx_ref, present_ref, g_ref, out_ref, part_ref, *, n, k, d,
 
     @pl.when(b < nb)
     def _():
-        _position_block(b, c * bd, cols, col_ok, seg_ref, idx_ref, g_ref, out_ref, part_ref, n=n, k=k,
-                        bn=bn)
+        _position_block(b, c * bd, cols, col_ok, seg_ref, idx_ref, g_ref, out_ref, part_ref,
+                        n=n, k=k, bn=bn)
 
     @pl.when(b >= nb)
     def _():
