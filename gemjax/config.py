@@ -195,6 +195,9 @@ class TrainConfig:
     # or "auto": the planner picks the plan for memory_budget_gb at start
     remat: str = "none"
     memory_budget_gb: float = 0.0    # device memory budget of remat=auto (GiB of the train step)
+    # sorted duplicate sum of the sparse grads (routing.sum_duplicates): auto (the Pallas
+    # kernel kernels.segment_sum on GPU, XLA's segment_sum elsewhere), xla or pallas
+    sparse_segment_sum: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,6 +467,8 @@ def validate(cfg: Config) -> None:
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.sparse_update_impl in ("xla", "pallas"),
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),
+        (cfg.train.sparse_segment_sum in ("auto", "xla", "pallas"),
+         f"train.sparse_segment_sum must be auto, xla or pallas, got {cfg.train.sparse_segment_sum!r}"),
         *_train_checks(cfg.train),
         *_steps_per_call_checks(cfg),
         *_teacher_checks(m),

@@ -104,6 +104,9 @@ SKIP = {
     "./run train --config=small --override=model.dim=32,data.seq_median=64,train.steps=3000": LONG,
     "./run train --config=h200 --override=model.kind=teacher": "GPU (h200 preset)",
     "./run train --config=gem1b --steps=60 --eval_every=60 --workdir=runs/gem1b": "GPU (gem1b preset)",
+    "python -m benchmarks.bench_segment_sum": "GPU (2.6M x 512 rows)",
+    "python -m benchmarks.bench_segment_sum --smoke":
+        "tests/test_segment_sum.py runs the benchmark's smoke mode",
     "python -m gemjax.perf.model_size --config=gem1b": "tests/test_gem1b.py runs its main() and "
                                                        "pins the figures the README quotes",
     f"./run train --config=h200 {GPU_TEACHER} --workdir=runs/h200": "GPU (h200 preset)",

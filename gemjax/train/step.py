@@ -282,7 +282,8 @@ class Trainer:
                                    replica_axes=tuple(table_replica_axes), exchange_buckets=xb,
                                    sync_buckets=cfg.train.sparse_sync_buckets,
                                    update_impl=cfg.train.sparse_update_impl,
-                                   row_major=cfg.train.sparse_row_major, **planner_kw)
+                                   row_major=cfg.train.sparse_row_major,
+                                   segment_sum=cfg.train.sparse_segment_sum, **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
 
     @property
