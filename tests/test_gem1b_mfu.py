@@ -95,3 +95,38 @@ def test_host_wait_counts_the_blocked_time_after_the_first_log_point():
     assert waits.seconds == pytest.approx(2 * 3.0 + 4 * 0.5)
     assert waits.steady_per_step == pytest.approx(0.5)     # steps 3..6, after the first log point
     assert tracking.HostWait().steady_per_step is None
+
+
+def test_local_mfu_command_reports_each_block_and_the_weighted_mean(monkeypatch, capsys, tmp_path):
+    """python -m gemjax.perf.local_mfu: flag errors name the flag; the printed Local MFU is the
+    FLOP-weighted mean of the MFUs of the blocks `measure` returns (measure itself is stubbed: timing every
+    teacher block costs a minute of CPU)."""
+    import json as _json
+
+    import pytest as _pytest
+
+    from gemjax.perf import local_mfu, mfu
+
+    for argv, msg in ((["--config=tiny"], "model.kind must be teacher"),
+                      (["--config=tiny", "--override=model.kind=teacher", "--iters=0"], "--iters"),
+                      (["--config=tiny", "--override=model.kind=teacher"], "--peak_flops")):
+        with _pytest.raises(SystemExit):
+            local_mfu.main(argv)
+        assert msg in capsys.readouterr().err
+    rows = [("a", 2e9, 1.0), ("b", 6e9, 4.0)]
+
+    def fake_measure(cfg, batch, peak, **kw):
+        assert cfg.model.kind == "teacher" and batch.batch_size == cfg.data.batch_size
+        layers = [{"name": n, "flops": f, "seconds": s, "mfu": f / (s * peak)} for n, f, s in rows]
+        return {"layers": layers, "local_mfu": mfu.local_mfu([f for _, f, _ in rows],
+                                                             [s for _, _, s in rows], peak)}
+
+    monkeypatch.setattr(local_mfu, "measure", fake_measure)
+    out = tmp_path / "local.json"
+    local_mfu.main(["--config=tiny", "--override=model.kind=teacher", "--peak_flops=1e10",
+                    f"--json={out}"])
+    text = capsys.readouterr().out
+    # GEM's Local MFU: the blocks' MFUs weighted by their FLOPs (0.2 and 0.15 here)
+    want = (2e9 * 2e9 / (1.0 * 1e10) + 6e9 * 6e9 / (4.0 * 1e10)) / (2e9 + 6e9)
+    assert f"Local MFU {want:.4f} over 2 blocks" in text
+    assert _json.load(open(out))["local_mfu"] == _pytest.approx(want)

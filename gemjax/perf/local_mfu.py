@@ -211,3 +211,52 @@ def measure(cfg: Config, batch, peak: float, *, seed: int = 0, iters: int = 10, 
     report["model_flops"] = float(sum(r["flops"] for r in report["layers"]))
     report["samples"] = int(batch.dense.shape[0])
     return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """python -m gemjax.perf.local_mfu --config=gem1b: each teacher block timed alone on this
+    process's first device at the preset's batch (step 0 of its train source); prints each
+    block's time and MFU, then Local MFU."""
+    import argparse
+    import json
+
+    from gemjax.config import get_config
+    from gemjax.data.source import make_source
+
+    ap = argparse.ArgumentParser(description="Local MFU of a preset's teacher: each block "
+                                             "timed alone on one device (forward + backward).")
+    ap.add_argument("--config", default="gem1b", help="preset (model.kind must be teacher)")
+    ap.add_argument("--override", default="", help="section.field=value,...")
+    ap.add_argument("--iters", type=int, default=5, help="timed calls per block")
+    ap.add_argument("--peak_flops", type=float, default=None,
+                    help="peak FLOP/s of the device (default: the table by device kind, bf16)")
+    ap.add_argument("--json", default="", help="write the report here")
+    args = ap.parse_args(argv)
+    try:
+        cfg = get_config(args.config, args.override or None)
+    except ValueError as e:
+        ap.error(str(e))
+    if cfg.model.kind != "teacher":
+        ap.error(f"--config={args.config}: model.kind must be teacher, got {cfg.model.kind!r}")
+    if args.iters < 1:
+        ap.error(f"--iters must be >= 1, got {args.iters}")
+    device = jax.devices()[0]
+    try:
+        peak = mfu.peak_flops(device.device_kind, "bf16", args.peak_flops)
+    except ValueError as e:
+        ap.error(f"{e} (pass --peak_flops)")
+    batch, _ = make_source(cfg, "train").shard_batch(0, 0, 1)
+    with jax.default_device(device):
+        rep = measure(cfg, batch, peak, iters=args.iters, warmup=1)
+    for row in rep["layers"]:
+        print(f"{row['name']:<28} {row['seconds'] * 1e3:9.3f} ms  {row['flops'] / 1e12:8.3f} TFLOP"
+              f"  MFU {row['mfu']:.4f}")
+    print(f"Local MFU {rep['local_mfu']:.4f} over {len(rep['layers'])} blocks "
+          f"(peak {peak / 1e12:.4g} TFLOP/s, {device.device_kind})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()
