@@ -305,3 +305,52 @@ def test_bad_dedup_and_grad_dtype_are_named():
         EmbeddingCollection(specs, grad_dtype=jnp.float16)
     with pytest.raises(ValueError, match="unique_buckets"):
         EmbeddingCollection(specs, unique_buckets=(0.5, 1.5))
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (shard_map, pjit, cond...)."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("shape,names,plan", [((1,), ("data",), "row_wise"),
+                                              ((2, 4), ("replica", "model"), "fs2d")])
+def test_bf16_activation_grads_stay_bf16_with_the_same_update(shape, names, plan):
+    """A bf16 model's per-id grads of a local table stay bf16 (no float32 copy of the [N, D]
+    rows; exchanged ones travel in grad_dtype as before): the float32 duplicate sums widen
+    them exactly, so the update equals the one from the same values given as float32."""
+    mesh = mesh_of(shape, names)
+    specs = make_specs(Adagrad(lr=0.1))
+    replica = ("replica",) if "replica" in names else ()
+    plans = {n: dataclasses.replace(p, min_capacity=1)
+             for n, p in plans_lib.resolve(plan, specs, mesh, replica).items()}
+    coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica, batch_axes=names)
+    rng = np.random.default_rng(3)
+    tables = {s.name: {"weights": rng.normal(size=(s.vocab, s.dim)),
+                       **{k: np.zeros((s.vocab,) + np.shape(v)[1:])
+                          for k, v in s.optimizer.init_state(1, s.dim).items()}} for s in specs}
+    n_dev = int(np.prod(shape))
+    feats = to_global(make_batch(rng, n_dev), mesh, names)
+    acts, res = jax.jit(coll.lookup)(coll.from_logical(tables), feats)
+    g16 = {f: jnp.asarray(rng.normal(size=a.shape), jnp.bfloat16) for f, a in acts.items()}
+    g32 = {f: g.astype(jnp.float32) for f, g in g16.items()}
+    apply = jax.jit(coll.apply_gradients)
+    new16 = apply(coll.from_logical(tables), res, g16)
+    new32 = apply(coll.from_logical(tables), res, g32)
+    for a, b in zip(jax.tree.leaves(new16), jax.tree.leaves(new32)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    jaxpr = jax.make_jaxpr(coll.apply_gradients)(coll.from_logical(tables), res, g16)
+    # the "user" table's unpooled ids (u1 [B], u2 [B, 3] per device) plus the zero row: its
+    # rows are gathered in bf16; pooled bags (tags, hist) are float32 sources by design
+    n_user = B * 4 + 1                     # per device: the batch is split over every device
+    rows = {(e.outvars[0].aval.shape[0], e.outvars[0].aval.dtype)
+            for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "concatenate"
+            and e.outvars[0].aval.ndim == 2}
+    local = len(shape) == 1
+    want, other = (jnp.bfloat16, jnp.float32) if local else (jnp.float32, jnp.bfloat16)
+    assert (n_user, jnp.dtype(want)) in rows and (n_user, jnp.dtype(other)) not in rows, rows

@@ -44,9 +44,13 @@ reused by the backward; sorted segment_sum), "sort_scatter" (the same sort
 for the dedupe, unsorted scatter-add by the inverse in the backward) or "scatter"
 (jnp.unique + unsorted scatter-add, the original path). Same results up to
 float rounding of the sums.
-grad_dtype: dtype the per-id activation gradients are gathered and exchanged
-in (float32 default; bfloat16 halves that traffic and rounds each per-id
-gradient once); duplicate sums and the optimizer math stay float32.
+grad_dtype: the widest dtype the per-id activation gradients are gathered and
+exchanged in (float32 default; bfloat16 halves that traffic and rounds each
+float32 per-id gradient once). For a table updated where its ids
+were looked up (no exchange), gradients narrower than it (bfloat16
+activations) stay as they are: the float32 duplicate sum widens them exactly,
+so a bfloat16 model's per-id rows move at half the bytes with the same sums.
+Duplicate sums and the optimizer math are float32.
 unique_buckets: fractions of N, e.g. routing.DEFAULT_BUCKETS = (1/4, 3/8, 1/2);
 the duplicate sum and the update run on the smallest bucket holding the unique
 rows instead of all N ids (local tables) or all S_m * C received slots (the
@@ -377,21 +381,26 @@ class EmbeddingCollection:
                     g_f = _row_major(g_acts[f]) if self.row_major else g_acts[f]
                     if isinstance(ids, Jagged):
                         src, idx = _unpool_source(ids, g_f.astype(jnp.float32), spec.pooling)
-                    else:
-                        src = g_f.astype(jnp.float32).reshape(-1, spec.dim)
+                    else:   # rows as they are: the f32 duplicate sum widens them exactly
+                        src = g_f.reshape(-1, spec.dim)
                         idx = jnp.arange(src.shape[0], dtype=jnp.int32)
                     srcs.append(src)
                     index.append(jnp.where(idx >= 0, idx + off, -1))
                     off += src.shape[0]
-                g = jnp.concatenate(srcs + [jnp.zeros((1, spec.dim), jnp.float32)]).astype(self.grad_dtype)
-                src_index = jnp.concatenate(index)
-                src_index = jnp.where(src_index >= 0, src_index, off)
-                if copies:   # devices holding a copy of another's batch add nothing
-                    g = jnp.where(jax.lax.axis_index(copies) == 0, g, 0)
                 model, fs_axes, sync = self._axes(name)
                 lay = self.layouts[name]
                 unit = self.unit_of[name]
                 local = lay.num_model == 1 and lay.num_fs == 1 and not sync
+                # exchanged rows travel in grad_dtype; a local table's rows stay as narrow
+                # as they came (the float32 duplicate sum widens them exactly)
+                dt = jnp.result_type(*srcs) if local else self.grad_dtype
+                if dt.itemsize > self.grad_dtype.itemsize:
+                    dt = self.grad_dtype
+                g = jnp.concatenate([s.astype(dt) for s in srcs] + [jnp.zeros((1, spec.dim), dt)])
+                src_index = jnp.concatenate(index)
+                src_index = jnp.where(src_index >= 0, src_index, off)
+                if copies:   # devices holding a copy of another's batch add nothing
+                    g = jnp.where(jax.lax.axis_index(copies) == 0, g, 0)
                 impl = self._update_impl(spec)
                 if local and (self.unique_buckets or impl == "pallas"):
                     new[unit] = routing.update_unique_bucketed(
