@@ -1,7 +1,6 @@
 """kernels.segment_sum: the Pallas kernel (interpret mode here) against XLA's segment_sum
 (the reference) and float64 numpy, on the layouts that stress its block boundaries."""
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +9,7 @@ import pytest
 from jax import export
 
 from kernels.segment_sum import sorted_segment_sum, sorted_segment_sum_reference
+from test_kernels_triton_lowering import cuda_lowering  # noqa: F401  (a fixture)
 
 # small tiles: many blocks, zero-fill chunks and column tiles at small sizes
 SMALL = dict(block_n=16, block_d=16, block_rows=16)
@@ -106,24 +106,11 @@ def test_no_vjp_and_bad_inputs():
         sorted_segment_sum(g, idx, seg, 8.0)
 
 
-def test_cuda_lowering_verifies(monkeypatch):
+def test_cuda_lowering_verifies(cuda_lowering):
     """The compiled kernel (not interpret) lowers to Triton IR that verifies, for sm_90,
     float32 and bfloat16 g, with the partials' passes: 600k positions in blocks of 32
     leave 37500, 2344, 148 partials, then 10 for the XLA reduction (four launches)."""
-    reg = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-    lower = reg.lowering.lower_jaxpr_to_triton_module
-    count = [0]
-
-    def verified(*args, **kwargs):
-        out = lower(*args, **kwargs)
-        assert out.module.operation.verify(), "Triton module does not verify"
-        count[0] += 1
-        return out
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability=90))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    count = cuda_lowering
     n, k = 600_000, 600_000
     for dtype in (jnp.bfloat16, jnp.float32):
         fn = lambda g, i, s: sorted_segment_sum(g, i, s, k)                    # noqa: E731

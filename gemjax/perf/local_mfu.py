@@ -217,25 +217,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     """python -m gemjax.perf.local_mfu --config=gem1b: each teacher block timed alone on this
     process's first device at the preset's batch (step 0 of its train source); prints each
     block's time and MFU, then Local MFU."""
-    import argparse
     import json
 
-    from gemjax.config import get_config
     from gemjax.data.source import make_source
+    from gemjax.perf.model_size import parse_preset, preset_parser
 
-    ap = argparse.ArgumentParser(description="Local MFU of a preset's teacher: each block "
-                                             "timed alone on one device (forward + backward).")
-    ap.add_argument("--config", default="gem1b", help="preset (model.kind must be teacher)")
-    ap.add_argument("--override", default="", help="section.field=value,...")
+    ap = preset_parser("Local MFU of a preset's teacher (model.kind=teacher): each block "
+                       "timed alone on one device (forward + backward).")
     ap.add_argument("--iters", type=int, default=5, help="timed calls per block")
     ap.add_argument("--peak_flops", type=float, default=None,
                     help="peak FLOP/s of the device (default: the table by device kind, bf16)")
     ap.add_argument("--json", default="", help="write the report here")
-    args = ap.parse_args(argv)
-    try:
-        cfg = get_config(args.config, args.override or None)
-    except ValueError as e:
-        ap.error(str(e))
+    args, cfg = parse_preset(ap, argv)
     if cfg.model.kind != "teacher":
         ap.error(f"--config={args.config}: model.kind must be teacher, got {cfg.model.kind!r}")
     if args.iters < 1:

@@ -70,18 +70,30 @@ def step_flops_per_sample(cfg: Config, step: int = 0, seed: int = 0) -> float:
     return batch_step_flops(cfg, batch) / batch.dense.shape[0]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from gemjax.config import get_config
-
-    ap = argparse.ArgumentParser(description="Parameter counts (from shapes) and analytic train-"
-                                             "step FLOPs per sample of a preset's model.")
+def preset_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with --config (default gem1b) and --override, for parse_preset."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", default="gem1b", help="preset")
     ap.add_argument("--override", default="", help="section.field=value,...")
+    return ap
+
+
+def parse_preset(ap: argparse.ArgumentParser, argv: Sequence[str] | None):
+    """-> (args, the Config of --config with --override); a bad preset or override exits
+    with the parser's error naming it."""
+    from gemjax.config import get_config
+
     args = ap.parse_args(argv)
     try:
-        cfg = get_config(args.config, args.override or None)
+        return args, get_config(args.config, args.override or None)
     except ValueError as e:
         ap.error(str(e))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = preset_parser("Parameter counts (from shapes) and analytic train-step FLOPs per "
+                       "sample of a preset's model.")
+    args, cfg = parse_preset(ap, argv)
     p = param_counts(cfg)
     d = cfg.data
     print(f"{cfg.name}: dense parameters {p.dense:,} = {p.dense / 1e6:,.1f}M ({p.experts / 1e6:,.1f}M "
