@@ -116,6 +116,17 @@ def define_flags():
     flags.DEFINE_integer("repr_window", 0,
                          "steps a cached user embedding is served (0: the sample's own)")
     flags.DEFINE_enum("share", "tuned", ["frozen", "tuned"], "shared teacher tables")
+    flags.DEFINE_enum("repr_norm", "standardize", ["none", "standardize"],
+                      "teacher features standardised per feature (training-batch statistics)")
+    flags.DEFINE_float("repr_dropout", 0.0, "training: share of samples whose teacher features "
+                       "are zeroed")
+    flags.DEFINE_enum("share_accum", "fresh", ["teacher", "fresh"],
+                      "tuned shared tables start with the teacher's Adagrad accumulators or fresh ones")
+    flags.DEFINE_string("share_dense", "dense_proj", "share: dense parameter groups of the teacher copied "
+                        "into the student (same shapes), e.g. dense_proj")
+    flags.DEFINE_float("share_lr_scale", 1.0, "tuned shared tables: sparse lr times this")
+    flags.DEFINE_integer("share_freeze_steps", 0, "tuned shared tables stay the teacher's for the "
+                         "first N student steps")
     flags.DEFINE_enum("drift_teacher_lr", "decay", ["decay", "constant"],
                       "--dataset=drift: the teacher's dense lr decays over its steps (the batch "
                       "trainer's schedule) or stays at train.dense_lr after the warm-up "
@@ -239,7 +250,10 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
                          adapter_window=args.adapter_window, adapter_refresh=args.adapter_refresh,
                          adapter_kind=args.adapter, adapter_features=args.adapter_features,
                          adapter_l2=args.adapter_l2, repr_window=args.repr_window, share=args.share,
-                         teacher_mode=args.teacher_mode)
+                         teacher_mode=args.teacher_mode, repr_norm=args.repr_norm,
+                         repr_dropout=args.repr_dropout, share_accum=args.share_accum,
+                         share_freeze_steps=args.share_freeze_steps,
+                         share_lr_scale=args.share_lr_scale, share_dense=args.share_dense)
     if args.teacher_mode == "cotrain":
         tt = Trainer.create(tcfg, mesh)
         teacher = Teacher(tt, tt.init_state(tcfg.train.seed))
@@ -471,6 +485,8 @@ def main(argv):
                        "teacher_override", "student_override", "teacher_mode", "alpha",
                        "temperature", "adapter_window", "adapter_refresh", "adapter",
                        "adapter_features", "adapter_l2", "repr_window", "share",
+                       "repr_norm", "repr_dropout", "share_accum", "share_freeze_steps",
+                       "share_lr_scale", "share_dense",
                        "drift_teacher_lr")},
                    "runs": results, "summary": figures, "budget": budget,
                    "drift_steps": consumed or None,
