@@ -21,10 +21,13 @@ Per seed:
                affine, a per-task Platt scaling, or features, plus a linear term in
                --adapter_features: dense inputs, the teacher's repr, the student's
                own logits; L2 --adapter_l2, fitted on the newest --adapter_window rows)
-     +repr     kd+adapter and the teacher's sequence embeddings as inputs (each sample's
-               own by default; --repr_window=N serves a user's cached one up to N steps)
+     +repr     kd+adapter and the teacher's sequence embeddings (a teacher without
+               sequences: its user row) as inputs (each sample's own by default;
+               --repr_window=N serves a user's cached one up to N steps), standardised
+               per feature on the training rows (--repr_norm), --repr_dropout
      +share    kd+adapter and the teacher's embedding tables (--share tuned by default,
-               or frozen: then checked bit-identical after training)
+               with fresh Adagrad accumulators, --share_accum; or frozen: then checked
+               bit-identical after training) and its --share_dense groups (dense_proj)
      all       kd+adapter+repr+share
      hier      (--hierarchical) teacher -> domain model (a wider wukong student,
                kd+adapter) -> the student (kd+adapter)

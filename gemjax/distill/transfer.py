@@ -20,14 +20,23 @@ Methods (DistillConfig.methods, comma-separated; "" trains on the labels alone):
            the sample's dense inputs Batch.dense [B, D]; "repr", the teacher's
            sequence embedding [B, E]; "student", the student's own logits [B, K]
            before its step on the batch: one more forward), L2 penalty `adapter_l2`;
-  repr     the teacher's sequence embedding of each sample (gemjax.distill.represent)
-           is a student input (model.teacher_repr_dim); in training it is served from
-           a per-user cache refreshed when older than `repr_window` steps (0: always
-           the sample's own), in eval the sample's own;
+  repr     the teacher's sequence embedding of each sample (gemjax.distill.represent;
+           a teacher without sequences: its user row) is a student input
+           (model.teacher_repr_dim); in training it is served from a per-user cache
+           refreshed when older than `repr_window` steps (0: always the sample's own),
+           in eval the sample's own; `repr_norm` "standardize" divides each feature's
+           deviation from its mean by its std over the training rows served so far
+           (ReprNormalizer), `repr_dropout` zeroes a training sample's row with that
+           probability;
   share    the student's embedding tables are the teacher's (model.dim = the
            teacher's, the student projects them to its width): "frozen" (the student
            never updates them: sparse lr 0; with a co-trained teacher they are copied
-           from it before every step) or "tuned" (copied once, then trained).
+           from it before every step) or "tuned" (copied once, then trained at the
+           student's sparse lr times `share_lr_scale`; `share_accum` "teacher" keeps
+           the teacher's Adagrad accumulators, "fresh" starts from the student's own;
+           `share_freeze_steps` N keeps the teacher's rows through the first N steps);
+           `share_dense` names dense parameter groups of the same shape in both models
+           (e.g. "dense_proj") copied into the student at init, then trained.
 Hierarchical transfer is the same machinery twice: a Distiller trains a domain model
 from the teacher, and `Teacher(domain_trainer, domain_state)` teaches the student.
 
