@@ -23,8 +23,8 @@ Per seed:
                own logits; L2 --adapter_l2, fitted on the newest --adapter_window rows)
      +repr     kd+adapter and the teacher's sequence embeddings (a teacher without
                sequences: its user row) as inputs (each sample's own by default;
-               --repr_window=N serves a user's cached one up to N steps), standardised
-               per feature on the training rows (--repr_norm), --repr_dropout
+               --repr_window=N serves a user's cached one up to N steps) through one
+               projected token; --repr_norm=standardize, --repr_dropout
      +share    kd+adapter and the teacher's embedding tables (--share tuned by default,
                with fresh Adagrad accumulators, --share_accum; or frozen: then checked
                bit-identical after training) and its --share_dense groups (dense_proj)
@@ -119,7 +119,7 @@ def define_flags():
     flags.DEFINE_integer("repr_window", 0,
                          "steps a cached user embedding is served (0: the sample's own)")
     flags.DEFINE_enum("share", "tuned", ["frozen", "tuned"], "shared teacher tables")
-    flags.DEFINE_enum("repr_norm", "standardize", ["none", "standardize"],
+    flags.DEFINE_enum("repr_norm", "none", ["none", "standardize"],
                       "teacher features standardised per feature (training-batch statistics)")
     flags.DEFINE_float("repr_dropout", 0.0, "training: share of samples whose teacher features "
                        "are zeroed")
