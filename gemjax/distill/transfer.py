@@ -322,13 +322,15 @@ class Distiller:
         return state
 
     def _copy_group(self, params: dict, name: str) -> dict:
+        """`params` with group `name` (a top-level key) replaced by a copy of the teacher's
+        (placed as the student's); ValueError unless both models have it with the same tree of shapes."""
         mine, theirs = params.get(name), self.teacher.state["params"].get(name)
-        shape = lambda t: jax.tree.map(lambda a: a.shape, t)
-        if mine is None or theirs is None or shape(mine) != shape(theirs):
+        shapes = [None if t is None else jax.tree.map(np.shape, t) for t in (mine, theirs)]
+        if mine is None or theirs is None or shapes[0] != shapes[1]:
             raise ValueError(f"distill share_dense: {name!r} is not a parameter group of both "
-                             f"models with one shape (student {None if mine is None else shape(mine)}"
-                             f", teacher {None if theirs is None else shape(theirs)})")
-        return {**params, name: jax.tree.map(jnp.copy, theirs)}
+                             f"models with one shape (student {shapes[0]}, teacher {shapes[1]})")
+        return {**params, name: jax.tree.map(lambda t, m: jax.device_put(jnp.copy(t), m.sharding),
+                                             theirs, mine)}
 
     def _start_tables(self, own: dict) -> dict:
         tables = self.shared_tables()
