@@ -21,10 +21,13 @@ Per seed:
                affine, a per-task Platt scaling, or features, plus a linear term in
                --adapter_features: dense inputs, the teacher's repr, the student's
                own logits; L2 --adapter_l2, fitted on the newest --adapter_window rows)
-     +repr     kd+adapter and the teacher's sequence embeddings as inputs (each sample's
-               own by default; --repr_window=N serves a user's cached one up to N steps)
+     +repr     kd+adapter and the teacher's sequence embeddings (a teacher without
+               sequences: its user row) as inputs (each sample's own by default;
+               --repr_window=N serves a user's cached one up to N steps) through one
+               projected token; --repr_norm=standardize, --repr_dropout
      +share    kd+adapter and the teacher's embedding tables (--share tuned by default,
-               or frozen: then checked bit-identical after training)
+               with fresh Adagrad accumulators, --share_accum; or frozen: then checked
+               bit-identical after training) and its --share_dense groups (dense_proj)
      all       kd+adapter+repr+share
      hier      (--hierarchical) teacher -> domain model (a wider wukong student,
                kd+adapter) -> the student (kd+adapter)
@@ -116,6 +119,17 @@ def define_flags():
     flags.DEFINE_integer("repr_window", 0,
                          "steps a cached user embedding is served (0: the sample's own)")
     flags.DEFINE_enum("share", "tuned", ["frozen", "tuned"], "shared teacher tables")
+    flags.DEFINE_enum("repr_norm", "none", ["none", "standardize"],
+                      "teacher features standardised per feature (training-batch statistics)")
+    flags.DEFINE_float("repr_dropout", 0.0, "training: share of samples whose teacher features "
+                       "are zeroed")
+    flags.DEFINE_enum("share_accum", "fresh", ["teacher", "fresh"],
+                      "tuned shared tables start with the teacher's Adagrad accumulators or fresh ones")
+    flags.DEFINE_string("share_dense", "dense_proj", "share: dense parameter groups of the teacher copied "
+                        "into the student (same shapes), e.g. dense_proj")
+    flags.DEFINE_float("share_lr_scale", 1.0, "tuned shared tables: sparse lr times this")
+    flags.DEFINE_integer("share_freeze_steps", 0, "tuned shared tables stay the teacher's for the "
+                         "first N student steps")
     flags.DEFINE_enum("drift_teacher_lr", "decay", ["decay", "constant"],
                       "--dataset=drift: the teacher's dense lr decays over its steps (the batch "
                       "trainer's schedule) or stays at train.dense_lr after the warm-up "
@@ -239,7 +253,10 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
                          adapter_window=args.adapter_window, adapter_refresh=args.adapter_refresh,
                          adapter_kind=args.adapter, adapter_features=args.adapter_features,
                          adapter_l2=args.adapter_l2, repr_window=args.repr_window, share=args.share,
-                         teacher_mode=args.teacher_mode)
+                         teacher_mode=args.teacher_mode, repr_norm=args.repr_norm,
+                         repr_dropout=args.repr_dropout, share_accum=args.share_accum,
+                         share_freeze_steps=args.share_freeze_steps,
+                         share_lr_scale=args.share_lr_scale, share_dense=args.share_dense)
     if args.teacher_mode == "cotrain":
         tt = Trainer.create(tcfg, mesh)
         teacher = Teacher(tt, tt.init_state(tcfg.train.seed))
@@ -471,6 +488,8 @@ def main(argv):
                        "teacher_override", "student_override", "teacher_mode", "alpha",
                        "temperature", "adapter_window", "adapter_refresh", "adapter",
                        "adapter_features", "adapter_l2", "repr_window", "share",
+                       "repr_norm", "repr_dropout", "share_accum", "share_freeze_steps",
+                       "share_lr_scale", "share_dense",
                        "drift_teacher_lr")},
                    "runs": results, "summary": figures, "budget": budget,
                    "drift_steps": consumed or None,

@@ -385,3 +385,109 @@ def test_student_trains_and_checkpoints_with_the_train_loop(tmp_path):
     assert np.isfinite(summary["eval_ne"])
     run = restore(str(tmp_path))
     assert run.step == 2 and run.cfg.model.kind == "student"
+
+
+def test_repr_normalizer_matches_numpy():
+    """Standardised teacher features: (x - mean) / sqrt(var + eps) with the statistics of
+    every training row seen so far; before any row, x unchanged."""
+    from gemjax.distill.transfer import ReprNormalizer
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(3.0, 2.0, (n, 5)) * np.arange(1, 6) for n in (7, 4, 9)]
+    norm = ReprNormalizer(eps=1e-6)
+    np.testing.assert_array_equal(norm.apply(xs[0]), xs[0].astype(np.float32))
+    for i, x in enumerate(xs):
+        norm.update(x)
+        seen = np.concatenate(xs[:i + 1])
+        want = (xs[0] - seen.mean(0)) / np.sqrt(seen.var(0) + 1e-6)
+        np.testing.assert_allclose(norm.apply(xs[0]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_repr_norm_and_dropout_in_the_distiller(teacher_and_feed):
+    """repr_norm=standardize, repr_dropout=p: a training batch's teacher features are the
+    fresh ones standardised by the training rows so far (this batch included), each
+    row zeroed when the seeded draw says so; eval reads the final statistics, updates
+    none of them and drops nothing."""
+    tcfg, teacher, batches = teacher_and_feed
+    p = 0.5
+    dcfg = DistillConfig(methods="kd,repr", repr_window=0, repr_norm="standardize",
+                         repr_dropout=p)
+    scfg = student_config(get_config("tiny", "model.kind=student"), tcfg, dcfg)
+    d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
+    state = d.init_state(3)
+    draws = np.random.default_rng(3)
+    seen, dropped = [], 0
+    for i, b in enumerate(batches[:2]):
+        rep = np.asarray(teacher.outputs(b)[1], np.float64)
+        seen.append(rep)
+        rows = np.concatenate(seen)
+        want = (rep - rows.mean(0)) / np.sqrt(rows.var(0) + 1e-6)
+        keep = draws.random(len(rep)) >= p
+        want[~keep] = 0.0
+        dropped += int(np.sum(~keep))
+        sbatch, _ = d.prepare(b, i, state=state)
+        np.testing.assert_allclose(np.asarray(sbatch.teacher_repr), want, rtol=1e-4, atol=1e-4)
+    assert 0 < dropped < 2 * len(rep)
+    n = d.norm.n
+    rep = np.asarray(teacher.outputs(batches[2])[1], np.float64)
+    rows = np.concatenate(seen)
+    sbatch, _ = d.prepare(batches[2], 2, training=False)
+    np.testing.assert_allclose(np.asarray(sbatch.teacher_repr),
+                               (rep - rows.mean(0)) / np.sqrt(rows.var(0) + 1e-6),
+                               rtol=1e-4, atol=1e-4)
+    d.predict(state, batches[2])
+    assert d.norm.n == n == len(rows)          # eval batches never reach the statistics
+
+
+def test_share_fresh_accumulators_freeze_then_tune_and_dense_groups(teacher_and_feed):
+    """Tuned share with share_accum=fresh starts from the teacher's rows with the
+    student's own (zero) Adagrad accumulators; share_freeze_steps=2 keeps them the
+    teacher's rows through two steps (the rest of the student trains), the third
+    tunes them; share_dense
+    copies the teacher's dense_proj; the teacher's state never changes."""
+    tcfg, teacher, batches = teacher_and_feed
+    before = jax.device_get(teacher.state)
+    dcfg = DistillConfig(methods="kd,share", share="tuned", share_accum="fresh",
+                         share_freeze_steps=2, share_dense="dense_proj")
+    scfg = student_config(get_config("tiny", "model.kind=student,train.warmup_steps=1"), tcfg, dcfg)
+    d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
+    state = d.init_state(1)
+    assert any(np.any(before["tables"][n]["accum"] > 0) for n in state["tables"])
+    for n in state["tables"]:
+        np.testing.assert_array_equal(np.asarray(state["tables"][n]["weights"]),
+                                      before["tables"][n]["weights"])
+        np.testing.assert_array_equal(np.asarray(state["tables"][n]["accum"]), 0.0)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]["dense_proj"]),
+                 before["params"]["dense_proj"])
+    for i in range(2):                 # frozen for the first two steps (the sparse lr has no warm-up)
+        state, _ = d.step(state, batches[i], i)
+        for n in state["tables"]:
+            np.testing.assert_array_equal(np.asarray(state["tables"][n]["weights"]),
+                                          before["tables"][n]["weights"])
+    assert not np.array_equal(np.asarray(state["params"]["dense_proj"]["kernel"]),
+                              before["params"]["dense_proj"]["kernel"])
+    state, _ = d.step(state, batches[2], 2)
+    assert not np.array_equal(np.asarray(state["tables"]["item"]["weights"]),
+                              before["tables"]["item"]["weights"])
+    jax.tree.map(np.testing.assert_array_equal, before, jax.device_get(teacher.state))
+    bad = dataclasses.replace(dcfg, share_dense="head")
+    d2 = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, bad)
+    with pytest.raises(ValueError, match="share_dense: 'head'"):
+        d2.init_state(1)
+
+
+def test_sequence_less_gem_teacher_repr_is_its_user_row():
+    """A gem teacher without sequences serves its looked-up row of the sample's user
+    feature (E = dim), read here from the table in logical row order."""
+    from gemjax.distill.represent import repr_dim
+    tcfg = get_config("tiny", "model.use_sequences=false")
+    tt = Trainer.create(tcfg)
+    teacher = Teacher(tt, tt.init_state(0))
+    assert repr_dim(tcfg) == tcfg.model.dim
+    feeder = Feeder(make_source(tcfg, "train").shard_batch, tt.mesh, prefetch=0)
+    host, _, _ = feeder.host_batch(0)
+    _, rep = teacher.outputs(feeder.to_device(host))
+    from gemjax.data.features import schema_of
+    table = next(f.table for f in schema_of(tcfg).sparse if f.name == "user")
+    rows = tt.coll.to_logical(jax.device_get(teacher.state["tables"]))[table]["weights"]
+    np.testing.assert_allclose(rep, np.asarray(rows, np.float32)[np.asarray(host.sparse["user"])],
+                               rtol=1e-6)

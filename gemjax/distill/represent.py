@@ -6,8 +6,10 @@
 E (`repr_dim(cfg)`) per model kind:
   "gem"      per sequence, the SequenceEncoder output pooled over the whole history
              and over the data.recent newest events: E = 2 * sequences * dim; without
-             sequences (e.g. Frappe), the Wukong output the head reads:
-             E = (fmb_tokens + lcb_tokens) * dim;
+             sequences (e.g. Frappe), the teacher's looked-up row of the sample's
+             USER_FEATURE: E = dim (a per-user embedding, like the sequence ones; a
+             per-sample interaction output such as the Wukong tokens would carry the
+             teacher's fit to the very rows the student trains on);
   "teacher"  the mean of the pyramid's output tokens (the InterFormer's sequence
              input): E = dim;
   "student"  its sequence summary (whole-history and recent means of the event
@@ -26,6 +28,7 @@ from gemjax.layers.sequence import mean_pool
 from gemjax.models.gem import recent_mean_pool
 
 KINDS = ("gem", "teacher", "student")
+USER_FEATURE = "user"    # the sparse feature whose teacher row is a sequence-less teacher's repr
 
 
 def repr_dim(cfg: Config) -> int:
@@ -38,18 +41,17 @@ def repr_dim(cfg: Config) -> int:
         return m.dim
     n_seq = len(schema_of(cfg).sequence_names) if m.use_sequences else 0
     if m.kind == "gem" and n_seq == 0:
-        return (m.fmb_tokens + m.lcb_tokens) * m.dim
+        _check_user_feature(cfg)
+        return m.dim
     return 2 * n_seq * m.dim
 
 
-def _wukong_output(model, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
-    """GEMv0 without sequences: its Wukong output flattened, [B, out_tokens * dim]."""
-    f, m = schema_of(model.cfg), model.cfg.model
-    b = batch.dense.shape[0]
-    tokens = [acts[n][:, None, :] for n in f.sparse_names]
-    tokens.append(model.dense_proj(batch.dense).reshape(b, m.dense_tokens, m.dim))
-    x = jnp.concatenate([t.astype(jnp.dtype(m.dtype)) for t in tokens], axis=1)
-    return model.wukong(x).reshape(b, -1)
+def _check_user_feature(cfg: Config) -> None:
+    names = schema_of(cfg).sparse_names
+    if USER_FEATURE not in names:
+        raise ValueError(f"representation transfer from a model.kind=gem teacher without "
+                         f"sequences reads its {USER_FEATURE!r} rows; the schema's sparse "
+                         f"features are {list(names)}")
 
 
 def represent(model, acts: dict[str, jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -73,7 +75,8 @@ def represent(model, acts: dict[str, jax.Array], batch: Batch) -> tuple[jax.Arra
                 x = model.encoders[s](sum(acts[f"{s}.{n}"] for n in fields), jag)
                 parts += [mean_pool(x, jag), recent_mean_pool(x, jag, cfg.data.recent)]
         if not parts:
-            parts = [_wukong_output(model, acts, batch)]
+            _check_user_feature(cfg)
+            parts = [acts[USER_FEATURE]]
     else:
         raise ValueError(f"representation transfer reads a teacher of model.kind in {KINDS}, "
                          f"got {kind!r}")

@@ -20,14 +20,23 @@ Methods (DistillConfig.methods, comma-separated; "" trains on the labels alone):
            the sample's dense inputs Batch.dense [B, D]; "repr", the teacher's
            sequence embedding [B, E]; "student", the student's own logits [B, K]
            before its step on the batch: one more forward), L2 penalty `adapter_l2`;
-  repr     the teacher's sequence embedding of each sample (gemjax.distill.represent)
-           is a student input (model.teacher_repr_dim); in training it is served from
-           a per-user cache refreshed when older than `repr_window` steps (0: always
-           the sample's own), in eval the sample's own;
+  repr     the teacher's sequence embedding of each sample (gemjax.distill.represent;
+           a teacher without sequences: its user row) is a student input
+           (model.teacher_repr_dim); in training it is served from a per-user cache
+           refreshed when older than `repr_window` steps (0: always the sample's own),
+           in eval the sample's own; `repr_norm` "standardize" divides each feature's
+           deviation from its mean by its std over the training rows served so far
+           (ReprNormalizer), `repr_dropout` zeroes a training sample's row with that
+           probability;
   share    the student's embedding tables are the teacher's (model.dim = the
            teacher's, the student projects them to its width): "frozen" (the student
            never updates them: sparse lr 0; with a co-trained teacher they are copied
-           from it before every step) or "tuned" (copied once, then trained).
+           from it before every step) or "tuned" (copied once, then trained at the
+           student's sparse lr times `share_lr_scale`; `share_accum` "teacher" keeps
+           the teacher's Adagrad accumulators, "fresh" starts from the student's own;
+           `share_freeze_steps` N keeps the teacher's rows through the first N steps);
+           `share_dense` names dense parameter groups of the same shape in both models
+           (e.g. "dense_proj") copied into the student at init, then trained.
 Hierarchical transfer is the same machinery twice: a Distiller trains a domain model
 from the teacher, and `Teacher(domain_trainer, domain_state)` teaches the student.
 
@@ -80,6 +89,12 @@ class DistillConfig:
     repr_window: int = 50            # steps a user's cached teacher embedding is served
     share: str = "frozen"            # "frozen" | "tuned"
     teacher_mode: str = "offline"    # "offline" | "cotrain"
+    repr_norm: str = "none"          # "none" | "standardize" (ReprNormalizer)
+    repr_dropout: float = 0.0        # training: share of samples whose teacher features are zeroed
+    share_accum: str = "teacher"     # tuned share: "teacher" (its Adagrad accumulators) | "fresh"
+    share_freeze_steps: int = 0      # tuned share: steps the tables stay the teacher's first
+    share_lr_scale: float = 1.0      # tuned share: the student's train.sparse_lr times this
+    share_dense: str = ""            # share: comma-separated dense param groups copied (tuned)
 
     @property
     def method_set(self) -> frozenset[str]:
@@ -114,6 +129,16 @@ class DistillConfig:
             (self.share in ("frozen", "tuned"), f"distill share must be frozen or tuned, got {self.share!r}"),
             (self.teacher_mode in ("offline", "cotrain"),
              f"distill teacher_mode must be offline or cotrain, got {self.teacher_mode!r}"),
+            (self.repr_norm in ("none", "standardize"),
+             f"distill repr_norm must be none or standardize, got {self.repr_norm!r}"),
+            (0.0 <= self.repr_dropout < 1.0,
+             f"distill repr_dropout must be in [0, 1), got {self.repr_dropout}"),
+            (self.share_accum in ("teacher", "fresh"),
+             f"distill share_accum must be teacher or fresh, got {self.share_accum!r}"),
+            (self.share_freeze_steps >= 0,
+             f"distill share_freeze_steps must be >= 0, got {self.share_freeze_steps}"),
+            (self.share_lr_scale > 0,
+             f"distill share_lr_scale must be > 0, got {self.share_lr_scale}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -124,7 +149,7 @@ def student_config(student: Config, teacher: Config, dcfg: DistillConfig) -> Con
     """The student's Config for these methods: repr sets model.teacher_repr_dim to the
     teacher's feature width; share makes the student's tables the teacher's width
     (model.dim = the teacher's, model.student_width = the student's own width) and,
-    frozen, sets train.sparse_lr = 0."""
+    frozen, sets train.sparse_lr = 0 (tuned: times share_lr_scale)."""
     dcfg.validate()
     m, t = student.model, student.train
     methods = dcfg.method_set
@@ -137,6 +162,8 @@ def student_config(student: Config, teacher: Config, dcfg: DistillConfig) -> Con
         m = dataclasses.replace(m, dim=teacher.model.dim, student_width=m.student_width or m.dim)
         if dcfg.share == "frozen":
             t = dataclasses.replace(t, sparse_lr=0.0)
+        else:
+            t = dataclasses.replace(t, sparse_lr=t.sparse_lr * dcfg.share_lr_scale)
     return dataclasses.replace(student, model=m, train=t)
 
 
@@ -210,6 +237,33 @@ class ReprCache:
         return out
 
 
+class ReprNormalizer:
+    """Per-feature standardisation of teacher features: `update(x [B, E])` adds a
+    training batch to running sums, `apply(x [B, E])` returns (x - mean) / sqrt(var + eps)
+    with the mean and (population) variance of every row seen so far (float64 sums;
+    before any row: x unchanged). Statistics come from training batches only; eval
+    applies the final ones."""
+
+    def __init__(self, eps: float = 1e-6):
+        self.eps, self.n = eps, 0
+        self.s1 = self.s2 = None
+
+    def update(self, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float64)
+        if self.s1 is None:
+            self.s1, self.s2 = np.zeros(x.shape[1]), np.zeros(x.shape[1])
+        self.s1 += x.sum(0)
+        self.s2 += (x * x).sum(0)
+        self.n += x.shape[0]
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        if not self.n:
+            return np.asarray(x, np.float32)
+        mean = self.s1 / self.n
+        var = np.maximum(self.s2 / self.n - mean * mean, 0.0)
+        return ((np.asarray(x, np.float64) - mean) / np.sqrt(var + self.eps)).astype(np.float32)
+
+
 class Distiller:
     """Trains a student from `teacher` with `dcfg`'s methods, through the student
     Trainer's own train_step (its StepContext.objective is the KD loss with kd on).
@@ -232,6 +286,11 @@ class Distiller:
                                        sum(widths[f] for f in dcfg.feature_list), dcfg.adapter_l2)
                         if "adapter" in self.methods else None)
         self.cache = ReprCache(dcfg.repr_window) if "repr" in self.methods else None
+        self.norm = (ReprNormalizer() if "repr" in self.methods and dcfg.repr_norm == "standardize"
+                     else None)
+        self._rng = np.random.default_rng(0)
+        self.steps_done = 0      # Distiller.step calls (share_freeze_steps' clock)
+        self._initial_tables = None
         self.user_feature = user_feature
         self._step = student_trainer.make_train_step()
         self._eval = student_trainer.make_eval_step()
@@ -251,11 +310,35 @@ class Distiller:
                                        for n in self.trainer.coll.specs})
 
     def init_state(self, seed: int) -> dict:
-        """The student's initial train state (with share: the teacher's tables)."""
+        """The student's initial train state (with share: the teacher's tables; with
+        share_accum "fresh", their rows with the student's own initial optimizer state).
+        Seeds the repr-dropout draws."""
         state = self.trainer.init_state(seed)
+        self._rng = np.random.default_rng(seed)
         if "share" in self.methods:
-            state["tables"] = self.shared_tables()
+            state["tables"] = self._start_tables(state["tables"])
+            for name in (g.strip() for g in self.dcfg.share_dense.split(",") if g.strip()):
+                state["params"] = self._copy_group(state["params"], name)
         return state
+
+    def _copy_group(self, params: dict, name: str) -> dict:
+        """`params` with group `name` (a top-level key) replaced by a copy of the teacher's
+        (placed as the student's); ValueError unless both models have it with the same tree of shapes."""
+        mine, theirs = params.get(name), self.teacher.state["params"].get(name)
+        shapes = [None if t is None else jax.tree.map(np.shape, t) for t in (mine, theirs)]
+        if mine is None or theirs is None or shapes[0] != shapes[1]:
+            raise ValueError(f"distill share_dense: {name!r} is not a parameter group of both "
+                             f"models with one shape (student {shapes[0]}, teacher {shapes[1]})")
+        return {**params, name: jax.tree.map(lambda t, m: jax.device_put(jnp.copy(t), m.sharding),
+                                             theirs, mine)}
+
+    def _start_tables(self, own: dict) -> dict:
+        tables = self.shared_tables()
+        if self.dcfg.share == "tuned" and self.dcfg.share_accum == "fresh":
+            tables = {n: {k: (v if k == "weights" else own[n][k]) for k, v in t.items()}
+                      for n, t in tables.items()}
+        self._initial_tables = tables
+        return jax.tree.map(jnp.copy, tables)
 
     def _uses_teacher(self) -> bool:
         return bool(self.methods & {"kd", "repr"})
@@ -269,7 +352,8 @@ class Distiller:
         def student():
             if state is None:
                 raise ValueError("adapter_features 'student' needs the student's state")
-            r = rep if "repr" in self.methods else np.zeros((rep.shape[0], 0), np.float32)
+            r = (self.transform_repr(rep, batch, 0, training=False) if "repr" in self.methods
+                 else np.zeros((rep.shape[0], 0), np.float32))
             p = np.clip(np.asarray(self._eval(state, with_teacher(batch, logits, r, self.mesh)),
                                    np.float64), 1e-7, 1 - 1e-7)
             return np.log(p) - np.log1p(-p)
@@ -294,9 +378,27 @@ class Distiller:
             soft = self.adapter.correct(logits, feats)
         if "repr" not in self.methods:
             rep = np.zeros((logits.shape[0], 0), np.float32)
-        elif training and self.cache is not None:
-            rep = self.cache.serve(process_rows(batch.sparse[self.user_feature]), rep, step)
+        else:
+            rep = self.transform_repr(rep, batch, step, training)
         return with_teacher(batch, soft, rep, self.mesh), logits, feats
+
+    def transform_repr(self, rep: np.ndarray, batch: Batch, step: int,
+                       training: bool) -> np.ndarray:
+        """The teacher features [B, E] the student reads: training, through the per-user
+        cache, then (repr_norm "standardize") the normaliser's statistics updated with
+        them and applied, then (repr_dropout p) each sample's row zeroed with
+        probability p (not rescaled: a zero row reads as "no teacher features", the
+        mean after standardising); eval, the fresh rows through the final statistics."""
+        if training and self.cache is not None:
+            rep = self.cache.serve(process_rows(batch.sparse[self.user_feature]), rep, step)
+        if self.norm is not None:
+            if training:
+                self.norm.update(rep)
+            rep = self.norm.apply(rep)
+        if training and self.dcfg.repr_dropout > 0:
+            keep = self._rng.random(rep.shape[0]) >= self.dcfg.repr_dropout
+            rep = np.where(keep[:, None], rep, 0.0).astype(np.float32)
+        return rep
 
     def prepare(self, batch: Batch, step: int, *, training: bool = True,
                 state: dict | None = None) -> tuple[Batch, Any]:
@@ -317,6 +419,12 @@ class Distiller:
             state = {**state, "tables": self.shared_tables()}
         sbatch, logits, feats = self._prepare(batch, step, True, state)
         state, metrics = self._step(state, sbatch)
+        self.steps_done += 1
+        if ("share" in self.methods and self.dcfg.share == "tuned"
+                and self.steps_done <= self.dcfg.share_freeze_steps):
+            # the first share_freeze_steps steps train the rest of the student on the
+            # teacher's rows as they are; tuning then starts from them
+            state = {**state, "tables": jax.tree.map(jnp.copy, self._initial_tables)}
         if self.adapter is not None:
             self.adapter.observe(logits, process_rows(batch.labels),
                                  process_rows(batch.label_mask), process_rows(batch.weights),
