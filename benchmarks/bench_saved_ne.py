@@ -65,8 +65,10 @@ PROTOCOL_OVERRIDE = ("model.kind=teacher,data.batch_size=256,data.eval_batches=1
                      "train.warmup_steps=20,train.dense_lr=1e-3,train.sparse_lr=0.005")
 DEFAULT_PLANS = "none,all:recompute,pyramid:quantize,seq:quantize/attention:quantize,all:quantize"
 SMOKE_OVERRIDE = ("model.kind=teacher,model.interformer_layers=1,model.pyramid_levels=16:2:1,"
-                  "data.batch_size=16,data.eval_batches=1,train.steps=3,train.warmup_steps=1")
-SMOKE_PLANS = "none,all:recompute,all:quantize"
+                  "model.summary_tokens=2,model.cls_tokens=1,model.pma_tokens=1,model.recent_tokens=1,"
+                  "model.fmb_tokens=2,model.lcb_tokens=2,data.batch_size=16,data.eval_batches=1,"
+                  "train.steps=3,train.warmup_steps=1,train.dense_lr=1e-3,train.sparse_lr=0.005")
+SMOKE_PLANS = "none,all:quantize"
 
 
 def train_and_eval(trainer, train_step, eval_step, cfg, seed: int) -> tuple[dict, dict]:
@@ -93,8 +95,8 @@ def train_and_eval(trainer, train_step, eval_step, cfg, seed: int) -> tuple[dict
 
 
 def measure_plan(cfg, plan: str, seeds: list[int], time_steps: int, log=print) -> tuple[list[dict], dict]:
-    """(one run row per seed, the plan's figures): the plan compiled once, every seed
-    trained and evaluated, then its memory and step time."""
+    """(one run row per seed, the plan's figures): the plan compiled once (train and eval
+    steps), every seed trained and evaluated, then its memory and step time."""
     import jax
 
     from gemjax.config import apply_overrides
