@@ -3,7 +3,7 @@ reference plan, on the same seeds: what FP8-kept saved activations (train.remat
 "region:quantize", gemjax.precision.saved) cost in NE, and what they save in memory.
 
     python -m benchmarks.bench_saved_ne --out=saved_ne.json          # the protocol, CPU
-    python -m benchmarks.bench_saved_ne --smoke --out=/tmp/s.json     # a seconds-long check
+    python -m benchmarks.bench_saved_ne --smoke --out=/tmp/s.json     # a CI check, ~1 min
 
 Each (plan, seed) trains cfg from train.seed=seed's initial state on its own synthetic
 stream (the planted model, the data and the init all follow the seed) for train.steps
@@ -30,7 +30,7 @@ The protocol (PROTOCOL_OVERRIDE on the tiny preset): the teacher at batch 256, 1
 first-touched row by about sparse_lr per element whatever its gradient's size and Adam
 moves every parameter by about dense_lr, so float32 rounding differences grow several-fold
 per step at tiny's rates (0.1 / 2e-3): a relative 1e-7 change of the dense parameters
-reaches 0.16 in the tables within 10 steps at sparse_lr 0.05. At 0.005 / 1e-3 it grows
+reaches 0.16 in the tables within 10 steps at 0.05 / 2e-4. At 0.005 / 1e-3 it grows
 about 1.1x per step, and the floor after 150 steps is still 0.01-0.2% of NE per seed.
 Runs short or slow enough to keep it under 0.01% learn too little to be a test (NE
 0.996-1.01, Bayes 0.684).
