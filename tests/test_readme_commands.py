@@ -125,6 +125,11 @@ SKIP = {
     "python -m benchmarks.bench_remat --config=h200 --override=model.kind=teacher --regions=pyramid,seq,"
     "attention,interaction --policies=recompute,quantize --out=remat.json":
         "GPU (h200 preset); tests/test_remat.py runs its --smoke",
+    "python -m benchmarks.bench_saved_ne --out=saved_ne.json":
+        "25 minutes of CPU (15 training runs); tests/test_saved_ne.py runs its --smoke",
+    "XLA_FLAGS=--xla_gpu_deterministic_ops=true python -m benchmarks.bench_saved_ne "
+    "--override=data.batch_size=1024,model.dim=32 --plans=none,all:recompute,pyramid:quantize,"
+    "all:quantize --out=saved_ne_h200.json": "one H200",
     "python -m benchmarks.bench_fp8 --config=h200 --override=model.kind=teacher,model.dim=512,"
     "model.wukong_mlp=4096,data.batch_size=1024 --out=fp8.json":
         "GPU benchmark; tests/test_fp8_bench.py runs it with --smoke on CPU",

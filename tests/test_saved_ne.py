@@ -1,0 +1,36 @@
+"""benchmarks/bench_saved_ne.py --smoke: the NE-delta table of FP8-kept saved activations,
+from real training runs of a small teacher (one seed, two plans)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_bench_saved_ne_smoke_table_and_json(tmp_path):
+    """The reference row has delta 0; all:quantize trains on 8-bit inputs (its NE moves, by
+    little) and its compiled step keeps fewer temp bytes; the JSON's deltas are the NE
+    ratios; the table is printed last."""
+    out = tmp_path / "saved_ne.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")      # a subprocess: one CPU device
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_saved_ne", "--smoke",
+                        "--time_steps=1", f"--out={out}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["reference"] == "none" and res["seeds"] == [0]
+    ne = {run["plan"]: run["ne"] for run in res["runs"]}
+    assert set(ne) == {"none", "all:quantize"}
+    plans = {p["plan"]: p for p in res["plans"]}
+    assert plans["none"]["deltas"] == [0.0]
+    delta = plans["all:quantize"]["deltas"][0]
+    assert delta == (ne["all:quantize"] - ne["none"]) / ne["none"]
+    assert 0 < abs(delta) < 0.01, delta          # 8 bits were kept: the run moved, a little
+    assert plans["all:quantize"]["temp_bytes"] < 0.8 * plans["none"]["temp_bytes"]
+    last = r.stdout.rstrip().splitlines()[-1].split()
+    assert last[0] == "all:quantize" and float(last[1]) == round(delta * 100, 4)
