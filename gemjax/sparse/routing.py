@@ -167,10 +167,8 @@ def sum_duplicates(g: Array, res: dict, num_segments: int, src_index: Array | No
             g = jnp.take(g, src_index, axis=0)
         return jax.ops.segment_sum(g.astype(jnp.float32), res["inv"], num_segments=num_segments)
     idx = res["perm"] if src_index is None else jnp.take(src_index, res["perm"])
-    if segment_sum == "auto":
-        segment_sum = "pallas" if jax.default_backend() == "gpu" else "xla"
-    return sorted_segment_sum(g, idx, res["seg"], num_segments,
-                              impl="pallas" if segment_sum == "pallas" else "reference")
+    impl = {"auto": None, "xla": "reference", "pallas": "pallas"}[segment_sum]
+    return sorted_segment_sum(g, idx, res["seg"], num_segments, impl=impl)
 
 
 def _gather(weights: Array, rows: Array) -> Array:
