@@ -4,6 +4,8 @@
   W2 cross, short K/V: 256 samples, Q median 256 (same sigma and clip), 32 K/V each
   W3 PMA, short Q: 256 samples, 16 queries each, K/V lengths drawn as W1's
   W4 BlockAttention on W1's lengths
+  G1 BlockAttention at the gem1b pyramid's size: 1,024 samples, log-normal lengths,
+     median 1,024, sigma 0.6, in [1, 8192] (~1.25M tokens; one event sequence of a step)
 
 Shared by bench_attention.py, bench_gdpa_mosaic.py and ab_attention.py (time them) and
 triton_report.py (lowers the kernels on their shapes); no flags here, so all can
@@ -25,6 +27,9 @@ def workload(name):
     if name in ("W1", "W4"):
         lens = lognormal_lengths(rng, 64, 512)
         return ("self" if name == "W1" else "block"), lens, lens
+    if name == "G1":
+        lens = lognormal_lengths(rng, 1024, 1024, sigma=0.6, lo=1, hi=8192)
+        return "block", lens, lens
     if name == "W2":
         return "cross", lognormal_lengths(rng, 256, 256), np.full(256, 32)
     if name == "W3":

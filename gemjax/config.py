@@ -198,6 +198,10 @@ class TrainConfig:
     # sorted duplicate sum of the sparse grads (routing.sum_duplicates): auto (the Pallas
     # kernel kernels.segment_sum on GPU, XLA's segment_sum elsewhere), xla or pallas
     sparse_segment_sum: str = "auto"
+    # dtype of the looked-up rows per id (sequence tokens, single ids) the model reads:
+    # "table" (the table's float32) or "model" (model.dtype: a bfloat16 model then gets
+    # bfloat16 gradients per id, half the bytes through the duplicate sum and its concat)
+    sparse_act_dtype: str = "table"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +314,7 @@ PRESETS: dict[str, Config] = {
                           token_bias=False),
         train=TrainConfig(steps=300, warmup_steps=50, log_every=20, eval_every=300,
                           checkpoint_every=1_000_000, dense_lr=3e-4, sparse_lr=0.05,
-                          baselines=False)),
+                          baselines=False, sparse_act_dtype="model")),
     # MovieLens-1M next-item retrieval (gemjax.train.retrieval; experiments/movielens.py
     # runs it): the recipe of the standalone script's defaults that reached HR@10 0.3061
     # (README "Measured so far"): item dim 64, 2 causal softmax blocks of 2 heads
@@ -467,6 +471,8 @@ def validate(cfg: Config) -> None:
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.sparse_update_impl in ("xla", "pallas"),
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),
+        (cfg.train.sparse_act_dtype in ("table", "model"),
+         f"train.sparse_act_dtype must be table or model, got {cfg.train.sparse_act_dtype!r}"),
         (cfg.train.sparse_segment_sum in ("auto", "xla", "pallas"),
          f"train.sparse_segment_sum must be auto, xla or pallas, got {cfg.train.sparse_segment_sum!r}"),
         *_train_checks(cfg.train),

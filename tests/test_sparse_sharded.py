@@ -319,11 +319,14 @@ def _eqns(jaxpr):
 
 
 @pytest.mark.parametrize("shape,names,plan", [((1,), ("data",), "row_wise"),
+                                              ((1,), ("replica",), "replicated"),
+                                              ((8,), ("replica",), "replicated"),
                                               ((2, 4), ("replica", "model"), "fs2d")])
 def test_bf16_activation_grads_stay_bf16_with_the_same_update(shape, names, plan):
-    """A bf16 model's per-id grads of a local table stay bf16 (no float32 copy of the [N, D]
-    rows; exchanged ones travel in grad_dtype as before): the float32 duplicate sums widen
-    them exactly, so the update equals the one from the same values given as float32."""
+    """A bf16 model's per-id grads stay bf16 where the device sums its own rows (a local or
+    a replicated table: no float32 copy of the [N, D] rows; exchanged ones travel in
+    grad_dtype as before): the float32 duplicate sums widen them exactly, so the update
+    equals the one from the same values given as float32."""
     mesh = mesh_of(shape, names)
     specs = make_specs(Adagrad(lr=0.1))
     replica = ("replica",) if "replica" in names else ()
@@ -351,6 +354,72 @@ def test_bf16_activation_grads_stay_bf16_with_the_same_update(shape, names, plan
     rows = {(e.outvars[0].aval.shape[0], e.outvars[0].aval.dtype)
             for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "concatenate"
             and e.outvars[0].aval.ndim == 2}
-    local = len(shape) == 1
-    want, other = (jnp.bfloat16, jnp.float32) if local else (jnp.float32, jnp.bfloat16)
+    owned = len(shape) == 1
+    want, other = (jnp.bfloat16, jnp.float32) if owned else (jnp.float32, jnp.bfloat16)
     assert (n_user, jnp.dtype(want)) in rows and (n_user, jnp.dtype(other)) not in rows, rows
+
+
+@pytest.mark.parametrize("shape,names,plan", [((1,), ("data",), "row_wise"),
+                                              ((2, 4), ("replica", "model"), "fs2d")])
+def test_act_dtype_rounds_unpooled_rows_and_keeps_pooled_sums(shape, names, plan):
+    """act_dtype=bfloat16: unpooled rows come back as the float32 rows rounded to bfloat16,
+    pooled bags as the same float32 sums; their gradients flow back in bfloat16."""
+    mesh = mesh_of(shape, names)
+    specs = make_specs(Adagrad(lr=0.1))
+    replica = ("replica",) if "replica" in names else ()
+    plans = {n: dataclasses.replace(p, min_capacity=1)
+             for n, p in plans_lib.resolve(plan, specs, mesh, replica).items()}
+    colls = [EmbeddingCollection(specs, plans, mesh, replica_axes=replica, batch_axes=names,
+                                 act_dtype=dt) for dt in (None, "bfloat16")]
+    rng = np.random.default_rng(5)
+    tables = {s.name: {"weights": rng.normal(size=(s.vocab, s.dim)),
+                       **{k: np.zeros((s.vocab,) + np.shape(v)[1:])
+                          for k, v in s.optimizer.init_state(1, s.dim).items()}} for s in specs}
+    feats = to_global(make_batch(rng, int(np.prod(shape))), mesh, names)
+    (a32, _), (a16, res16) = [jax.jit(c.lookup)(c.from_logical(tables), feats) for c in colls]
+    assert set(a32) == set(a16)
+    for f in a32:
+        pooled = f in ("tags", "hist")
+        assert a16[f].dtype == (jnp.float32 if pooled else jnp.bfloat16), (f, a16[f].dtype)
+        want = np.asarray(a32[f]) if pooled else np.asarray(a32[f].astype(jnp.bfloat16))
+        np.testing.assert_array_equal(np.asarray(a16[f]), want)
+    g = jax.grad(lambda a: sum(jnp.sum(v.astype(jnp.float32) ** 2) for v in a.values()))(a16)
+    assert {f: g[f].dtype for f in g} == {f: a16[f].dtype for f in a16}
+    new = jax.jit(colls[1].apply_gradients)(colls[1].from_logical(tables), res16, g)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new))
+
+
+def test_bad_act_dtype_is_named():
+    for bad in ("int32", "float33"):
+        with pytest.raises(ValueError, match="act_dtype"):
+            EmbeddingCollection(make_specs(SGD()), act_dtype=bad)
+
+
+def test_replicas_of_one_device_update_as_a_local_table():
+    """A replicated table whose replica axis has one device keeps nothing in sync: it takes
+    the local update (the unique-count buckets, no all-gather), bit-equal to a local plan's."""
+    specs = make_specs(Adagrad(lr=0.1))
+    rng = np.random.default_rng(7)
+    tables = {s.name: {"weights": rng.normal(size=(s.vocab, s.dim)),
+                       **{k: np.zeros((s.vocab,) + np.shape(v)[1:])
+                          for k, v in s.optimizer.init_state(1, s.dim).items()}} for s in specs}
+    dev = make_batch(rng, 1)
+    out, progs = [], []
+    for names, plan, replica in ((("data",), "row_wise", ()),
+                                 (("replica",), "replicated", ("replica",))):
+        mesh = mesh_of((1,), names)
+        plans = {n: dataclasses.replace(p, min_capacity=1)
+                 for n, p in plans_lib.resolve(plan, specs, mesh, replica).items()}
+        coll = EmbeddingCollection(specs, plans, mesh, replica_axes=replica, batch_axes=names)
+        assert [plans_lib.table_axes(p, mesh)[2] for p in plans.values()] == [()] * 3
+        feats = to_global(dev, mesh, names)
+        acts, res = jax.jit(coll.lookup)(coll.from_logical(tables), feats)
+        g = {f: jnp.asarray(np.random.default_rng(1).normal(size=a.shape), a.dtype)
+             for f, a in acts.items()}
+        out.append(coll.to_logical(jax.jit(coll.apply_gradients)(coll.from_logical(tables), res, g)))
+        prims = [e.primitive.name for e in _eqns(
+            jax.make_jaxpr(coll.apply_gradients)(coll.from_logical(tables), res, g).jaxpr)]
+        progs.append((prims.count("all_gather"), prims.count("cond")))
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert progs[0] == progs[1] and progs[0][0] == 0 and progs[0][1] > 0, progs

@@ -55,7 +55,7 @@ class BranchPlanner:
     def switched(self, name: str) -> tuple[bool, bool]:
         """(exchange switch, sync switch) of table `name`: the bucketed lax.switches that
         hold collectives (all_to_all / all-gather)."""
-        lay, (_, _, sync) = self.layouts[name], plans_lib.table_axes(self.plans[name])
+        lay, (_, _, sync) = self.layouts[name], plans_lib.table_axes(self.plans[name], self.mesh)
         local = lay.num_model == 1 and lay.num_fs == 1
         return (bool(self.exchange_buckets) and not local,
                 self.sync_buckets and bool(sync) and local)

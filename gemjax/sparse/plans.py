@@ -180,11 +180,18 @@ def local_rows(lay: Layout, plan: TablePlan) -> int:
     return lay.padded_vocab if plan.kind == "replicated" else lay.rows_per_shard
 
 
-def table_axes(plan: TablePlan) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def table_axes(plan: TablePlan, mesh=None) -> tuple[tuple[str, ...], tuple[str, ...],
+                                                    tuple[str, ...]]:
     """(model axes: ids exchanged over them, fs axes: an fs2d shard gathered over them,
-    sync axes: replicas kept in sync over them ("2d" and "replicated" tables))."""
+    sync axes: replicas kept in sync over them ("2d" and "replicated" tables)).
+
+    With mesh, sync axes of size 1 are left out: a replica group of one device has
+    nothing to keep in sync, so such a table updates as a local one.
+    """
     fs = plan.replica_axes if plan.kind == "fs2d" else ()
     sync = plan.replica_axes if plan.kind in ("2d", "replicated") else ()
+    if mesh is not None:
+        sync = tuple(a for a in sync if mesh.shape[a] > 1)
     return plan.model_axes, fs, sync
 
 

@@ -283,7 +283,9 @@ class Trainer:
                                    sync_buckets=cfg.train.sparse_sync_buckets,
                                    update_impl=cfg.train.sparse_update_impl,
                                    row_major=cfg.train.sparse_row_major,
-                                   segment_sum=cfg.train.sparse_segment_sum, **planner_kw)
+                                   segment_sum=cfg.train.sparse_segment_sum,
+                                   act_dtype=(cfg.model.dtype if cfg.train.sparse_act_dtype == "model"
+                                              else None), **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
 
     @property
