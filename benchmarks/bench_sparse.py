@@ -93,6 +93,9 @@ flags.DEFINE_integer("steps", 10, "timed steps")
 flags.DEFINE_string("pooling", "sum", "'sum' (bags pooled to [B, D]) or 'none' ([B, L, D])")
 flags.DEFINE_list("variants", ["scatter", "sort", "sort_scatter", "sort_buckets", "sort_scatter_buckets",
                                 "sort_buckets_bf16", "sort_buckets_xb"], "gemjax variants to time")
+flags.DEFINE_string("act_dtype", "", "EmbeddingCollection act_dtype: the unpooled rows (and so "
+                    "their grads) in this dtype, e.g. bfloat16 as a bf16 model gets them "
+                    "(train.sparse_act_dtype=model); empty: the table's float32")
 flags.DEFINE_bool("shard", False, "shard the table row-wise over every local device")
 flags.DEFINE_float("capacity_factor", 2.0, "all_to_all capacity factor of the row-wise plan (--shard): "
                    "C = factor * ids per device / shards; overflow is counted in the table")
@@ -198,7 +201,8 @@ def make_coll(vocab, mesh, variant):
     spec = TableSpec("t", vocab, FLAGS.dim, features=("f",), pooling=pooling,
                      optimizer=RowWiseAdagrad(lr=0.01), bounds="clamp")
     plan = TablePlan("row_wise", "mod", tuple(mesh.axis_names), (), FLAGS.capacity_factor)
-    return EmbeddingCollection([spec], plan, mesh, **VARIANTS[variant])
+    return EmbeddingCollection([spec], plan, mesh, act_dtype=FLAGS.act_dtype or None,
+                               **VARIANTS[variant])
 
 
 def profile_steps(step, state, batches, steps, variant):
