@@ -106,6 +106,41 @@ def test_no_vjp_and_bad_inputs():
         sorted_segment_sum(g, idx, seg, 8.0)
 
 
+def _split(g, cuts):
+    """g's rows as sources cut at `cuts` (an empty source where two cuts meet)."""
+    edges = [0, *cuts, g.shape[0]]
+    return tuple(g[a:b] for a, b in zip(edges[:-1], edges[1:]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_sources_sum_as_their_concatenation(dtype):
+    """g given as sources (cuts inside blocks, an empty source, a one-row source last) sums
+    bit-equal to the same rows in one array, non-finite values included."""
+    g, idx, seg = _case(4, 301, 33, 320, "spanning", dtype, integer=dtype == jnp.bfloat16)
+    g = g.at[150, 0].set(jnp.nan).at[299, 5].set(jnp.inf)
+    gs = _split(g, [37, 150, 150, 301])
+    assert [x.shape[0] for x in gs] == [37, 113, 0, 151, 1]
+    knobs = {**SMALL, "direct_partials": 4}
+    out = sorted_segment_sum(gs, idx, seg, 320, impl="pallas", **knobs)
+    one = sorted_segment_sum(g, idx, seg, 320, impl="pallas", **knobs)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(one))
+    ref = sorted_segment_sum_reference(gs, idx, seg, 320)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(
+        sorted_segment_sum_reference(g, idx, seg, 320)))
+    if dtype == jnp.bfloat16:   # integer values: every order gives the reference's bits
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_sources_must_agree():
+    g, idx, seg = _case(5, 8, 16, 8, "unique", jnp.float32)
+    with pytest.raises(ValueError, match="share D and dtype"):
+        sorted_segment_sum((g[:4], g[4:].astype(jnp.bfloat16)), idx, seg, 8)
+    with pytest.raises(ValueError, match=r"g\[1\] must be \[M, D\]"):
+        sorted_segment_sum((g[:4], g[4, :]), idx, seg, 8)
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        sorted_segment_sum((), idx, seg, 8)
+
+
 def test_cuda_lowering_verifies(cuda_lowering):
     """The compiled kernel (not interpret) lowers to Triton IR that verifies, for sm_90,
     float32 and bfloat16 g, with the partials' passes: 600k positions in blocks of 32
@@ -120,7 +155,15 @@ def test_cuda_lowering_verifies(cuda_lowering):
                                 "__gpu$xla.gpu.triton")])(
             sds((n + 1, 512), dtype), sds((n,), jnp.int32), sds((n,), jnp.int32))
         assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 4
-    assert count[0] == 8
+    # three bf16 sources (two sequences' rows and a zero row), as the embedding update passes
+    fn = lambda a, b, z, i, s: sorted_segment_sum((a, b, z), i, s, k)            # noqa: E731
+    exp = export.export(jax.jit(fn), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                            "__gpu$xla.gpu.triton")])(
+        sds((n // 2, 512), jnp.bfloat16), sds((n // 2, 512), jnp.bfloat16),
+        sds((1, 512), jnp.bfloat16), sds((n,), jnp.int32), sds((n,), jnp.int32))
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 4
+    assert count[0] == 12
 
 
 # ----------------------------------------------------------------------------- GPU (compiled)
@@ -149,6 +192,16 @@ def test_gpu_zipf_matches_reference(dtype):
     exact = _float64_sums(g, perm, seg, n)
     scale = _float64_sums(jnp.abs(g), perm, seg, n)
     assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 1e-6 * scale + 1e-30)
+
+
+@pytest.mark.gpu
+def test_gpu_sources_match_one_array():
+    n, d = 300_000, 256
+    g, perm, seg = _zipf_case(12, n, d, jnp.bfloat16, integer=True)
+    fn = jax.jit(lambda g, i, s: sorted_segment_sum(g, i, s, n, impl="pallas"))
+    out = fn(_split(g, [n // 2 + 7, n]), perm, seg)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(fn(g, perm, seg)))
+    np.testing.assert_array_equal(np.asarray(out), _float64_sums(g, perm, seg, n))
 
 
 @pytest.mark.gpu

@@ -414,12 +414,17 @@ class EmbeddingCollection:
                 dt = jnp.result_type(*srcs) if owned else self.grad_dtype
                 if dt.itemsize > self.grad_dtype.itemsize:
                     dt = self.grad_dtype
-                g = jnp.concatenate([s.astype(dt) for s in srcs] + [jnp.zeros((1, spec.dim), dt)])
+                parts = [s.astype(dt) for s in srcs] + [jnp.zeros((1, spec.dim), dt)]
                 src_index = jnp.concatenate(index)
                 src_index = jnp.where(src_index >= 0, src_index, off)
                 if copies:   # devices holding a copy of another's batch add nothing
-                    g = jnp.where(jax.lax.axis_index(copies) == 0, g, 0)
+                    parts = [jnp.where(jax.lax.axis_index(copies) == 0, x, 0) for x in parts]
                 impl = self._update_impl(spec)
+                # rows summed on this device by the sorted segment sum: the features' grads
+                # stay where they are (the kernel reads each row from its own array);
+                # exchanged rows and the fused update take one array
+                g = (tuple(parts) if owned and impl == "xla" and self.dedup == "sort"
+                     else jnp.concatenate(parts))
                 if local and (self.unique_buckets or impl == "pallas"):
                     new[unit] = routing.update_unique_bucketed(
                         new.get(unit, state[unit]), g, route[name], spec.optimizer,

@@ -155,7 +155,9 @@ def sum_duplicates(g: Array, res: dict, num_segments: int, src_index: Array | No
     g [N, D] per position, or with src_index [N] int32 a source [M, D] of which
     position i takes row src_index[i] (pooled bags: one row per bag), so the
     [N, D] per-position grads are never built: the sort path reads
-    g[src_index[perm]] straight into the sorted segment sum.
+    g[src_index[perm]] straight into the sorted segment sum. g may also be a tuple
+    of arrays [M_j, D] standing for their row concatenation (a table's features'
+    grads): the sort path's kernel reads them where they are, without the copy.
     segment_sum (sort residual only): "xla" (XLA's sorted segment_sum, an atomic
     scatter-add), "pallas" (kernels.segment_sum's Triton kernel; interpret mode off
     GPU) or "auto" (pallas on GPU, xla elsewhere).
@@ -163,6 +165,8 @@ def sum_duplicates(g: Array, res: dict, num_segments: int, src_index: Array | No
     if segment_sum not in SEGMENT_SUMS:
         raise ValueError(f"segment_sum must be one of {SEGMENT_SUMS}, got {segment_sum!r}")
     if "inv" in res:
+        if isinstance(g, tuple):
+            g = jnp.concatenate(g)
         if src_index is not None:
             g = jnp.take(g, src_index, axis=0)
         return jax.ops.segment_sum(g.astype(jnp.float32), res["inv"], num_segments=num_segments)

@@ -3,7 +3,10 @@
     out[s] = sum of g[idx[p]] (float32) over the positions p with seg[p] == s
 
 g [M, D] (bf16, f16 or f32), idx [N] int32, seg [N] int32 non-decreasing,
-K = num_segments -> out float32 [K, D].
+K = num_segments -> out float32 [K, D]. g may be given as sources g_0, ..., g_{S-1}
+([M_j, D] each, one dtype) standing for their concatenation along the rows, so a caller
+with rows in several arrays need not copy them into one: a position's row is loaded from
+the source whose rows hold idx (masked loads, one of which touches memory).
 
 Grid (blocks of BN positions + row chunks of BR rows, ceil(D / BD) column tiles):
 
@@ -51,6 +54,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -115,7 +119,22 @@ def _segment_matmul(one_hot: Array, x: Array) -> Array:
     return lax.cond(bad > 0, with_non_finite, lambda acc: acc, acc)
 
 
-def _position_block(b, c0, cols, col_ok, seg_ref, idx_ref, g_ref, out_ref, part_ref, *, n, k, bn):
+def _gather(g_refs, starts, src2, cols2, mask):
+    """Rows src2 [BN, BD] of the sources' concatenation (source j holds rows
+    [starts[j], starts[j + 1])); masked lanes 0."""
+    if len(g_refs) == 1:
+        return plgpu.load(g_refs[0].at[src2, cols2], mask=mask, other=0)
+    x = None
+    for ref, lo, hi in zip(g_refs, starts[:-1], starts[1:]):
+        here = (src2 >= lo) & (src2 < hi)
+        part = plgpu.load(ref.at[jnp.clip(src2 - lo, 0, hi - lo - 1), cols2],
+                          mask=mask & here, other=0)
+        x = part if x is None else jnp.where(here, part, x)
+    return x
+
+
+def _position_block(b, c0, cols, col_ok, seg_ref, idx_ref, g_refs, out_ref, part_ref, *, n, k,
+                    bn, starts):
     """Position block b: its interior segments into out, its first / last into partials."""
     bd = cols.shape[0]
     p0 = b * bn
@@ -129,7 +148,7 @@ def _position_block(b, c0, cols, col_ok, seg_ref, idx_ref, g_ref, out_ref, part_
     shape = (bn, bd)
     src2 = jnp.broadcast_to(src[:, None], shape)
     cols2 = jnp.broadcast_to(cols[None, :], shape)
-    x = plgpu.load(g_ref.at[src2, cols2], mask=live[:, None] & col_ok[None, :], other=0)
+    x = _gather(g_refs, starts, src2, cols2, live[:, None] & col_ok[None, :])
     one_hot = rank[None, :] == lanes[:, None]                     # [rank i, lane j]
     acc = _segment_matmul(one_hot, x)
     rows = jnp.max(jnp.where(one_hot, cur[None, :], _NONE), axis=1)      # seg of rank i
@@ -156,15 +175,16 @@ def _zero_rows(z, cols, col_ok, present_ref, out_ref, *, k, br):
                 mask=ok[:, None] & col_ok[None, :])
 
 
-def _kernel(seg_ref, idx_ref, present_ref, g_ref, out_ref, part_ref, *, n, k, d, bn, bd, br, nb):
+def _kernel(seg_ref, idx_ref, present_ref, *refs, n, k, d, bn, bd, br, nb, starts):
+    g_refs, (out_ref, part_ref) = refs[:-2], refs[-2:]
     b, c = pl.program_id(0), pl.program_id(1)
     cols = c * bd + lax.broadcasted_iota(jnp.int32, (bd,), 0)
     col_ok = cols < d
 
     @pl.when(b < nb)
     def _():
-        _position_block(b, c * bd, cols, col_ok, seg_ref, idx_ref, g_ref, out_ref, part_ref,
-                        n=n, k=k, bn=bn)
+        _position_block(b, c * bd, cols, col_ok, seg_ref, idx_ref, g_refs, out_ref, part_ref,
+                        n=n, k=k, bn=bn, starts=starts)
 
     @pl.when(b >= nb)
     def _():
@@ -175,11 +195,12 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _one_pass(g, idx, seg, k, knobs, interpret):
-    """The kernel: (out [K, D] f32 with the blocks' boundary rows unset, partials
-    [2 nb, D] f32 (rows 2b, 2b + 1: block b's first and last segment), seg padded and shifted
-    [nb BN + 1])."""
-    n, d = seg.shape[0], g.shape[1]
+def _one_pass(gs, idx, seg, k, knobs, interpret):
+    """The kernel over the sources gs: (out [K, D] f32 with the blocks' boundary rows unset,
+    partials [2 nb, D] f32 (rows 2b, 2b + 1: block b's first and last segment), seg padded
+    and shifted [nb BN + 1])."""
+    n, d = seg.shape[0], gs[0].shape[1]
+    starts = tuple(int(x) for x in np.cumsum([0] + [g.shape[0] for g in gs]))
     bn, bd, br = knobs["block_n"], knobs["block_d"], knobs["block_rows"]
     nb = -(-n // bn)
     pad = nb * bn - n
@@ -189,8 +210,8 @@ def _one_pass(g, idx, seg, k, knobs, interpret):
     present = jnp.zeros((k,), jnp.int8).at[jnp.where(start, seg, k)].set(1, mode="drop")
     # interpret mode: a dump row for masked lanes and whole column tiles (module docstring)
     kp, dp = (k + 1, -(-d // bd) * bd) if interpret else (k, d)
-    ins = (seg_p, idx_p, present, g)
-    kernel = functools.partial(_kernel, n=n, k=k, d=d, bn=bn, bd=bd, br=br, nb=nb)
+    ins = (seg_p, idx_p, present, *gs)
+    kernel = functools.partial(_kernel, n=n, k=k, d=d, bn=bn, bd=bd, br=br, nb=nb, starts=starts)
     out, part = pl.pallas_call(
         kernel, grid=(nb + -(-k // br), -(-d // bd)),
         in_specs=[_full(x.shape) for x in ins],
@@ -203,14 +224,16 @@ def _one_pass(g, idx, seg, k, knobs, interpret):
     return out[:k, :d], part[:, :d], seg_p
 
 
-def segment_sum_pallas(g: Array, idx: Array, seg: Array, num_segments: int, *,
+def segment_sum_pallas(g, idx: Array, seg: Array, num_segments: int, *,
                        interpret: bool, knobs: dict) -> Array:
-    """The kernel pass, then the partials summed per target row and set into out."""
-    n, d = seg.shape[0], g.shape[1]
+    """The kernel pass, then the partials summed per target row and set into out.
+    g: one [M, D] array or a tuple of sources (module docstring)."""
+    gs = tuple(g) if isinstance(g, (tuple, list)) else (g,)
+    n, d = seg.shape[0], gs[0].shape[1]
     k = num_segments
     if n == 0 or k == 0:
         return jnp.zeros((k, d), F32)
-    out, part, seg_p = _one_pass(g, idx, seg, k, knobs, interpret)
+    out, part, seg_p = _one_pass(gs, idx, seg, k, knobs, interpret)
     bn, nb = knobs["block_n"], part.shape[0] // 2
     # targets of the partials: each block's first and last seg, non-decreasing
     tgt = jnp.stack([seg_p[1::bn][:nb], seg_p[bn::bn][:nb]], axis=1).reshape(-1)
