@@ -200,8 +200,8 @@ def op_fn(op, engine, knobs, qo, ko, scale):
 # 4:1:1:2) and the rest. 2:1:1 ran 2.6x slower.
 BLOCK_FWD_GRID = ["4:2:2:2", "4:2:4:2", "4:2:4:4", "4:2:2:4", "4:1:1:2", "4:3:4:2",
                   "4:2:2", "4:2:4", "4:1:1", "4:1:2", "4:3:2", "4:3:4", "4:2:8", "8:2:2"]
-BLOCK_BWD_GRID = ["4:1:1:2", "4:2:1:2", "4:1:2:2", "4:2:2:2", "4:1:4:2", "4:1:1:4", "4:2:1:4",
-                  "4:1:1", "4:2:1", "4:1:2", "8:1:1:2"]
+BLOCK_BWD_GRID = ["4:1:1:2", "4:1:1:2:e", "4:2:2:2:e", "4:2:1:2", "4:1:2:2", "4:2:2:2", "4:1:4:2",
+                  "4:1:1:4", "4:2:1:4", "4:1:1", "4:2:1", "4:1:2", "8:1:1:2", "8:1:1:2:e"]
 
 
 def block_knobs_fwd(spec):
@@ -213,8 +213,11 @@ def block_knobs_fwd(spec):
 
 
 def block_knobs_bwd(spec):
-    """BLOCK_BWD_GRID entry 'warps:stages:group[:rope_chunks_bwd]' -> knobs."""
-    nw, ns, g, *ch = (int(x) for x in spec.split(":"))
+    """BLOCK_BWD_GRID entry 'warps:stages:group[:rope_chunks_bwd[:e]]' -> knobs (e:
+    early_loads_bwd)."""
+    parts = spec.split(":")
+    early = parts[-1] == "e"
+    nw, ns, g, *ch = (int(x) for x in (parts[:-1] if early else parts))
     from kernels.triton.tuning import BLOCK_KNOBS
     return {**BLOCK_KNOBS, "num_warps_bwd": nw, "num_stages_bwd": ns, "group_bwd": g,
-            "rope_chunks_bwd": ch[0] if ch else 1}
+            "rope_chunks_bwd": ch[0] if ch else 1, "early_loads_bwd": early}

@@ -137,6 +137,7 @@ def test_bad_inputs_name_the_input():
 @pytest.mark.parametrize("d,chunks,chunks_bwd,kw", [
     (64, 1, 2, {}), (64, 2, 1, {}), (128, 4, 4, dict(group=3, group_bwd=2)),  # 16-column chunks
     (64, 2, 2, dict(positions="random")), (96, 2, 4, {}),     # custom positions; padded halves
+    (64, 1, 2, dict(early_loads_bwd=True, group_bwd=2)),     # dO / V loaded before the scores
 ])
 def test_pallas_rope_chunks(d, chunks, chunks_bwd, kw):
     """RoPE in column chunks (rope_chunks, rope_chunks_bwd): out and all gradients
@@ -167,14 +168,15 @@ def _gpu_lengths(seed, n, spare=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunks,warps", [(2, 4), (4, 4), (4, 8)])
-def test_gpu_rope_chunks(chunks, warps):
-    """rope_chunks / rope_chunks_bwd on an H200 (bf16, D=128, W4-like lengths), knob sets
-    of the W4 sweep."""
+@pytest.mark.parametrize("chunks,warps,early", [(2, 4, False), (4, 4, False), (4, 8, False),
+                                                (2, 4, True)])
+def test_gpu_rope_chunks(chunks, warps, early):
+    """rope_chunks / rope_chunks_bwd (and early_loads_bwd) on an H200 (bf16, D=128, W4-like
+    lengths), knob sets of the W4 sweep."""
     lens, t = _gpu_lengths(seed=12, n=10)
     _check("pallas", lens, t, dtype=jnp.bfloat16, h=4, d=128,
            knobs=dict(rope_chunks=chunks, num_warps=warps, num_stages=1, group=1,
-                      rope_chunks_bwd=chunks, num_warps_bwd=warps))
+                      rope_chunks_bwd=chunks, num_warps_bwd=warps, early_loads_bwd=early))
 
 
 @pytest.mark.gpu

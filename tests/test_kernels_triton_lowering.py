@@ -55,7 +55,8 @@ def _lower_train(fn, t, h, d, dtype):
 OFF = jnp.array([0, 1, 64, 128, 300, 700, 1000], jnp.int32)
 
 
-@pytest.mark.parametrize("case", ["block", "block_group4_f32", "gdpa_silu_fast",
+@pytest.mark.parametrize("case", ["block", "block_group4_f32", "block_early_loads",
+                                  "gdpa_silu_fast",
                                   "gdpa_gelu_tanh_causal_window", "softmax_causal",
                                   "gdpa_d24_padded", "block_d48_padded", "softmax_d8_padded",
                                   "gdpa_k_rows_rest_group_split", "softmax_q_rows_rest_group",
@@ -74,6 +75,9 @@ def test_kernels_lower_to_verified_triton(cuda_lowering, case):
         fn, d = (lambda q, k, v: jagged_attention(q, k, v, OFF, OFF, impl="pallas")), 8
     elif case == "block":
         fn, n_kernels = (lambda q, k, v: block_attention_pallas(q, k, v, OFF)), 2
+    elif case == "block_early_loads":
+        fn, n_kernels = (lambda q, k, v: block_attention_pallas(
+            q, k, v, OFF, early_loads_bwd=True, group_bwd=2, num_stages_bwd=2)), 2
     elif case == "block_group4_f32":
         fn, dtype, n_kernels = (lambda q, k, v: block_attention_pallas(q, k, v, OFF, group=4),
                                 jnp.float32, 2)

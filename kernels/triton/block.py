@@ -228,10 +228,10 @@ def _fwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, prefetch
         rope_chunks=rope_chunks), prefetch)
 
 
-def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, prefetch):
+def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, prefetch, early_loads):
     _each_block(group, refs[:3], lambda e: _bwd_block(
         e, *refs[3:], block=block, scale=scale, cs=cs, fast_trig=fast_trig,
-        rope_chunks=rope_chunks), prefetch)
+        rope_chunks=rope_chunks, early_loads=early_loads), prefetch)
 
 
 def _fwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
@@ -253,7 +253,7 @@ def _fwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
     _store(o_ref, rows, write, _dot(p.astype(v.dtype), v, ((1,), (0,))))
 
 
-def _bwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
+def _bwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks, early_loads=False):
     """entry: the block's table entry; refs: the RoPE inputs (`_trig`), q, k, v, do, dq,
     dk, dv."""
     rope = refs[:-7]
@@ -262,7 +262,8 @@ def _bwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
     trig = _trig(rope, rows, valid, cs, fast_trig, q_ref.dtype)
     if rope_chunks > 1:
         _bwd_block_by_chunks(rows, valid, write, trig, q_ref, k_ref, v_ref, do_ref, dq_ref,
-                             dk_ref, dv_ref, scale=scale, chunks=rope_chunks)
+                             dk_ref, dv_ref, scale=scale, chunks=rope_chunks,
+                             early_loads=early_loads)
         return
     cos, sin = trig(_halves(q_ref)[0])
     q1, q2 = _rotated(q_ref, rows, valid, cos, sin)
@@ -278,15 +279,19 @@ def _bwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
 
 
 def _bwd_block_by_chunks(rows, valid, write, trig, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref,
-                         dv_ref, *, scale, chunks):
+                         dv_ref, *, scale, chunks, early_loads=False):
     """The backward with RoPE in column chunks (rope_chunks_bwd): S from the chunk loop
     of the forward, then dV and dS, then a second chunk loop that rotates q and k's
     chunk again (angles recomputed, rows re-read, from cache) for that chunk's dQ and
-    dK columns, rotated back and stored. Only dS lives across the two loops."""
+    dK columns, rotated back and stored. Only dS lives across the two loops.
+    early_loads (knob early_loads_bwd): dO and V are loaded before the score loop, so
+    their reads overlap it (more registers live across it)."""
+    load = lambda ref: _load(ref, rows, pl.ds(0, ref.shape[-1]), valid)   # noqa: E731
+    do, v = (load(do_ref), load(v_ref)) if early_loads else (None, None)
     p = _softmax(_scores_by_chunks(q_ref, k_ref, rows, valid, trig, chunks), valid, scale)
-    do = _load(do_ref, rows, pl.ds(0, do_ref.shape[-1]), valid)
+    do = load(do_ref) if do is None else do
     _store(dv_ref, rows, write, _dot(p.astype(do.dtype), do, ((0,), (0,))))
-    dp = _dot(do, _load(v_ref, rows, pl.ds(0, v_ref.shape[-1]), valid), ((1,), (1,)))
+    dp = _dot(do, load(v_ref) if v is None else v, ((1,), (1,)))
     ds = _dscores(p, dp, scale, q_ref.dtype)
     half = q_ref.shape[-1] // 2
     w = half // chunks
@@ -320,10 +325,11 @@ def _call(kernel, n_out, cfg, tab, rope, xs, bwd):
                                   num_stages=knobs["num_stages" + sfx])
     group = knobs["group" + sfx]
     fast_trig = bool(knobs["fast_trig"]) and xs[0].dtype.itemsize == 2 and not interpret
+    extra = dict(early_loads=bool(knobs["early_loads_bwd"])) if bwd else {}
     out = pl.pallas_call(
         functools.partial(kernel, block=block, scale=scale, cs=cs, group=group,
                           fast_trig=fast_trig, rope_chunks=int(knobs["rope_chunks" + sfx]),
-                          prefetch=bool(knobs["prefetch_table"])),
+                          prefetch=bool(knobs["prefetch_table"]), **extra),
         grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,

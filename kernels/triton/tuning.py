@@ -66,10 +66,11 @@ TUNING = {"gdpa": TritonTuning(), "jagged_attention": TritonTuning(),
 # program); fast_trig: RoPE cos / sin through cos.approx / sin.approx for 16-bit inputs
 # (float32 keeps libdevice cosf / sinf); rope_chunks / rope_chunks_bwd: RoPE in a loop
 # over that many column chunks of each half (fewer registers; capped to what D/2
-# splits into); prefetch_table: a program's table entries loaded up front.
+# splits into); prefetch_table: a program's table entries loaded up front;
+# early_loads_bwd: the chunked backward loads dO and V before its score loop.
 BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
                    group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
-                   prefetch_table=True)
+                   prefetch_table=True, early_loads_bwd=False)
 
 
 def tuning_of(op):
