@@ -119,8 +119,7 @@ SKIP = {
         "tests/test_tracking.py finds the trace it reads, tests/test_profile_summary.py runs it"),
     "python -m experiments.train --config=gem1b --steps=40 --eval_every=40 "
     "--override=train.log_every=10,data.eval_batches=1": "one H200 (the gem1b preset: 94 GB of device memory)",
-    "python -m benchmarks.bench_step --config=gem1b --iters=10 --batches=3": "one H200 (the gem1b preset)",
-    "python -m gemjax.perf.local_mfu --config=gem1b": ("one H200 (the gem1b preset); "
+    "python -m gemjax.perf.local_mfu --config=gem1b --iters=3": ("one H200 (the gem1b preset); "
                                                        "tests/test_gem1b_mfu.py runs its main()"),
     "python -m benchmarks.bench_remat --config=h200 --override=model.kind=teacher --regions=pyramid,seq,"
     "attention,interaction --policies=recompute,quantize --out=remat.json":
