@@ -228,8 +228,9 @@ class GEMTeacher(nnx.Module):
         tokens = [acts[n][:, None, :] for n in f.sparse_names]
         tokens.append(self.dense_proj(dense).reshape(b, self.dense_tokens, self.dim))
         x = jnp.concatenate([t.astype(self.dtype) for t in tokens], axis=1)
-        seqs = {s: (sum(acts[f"{s}.{n}"] for n in fields).astype(self.dtype), sequences[s])
-                for s, fields in f.id_fields.items()}
+        # fields summed in float32 (bf16 rows, train.sparse_act_dtype=model, round once)
+        seqs = {s: (sum(acts[f"{s}.{n}"].astype(jnp.float32) for n in fields).astype(self.dtype),
+                    sequences[s]) for s, fields in f.id_fields.items()}
         return x, seqs
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch, taps: dict | None = None) -> jax.Array:
