@@ -167,13 +167,15 @@ class EmbeddingCollection:
         if segment_sum not in routing.SEGMENT_SUMS:
             raise ValueError(f"segment_sum must be one of {routing.SEGMENT_SUMS}, got {segment_sum!r}")
         self.segment_sum = segment_sum
-        try:
-            self.act_dtype = None if act_dtype is None else jnp.dtype(act_dtype)
-        except TypeError:
-            self.act_dtype = False
-        if self.act_dtype is False or (act_dtype is not None
-                                       and not jnp.issubdtype(self.act_dtype, jnp.floating)):
-            raise ValueError(f"act_dtype must be a float dtype or None, got {act_dtype!r}")
+        self.act_dtype = None
+        if act_dtype is not None:
+            bad = ValueError(f"act_dtype must be a float dtype or None, got {act_dtype!r}")
+            try:
+                self.act_dtype = jnp.dtype(act_dtype)
+            except TypeError as e:
+                raise bad from e
+            if not jnp.issubdtype(self.act_dtype, jnp.floating):
+                raise bad
         self.table_of = ids_lib.feature_tables(specs)
         self.specs = {s.name: s for s in specs}
         if mesh is None:
