@@ -422,11 +422,10 @@ class EmbeddingCollection:
                 if copies:   # devices holding a copy of another's batch add nothing
                     parts = [jnp.where(jax.lax.axis_index(copies) == 0, x, 0) for x in parts]
                 impl = self._update_impl(spec)
-                # rows summed on this device by the sorted segment sum: the features' grads
-                # stay where they are (the kernel reads each row from its own array);
-                # exchanged rows and the fused update take one array
-                g = (tuple(parts) if owned and impl == "xla" and self.dedup == "sort"
-                     else jnp.concatenate(parts))
+                # rows this device sums itself go to routing.sum_duplicates as they are (its
+                # sorted segment sum reads each row from its own array); exchanged rows and
+                # the fused update take one array
+                g = tuple(parts) if owned and impl == "xla" else jnp.concatenate(parts)
                 if local and (self.unique_buckets or impl == "pallas"):
                     new[unit] = routing.update_unique_bucketed(
                         new.get(unit, state[unit]), g, route[name], spec.optimizer,
