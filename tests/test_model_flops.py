@@ -288,14 +288,14 @@ PINNED = {
          "interformer0.interaction": (116224, 0), "interformer0.sequence": (1120256, 808448),
          "interformer1.cross": (259072, 45312), "interformer1.interaction": (116224, 0),
          "interformer1.sequence": (1120256, 808448), "final_cross": (259072, 45312), "head": (100352, 0)},
-        19387104),
+        19940064),
     ("h200", "model.kind=teacher,model.num_experts=4,model.top_k=2"): (
         {"inputs": (65536, 0), "pyramid": (1804533760, 168947200), "interformer0.cross": (88604672, 401408),
          "interformer0.interaction": (545202176, 0), "interformer0.sequence": (162529280, 6766592),
          "interformer1.cross": (88604672, 401408), "interformer1.interaction": (545202176, 0),
          "interformer1.sequence": (162529280, 6766592), "final_cross": (88604672, 401408),
          "head": (50397184, 0)},
-        4940877312),
+        5009034752),
     ("small", "model.kind=teacher,model.attention=gdpa,model.pyramid_levels=16:2:1/8:2:0/16:none:1,"
               "model.head_towers=shared,model.num_experts=3,model.top_k=2,model.capacity_factor=1.5,"
               "model.cls_tokens=0,model.interformer_layers=3"): (
@@ -305,7 +305,7 @@ PINNED = {
          "interformer1.sequence": (1069056, 211456), "interformer2.cross": (659456, 25088),
          "interformer2.interaction": (2524672, 0), "interformer2.sequence": (1069056, 211456),
          "final_cross": (659456, 25088), "head": (540672, 0)},
-        54988608),
+        58736448),
 }
 
 

@@ -21,12 +21,16 @@ own pyramid, run side by side (independent, XLA may overlap them), and their top
 tokens are concatenated per sample (with a learned per-sequence type embedding)
 into one jagged sequence for the InterFormer sequence side.
 
-Capacities stay static: T_{l+1} = (ceil(T_l / block) + B) * pooled bounds the
-number of pooled tokens (each sample's last block may be partial).
+Capacities stay static: T_{l+1} = NB * pooled with NB = ceil(T_l / block) + B
+(each sample's last block may be partial) rounded up so that T_{l+1} is a multiple of
+the attention kernels' row multiple (kernels.triton.PAD_MULTIPLE, 128): the kernels
+then take every level's buffer, and the InterFormer's concatenation of the top
+levels, as it is, with no padded copy in and sliced copy out around each call.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import jax
@@ -39,6 +43,7 @@ from gemjax.layers.axes import param
 from gemjax.layers.sequence import SequenceEncoder
 from kernels.common import default_impl, segment_layout
 from kernels.jagged_attention.reference import masked_softmax_av
+from kernels.triton.tuning import PAD_MULTIPLE
 
 
 def jagged_from_offsets(values: jax.Array, offsets: jax.Array) -> Jagged:
@@ -48,16 +53,28 @@ def jagged_from_offsets(values: jax.Array, offsets: jax.Array) -> Jagged:
     return Jagged(values, offsets, seg, pos)
 
 
-def block_offsets(offsets: jax.Array, capacity: int, block: int) -> jax.Array:
+def num_blocks(capacity: int, block: int, batch: int, pooled: int | None = None) -> int:
+    """Static bound NB on the `block`-token runs of `batch` samples packed in `capacity`
+    rows: ceil(capacity / block) + batch, rounded up (pooled given) so that NB * pooled
+    is a multiple of PAD_MULTIPLE."""
+    nb = -(-capacity // block) + batch
+    if pooled is not None:
+        step = PAD_MULTIPLE // math.gcd(pooled, PAD_MULTIPLE)
+        nb += -nb % step
+    return nb
+
+
+def block_offsets(offsets: jax.Array, capacity: int, block: int,
+                  pooled: int | None = None) -> jax.Array:
     """Offsets of the `block`-token runs of every sample; works under jit.
 
-    offsets [B+1] -> [NB+1] int32, NB = ceil(capacity / block) + B: each sample cut
-    into runs of `block` tokens (its last run may be shorter), sample after sample;
-    unused trailing entries repeat offsets[-1] (empty runs).
+    offsets [B+1] -> [NB+1] int32, NB = num_blocks(capacity, block, B, pooled): each
+    sample cut into runs of `block` tokens (its last run may be shorter), sample after
+    sample; unused trailing entries repeat offsets[-1] (empty runs).
     """
     offsets = jnp.asarray(offsets, jnp.int32)
     b = offsets.shape[0] - 1
-    nb = -(-capacity // block) + b
+    nb = num_blocks(capacity, block, b, pooled)
     nblk = -(-(offsets[1:] - offsets[:-1]) // block)                       # [B]
     first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblk).astype(jnp.int32)])
     j = jnp.arange(nb, dtype=jnp.int32)
@@ -85,16 +102,16 @@ def concat_jagged(parts: Sequence[tuple[jax.Array, Jagged]]) -> tuple[jax.Array,
     lengths = [j.lengths for _, j in parts]
     total = sum(lengths)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(total).astype(jnp.int32)])
-    out = jnp.zeros((cap + 1,) + parts[0][0].shape[1:], parts[0][0].dtype)
+    out = jnp.zeros((cap,) + parts[0][0].shape[1:], parts[0][0].dtype)
     before = jnp.zeros((b,), jnp.int32)
     for (x, j), n in zip(parts, lengths):
         seg = jnp.asarray(j.segment_ids)
         valid = seg < b
         segc = jnp.where(valid, seg, 0)
         dest = jnp.where(valid, offsets[segc] + before[segc] + jnp.asarray(j.positions), cap)
-        out = out.at[dest].set(x.astype(out.dtype))
+        out = out.at[dest].set(x.astype(out.dtype), mode="drop")   # padding rows: dest cap
         before = before + n
-    return out[:cap], jagged_from_offsets(out[:cap], offsets)
+    return out, jagged_from_offsets(out, offsets)
 
 
 class PyramidLevel(nnx.Module):
@@ -157,7 +174,7 @@ class PyramidLevel(nnx.Module):
         pool, blk, k_q = self.pool, self.block, self.pooled
         h, dh = pool.num_heads, pool.head_dim
         t = x.shape[0]
-        kv_off = block_offsets(jagged.offsets, jagged.capacity, blk)            # [NB+1]
+        kv_off = block_offsets(jagged.offsets, jagged.capacity, blk, k_q)       # [NB+1]
         nb = kv_off.shape[0] - 1
         q = pool.q_proj(self.queries[...].astype(self.dtype)).reshape(k_q, h, dh)
         xs = x.astype(pool.dtype)
@@ -181,7 +198,7 @@ class PyramidLevel(nnx.Module):
         Tiles the learned queries over all NB blocks and runs JaggedCrossAttention over
         the whole packed buffer (O(NB * pooled * T) masked work on the CPU reference).
         """
-        kv_off = block_offsets(jagged.offsets, jagged.capacity, self.block)       # [NB+1]
+        kv_off = block_offsets(jagged.offsets, jagged.capacity, self.block, self.pooled)  # [NB+1]
         nb = kv_off.shape[0] - 1
         nonempty = (kv_off[1:] > kv_off[:-1]).astype(jnp.int32)
         q_off = jnp.concatenate([jnp.zeros((1,), jnp.int32),

@@ -79,6 +79,7 @@ import numpy as np
 from gemjax.config import Config
 from gemjax.data.features import schema_of
 from gemjax.layers.experts import expert_capacity
+from gemjax.layers.pyramid import num_blocks
 from gemjax.models.interformer import teacher_arch
 from gemjax.perf.mfu import attention_flops, dense_flops, mlp_flops, train_step_flops, wukong_layer_flops
 from kernels.common import default_impl
@@ -275,8 +276,8 @@ def teacher_block_detail(cfg: Config, seq_lengths: Mapping[str, np.ndarray],
             add("pyramid", layers * (_proj(t, d, 4) + mlp_flops(t, ffn)))
             if pooled is None:
                 continue
-            # blocks: valid ones (sum ceil(L / block)) or the static bound ceil(T / block) + B
-            nb = _ceil_div(cap, blk) + b if padded else int(_ceil_div(lengths, blk).sum())
+            # blocks: valid ones (sum ceil(L / block)) or the static bound (num_blocks)
+            nb = num_blocks(cap, blk, b, pooled) if padded else int(_ceil_div(lengths, blk).sum())
             add("pyramid", _proj(t, d, 2) + _proj(nb * pooled, d, 2))     # k, v; tiled q, out
             kv = block_lengths(lengths, blk)
             pools.append(AttentionCall("pyramid", f"{s}.level{li}.pool", "softmax",
