@@ -319,6 +319,8 @@ def _sweep(label, grid, knobs_of, dedupe_key, fn, args, flops, bytes_fwd, bytes_
         row["knobs"] = knobs
         rows.append(row)
         ms = row.get(only + "_ms")
+        print(f"[sweep] {label} {spec}: {only} "
+              + (f"{ms:.3f} ms" if ms is not None else row.get("error", "no time")), flush=True)
         if ms is not None and (best is None or ms < best["ms"]):
             best = dict(spec=spec, knobs=knobs, ms=ms, tflops=row[only + "_tflops"])
     return best
