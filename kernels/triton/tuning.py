@@ -68,6 +68,9 @@ TUNING = {"gdpa": TritonTuning(), "jagged_attention": TritonTuning(),
 # over that many column chunks of each half (fewer registers; capped to what D/2
 # splits into); prefetch_table: a program's table entries loaded up front;
 # early_loads_bwd: the chunked backward loads dO and V before its score loop.
+# On gem1b (one H200, its level-1 backward, 2 calls a step) group_bwd 1 / rope_chunks_bwd
+# 2 took 10.3-10.9 ms against 12.5 for 2 / 1, which the G1 workload's sweep had ranked
+# first (fwd+bwd 4.80 ms against 5.35): time a change on the model, not on G1 alone.
 BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
                    group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
                    prefetch_table=True, early_loads_bwd=False)
