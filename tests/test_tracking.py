@@ -1,6 +1,7 @@
 """Experiment tracking: TensorBoard scalars equal metrics.jsonl (across a resume), summary.json's
 run facts and timing, plot_metrics' PNG, --profile_steps' trace and its flag errors."""
 
+import contextlib
 import functools
 import glob
 import importlib.metadata
@@ -264,3 +265,31 @@ def test_plot_metrics_names_bad_input(tmp_path):
         P.read_curves(str(tmp_path))
     with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
         P.parse_size("640")
+
+
+def test_pauses_begin_once_the_dispatched_steps_are_done(monkeypatch, tmp_path):
+    # asynchronous dispatch runs steps ahead; a pause entered before they finish would
+    # hide their device time from the step-time figures
+    events = []
+
+    class State:            # a step's output still running on the device
+        def block_until_ready(self):
+            events.append("ready")
+            return self
+
+    @contextlib.contextmanager
+    def paused():
+        events.append("pause")
+        yield
+        events.append("resume")
+
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: events.append("start"))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: events.append("stop"))
+    window = tracking.ProfileWindow((2, 4), str(tmp_path), 0, 5, log=lambda s: None, paused=paused)
+    for done in range(1, 6):
+        window.step_done(done, State())
+    assert events == ["ready", "pause", "start", "resume", "ready", "pause", "stop", "resume"]
+    events.clear()
+    with tracking.idle_pause(paused, State()):
+        events.append("save")
+    assert events == ["ready", "pause", "save", "resume"]

@@ -289,7 +289,7 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                 last_eval = _eval_point(evaluator, state, done, meter, runlog.append, log)
             saved = done % t.checkpoint_every == 0 or done == end or stopping
             if saved:
-                with meter.paused():
+                with tracking.idle_pause(meter.paused, state):
                     save(state)
                 pause_for_test("save", done, stop, log)
             profile.step_done(done, state)
@@ -430,7 +430,7 @@ def _eval_point(evaluator: "Evaluator", state: dict, done: int, meter: Throughpu
                 write: Callable[[dict], None], log: Callable[[str], None]) -> dict:
     """Evaluate `state` (off the throughput clock), write its metrics.jsonl row and eval
     line; returns the _HEADLINE figures."""
-    with meter.paused():
+    with tracking.idle_pause(meter.paused, state):
         res = evaluator(state)
     if isinstance(evaluator, RetrievalEvaluator):
         write({"step": done, "kind": "eval", **res, "samples_per_sec": meter.samples_per_sec})

@@ -350,6 +350,16 @@ def run_facts(mesh) -> dict:
     }
 
 
+@contextlib.contextmanager
+def idle_pause(paused: Callable[[], contextlib.AbstractContextManager], state):
+    """`paused()` (e.g. Throughput.paused) entered once `state` is ready: the steps
+    dispatched before it (asynchronous dispatch runs a step or two ahead) finish on the
+    clock, so the pause leaves out only the work inside it, not theirs."""
+    jax.block_until_ready(state)
+    with paused():
+        yield
+
+
 class ProfileWindow:
     """A jax.profiler trace of train steps a..b-1 (0-based; the steps that take the done
     count from a to b, with the logging, eval and checkpointing that follow them) into
@@ -363,7 +373,8 @@ class ProfileWindow:
     covers (a resumed run starts later); a window outside them is skipped with a log
     line. enabled: False on every process but the one that traces. paused: a context
     manager factory (e.g. Throughput.paused) around starting and stopping the trace,
-    whose export takes seconds, so throughput figures leave it out.
+    whose export takes seconds, so throughput figures leave it out; both wait for
+    `state` first (idle_pause), so no step's device time falls inside the pause.
     """
 
     def __init__(self, steps: tuple[int, int] | None, logdir: str, first: int, end: int,
@@ -388,10 +399,10 @@ class ProfileWindow:
         if self.steps is None:
             return
         if done == self.steps[0] and not self.active:
+            jax.block_until_ready(state)
             self._start()
         elif done == self.steps[1] and self.active:
-            jax.block_until_ready(state)
-            with self.paused():
+            with idle_pause(self.paused, state):
                 jax.profiler.stop_trace()
             self.active = False
             self.log(f"[gemjax] profile of steps {self.steps[0]}:{self.steps[1]} in {self.logdir}")
