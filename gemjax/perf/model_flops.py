@@ -29,9 +29,9 @@ Wukong experts runs top_k experts per sample (plus the router), never the
 with this count charges the padding to the step time.
 
 ``capacities`` (optional) switches to the padded program instead: per-token work
-over the static buffers (T per sequence at level 0, (ceil(T_l / block) + B) *
-pooled after each pooling, the merged InterFormer buffer the sum of the top
-ones), the experts over all E x C dispatch slots, the per-block pool queries
+over the static buffers (T per sequence at level 0, NB * pooled after each pooling
+with NB = layers.pyramid.num_blocks: ceil(T_l / block) + B, rounded up so that NB *
+pooled is a multiple of 128; the merged InterFormer buffer the sum of the top ones), the experts over all E x C dispatch slots, the per-block pool queries
 over all NB static blocks. That is what the compiled program executes (apart
 from attention, still valid pairs: the Pallas kernels skip the rest), so it is
 comparable with XLA's own count; tests/test_model_flops.py checks it against
