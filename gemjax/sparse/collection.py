@@ -94,7 +94,7 @@ row per id) whose "xla" update's unique bucket holds K <= onehot_rows rows sums 
 duplicates as a one-hot matmul over the gradient rows in their own order
 (routing.onehot_sums) instead of the sorted segment sum's row gather; pooled tables
 and the other update paths keep the sorted sum. Same sums up to float32 summation
-order; NaN / Inf stay in their own row (tests/test_sparse_onehot.py). Meant for
+order; NaN / Inf stay in their own segment (tests/test_sparse_onehot.py). Meant for
 tables of a few dozen rows read by millions of ids; its GPU timing is pending.
 act_dtype: the dtype of the unpooled activations (rows per id: sequence tokens, single
 ids); None keeps the table dtype. A bfloat16 model passes bfloat16: its gradients then
