@@ -198,6 +198,10 @@ class TrainConfig:
     # sorted duplicate sum of the sparse grads (routing.sum_duplicates): auto (the Pallas
     # kernel kernels.segment_sum on GPU, XLA's segment_sum elsewhere), xla or pallas
     sparse_segment_sum: str = "auto"
+    # one-hot duplicate sums (routing.onehot_sums; opt-in, 0 = off, GPU timing pending): an
+    # unpooled local table whose unique bucket holds <= this many rows sums its per-id grads
+    # as one_hot(row's unique index)^T @ grads, read in their own order (no row gather)
+    sparse_onehot_rows: int = 0
     # dtype of the looked-up rows per id (sequence tokens, single ids) the model reads:
     # "table" (the table's float32) or "model" (model.dtype: a bfloat16 model then gets
     # bfloat16 gradients per id, half the bytes through the duplicate sum and its concat)
@@ -475,6 +479,8 @@ def validate(cfg: Config) -> None:
          f"train.sparse_act_dtype must be table or model, got {cfg.train.sparse_act_dtype!r}"),
         (cfg.train.sparse_segment_sum in ("auto", "xla", "pallas"),
          f"train.sparse_segment_sum must be auto, xla or pallas, got {cfg.train.sparse_segment_sum!r}"),
+        (cfg.train.sparse_onehot_rows >= 0,
+         f"train.sparse_onehot_rows must be >= 0 (0 = off), got {cfg.train.sparse_onehot_rows}"),
         *_train_checks(cfg.train),
         *_steps_per_call_checks(cfg),
         *_teacher_checks(m),

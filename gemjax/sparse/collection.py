@@ -89,6 +89,13 @@ is not RowWiseAdagrad or whose dim is not a power of two >= 16 keep "xla").
 fused_knobs: overrides of fused_update.KNOBS for that kernel (e.g. short_programs).
 segment_sum: the "xla" update's sorted duplicate sum (routing.sum_duplicates): "auto"
 (the Pallas kernel kernels.segment_sum on GPU, XLA's segment_sum elsewhere), "xla", "pallas".
+onehot_rows (int, default 0 = off; opt-in): a local table without pooling (one gradient
+row per id) whose "xla" update's unique bucket holds K <= onehot_rows rows sums its
+duplicates as a one-hot matmul over the gradient rows in their own order
+(routing.onehot_sums) instead of the sorted segment sum's row gather; pooled tables
+and the other update paths keep the sorted sum. Same sums up to float32 summation
+order; NaN / Inf stay in their own segment (tests/test_sparse_onehot.py). Meant for
+tables of a few dozen rows read by millions of ids; its GPU timing is pending.
 act_dtype: the dtype of the unpooled activations (rows per id: sequence tokens, single
 ids); None keeps the table dtype. A bfloat16 model passes bfloat16: its gradients then
 come back in bfloat16, so the duplicate sum reads half the bytes (the float32 rows a
@@ -140,7 +147,7 @@ class EmbeddingCollection:
                  fused_knobs: Mapping[str, int] | None = None,
                  exchange_buckets: Sequence[float] = (), sync_buckets: bool = False,
                  row_major: bool = True, segment_sum: str = "auto", act_dtype: Any = None,
-                 **planner_kw):
+                 onehot_rows: int = 0, **planner_kw):
         if dedup not in routing.DEDUPS:
             raise ValueError(f"dedup must be one of {routing.DEDUPS}, got {dedup!r}")
         if jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -167,6 +174,7 @@ class EmbeddingCollection:
         if segment_sum not in routing.SEGMENT_SUMS:
             raise ValueError(f"segment_sum must be one of {routing.SEGMENT_SUMS}, got {segment_sum!r}")
         self.segment_sum = segment_sum
+        self.onehot_rows = routing.check_onehot_rows(onehot_rows)
         self.act_dtype = None
         if act_dtype is not None:
             bad = ValueError(f"act_dtype must be a float dtype or None, got {act_dtype!r}")
@@ -422,6 +430,9 @@ class EmbeddingCollection:
                 if copies:   # devices holding a copy of another's batch add nothing
                     parts = [jnp.where(jax.lax.axis_index(copies) == 0, x, 0) for x in parts]
                 impl = self._update_impl(spec)
+                # one-hot duplicate sums need one source row per id: unpooled tables only
+                # (a pooled bag's row is read by all of its ids)
+                onehot = self.onehot_rows if spec.pooling is None else 0
                 # rows this device sums itself go to routing.sum_duplicates as they are (its
                 # sorted segment sum reads each row from its own array); exchanged rows and
                 # the fused update take one array
@@ -430,7 +441,8 @@ class EmbeddingCollection:
                     new[unit] = routing.update_unique_bucketed(
                         new.get(unit, state[unit]), g, route[name], spec.optimizer,
                         self.unique_buckets, src_index=src_index, update_impl=impl,
-                        fused_knobs=self.fused_knobs, segment_sum=self.segment_sum)
+                        fused_knobs=self.fused_knobs, segment_sum=self.segment_sum,
+                        onehot_rows=onehot)
                     continue
                 if self.sync_buckets and sync and lay.num_model == 1 and lay.num_fs == 1:
                     # a local copy synced over replicas: they all-gather unique rows only

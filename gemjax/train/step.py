@@ -284,6 +284,7 @@ class Trainer:
                                    update_impl=cfg.train.sparse_update_impl,
                                    row_major=cfg.train.sparse_row_major,
                                    segment_sum=cfg.train.sparse_segment_sum,
+                                   onehot_rows=cfg.train.sparse_onehot_rows,
                                    act_dtype=(cfg.model.dtype if cfg.train.sparse_act_dtype == "model"
                                               else None), **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
