@@ -16,7 +16,7 @@ calls, so a round's fixed cost of first-dispatch latency and final sync drops ou
 per-call time of the longer round, that cost included, is printed beside it as 'round'.
 
 --chain=8 also times 8 calls chained inside one jit (per call): no dispatch gap between
-calls, as inside a training step. Rows: our kernels (the public defaults and engine /
+calls, as inside a training step (every row, or the rows --chain_rows names). Rows: our kernels (the public defaults and engine /
 knob variants), XLA streaming the bytes the floor counts (self-attention shapes: the
 memory floor as XLA reaches it), cuDNN and padded jnp.
 
@@ -70,6 +70,8 @@ flags.DEFINE_list("mosaic_variants", ["schedule_barrier=0", "fused_dq=1"],
 flags.DEFINE_integer("chain", 0, "also time CHAIN calls chained inside one jit (per-call "
                      "time, columns 'chain'): no per-dispatch gap between calls, as inside a "
                      "training step (e.g. 8); 0 = off")
+flags.DEFINE_list("chain_rows", [], "with --chain: chain only the rows of these exact names "
+                  "(empty: every row)")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
 flags.DEFINE_float("sweep_budget_s", 50.0, "per workload, split evenly over its (op, pass) "
@@ -132,7 +134,7 @@ def measure(name, fns, args, flops, bytes_fwd, bytes_bwd, only=None):
             row[tag + "_tflops"] = fl / t / 1e12
             floor = max(fl / (FLAGS.peak_tflops * 1e12), by / (FLAGS.hbm_tbs * 1e12))
             row[tag + "_floor_ms"] = floor * 1e3
-            if FLAGS.chain > 1:
+            if FLAGS.chain > 1 and (not FLAGS.chain_rows or name in FLAGS.chain_rows):
                 t = timeit(chained(f, FLAGS.chain), *a) / FLAGS.chain
                 row[tag + "_chain_ms"] = t * 1e3
                 row[tag + "_chain_tflops"] = fl / t / 1e12
