@@ -44,6 +44,8 @@ flags.DEFINE_string("activation", "silu", "GDPA activation")
 flags.DEFINE_enum("mode", "gdpa", ["gdpa", "softmax"], "the kernel's mode: GDPA (--activation, "
                   "scale 1 / max length) or online softmax (scale 1 / sqrt(D))")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples; 0 = all")
+flags.DEFINE_integer("max_len", 0, "clip every sample's query and key lengths to N (interpret "
+                     "smoke tests: the interpreter's time grows with the tiles); 0 = as drawn")
 flags.DEFINE_bool("sweep", False, "also time the tuning configs of --configs")
 flags.DEFINE_list("configs", None, "sweep configs, each knob=value joined by '+', e.g. "
                   "block_kv=64+num_stages=4 (default: SWEEP below)")
@@ -130,6 +132,8 @@ def main(_):
     kind, ql, kl = workload(FLAGS.workload)
     if FLAGS.max_samples:
         ql, kl = ql[:FLAGS.max_samples], kl[:FLAGS.max_samples]
+    if FLAGS.max_len:
+        ql, kl = np.minimum(ql, FLAGS.max_len), np.minimum(kl, FLAGS.max_len)
     h, d, act = FLAGS.heads, FLAGS.head_dim, FLAGS.activation
     q, k, v, _, qo, ko = pack_arrays(ql, kl, h, d, jnp.bfloat16, np.random.default_rng(0))
     pairs = valid_pairs(kind, ql, kl)
