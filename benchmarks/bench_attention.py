@@ -72,6 +72,8 @@ flags.DEFINE_integer("chain", 0, "also time CHAIN calls chained inside one jit (
                      "training step (e.g. 8); 0 = off")
 flags.DEFINE_list("chain_rows", [], "with --chain: chain only the rows of these exact names "
                   "(empty: every row)")
+flags.DEFINE_list("bwd_alts", [], "W2 / W3: time only these backward settings beside the "
+                  "default (tags as in the row names, e.g. fused_bwd_off; empty: all)")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
 flags.DEFINE_float("sweep_budget_s", 50.0, "per workload, split evenly over its (op, pass) "
@@ -219,6 +221,8 @@ def run_workload(wname, rng):
                      ("dkv_split2_all", dict(dkv_split=2, dkv_split_tiles=0)),
                      ("dkv_split8_top16", dict(dkv_split=8, dkv_split_tiles=16))]
         for tag, kw in alts:
+            if FLAGS.bwd_alts and tag not in FLAGS.bwd_alts:
+                continue
             rows.append(measure(f"pallas_gdpa_{act}_{tag}", fwd_and_train(
                 lambda q, k, v, kw=kw: gdpa_pallas(q, k, v, qo, ko, activation=act,
                                                    scale=scale, **kw)),
