@@ -16,9 +16,10 @@ calls, so a round's fixed cost of first-dispatch latency and final sync drops ou
 per-call time of the longer round, that cost included, is printed beside it as 'round'.
 
 --chain=8 also times 8 calls chained inside one jit (per call): no dispatch gap between
-calls, as inside a training step (every row, or the rows --chain_rows names). Rows: our kernels (the public defaults and engine /
-knob variants), XLA streaming the bytes the floor counts (self-attention shapes: the
-memory floor as XLA reaches it), cuDNN and padded jnp.
+calls, as inside a training step (every row, or the rows --chain_rows names). Rows: our
+kernels (the public defaults and engine / knob variants; --bwd_alts picks the backward
+settings timed beside the default on W2 / W3), XLA streaming the bytes the floor counts
+(self-attention shapes: the memory floor as XLA reaches it), cuDNN and padded jnp.
 
 --sweep tries a small grid of kernel knobs per workload in the same run (forward
 knobs timed on the forward, backward knobs on forward+backward with the default
