@@ -55,6 +55,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
 flags.DEFINE_list("workloads", ["W1", "W2", "W3", "W4"], "which workloads")
 flags.DEFINE_integer("iters", 50, "calls per short round (long rounds: twice that); time_stream")
+flags.DEFINE_integer("round_pairs", 3, "round pairs per timing, their median taken (time_stream)")
 flags.DEFINE_float("warm_s", 0.3, "seconds of back-to-back calls before each timing (the GPU's "
                    "sustained clock under its power cap; 0: burst figures)")
 flags.DEFINE_integer("heads", 4, "heads")
@@ -95,8 +96,10 @@ _START = time.perf_counter()
 
 
 def timeit(fn, *args):
-    """Seconds per call in a steady stream (attention_workloads.time_stream, --iters, --warm_s)."""
-    return time_stream(fn, *args, iters=FLAGS.iters, warm_s=FLAGS.warm_s)[0]
+    """Seconds per call in a steady stream (attention_workloads.time_stream, --iters, --warm_s,
+    --round_pairs)."""
+    return time_stream(fn, *args, iters=FLAGS.iters, warm_s=FLAGS.warm_s,
+                       pairs=FLAGS.round_pairs)[0]
 
 
 def chained(fn, k):
@@ -131,7 +134,8 @@ def measure(name, fns, args, flops, bytes_fwd, bytes_bwd, only=None):
         if only is not None and tag != only:
             continue
         try:
-            t, per_round = time_stream(f, *a, iters=FLAGS.iters, warm_s=FLAGS.warm_s)
+            t, per_round = time_stream(f, *a, iters=FLAGS.iters, warm_s=FLAGS.warm_s,
+                                       pairs=FLAGS.round_pairs)
             row[tag + "_ms"] = t * 1e3
             row[tag + "_round_ms"] = per_round * 1e3   # a round's fixed cost included
             row[tag + "_tflops"] = fl / t / 1e12

@@ -35,7 +35,7 @@ def test_reported_figures_follow_the_accounting(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention",
                         "--workloads=W2,W4", "--max_samples=2", "--heads=1", "--iters=1",
-                        "--warm_s=0", "--nobaselines", "--chain=2",
+                        "--round_pairs=1", "--warm_s=0", "--nobaselines", "--chain=2",
                         f"--chain_rows={','.join(CHAINED)}", f"--bwd_alts={','.join(ALTS)}",
                         f"--out={out}"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
