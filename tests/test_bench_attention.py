@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from suite_cache import with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ ALTS = ("fused_bwd_off", "dkv_split8_top16")
 
 def test_reported_figures_follow_the_accounting(tmp_path):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = with_suite_cache(dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention",
                         "--workloads=W2,W4", "--max_samples=2", "--heads=1", "--iters=1",
                         "--round_pairs=1", "--warm_s=0", "--nobaselines", "--chain=2",

@@ -7,13 +7,14 @@ import subprocess
 import sys
 
 import numpy as np
+from suite_cache import with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_smoke_shapes_and_figures(tmp_path):
     out = tmp_path / "fp8.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = with_suite_cache(dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--smoke", "--nostep",
                         "--max_shapes=1", f"--out={out}"], capture_output=True, text=True,
                        timeout=600, env=env)

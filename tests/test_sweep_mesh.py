@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from suite_cache import with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = ("mesh", "devices", "local_batch", "global_batch", "step_s", "samples_per_s", "e2e_mfu", "local_mfu",
@@ -17,7 +18,7 @@ COLUMNS = ("mesh", "devices", "local_batch", "global_batch", "step_s", "samples_
 def test_sweep_tiny_on_two_cpu_devices(tmp_path):
     # model v0 without its sequence arch: the sweep's columns, cost model and traces are the
     # same, and each mesh's step compiles in half the time
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = with_suite_cache(dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
     r = subprocess.run(
         [sys.executable, "-m", "experiments.sweep_mesh", "--config=tiny",
          "--override=data.batch_size=8,data.seq_median=4,data.seq_cap=8,model.wukong_layers=1,"
