@@ -22,7 +22,7 @@ from gemjax.layers.regions import REGIONS, format_plan, parse_plan
 from gemjax.models.interformer import GEMTeacher
 from gemjax.precision.saved import REL_BOUND
 from gemjax.train import remat
-from suite_cache import with_suite_cache   # tests/suite_cache.py
+from suite_cache import smoke_teacher_override, with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,15 +132,6 @@ def test_plan_path_greedy_order_on_additive_measure():
     assert len(seen) == len(set(seen))          # nothing measured twice
 
 
-def _saved_ne_smoke_override() -> str:
-    """benchmarks/bench_saved_ne.py's SMOKE_OVERRIDE, read from its source (importing the
-    module would define its absl flags in this process)."""
-    import ast
-    tree = ast.parse(open(os.path.join(ROOT, "benchmarks", "bench_saved_ne.py")).read())
-    return next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                and [getattr(t, "id", None) for t in node.targets] == ["SMOKE_OVERRIDE"])
-
-
 @pytest.mark.slow
 def test_bench_remat_smoke_curve():
     """The curve tool on CPU: the planner's real measurements of the tiny teacher's train
@@ -151,7 +142,7 @@ def test_bench_remat_smoke_curve():
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"remat_smoke_{os.getpid()}.json")
     env = with_suite_cache(dict(os.environ, JAX_PLATFORMS="cpu"))
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_remat", "--smoke",
-                        f"--override={_saved_ne_smoke_override()}",
+                        f"--override={smoke_teacher_override()}",
                         "--fractions=1.0,0.9,0.75,0.3", f"--out={out}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
