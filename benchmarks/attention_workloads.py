@@ -40,7 +40,8 @@ def workload(name):
     raise ValueError(f"unknown workload {name!r}")
 
 
-def time_stream(fn, *args, iters: int = 20, warm_s: float = 0.3) -> tuple[float, float]:
+def time_stream(fn, *args, iters: int = 20, warm_s: float = 0.3,
+                pairs: int = 3) -> tuple[float, float]:
     """(seconds per call in a steady stream, seconds per call of one round of 2 * iters).
 
     First fn runs back to back for warm_s seconds: the H200 reaches its 700 W power cap
@@ -56,7 +57,7 @@ def time_stream(fn, *args, iters: int = 20, warm_s: float = 0.3) -> tuple[float,
     call), i.e. 10 us per call in a round of 20. The steady figure drops it: the slope
     between rounds of iters and 2 * iters calls, (t(2n) - t(n)) / n. A function whose
     dispatch takes longer than its device time stays dispatch-bound in both figures.
-    Medians of 3 round pairs, after the warm-up. Where noise makes the median slope
+    Medians of `pairs` round pairs, after the warm-up. Where noise makes the median slope
     not positive (rounds of a few fast calls), the steady figure is the round's.
     """
     import jax
@@ -74,7 +75,7 @@ def time_stream(fn, *args, iters: int = 20, warm_s: float = 0.3) -> tuple[float,
     while time.perf_counter() - t0 < warm_s:
         round_s(iters)
     slopes, rounds = [], []
-    for _ in range(3):
+    for _ in range(pairs):
         short, long = round_s(iters), round_s(2 * iters)
         slopes.append((long - short) / iters)
         rounds.append(long / (2 * iters))

@@ -16,9 +16,10 @@ calls, so a round's fixed cost of first-dispatch latency and final sync drops ou
 per-call time of the longer round, that cost included, is printed beside it as 'round'.
 
 --chain=8 also times 8 calls chained inside one jit (per call): no dispatch gap between
-calls, as inside a training step. Rows: our kernels (the public defaults and engine /
-knob variants), XLA streaming the bytes the floor counts (self-attention shapes: the
-memory floor as XLA reaches it), cuDNN and padded jnp.
+calls, as inside a training step (every row, or the rows --chain_rows names). Rows: our
+kernels (the public defaults and engine / knob variants; --bwd_alts picks the backward
+settings timed beside the default on W2 / W3), XLA streaming the bytes the floor counts
+(self-attention shapes: the memory floor as XLA reaches it), cuDNN and padded jnp.
 
 --sweep tries a small grid of kernel knobs per workload in the same run (forward
 knobs timed on the forward, backward knobs on forward+backward with the default
@@ -54,6 +55,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_attention.json", "JSON output path")
 flags.DEFINE_list("workloads", ["W1", "W2", "W3", "W4"], "which workloads")
 flags.DEFINE_integer("iters", 50, "calls per short round (long rounds: twice that); time_stream")
+flags.DEFINE_integer("round_pairs", 3, "round pairs per timing, their median taken (time_stream)")
 flags.DEFINE_float("warm_s", 0.3, "seconds of back-to-back calls before each timing (the GPU's "
                    "sustained clock under its power cap; 0: burst figures)")
 flags.DEFINE_integer("heads", 4, "heads")
@@ -70,6 +72,10 @@ flags.DEFINE_list("mosaic_variants", ["schedule_barrier=0", "fused_dq=1"],
 flags.DEFINE_integer("chain", 0, "also time CHAIN calls chained inside one jit (per-call "
                      "time, columns 'chain'): no per-dispatch gap between calls, as inside a "
                      "training step (e.g. 8); 0 = off")
+flags.DEFINE_list("chain_rows", [], "with --chain: chain only the rows of these exact names "
+                  "(empty: every row)")
+flags.DEFINE_list("bwd_alts", [], "W2 / W3: time only these backward settings beside the "
+                  "default (tags as in the row names, e.g. fused_bwd_off; empty: all)")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
 flags.DEFINE_float("sweep_budget_s", 50.0, "per workload, split evenly over its (op, pass) "
@@ -90,8 +96,10 @@ _START = time.perf_counter()
 
 
 def timeit(fn, *args):
-    """Seconds per call in a steady stream (attention_workloads.time_stream, --iters, --warm_s)."""
-    return time_stream(fn, *args, iters=FLAGS.iters, warm_s=FLAGS.warm_s)[0]
+    """Seconds per call in a steady stream (attention_workloads.time_stream, --iters, --warm_s,
+    --round_pairs)."""
+    return time_stream(fn, *args, iters=FLAGS.iters, warm_s=FLAGS.warm_s,
+                       pairs=FLAGS.round_pairs)[0]
 
 
 def chained(fn, k):
@@ -126,13 +134,14 @@ def measure(name, fns, args, flops, bytes_fwd, bytes_bwd, only=None):
         if only is not None and tag != only:
             continue
         try:
-            t, per_round = time_stream(f, *a, iters=FLAGS.iters, warm_s=FLAGS.warm_s)
+            t, per_round = time_stream(f, *a, iters=FLAGS.iters, warm_s=FLAGS.warm_s,
+                                       pairs=FLAGS.round_pairs)
             row[tag + "_ms"] = t * 1e3
             row[tag + "_round_ms"] = per_round * 1e3   # a round's fixed cost included
             row[tag + "_tflops"] = fl / t / 1e12
             floor = max(fl / (FLAGS.peak_tflops * 1e12), by / (FLAGS.hbm_tbs * 1e12))
             row[tag + "_floor_ms"] = floor * 1e3
-            if FLAGS.chain > 1:
+            if FLAGS.chain > 1 and (not FLAGS.chain_rows or name in FLAGS.chain_rows):
                 t = timeit(chained(f, FLAGS.chain), *a) / FLAGS.chain
                 row[tag + "_chain_ms"] = t * 1e3
                 row[tag + "_chain_tflops"] = fl / t / 1e12
@@ -217,6 +226,8 @@ def run_workload(wname, rng):
                      ("dkv_split2_all", dict(dkv_split=2, dkv_split_tiles=0)),
                      ("dkv_split8_top16", dict(dkv_split=8, dkv_split_tiles=16))]
         for tag, kw in alts:
+            if FLAGS.bwd_alts and tag not in FLAGS.bwd_alts:
+                continue
             rows.append(measure(f"pallas_gdpa_{act}_{tag}", fwd_and_train(
                 lambda q, k, v, kw=kw: gdpa_pallas(q, k, v, qo, ko, activation=act,
                                                    scale=scale, **kw)),

@@ -19,7 +19,8 @@
    (default model.precision=fp8).
 
 Prints the table last and writes every figure as JSON to --out. --smoke: the tiny preset's
-teacher, 2 shapes, 1 timed iteration (a CPU check of the script, not a measurement).
+teacher, 2 shapes (or --max_shapes), 1 timed iteration (a CPU check of the script, not a
+measurement).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ flags.DEFINE_string("override", "model.kind=teacher", "section.field=value,... (
 flags.DEFINE_string("fp8_override", "model.precision=fp8", "added to --override for the FP8 step")
 flags.DEFINE_integer("iters", 20, "timed calls per GEMM / steps per train step")
 flags.DEFINE_integer("batches", 3, "distinct batches cycled through in the step timing")
-flags.DEFINE_integer("max_shapes", 6, "keep the N shapes of most FLOPs (count x 2MKN; 0: all)")
+flags.DEFINE_integer("max_shapes", 6, "keep the N shapes of most FLOPs (count x 2MKN; 0: all; "
+                     "--smoke: 2 unless given)")
 flags.DEFINE_string("shapes", "", "MxKxN[:count],... to time instead of the config's shapes")
 flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
@@ -215,7 +217,7 @@ def main(argv):
               f"{time.perf_counter() - t0:.1f} s", flush=True)
     order = sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1] * kv[0][2])
     res["all_shapes"] = [{"m": m, "k": k, "n": n, "count": c} for (m, k, n), c in order]
-    keep = 2 if f.smoke else (f.max_shapes or len(order))
+    keep = 2 if f.smoke and not f["max_shapes"].present else (f.max_shapes or len(order))
     for (m, k, n), count in order[:keep]:
         r = bench_gemm(m, k, n, iters)
         res["gemms"].append({"m": m, "k": k, "n": n, "count": count, **r})

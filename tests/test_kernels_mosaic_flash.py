@@ -704,13 +704,17 @@ def test_bench_without_gpu_exits_with_a_message(tmp_path):
     assert "no GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+# the bench's sample clipped to 300 tokens: 3 tiles of 128 a side, the last one partial
+_MAX_LEN = 300
+
+
 def test_bench_smoke_in_interpret_mode(tmp_path):
-    """The script end to end on CPU (1 sample, 1 head, interpreter, each row timed on one
-    call: the interpreter's calls cost seconds and their times mean nothing): rows, knobs,
-    JSON."""
+    """The script end to end on CPU (1 sample clipped to _MAX_LEN, 1 head, interpreter, each
+    row timed on one call: the interpreter's calls cost seconds and their times mean
+    nothing): rows, knobs, JSON."""
     import json
-    r = _bench(["--interpret", "--max_samples=1", "--heads=1", "--iters=0", "--sweep",
-                "--configs=block_kv=64+num_stages=3,bogus"], tmp_path)
+    r = _bench(["--interpret", "--max_samples=1", f"--max_len={_MAX_LEN}", "--heads=1", "--iters=0",
+                "--sweep", "--configs=block_kv=64+num_stages=3,bogus"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.load(open(tmp_path / "bench.json"))
     rows = {x["impl"]: x for x in res["rows"]}
@@ -723,17 +727,17 @@ def test_bench_smoke_in_interpret_mode(tmp_path):
         assert rows[name]["rel_diff_vs_triton"] < TOL, rows[name]
         assert rows[name]["ms"] > 0 and rows[name]["tflops"] > 0
     meta = res["meta"]
-    lens = w1_lengths(np.random.default_rng(0))
-    assert meta["valid_pairs"] == int(lens[0]) ** 2
-    assert meta["fwd_gflop"] == pytest.approx(4 * 1 * 128 * lens[0] ** 2 / 1e9)
+    n = min(int(w1_lengths(np.random.default_rng(0))[0]), _MAX_LEN)
+    assert meta["valid_pairs"] == n ** 2 and meta["capacity_q"] == 384
+    assert meta["fwd_gflop"] == pytest.approx(4 * 1 * 128 * n ** 2 / 1e9)
 
 
 def test_bench_smoke_softmax_mode(tmp_path):
     """--mode=softmax: the softmax rows (Triton jagged_attention vs the Mosaic softmax
     forward), matching each other, scale 1 / sqrt(D)."""
     import json
-    r = _bench(["--interpret", "--mode=softmax", "--max_samples=1", "--heads=1", "--iters=0",
-                "--sweep", "--configs=block_kv=64"], tmp_path)
+    r = _bench(["--interpret", "--mode=softmax", "--max_samples=1", f"--max_len={_MAX_LEN}",
+                "--heads=1", "--iters=0", "--sweep", "--configs=block_kv=64"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.load(open(tmp_path / "bench.json"))
     rows = {x["impl"]: x for x in res["rows"]}

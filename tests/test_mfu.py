@@ -176,23 +176,39 @@ _SMALL = ("model.kind=teacher,model.block=8,data.batch_size=8,data.seq_median=10
 
 
 def _recording(monkeypatch):
-    """Patch the kernels the layers call: record (op, forward FLOPs from the concrete offsets)."""
+    """Patch the kernels the layers call: record (op, forward FLOPs from the offsets each call
+    gets), in call order. Under jit the offsets reach the record through an ordered callback
+    (their values at run time); _forward waits for every record."""
     import gemjax.layers.attention as A
     calls = []
 
     def wrap(op, fn):
         def f(q, k, v, q_off, *rest, **kw):
             kv_off = rest[0] if rest else q_off
-            lq, lk = np.diff(np.asarray(q_off)), np.diff(np.asarray(kv_off))
-            calls.append((op, M.attention_flops(lq, lk, heads=q.shape[1], head_dim=q.shape[2],
-                                                causal=kw.get("causal", False), window=kw.get("window"),
-                                                block=kw.get("block") if op == "block" else None)))
+            heads, head_dim = q.shape[1], q.shape[2]
+            causal, window = kw.get("causal", False), kw.get("window")
+            block = kw.get("block") if op == "block" else None
+
+            def record(q_off, kv_off):
+                lq, lk = np.diff(np.asarray(q_off)), np.diff(np.asarray(kv_off))
+                calls.append((op, M.attention_flops(lq, lk, heads=heads, head_dim=head_dim,
+                                                    causal=causal, window=window, block=block)))
+            jax.debug.callback(record, q_off, kv_off, ordered=True)
             return fn(q, k, v, q_off, *rest, **kw)
         return f
 
     for op, name in (("gdpa", "gdpa"), ("softmax", "jagged_attention"), ("block", "block_attention")):
         monkeypatch.setattr(A, name, wrap(op, getattr(A, name)))
     return calls
+
+
+def _forward(model, acts, batch):
+    """model(acts, batch) [B, K] under one jit, traced afresh (the kernels patched now are the
+    ones it calls); returns once every recording callback has run."""
+    graphdef, state = nnx.split(model)
+    out = jax.jit(lambda st, a, b: nnx.merge(graphdef, st)(a, b))(state, acts, batch)
+    jax.effects_barrier()
+    return out
 
 
 def test_attention_calls_match_the_kernels_the_teacher_runs(monkeypatch):
@@ -208,11 +224,11 @@ def test_attention_calls_match_the_kernels_the_teacher_runs(monkeypatch):
     model = build_model(cfg, nnx.Rngs(0))
     acts = L.random_acts(cfg, dev, jax.random.key(1))
     calls = _recording(monkeypatch)
-    logits = model(acts, dev)                      # eager: offsets are concrete in every call
+    logits = _forward(model, acts, dev)
     want = [(c.op, c.forward_flops) for c in MF.attention_calls(cfg, lens)]
     assert calls == want
     # recording the blocks' inputs (the Local-MFU blocks are cut there) leaves the forward as it is
-    monkeypatch.undo()                             # (jitted: the recording kernels need concrete offsets)
+    monkeypatch.undo()
     np.testing.assert_allclose(np.asarray(L.teacher_taps(model, acts, dev)["logits"]), np.asarray(logits),
                                rtol=1e-5, atol=1e-6)
 
@@ -232,7 +248,7 @@ def test_pyramid_pooling_is_a_kernel_call_where_kernels_run_in_pallas(monkeypatc
     acts = L.random_acts(cfg, dev, jax.random.key(1))
     monkeypatch.setattr(P, "default_impl", lambda op, head_dim, backend=None: "pallas")
     calls = _recording(monkeypatch)
-    packed = model(acts, dev)
+    packed = _forward(model, acts, dev)
     want = MF.attention_calls(cfg, lens, backend="gpu")
     assert calls == [(c.op, c.forward_flops) for c in want]
     pools = [c for c in want if c.name.endswith(".pool")]
@@ -241,7 +257,7 @@ def test_pyramid_pooling_is_a_kernel_call_where_kernels_run_in_pallas(monkeypatc
         assert c.forward_flops == 4 * 2 * 16 * 2 * int(lens[s].sum())
     assert not any(c.name.endswith(".pool") for c in MF.attention_calls(cfg, lens, backend="cpu"))
     monkeypatch.setattr(P, "default_impl", lambda op, head_dim, backend=None: "reference")
-    np.testing.assert_allclose(np.asarray(model(acts, dev)), np.asarray(packed), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(_forward(model, acts, dev)), np.asarray(packed), rtol=1e-5, atol=1e-6)
 
 
 def test_block_lengths():

@@ -22,6 +22,7 @@ from gemjax.layers.regions import REGIONS, format_plan, parse_plan
 from gemjax.models.interformer import GEMTeacher
 from gemjax.precision.saved import REL_BOUND
 from gemjax.train import remat
+from suite_cache import smoke_teacher_override, with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,10 +136,13 @@ def test_plan_path_greedy_order_on_additive_measure():
 def test_bench_remat_smoke_curve():
     """The curve tool on CPU: the planner's real measurements of the tiny teacher's train
     step; each budget's plan fits it, smaller budgets get no more memory, one budget
-    below every plan is reported infeasible naming the flag."""
+    below every plan is reported infeasible naming the flag. The teacher is
+    bench_saved_ne's smoke one: its baseline step is the program of that bench's "none"
+    plan, compiled once for both tests through the suite's cache."""
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"remat_smoke_{os.getpid()}.json")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = with_suite_cache(dict(os.environ, JAX_PLATFORMS="cpu"))
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_remat", "--smoke",
+                        f"--override={smoke_teacher_override()}",
                         "--fractions=1.0,0.9,0.75,0.3", f"--out={out}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

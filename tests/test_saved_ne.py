@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from suite_cache import with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +18,7 @@ def test_bench_saved_ne_smoke_table_and_json(tmp_path):
     little) and its compiled step keeps fewer temp bytes; the JSON's deltas are the NE
     ratios; the table is printed last."""
     out = tmp_path / "saved_ne.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")      # a subprocess: one CPU device
+    env = with_suite_cache(dict(os.environ, JAX_PLATFORMS="cpu"))   # a subprocess: one CPU device
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_saved_ne", "--smoke",
                         "--time_steps=1", f"--out={out}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

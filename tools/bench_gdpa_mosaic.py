@@ -36,13 +36,16 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_gdpa_mosaic.json", "JSON output path")
 flags.DEFINE_string("workload", "W1", "workload of attention_workloads.py (self / cross)")
 flags.DEFINE_integer("iters", 20, "calls per short timing round (attention_workloads.time_calls); "
-                     "0: one call timed alone (--interpret smoke tests, where times mean nothing)")
+                     "0: each row's first call timed, its compile included (--interpret smoke "
+                     "tests, where times mean nothing)")
 flags.DEFINE_integer("heads", 4, "heads")
 flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_string("activation", "silu", "GDPA activation")
 flags.DEFINE_enum("mode", "gdpa", ["gdpa", "softmax"], "the kernel's mode: GDPA (--activation, "
                   "scale 1 / max length) or online softmax (scale 1 / sqrt(D))")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples; 0 = all")
+flags.DEFINE_integer("max_len", 0, "clip every sample's query and key lengths to N (interpret "
+                     "smoke tests: the interpreter's time grows with the tiles); 0 = as drawn")
 flags.DEFINE_bool("sweep", False, "also time the tuning configs of --configs")
 flags.DEFINE_list("configs", None, "sweep configs, each knob=value joined by '+', e.g. "
                   "block_kv=64+num_stages=4 (default: SWEEP below)")
@@ -70,12 +73,7 @@ _START = time.perf_counter()
 
 
 def timeit(fn, *args):
-    """Seconds per call in a steady stream (attention_workloads.time_calls, --iters), or
-    of one call alone with --iters=0."""
-    if FLAGS.iters == 0:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        return time.perf_counter() - t0
+    """Seconds per call in a steady stream (attention_workloads.time_calls, --iters)."""
     return time_calls(fn, *args, iters=FLAGS.iters)
 
 
@@ -102,13 +100,14 @@ def row(name, fn, args, flops, want, knobs=None):
     r = dict(impl=name)
     if knobs is not None:
         r["knobs"] = knobs
+    t0 = time.perf_counter()
     try:
         out = jax.block_until_ready(fn(*args))
     except Exception as e:  # noqa: BLE001 -- compile errors of a config are results
         r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(f"{name:<44} error: {r['error'][:150]}")
         return r
-    t = timeit(fn, *args)
+    t = time.perf_counter() - t0 if FLAGS.iters == 0 else timeit(fn, *args)
     r.update(ms=t * 1e3, tflops=flops / t / 1e12)
     if want is not None:
         r["rel_diff_vs_triton"] = rel_diff(out, want)
@@ -133,6 +132,8 @@ def main(_):
     kind, ql, kl = workload(FLAGS.workload)
     if FLAGS.max_samples:
         ql, kl = ql[:FLAGS.max_samples], kl[:FLAGS.max_samples]
+    if FLAGS.max_len:
+        ql, kl = np.minimum(ql, FLAGS.max_len), np.minimum(kl, FLAGS.max_len)
     h, d, act = FLAGS.heads, FLAGS.head_dim, FLAGS.activation
     q, k, v, _, qo, ko = pack_arrays(ql, kl, h, d, jnp.bfloat16, np.random.default_rng(0))
     pairs = valid_pairs(kind, ql, kl)
