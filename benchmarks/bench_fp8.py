@@ -18,7 +18,9 @@
    batches, device only) with --override, then with --override plus --fp8_override
    (default model.precision=fp8).
 
-Prints the table last and writes every figure as JSON to --out. --smoke: the tiny preset's
+--variants times a subset of the fp8_dot variants (each variant's line is printed as it
+is timed, so a run cut short still reports). Prints the table last and writes every
+figure as JSON to --out. --smoke: the tiny preset's
 teacher, 2 shapes (or --max_shapes), 1 timed iteration (a CPU check of the script, not a
 measurement).
 """
@@ -42,6 +44,8 @@ flags.DEFINE_string("shapes", "", "MxKxN[:count],... to time instead of the conf
 flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
 flags.DEFINE_string("out", "", "JSON output path")
+flags.DEFINE_list("variants", [], "FP8 variants of fp8_dot to time (default all: fp8_rowwise, "
+                  "fp8_tensor, fp8_blocked); bf16 and the FP8 GEMMs alone always run")
 
 FP8_VARIANTS = ("fp8_rowwise", "fp8_tensor", "fp8_blocked")
 _DOT = re.compile(r"stablehlo\.dot_general [^,]+, [^,]+, contracting_dims = \[(\d+)\] x \[0\], "
@@ -100,8 +104,9 @@ def _time(fn, args, iters):
     return (time.perf_counter() - t0) / iters
 
 
-def bench_gemm(m, k, n, iters, seed=0):
-    """One GEMM shape: {variant: {fwd_ms, fwdbwd_ms, fwd_tflops, fwdbwd_tflops, rel_err}}."""
+def bench_gemm(m, k, n, iters, seed=0, fp8_variants=FP8_VARIANTS):
+    """One GEMM shape: {variant: {fwd_ms, fwdbwd_ms, fwd_tflops, fwdbwd_tflops, rel_err}}
+    for bf16, fp8_variants and fp8_gemm_only; each variant's line printed as it is timed."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -114,19 +119,20 @@ def bench_gemm(m, k, n, iters, seed=0):
     dy = jax.random.normal(kd, (m, n), jnp.float32).astype(jnp.bfloat16)
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     scale = float(jnp.max(jnp.abs(ref)))
-    variants = {
-        "bf16": lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ()))),
-        "fp8_rowwise": lambda a, b: fp8_dot(a, b, Recipe("rowwise")),
-        "fp8_tensor": lambda a, b: fp8_dot(a, b, Recipe("tensor")),
-        "fp8_blocked": lambda a, b: fp8_dot(a, b, Recipe("blocked")),
-    }
+    recipes = {"fp8_rowwise": "rowwise", "fp8_tensor": "tensor", "fp8_blocked": "blocked"}
+    variants = {"bf16": lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())))}
+    variants.update({v: (lambda a, b, r=recipes[v]: fp8_dot(a, b, Recipe(r))) for v in fp8_variants})
     res: dict = {}
     for name, f in variants.items():
+        t0 = time.perf_counter()
         fwd = jax.jit(f).lower(x, w).compile()
         fb = jax.jit(lambda a, b, g, f=f: (lambda y, vjp: (y,) + vjp(g))(*jax.vjp(f, a, b)))
         fb = fb.lower(x, w, dy).compile()
+        compile_s = time.perf_counter() - t0
         t_f = _time(fwd, (x, w), iters)
         t_fb = _time(fb, (x, w, dy), iters)
+        print(f"  {m}x{k}x{n} {name}: {t_f * 1e3:.3f} / {t_fb * 1e3:.3f} ms (compiled in "
+              f"{compile_s:.1f} s)", flush=True)
         err = float(jnp.max(jnp.abs(fwd(x, w).astype(jnp.float32) - ref))) / max(scale, 1e-30)
         hlo = fb.as_text()
         res[name] = {"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
@@ -152,7 +158,8 @@ def bench_gemm(m, k, n, iters, seed=0):
                             "custom_calls": sorted(set(re.findall(
                                 r'custom_call_target="([^"]+)"', g_fb.as_text()))),
                             "fusions": len(re.findall(r"= \S+ fusion\(", g_fb.as_text()))}
-    for name in FP8_VARIANTS + ("fp8_gemm_only",):
+    print(f"  {m}x{k}x{n} fp8_gemm_only: {t_f * 1e3:.3f} / {t_fb * 1e3:.3f} ms", flush=True)
+    for name in tuple(fp8_variants) + ("fp8_gemm_only",):
         res[name]["fwd_speedup"] = res["bf16"]["fwd_ms"] / res[name]["fwd_ms"]
         res[name]["fwdbwd_speedup"] = res["bf16"]["fwdbwd_ms"] / res[name]["fwdbwd_ms"]
     return res
@@ -200,6 +207,10 @@ def main(argv):
 
     f = flags.FLAGS
     config, override, iters = f.config, f.override, f.iters
+    bad = sorted(set(f.variants) - set(FP8_VARIANTS))
+    if bad:
+        raise app.UsageError(f"--variants: unknown {bad} (have {', '.join(FP8_VARIANTS)})")
+    fp8 = tuple(v for v in FP8_VARIANTS if not f.variants or v in f.variants)
     if f.smoke:
         config, iters = "tiny", 1
     cfg = get_config(config, override)
@@ -218,8 +229,9 @@ def main(argv):
     order = sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1] * kv[0][2])
     res["all_shapes"] = [{"m": m, "k": k, "n": n, "count": c} for (m, k, n), c in order]
     keep = 2 if f.smoke and not f["max_shapes"].present else (f.max_shapes or len(order))
+    res["variants"] = list(fp8)
     for (m, k, n), count in order[:keep]:
-        r = bench_gemm(m, k, n, iters)
+        r = bench_gemm(m, k, n, iters, fp8_variants=fp8)
         res["gemms"].append({"m": m, "k": k, "n": n, "count": count, **r})
         print(f"gemm {m}x{k}x{n} (x{count}): " + ", ".join(
             f"{v} {r[v]['fwd_ms']:.3f}/{r[v]['fwdbwd_ms']:.3f} ms {r[v]['custom_calls']} "
@@ -232,7 +244,7 @@ def main(argv):
         res["step"]["speedup"] = bf16_step["step_ms"] / res["step"]["fp8"]["step_ms"]
     # totals over the shapes, weighted by their counts
     tot = {v: {p: sum(g["count"] * g[v][f"{p}_ms"] for g in res["gemms"]) for p in ("fwd", "fwdbwd")}
-           for v in ("bf16",) + FP8_VARIANTS + ("fp8_gemm_only",)}
+           for v in ("bf16",) + fp8 + ("fp8_gemm_only",)}
     res["gemm_totals_ms"] = tot
     if f.out:
         with open(f.out, "w") as fh:
@@ -240,14 +252,14 @@ def main(argv):
     short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked",
              "fp8_gemm_only": "gemm"}
     hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
-    for v in FP8_VARIANTS + ("fp8_gemm_only",):
+    for v in fp8 + ("fp8_gemm_only",):
         hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"
     print(hdr)
     for g in res["gemms"]:
         b = g["bf16"]
         line = (f"{g['m']:>8} {g['k']:>5} {g['n']:>5} {g['count']:>3} | "
                 f"{b['fwd_ms']:>8.3f}/{b['fwdbwd_ms']:<8.3f} {b['rel_err']:>7.1e}")
-        for v in FP8_VARIANTS + ("fp8_gemm_only",):
+        for v in fp8 + ("fp8_gemm_only",):
             r = g[v]
             line += (f" | {r['fwd_ms']:>8.3f}/{r['fwdbwd_ms']:<8.3f} {r['fwd_speedup']:>5.2f} "
                      f"{r['fwdbwd_speedup']:>5.2f} {r['rel_err']:>7.1e}")

@@ -45,3 +45,20 @@ def test_smoke_shapes_and_figures(tmp_path):
                 # product term times the sqrt(K) growth of random sums over max |y|
                 assert g["bf16"]["rel_err"] < x["rel_err"] < 0.25
     assert r.stdout.strip().splitlines()[-1].startswith("total fp8_gemm_only")
+
+
+def test_chosen_variants_only_each_printed_as_timed(capsys):
+    from benchmarks.bench_fp8 import bench_gemm
+    r = bench_gemm(32, 64, 48, 1, fp8_variants=("fp8_tensor",))
+    assert set(r) == {"bf16", "fp8_tensor", "fp8_gemm_only"}
+    np.testing.assert_allclose(r["fp8_tensor"]["fwd_speedup"],
+                               r["bf16"]["fwd_ms"] / r["fp8_tensor"]["fwd_ms"])
+    lines = [ln.split(":")[0].strip() for ln in capsys.readouterr().out.splitlines()]
+    assert lines == ["32x64x48 bf16", "32x64x48 fp8_tensor", "32x64x48 fp8_gemm_only"]
+
+
+def test_unknown_variant_is_named():
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--nostep",
+                        "--variants=fp8_rowwise,fp8_bogus"], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+    assert r.returncode != 0 and "--variants: unknown ['fp8_bogus']" in r.stderr
