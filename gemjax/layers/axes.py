@@ -58,7 +58,7 @@ def layer_norm(dim: int, *, dtype=jnp.float32, impl: str = "xla", rngs: nnx.Rngs
 
 
 class PallasLayerNorm(nnx.Module):
-    """x [..., dim] -> [..., dim] in dtype: nnx.LayerNorm(dim, dtype, eps 1e-6) on kernels.layer_norm.
+    """x [..., dim] -> [..., dim] dtype: nnx.LayerNorm(dim, dtype, eps 1e-6) on kernels.layer_norm.
 
     Parameters as nnx.LayerNorm's (scale ones, bias zeros, float32 [dim] named ("norm",),
     drawing the same two keys from rngs.params), so checkpoints, parameter counts and
@@ -71,8 +71,8 @@ class PallasLayerNorm(nnx.Module):
 
     def __init__(self, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         if not 1 <= dim <= _NORM_MAX_DIM:
-            raise ValueError(f"layer_norm(impl='pallas'): dim must be in [1, {_NORM_MAX_DIM}] (one "
-                             f"kernel tile per row), got {dim}")
+            raise ValueError(f"layer_norm(impl='pallas'): dim must be in [1, {_NORM_MAX_DIM}] "
+                             f"(one kernel tile per row), got {dim}")
         self.scale = nnx.Param(nnx.initializers.ones_init()(rngs.params(), (dim,), jnp.float32),
                                **axes("norm"))
         self.bias = nnx.Param(nnx.initializers.zeros_init()(rngs.params(), (dim,), jnp.float32),
@@ -81,7 +81,7 @@ class PallasLayerNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[-1] != self.dim:
-            raise ValueError(f"PallasLayerNorm: x's last axis {x.shape} != dim {self.dim}")
+            raise ValueError(f"PallasLayerNorm: x must be [..., {self.dim}], got shape {x.shape}")
         dtype = jnp.dtype(self.dtype)
         y = _layer_norm_op(x.astype(dtype).reshape(-1, self.dim), self.scale[...].astype(dtype),
                           self.bias[...].astype(dtype), eps=self.epsilon, impl="pallas")
