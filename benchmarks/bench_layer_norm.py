@@ -12,7 +12,8 @@ after --warmup). Bytes (the HBM floor of one pass each way, s = the dtype's item
 fwd 2 T D s (read x, write y) + 8 T (the kernel's float32 mean and rstd); fwd_bwd adds
 3 T D s (read x and dy, write dx) + 8 T (mean, rstd read). GB/s = bytes / time,
 frac_hbm = GB/s / --hbm_tbps. max_abs_err: the kernel's outputs against XLA's (float32
-of each output, the largest over them). Writes JSON (--out), prints a table last.
+of each output, the largest over them). --sweep times the kernel at other knob settings
+as well. Writes JSON (--out), prints a table last.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ flags.DEFINE_integer("warmup", 3, "untimed calls per program")
 flags.DEFINE_integer("iters", 20, "timed calls per program")
 flags.DEFINE_list("knobs", [], "kernel knob overrides, name=value (block_rows, bwd_tiles, "
                   "num_warps)")
+flags.DEFINE_list("sweep", [], "also time the kernel at these block_rows/bwd_tiles/num_warps "
+                  "settings, e.g. 4/16/4,16/8/8 (rows impl pallas_sweep)")
 flags.DEFINE_float("hbm_tbps", 4.8, "HBM bandwidth of the roofline, TB/s (H200: 4.8)")
 flags.DEFINE_string("out", "bench_layer_norm.json", "JSON output path")
 
@@ -100,7 +103,8 @@ def max_abs_err(out, ref):
 
 def main(_):
     if FLAGS.smoke:
-        FLAGS.rows, FLAGS.dim, FLAGS.warmup, FLAGS.iters = 300, 96, 1, 2
+        FLAGS.rows, FLAGS.dim, FLAGS.warmup, FLAGS.iters = 300, 96, 2, 2
+        FLAGS.sweep = FLAGS.sweep[:1]
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
     t, d = FLAGS.rows, FLAGS.dim
     itemsize = jnp.dtype(dtype).itemsize
@@ -112,28 +116,34 @@ def main(_):
     knobs = parse_knobs(FLAGS.knobs)
     print(f"backend {jax.default_backend()}, {jax.devices()[0].device_kind}, T={t}, D={d}, "
           f"{FLAGS.dtype}, knobs {knobs or 'default'}", flush=True)
-    impls = {"xla": programs(xla_layer_norm), "pallas": programs(kernel_layer_norm(knobs))}
+    impls = [("xla", "", programs(xla_layer_norm)),
+             ("pallas", "", programs(kernel_layer_norm(knobs)))]
+    for spec in FLAGS.sweep:
+        br, tiles, warps = (int(v) for v in spec.split("/"))
+        impls.append(("pallas_sweep", spec, programs(kernel_layer_norm(
+            dict(block_rows=br, bwd_tiles=tiles, num_warps=warps)))))
     rows = []
     for kind in ("fwd", "fwd_bwd"):
         args = (x, scale, bias) + ((dy,) if kind == "fwd_bwd" else ())
         ref = None
-        for impl, progs in impls.items():
+        for impl, spec, progs in impls:
             ms, out = timed(progs[kind], args, FLAGS.warmup, FLAGS.iters)
             err = None if ref is None else max_abs_err(out, ref)
             ref = out if ref is None else ref
             gbps = hbm_bytes(kind, t, d, itemsize) / (ms * 1e-3) / 1e9
-            rows.append(dict(impl=impl, kind=kind, ms=ms, GBps=gbps,
+            rows.append(dict(impl=impl, knobs=spec, kind=kind, ms=ms, GBps=gbps,
                              frac_hbm=gbps / (FLAGS.hbm_tbps * 1e3), max_abs_err=err))
-            print(f"{kind} {impl}: {ms:.3f} ms", flush=True)
+            print(f"{kind} {impl} {spec}: {ms:.3f} ms", flush=True)
         del ref, out
     with open(FLAGS.out, "w") as f:
         json.dump(dict(rows_t=t, d=d, dtype=FLAGS.dtype, knobs=knobs, backend=jax.default_backend(),
                        hbm_tbps=FLAGS.hbm_tbps, rows=rows), f, indent=1)
-    print(f"\n{'pass':8} {'impl':7} {'ms':>9} {'GB/s':>8} {'frac_hbm':>8} {'max_abs_err':>11}")
+    print(f"\n{'pass':8} {'impl':13} {'knobs':9} {'ms':>9} {'GB/s':>8} {'frac_hbm':>8} "
+          f"{'max_abs_err':>11}")
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.3g}"
-        print(f"{r['kind']:8} {r['impl']:7} {r['ms']:9.3f} {r['GBps']:8.1f} {r['frac_hbm']:8.3f} "
-              f"{err:>11}")
+        print(f"{r['kind']:8} {r['impl']:13} {r['knobs']:9} {r['ms']:9.3f} {r['GBps']:8.1f} "
+              f"{r['frac_hbm']:8.3f} {err:>11}")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,8 @@ def test_bad_inputs_and_knobs_are_named():
         (lambda: layer_norm(x, s, b, block_cols=64), "unknown knobs"),
         (lambda: layer_norm(jnp.zeros((2, 2048)), jnp.ones(2048), None, impl="pallas"),
          "MAX_DIM"),
+        (lambda: layer_norm(jax.ShapeDtypeStruct((2 ** 22, 512), jnp.bfloat16),
+                            jnp.ones(512), None, impl="pallas"), "2\\^31"),
     ]
     for call, words in cases:
         with pytest.raises(ValueError, match=words):
@@ -168,6 +170,7 @@ def test_bad_inputs_and_knobs_are_named():
     assert default_impl(512, jnp.bfloat16, backend="gpu") == "pallas"
     assert default_impl(512, jnp.bfloat16, backend="cpu") == "reference"
     assert default_impl(2048, jnp.bfloat16, backend="gpu") == "reference"
+    assert default_impl(512, jnp.bfloat16, backend="gpu", rows=2 ** 22) == "reference"
     from gemjax.config import get_config
     with pytest.raises(ValueError, match="model.norm_impl"):
         get_config("tiny", "model.norm_impl=triton")
@@ -301,21 +304,25 @@ def test_teacher_with_pallas_norms_matches_xla():
 
 
 def test_bench_smoke(tmp_path):
-    """benchmarks/bench_layer_norm.py --smoke runs (interpret mode): a row per impl and pass,
+    """benchmarks/bench_layer_norm.py --smoke runs (interpret mode): a row per impl (and
+    sweep setting) and pass,
     the bytes of its docstring, the kernel's outputs close to XLA's."""
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_layer_norm", "--smoke",
-                        f"--out={out}"], capture_output=True, text=True, timeout=300, env=env)
+                        "--sweep=4/3/2", f"--out={out}"], capture_output=True, text=True,
+                       timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.load(open(out))
     rows = {(x["impl"], x["kind"]): x for x in res["rows"]}
-    assert set(rows) == {(i, k) for i in ("xla", "pallas") for k in ("fwd", "fwd_bwd")}
+    assert set(rows) == {(i, k) for i in ("xla", "pallas", "pallas_sweep")
+                         for k in ("fwd", "fwd_bwd")}
+    assert rows["pallas_sweep", "fwd"]["knobs"] == "4/3/2"
     t, d = res["rows_t"], res["d"]
     for (impl, kind), x in rows.items():
         nbytes = 2 * t * d * 2 + 8 * t + (0 if kind == "fwd" else 3 * t * d * 2 + 8 * t)
         assert x["GBps"] == pytest.approx(nbytes / (x["ms"] * 1e-3) / 1e9, rel=1e-9)
-        if impl == "pallas":
+        if impl != "xla":
             assert x["max_abs_err"] <= 0.05      # bf16 outputs of size ~4: a few ulps
     assert "fwd_bwd" in r.stdout and "frac_hbm" in r.stdout
 

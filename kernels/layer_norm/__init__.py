@@ -21,14 +21,16 @@ from kernels.layer_norm.reference import layer_norm_reference
 
 __all__ = ["KNOBS", "MAX_DIM", "default_impl", "layer_norm", "layer_norm_reference"]
 
+MAX_ELEMENTS = 2 ** 31 - 1      # the kernels index x with int32 offsets
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def default_impl(d: int, dtype, backend=None) -> str:
-    """impl=None's choice: "pallas" on GPU when the kernels take the width and dtype
-    (D <= MAX_DIM; bfloat16, float16, float32), else "reference"."""
+def default_impl(d: int, dtype, backend=None, rows: int = 0) -> str:
+    """impl=None's choice: "pallas" on GPU when the kernels take the shape and dtype
+    (D <= MAX_DIM, rows * D < 2^31; bfloat16, float16, float32), else "reference"."""
     gpu = (backend or jax.default_backend()) == "gpu"
-    return "pallas" if gpu and 1 <= d <= MAX_DIM and jnp.dtype(dtype) in _DTYPES else "reference"
+    fits = 1 <= d <= MAX_DIM and rows * d <= MAX_ELEMENTS
+    return "pallas" if gpu and fits and jnp.dtype(dtype) in _DTYPES else "reference"
 
 
 def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **knobs):
@@ -58,12 +60,15 @@ def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **kn
     knobs = check_knobs(knobs)
     t, d = x.shape
     if impl is None:
-        impl = default_impl(d, x.dtype)
+        impl = default_impl(d, x.dtype, rows=t)
     if impl == "reference" or t == 0:
         return layer_norm_reference(x, scale, bias, eps=eps, out_dtype=out_dtype)
     if d > MAX_DIM:
         raise ValueError(f"layer_norm(impl='pallas'): x's width D={d} is over MAX_DIM={MAX_DIM} "
                          "(one tile per row); use impl=None or 'reference'")
+    if t * d > MAX_ELEMENTS:
+        raise ValueError(f"layer_norm(impl='pallas'): x [{t}, {d}] has over 2^31 - 1 elements "
+                         "(the kernels' int32 offsets); use impl=None or 'reference'")
     if jnp.dtype(x.dtype) not in _DTYPES:
         raise ValueError(f"layer_norm(impl='pallas'): x must be bfloat16, float16 or float32, "
                          f"got {x.dtype}")
