@@ -3,7 +3,7 @@
     y = (x - mean) * (rstd * scale) + bias,  rstd = rsqrt(var + eps)   (float32, per row)
 
 x [T, D] (bf16, f16 or f32), scale / bias [D] (any float dtype, read as float32),
-D <= MAX_DIM. The columns of a tile are D padded to the next power of two, DP; the
+D <= MAX_DIM. The columns of a tile are D padded to a power of two, DP >= 16; the
 lanes past D are masked (loads give 0, stores touch nothing, the stats leave them out).
 
 Forward (`layer_norm_fwd`), grid cdiv(T, BR), program i = rows [i BR, (i + 1) BR):
@@ -13,7 +13,7 @@ Forward (`layer_norm_fwd`), grid cdiv(T, BR), program i = rows [i BR, (i + 1) BR
   which the backward reads instead of recomputing.
 
 Backward (`layer_norm_bwd`), grid cdiv(T, BR G), program p = G tiles of BR rows
-(G = bwd_tiles), looped:
+(G = bwd_tiles, at most cdiv(T, BR)), looped:
   xhat = (x - mean) rstd, g = dy scale,
   dx = rstd (g - mean(g) - xhat mean(g xhat))   (row means over the D columns)
   written in x.dtype; the program's column sums of dy xhat and dy (float32, carried
