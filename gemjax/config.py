@@ -148,6 +148,9 @@ class ModelConfig:
     # attention): XLA adds each bias in a pass of its own over the [tokens, width] output
     # and reduces it again for the gradient (cuBLASLt's bias epilogue is not used)
     token_bias: bool = True
+    # the sequence encoders' LayerNorms (gemjax.layers.sequence): "xla" (nnx.LayerNorm) or
+    # "pallas" (kernels.layer_norm's Triton kernels, one pass each way; interpret mode off GPU)
+    norm_impl: str = "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,6 +592,7 @@ def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
 
 
 FFN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+NORM_IMPLS = ("xla", "pallas")
 
 
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
@@ -608,6 +612,8 @@ def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
         (m.lb_coef >= 0, f"model.lb_coef must be >= 0, got {m.lb_coef}"),
         (m.ffn_activation in FFN_ACTIVATIONS,
          f"model.ffn_activation must be one of {FFN_ACTIVATIONS}, got {m.ffn_activation!r}"),
+        (m.norm_impl in NORM_IMPLS,
+         f"model.norm_impl must be one of {NORM_IMPLS}, got {m.norm_impl!r}"),
         (m.head_towers in ("per_surface", "shared"),
          f"model.head_towers must be per_surface or shared, got {m.head_towers!r}"),
         (m.pyramid_levels is None or (

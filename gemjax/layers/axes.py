@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.layer_norm import MAX_DIM as _NORM_MAX_DIM
+from kernels.layer_norm import layer_norm as _layer_norm_op
+
 
 def axes(*names: str | None) -> dict:
     """Variable metadata naming each dim of a parameter."""
@@ -37,10 +40,52 @@ def linear(in_features: int, out_features: int, *, names=("embed", "mlp"), use_b
                       bias_metadata=axes(names[1]), dot_general=dot_general, rngs=rngs)
 
 
-def layer_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    """nnx.LayerNorm over the last axis (eps 1e-6), float32 params named ("norm",)."""
+NORM_IMPLS = ("xla", "pallas")
+
+
+def layer_norm(dim: int, *, dtype=jnp.float32, impl: str = "xla", rngs: nnx.Rngs) -> nnx.Module:
+    """LayerNorm over the last axis (eps 1e-6), float32 params scale / bias [dim] named ("norm",).
+
+    impl: "xla" (nnx.LayerNorm), "pallas" (PallasLayerNorm: the same parameters, the
+    Triton kernels of kernels.layer_norm).
+    """
+    if impl == "pallas":
+        return PallasLayerNorm(dim, dtype=dtype, rngs=rngs)
+    if impl != "xla":
+        raise ValueError(f"layer_norm: impl must be one of {NORM_IMPLS}, got {impl!r}")
     return nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, scale_metadata=axes("norm"),
                          bias_metadata=axes("norm"), rngs=rngs)
+
+
+class PallasLayerNorm(nnx.Module):
+    """x [..., dim] -> [..., dim] dtype: nnx.LayerNorm(dim, dtype, eps 1e-6) on kernels.layer_norm.
+
+    Parameters as nnx.LayerNorm's (scale ones, bias zeros, float32 [dim] named ("norm",),
+    drawing the same two keys from rngs.params), so checkpoints, parameter counts and
+    the other layers' initial values do not change. Like nnx.LayerNorm, x, scale and
+    bias are cast to dtype first; the leading axes are flattened into the kernel's T.
+    The variance is the two-pass form (kernels.layer_norm: equal to float32 rounding
+    where nnx.LayerNorm's E[x^2] - E[x]^2 does not lose it). Runs the Pallas kernels
+    (interpret mode off GPU): dim <= kernels.layer_norm.MAX_DIM.
+    """
+
+    def __init__(self, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        if not 1 <= dim <= _NORM_MAX_DIM:
+            raise ValueError(f"layer_norm(impl='pallas'): dim must be in [1, {_NORM_MAX_DIM}] "
+                             f"(one kernel tile per row), got {dim}")
+        self.scale = nnx.Param(nnx.initializers.ones_init()(rngs.params(), (dim,), jnp.float32),
+                               **axes("norm"))
+        self.bias = nnx.Param(nnx.initializers.zeros_init()(rngs.params(), (dim,), jnp.float32),
+                              **axes("norm"))
+        self.dim, self.dtype, self.epsilon = dim, dtype, 1e-6
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"PallasLayerNorm: x must be [..., {self.dim}], got shape {x.shape}")
+        dtype = jnp.dtype(self.dtype)
+        y = _layer_norm_op(x.astype(dtype).reshape(-1, self.dim), self.scale[...].astype(dtype),
+                          self.bias[...].astype(dtype), eps=self.epsilon, impl="pallas")
+        return y.reshape(x.shape)
 
 
 def rms_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.RMSNorm:

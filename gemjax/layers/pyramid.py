@@ -123,7 +123,8 @@ class PyramidLevel(nnx.Module):
 
     def __init__(self, dim: int, *, block: int, pooled: int | None, num_layers: int,
                  num_heads: int, ffn_mult: int = 2, ffn_activation: str = "gelu",
-                 use_bias: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+                 use_bias: bool = True, dtype=jnp.float32, norm_impl: str = "xla",
+                 rngs: nnx.Rngs):
         if block < 1 or (pooled is not None and pooled < 1) or num_layers < 0:
             raise ValueError(f"PyramidLevel: block={block} >= 1, pooled={pooled} >= 1 or None, "
                              f"num_layers={num_layers} >= 0 required")
@@ -131,7 +132,8 @@ class PyramidLevel(nnx.Module):
         self.encoder = (SequenceEncoder(dim, num_layers=num_layers, num_heads=num_heads,
                                         attention="block", block=block, ffn_mult=ffn_mult,
                                         ffn_activation=ffn_activation, use_bias=use_bias,
-                                        dtype=dtype, rngs=rngs) if num_layers else None)
+                                        dtype=dtype, norm_impl=norm_impl, rngs=rngs)
+                        if num_layers else None)
         if pooled is not None:
             self.queries = param(jax.random.normal(rngs.params(), (pooled, dim)), None, "embed")
             self.pool = JaggedCrossAttention(dim, num_heads, attention="softmax", use_bias=use_bias,
@@ -215,7 +217,8 @@ class PyramidEncoder(nnx.Module):
 
     def __init__(self, dim: int, *, levels: Sequence[tuple[int, int | None, int]],
                  num_heads: int, ffn_mult: int = 2, ffn_activation: str = "gelu",
-                 use_bias: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+                 use_bias: bool = True, dtype=jnp.float32, norm_impl: str = "xla",
+                 rngs: nnx.Rngs):
         if not levels:
             raise ValueError("PyramidEncoder: levels is empty")
         if any(p is None for _, p, _ in levels[:-1]):
@@ -223,7 +226,8 @@ class PyramidEncoder(nnx.Module):
         self.levels = nnx.List([PyramidLevel(dim, block=b, pooled=p, num_layers=n,
                                              num_heads=num_heads, ffn_mult=ffn_mult,
                                              ffn_activation=ffn_activation, use_bias=use_bias,
-                                             dtype=dtype, rngs=rngs) for b, p, n in levels])
+                                             dtype=dtype, norm_impl=norm_impl, rngs=rngs)
+                                  for b, p, n in levels])
 
     def __call__(self, x: jax.Array, jagged: Jagged) -> tuple[jax.Array, Jagged]:
         if x.ndim != 2 or x.shape[0] != jagged.capacity:
@@ -245,13 +249,14 @@ class ParallelPyramid(nnx.Module):
     def __init__(self, names: Sequence[str], dim: int, *,
                  levels: Sequence[tuple[int, int | None, int]], num_heads: int,
                  ffn_mult: int = 2, ffn_activation: str = "gelu", use_bias: bool = True,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=jnp.float32, norm_impl: str = "xla", rngs: nnx.Rngs):
         self.names = tuple(names)
         if not self.names or len(set(self.names)) != len(self.names):
             raise ValueError(f"ParallelPyramid: names must be distinct and non-empty, got {names}")
         self.pyramids = nnx.Dict({n: PyramidEncoder(dim, levels=levels, num_heads=num_heads,
                                                     ffn_mult=ffn_mult, ffn_activation=ffn_activation,
-                                                    use_bias=use_bias, dtype=dtype, rngs=rngs)
+                                                    use_bias=use_bias, dtype=dtype,
+                                                    norm_impl=norm_impl, rngs=rngs)
                                   for n in self.names})
         self.type_embedding = param(0.02 * jax.random.normal(rngs.params(), (len(self.names), dim)),
                                     None, "embed")

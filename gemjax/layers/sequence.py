@@ -64,13 +64,13 @@ class SequenceBlock(nnx.Module):
 
     def __init__(self, dim: int, *, num_heads: int, ffn_mult: int = 2, dropout: float = 0.0,
                  ffn_activation: str = "gelu", use_bias: bool = True, dtype=jnp.float32,
-                 rngs: nnx.Rngs, **attention_kw):
+                 norm_impl: str = "xla", rngs: nnx.Rngs, **attention_kw):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"SequenceBlock: dropout must be in [0, 1), got {dropout}")
-        self.attn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
+        self.attn_norm = layer_norm(dim, dtype=dtype, impl=norm_impl, rngs=rngs)
         self.attn = JaggedSelfAttention(dim, num_heads, use_bias=use_bias, dtype=dtype, rngs=rngs,
                                         **attention_kw)
-        self.ffn_norm = layer_norm(dim, dtype=dtype, rngs=rngs)
+        self.ffn_norm = layer_norm(dim, dtype=dtype, impl=norm_impl, rngs=rngs)
         self.ffn = MLP(dim, (ffn_mult * dim,), dim, activation=ffn_activation, use_bias=use_bias,
                        dtype=dtype, rngs=rngs)
         # Built only when used, so dropout=0 leaves the parameter tree and rng stream unchanged.
@@ -105,6 +105,8 @@ class SequenceEncoder(nnx.Module):
         (before the residual adds); active only in train mode (model.train()).
         0 (default) builds no dropout module.
       dtype: compute dtype; params float32.
+      norm_impl: the LayerNorms' implementation, "xla" or "pallas"
+        (gemjax.layers.axes.layer_norm).
 
     Padding rows of the output are 0; samples never see each other.
     """
@@ -115,18 +117,18 @@ class SequenceEncoder(nnx.Module):
                  rope: bool = False, qk_norm: bool = False, gdpa_scale: float | None = None,
                  block: int = 64, final_norm: bool = True, dropout: float = 0.0,
                  ffn_activation: str = "gelu", use_bias: bool = True, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 norm_impl: str = "xla", rngs: nnx.Rngs):
         if num_layers < 1:
             raise ValueError(f"SequenceEncoder: num_layers must be >= 1, got {num_layers}")
         self.dim, self.dtype = dim, dtype
         self.blocks = nnx.List([
             SequenceBlock(dim, num_heads=num_heads, ffn_mult=ffn_mult, dropout=dropout,
-                          ffn_activation=ffn_activation, use_bias=use_bias, dtype=dtype, rngs=rngs,
-                          attention=attention, gdpa_activation=gdpa_activation,
+                          ffn_activation=ffn_activation, use_bias=use_bias, dtype=dtype,
+                          norm_impl=norm_impl, rngs=rngs, attention=attention, gdpa_activation=gdpa_activation,
                           gdpa_scale=gdpa_scale, causal=causal, window=window, block=block,
                           rope=rope, qk_norm=qk_norm)
             for _ in range(num_layers)])
-        self.out_norm = (layer_norm(dim, dtype=dtype, rngs=rngs)
+        self.out_norm = (layer_norm(dim, dtype=dtype, impl=norm_impl, rngs=rngs)
                          if final_norm else None)
 
     def __call__(self, x: jax.Array, jagged: Jagged) -> jax.Array:

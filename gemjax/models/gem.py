@@ -96,7 +96,8 @@ class GEMv0(nnx.Module):
         n_tokens = len(f.sparse) + m.dense_tokens
         self.encoders = nnx.Dict({
             s: SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
-                               attention=m.attention, block=m.block, dtype=dtype, rngs=rngs)
+                               attention=m.attention, block=m.block, dtype=dtype,
+                               norm_impl=m.norm_impl, rngs=rngs)
             for s in (f.sequence_names if m.use_sequences else ())})
         n_tokens += 2 * len(self.encoders)
         self.wukong = Wukong(n_tokens, m.dim, num_layers=m.wukong_layers, fmb_tokens=m.fmb_tokens,

@@ -110,6 +110,7 @@ class TeacherArch:
     ffn_mult: int = FFN_MULT
     ffn_activation: str = "gelu"
     token_bias: bool = True
+    norm_impl: str = "xla"
 
     @property
     def seq_summary(self) -> int:
@@ -159,7 +160,8 @@ def teacher_arch(cfg) -> TeacherArch:
         qk_norm=_hp(cfg, "qk_norm"), head_mlp=tuple(m.head_mlp), head_towers=_hp(cfg, "head_towers"),
         surfaces=f.num_surfaces, tasks=f.num_tasks, lb_coef=float(_hp(cfg, "lb_coef")),
         ffn_activation=getattr(m, "ffn_activation", "gelu"),
-        token_bias=bool(getattr(m, "token_bias", True)))
+        token_bias=bool(getattr(m, "token_bias", True)),
+        norm_impl=getattr(m, "norm_impl", "xla"))
 
 
 @jax.custom_vjp
@@ -207,7 +209,8 @@ class GEMTeacher(nnx.Module):
         self.dense_proj = dense_projection(a.num_dense, a.dense_tokens * a.dim, dtype=dtype, rngs=rngs)
         self.pyramid = ParallelPyramid(a.sequences, a.dim, levels=a.levels, num_heads=a.heads,
                                        ffn_mult=a.ffn_mult, ffn_activation=a.ffn_activation,
-                                       use_bias=a.token_bias, dtype=dtype, rngs=rngs)
+                                       use_bias=a.token_bias, dtype=dtype,
+                                       norm_impl=a.norm_impl, rngs=rngs)
         self.interformer = InterFormer(
             a.tokens, a.dim, num_layers=a.layers, num_heads=a.heads,
             summary_tokens=a.summary, cls_tokens=a.cls, pma_tokens=a.pma, recent_tokens=a.recent,

@@ -84,7 +84,7 @@ class RetrievalTower(nnx.Module):
         self.encoder = SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
                                        attention=m.attention, causal=True, rope=m.rope,
                                        qk_norm=m.qk_norm, final_norm=True,
-                                       dtype=jnp.dtype(m.dtype), rngs=rngs)
+                                       dtype=jnp.dtype(m.dtype), norm_impl=m.norm_impl, rngs=rngs)
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch,
                  dropout_key: jax.Array | None = None) -> jax.Array:
