@@ -19,6 +19,7 @@ from jax import export
 from flax import nnx
 
 from kernels.layer_norm import KNOBS, default_impl, layer_norm, layer_norm_reference
+from test_kernels_triton_lowering import cuda_lowering  # noqa: F401  (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BR = KNOBS["block_rows"]
@@ -176,33 +177,7 @@ def test_bad_inputs_and_knobs_are_named():
         get_config("tiny", "model.norm_impl=triton")
 
 
-# --- the sm_90 Triton lowering (the fixture of tests/test_kernels_triton_lowering.py) ---
-
-try:
-    import jax._src.pallas.triton.pallas_call_registration as reg
-    _LOWER = reg.lowering.lower_jaxpr_to_triton_module
-    _GPU_INFO = reg.gpu_info_lib
-except (ImportError, AttributeError):  # pragma: no cover
-    reg = None
-
-
-@pytest.fixture
-def cuda_lowering(monkeypatch):
-    if reg is None:
-        pytest.skip("JAX internals for the Triton lowering moved")
-    count = [0]
-
-    def verified(*args, **kwargs):
-        out = _LOWER(*args, **kwargs)
-        assert out.module.operation.verify(), "Triton module does not verify"
-        count[0] += 1
-        return out
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
-    monkeypatch.setattr(_GPU_INFO, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability=90))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # kernels: not interpret
-    return count
+# --- the sm_90 Triton lowering (cuda_lowering: tests/test_kernels_triton_lowering.py) ---
 
 
 @pytest.mark.parametrize("dtype,t,d,bias,knobs", [
