@@ -47,14 +47,22 @@ def test_smoke_shapes_and_figures(tmp_path):
     assert r.stdout.strip().splitlines()[-1].startswith("total fp8_gemm_only")
 
 
-def test_chosen_variants_only_each_printed_as_timed(capsys):
-    from benchmarks.bench_fp8 import bench_gemm
-    r = bench_gemm(32, 64, 48, 1, fp8_variants=("fp8_tensor",))
-    assert set(r) == {"bf16", "fp8_tensor", "fp8_gemm_only"}
-    np.testing.assert_allclose(r["fp8_tensor"]["fwd_speedup"],
-                               r["bf16"]["fwd_ms"] / r["fp8_tensor"]["fwd_ms"])
-    lines = [ln.split(":")[0].strip() for ln in capsys.readouterr().out.splitlines()]
+def test_chosen_variants_only_each_printed_as_timed(tmp_path):
+    # a subprocess: importing the benchmark here would define its absl flags in the suite
+    out = tmp_path / "fp8.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--smoke", "--nostep",
+                        "--shapes=32x64x48:2", "--variants=fp8_tensor", f"--out={out}"],
+                       capture_output=True, text=True, timeout=300,
+                       env=with_suite_cache(dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(out))
+    g = res["gemms"][0]
+    assert res["variants"] == ["fp8_tensor"] and (g["m"], g["k"], g["n"], g["count"]) == (32, 64, 48, 2)
+    assert {"bf16", "fp8_tensor", "fp8_gemm_only"} <= set(g) and not {"fp8_rowwise", "fp8_blocked"} & set(g)
+    np.testing.assert_allclose(g["fp8_tensor"]["fwd_speedup"], g["bf16"]["fwd_ms"] / g["fp8_tensor"]["fwd_ms"])
+    lines = [ln.split(":")[0].strip() for ln in r.stdout.splitlines() if ln.startswith("  32x64x48")]
     assert lines == ["32x64x48 bf16", "32x64x48 fp8_tensor", "32x64x48 fp8_gemm_only"]
+    assert set(res["gemm_totals_ms"]) == {"bf16", "fp8_tensor", "fp8_gemm_only"}
 
 
 def test_unknown_variant_is_named():

@@ -105,6 +105,8 @@ SKIP = {
     "./run train --config=h200 --override=model.kind=teacher": "GPU (h200 preset)",
     "./run train --config=gem1b --steps=60 --eval_every=60 --workdir=runs/gem1b": "GPU (gem1b preset)",
     "python -m benchmarks.bench_segment_sum": "GPU (2.6M x 512 rows)",
+    "python -m benchmarks.bench_layer_norm": "GPU ([1.32M, 512] rows); "
+                                             "tests/test_kernels_layer_norm.py runs its --smoke",
     "python -m benchmarks.bench_segment_sum --smoke":
         "tests/test_segment_sum.py runs the benchmark's smoke mode",
     "python -m gemjax.perf.model_size --config=gem1b": "tests/test_gem1b.py runs its main() and "
