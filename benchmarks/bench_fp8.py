@@ -10,7 +10,8 @@
    distinct (M, K, N) with its count, the --max_shapes of most FLOPs; or --shapes
    MxKxN[:count],... as given. Each runs as BF16 (lax.dot_general, bf16 out), FP8
    row-wise, per-tensor and K-blocked (fp8_dot), and as the FP8 GEMMs alone on operands
-   quantized beforehand, forward and forward+backward (y, dx, dw for a fixed dy): ms,
+   quantized beforehand in the K-major layouts fp8_dot gives them, forward and
+   forward+backward (y, dx, dw for a fixed dy): ms,
    TFLOP/s (2MKN forward, 6MKN forward + backward), speedup over BF16, max error relative
    to max |y| of the float32 product, and the compiled program's custom calls (cuBLASLt
    FP8 or not) and fusion count.
@@ -142,15 +143,18 @@ def bench_gemm(m, k, n, iters, seed=0, fp8_variants=FP8_VARIANTS):
                      # (cuBLAS / cuBLASLt FP8 on GPU) and how many fusions
                      "custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
                      "fusions": len(re.findall(r"= \S+ fusion\(", hlo))}
-    # the FP8 GEMMs alone, on operands quantized beforehand (E4M3 x, w; E5M2 dy): forward
-    # dot(qx, qw), forward+backward also dot(qdy, qw^T) and dot(qx^T, qdy), f32 out
-    q = [a.astype(t) for a, t in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
-                                  (dy, jnp.float8_e5m2))]
-    mm = lambda a, b, c: lax.dot_general(a, b, (c, ((), ())),                   # noqa: E731
-                                         preferred_element_type=jnp.float32)
-    g_f = jax.jit(lambda qx, qw: mm(qx, qw, ((1,), (0,)))).lower(*q[:2]).compile()
-    g_fb = jax.jit(lambda qx, qw, qd: (mm(qx, qw, ((1,), (0,))), mm(qd, qw, ((1,), (1,))),
-                                       mm(qx, qd, ((0,), (0,))))).lower(*q).compile()
+    # the FP8 GEMMs alone, on operands quantized beforehand (E4M3 x, w; E5M2 dy), each in
+    # the K-major layout the GEMM takes (as fp8_dot quantizes them): forward qx [M, K] .
+    # qw^T [N, K]; forward+backward also dgrad qdy [M, N] . qw [K, N] and wgrad
+    # qx^T [K, M] . qdy^T [N, M]; f32 out
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    q = (x.astype(e4), w.T.astype(e4), w.astype(e4), dy.astype(e5), x.T.astype(e4),
+         dy.T.astype(e5))
+    mm = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),           # noqa: E731
+                                      preferred_element_type=jnp.float32)
+    g_f = jax.jit(mm).lower(*q[:2]).compile()
+    g_fb = jax.jit(lambda qx, qwt, qw, qd, qxt, qdt: (mm(qx, qwt), mm(qd, qw), mm(qxt, qdt))
+                   ).lower(*q).compile()
     t_f, t_fb = _time(g_f, q[:2], iters), _time(g_fb, q, iters)
     res["fp8_gemm_only"] = {"fwd_ms": t_f * 1e3, "fwdbwd_ms": t_fb * 1e3,
                             "fwd_tflops": 2 * m * k * n / t_f / 1e12,

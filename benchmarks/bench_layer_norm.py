@@ -36,10 +36,10 @@ flags.DEFINE_integer("dim", 512, "width D")
 flags.DEFINE_string("dtype", "bfloat16", "x's dtype: bfloat16 or float32")
 flags.DEFINE_integer("warmup", 3, "untimed calls per program")
 flags.DEFINE_integer("iters", 20, "timed calls per program")
-flags.DEFINE_list("knobs", [], "kernel knob overrides, name=value (block_rows, bwd_tiles, "
-                  "num_warps)")
-flags.DEFINE_list("sweep", [], "also time the kernel at these block_rows/bwd_tiles/num_warps "
-                  "settings, e.g. 4/16/4,16/8/8 (rows impl pallas_sweep)")
+flags.DEFINE_list("knobs", [], "kernel knob overrides, name=value (kernels.layer_norm.KNOBS)")
+flags.DEFINE_list("sweep", [], "also time the kernel at these settings, each name=value pairs "
+                  "joined by ':', e.g. bwd_rows=2:bwd_tiles=32,block_rows=16 (rows impl "
+                  "pallas_sweep, on top of --knobs)")
 flags.DEFINE_float("hbm_tbps", 4.8, "HBM bandwidth of the roofline, TB/s (H200: 4.8)")
 flags.DEFINE_string("out", "bench_layer_norm.json", "JSON output path")
 
@@ -84,13 +84,15 @@ def timed(fn, args, warmup, iters):
     return 1e3 * float(np.median(ts)), out
 
 
-def parse_knobs(specs):
+def parse_knobs(specs, flag="--knobs"):
+    """["name=value", ...] -> {name: int(value)}; ValueError names the flag and entry."""
     knobs = {}
     for spec in specs:
         name, _, value = spec.partition("=")
-        if not value:
-            raise ValueError(f"--knobs: expected name=value, got {spec!r}")
-        knobs[name] = int(value)
+        try:
+            knobs[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{flag}: expected name=int, got {spec!r}") from None
     return knobs
 
 
@@ -119,9 +121,8 @@ def main(_):
     impls = [("xla", "", programs(xla_layer_norm)),
              ("pallas", "", programs(kernel_layer_norm(knobs)))]
     for spec in FLAGS.sweep:
-        br, tiles, warps = (int(v) for v in spec.split("/"))
         impls.append(("pallas_sweep", spec, programs(kernel_layer_norm(
-            dict(block_rows=br, bwd_tiles=tiles, num_warps=warps)))))
+            {**knobs, **parse_knobs(spec.split(":"), "--sweep")}))))
     rows = []
     for kind in ("fwd", "fwd_bwd"):
         args = (x, scale, bias) + ((dy,) if kind == "fwd_bwd" else ())
@@ -142,7 +143,7 @@ def main(_):
           f"{'max_abs_err':>11}")
     for r in rows:
         err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.3g}"
-        print(f"{r['kind']:8} {r['impl']:13} {r['knobs']:9} {r['ms']:9.3f} {r['GBps']:8.1f} "
+        print(f"{r['kind']:8} {r['impl']:13} {r['knobs']:24} {r['ms']:9.3f} {r['GBps']:8.1f} "
               f"{r['frac_hbm']:8.3f} {err:>11}")
 
 

@@ -148,8 +148,9 @@ class ModelConfig:
     # attention): XLA adds each bias in a pass of its own over the [tokens, width] output
     # and reduces it again for the gradient (cuBLASLt's bias epilogue is not used)
     token_bias: bool = True
-    # the sequence encoders' LayerNorms (gemjax.layers.sequence): "xla" (nnx.LayerNorm) or
+    # the sequence encoders' LayerNorms (gemjax.layers.sequence): "xla" (nnx.LayerNorm),
     # "pallas" (kernels.layer_norm's Triton kernels, one pass each way; interpret mode off GPU)
+    # or "auto" (pallas on a GPU, xla elsewhere); the same parameters each way
     norm_impl: str = "xla"
 
 
@@ -201,9 +202,9 @@ class TrainConfig:
     # sorted duplicate sum of the sparse grads (routing.sum_duplicates): auto (the Pallas
     # kernel kernels.segment_sum on GPU, XLA's segment_sum elsewhere), xla or pallas
     sparse_segment_sum: str = "auto"
-    # one-hot duplicate sums (routing.onehot_sums; opt-in, 0 = off, GPU timing pending): an
-    # unpooled local table whose unique bucket holds <= this many rows sums its per-id grads
-    # as one_hot(row's unique index)^T @ grads, read in their own order (no row gather)
+    # one-hot duplicate sums (routing.onehot_sums; 0 = off): an unpooled local table whose
+    # unique bucket holds <= this many rows sums its per-id grads as
+    # one_hot(row's unique index)^T @ grads, read in their own order (no row gather)
     sparse_onehot_rows: int = 0
     # dtype of the looked-up rows per id (sequence tokens, single ids) the model reads:
     # "table" (the table's float32) or "model" (model.dtype: a bfloat16 model then gets
@@ -308,7 +309,9 @@ PRESETS: dict[str, Config] = {
     # per-token projections and FFN over ~2.4M tokens a step, Wukong MLPs 1,024 -> 8,192 ->
     # 8,192 in each expert (top 2 of 8, capacity 1.25: 320 rows per expert, not 8 x the
     # batch), summary MLPs 6,656 -> 8,192 and per-surface heads 6,144 -> 4,096. capacity_slack
-    # 1.05: the packed buffers hold 1.32M tokens per sequence per step (1.19M expected).
+    # 1.05: the packed buffers hold 1.32M tokens per sequence per step (1.19M expected). On a
+    # GPU the sequence encoders' norms run on kernels.layer_norm (norm_impl auto), and the
+    # category (64 rows) and event (4) tables sum their per-id grads as one-hot matmuls.
     "gem1b": Config(
         name="gem1b",
         data=DataConfig(batch_size=1024, vocab_user=2_000_000, vocab_item=1_000_000,
@@ -318,10 +321,10 @@ PRESETS: dict[str, Config] = {
                           wukong_layers=2, fmb_tokens=16, lcb_tokens=16, fm_rank=32,
                           wukong_mlp=(8192,), head_mlp=(4096,), num_experts=8, top_k=2,
                           capacity_factor=1.25, dtype="bfloat16", ffn_activation="gelu_tanh",
-                          token_bias=False),
+                          token_bias=False, norm_impl="auto"),
         train=TrainConfig(steps=300, warmup_steps=50, log_every=20, eval_every=300,
                           checkpoint_every=1_000_000, dense_lr=3e-4, sparse_lr=0.05,
-                          baselines=False, sparse_act_dtype="model")),
+                          baselines=False, sparse_act_dtype="model", sparse_onehot_rows=128)),
     # MovieLens-1M next-item retrieval (gemjax.train.retrieval; experiments/movielens.py
     # runs it): the recipe of the standalone script's defaults that reached HR@10 0.3061
     # (README "Measured so far"): item dim 64, 2 causal softmax blocks of 2 heads
@@ -592,7 +595,7 @@ def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
 
 
 FFN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-NORM_IMPLS = ("xla", "pallas")
+NORM_IMPLS = ("xla", "pallas", "auto")
 
 
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:

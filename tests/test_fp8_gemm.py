@@ -179,3 +179,34 @@ def test_bfloat16_operands_write_a_bfloat16_product(scaling):
         ref = np.asarray(ref, np.float64)
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2 ** -7,
                                    atol=2 ** -7 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "tensor"])
+def test_every_fp8_product_contracts_both_operands_last_axis(scaling):
+    """Hopper's FP8 GEMM takes K-major operands only (else XLA transposes the float8
+    operand in a slow pass of its own): the forward, dgrad and wgrad dot_generals on float8
+    operands each contract the last axis of both, and there are three of them."""
+    x, w, dy = (jnp.asarray(a, jnp.bfloat16) for a in _data((4, 8), 96, 40, 5))
+    r = Recipe(scaling)
+
+    def train(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp8_dot(x, w, r), x, w)
+        return (y,) + vjp(dy)
+
+    def dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for v in eqn.params.values():            # pjit / custom_vjp bodies
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from dots(sub)
+
+    f8 = [e for e in dots(jax.make_jaxpr(train)(x, w, dy).jaxpr)
+          if all(jnp.dtype(v.aval.dtype).itemsize == 1 for v in e.invars)]
+    assert len(f8) == 3
+    for e in f8:
+        (lc, rc), _ = e.params["dimension_numbers"]
+        lhs, rhs = (v.aval.ndim for v in e.invars)
+        assert (tuple(lc), tuple(rc)) == ((lhs - 1,), (rhs - 1,)), e

@@ -76,8 +76,9 @@ def close(a, ref, rel, what, atol=0.0):
 
 
 NAMES = ("y", "dx", "dscale", "dbias")
-# every T of {1, 7, BR, BR + 1, 300} and D of {8, 96, 512}, both dtypes; T=300 runs
-# 3 backward programs of 16 tiles, the last one part masked (block_rows 8)
+# every T of {1, 7, BR, BR + 1, 300} and D of {8, 96, 512}, both dtypes (BR: the forward's
+# block_rows, 8; the backward's 2-row tiles: BR + 1 leaves one row in the last); T=300 runs
+# 5 backward programs of 32 tiles of 2 rows, the last one part masked
 CASES = [("float32", 1, 8), ("bfloat16", 7, 96), ("float32", BR, 512), ("bfloat16", BR + 1, 8),
          ("float32", 300, 96), ("bfloat16", 300, 512)]
 
@@ -136,7 +137,8 @@ def test_knobs_and_bias_none():
     """Other knobs and no bias give the same numbers (dbias absent)."""
     x, s, b, dy = inputs(50, 96, jnp.float32, seed=2)
     base = with_grads(op("pallas"), x, s, b, dy)
-    other = with_grads(op("pallas", block_rows=4, bwd_tiles=3, num_warps=8), x, s, b, dy)
+    other = with_grads(op("pallas", block_rows=4, bwd_rows=2, bwd_tiles=3, num_warps=8,
+                               bwd_warps=2, bwd_stages=2), x, s, b, dy)
     for name, u, v in zip(NAMES, base, other):
         close(u, v, 2e-6, f"{name} knobs")
     y, vjp = jax.vjp(lambda x, s: layer_norm(x, s, None, impl="pallas"), x, s)
@@ -158,6 +160,9 @@ def test_bad_inputs_and_knobs_are_named():
         (lambda: layer_norm(x, s, b, impl="mosaic"), "impl"),
         (lambda: layer_norm(x, s, b, block_rows=3), "block_rows"),
         (lambda: layer_norm(x, s, b, bwd_tiles=0), "bwd_tiles"),
+        (lambda: layer_norm(x, s, b, bwd_rows=6), "bwd_rows"),
+        (lambda: layer_norm(x, s, b, bwd_stages=0), "bwd_stages"),
+        (lambda: layer_norm(x, s, b, bwd_warps=5), "bwd_warps"),
         (lambda: layer_norm(x, s, b, num_warps=3), "num_warps"),
         (lambda: layer_norm(x, s, b, block_cols=64), "unknown knobs"),
         (lambda: layer_norm(jnp.zeros((2, 2048)), jnp.ones(2048), None, impl="pallas"),
@@ -182,7 +187,8 @@ def test_bad_inputs_and_knobs_are_named():
 
 @pytest.mark.parametrize("dtype,t,d,bias,knobs", [
     ("bfloat16", 4096, 512, True, {}),
-    ("float32", 1000, 96, False, dict(block_rows=4, bwd_tiles=3, num_warps=8)),
+    ("float32", 1000, 96, False, dict(block_rows=4, bwd_rows=16, bwd_tiles=3, num_warps=8,
+                                      bwd_warps=2, bwd_stages=3)),
 ])
 def test_kernels_lower_to_verified_triton(cuda_lowering, dtype, t, d, bias, knobs):
     x = jax.ShapeDtypeStruct((t, d), jnp.dtype(dtype))
@@ -228,6 +234,20 @@ def test_pallas_module_is_nnx_layer_norm():
         close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0 ** -6, name)
     with pytest.raises(ValueError, match="impl"):
         make_norm(8, impl="triton", rngs=nnx.Rngs(0))
+
+
+def test_auto_norm_is_pallas_on_gpu_only(monkeypatch):
+    """impl="auto": the kernels on a GPU backend when the width fits, nnx.LayerNorm
+    elsewhere; the gem1b preset asks for it."""
+    from gemjax.config import get_config
+    from gemjax.layers import axes as axes_mod
+    from gemjax.layers.axes import PallasLayerNorm, layer_norm as make_norm
+    assert isinstance(make_norm(96, impl="auto", rngs=nnx.Rngs(0)), nnx.LayerNorm)
+    monkeypatch.setattr(axes_mod.jax, "default_backend", lambda: "gpu")
+    assert isinstance(make_norm(96, impl="auto", rngs=nnx.Rngs(0)), PallasLayerNorm)
+    assert isinstance(make_norm(2048, impl="auto", rngs=nnx.Rngs(0)), nnx.LayerNorm)
+    assert get_config("gem1b").model.norm_impl == "auto"
+    assert get_config("tiny", "model.norm_impl=auto").model.norm_impl == "auto"
 
 
 def test_teacher_with_pallas_norms_matches_xla():
@@ -285,14 +305,14 @@ def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_layer_norm", "--smoke",
-                        "--sweep=4/3/2", f"--out={out}"], capture_output=True, text=True,
+                        "--sweep=block_rows=4:bwd_tiles=3:bwd_warps=2", f"--out={out}"], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.load(open(out))
     rows = {(x["impl"], x["kind"]): x for x in res["rows"]}
     assert set(rows) == {(i, k) for i in ("xla", "pallas", "pallas_sweep")
                          for k in ("fwd", "fwd_bwd")}
-    assert rows["pallas_sweep", "fwd"]["knobs"] == "4/3/2"
+    assert rows["pallas_sweep", "fwd"]["knobs"] == "block_rows=4:bwd_tiles=3:bwd_warps=2"
     t, d = res["rows_t"], res["d"]
     for (impl, kind), x in rows.items():
         nbytes = 2 * t * d * 2 + 8 * t + (0 if kind == "fwd" else 3 * t * d * 2 + 8 * t)

@@ -40,15 +40,19 @@ def linear(in_features: int, out_features: int, *, names=("embed", "mlp"), use_b
                       bias_metadata=axes(names[1]), dot_general=dot_general, rngs=rngs)
 
 
-NORM_IMPLS = ("xla", "pallas")
+NORM_IMPLS = ("xla", "pallas", "auto")
 
 
 def layer_norm(dim: int, *, dtype=jnp.float32, impl: str = "xla", rngs: nnx.Rngs) -> nnx.Module:
     """LayerNorm over the last axis (eps 1e-6), float32 params scale / bias [dim] named ("norm",).
 
     impl: "xla" (nnx.LayerNorm), "pallas" (PallasLayerNorm: the same parameters, the
-    Triton kernels of kernels.layer_norm).
+    Triton kernels of kernels.layer_norm), "auto" ("pallas" when the default backend is a
+    GPU and dim <= kernels.layer_norm.MAX_DIM, else "xla"). Both hold the same parameter
+    tree, so a checkpoint restores into either.
     """
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" and dim <= _NORM_MAX_DIM else "xla"
     if impl == "pallas":
         return PallasLayerNorm(dim, dtype=dtype, rngs=rngs)
     if impl != "xla":

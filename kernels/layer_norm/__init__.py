@@ -48,7 +48,7 @@ def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **kn
     Differentiable in x, scale and bias.
     impl: None (`default_impl`), "reference" (jnp, JAX's autodiff), "pallas" (the
     Triton kernels, custom VJP; interpret mode off GPU). knobs: kernel.KNOBS
-    overrides (block_rows, bwd_tiles, num_warps). The kernels' results may differ
+    overrides (block_rows, bwd_rows, bwd_tiles, num_warps, bwd_warps, bwd_stages). The kernels' results may differ
     from the reference's in float32 rounding (summation order); they are the same
     bits on every run.
     """

@@ -12,8 +12,8 @@ Forward (`layer_norm_fwd`), grid cdiv(T, BR), program i = rows [i BR, (i + 1) BR
   memory); writes y [BR, D] in out_dtype and the rows' mean and rstd, float32 [T],
   which the backward reads instead of recomputing.
 
-Backward (`layer_norm_bwd`), grid cdiv(T, BR G), program p = G tiles of BR rows
-(G = bwd_tiles, at most cdiv(T, BR)), looped:
+Backward (`layer_norm_bwd`), grid cdiv(T, BB G), program p = G tiles of BB rows
+(BB = bwd_rows, G = bwd_tiles, at most cdiv(T, BB)), looped:
   xhat = (x - mean) rstd, g = dy scale,
   dx = rstd (g - mean(g) - xhat mean(g xhat))   (row means over the D columns)
   written in x.dtype; the program's column sums of dy xhat and dy (float32, carried
@@ -43,10 +43,17 @@ Array = Any
 F32 = jnp.float32
 # The widest row one tile holds (the [BR, DP] float32 tile lives in registers).
 MAX_DIM = 1024
-# block_rows: rows per tile (BR, a power of two); bwd_tiles: tiles per backward program (G;
-# the partials have cdiv(T, BR G) rows); num_warps: per program, both kernels.
-# Not yet timed on a GPU (benchmarks/bench_layer_norm.py times them).
-KNOBS = dict(block_rows=8, bwd_tiles=16, num_warps=4)
+# block_rows: rows per forward tile (BR, a power of two); bwd_rows: rows per backward tile
+# (BB, a power of two); bwd_tiles: tiles per backward program (G; the partials have
+# cdiv(T, BB G) rows); num_warps / bwd_warps: per forward / backward program; bwd_stages:
+# the backward loop's software pipelining depth (1: none).
+# Timed on one H200 (benchmarks/bench_layer_norm.py, [1318144, 512] bf16, ms forward /
+# forward+backward, XLA's nnx.LayerNorm 1.32-1.42 / 3.00-3.19 in the same runs). One tile
+# size both ways, BR/G/warps: 8/16/4 0.963 / 2.681, 4/16/4 1.206 / 2.464, 16/8/4 1.083 /
+# 2.585, 8/32/8 1.083 / 2.576, 32/4/8 1.293 / 3.077. Backward alone varied (forward 8 rows,
+# 4 warps): BB/G/warps 4/16/4 2.600, 2/32/2 2.408, 2/32/4 2.849, 8/16/8 2.699, 4/16/8
+# 3.052; bwd_stages 2 / 3 at 4/16/4: 2.604 / 2.555 (the run-to-run noise is ~4%).
+KNOBS = dict(block_rows=8, bwd_rows=2, bwd_tiles=32, num_warps=4, bwd_warps=2, bwd_stages=1)
 NUM_WARPS = (1, 2, 4, 8, 16, 32)
 
 
@@ -126,8 +133,8 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _params(knobs):
-    return plgpu.CompilerParams(num_warps=knobs["num_warps"], num_stages=1)
+def _params(num_warps, num_stages=1):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def layer_norm_fwd(x: Array, scale: Array, bias: Array | None, *, eps: float, out_dtype,
@@ -145,7 +152,7 @@ def layer_norm_fwd(x: Array, scale: Array, bias: Array | None, *, eps: float, ou
         out_specs=[_full((tp, dq)), _full((tp,)), _full((tp,))],
         out_shape=[jax.ShapeDtypeStruct((tp, dq), out_dtype), jax.ShapeDtypeStruct((tp,), F32),
                    jax.ShapeDtypeStruct((tp,), F32)],
-        compiler_params=_params(knobs), interpret=interpret, name="layer_norm_fwd",
+        compiler_params=_params(knobs["num_warps"]), interpret=interpret, name="layer_norm_fwd",
     )(*ins)
     return y[:t, :d], mean[:t], rstd[:t]
 
@@ -154,7 +161,7 @@ def layer_norm_bwd(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, 
                    interpret: bool, knobs: dict) -> tuple[Array, Array, Array]:
     """(dx [T, D] x.dtype, dscale [D] f32, dbias [D] f32) from the forward's mean / rstd."""
     t, d = x.shape
-    dp, br, tiles = padded_dim(d), knobs["block_rows"], knobs["bwd_tiles"]
+    dp, br, tiles = padded_dim(d), knobs["bwd_rows"], knobs["bwd_tiles"]
     tiles = max(1, min(tiles, pl.cdiv(t, br)))      # no all-masked loop trips on small T
     nprog = pl.cdiv(t, br * tiles)
     tp, dq = (t + 1, dp) if interpret else (t, d)
@@ -167,7 +174,8 @@ def layer_norm_bwd(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, 
         out_specs=[_full((tp, dq)), _full((nprog, dq)), _full((nprog, dq))],
         out_shape=[jax.ShapeDtypeStruct((tp, dq), x.dtype),
                    jax.ShapeDtypeStruct((nprog, dq), F32), jax.ShapeDtypeStruct((nprog, dq), F32)],
-        compiler_params=_params(knobs), interpret=interpret, name="layer_norm_bwd",
+        compiler_params=_params(knobs["bwd_warps"], knobs["bwd_stages"]), interpret=interpret,
+        name="layer_norm_bwd",
     )(*ins)
     return dx[:t, :d], jnp.sum(ds[:, :d], axis=0), jnp.sum(db[:, :d], axis=0)
 
@@ -181,13 +189,16 @@ def check_knobs(knobs: dict) -> dict:
     for name, v in knobs.items():
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"layer_norm: knob {name} must be an int, got {v!r}")
-    br = knobs["block_rows"]
-    if not (1 <= br <= 256 and br & (br - 1) == 0):
-        raise ValueError(f"layer_norm: block_rows must be a power of two in [1, 256] (Triton "
-                         f"tiles), got {br}")
-    if knobs["bwd_tiles"] < 1:
-        raise ValueError(f"layer_norm: bwd_tiles must be >= 1, got {knobs['bwd_tiles']}")
-    if knobs["num_warps"] not in NUM_WARPS:
-        raise ValueError(f"layer_norm: num_warps must be one of {NUM_WARPS}, got "
-                         f"{knobs['num_warps']}")
+    for name in ("block_rows", "bwd_rows"):
+        br = knobs[name]
+        if not (1 <= br <= 256 and br & (br - 1) == 0):
+            raise ValueError(f"layer_norm: {name} must be a power of two in [1, 256] (Triton "
+                             f"tiles), got {br}")
+    for name in ("bwd_tiles", "bwd_stages"):
+        if knobs[name] < 1:
+            raise ValueError(f"layer_norm: {name} must be >= 1, got {knobs[name]}")
+    for name in ("num_warps", "bwd_warps"):
+        if knobs[name] not in NUM_WARPS:
+            raise ValueError(f"layer_norm: {name} must be one of {NUM_WARPS}, got "
+                             f"{knobs[name]}")
     return knobs
