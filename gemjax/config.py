@@ -150,7 +150,9 @@ class ModelConfig:
     token_bias: bool = True
     # the sequence encoders' LayerNorms (gemjax.layers.sequence): "xla" (nnx.LayerNorm),
     # "pallas" (kernels.layer_norm's Triton kernels, one pass each way; interpret mode off GPU)
-    # or "auto" (pallas on a GPU, xla elsewhere); the same parameters each way
+    # or "auto" (pallas on a GPU, xla elsewhere); "pallas+add" / "auto+add" also add the
+    # encoders' residuals inside the norm kernels (add_layer_norm; not yet timed on a GPU).
+    # The same parameters each way
     norm_impl: str = "xla"
 
 
@@ -595,7 +597,7 @@ def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
 
 
 FFN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-NORM_IMPLS = ("xla", "pallas", "auto")
+NORM_IMPLS = ("xla", "pallas", "auto", "pallas+add", "auto+add")
 
 
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels.layer_norm import MAX_DIM as _NORM_MAX_DIM
+from kernels.layer_norm import add_layer_norm as _add_layer_norm_op
 from kernels.layer_norm import layer_norm as _layer_norm_op
 
 
@@ -40,7 +41,7 @@ def linear(in_features: int, out_features: int, *, names=("embed", "mlp"), use_b
                       bias_metadata=axes(names[1]), dot_general=dot_general, rngs=rngs)
 
 
-NORM_IMPLS = ("xla", "pallas", "auto")
+NORM_IMPLS = ("xla", "pallas", "auto", "pallas+add", "auto+add")
 
 
 def layer_norm(dim: int, *, dtype=jnp.float32, impl: str = "xla", rngs: nnx.Rngs) -> nnx.Module:
@@ -48,15 +49,18 @@ def layer_norm(dim: int, *, dtype=jnp.float32, impl: str = "xla", rngs: nnx.Rngs
 
     impl: "xla" (nnx.LayerNorm), "pallas" (PallasLayerNorm: the same parameters, the
     Triton kernels of kernels.layer_norm), "auto" ("pallas" when the default backend is a
-    GPU and dim <= kernels.layer_norm.MAX_DIM, else "xla"). Both hold the same parameter
-    tree, so a checkpoint restores into either.
+    GPU and dim <= kernels.layer_norm.MAX_DIM, else "xla"). "pallas+add" / "auto+add": the
+    same, the PallasLayerNorm marked `fuse_add` (a SequenceEncoder whose norms all are
+    adds its residuals inside them: PallasLayerNorm.add). Every choice holds the same
+    parameter tree, so a checkpoint restores into any.
     """
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" and dim <= _NORM_MAX_DIM else "xla"
-    if impl == "pallas":
-        return PallasLayerNorm(dim, dtype=dtype, rngs=rngs)
-    if impl != "xla":
+    if impl not in NORM_IMPLS:
         raise ValueError(f"layer_norm: impl must be one of {NORM_IMPLS}, got {impl!r}")
+    base, fuse_add = impl.removesuffix("+add"), impl.endswith("+add")
+    if base == "auto":
+        base = "pallas" if jax.default_backend() == "gpu" and dim <= _NORM_MAX_DIM else "xla"
+    if base == "pallas":
+        return PallasLayerNorm(dim, dtype=dtype, fuse_add=fuse_add, rngs=rngs)
     return nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, scale_metadata=axes("norm"),
                          bias_metadata=axes("norm"), rngs=rngs)
 
@@ -70,10 +74,11 @@ class PallasLayerNorm(nnx.Module):
     bias are cast to dtype first; the leading axes are flattened into the kernel's T.
     The variance is the two-pass form (kernels.layer_norm: equal to float32 rounding
     where nnx.LayerNorm's E[x^2] - E[x]^2 does not lose it). Runs the Pallas kernels
-    (interpret mode off GPU): dim <= kernels.layer_norm.MAX_DIM.
+    (interpret mode off GPU): dim <= kernels.layer_norm.MAX_DIM. `add` is the residual
+    add before it in the same kernels; fuse_add marks the norm for callers that use it.
     """
 
-    def __init__(self, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, dim: int, *, dtype=jnp.float32, fuse_add: bool = False, rngs: nnx.Rngs):
         if not 1 <= dim <= _NORM_MAX_DIM:
             raise ValueError(f"layer_norm(impl='pallas'): dim must be in [1, {_NORM_MAX_DIM}] "
                              f"(one kernel tile per row), got {dim}")
@@ -81,7 +86,7 @@ class PallasLayerNorm(nnx.Module):
                                **axes("norm"))
         self.bias = nnx.Param(nnx.initializers.zeros_init()(rngs.params(), (dim,), jnp.float32),
                               **axes("norm"))
-        self.dim, self.dtype, self.epsilon = dim, dtype, 1e-6
+        self.dim, self.dtype, self.epsilon, self.fuse_add = dim, dtype, 1e-6, fuse_add
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[-1] != self.dim:
@@ -90,6 +95,19 @@ class PallasLayerNorm(nnx.Module):
         y = _layer_norm_op(x.astype(dtype).reshape(-1, self.dim), self.scale[...].astype(dtype),
                           self.bias[...].astype(dtype), eps=self.epsilon, impl="pallas")
         return y.reshape(x.shape)
+
+    def add(self, x: jax.Array, r: jax.Array,
+            row_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x, r [T, dim], row_mask [T] bool or None -> (s, y) [T, dim] dtype: s = x + r
+        (0 on the rows row_mask drops), y = this norm of s (0 there too); one kernel each
+        way (kernels.layer_norm.add_layer_norm)."""
+        if x.shape != r.shape or x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"PallasLayerNorm.add: x, r must be [T, {self.dim}], got "
+                             f"{x.shape}, {r.shape}")
+        dtype = jnp.dtype(self.dtype)
+        return _add_layer_norm_op(x.astype(dtype), r.astype(dtype), self.scale[...].astype(dtype),
+                                  self.bias[...].astype(dtype), row_mask=row_mask,
+                                  eps=self.epsilon, impl="pallas")
 
 
 def rms_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.RMSNorm:

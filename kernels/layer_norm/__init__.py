@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from kernels.common import check_impl
 from kernels.layer_norm.kernel import (KNOBS, MAX_DIM, check_knobs, layer_norm_bwd,
                                        layer_norm_fwd)
-from kernels.layer_norm.reference import layer_norm_reference
+from kernels.layer_norm.reference import add_layer_norm_reference, layer_norm_reference
 
-__all__ = ["KNOBS", "MAX_DIM", "default_impl", "layer_norm", "layer_norm_reference"]
+__all__ = ["KNOBS", "MAX_DIM", "add_layer_norm", "add_layer_norm_reference", "default_impl",
+           "layer_norm", "layer_norm_reference"]
 
 MAX_ELEMENTS = 2 ** 31 - 1      # the kernels index x with int32 offsets
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -54,6 +55,50 @@ def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **kn
     """
     check_impl("layer_norm", impl)
     _check_inputs(x, scale, bias, eps)
+    out_dtype, knobs, impl = _setup(x, out_dtype, impl, knobs)
+    if impl == "reference" or x.shape[0] == 0:
+        return layer_norm_reference(x, scale, bias, eps=eps, out_dtype=out_dtype)
+    interpret = jax.default_backend() != "gpu"
+    static = (float(eps), out_dtype, interpret, tuple(sorted(knobs.items())))
+    return _kernel(x, scale, bias, static)
+
+
+def add_layer_norm(x, r, scale, bias=None, *, row_mask=None, eps=1e-6, impl=None,
+                   out_dtype=None, **knobs):
+    """(s, y): the residual add and the LayerNorm after it, in one pass each way.
+
+    s = x + r  (x.dtype: the float32 sum rounded once, as a separate add stores it),
+    y = layer_norm(s, scale, bias)  (out_dtype, default x.dtype);
+    with row_mask [T] (bool or int, nonzero = keep), s and y are 0 on the other rows
+    (a padded token buffer: `jnp.where(mask, x + r, 0)` before the norm, and the norm's
+    output masked). x [T, D], r [T, D] float (any float dtype); scale, bias as
+    `layer_norm`. Differentiable in x, r, scale and bias: the backward takes the
+    cotangents of both outputs, dx = dr = ds + dLN(s)/ds (masked), in one pass.
+    impl / knobs as `layer_norm` ("reference": add_layer_norm_reference under JAX's
+    autodiff).
+    """
+    check_impl("add_layer_norm", impl)
+    _check_inputs(x, scale, bias, eps)
+    if getattr(r, "shape", None) != x.shape or not jnp.issubdtype(r.dtype, jnp.floating):
+        raise ValueError(f"add_layer_norm: r must be a float array of x's shape {x.shape}, "
+                         f"got {getattr(r, 'dtype', None)} {getattr(r, 'shape', None)}")
+    if row_mask is not None:
+        if getattr(row_mask, "shape", None) != x.shape[:1]:
+            raise ValueError(f"add_layer_norm: row_mask must be [T={x.shape[0]}], got shape "
+                             f"{getattr(row_mask, 'shape', None)}")
+        row_mask = (row_mask != 0).astype(jnp.int32)
+    out_dtype, knobs, impl = _setup(x, out_dtype, impl, knobs)
+    if impl == "reference" or x.shape[0] == 0:
+        return add_layer_norm_reference(x, r, scale, bias, row_mask=row_mask, eps=eps,
+                                        out_dtype=out_dtype)
+    interpret = jax.default_backend() != "gpu"
+    static = (float(eps), out_dtype, interpret, tuple(sorted(knobs.items())))
+    return _add_kernel(x, r, scale, bias, row_mask, static)
+
+
+def _setup(x, out_dtype, impl, knobs):
+    """(out_dtype, knobs, impl) checked, with impl None resolved; ValueError names the bad
+    one (the Pallas limits on D, T * D and x's dtype)."""
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise ValueError(f"layer_norm: out_dtype must be floating point, got {out_dtype}")
@@ -61,8 +106,8 @@ def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **kn
     t, d = x.shape
     if impl is None:
         impl = default_impl(d, x.dtype, rows=t)
-    if impl == "reference" or t == 0:
-        return layer_norm_reference(x, scale, bias, eps=eps, out_dtype=out_dtype)
+    if impl == "reference":
+        return out_dtype, knobs, impl
     if d > MAX_DIM:
         raise ValueError(f"layer_norm(impl='pallas'): x's width D={d} is over MAX_DIM={MAX_DIM} "
                          "(one tile per row); use impl=None or 'reference'")
@@ -72,9 +117,7 @@ def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **kn
     if jnp.dtype(x.dtype) not in _DTYPES:
         raise ValueError(f"layer_norm(impl='pallas'): x must be bfloat16, float16 or float32, "
                          f"got {x.dtype}")
-    interpret = jax.default_backend() != "gpu"
-    static = (float(eps), out_dtype, interpret, tuple(sorted(knobs.items())))
-    return _kernel(x, scale, bias, static)
+    return out_dtype, knobs, impl
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -97,6 +140,33 @@ def _bwd(static, res, dy):
 
 
 _kernel.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _add_kernel(x, r, scale, bias, row_mask, static):
+    return _add_fwd(x, r, scale, bias, row_mask, static)[0]
+
+
+def _add_fwd(x, r, scale, bias, row_mask, static):
+    eps, out_dtype, interpret, knobs = static
+    y, s, mean, rstd = layer_norm_fwd(x, scale, bias, eps=eps, out_dtype=out_dtype,
+                                      interpret=interpret, knobs=dict(knobs), residual=r,
+                                      row_mask=row_mask)
+    # r_like [0]: r's dtype, no data
+    return (s, y), (s, jnp.zeros((0,), r.dtype), scale, bias, row_mask, mean, rstd)
+
+
+def _add_bwd(static, res, cts):
+    _, _, interpret, knobs = static
+    s, r_like, scale, bias, row_mask, mean, rstd = res
+    ds_in, dy = cts
+    dx, dscale, dbias = layer_norm_bwd(s, dy, mean, rstd, scale, interpret=interpret,
+                                       knobs=dict(knobs), ds_in=ds_in, row_mask=row_mask)
+    return (dx, dx.astype(r_like.dtype), dscale.astype(scale.dtype),
+            None if bias is None else dbias.astype(bias.dtype), None)
+
+
+_add_kernel.defvjp(_add_fwd, _add_bwd)
 
 
 def _check_inputs(x, scale, bias, eps):
