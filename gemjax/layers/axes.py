@@ -96,16 +96,17 @@ class PallasLayerNorm(nnx.Module):
                           self.bias[...].astype(dtype), eps=self.epsilon, impl="pallas")
         return y.reshape(x.shape)
 
-    def add(self, x: jax.Array, r: jax.Array,
+    def add(self, x: jax.Array, r: jax.Array | None,
             row_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """x, r [T, dim], row_mask [T] bool or None -> (s, y) [T, dim] dtype: s = x + r
-        (0 on the rows row_mask drops), y = this norm of s (0 there too); one kernel each
-        way (kernels.layer_norm.add_layer_norm)."""
-        if x.shape != r.shape or x.ndim != 2 or x.shape[1] != self.dim:
+        """x, r [T, dim] (r None: nothing added), row_mask [T] bool or None -> (s, y)
+        [T, dim] dtype: s = x + r (0 on the rows row_mask drops), y = this norm of s (0
+        there too); one kernel each way (kernels.layer_norm.add_layer_norm)."""
+        if x.ndim != 2 or x.shape[1] != self.dim or (r is not None and r.shape != x.shape):
             raise ValueError(f"PallasLayerNorm.add: x, r must be [T, {self.dim}], got "
-                             f"{x.shape}, {r.shape}")
+                             f"{x.shape}, {None if r is None else r.shape}")
         dtype = jnp.dtype(self.dtype)
-        return _add_layer_norm_op(x.astype(dtype), r.astype(dtype), self.scale[...].astype(dtype),
+        r = None if r is None else r.astype(dtype)
+        return _add_layer_norm_op(x.astype(dtype), r, self.scale[...].astype(dtype),
                                   self.bias[...].astype(dtype), row_mask=row_mask,
                                   eps=self.epsilon, impl="pallas")
 

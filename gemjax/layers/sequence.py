@@ -109,7 +109,8 @@ class SequenceEncoder(nnx.Module):
         "pallas", "auto", "pallas+add", "auto+add"). When every norm is a PallasLayerNorm
         marked fuse_add, each residual add runs inside the norm that reads its sum
         (PallasLayerNorm.add: block i's `x + attn` in its FFN norm, its `x + ffn` and the
-        padding mask in block i + 1's attention norm or the final norm): the same
+        padding mask in block i + 1's attention norm or the final norm, the input's
+        padding mask in block 0's attention norm): the same
         output, up to float32 rounding; the norms' padding rows are 0 instead of their
         bias (the attention of a sample never reads them).
 
@@ -140,10 +141,10 @@ class SequenceEncoder(nnx.Module):
         _check_x(x, jagged, "SequenceEncoder")
         if x.shape[1] != self.dim:
             raise ValueError(f"SequenceEncoder: x width {x.shape[1]} != dim {self.dim}")
+        if self._fuse_add():
+            return self._fused(x.astype(self.dtype), jagged)
         mask = jagged.mask[:, None]
         x = jnp.where(mask, x.astype(self.dtype), 0)
-        if self._fuse_add():
-            return self._fused(x, jagged)
         for blk in self.blocks:
             x = blk(x, jagged)
         if self.out_norm is not None:
@@ -156,14 +157,12 @@ class SequenceEncoder(nnx.Module):
         return all(getattr(n, "fuse_add", False) for n in norms)
 
     def _fused(self, x: jax.Array, jagged: Jagged) -> jax.Array:
-        """The blocks with every residual add inside a norm (class docstring); x masked."""
+        """The blocks with every residual add inside a norm (class docstring)."""
         keep = jagged.mask
         pending = None                      # the last block's FFN output, not yet added
         for blk in self.blocks:
-            if pending is None:
-                h = blk.attn_norm(x)
-            else:
-                x, h = blk.attn_norm.add(x, pending, keep)
+            # block 0: the input's padding mask; later blocks: the last FFN's residual too
+            x, h = blk.attn_norm.add(x, pending, keep)
             x, h = blk.ffn_norm.add(x, blk._drop(blk.attn(h, jagged)))
             pending = blk._drop(blk.ffn(h))
         if self.out_norm is not None:

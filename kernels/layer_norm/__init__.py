@@ -4,7 +4,8 @@ The token norms of the sequence encoders (gemjax.layers.sequence) over the pyram
 packed tokens. XLA runs a LayerNorm as several passes over [T, D] (the stats reduce,
 the normalisation, and in the backward further reductions); the Pallas Triton kernels
 (kernel.py) read x once and write y once forward, read x and dy once and write dx
-once backward.
+once backward. `add_layer_norm` is the pre-LN block's residual add and the norm after it
+in the same single passes.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def add_layer_norm(x, r, scale, bias=None, *, row_mask=None, eps=1e-6, impl=None
                    out_dtype=None, **knobs):
     """(s, y): the residual add and the LayerNorm after it, in one pass each way.
 
-    s = x + r  (x.dtype: the float32 sum rounded once, as a separate add stores it),
+    s = x + r  (x.dtype: the float32 sum rounded once, as a separate add stores it; r None:
+    s = x, for the mask alone),
     y = layer_norm(s, scale, bias)  (out_dtype, default x.dtype);
     with row_mask [T] (bool or int, nonzero = keep), s and y are 0 on the other rows
     (a padded token buffer: `jnp.where(mask, x + r, 0)` before the norm, and the norm's
-    output masked). x [T, D], r [T, D] float (any float dtype); scale, bias as
+    output masked). x [T, D], r [T, D] float (any float dtype) or None; scale, bias as
     `layer_norm`. Differentiable in x, r, scale and bias: the backward takes the
     cotangents of both outputs, dx = dr = ds + dLN(s)/ds (masked), in one pass.
     impl / knobs as `layer_norm` ("reference": add_layer_norm_reference under JAX's
@@ -79,7 +81,8 @@ def add_layer_norm(x, r, scale, bias=None, *, row_mask=None, eps=1e-6, impl=None
     """
     check_impl("add_layer_norm", impl)
     _check_inputs(x, scale, bias, eps)
-    if getattr(r, "shape", None) != x.shape or not jnp.issubdtype(r.dtype, jnp.floating):
+    if r is not None and (getattr(r, "shape", None) != x.shape
+                          or not jnp.issubdtype(r.dtype, jnp.floating)):
         raise ValueError(f"add_layer_norm: r must be a float array of x's shape {x.shape}, "
                          f"got {getattr(r, 'dtype', None)} {getattr(r, 'shape', None)}")
     if row_mask is not None:
@@ -87,6 +90,8 @@ def add_layer_norm(x, r, scale, bias=None, *, row_mask=None, eps=1e-6, impl=None
             raise ValueError(f"add_layer_norm: row_mask must be [T={x.shape[0]}], got shape "
                              f"{getattr(row_mask, 'shape', None)}")
         row_mask = (row_mask != 0).astype(jnp.int32)
+    if r is None and row_mask is None:       # nothing to add or mask: s is x
+        return x, layer_norm(x, scale, bias, eps=eps, impl=impl, out_dtype=out_dtype, **knobs)
     out_dtype, knobs, impl = _setup(x, out_dtype, impl, knobs)
     if impl == "reference" or x.shape[0] == 0:
         return add_layer_norm_reference(x, r, scale, bias, row_mask=row_mask, eps=eps,
@@ -153,7 +158,8 @@ def _add_fwd(x, r, scale, bias, row_mask, static):
                                       interpret=interpret, knobs=dict(knobs), residual=r,
                                       row_mask=row_mask)
     # r_like [0]: r's dtype, no data
-    return (s, y), (s, jnp.zeros((0,), r.dtype), scale, bias, row_mask, mean, rstd)
+    r_like = None if r is None else jnp.zeros((0,), r.dtype)
+    return (s, y), (s, r_like, scale, bias, row_mask, mean, rstd)
 
 
 def _add_bwd(static, res, cts):
@@ -162,7 +168,7 @@ def _add_bwd(static, res, cts):
     ds_in, dy = cts
     dx, dscale, dbias = layer_norm_bwd(s, dy, mean, rstd, scale, interpret=interpret,
                                        knobs=dict(knobs), ds_in=ds_in, row_mask=row_mask)
-    return (dx, dx.astype(r_like.dtype), dscale.astype(scale.dtype),
+    return (dx, None if r_like is None else dx.astype(r_like.dtype), dscale.astype(scale.dtype),
             None if bias is None else dbias.astype(bias.dtype), None)
 
 

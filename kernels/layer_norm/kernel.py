@@ -20,13 +20,13 @@ Backward (`layer_norm_bwd`), grid cdiv(T, BB G), program p = G tiles of BB rows
   through its loop) go to row p of the partials dscale / dbias [P, D], which XLA
   sums after. No atomics: the same bits on every run.
 
-The residual form (`residual`, `row_mask`; `add_layer_norm` in __init__): the forward
-loads x and r, forms s = x + r in float32, rounds it to x.dtype (the bits a separate
-add would store), zeroes the rows whose row_mask is 0, writes s and normalises it (the
-stats of the stored s), y zeroed on the masked rows too: one pass where an add and a
-norm take two. Its backward reads the cotangent of s (`ds_in`) with s and dy and writes
-ds_in + dLN / ds (float32 sum, one rounding), 0 on the masked rows, whose dy it takes
-as 0 (y is 0 there).
+The residual form (`residual` and / or `row_mask`; `add_layer_norm` in __init__): the
+forward loads x (and r), forms s = x + r in float32, rounds it to x.dtype (the bits a
+separate add would store), zeroes the rows whose row_mask is 0, writes s and normalises
+it (the stats of the stored s), y zeroed on the masked rows too: one pass where an add
+(or a mask) and a norm take two. Its backward reads the cotangent of s (`ds_in`) with s
+and dy and writes ds_in + dLN / ds (float32 sum, one rounding), 0 on the masked rows,
+whose dy it takes as 0 (y is 0 there).
 
 Rows past T (the last tile) load zeros and store nothing. Interpret mode (off GPU)
 runs the same kernels on the CPU; there masked loads read clipped in-bounds indices
@@ -96,7 +96,7 @@ def _fwd_kernel(*refs, t, d, dp, br, eps, has_bias, has_res, has_mask, interpret
     w_ref = refs.pop(0)
     b_ref = refs.pop(0) if has_bias else None
     y_ref = refs.pop(0)
-    s_ref = refs.pop(0) if has_res else None
+    s_ref = refs.pop(0) if has_res or has_mask else None
     mean_ref, rstd_ref = refs
     row_ok, col_ok, lrows, lcols, srows = _tile(pl.program_id(0) * br, br, t, d, dp, interpret)
     mask = row_ok[:, None] & col_ok[None, :]
@@ -107,7 +107,7 @@ def _fwd_kernel(*refs, t, d, dp, br, eps, has_bias, has_res, has_mask, interpret
     if has_mask:
         keep = plgpu.load(m_ref.at[lrows], mask=row_ok, other=0) != 0
         x = jnp.where(keep[:, None], x, 0.0)
-    if has_res:     # the stats are those of s as stored
+    if s_ref is not None:     # the stats are those of s as stored
         xs = x.astype(s_ref.dtype)
         plgpu.store(s_ref.at[_grid2(srows, cols)], xs, mask=mask)
         x = xs.astype(F32)
@@ -180,8 +180,8 @@ def layer_norm_fwd(x: Array, scale: Array, bias: Array | None, *, eps: float, ou
                    interpret: bool, knobs: dict, residual: Array | None = None,
                    row_mask: Array | None = None) -> tuple[Array, ...]:
     """(y [T, D] out_dtype, mean [T] f32, rstd [T] f32); T >= 1, D <= MAX_DIM. With
-    `residual` r [T, D] (and / or `row_mask` [T] int32, 0 = masked): (y, s, mean, rstd),
-    s = x + r in x.dtype (module docstring); without residual, no s."""
+    `residual` r [T, D] and / or `row_mask` [T] int32 (0 = masked): (y, s, mean, rstd),
+    s = x (+ r) in x.dtype, masked (module docstring)."""
     t, d = x.shape
     dp, br = padded_dim(d), knobs["block_rows"]
     tp, dq = (t + 1, dp) if interpret else (t, d)
@@ -189,7 +189,7 @@ def layer_norm_fwd(x: Array, scale: Array, bias: Array | None, *, eps: float, ou
     ins = ((x,) + ((residual,) if has_res else ()) + ((row_mask,) if has_mask else ())
            + (scale,) + (() if bias is None else (bias,)))
     outs = [jax.ShapeDtypeStruct((tp, dq), out_dtype)]
-    outs += [jax.ShapeDtypeStruct((tp, dq), x.dtype)] if has_res else []
+    outs += [jax.ShapeDtypeStruct((tp, dq), x.dtype)] if has_res or has_mask else []
     outs += [jax.ShapeDtypeStruct((tp,), F32), jax.ShapeDtypeStruct((tp,), F32)]
     kernel = functools.partial(_fwd_kernel, t=t, d=d, dp=dp, br=br, eps=float(eps),
                                has_bias=bias is not None, has_res=has_res, has_mask=has_mask,
@@ -199,7 +199,7 @@ def layer_norm_fwd(x: Array, scale: Array, bias: Array | None, *, eps: float, ou
         in_specs=[_full(a.shape) for a in ins],
         out_specs=[_full(o.shape) for o in outs], out_shape=outs,
         compiler_params=_params(knobs["num_warps"]), interpret=interpret,
-        name="add_layer_norm_fwd" if has_res else "layer_norm_fwd",
+        name="add_layer_norm_fwd" if has_res or has_mask else "layer_norm_fwd",
     )(*ins)
     res = [a[:t, :d] for a in res[:-2]] + [a[:t] for a in res[-2:]]
     return tuple(res)
