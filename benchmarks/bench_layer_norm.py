@@ -26,7 +26,6 @@ as well. Writes JSON (--out), prints a table last.
 from __future__ import annotations
 
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from benchmarks.timing import timed
 from kernels.layer_norm import add_layer_norm, layer_norm
 
 FLAGS = flags.FLAGS
@@ -103,19 +103,6 @@ def programs(fn, add_fn):
         return tuple(out) + (dx, dscale, dbias)
     return {"fwd": jax.jit(fn), "fwd_bwd": jax.jit(fwd_bwd), "add_fwd": jax.jit(add_fn),
             "add_fwd_bwd": jax.jit(add_fwd_bwd)}
-
-
-def timed(fn, args, warmup, iters):
-    """(median ms blocking on each call, last output)."""
-    out = None
-    for _ in range(warmup):
-        out = jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts)), out
 
 
 def parse_knobs(specs, flag="--knobs"):

@@ -21,13 +21,13 @@ a table last.
 from __future__ import annotations
 
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from benchmarks.timing import timed
 from gemjax.sparse.routing import sorted_unique
 from kernels.segment_sum import sorted_segment_sum, sorted_segment_sum_reference
 
@@ -64,18 +64,6 @@ def case_ids(name, rng, n):
     if name == "heavy":
         return rng.integers(0, FLAGS.heavy_ids, size=n).astype(np.int32)
     raise ValueError(f"--cases: unknown case {name!r} (have zipf, unique, heavy)")
-
-
-def timed(fn, args, warmup, iters):
-    """(median ms blocking on each call, last output)."""
-    for _ in range(warmup):
-        out = jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts)), out
 
 
 def hbm_bytes(n, d, k, itemsize):

@@ -1,8 +1,9 @@
-"""Fingerprints of the GPU programs the Triton attention kernels lower to, on any machine.
+"""Fingerprints of the GPU programs the Triton kernels lower to, on any machine.
 
 Exports forward + backward of gdpa, jagged_attention (self, cross, PMA shapes; every
-FlashConfig.fused_bwd setting), block_attention and the Mosaic GPU forward and backward
-kernels for platforms=["cuda"] (jax.export lowers the Pallas kernels without a GPU), strips source locations and prints a short
+FlashConfig.fused_bwd setting), block_attention, the Mosaic GPU forward and backward
+kernels, and layer_norm / add_layer_norm (plain, residual + mask, mask alone) for
+platforms=["cuda"] (jax.export lowers the Pallas kernels without a GPU), strips source locations and prints a short
 hash per program. Equal hashes before and after a refactor mean the GPU runs the same
 kernels, so GPU test results and timings of the earlier code still stand.
 
@@ -75,7 +76,32 @@ def programs():
     out["block-self-rope_chunks4"] = (_train(lambda q, k, v: block_attention_pallas(
         q, k, v, qo, rope_chunks=4, rope_chunks_bwd=4)), [(t, 4, 128)] * 4)
     out.update(mosaic_programs(off(SHAPES["self"][0]), t))
+    out.update(layer_norm_programs())
     return out
+
+
+def layer_norm_programs():
+    """kernels.layer_norm at [4096, 512] (bf16 throughout; the row mask keeps the first
+    4000 rows): the plain norm, the residual form with a mask, the mask alone."""
+    from kernels.layer_norm import add_layer_norm, layer_norm
+    t, d = 4096, 512
+    keep = jnp.arange(t) < 4000
+
+    def plain(x, s, b, dy):
+        y, vjp = jax.vjp(lambda x, s, b: layer_norm(x, s, b, impl="pallas"), x, s, b)
+        return y, vjp(dy)
+
+    def add(residual):
+        def f(x, r, s, b, dy):
+            fn = lambda x, r, s, b: add_layer_norm(x, r if residual else None, s, b,  # noqa: E731
+                                                   row_mask=keep, impl="pallas")
+            out, vjp = jax.vjp(fn, x, r, s, b)
+            return out, vjp((dy, dy))
+        return f
+    row, vec = (t, d), (d,)
+    return {"layer_norm": (plain, [row, vec, vec, row]),
+            "add_layer_norm-mask": (add(True), [row, row, vec, vec, row]),
+            "add_layer_norm-mask_only": (add(False), [row, row, vec, vec, row])}
 
 
 def mosaic_programs(qo, t):
