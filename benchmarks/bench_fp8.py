@@ -146,11 +146,12 @@ def bench_gemm(m, k, n, iters, seed=0, fp8_variants=FP8_VARIANTS):
     # the FP8 GEMMs alone, on operands quantized beforehand (E4M3 x, w; E5M2 dy), each in
     # the K-major layout the GEMM takes (as fp8_dot quantizes them): forward qx [M, K] .
     # qw^T [N, K]; forward+backward also dgrad qdy [M, N] . qw [K, N] and wgrad
-    # qx^T [K, M] . qdy^T [N, M]; f32 out
+    # qx^T [K, M] . qdy^T [N, M]; f32 out, precision HIGHEST as in fp8_dot
     e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
     q = (x.astype(e4), w.T.astype(e4), w.astype(e4), dy.astype(e5), x.T.astype(e4),
          dy.T.astype(e5))
     mm = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),           # noqa: E731
+                                      precision=lax.Precision.HIGHEST,
                                       preferred_element_type=jnp.float32)
     g_f = jax.jit(mm).lower(*q[:2]).compile()
     g_fb = jax.jit(lambda qx, qwt, qw, qd, qxt, qdt: (mm(qx, qwt), mm(qd, qw), mm(qxt, qdt))

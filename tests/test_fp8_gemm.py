@@ -10,6 +10,7 @@ most |A| @ eB + eA @ |B| + eA @ eB for the element bounds eA, eB.
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -167,8 +168,8 @@ def test_bad_input_named():
 
 @pytest.mark.parametrize("scaling", ["rowwise", "tensor"])
 def test_bfloat16_operands_write_a_bfloat16_product(scaling):
-    """bf16 x, w: the GEMM writes bf16 (then rescales), so y, dx, dw are the float32
-    reference's within bf16 rounding (2 roundings of 2**-9)."""
+    """bf16 x, w: y, dx, dw come back in bfloat16, the float32 reference's within bf16
+    rounding (a float32 GEMM output, rescaled, then rounded once: 2**-9, with margin)."""
     x, w, dy = (jnp.asarray(a, jnp.bfloat16) for a in _data((32,), 192, 40, 11))
     r = Recipe(scaling)
     y, vjp = jax.vjp(jax.jit(lambda x, w: fp8_dot(x, w, r)), x, w)
@@ -185,7 +186,8 @@ def test_bfloat16_operands_write_a_bfloat16_product(scaling):
 def test_every_fp8_product_contracts_both_operands_last_axis(scaling):
     """Hopper's FP8 GEMM takes K-major operands only (else XLA transposes the float8
     operand in a slow pass of its own): the forward, dgrad and wgrad dot_generals on float8
-    operands each contract the last axis of both, and there are three of them."""
+    operands each contract the last axis of both, and there are three of them. Each asks
+    for precision HIGHEST (cuBLASLt's float32 accumulation, not its FP8 fast accumulation)."""
     x, w, dy = (jnp.asarray(a, jnp.bfloat16) for a in _data((4, 8), 96, 40, 5))
     r = Recipe(scaling)
 
@@ -210,3 +212,4 @@ def test_every_fp8_product_contracts_both_operands_last_axis(scaling):
         (lc, rc), _ = e.params["dimension_numbers"]
         lhs, rhs = (v.aval.ndim for v in e.invars)
         assert (tuple(lc), tuple(rc)) == ((lhs - 1,), (rhs - 1,)), e
+        assert e.params["precision"] == (lax.Precision.HIGHEST,) * 2, e

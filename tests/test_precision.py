@@ -158,6 +158,30 @@ def test_nan_inf_stay_in_their_element(layout, fmt):
     assert np.asarray(bs.scales, np.float32)[1, 0] == 1.0  # all-NaN block: scale 1
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_stochastic_rounding_keeps_nan_inf(fmt):
+    """Stochastic rounding treats non-finite elements as nearest rounding does: NaN stays
+    NaN, +-inf is +-inf in E5M2 and NaN in E4M3; the finite elements stay on their two
+    grid neighbours of x / s."""
+    x = _data((4, 128), seed=2)
+    x[0, 1], x[1, 2], x[2, 3], x[3, :] = np.nan, np.inf, -np.inf, np.nan
+    bs = jax.jit(functools.partial(quantize, layout=F.ACT_1X128, fmt=fmt,
+                                   rounding="stochastic"))(x, key=jax.random.key(3))
+    got = np.asarray(dequantize(bs), np.float64)
+    assert np.isnan(got[0, 1]) and np.all(np.isnan(got[3]))
+    if fmt == "e5m2":
+        assert got[1, 2] == np.inf and got[2, 3] == -np.inf
+    else:
+        assert np.isnan(got[1, 2]) and np.isnan(got[2, 3])
+    finite = np.isfinite(x)
+    finite[3] = False
+    y = np.where(finite, x, 0).astype(np.float64) / np.asarray(bs.scales, np.float64)
+    step = _ulp(np.abs(y), fmt)
+    lo = np.sign(y) * np.floor(np.abs(y) / step) * step
+    q = np.asarray(bs.q.astype(jnp.float32), np.float64)
+    assert np.all((q[finite] == lo[finite]) | (q[finite] == (lo + np.sign(y) * step)[finite]))
+
+
 @pytest.mark.parametrize("layout", [F.MX, F.ACT_1X128, F.WEIGHT_128X128,
                                     F.Layout((128, 128), "pow2")])
 def test_zero_blocks_and_empty_arrays(layout):

@@ -3,7 +3,10 @@
     fp8_dot(x [..., K], w [K, N], recipe=Recipe()) -> y [..., N] (x's dtype)
 
 All three products of a linear layer run on float8 operands through `lax.dot_general`
-with preferred_element_type=float32 (on Hopper XLA lowers this to a cuBLASLt FP8 GEMM):
+with preferred_element_type=float32 and precision HIGHEST (on Hopper XLA lowers this to a
+cuBLASLt FP8 GEMM; HIGHEST asks for its float32 accumulation, where DEFAULT lets cuBLASLt
+use the FP8 "fast accumulation" mode, whose dgrad and wgrad missed the float32-summation
+bound of the tests on an H200 by up to 30x):
 
     forward  y  = x  @ w      contraction K   x: E4M3, w: E4M3
     dgrad    dx = dy @ w^T    contraction N   dy: recipe.grad_fmt (E5M2), w: E4M3
@@ -40,9 +43,9 @@ transpose (where the product needs one: w^T in the forward, x^T and dy^T in the 
 taken on the 16 / 32-bit input inside the quantize pass, and every FP8 dot_general
 contracts the last axis of both operands.
 
-The rowwise and tensor GEMMs write their product in the output's dtype when that is
-16-bit (bfloat16 / float16; else float32), accumulating in float32, and the scales then
-multiply it: half the bytes of a float32 product for the rescale pass to read.
+The GEMMs write float32, and the scales then multiply it. (A bfloat16 GEMM output, half
+the bytes for the rescale pass, gave forward products up to 40% off the reference on an
+H200 for bfloat16 operands, so it is not used.)
 
 Scales are float32 amax / max_finite (gemjax.precision.quantize, layout scale "f32"), so
 no finite value saturates. Under "rowwise" and "blocked" the residuals saved for the
@@ -69,7 +72,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gemjax.precision.formats import FORMATS, Layout
-from gemjax.precision.quantize import quantize
+from gemjax.precision.quantize import finite_abs, quantize, saturate, to_format
 
 SCALINGS = ("rowwise", "tensor", "blocked")
 WGRADS = ("fp8", "bf16", "f32")
@@ -113,11 +116,24 @@ def _quant(t: jax.Array, block: tuple[int, int], fmt: str):
     if any(b not in (1, n) for b, n in zip(block, (rows, cols))) or not axes:
         bs = quantize(t, Layout(block=block, scale="f32"), FORMATS[fmt])
         return bs.q, bs.scales
-    f = FORMATS[fmt]
-    t32 = t.astype(jnp.float32)
-    amax = jnp.max(jnp.where(jnp.isfinite(t32), jnp.abs(t32), 0.0), axis=axes, keepdims=True)
-    s = jnp.where(amax > 0, jnp.maximum(amax / f.max_finite, jnp.finfo(jnp.float32).tiny), 1.0)
+    s = _scales(t, axes, fmt)
     return _with_scale(t, s, fmt), s
+
+
+def _scales(t: jax.Array, axes: tuple[int, ...], fmt: str) -> jax.Array:
+    """float32 scales of t [R, C] constant along `axes` (keepdims): amax / max_finite."""
+    f = FORMATS[fmt]
+    amax = jnp.max(finite_abs(t.astype(jnp.float32)), axis=axes, keepdims=True)
+    return jnp.where(amax > 0, jnp.maximum(amax / f.max_finite, jnp.finfo(jnp.float32).tiny), 1.0)
+
+
+def _quant_t(b: jax.Array, axes: tuple[int, ...], fmt: str):
+    """b [K, N] -> (q of b^T [N, K] fmt, scales float32 in b's layout, constant along axes).
+
+    The scales reduce b in its own layout and only the convert pass writes the transpose:
+    a reduction over the transposed array made XLA:GPU write that array in float32 first."""
+    s = _scales(b, axes, fmt)
+    return _with_scale(b.T, s.T, fmt), s
 
 
 def _with_scale(t: jax.Array, s: jax.Array, fmt: str) -> jax.Array:
@@ -126,9 +142,7 @@ def _with_scale(t: jax.Array, s: jax.Array, fmt: str) -> jax.Array:
     holds it (module docstring)."""
     f = FORMATS[fmt]
     t32 = t.astype(jnp.float32)
-    y = jnp.clip(t32 / s, -f.max_finite, f.max_finite)
-    inf = jnp.copysign(jnp.float32(jnp.inf if f.has_inf else jnp.nan), t32)
-    return jnp.where(jnp.isnan(t32), jnp.nan, jnp.where(jnp.isinf(t32), inf, y)).astype(f.dtype)
+    return to_format(t32, saturate(t32, s, f), f)
 
 
 def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bool):
@@ -140,41 +154,35 @@ def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bo
     return (1, BLOCK), ((BLOCK, BLOCK) if b_weight else (BLOCK, 1))
 
 
-def _gemm_dtype(out_dtype) -> jnp.dtype:
-    """The dtype the FP8 GEMM writes: a 16-bit output dtype itself, else float32."""
-    out_dtype = jnp.dtype(out_dtype)
-    return out_dtype if out_dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) \
-        else jnp.dtype(jnp.float32)
+def _f8_dot(qa: jax.Array, qb: jax.Array) -> jax.Array:
+    """qa [M, K] . qb [N, K] over K (both K-major): float32 [M, N], float32 accumulation."""
+    return lax.dot_general(qa, qb, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
 
 
-def _f8_mm(qa, sa, qb, sb, out=jnp.float32) -> jax.Array:
-    """qa [M, K] . qb [N, K] over K (both K-major; written in _gemm_dtype(out), float32
-    accumulation) times the scalar scales sa * sb ([1, 1] each): float32 [M, N]."""
-    y = lax.dot_general(qa, qb, (((1,), (1,)), ((), ())), preferred_element_type=_gemm_dtype(out))
-    return y.astype(jnp.float32) * (sa[0, 0] * sb[0, 0])
+def _f8_mm(qa, sa, qb, sb) -> jax.Array:
+    """_f8_dot(qa, qb) times the scalar scales sa * sb ([1, 1] each): float32 [M, N]."""
+    return _f8_dot(qa, qb) * (sa[0, 0] * sb[0, 0])
 
 
 def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
-               b_weight: bool, out=jnp.float32) -> jax.Array:
+               b_weight: bool) -> jax.Array:
     """a [M, K] @ b [K, N] -> float32 [M, N] with both operands quantized along K.
 
     b_weight: b is a weight (128x128 blocks under "blocked"), else an activation-like
-    operand (128x1 tiles). out: the caller's output dtype (a 16-bit one is what the
-    rowwise / tensor GEMM writes before its rescale). Under "rowwise" and "tensor" b is
+    operand (128x1 tiles). Under "rowwise" and "tensor" b is
     quantized as b^T [N, K] (K-major; module docstring): a caller passing b = t^T gets t's
     own layout, with no transpose."""
     (m, k), n = a.shape, b.shape[1]
     blk_a, blk_b = _operand_blocks(m, k, n, scaling, b_weight)
     if scaling == "rowwise":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [M, 1]
-        qbt, sbt = _quant(b.T, blk_b[::-1], b_fmt)           # qbt [N, K], sbt [N, 1]
-        y = lax.dot_general(qa, qbt, (((1,), (1,)), ((), ())),
-                            preferred_element_type=_gemm_dtype(out))
-        return y.astype(jnp.float32) * sa * sbt.T
+        qbt, sb = _quant_t(b, (0,), b_fmt)                   # qbt [N, K], sb [1, N]
+        return _f8_dot(qa, qbt) * sa * sb
     if scaling == "tensor":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [1, 1]
-        qbt, sb = _quant(b.T, blk_b[::-1], b_fmt)            # sb [1, 1]
-        return _f8_mm(qa, sa, qbt, sb, out)
+        qbt, sb = _quant_t(b, (0, 1), b_fmt)                 # sb [1, 1]
+        return _f8_mm(qa, sa, qbt, sb)
     pad = -k % BLOCK
     if pad:                                                  # zeros change no amax
         a = jnp.pad(a, ((0, 0), (0, pad)))
@@ -187,6 +195,7 @@ def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
     qa3 = qa.reshape(m, kb, BLOCK)
     qb3 = qb.reshape(kb, BLOCK, n)
     part = lax.dot_general(qa3, qb3, (((2,), (1,)), ((1,), (0,))),
+                           precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)       # [Kb, M, N]
     return jnp.einsum("kmn,mk,kn->mn", part, sa, sb, precision=lax.Precision.HIGHEST)
 
@@ -204,13 +213,13 @@ def _check(x: jax.Array, w: jax.Array) -> None:
 
 
 def _forward(x, w, recipe: Recipe):
-    y = _scaled_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True, x.dtype)
+    y = _scaled_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True)
     return y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
 
 
-def _dgrad(dy2, w, recipe: Recipe, out):
+def _dgrad(dy2, w, recipe: Recipe):
     """dy [M, N] @ w^T [N, K] -> float32 [M, K]."""
-    return _scaled_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True, out)
+    return _scaled_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True)
 
 
 def _wgrad(x2, dy2, recipe: Recipe):
@@ -219,8 +228,7 @@ def _wgrad(x2, dy2, recipe: Recipe):
         dt = jnp.bfloat16 if recipe.wgrad == "bf16" else jnp.float32
         return lax.dot_general(x2.astype(dt), dy2.astype(dt), (((0,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)
-    return _scaled_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False,
-                      dy2.dtype)
+    return _scaled_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -236,8 +244,8 @@ def _fp8_dot_fwd(x, w, recipe):
     # and saved (FP8); the backward quantizes w [K, N] again with sw
     x2 = _flat(x)
     qx, sx = _quant(x2, x2.shape, recipe.fwd_fmt)
-    qwt, sw = _quant(w.T, w.shape[::-1], recipe.fwd_fmt)
-    y = _f8_mm(qx, sx, qwt, sw, x.dtype)
+    qwt, sw = _quant_t(w, (0, 1), recipe.fwd_fmt)
+    y = _f8_mm(qx, sx, qwt, sw)
     y = y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
     if recipe.wgrad == "fp8":
         keep_x, qxt = None, _with_scale(x2.T, sx, recipe.fwd_fmt)
@@ -251,15 +259,15 @@ def _fp8_dot_bwd(recipe, res, dy):
     dy2 = _flat(dy)
     if recipe.scaling != "tensor":
         x, w = res
-        dx = _dgrad(dy2, w, recipe, x.dtype).astype(x.dtype).reshape(x.shape)
+        dx = _dgrad(dy2, w, recipe).astype(x.dtype).reshape(x.shape)
         dw = _wgrad(_flat(x), dy2, recipe).astype(w.dtype)
         return dx, dw
     qxt, sx, w, sw, x, x_like = res
     qdy, sdy = _quant(dy2, dy2.shape, recipe.grad_fmt)                  # [M, N]
-    dx = _f8_mm(qdy, sdy, _with_scale(w, sw, recipe.fwd_fmt), sw, x_like.dtype)
+    dx = _f8_mm(qdy, sdy, _with_scale(w, sw, recipe.fwd_fmt), sw)
     dx = dx.astype(x_like.dtype).reshape(x_like.shape[:-1] + (w.shape[0],))
     if recipe.wgrad == "fp8":                                           # [K, M] . [N, M]
-        dw = _f8_mm(qxt, sx, _with_scale(dy2.T, sdy, recipe.grad_fmt), sdy, w.dtype)
+        dw = _f8_mm(qxt, sx, _with_scale(dy2.T, sdy, recipe.grad_fmt), sdy)
     else:
         dw = _wgrad(_flat(x), dy2, recipe)
     return dx, dw.astype(w.dtype)

@@ -89,7 +89,7 @@ def block_amax(x: jax.Array, layout: Layout) -> jax.Array:
     br, bc = layout.block
     rows, cols = x2.shape[-2:]
     pad_r, pad_c = -rows % br, -cols % bc
-    mag = jnp.where(jnp.isfinite(x2), jnp.abs(x2), 0.0)
+    mag = finite_abs(x2)
     mag = jnp.pad(mag, [(0, 0)] * (x2.ndim - 2) + [(0, pad_r), (0, pad_c)])
     lead = mag.shape[:-2]
     blocks = mag.reshape(lead + ((rows + pad_r) // br, br, (cols + pad_c) // bc, bc))
@@ -123,6 +123,30 @@ def expand_scales(scales: jax.Array, layout: Layout, shape: tuple[int, ...]) -> 
     s = jnp.repeat(s, br, axis=-2, total_repeat_length=s.shape[-2] * br)[..., :rows, :]
     s = jnp.repeat(s, bc, axis=-1, total_repeat_length=s.shape[-1] * bc)[..., :cols]
     return s.reshape(shape)
+
+
+def finite_abs(x32: jax.Array) -> jax.Array:
+    """|x| with non-finite entries as 0 (what amax reduces): float32, x's shape.
+
+    One compare on |x| (NaN < inf is false), so XLA fuses it into the amax reduction."""
+    mag = jnp.abs(x32)
+    return jnp.where(mag < jnp.inf, mag, 0.0)
+
+
+def saturate(x32: jax.Array, s: jax.Array, fmt: Fp8Format) -> jax.Array:
+    """x / s clipped to the format's finite range (float32; NaN stays NaN, +-inf clips)."""
+    return jnp.clip(x32 / s, -fmt.max_finite, fmt.max_finite)
+
+
+def to_format(x32: jax.Array, y: jax.Array, fmt: Fp8Format) -> jax.Array:
+    """y (x / s, saturated and rounded as wanted) cast to fmt, with x's infinities as the
+    format holds them: +-inf in E5M2, NaN in E4M3 (module docstring).
+
+    One compare on x: a select chain on isnan / isinf / signbit made XLA:GPU write more
+    boolean copies of a transposed operand (on an H200, quantizing an [8192, 6656] bf16
+    weight into its transpose took 0.49 ms with the chain, 0.34 ms with this form)."""
+    special = x32 if fmt.has_inf else jnp.float32(jnp.nan)
+    return jnp.where(jnp.abs(x32) == jnp.inf, special, y).astype(fmt.dtype)
 
 
 def _stochastic_round(y: jax.Array, fmt: Fp8Format, key: jax.Array) -> jax.Array:
@@ -162,12 +186,10 @@ def quantize(x: jax.Array, layout: Layout, fmt: Fp8Format | str = "e4m3",
                          f"shape {x.shape} and blocks {layout.block}")
     scales = jnp.asarray(scales).astype(layout.scale_dtype)
     x32 = x.astype(jnp.float32)
-    y = jnp.clip(x32 / expand_scales(scales, layout, x.shape), -fmt.max_finite, fmt.max_finite)
+    y = saturate(x32, expand_scales(scales, layout, x.shape), fmt)
     if rounding == "stochastic":
         y = _stochastic_round(y, fmt, key)
-    inf = jnp.copysign(jnp.float32(jnp.inf if fmt.has_inf else jnp.nan), x32)
-    y = jnp.where(jnp.isnan(x32), jnp.nan, jnp.where(jnp.isinf(x32), inf, y))
-    return BlockScaled(q=y.astype(fmt.dtype), scales=scales, layout=layout, fmt=fmt)
+    return BlockScaled(q=to_format(x32, y, fmt), scales=scales, layout=layout, fmt=fmt)
 
 
 def dequantize(bs: BlockScaled, dtype=jnp.float32) -> jax.Array:
