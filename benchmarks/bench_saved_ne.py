@@ -4,6 +4,11 @@ reference plan, on the same seeds: what FP8-kept saved activations (train.remat
 
     python -m benchmarks.bench_saved_ne --out=saved_ne.json          # the protocol, CPU
     python -m benchmarks.bench_saved_ne --smoke --out=/tmp/s.json     # a CI check, ~1 min
+    python -m benchmarks.bench_saved_ne --plans=none,all:recompute,none@model.precision=fp8
+
+A plan is a train.remat value, optionally followed by config overrides after "@" (one
+"section.field=value" each): "none@model.precision=fp8" trains the FP8 GEMMs
+(gemjax.precision.policy) against the BF16 reference "none" on the same protocol.
 
 Each (plan, seed) trains cfg from train.seed=seed's initial state on its own synthetic
 stream (the planted model, the data and the init all follow the seed) for train.steps
@@ -52,7 +57,8 @@ from absl import app, flags
 flags.DEFINE_string("config", "tiny", "preset")
 flags.DEFINE_string("override", "", "section.field=value,... applied after the protocol's")
 flags.DEFINE_bool("protocol", True, "apply PROTOCOL_OVERRIDE before --override")
-flags.DEFINE_string("plans", "", "comma-separated train.remat plans, the first the reference "
+flags.DEFINE_string("plans", "", "comma-separated train.remat plans (each optionally with "
+                    "@section.field=value overrides), the first the reference "
                     "(default: DEFAULT_PLANS)")
 flags.DEFINE_string("seeds", "0,1,2", "comma-separated train.seed values")
 flags.DEFINE_string("floor_plan", "all:recompute", "the plan whose deltas are the noise floor "
@@ -94,6 +100,18 @@ def train_and_eval(trainer, train_step, eval_step, cfg, seed: int) -> tuple[dict
     return evaluator(state), state
 
 
+def plan_overrides(plan: str) -> dict[str, str]:
+    """"remat[@section.field=value...]" -> the config overrides of that plan."""
+    remat, *extra = plan.split("@")
+    out = {"train.remat": remat}
+    for item in extra:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"plan {plan!r}: {item!r} is not section.field=value")
+        out[key] = value
+    return out
+
+
 def measure_plan(cfg, plan: str, seeds: list[int], time_steps: int, log=print) -> tuple[list[dict], dict]:
     """(one run row per seed, the plan's figures): the plan compiled once (train and eval
     steps), every seed trained and evaluated, then its memory and step time."""
@@ -104,7 +122,7 @@ def measure_plan(cfg, plan: str, seeds: list[int], time_steps: int, log=print) -
     from gemjax.data.source import make_source
     from gemjax.train.step import Trainer
 
-    pcfg = apply_overrides(cfg, {"train.remat": plan})
+    pcfg = apply_overrides(cfg, plan_overrides(plan))
     trainer = Trainer.create(pcfg)
     train_step, eval_step = trainer.make_train_step(), trainer.make_eval_step()
     runs, state = [], None

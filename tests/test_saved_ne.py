@@ -9,6 +9,8 @@ import sys
 import pytest
 from suite_cache import with_suite_cache   # tests/suite_cache.py
 
+from benchmarks.bench_saved_ne import plan_overrides
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,3 +37,13 @@ def test_bench_saved_ne_smoke_table_and_json(tmp_path):
     assert plans["all:quantize"]["temp_bytes"] < 0.8 * plans["none"]["temp_bytes"]
     last = r.stdout.rstrip().splitlines()[-1].split()
     assert last[0] == "all:quantize" and float(last[1]) == round(delta * 100, 4)
+
+
+def test_plan_overrides_parse_and_reject():
+    """A plan is a remat value with optional "@section.field=value" overrides; a malformed
+    override names the plan."""
+    assert plan_overrides("all:quantize") == {"train.remat": "all:quantize"}
+    assert plan_overrides("none@model.precision=fp8@model.norm_impl=auto+add") == {
+        "train.remat": "none", "model.precision": "fp8", "model.norm_impl": "auto+add"}
+    with pytest.raises(ValueError, match="none@model.precision"):
+        plan_overrides("none@model.precision")
