@@ -111,13 +111,20 @@ def _quant(t: jax.Array, block: tuple[int, int], fmt: str):
     Blocks spanning whole rows, columns or the tensor (the rowwise and tensor recipes)
     take a reduce + broadcast, the same arithmetic as gemjax.precision.quantize without
     its block reshapes and scale gathers; other blocks go through quantize."""
-    rows, cols = t.shape
-    axes = tuple(a for a, (b, n) in enumerate(zip(block, (rows, cols))) if b == n)
-    if any(b not in (1, n) for b, n in zip(block, (rows, cols))) or not axes:
+    axes = _whole_axes(t.shape, block)
+    if axes is None:
         bs = quantize(t, Layout(block=block, scale="f32"), FORMATS[fmt])
         return bs.q, bs.scales
     s = _scales(t, axes, fmt)
     return _with_scale(t, s, fmt), s
+
+
+def _whole_axes(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, ...] | None:
+    """The axes a block spans whole, when it spans each axis whole or by 1 (else None)."""
+    axes = tuple(a for a, (b, n) in enumerate(zip(block, shape)) if b == n)
+    if any(b not in (1, n) for b, n in zip(block, shape)) or not axes:
+        return None
+    return axes
 
 
 def _scales(t: jax.Array, axes: tuple[int, ...], fmt: str) -> jax.Array:
@@ -127,12 +134,13 @@ def _scales(t: jax.Array, axes: tuple[int, ...], fmt: str) -> jax.Array:
     return jnp.where(amax > 0, jnp.maximum(amax / f.max_finite, jnp.finfo(jnp.float32).tiny), 1.0)
 
 
-def _quant_t(b: jax.Array, axes: tuple[int, ...], fmt: str):
-    """b [K, N] -> (q of b^T [N, K] fmt, scales float32 in b's layout, constant along axes).
+def _quant_t(b: jax.Array, block: tuple[int, int], fmt: str):
+    """b [K, N] -> (q of b^T [N, K] fmt, scales float32 in b's layout: [1, N] or [1, 1]
+    for a block of whole columns or the whole of b).
 
     The scales reduce b in its own layout and only the convert pass writes the transpose:
     a reduction over the transposed array made XLA:GPU write that array in float32 first."""
-    s = _scales(b, axes, fmt)
+    s = _scales(b, _whole_axes(b.shape, block), fmt)
     return _with_scale(b.T, s.T, fmt), s
 
 
@@ -177,11 +185,11 @@ def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
     blk_a, blk_b = _operand_blocks(m, k, n, scaling, b_weight)
     if scaling == "rowwise":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [M, 1]
-        qbt, sb = _quant_t(b, (0,), b_fmt)                   # qbt [N, K], sb [1, N]
+        qbt, sb = _quant_t(b, blk_b, b_fmt)                  # qbt [N, K], sb [1, N]
         return _f8_dot(qa, qbt) * sa * sb
     if scaling == "tensor":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [1, 1]
-        qbt, sb = _quant_t(b, (0, 1), b_fmt)                 # sb [1, 1]
+        qbt, sb = _quant_t(b, blk_b, b_fmt)                  # sb [1, 1]
         return _f8_mm(qa, sa, qbt, sb)
     pad = -k % BLOCK
     if pad:                                                  # zeros change no amax
@@ -244,7 +252,7 @@ def _fp8_dot_fwd(x, w, recipe):
     # and saved (FP8); the backward quantizes w [K, N] again with sw
     x2 = _flat(x)
     qx, sx = _quant(x2, x2.shape, recipe.fwd_fmt)
-    qwt, sw = _quant_t(w, (0, 1), recipe.fwd_fmt)
+    qwt, sw = _quant_t(w, w.shape, recipe.fwd_fmt)
     y = _f8_mm(qx, sx, qwt, sw)
     y = y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
     if recipe.wgrad == "fp8":
