@@ -72,6 +72,9 @@ SKIP = {
         "minutes on CPU; tests/test_online_resume.py runs the same script on a 4-window stream",
     "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
+    "python -m experiments.frappe --models=gem":
+        "FP8 against BF16 on Frappe (not in CI); tests/test_frappe_trainer.py runs the script "
+        "on fake Frappe files",
     "python -m experiments.distill --dataset=synthetic --seeds=0,1,2 --out=runs/distill":
         "minutes on CPU; tests/test_distill_experiment.py runs the script at a toy size",
     "python -m experiments.distill --dataset=frappe --seeds=0,1,2 --teacher_steps=180 "
