@@ -188,7 +188,7 @@ def main(argv):
     runtime.enable_gpu_graphs()     # before any device use, as experiments/train.py
     import jax
 
-    from gemjax.config import get_config
+    from gemjax.config import apply_overrides, get_config
 
     f = flags.FLAGS
     base = SMOKE_OVERRIDE if f.smoke else (PROTOCOL_OVERRIDE if f.protocol else "")
@@ -198,6 +198,11 @@ def main(argv):
     cfg = get_config(f.config, override)
     if cfg.model.kind != "teacher":
         raise app.UsageError("--override must keep model.kind=teacher (the regions are the teacher's)")
+    for plan in plans:                   # every plan's overrides checked before any training
+        try:
+            apply_overrides(cfg, plan_overrides(plan.strip()))
+        except (ValueError, TypeError) as e:
+            raise app.UsageError(f"--plans: {plan!r}: {e}") from None
     runs, figures = [], []
     for plan in plans:
         r, fig = measure_plan(cfg, plan.strip(), seeds, f.time_steps)

@@ -9,8 +9,6 @@ import sys
 import pytest
 from suite_cache import with_suite_cache   # tests/suite_cache.py
 
-from benchmarks.bench_saved_ne import plan_overrides
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,11 +37,24 @@ def test_bench_saved_ne_smoke_table_and_json(tmp_path):
     assert last[0] == "all:quantize" and float(last[1]) == round(delta * 100, 4)
 
 
-def test_plan_overrides_parse_and_reject():
-    """A plan is a remat value with optional "@section.field=value" overrides; a malformed
-    override names the plan."""
-    assert plan_overrides("all:quantize") == {"train.remat": "all:quantize"}
-    assert plan_overrides("none@model.precision=fp8@model.norm_impl=auto+add") == {
-        "train.remat": "none", "model.precision": "fp8", "model.norm_impl": "auto+add"}
-    with pytest.raises(ValueError, match="none@model.precision"):
-        plan_overrides("none@model.precision")
+
+def test_plan_overrides_parse_and_bad_plans_fail_before_training():
+    """A plan is a remat value with optional "@section.field=value" overrides (parsed in a
+    subprocess: the benchmark's absl flags stay out of this one); a malformed or unknown
+    override stops the run before any training, naming the plan."""
+    env = with_suite_cache(dict(os.environ, JAX_PLATFORMS="cpu"))
+    code = ("import json; from benchmarks.bench_saved_ne import plan_overrides as p; "
+            "print(json.dumps([p('all:quantize'), "
+            "p('none@model.precision=fp8@model.norm_impl=auto+add')]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) == [
+        {"train.remat": "all:quantize"},
+        {"train.remat": "none", "model.precision": "fp8", "model.norm_impl": "auto+add"}]
+    for bad in ("none@model.precision", "none@model.precison=fp8"):
+        r = subprocess.run([sys.executable, "-m", "benchmarks.bench_saved_ne", "--smoke",
+                            f"--plans=none,{bad}"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode != 0 and f"--plans: {bad!r}" in r.stderr, r.stderr[-2000:]
+        assert "seed 0: NE" not in r.stdout             # nothing trained
