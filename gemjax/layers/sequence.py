@@ -131,7 +131,8 @@ class SequenceEncoder(nnx.Module):
             SequenceBlock(dim, num_heads=num_heads, ffn_mult=ffn_mult, dropout=dropout,
                           ffn_activation=ffn_activation, use_bias=use_bias, dtype=dtype,
                           norm_impl=norm_impl, rngs=rngs, attention=attention,
-                          gdpa_activation=gdpa_activation, gdpa_scale=gdpa_scale, causal=causal, window=window, block=block,
+                          gdpa_activation=gdpa_activation, gdpa_scale=gdpa_scale,
+                          causal=causal, window=window, block=block,
                           rope=rope, qk_norm=qk_norm)
             for _ in range(num_layers)])
         self.out_norm = (layer_norm(dim, dtype=dtype, impl=norm_impl, rngs=rngs)

@@ -50,17 +50,15 @@ def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **kn
     Differentiable in x, scale and bias.
     impl: None (`default_impl`), "reference" (jnp, JAX's autodiff), "pallas" (the
     Triton kernels, custom VJP; interpret mode off GPU). knobs: kernel.KNOBS
-    overrides (block_rows, bwd_rows, bwd_tiles, num_warps, bwd_warps, bwd_stages). The kernels' results may differ
-    from the reference's in float32 rounding (summation order); they are the same
-    bits on every run.
+    overrides (block_rows, bwd_rows, bwd_tiles, num_warps, bwd_warps, bwd_stages). The
+    kernels' results may differ from the reference's in float32 rounding (summation
+    order); they are the same bits on every run.
     """
     check_impl("layer_norm", impl)
     _check_inputs(x, scale, bias, eps)
-    out_dtype, knobs, impl = _setup(x, out_dtype, impl, knobs)
+    impl, out_dtype, static = _setup(x, out_dtype, impl, knobs, eps)
     if impl == "reference" or x.shape[0] == 0:
         return layer_norm_reference(x, scale, bias, eps=eps, out_dtype=out_dtype)
-    interpret = jax.default_backend() != "gpu"
-    static = (float(eps), out_dtype, interpret, tuple(sorted(knobs.items())))
     return _kernel(x, scale, bias, static)
 
 
@@ -92,18 +90,17 @@ def add_layer_norm(x, r, scale, bias=None, *, row_mask=None, eps=1e-6, impl=None
         row_mask = (row_mask != 0).astype(jnp.int32)
     if r is None and row_mask is None:       # nothing to add or mask: s is x
         return x, layer_norm(x, scale, bias, eps=eps, impl=impl, out_dtype=out_dtype, **knobs)
-    out_dtype, knobs, impl = _setup(x, out_dtype, impl, knobs)
+    impl, out_dtype, static = _setup(x, out_dtype, impl, knobs, eps)
     if impl == "reference" or x.shape[0] == 0:
         return add_layer_norm_reference(x, r, scale, bias, row_mask=row_mask, eps=eps,
                                         out_dtype=out_dtype)
-    interpret = jax.default_backend() != "gpu"
-    static = (float(eps), out_dtype, interpret, tuple(sorted(knobs.items())))
     return _add_kernel(x, r, scale, bias, row_mask, static)
 
 
-def _setup(x, out_dtype, impl, knobs):
-    """(out_dtype, knobs, impl) checked, with impl None resolved; ValueError names the bad
-    one (the Pallas limits on D, T * D and x's dtype)."""
+def _setup(x, out_dtype, impl, knobs, eps):
+    """(impl, out_dtype, static) checked, with impl None resolved; static = the kernels'
+    (eps, out_dtype, interpret, knobs) (None for "reference"). ValueError names the bad
+    input (the Pallas limits on D, T * D and x's dtype)."""
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise ValueError(f"layer_norm: out_dtype must be floating point, got {out_dtype}")
@@ -112,7 +109,7 @@ def _setup(x, out_dtype, impl, knobs):
     if impl is None:
         impl = default_impl(d, x.dtype, rows=t)
     if impl == "reference":
-        return out_dtype, knobs, impl
+        return impl, out_dtype, None
     if d > MAX_DIM:
         raise ValueError(f"layer_norm(impl='pallas'): x's width D={d} is over MAX_DIM={MAX_DIM} "
                          "(one tile per row); use impl=None or 'reference'")
@@ -122,7 +119,8 @@ def _setup(x, out_dtype, impl, knobs):
     if jnp.dtype(x.dtype) not in _DTYPES:
         raise ValueError(f"layer_norm(impl='pallas'): x must be bfloat16, float16 or float32, "
                          f"got {x.dtype}")
-    return out_dtype, knobs, impl
+    interpret = jax.default_backend() != "gpu"
+    return impl, out_dtype, (float(eps), out_dtype, interpret, tuple(sorted(knobs.items())))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
