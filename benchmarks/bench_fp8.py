@@ -9,7 +9,8 @@
    dot_generals contracting x's last axis with a 2-D w's first, no batch axes), one row per
    distinct (M, K, N) with its count, the --max_shapes of most FLOPs; or --shapes
    MxKxN[:count],... as given. Each runs as BF16 (lax.dot_general, bf16 out), FP8
-   row-wise, per-tensor and K-blocked (fp8_dot), and as the FP8 GEMMs alone on operands
+   row-wise, per-tensor, K-blocked and row-wise with the forward's fast accumulation
+   (fp8_dot), and as the FP8 GEMMs alone (bf16 out) on operands
    quantized beforehand in the K-major layouts fp8_dot gives them, forward and
    forward+backward (y, dx, dw for a fixed dy): ms,
    TFLOP/s (2MKN forward, 6MKN forward + backward), speedup over BF16, max error relative
@@ -46,9 +47,10 @@ flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
 flags.DEFINE_string("out", "", "JSON output path")
 flags.DEFINE_list("variants", [], "FP8 variants of fp8_dot to time (default all: fp8_rowwise, "
-                  "fp8_tensor, fp8_blocked); bf16 and the FP8 GEMMs alone always run")
+                  "fp8_tensor, fp8_blocked, fp8_rowwise_fast); bf16 and the FP8 GEMMs alone "
+                  "always run")
 
-FP8_VARIANTS = ("fp8_rowwise", "fp8_tensor", "fp8_blocked")
+FP8_VARIANTS = ("fp8_rowwise", "fp8_tensor", "fp8_blocked", "fp8_rowwise_fast")
 _DOT = re.compile(r"stablehlo\.dot_general [^,]+, [^,]+, contracting_dims = \[(\d+)\] x \[0\], "
                   r"precision = [^:]*: \(tensor<([0-9x]+)x\w+>, tensor<(\d+)x(\d+)x\w+>\)")
 
@@ -120,9 +122,11 @@ def bench_gemm(m, k, n, iters, seed=0, fp8_variants=FP8_VARIANTS):
     dy = jax.random.normal(kd, (m, n), jnp.float32).astype(jnp.bfloat16)
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     scale = float(jnp.max(jnp.abs(ref)))
-    recipes = {"fp8_rowwise": "rowwise", "fp8_tensor": "tensor", "fp8_blocked": "blocked"}
+    recipes = {"fp8_rowwise": Recipe("rowwise"), "fp8_tensor": Recipe("tensor"),
+               "fp8_blocked": Recipe("blocked"),
+               "fp8_rowwise_fast": Recipe("rowwise", fast_accum="forward")}
     variants = {"bf16": lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())))}
-    variants.update({v: (lambda a, b, r=recipes[v]: fp8_dot(a, b, Recipe(r))) for v in fp8_variants})
+    variants.update({v: (lambda a, b, r=recipes[v]: fp8_dot(a, b, r)) for v in fp8_variants})
     res: dict = {}
     for name, f in variants.items():
         t0 = time.perf_counter()
@@ -146,13 +150,13 @@ def bench_gemm(m, k, n, iters, seed=0, fp8_variants=FP8_VARIANTS):
     # the FP8 GEMMs alone, on operands quantized beforehand (E4M3 x, w; E5M2 dy), each in
     # the K-major layout the GEMM takes (as fp8_dot quantizes them): forward qx [M, K] .
     # qw^T [N, K]; forward+backward also dgrad qdy [M, N] . qw [K, N] and wgrad
-    # qx^T [K, M] . qdy^T [N, M]; f32 out, precision HIGHEST as in fp8_dot
+    # qx^T [K, M] . qdy^T [N, M]; bf16 out and precision HIGHEST, as in fp8_dot's default
     e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
     q = (x.astype(e4), w.T.astype(e4), w.astype(e4), dy.astype(e5), x.T.astype(e4),
          dy.T.astype(e5))
     mm = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),           # noqa: E731
                                       precision=lax.Precision.HIGHEST,
-                                      preferred_element_type=jnp.float32)
+                                      preferred_element_type=jnp.bfloat16)
     g_f = jax.jit(mm).lower(*q[:2]).compile()
     g_fb = jax.jit(lambda qx, qwt, qw, qd, qxt, qdt: (mm(qx, qwt), mm(qd, qw), mm(qxt, qdt))
                    ).lower(*q).compile()
@@ -255,7 +259,7 @@ def main(argv):
         with open(f.out, "w") as fh:
             json.dump(res, fh, indent=1)
     short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked",
-             "fp8_gemm_only": "gemm"}
+             "fp8_rowwise_fast": "rowfast", "fp8_gemm_only": "gemm"}
     hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
     for v in fp8 + ("fp8_gemm_only",):
         hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"

@@ -139,6 +139,7 @@ class ModelConfig:
     fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales)
     fp8_grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
     wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
+    fp8_fast_accum: str = "none"     # "forward": the forward GEMMs in FP8 fast accumulation
     # --- the teacher's transformer FFN activation (pyramid and InterFormer Sequence Arch) ---
     # "gelu" (exact, erf), "gelu_tanh" (the tanh approximation: 12% less time than exact
     # GELU for a [659072, 512] -> 1024 -> 512 FFN's forward + backward on an H200, whose

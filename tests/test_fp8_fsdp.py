@@ -10,6 +10,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gemjax.precision.fsdp import all_gather_bytes, gather_dense, gather_fp8
 
+pytestmark = pytest.mark.skipif(jax.device_count() < 8,
+                                reason="needs 8 devices (the CPU suite simulates them)")
+
 # (shape, sharded dim): a Wukong MLP's weights, a square projection, a ragged-block one
 WEIGHTS = [((1024, 512), 0), ((512, 1536), 1), ((192, 136), 0)]
 

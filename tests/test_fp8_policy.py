@@ -52,9 +52,12 @@ def test_bad_names_rejected():
                               ("fp8_regions", "wukong+mlp", "model.fp8_regions: unknown names \\['mlp'\\]"),
                               ("fp8_exclude", "heads+first", "model.fp8_exclude"),
                               ("fp8_scaling", "mx", "model.fp8_scaling"),
-                              ("wgrad_dtype", "fp16", "model.wgrad_dtype")]:
+                              ("wgrad_dtype", "fp16", "model.wgrad_dtype"),
+                              ("fp8_fast_accum", "all", "model.fp8_fast_accum")]:
         with pytest.raises(ValueError, match=msg):
             Policy.from_model_config(dataclasses.replace(m, **{field: value}))
+    fast = dataclasses.replace(m, precision="fp8", fp8_fast_accum="forward")
+    assert Policy.from_model_config(fast).recipe.fast_accum == "forward"
 
 
 def test_bf16_leaves_the_model_untouched():

@@ -102,6 +102,9 @@ def test_round_trip_matches_float64_reference(layout, fmt, shape):
         np.testing.assert_array_equal(np.asarray(bs.scales, np.float64), want_s)
         got = np.asarray(jax.jit(dequantize)(bs), np.float64)
         np.testing.assert_array_equal(got, want)
+    # quantize and dequantize in one program: XLA:GPU must not fold the convert pair away
+    fused = jax.jit(lambda x: dequantize(quantize(x, layout, fmt)))(x)
+    np.testing.assert_array_equal(np.asarray(fused, np.float64), want)
     # Error bound: half a grid step at |x / s| (subnormal spacing at the bottom), times s.
     maxf, mant, emin, _ = REF_FMT[fmt]
     br, bc = layout.block

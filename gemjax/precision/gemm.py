@@ -3,16 +3,21 @@
     fp8_dot(x [..., K], w [K, N], recipe=Recipe()) -> y [..., N] (x's dtype)
 
 All three products of a linear layer run on float8 operands through `lax.dot_general`
-with preferred_element_type=float32 and precision HIGHEST (on Hopper XLA lowers this to a
-cuBLASLt FP8 GEMM; HIGHEST asks for its float32 accumulation, where DEFAULT lets cuBLASLt
-use the FP8 "fast accumulation" mode, whose dgrad and wgrad missed the float32-summation
-bound of the tests on an H200 by up to 30x):
+(on Hopper XLA lowers it to a cuBLASLt FP8 GEMM, or for small shapes a Triton GEMM):
 
     forward  y  = x  @ w      contraction K   x: E4M3, w: E4M3
     dgrad    dx = dy @ w^T    contraction N   dy: recipe.grad_fmt (E5M2), w: E4M3
     wgrad    dw = x^T @ dy    contraction M   x: E4M3, dy: grad_fmt; or, with
                                               recipe.wgrad="bf16" / "f32", an
                                               unquantized GEMM in that dtype
+
+Accumulation: precision HIGHEST, cuBLASLt's mode that moves the tensor cores' partial
+sums into float32 registers as K advances; recipe.fast_accum="forward" gives the forward
+precision DEFAULT, cuBLASLt's FP8 "fast accumulation", which keeps the whole sum in the
+tensor cores (faster; dgrad and wgrad stay HIGHEST, whose sums run over M or N).
+Hopper's FP8 tensor cores keep about 14 bits of a partial sum inside one MMA either way,
+so on the GPU the products match a float32 summation to about 2**-13 of |a| @ |b|, not
+2**-23.
 
 Each operand is quantized with scales constant along its GEMM's contraction axis, so the
 scales factor out of the sum and multiply the float32 product (M = prod(x.shape[:-1])):
@@ -43,9 +48,18 @@ transpose (where the product needs one: w^T in the forward, x^T and dy^T in the 
 taken on the 16 / 32-bit input inside the quantize pass, and every FP8 dot_general
 contracts the last axis of both operands.
 
-The GEMMs write float32, and the scales then multiply it. (A bfloat16 GEMM output, half
-the bytes for the rescale pass, gave forward products up to 40% off the reference on an
-H200 for bfloat16 operands, so it is not used.)
+Output: a product whose result is bfloat16 or float16 (x's dtype for y and dx, w's for
+dw) has its GEMM write that dtype and the scales multiply it in float32, rounding once
+more (two roundings, within 2**-8 relative); any other result dtype gets a float32 GEMM
+output. The rescale is an elementwise pass after the GEMM, which XLA may fuse into the
+product's consumer.
+
+The FP8 operands pass an optimization barrier into the GEMM, so they exist as FP8 arrays
+whatever XLA:GPU does to the dot: its simplify-fp-conversions pass folds any chain of float
+converts (float32 -> FP8 -> wider) into one convert, dropping the quantization. On an
+H200, without the barrier, fp8_dot's dgrad of dy [1, 17] @ w^T [17, 130] (E5M2 x E4M3)
+missed the dequantized product by up to 0.5% of |dy| @ |w|, while the same dot on FP8
+inputs made by a separate program matched it to float32; with the barrier it matches.
 
 Scales are float32 amax / max_finite (gemjax.precision.quantize, layout scale "f32"), so
 no finite value saturates. Under "rowwise" and "blocked" the residuals saved for the
@@ -59,7 +73,7 @@ non-finite input; every other output entry is finite and unaffected.
 
 `fp8_dot_reference` computes the same quantized product in float32 or float64 jnp
 (dequantize, then an exact-precision matmul): the FP8 GEMMs match it up to float32
-summation order.
+summation order (on the GPU, up to the MMA's partial-sum error above).
 """
 
 from __future__ import annotations
@@ -76,6 +90,7 @@ from gemjax.precision.quantize import finite_abs, quantize, saturate, to_format
 
 SCALINGS = ("rowwise", "tensor", "blocked")
 WGRADS = ("fp8", "bf16", "f32")
+FAST_ACCUMS = ("none", "forward")
 BLOCK = 128
 
 
@@ -88,11 +103,14 @@ class Recipe:
     grad_fmt: format of dy in dgrad and wgrad ("e5m2" or "e4m3").
     wgrad: "fp8" (quantized like the other products), "bf16" or "f32" (x^T @ dy unquantized,
       in that dtype, float32 accumulation).
+    fast_accum: "none" (every product at precision HIGHEST) or "forward" (the forward at
+      DEFAULT: cuBLASLt's FP8 fast accumulation; module docstring).
     """
     scaling: str = "rowwise"
     fwd_fmt: str = "e4m3"
     grad_fmt: str = "e5m2"
     wgrad: str = "fp8"
+    fast_accum: str = "none"
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -103,6 +121,9 @@ class Recipe:
                                  f"got {getattr(self, name)!r}")
         if self.wgrad not in WGRADS:
             raise ValueError(f"Recipe.wgrad must be one of {WGRADS}, got {self.wgrad!r}")
+        if self.fast_accum not in FAST_ACCUMS:
+            raise ValueError(f"Recipe.fast_accum must be one of {FAST_ACCUMS}, "
+                             f"got {self.fast_accum!r}")
 
 
 def _quant(t: jax.Array, block: tuple[int, int], fmt: str):
@@ -162,35 +183,46 @@ def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bo
     return (1, BLOCK), ((BLOCK, BLOCK) if b_weight else (BLOCK, 1))
 
 
-def _f8_dot(qa: jax.Array, qb: jax.Array) -> jax.Array:
-    """qa [M, K] . qb [N, K] over K (both K-major): float32 [M, N], float32 accumulation."""
-    return lax.dot_general(qa, qb, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+def _gemm_dtype(out) -> jnp.dtype:
+    """The dtype an FP8 GEMM writes for a product wanted in `out`: out when 16-bit, else
+    float32 (module docstring)."""
+    out = jnp.dtype(out)
+    return out if out in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
 
 
-def _f8_mm(qa, sa, qb, sb) -> jax.Array:
-    """_f8_dot(qa, qb) times the scalar scales sa * sb ([1, 1] each): float32 [M, N]."""
-    return _f8_dot(qa, qb) * (sa[0, 0] * sb[0, 0])
+def _f8_dot(qa: jax.Array, qb: jax.Array, out=jnp.float32, fast: bool = False) -> jax.Array:
+    """qa [M, K] . qb [N, K] over K (both K-major): [M, N] in _gemm_dtype(out); precision
+    DEFAULT when fast (FP8 fast accumulation), else HIGHEST (module docstring)."""
+    precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
+    qa, qb = lax.optimization_barrier((qa, qb))              # FP8 operands (module docstring)
+    return lax.dot_general(qa, qb, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=_gemm_dtype(out))
+
+
+def _f8_mm(qa, sa, qb, sb, out=jnp.float32, fast: bool = False) -> jax.Array:
+    """_f8_dot(qa, qb) times the scalar scales sa * sb ([1, 1] each): [M, N] in out."""
+    y = _f8_dot(qa, qb, out, fast).astype(jnp.float32) * (sa[0, 0] * sb[0, 0])
+    return y.astype(out)
 
 
 def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
-               b_weight: bool) -> jax.Array:
-    """a [M, K] @ b [K, N] -> float32 [M, N] with both operands quantized along K.
+               b_weight: bool, out=jnp.float32, fast: bool = False) -> jax.Array:
+    """a [M, K] @ b [K, N] -> [M, N] in `out` with both operands quantized along K.
 
     b_weight: b is a weight (128x128 blocks under "blocked"), else an activation-like
     operand (128x1 tiles). Under "rowwise" and "tensor" b is
     quantized as b^T [N, K] (K-major; module docstring): a caller passing b = t^T gets t's
-    own layout, with no transpose."""
+    own layout, with no transpose. fast: FP8 fast accumulation (precision DEFAULT)."""
     (m, k), n = a.shape, b.shape[1]
     blk_a, blk_b = _operand_blocks(m, k, n, scaling, b_weight)
     if scaling == "rowwise":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [M, 1]
         qbt, sb = _quant_t(b, blk_b, b_fmt)                  # qbt [N, K], sb [1, N]
-        return _f8_dot(qa, qbt) * sa * sb
+        return (_f8_dot(qa, qbt, out, fast).astype(jnp.float32) * sa * sb).astype(out)
     if scaling == "tensor":
         qa, sa = _quant(a, blk_a, a_fmt)                     # sa [1, 1]
         qbt, sb = _quant_t(b, blk_b, b_fmt)                  # sb [1, 1]
-        return _f8_mm(qa, sa, qbt, sb)
+        return _f8_mm(qa, sa, qbt, sb, out, fast)
     pad = -k % BLOCK
     if pad:                                                  # zeros change no amax
         a = jnp.pad(a, ((0, 0), (0, pad)))
@@ -200,12 +232,14 @@ def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
     qb, sb = _quant(b, blk_b, b_fmt)                         # sb [Kb, ceil(N/bc)]
     if sb.shape[1] != n:
         sb = jnp.repeat(sb, BLOCK, axis=1, total_repeat_length=sb.shape[1] * BLOCK)[:, :n]
+    qa, qb = lax.optimization_barrier((qa, qb))
     qa3 = qa.reshape(m, kb, BLOCK)
     qb3 = qb.reshape(kb, BLOCK, n)
     part = lax.dot_general(qa3, qb3, (((2,), (1,)), ((1,), (0,))),
-                           precision=lax.Precision.HIGHEST,
+                           precision=lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)       # [Kb, M, N]
-    return jnp.einsum("kmn,mk,kn->mn", part, sa, sb, precision=lax.Precision.HIGHEST)
+    y = jnp.einsum("kmn,mk,kn->mn", part, sa, sb, precision=lax.Precision.HIGHEST)
+    return y.astype(out)
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -221,22 +255,23 @@ def _check(x: jax.Array, w: jax.Array) -> None:
 
 
 def _forward(x, w, recipe: Recipe):
-    y = _scaled_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True)
-    return y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
+    y = _scaled_mm(_flat(x), w, recipe.fwd_fmt, recipe.fwd_fmt, recipe.scaling, True, x.dtype,
+                   recipe.fast_accum == "forward")
+    return y.reshape(x.shape[:-1] + (w.shape[1],))
 
 
-def _dgrad(dy2, w, recipe: Recipe):
-    """dy [M, N] @ w^T [N, K] -> float32 [M, K]."""
-    return _scaled_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True)
+def _dgrad(dy2, w, recipe: Recipe, out):
+    """dy [M, N] @ w^T [N, K] -> [M, K] in out."""
+    return _scaled_mm(dy2, w.T, recipe.grad_fmt, recipe.fwd_fmt, recipe.scaling, True, out)
 
 
-def _wgrad(x2, dy2, recipe: Recipe):
-    """x^T [K, M] @ dy [M, N] -> float32 [K, N]."""
+def _wgrad(x2, dy2, recipe: Recipe, out):
+    """x^T [K, M] @ dy [M, N] -> [K, N] in out."""
     if recipe.wgrad != "fp8":
         dt = jnp.bfloat16 if recipe.wgrad == "bf16" else jnp.float32
         return lax.dot_general(x2.astype(dt), dy2.astype(dt), (((0,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-    return _scaled_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False)
+                               preferred_element_type=jnp.float32).astype(out)
+    return _scaled_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -253,8 +288,8 @@ def _fp8_dot_fwd(x, w, recipe):
     x2 = _flat(x)
     qx, sx = _quant(x2, x2.shape, recipe.fwd_fmt)
     qwt, sw = _quant_t(w, w.shape, recipe.fwd_fmt)
-    y = _f8_mm(qx, sx, qwt, sw)
-    y = y.astype(x.dtype).reshape(x.shape[:-1] + (w.shape[1],))
+    y = _f8_mm(qx, sx, qwt, sw, x.dtype, recipe.fast_accum == "forward")
+    y = y.reshape(x.shape[:-1] + (w.shape[1],))
     if recipe.wgrad == "fp8":
         keep_x, qxt = None, _with_scale(x2.T, sx, recipe.fwd_fmt)
     else:
@@ -267,18 +302,17 @@ def _fp8_dot_bwd(recipe, res, dy):
     dy2 = _flat(dy)
     if recipe.scaling != "tensor":
         x, w = res
-        dx = _dgrad(dy2, w, recipe).astype(x.dtype).reshape(x.shape)
-        dw = _wgrad(_flat(x), dy2, recipe).astype(w.dtype)
-        return dx, dw
+        dx = _dgrad(dy2, w, recipe, x.dtype).reshape(x.shape)
+        return dx, _wgrad(_flat(x), dy2, recipe, w.dtype)
     qxt, sx, w, sw, x, x_like = res
     qdy, sdy = _quant(dy2, dy2.shape, recipe.grad_fmt)                  # [M, N]
-    dx = _f8_mm(qdy, sdy, _with_scale(w, sw, recipe.fwd_fmt), sw)
-    dx = dx.astype(x_like.dtype).reshape(x_like.shape[:-1] + (w.shape[0],))
+    dx = _f8_mm(qdy, sdy, _with_scale(w, sw, recipe.fwd_fmt), sw, x_like.dtype)
+    dx = dx.reshape(x_like.shape[:-1] + (w.shape[0],))
     if recipe.wgrad == "fp8":                                           # [K, M] . [N, M]
-        dw = _f8_mm(qxt, sx, _with_scale(dy2.T, sdy, recipe.grad_fmt), sdy)
+        dw = _f8_mm(qxt, sx, _with_scale(dy2.T, sdy, recipe.grad_fmt), sdy, w.dtype)
     else:
-        dw = _wgrad(_flat(x), dy2, recipe)
-    return dx, dw.astype(w.dtype)
+        dw = _wgrad(_flat(x), dy2, recipe, w.dtype)
+    return dx, dw
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -312,8 +346,8 @@ def fp8_grads_reference(x, w, dy, recipe: Recipe = Recipe(), dtype=jnp.float32):
         dw = _reference_mm(x2.T, dy2, recipe.fwd_fmt, recipe.grad_fmt, recipe.scaling, False, dtype)
     else:
         dt = jnp.bfloat16 if recipe.wgrad == "bf16" else jnp.float32
-        dw = jnp.matmul(x2.astype(dt).astype(dtype).T, dy2.astype(dt).astype(dtype),
-                        precision=lax.Precision.HIGHEST)
+        x2, dy2 = lax.optimization_barrier((x2.astype(dt), dy2.astype(dt)))   # see deq below
+        dw = jnp.matmul(x2.astype(dtype).T, dy2.astype(dtype), precision=lax.Precision.HIGHEST)
     return dx.reshape(x.shape), dw
 
 
@@ -326,7 +360,9 @@ def _reference_mm(a, b, a_fmt, b_fmt, scaling, b_weight, dtype):
         bs = quantize(t, Layout(block=blk, scale="f32"), FORMATS[fmt])
         s = jnp.repeat(jnp.repeat(bs.scales.astype(dtype), blk[0], axis=0)[:t.shape[0]],
                        blk[1], axis=1)[:, :t.shape[1]]
-        return bs.q.astype(dtype) * s
+        # the barrier keeps XLA:GPU from folding the convert pair float -> FP8 -> float
+        # into nothing (its simplify-fp-conversions pass), which would drop the quantization
+        return lax.optimization_barrier(bs.q).astype(dtype) * s
 
     return jnp.matmul(deq(a, blk_a, a_fmt), deq(b, blk_b, b_fmt), precision=lax.Precision.HIGHEST)
 

@@ -37,7 +37,7 @@ import dataclasses
 from flax import nnx
 from jax import lax
 
-from gemjax.precision.gemm import SCALINGS, WGRADS, Recipe, fp8_dot
+from gemjax.precision.gemm import FAST_ACCUMS, SCALINGS, WGRADS, Recipe, fp8_dot
 
 PRECISIONS = ("bf16", "fp8")
 REGIONS = ("heads", "router", "attn_proj", "wukong", "sequence", "interformer", "inputs", "other")
@@ -74,11 +74,14 @@ class Policy:
             raise ValueError(f"model.fp8_grad_fmt must be e4m3 or e5m2, got {m.fp8_grad_fmt!r}")
         if m.wgrad_dtype not in WGRADS:
             raise ValueError(f"model.wgrad_dtype must be one of {WGRADS}, got {m.wgrad_dtype!r}")
+        if m.fp8_fast_accum not in FAST_ACCUMS:
+            raise ValueError(f"model.fp8_fast_accum must be one of {FAST_ACCUMS}, "
+                             f"got {m.fp8_fast_accum!r}")
         return cls(precision=m.precision,
                    regions=_names(m.fp8_regions, REGIONS, "fp8_regions"),
                    exclude=_names(m.fp8_exclude, EXCLUDES, "fp8_exclude"),
                    recipe=Recipe(scaling=m.fp8_scaling, grad_fmt=m.fp8_grad_fmt,
-                                 wgrad=m.wgrad_dtype))
+                                 wgrad=m.wgrad_dtype, fast_accum=m.fp8_fast_accum))
 
     def is_fp8(self, region: str, last: bool) -> bool:
         return (self.precision == "fp8" and region in self.regions

@@ -193,6 +193,11 @@ def quantize(x: jax.Array, layout: Layout, fmt: Fp8Format | str = "e4m3",
 
 
 def dequantize(bs: BlockScaled, dtype=jnp.float32) -> jax.Array:
-    """q * scales, expanded over the blocks: -> `dtype` array of bs.shape."""
-    deq = bs.q.astype(jnp.float32) * expand_scales(bs.scales, bs.layout, bs.q.shape)
+    """q * scales, expanded over the blocks: -> `dtype` array of bs.shape.
+
+    q passes an optimization barrier first: in a program that also quantizes, XLA:GPU's
+    simplify-fp-conversions pass would otherwise fold the convert pair float -> FP8 ->
+    float32 into nothing and drop the quantization."""
+    q = jax.lax.optimization_barrier(bs.q)
+    deq = q.astype(jnp.float32) * expand_scales(bs.scales, bs.layout, bs.q.shape)
     return deq.astype(dtype)
