@@ -187,7 +187,7 @@ def _gemm_dtype(out) -> jnp.dtype:
     """The dtype an FP8 GEMM writes for a product wanted in `out`: out when 16-bit, else
     float32 (module docstring)."""
     out = jnp.dtype(out)
-    return out if out in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
+    return out if out.itemsize == 2 else jnp.dtype(jnp.float32)
 
 
 def _f8_dot(qa: jax.Array, qb: jax.Array, out=jnp.float32, fast: bool = False) -> jax.Array:
