@@ -9,7 +9,7 @@ most |A| @ eB + eA @ |B| + eA @ eB for the element bounds eA, eB.
 
 Summation: float32, (K + 8) 2**-23 |A| @ |B|; on the GPU plus 2**-11 |A| @ |B| for the
 FP8 tensor cores, which keep about 14 bits of a partial sum inside one MMA (measured on an
-H200: at most 1.2e-4 |A| @ |B| at precision HIGHEST, 6e-4 under fast accumulation, for K
+H200: at most 1.2e-4 |A| @ |B| at precision HIGHEST, 5e-4 under fast accumulation, for K
 from 32 to 8192, not growing with K).
 """
 
