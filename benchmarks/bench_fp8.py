@@ -20,9 +20,10 @@
    batches, device only) with --override, then with --override plus --fp8_override
    (default model.precision=fp8).
 
---variants times a subset of the fp8_dot variants (each variant's line is printed as it
-is timed, so a run cut short still reports). Prints the table last and writes every
-figure as JSON to --out. --smoke: the tiny preset's
+--variants times a subset of the fp8_dot variants; --nogemms times the two train steps
+only. Each variant's line and each step's line is printed as it is timed, and --out (JSON,
+every figure) is rewritten after each, so a run cut short still reports. Prints the table
+last. --smoke: the tiny preset's
 teacher, 2 shapes (or --max_shapes), 1 timed iteration (a CPU check of the script, not a
 measurement).
 """
@@ -44,6 +45,7 @@ flags.DEFINE_integer("max_shapes", 6, "keep the N shapes of most FLOPs (count x 
                      "--smoke: 2 unless given)")
 flags.DEFINE_string("shapes", "", "MxKxN[:count],... to time instead of the config's shapes")
 flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
+flags.DEFINE_bool("gemms", True, "time the GEMMs (--nogemms: the train steps only)")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
 flags.DEFINE_string("out", "", "JSON output path")
 flags.DEFINE_list("variants", [], "FP8 variants of fp8_dot to time (default all: fp8_rowwise, "
@@ -219,13 +221,23 @@ def main(argv):
     bad = sorted(set(f.variants) - set(FP8_VARIANTS))
     if bad:
         raise app.UsageError(f"--variants: unknown {bad} (have {', '.join(FP8_VARIANTS)})")
+    if not f.gemms and not f.step:
+        raise app.UsageError("--nogemms with --nostep leaves nothing to time")
     fp8 = tuple(v for v in FP8_VARIANTS if not f.variants or v in f.variants)
     if f.smoke:
         config, iters = "tiny", 1
     cfg = get_config(config, override)
     res = {"config": config, "override": override, "fp8_override": f.fp8_override,
            "device_kind": jax.devices()[0].device_kind, "gemms": [], "step": {}}
-    if f.shapes:
+
+    def dump():
+        if f.out:
+            with open(f.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+
+    if not f.gemms:
+        shapes = {}
+    elif f.shapes:
         shapes = {}
         for item in f.shapes.split(","):
             dims, _, count = item.partition(":")
@@ -245,38 +257,40 @@ def main(argv):
         print(f"gemm {m}x{k}x{n} (x{count}): " + ", ".join(
             f"{v} {r[v]['fwd_ms']:.3f}/{r[v]['fwdbwd_ms']:.3f} ms {r[v]['custom_calls']} "
             f"{r[v]['fusions']} fusions" for v in r), flush=True)
+        dump()
     if f.step:
-        res["step"]["bf16"], _ = bench_step(cfg, iters, f.batches)
-        bf16_step = res["step"]["bf16"]
-        fp8_cfg = get_config(config, _join(override, f.fp8_override))
-        res["step"]["fp8"], _ = bench_step(fp8_cfg, iters, f.batches)
-        res["step"]["speedup"] = bf16_step["step_ms"] / res["step"]["fp8"]["step_ms"]
+        for name, ov in (("bf16", override), ("fp8", _join(override, f.fp8_override))):
+            res["step"][name], _ = bench_step(get_config(config, ov), iters, f.batches)
+            st = res["step"][name]
+            print(f"step {name}: {st['step_ms']:.2f} ms (compiled in {st['compile_s']:.1f} s, "
+                  f"loss {st['loss']:.4f})", flush=True)
+            dump()
+        res["step"]["speedup"] = res["step"]["bf16"]["step_ms"] / res["step"]["fp8"]["step_ms"]
     # totals over the shapes, weighted by their counts
     tot = {v: {p: sum(g["count"] * g[v][f"{p}_ms"] for g in res["gemms"]) for p in ("fwd", "fwdbwd")}
            for v in ("bf16",) + fp8 + ("fp8_gemm_only",)}
     res["gemm_totals_ms"] = tot
-    if f.out:
-        with open(f.out, "w") as fh:
-            json.dump(res, fh, indent=1)
-    short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked",
-             "fp8_rowwise_fast": "rowfast", "fp8_gemm_only": "gemm"}
-    hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
-    for v in fp8 + ("fp8_gemm_only",):
-        hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"
-    print(hdr)
-    for g in res["gemms"]:
-        b = g["bf16"]
-        line = (f"{g['m']:>8} {g['k']:>5} {g['n']:>5} {g['count']:>3} | "
-                f"{b['fwd_ms']:>8.3f}/{b['fwdbwd_ms']:<8.3f} {b['rel_err']:>7.1e}")
+    dump()
+    if res["gemms"]:
+        short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked",
+                 "fp8_rowwise_fast": "rowfast", "fp8_gemm_only": "gemm"}
+        hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
         for v in fp8 + ("fp8_gemm_only",):
-            r = g[v]
-            line += (f" | {r['fwd_ms']:>8.3f}/{r['fwdbwd_ms']:<8.3f} {r['fwd_speedup']:>5.2f} "
-                     f"{r['fwdbwd_speedup']:>5.2f} {r['rel_err']:>7.1e}")
-        print(line)
-    for v, t in tot.items():
-        print(f"total {v:<12} fwd {t['fwd']:.3f} ms  fwd+bwd {t['fwdbwd']:.3f} ms  "
-              f"(x{tot['bf16']['fwd'] / max(t['fwd'], 1e-12):.2f} / "
-              f"x{tot['bf16']['fwdbwd'] / max(t['fwdbwd'], 1e-12):.2f} vs bf16)")
+            hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"
+        print(hdr)
+        for g in res["gemms"]:
+            b = g["bf16"]
+            line = (f"{g['m']:>8} {g['k']:>5} {g['n']:>5} {g['count']:>3} | "
+                    f"{b['fwd_ms']:>8.3f}/{b['fwdbwd_ms']:<8.3f} {b['rel_err']:>7.1e}")
+            for v in fp8 + ("fp8_gemm_only",):
+                r = g[v]
+                line += (f" | {r['fwd_ms']:>8.3f}/{r['fwdbwd_ms']:<8.3f} {r['fwd_speedup']:>5.2f} "
+                         f"{r['fwdbwd_speedup']:>5.2f} {r['rel_err']:>7.1e}")
+            print(line)
+        for v, t in tot.items():
+            print(f"total {v:<12} fwd {t['fwd']:.3f} ms  fwd+bwd {t['fwdbwd']:.3f} ms  "
+                  f"(x{tot['bf16']['fwd'] / max(t['fwd'], 1e-12):.2f} / "
+                  f"x{tot['bf16']['fwdbwd'] / max(t['fwdbwd'], 1e-12):.2f} vs bf16)")
     if f.step:
         s = res["step"]
         print(f"train step: bf16 {s['bf16']['step_ms']:.2f} ms  fp8 {s['fp8']['step_ms']:.2f} ms  "

@@ -70,3 +70,26 @@ def test_unknown_variant_is_named():
                         "--variants=fp8_rowwise,fp8_bogus"], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
     assert r.returncode != 0 and "--variants: unknown ['fp8_bogus']" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--nostep", "--nogemms"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+    assert r.returncode != 0 and "leaves nothing to time" in r.stderr
+
+
+def test_steps_only_each_printed_and_saved_as_timed(tmp_path):
+    """--nogemms: the BF16 and FP8 train steps alone; each step's line comes as it is
+    timed, the JSON holds both and their ratio."""
+    out = tmp_path / "fp8.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--smoke", "--nogemms",
+                        f"--override={smoke_teacher_override()}", f"--out={out}"],
+                       capture_output=True, text=True, timeout=600,
+                       env=with_suite_cache(dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(out))
+    assert res["gemms"] == [] and res["all_shapes"] == []
+    st = res["step"]
+    assert st["bf16"]["step_ms"] > 0 and st["fp8"]["step_ms"] > 0
+    np.testing.assert_allclose(st["speedup"], st["bf16"]["step_ms"] / st["fp8"]["step_ms"])
+    lines = [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith(("step ", "train "))]
+    assert lines == ["step bf16", "step fp8", "train step"]
+    assert not any(ln.startswith("total ") for ln in r.stdout.splitlines())
