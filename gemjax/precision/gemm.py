@@ -190,13 +190,18 @@ def _gemm_dtype(out) -> jnp.dtype:
     return out if out.itemsize == 2 else jnp.dtype(jnp.float32)
 
 
-def _f8_dot(qa: jax.Array, qb: jax.Array, out=jnp.float32, fast: bool = False) -> jax.Array:
-    """qa [M, K] . qb [N, K] over K (both K-major): [M, N] in _gemm_dtype(out); precision
-    DEFAULT when fast (FP8 fast accumulation), else HIGHEST (module docstring)."""
+def _fp8_gemm(qa: jax.Array, qb: jax.Array, dims, out, fast: bool) -> jax.Array:
+    """lax.dot_general(qa, qb, dims) on FP8 operands, written in `out`: the operands behind
+    an optimization barrier, precision DEFAULT when fast (FP8 fast accumulation), else
+    HIGHEST (module docstring). Every FP8 GEMM of this module goes through here."""
+    qa, qb = lax.optimization_barrier((qa, qb))
     precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
-    qa, qb = lax.optimization_barrier((qa, qb))              # FP8 operands (module docstring)
-    return lax.dot_general(qa, qb, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=_gemm_dtype(out))
+    return lax.dot_general(qa, qb, dims, precision=precision, preferred_element_type=out)
+
+
+def _f8_dot(qa: jax.Array, qb: jax.Array, out=jnp.float32, fast: bool = False) -> jax.Array:
+    """qa [M, K] . qb [N, K] over K (both K-major): [M, N] in _gemm_dtype(out)."""
+    return _fp8_gemm(qa, qb, (((1,), (1,)), ((), ())), _gemm_dtype(out), fast)
 
 
 def _f8_mm(qa, sa, qb, sb, out=jnp.float32, fast: bool = False) -> jax.Array:
@@ -232,12 +237,8 @@ def _scaled_mm(a: jax.Array, b: jax.Array, a_fmt: str, b_fmt: str, scaling: str,
     qb, sb = _quant(b, blk_b, b_fmt)                         # sb [Kb, ceil(N/bc)]
     if sb.shape[1] != n:
         sb = jnp.repeat(sb, BLOCK, axis=1, total_repeat_length=sb.shape[1] * BLOCK)[:, :n]
-    qa, qb = lax.optimization_barrier((qa, qb))
-    qa3 = qa.reshape(m, kb, BLOCK)
-    qb3 = qb.reshape(kb, BLOCK, n)
-    part = lax.dot_general(qa3, qb3, (((2,), (1,)), ((1,), (0,))),
-                           precision=lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)       # [Kb, M, N]
+    part = _fp8_gemm(qa.reshape(m, kb, BLOCK), qb.reshape(kb, BLOCK, n),
+                     (((2,), (1,)), ((1,), (0,))), jnp.float32, fast)     # [Kb, M, N]
     y = jnp.einsum("kmn,mk,kn->mn", part, sa, sb, precision=lax.Precision.HIGHEST)
     return y.astype(out)
 
