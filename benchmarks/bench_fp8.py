@@ -48,6 +48,9 @@ flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
 flags.DEFINE_bool("gemms", True, "time the GEMMs (--nogemms: the train steps only)")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
 flags.DEFINE_string("out", "", "JSON output path")
+flags.DEFINE_string("compile_cache", "", "persistent compilation cache directory (gemjax.train."
+                    "runtime; '' off): a rerun loads the compiled steps, and on GPU XLA's "
+                    "autotuning, instead of redoing them (compile_s is then the load time)")
 flags.DEFINE_list("variants", [], "FP8 variants of fp8_dot to time (default all: fp8_rowwise, "
                   "fp8_tensor, fp8_blocked, fp8_rowwise_fast); bf16 and the FP8 GEMMs alone "
                   "always run")
@@ -213,6 +216,11 @@ def main(argv):
     from gemjax.train import runtime
     runtime.enable_gpu_graphs()
     import jax
+
+    try:
+        runtime.enable_compile_cache(flags.FLAGS.compile_cache)
+    except ValueError as e:
+        raise app.UsageError(f"--compile_cache: {e}")
 
     from gemjax.config import get_config
 

@@ -69,10 +69,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 
 from absl import app, flags, logging
+
+from gemjax.train.runtime import DEFAULT_COMPILE_CACHE  # no jax import
 
 ROWS = {"none": "", "kd": "kd", "kd+adapter": "kd,adapter", "+repr": "kd,adapter,repr",
         "+share": "kd,adapter,share", "all": "kd,adapter,repr,share"}
@@ -136,7 +137,7 @@ def define_flags():
                       "(gemjax.train.online.online_trainer: recent windows weigh as much as old ones)")
     flags.DEFINE_string("frappe_dir", "/tmp/gemjax-data/frappe", "converted Frappe")
     flags.DEFINE_integer("latency_batch", 512, "batch of the CPU latency figure (0: skip)")
-    flags.DEFINE_string("compile_cache", os.path.join(tempfile.gettempdir(), "gemjax-jax-cache"),
+    flags.DEFINE_string("compile_cache", DEFAULT_COMPILE_CACHE,
                         "persistent jax compilation cache ('': none); seeds share programs")
 
 
@@ -375,9 +376,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)      # orbax's per-checkpoint info lines
     import jax
     import numpy as np
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from gemjax.train import runtime
+    try:
+        runtime.enable_compile_cache(args.compile_cache, min_compile_s=0.5, log=lambda s: None)
+    except ValueError as e:
+        raise app.UsageError(f"--compile_cache: {e}")
     from gemjax.distill.transfer import Teacher, evaluate
     from gemjax.train.step import default_mesh
     if args.dataset == "frappe" and not os.path.exists(os.path.join(args.frappe_dir, "schema.json")):

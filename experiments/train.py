@@ -40,6 +40,10 @@ all three next to the Bayes-optimal NE.
 TensorBoard: the metrics rows also go to WORKDIR/tensorboard (train.tensorboard,
 on by default). --profile_steps=A:B writes a jax.profiler trace of steps A..B-1
 (0-based) to WORKDIR/profile, for xprof or TensorBoard's profile tab.
+
+Compiled programs go to a persistent cache (--compile_cache, default
+$JAX_COMPILATION_CACHE_DIR or TMPDIR/gemjax-jax-cache; '' off): a rerun or a resume of the
+same configuration loads its step instead of compiling it again.
 """
 
 from __future__ import annotations
@@ -82,6 +86,10 @@ flags.DEFINE_enum("mode", "train", ["train", "eval"], "train, or eval: evaluate 
 flags.DEFINE_integer("checkpoint_step", None, "--mode=eval: the checkpoint step to evaluate (default: newest)")
 flags.DEFINE_string("features", "", "JSON file of the feature schema (FeatureSchema.to_dict's form): "
                     "the columns of data.source=parquet files")
+flags.DEFINE_string("compile_cache", None, "directory of the persistent compilation cache: a rerun "
+                    "or resume loads its compiled step, on GPU with XLA's autotuning results "
+                    "(gemjax.train.runtime; default $JAX_COMPILATION_CACHE_DIR, else "
+                    "TMPDIR/gemjax-jax-cache; '' turns it off)")
 flags.DEFINE_string("override", "", "comma-separated section.field=value (tuples as 64:64), "
                     "e.g. model.dim=32,data.seq_median=64")
 
@@ -168,6 +176,11 @@ def main(argv):
         raise app.UsageError(str(e))
     import jax
     print(f"[gemjax] {multihost.describe()}", flush=True)   # every process: the job's layout
+    cache = f.compile_cache if f.compile_cache is not None else runtime.default_compile_cache()
+    try:   # before the first compile (runtime: compiled programs reused across runs)
+        runtime.enable_compile_cache(cache, log=print if jax.process_index() == 0 else (lambda s: None))
+    except ValueError as e:
+        raise app.UsageError(f"--compile_cache: {e}")
 
     from gemjax.train import layout
     from gemjax.train.loop import train
