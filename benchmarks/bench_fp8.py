@@ -185,6 +185,7 @@ def bench_step(cfg, iters, n_batches):
 
     from gemjax.data.feeding import Feeder
     from gemjax.data.synthetic import SyntheticStream
+    from gemjax.train import tracking
     from gemjax.train.step import Trainer
 
     trainer = Trainer.create(cfg)
@@ -193,7 +194,8 @@ def bench_step(cfg, iters, n_batches):
     batches = [feeder.to_device(feeder.host_batch(i)[0]) for i in range(n_batches)]
     step = trainer.make_train_step()
     t0 = time.perf_counter()
-    step.lower(state, batches[0]).compile()
+    with tracking.Heartbeat("compiling the train step", 60):
+        step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
     nb = len(batches)
     for i in range(nb):

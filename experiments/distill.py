@@ -73,7 +73,7 @@ import time
 
 from absl import app, flags, logging
 
-from gemjax.train.runtime import DEFAULT_COMPILE_CACHE  # no jax import
+from gemjax.train.runtime import default_compile_cache  # no jax import
 
 ROWS = {"none": "", "kd": "kd", "kd+adapter": "kd,adapter", "+repr": "kd,adapter,repr",
         "+share": "kd,adapter,share", "all": "kd,adapter,repr,share"}
@@ -137,8 +137,9 @@ def define_flags():
                       "(gemjax.train.online.online_trainer: recent windows weigh as much as old ones)")
     flags.DEFINE_string("frappe_dir", "/tmp/gemjax-data/frappe", "converted Frappe")
     flags.DEFINE_integer("latency_batch", 512, "batch of the CPU latency figure (0: skip)")
-    flags.DEFINE_string("compile_cache", DEFAULT_COMPILE_CACHE,
-                        "persistent jax compilation cache ('': none); seeds share programs")
+    flags.DEFINE_string("compile_cache", default_compile_cache(),
+                        "persistent jax compilation cache (default $JAX_COMPILATION_CACHE_DIR, else "
+                        "TMPDIR/gemjax-jax-cache; '': none); seeds share programs")
 
 
 def base_config(dataset: str, frappe_dir: str, data_overrides: str):

@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import jax
 import jaxlib
@@ -293,3 +294,31 @@ def test_pauses_begin_once_the_dispatched_steps_are_done(monkeypatch, tmp_path):
     with tracking.idle_pause(paused, State()):
         events.append("save")
     assert events == ["ready", "pause", "save", "resume"]
+
+
+def test_heartbeat_logs_while_its_block_runs_and_stops_after():
+    lines = []
+    t0 = time.perf_counter()
+    with tracking.Heartbeat("the thing", 0.05, lines.append):
+        time.sleep(0.32)
+    n = len(lines)
+    assert 1 <= n <= (time.perf_counter() - t0) / 0.05 + 1, lines
+    assert all(line.startswith("[gemjax] the thing: ") and line.endswith(" s so far") for line in lines)
+    time.sleep(0.15)
+    assert len(lines) == n                        # the thread ended with the block
+    quick, off = [], []
+    with tracking.Heartbeat("quick", 5.0, quick.append):
+        pass
+    with tracking.Heartbeat("off", 0, off.append):
+        time.sleep(0.1)
+    assert quick == [] and off == []
+
+
+def test_the_first_step_of_a_run_has_a_heartbeat(tmp_path, monkeypatch):
+    from gemjax.train import loop
+    monkeypatch.setattr(loop, "COMPILE_HEARTBEAT_S", 0.02)   # the first step traces for longer
+    lines = []
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    train(TINY, str(tmp_path / "run"), log=lines.append, mesh=mesh, stop_after=2)
+    beats = [line for line in lines if line.startswith("[gemjax] the first step (compiling): ")]
+    assert beats, lines

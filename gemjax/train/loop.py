@@ -34,6 +34,7 @@ those run while that checkpoint was written in the background.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -61,6 +62,10 @@ from gemjax.train.retrieval import RetrievalEvaluator, RetrievalTrainer, is_retr
 from gemjax.train.step import Trainer
 from gemjax.train.throughput import Throughput, progress_line
 from gemjax.train import tracking
+
+# while the first step of a run (its compile: minutes for a large FP8 step) has not returned,
+# a line every this many seconds says so (tracking.Heartbeat)
+COMPILE_HEARTBEAT_S = 60.0
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -272,7 +277,9 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
             raise Interrupted(stop.signum, None, f"stopped by {stop.name()} before the first "
                               f"step: nothing new to save (checkpoint step {start or 'none'})")
         for (step, batch, infos, tokens), nxt in _with_next(waits.timed(feeder.batches(start, end))):
-            state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
+            with (tracking.Heartbeat("the first step (compiling)", COMPILE_HEARTBEAT_S, log)
+                  if step == start else contextlib.nullcontext()):
+                state, m = train_step(state, batch, next_batch=nxt)   # nxt: see PlannedStep
             window.add(m, tokens, infos, steps=k)
             for s in range(step, step + k):
                 loads.step_done(s)

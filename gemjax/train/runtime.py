@@ -31,7 +31,7 @@ Autotuning dominates large GPU compiles: gem1b's FP8 step had not finished compi
 400 s on one H200 (about 3,600 candidate kernels compiled in its first 3 minutes), its BF16
 step compiles in 68 s. experiments/train.py and experiments/distill.py turn it on
 (--compile_cache; default $JAX_COMPILATION_CACHE_DIR, else DEFAULT_COMPILE_CACHE); programs
-that compile in under min_compile_s are not stored.
+that compile in under min_compile_s (JAX's default: 1 s) are not stored.
 """
 
 from __future__ import annotations
@@ -159,11 +159,13 @@ def default_compile_cache() -> str:
     return os.environ.get(ENV_COMPILE_CACHE, "").strip() or DEFAULT_COMPILE_CACHE
 
 
-def enable_compile_cache(path: str, min_compile_s: float = 1.0,
+def enable_compile_cache(path: str, min_compile_s: float | None = None,
                          log: Callable[[str], None] = print) -> str:
     """Store and load compiled programs in directory `path` (module docstring); '' leaves
-    the cache as it is. Creates `path`; ValueError naming it when it cannot be written.
-    Returns the directory in use ('' when none). Call before the programs compile."""
+    the cache as it is. min_compile_s: programs compiling faster are not stored (None: JAX's
+    setting, $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS or 1 s). Creates `path`; ValueError
+    naming it when it cannot be written. Returns the directory in use ('' when none). Call
+    before the programs compile."""
     if not path:
         return ""
     import jax
@@ -178,6 +180,8 @@ def enable_compile_cache(path: str, min_compile_s: float = 1.0,
         from jax.experimental.compilation_cache import compilation_cache
         compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
-    log(f"[gemjax] compilation cache: {path} (programs compiling in >= {min_compile_s:g} s)")
+    if min_compile_s is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
+    log(f"[gemjax] compilation cache: {path} (programs compiling in >= "
+        f"{jax.config.jax_persistent_cache_min_compile_time_secs:g} s)")
     return path

@@ -4,6 +4,8 @@
     runlog.append({"step": 10, "kind": "train", "loss": 0.52, "ne": 0.91})
     facts = run_facts(mesh)        # devices, mesh, versions, git revision
     timer = CompileTimer()         # seconds JAX spends tracing and compiling from here on
+    with Heartbeat("the first step (compiling)", 60):   # a line a minute while it lasts
+        state, m = train_step(state, batch)
     window = ProfileWindow((5, 8), os.path.join(workdir, "profile"), start, end)  # steps 5..7
 
 `RunLog` owns WORKDIR/metrics.jsonl (one JSON object per row, appended) and, when
@@ -36,6 +38,7 @@ import math
 import os
 import platform
 import subprocess
+import threading
 import time
 import weakref
 from typing import Callable
@@ -149,6 +152,34 @@ class CompileTimer:
     def stop(self) -> float:
         self._finalize()
         return self._total[0]
+
+
+class Heartbeat:
+    """A context manager that logs "[gemjax] <what>: N s so far" every `every` seconds while
+    its block runs (from a daemon thread), so a long silent call (a train step compiling for
+    minutes) shows it is alive. Nothing is logged for a block shorter than `every`; every
+    <= 0 logs nothing."""
+
+    def __init__(self, what: str, every: float, log: Callable[[str], None] = print):
+        self.what, self.every, self.log = what, every, log
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _beat(self, t0: float) -> None:
+        while not self._done.wait(self.every):
+            self.log(f"[gemjax] {self.what}: {time.perf_counter() - t0:.0f} s so far")
+
+    def __enter__(self) -> Heartbeat:
+        if self.every > 0:
+            self._thread = threading.Thread(target=self._beat, args=(time.perf_counter(),),
+                                            name="gemjax-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _unregister(listener) -> None:
