@@ -26,20 +26,27 @@ def restore_cache():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
 
 
-def _count_hits():
-    hits = []
-    jax.monitoring.register_event_listener(lambda e, **_: hits.append(e) if e == HITS else None)
-    return hits
+@pytest.fixture
+def hits():
+    """The cache-hit events JAX records during the test (the listener removed after)."""
+    seen = []
+
+    def listener(event, **_):
+        if event == HITS:
+            seen.append(event)
+
+    jax.monitoring.register_event_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_listener(listener)
 
 
 def _program(x):
     return jnp.sin(x) @ jnp.cos(x).T + 3.25
 
 
-def test_second_compile_loads_the_stored_program(tmp_path, restore_cache):
+def test_second_compile_loads_the_stored_program(tmp_path, restore_cache, hits):
     path = runtime.enable_compile_cache(str(tmp_path / "cache"), min_compile_s=0, log=lambda s: None)
     assert path == str(tmp_path / "cache")
-    hits = _count_hits()
     x = jnp.arange(12.0).reshape(3, 4)
     want = jax.jit(_program)(x)
     stored = [f for f in os.listdir(path) if f.endswith("-cache")]
