@@ -17,8 +17,13 @@
    to max |y| of the float32 product, and the compiled program's custom calls (cuBLASLt
    FP8 or not) and fusion count.
 2. Step (unless --nostep): the whole jitted train step (bench_step's timing: fixed
-   batches, device only) with --override, then with --override plus --fp8_override
-   (default model.precision=fp8).
+   batches, device only) with --override, then with --override plus each --fp8_override
+   (default model.precision=fp8; the flag repeated times several FP8 variants: the first
+   is the JSON's step "fp8", every one is in its "fp8_variants" with its speedup).
+
+On GPU both precisions run with XLA's Triton GEMM fusions off (every GEMM on cuBLAS /
+cuBLASLt, gemjax.train.runtime.FP8_GEMM_FLAGS, as the train runs' FP8 steps; --triton_gemm
+keeps them).
 
 --variants times a subset of the fp8_dot variants; --nogemms times the two train steps
 only. Each variant's line and each step's line is printed as it is timed, and --out (JSON,
@@ -38,7 +43,10 @@ from absl import app, flags
 
 flags.DEFINE_string("config", "h200", "preset")
 flags.DEFINE_string("override", "model.kind=teacher", "section.field=value,... (both runs)")
-flags.DEFINE_string("fp8_override", "model.precision=fp8", "added to --override for the FP8 step")
+flags.DEFINE_multi_string("fp8_override", ["model.precision=fp8"],
+                          "added to --override for an FP8 step; repeat the flag to time several "
+                          "(e.g. --fp8_override=model.precision=fp8 "
+                          "--fp8_override=model.precision=fp8,model.wgrad_dtype=bf16)")
 flags.DEFINE_integer("iters", 20, "timed calls per GEMM / steps per train step")
 flags.DEFINE_integer("batches", 3, "distinct batches cycled through in the step timing")
 flags.DEFINE_integer("max_shapes", 6, "keep the N shapes of most FLOPs (count x 2MKN; 0: all; "
@@ -46,6 +54,9 @@ flags.DEFINE_integer("max_shapes", 6, "keep the N shapes of most FLOPs (count x 
 flags.DEFINE_string("shapes", "", "MxKxN[:count],... to time instead of the config's shapes")
 flags.DEFINE_bool("step", True, "also time the whole train step BF16 vs FP8")
 flags.DEFINE_bool("gemms", True, "time the GEMMs (--nogemms: the train steps only)")
+flags.DEFINE_bool("triton_gemm", False, "keep XLA's Triton GEMM fusions (default: the FP8 runs' "
+                  "cuBLAS-only GEMMs, gemjax.train.runtime.FP8_GEMM_FLAGS, for both precisions; "
+                  "with Triton, gem1b's FP8 step compiles for over 10 minutes)")
 flags.DEFINE_bool("smoke", False, "tiny shapes, 1 iteration: a CPU check of the script")
 flags.DEFINE_string("out", "", "JSON output path")
 flags.DEFINE_string("compile_cache", "", "persistent compilation cache directory (gemjax.train."
@@ -217,6 +228,8 @@ def main(argv):
     del argv
     from gemjax.train import runtime
     runtime.enable_gpu_graphs()
+    if not flags.FLAGS.triton_gemm:   # both steps and every GEMM: the FP8 runs' flags (runtime)
+        runtime.enable_fp8_gemm_flags("fp8")
     import jax
 
     try:
@@ -269,13 +282,23 @@ def main(argv):
             f"{r[v]['fusions']} fusions" for v in r), flush=True)
         dump()
     if f.step:
-        for name, ov in (("bf16", override), ("fp8", _join(override, f.fp8_override))):
-            res["step"][name], _ = bench_step(get_config(config, ov), iters, f.batches)
-            st = res["step"][name]
-            print(f"step {name}: {st['step_ms']:.2f} ms (compiled in {st['compile_s']:.1f} s, "
+        runs = [("bf16", "", override)] + [("fp8", fo, _join(override, fo)) for fo in f.fp8_override]
+        res["step"]["fp8_variants"] = []
+        for name, fo, ov in runs:
+            st, _ = bench_step(get_config(config, ov), iters, f.batches)
+            label = name if len(runs) == 2 or name == "bf16" else f"fp8 [{fo}]"
+            print(f"step {label}: {st['step_ms']:.2f} ms (compiled in {st['compile_s']:.1f} s, "
                   f"loss {st['loss']:.4f})", flush=True)
+            if name == "bf16":
+                res["step"]["bf16"] = st
+            else:
+                st = {"fp8_override": fo, **st,
+                      "speedup": res["step"]["bf16"]["step_ms"] / st["step_ms"]}
+                res["step"]["fp8_variants"].append(st)
+                if len(res["step"]["fp8_variants"]) == 1:
+                    res["step"]["fp8"] = st
+                    res["step"]["speedup"] = st["speedup"]
             dump()
-        res["step"]["speedup"] = res["step"]["bf16"]["step_ms"] / res["step"]["fp8"]["step_ms"]
     # totals over the shapes, weighted by their counts
     tot = {v: {p: sum(g["count"] * g[v][f"{p}_ms"] for g in res["gemms"]) for p in ("fwd", "fwdbwd")}
            for v in ("bf16",) + fp8 + ("fp8_gemm_only",)}
@@ -303,8 +326,10 @@ def main(argv):
                   f"x{tot['bf16']['fwdbwd'] / max(t['fwdbwd'], 1e-12):.2f} vs bf16)")
     if f.step:
         s = res["step"]
-        print(f"train step: bf16 {s['bf16']['step_ms']:.2f} ms  fp8 {s['fp8']['step_ms']:.2f} ms  "
-              f"speedup x{s['speedup']:.3f}  (loss {s['bf16']['loss']:.4f} / {s['fp8']['loss']:.4f})")
+        for v in s["fp8_variants"]:
+            tag = "" if len(s["fp8_variants"]) == 1 else f" [{v['fp8_override']}]"
+            print(f"train step: bf16 {s['bf16']['step_ms']:.2f} ms  fp8{tag} {v['step_ms']:.2f} ms  "
+                  f"speedup x{v['speedup']:.3f}  (loss {s['bf16']['loss']:.4f} / {v['loss']:.4f})")
 
 
 if __name__ == "__main__":

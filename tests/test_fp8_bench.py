@@ -78,10 +78,13 @@ def test_unknown_variant_is_named():
 
 def test_steps_only_each_printed_and_saved_as_timed(tmp_path):
     """--nogemms: the BF16 and FP8 train steps alone; each step's line comes as it is
-    timed, the JSON holds both and their ratio."""
+    timed, the JSON holds both and their ratio. A repeated --fp8_override times each FP8
+    variant, the first also as the step's "fp8"."""
     out = tmp_path / "fp8.json"
+    second = "model.precision=fp8,model.wgrad_dtype=bf16"
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--smoke", "--nogemms",
-                        f"--override={smoke_teacher_override()}", f"--out={out}"],
+                        f"--override={smoke_teacher_override()}", f"--out={out}",
+                        "--fp8_override=model.precision=fp8", f"--fp8_override={second}"],
                        capture_output=True, text=True, timeout=600,
                        env=with_suite_cache(dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -90,6 +93,13 @@ def test_steps_only_each_printed_and_saved_as_timed(tmp_path):
     st = res["step"]
     assert st["bf16"]["step_ms"] > 0 and st["fp8"]["step_ms"] > 0
     np.testing.assert_allclose(st["speedup"], st["bf16"]["step_ms"] / st["fp8"]["step_ms"])
+    variants = st["fp8_variants"]
+    assert [v["fp8_override"] for v in variants] == ["model.precision=fp8", second]
+    assert variants[0] == st["fp8"]
+    for v in variants:
+        np.testing.assert_allclose(v["speedup"], st["bf16"]["step_ms"] / v["step_ms"])
     lines = [ln.split(":")[0] for ln in r.stdout.splitlines() if ln.startswith(("step ", "train "))]
-    assert lines == ["step bf16", "step fp8", "train step"]
+    assert lines == ["step bf16", "step fp8 [model.precision=fp8]", f"step fp8 [{second}]",
+                     "train step", "train step"]
+    assert r.stdout.splitlines()[-1].startswith("train step: bf16") and second in r.stdout.splitlines()[-1]
     assert not any(ln.startswith("total ") for ln in r.stdout.splitlines())

@@ -78,3 +78,41 @@ def test_bad_opt_out_value_is_named(monkeypatch):
     monkeypatch.setenv(runtime.ENV_GRAPHS, "no")
     with pytest.raises(ValueError, match=runtime.ENV_GRAPHS):
         runtime.enable_gpu_graphs()
+
+
+_FP8_PROBE = """
+import json, os, sys
+import jax
+from gemjax.train import runtime
+out = []
+for platforms, user, precision in json.loads(sys.argv[1]):
+    jax.config.update("jax_platforms", platforms or None)
+    os.environ["XLA_FLAGS"] = user
+    logged = []
+    added = runtime.enable_fp8_gemm_flags(precision, logged.append)
+    out.append([added, os.environ["XLA_FLAGS"], logged])
+jax.config.update("jax_platforms", "cpu")
+jax.devices()                                       # the backend starts: too late to add
+os.environ["XLA_FLAGS"] = ""
+logged = []
+jax.config.update("jax_platforms", "cpu")
+out.append([runtime.enable_fp8_gemm_flags("fp8", logged.append), logged])
+print(json.dumps(out))
+"""
+
+
+def test_fp8_gemm_flags_on_gpu_for_fp8_only():
+    """FP8 runs on GPU get Triton GEMMs off; BF16 runs, CPU runs and a user's own key do not."""
+    off = "--xla_gpu_enable_triton_gemm=false"
+    cases = [("cuda", "", "fp8"), ("cuda", "", "bf16"), ("cpu", "", "fp8"),
+             ("cuda", "--xla_gpu_enable_triton_gemm=true", "fp8"),
+             ("cuda", "--xla_dump_to=/tmp/d", "fp8")]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    res = subprocess.run([sys.executable, "-c", _FP8_PROBE, json.dumps(cases)], env=env, check=True,
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    gpu, bf16, cpu, user, other, late = json.loads(res.stdout.strip().splitlines()[-1])
+    assert gpu[:2] == [off, off] and len(gpu[2]) == 1 and off in gpu[2][0]
+    assert bf16 == ["", "", []] and cpu == ["", "", []]
+    assert user == ["", "--xla_gpu_enable_triton_gemm=true", []]
+    assert other[1].split() == ["--xla_dump_to=/tmp/d", off]
+    assert late == ["", []]          # on CPU after the backend started: nothing, silently

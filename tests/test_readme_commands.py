@@ -137,6 +137,8 @@ SKIP = {
     "python -m benchmarks.bench_fp8 --config=h200 --override=model.kind=teacher,model.dim=512,"
     "model.wukong_mlp=4096,data.batch_size=1024 --out=fp8.json":
         "GPU benchmark; tests/test_fp8_bench.py runs it with --smoke on CPU",
+    "python -m benchmarks.bench_fp8 --config=gem1b --override= --nogemms --iters=10":
+        "one H200 (gem1b); tests/test_fp8_bench.py runs --nogemms with --smoke on CPU",
     "python -m gemjax.parallel.multihost": "a description; its rehearsals below run",
     "srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python -m gemjax.parallel.multihost":
         "SLURM cluster; tests/test_multihost_env.py starts 2 processes with srun's environment",

@@ -14,6 +14,15 @@ process and must be set before a config reaches any code that starts the backend
 On GPU means: jax_platforms ($JAX_PLATFORMS) names cuda or gpu, or, when it is not
 set, a CUDA PJRT plugin is installed. On CPU it does nothing.
 
+cuBLAS GEMMs for FP8 (``enable_fp8_gemm_flags``): by default XLA:GPU autotunes every GEMM
+fusion over Triton tilings (20-27 candidate kernels each, compiled one by one) against
+cuBLAS. gem1b's FP8 step, 186 FP8 GEMMs around their quantize fusions, was still compiling
+after 570 s on one H200; with Triton GEMMs off it compiles in 58.5 s and runs at 270.6 ms
+a step. The BF16 step: 37.9 s and 190.9 ms with them off, 59.3 s and 189.7 ms on. So runs
+with model.precision=fp8 add FP8_GEMM_FLAGS on GPU (experiments/train.py, the train
+loop's entry; benchmarks/bench_fp8.py for both of its precisions), unless $XLA_FLAGS sets
+the key.
+
 The GIL switch interval during training (``short_gil_switch``): the train loop's thread
 launches each step with the GIL released (jax's dispatch releases it while it enqueues
 the program's kernels) and must take it back afterwards; while a Feeder thread is running
@@ -27,9 +36,8 @@ programs, keyed by the program, the compile options and the jax / XLA versions a
 kind, so a rerun or a resume of the same step loads it instead of compiling; on GPU JAX
 also keeps XLA's per-fusion autotuning results under it (DIR/xla_gpu_per_fusion_autotune_cache_dir;
 process 0 writes, the others read), so a changed program autotunes only its new fusions.
-Autotuning dominates large GPU compiles: gem1b's FP8 step had not finished compiling after
-400 s on one H200 (about 3,600 candidate kernels compiled in its first 3 minutes), its BF16
-step compiles in 68 s. experiments/train.py and experiments/distill.py turn it on
+Autotuning dominates large GPU compiles (gem1b's BF16 step: 59 s to compile, 38 s without
+Triton GEMMs). experiments/train.py and experiments/distill.py turn it on
 (--compile_cache; default $JAX_COMPILATION_CACHE_DIR, else DEFAULT_COMPILE_CACHE); programs
 that compile in under min_compile_s (JAX's default: 1 s) are not stored.
 """
@@ -59,6 +67,10 @@ GRAPH_FLAGS = {
     "xla_gpu_graph_min_graph_size": "1",
 }
 
+# FP8 programs on GPU: every GEMM through cuBLAS / cuBLASLt, none as an autotuned Triton
+# GEMM fusion (module docstring)
+FP8_GEMM_FLAGS = {"xla_gpu_enable_triton_gemm": "false"}
+
 _done = False
 
 
@@ -67,15 +79,25 @@ def flag_keys(xla_flags: str) -> set[str]:
     return {tok.lstrip("-").split("=", 1)[0] for tok in xla_flags.split() if tok.startswith("--")}
 
 
+def missing_flags(xla_flags: str, want: dict[str, str]) -> list[str]:
+    """The flags of `want` ("--key=value") whose key xla_flags does not set."""
+    have = flag_keys(xla_flags)
+    return [f"--{k}={v}" for k, v in want.items() if k not in have]
+
+
+def with_flags(xla_flags: str, want: dict[str, str]) -> str:
+    """xla_flags plus each key of `want` it does not set already."""
+    return " ".join([xla_flags.strip()] * bool(xla_flags.strip()) + missing_flags(xla_flags, want))
+
+
 def missing_graph_flags(xla_flags: str) -> list[str]:
     """The GRAPH_FLAGS ("--key=value") whose key xla_flags does not set."""
-    have = flag_keys(xla_flags)
-    return [f"--{k}={v}" for k, v in GRAPH_FLAGS.items() if k not in have]
+    return missing_flags(xla_flags, GRAPH_FLAGS)
 
 
 def with_graph_flags(xla_flags: str) -> str:
     """xla_flags plus each GRAPH_FLAGS key it does not set already."""
-    return " ".join([xla_flags.strip()] * bool(xla_flags.strip()) + missing_graph_flags(xla_flags))
+    return with_flags(xla_flags, GRAPH_FLAGS)
 
 
 def graphs_enabled() -> bool:
@@ -118,18 +140,34 @@ def enable_gpu_graphs(log: Callable[[str], None] = print) -> str:
     _done = True
     if not on_gpu():
         return ""
+    return _add_xla_flags(GRAPH_FLAGS, "CUDA graphs", "enable_gpu_graphs",
+                          f"{ENV_GRAPHS}=0 turns this off", log)
+
+
+def _add_xla_flags(want: dict[str, str], what: str, caller: str, note: str,
+                   log: Callable[[str], None]) -> str:
+    """Add each of `want`'s keys that $XLA_FLAGS does not set; returns what it added."""
     old = os.environ.get("XLA_FLAGS", "")
-    added = " ".join(missing_graph_flags(old))
+    added = " ".join(missing_flags(old, want))
     if not added:
         return ""
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
-        log(f"[gemjax] CUDA graphs not enabled: the JAX backend started before "
-            f"gemjax.train.runtime.enable_gpu_graphs ran (set {added} in XLA_FLAGS yourself)")
+        log(f"[gemjax] {what} not enabled: the JAX backend started before "
+            f"gemjax.train.runtime.{caller} ran (set {added} in XLA_FLAGS yourself)")
         return ""
-    os.environ["XLA_FLAGS"] = with_graph_flags(old)
-    log(f"[gemjax] CUDA graphs on GPU: XLA_FLAGS += {added} ({ENV_GRAPHS}=0 turns this off)")
+    os.environ["XLA_FLAGS"] = with_flags(old, want)
+    log(f"[gemjax] {what} on GPU: XLA_FLAGS += {added} ({note})")
     return added
+
+
+def enable_fp8_gemm_flags(precision: str, log: Callable[[str], None] = print) -> str:
+    """Add FP8_GEMM_FLAGS to $XLA_FLAGS when precision == "fp8" and the run is on GPU (module
+    docstring); a key the user's $XLA_FLAGS sets is left as set. Returns what it added."""
+    if precision != "fp8" or not on_gpu():
+        return ""
+    return _add_xla_flags(FP8_GEMM_FLAGS, "cuBLAS GEMMs for FP8", "enable_fp8_gemm_flags",
+                          "XLA_FLAGS=--xla_gpu_enable_triton_gemm=true keeps Triton GEMMs", log)
 
 
 def gil_switch_us() -> int:
