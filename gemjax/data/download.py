@@ -175,7 +175,11 @@ def fetch(url: str, dest: str, sha256: str | None = None, md5: str | None = None
     checked and kept. Raises DownloadError (network, server) or ChecksumError (the bytes
     moved to `dest.rejected`); an interrupted transfer leaves `dest.part` for the rerun."""
     if os.path.exists(dest):
-        _check(dest, url, sha256, md5, size)
+        try:
+            _check(dest, url, sha256, md5, size)
+        except ChecksumError as e:
+            raise ChecksumError(f"{e}; this file was already there: delete it to download "
+                                f"afresh") from None
         return dest
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     part = dest + ".part"
