@@ -262,7 +262,13 @@ def test_partial_download_resumes_with_a_range_request(server, tmp_path):
     dl.fetch(url, str(dest), sha256=sha(blob), size=len(blob), log=quiet)
     assert server.seen == [("/big.bin", "bytes=70000-")]
     assert dest.read_bytes() == blob and not (tmp_path / "big.bin.part").exists()
-    # 3. a server that ignores Range (200): the download starts over, still identical
+    # 3. a .part already whole (size unknown): the server answers 416, nothing is re-sent
+    (tmp_path / "whole.bin.part").write_bytes(blob)
+    server.seen.clear()
+    dl.fetch(url, str(tmp_path / "whole.bin"), sha256=sha(blob), log=quiet)
+    assert server.seen == [("/big.bin", f"bytes={len(blob)}-")]
+    assert (tmp_path / "whole.bin").read_bytes() == blob
+    # 4. a server that ignores Range (200): the download starts over, still identical
     dest2 = tmp_path / "again.bin"
     (tmp_path / "again.bin.part").write_bytes(b"stale bytes of another attempt")
     server.ignore_range = True
