@@ -155,7 +155,8 @@ def _open(url: str, offset: int, timeout: float):
             return None, True
         raise DownloadError(f"download: {url}: HTTP {e.code} {e.reason}") from e
     except (urllib.error.URLError, OSError) as e:
-        raise DownloadError(f"download: {url}: {getattr(e, 'reason', e)}") from e
+        raise DownloadError(f"download: {url}: {getattr(e, 'reason', e)} (offline? pass "
+                            f"--data_dir with the files, or --url with a mirror)") from e
     status = getattr(resp, "status", None)
     resumes = False
     if offset and status == 206:
