@@ -762,3 +762,49 @@ def config_from_dict(d: dict) -> Config:
         cfg = dataclasses.replace(cfg, features=None)
     validate(cfg)
     return cfg
+
+
+def field_help() -> dict[str, str]:
+    """{"section.field": help} for every field of the config sections: the comment on
+    the field's line and the comment lines right above it in this module's source (the
+    text a reader of the dataclass sees), "" for a field with neither."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+    source = inspect.getsource(inspect.getmodule(field_help))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    classes = {type(getattr(Config(), s)).__name__: s for s in SECTIONS}
+    out = {}
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.ClassDef) and node.name in classes):
+            continue
+        for item in node.body:
+            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                continue
+            above, n = [], item.lineno - 1
+            while n in comments and lines[n - 1].lstrip().startswith("#"):
+                above.insert(0, comments[n].strip("- "))
+                n -= 1
+            parts = [p for p in (*above, comments.get(item.lineno, "")) if p]
+            out[f"{classes[node.name]}.{item.target.id}"] = " ".join(parts)
+    return out
+
+
+def describe_fields(cfg: Config) -> str:
+    """Every field of cfg's sections, one per line: `section.field = value  (type) help`,
+    for --helpconfig."""
+    helps = field_help()
+    rows = []
+    for section in SECTIONS:
+        sub = getattr(cfg, section)
+        hints = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            typ = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            rows.append(f"{section}.{f.name} = {getattr(sub, f.name)!r}  ({typ})  "
+                        f"{helps.get(f'{section}.{f.name}', '')}".rstrip())
+    return "\n".join(rows)

@@ -110,3 +110,23 @@ def test_optim_section_round_trips_through_config_json():
 
 def optim_default():
     return get_config("tiny").optim
+
+
+def test_helpconfig_lists_every_field_with_its_comment():
+    import subprocess
+    import sys
+    from gemjax.config import SECTIONS, field_help
+    helps = field_help()
+    cfg = get_config("tiny")
+    names = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))]
+    assert sorted(helps) == sorted(names)
+    # comments read from the source: the trailing one and the block above a field
+    assert helps["data.batch_size"] == "global samples per step"
+    assert helps["optim.weight_decay"].startswith("for optimizers that take one")
+    assert "any optax optimizer taking a learning_rate" in helps["optim.dense"]
+    out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=tiny",
+                          "--override=optim.dense=adamw", "--helpconfig"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    lines = out.strip().splitlines()
+    assert len(lines) == len(names)
+    assert "optim.dense = 'adamw'  (str)  dense params: any optax optimizer" in out
