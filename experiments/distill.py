@@ -321,7 +321,7 @@ def budget_rows(base, args, tcfg, mesh) -> list[dict]:
     """Per student variant: FLOPs per sample, parameters, table bytes, CPU latency."""
     from gemjax.distill.transfer import DistillConfig, student_config
     from gemjax.models import student as student_lib
-    from gemjax.models.gem import table_specs
+    from gemjax.train.optim import table_specs
     out = []
     variants = {"student": "", "student+repr": "repr", "student+share": "share",
                 "domain (wukong)": None}

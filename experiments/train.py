@@ -90,6 +90,8 @@ flags.DEFINE_string("compile_cache", None, "directory of the persistent compilat
                     "or resume loads its compiled step, on GPU with XLA's autotuning results "
                     "(gemjax.train.runtime; default $JAX_COMPILATION_CACHE_DIR, else "
                     "TMPDIR/gemjax-jax-cache; '' turns it off)")
+flags.DEFINE_bool("helpconfig", False, "print every config field of the preset (after --override): "
+                  "its value, type and help, then exit")
 flags.DEFINE_string("override", "", "comma-separated section.field=value (tuples as 64:64), "
                     "e.g. model.dim=32,data.seq_median=64")
 
@@ -152,6 +154,10 @@ def main(argv):
         cfg = build_config()
     except ValueError as e:
         raise app.UsageError(str(e))
+    if flags.FLAGS.helpconfig:
+        from gemjax.config import describe_fields
+        print(describe_fields(cfg))
+        return
     if cfg.data.source == "parquet":        # files and columns checked before any compile
         from gemjax.data.source import make_source
         try:

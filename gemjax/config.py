@@ -218,6 +218,24 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The optimizers (gemjax.train.optim builds them; learning rates and warm-up are
+    train.dense_lr, train.sparse_lr and train.warmup_steps)."""
+
+    # dense params: any optax optimizer taking a learning_rate (adam, adamw, adagrad, sgd,
+    # lamb, lion, ...), after clipping the global gradient norm to clip_norm (0: no clip)
+    dense: str = "adam"
+    # "warmup_cosine" (to dense_lr * final_lr_scale at train.steps), "warmup_constant"
+    # or "constant"
+    schedule: str = "warmup_cosine"
+    final_lr_scale: float = 0.05
+    clip_norm: float = 10.0
+    weight_decay: float = 0.0        # for optimizers that take one (adamw, lamb, lion)
+    # embedding tables: "rowwise_adagrad", "adagrad", "sgd" or "lazy_adam"
+    sparse: str = "rowwise_adagrad"
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """The parallel layout of a run (gemjax.train.layout builds it; a run's config.json
     records the layout it ran with). Strings in experiments/train.py's flag syntax."""
@@ -243,6 +261,7 @@ class Config:
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
     # the features the models are built for (gemjax.data.features.schema_of); None: the
     # default source's, the synthetic stream's schema of `data`
     features: FeatureSchema | None = None
@@ -367,6 +386,10 @@ PRESETS: dict[str, Config] = {
 }
 
 
+# The sections of a Config that hold fields ("section.field=value" overrides).
+SECTIONS = ("data", "model", "train", "parallel", "optim")
+
+
 def _is_none(value: str) -> bool:
     return value.strip().lower() in ("none", "")
 
@@ -434,9 +457,9 @@ def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Conf
         overrides = parse_overrides(overrides)
     for path, value in overrides.items():
         section, _, field = path.partition(".")
-        if section not in ("data", "model", "train", "parallel") or not field:
-            raise ValueError(f"override {path!r}: expected data.<field>, model.<field>, train.<field> "
-                             f"or parallel.<field>")
+        if section not in SECTIONS or not field:
+            raise ValueError(f"override {path!r}: expected <section>.<field> with a section of "
+                             f"{', '.join(SECTIONS)}")
         sub = getattr(cfg, section)
         hints = typing.get_type_hints(type(sub))
         if field not in hints:
@@ -493,6 +516,7 @@ def validate(cfg: Config) -> None:
         (cfg.train.sparse_onehot_rows >= 0,
          f"train.sparse_onehot_rows must be >= 0 (0 = off), got {cfg.train.sparse_onehot_rows}"),
         *_train_checks(cfg.train),
+        *_optim_checks(cfg.optim),
         *_steps_per_call_checks(cfg),
         *_teacher_checks(m),
         *_feature_checks(cfg),
@@ -516,6 +540,24 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
              f"train.{f} must be a finite number in [0, {MAX_LR:g}], got {getattr(t, f)}")
             for f in ("dense_lr", "sparse_lr")]
     return out
+
+
+def _optim_checks(o: OptimConfig) -> list[tuple[bool, str]]:
+    """Names the optimizers know; clip and decay finite and >= 0 (the dense name is
+    checked against optax by gemjax.train.optim when the Trainer is built)."""
+    return [
+        (o.schedule in ("warmup_cosine", "warmup_constant", "constant"),
+         f"optim.schedule must be warmup_cosine, warmup_constant or constant, got {o.schedule!r}"),
+        (o.sparse in ("rowwise_adagrad", "adagrad", "sgd", "lazy_adam"),
+         f"optim.sparse must be rowwise_adagrad, adagrad, sgd or lazy_adam, got {o.sparse!r}"),
+        (bool(o.dense) and o.dense.isidentifier(),
+         f"optim.dense must name an optax optimizer (adam, adamw, ...), got {o.dense!r}"),
+        (0.0 <= o.clip_norm < math.inf, f"optim.clip_norm must be finite and >= 0, got {o.clip_norm}"),
+        (0.0 <= o.weight_decay < math.inf,
+         f"optim.weight_decay must be finite and >= 0, got {o.weight_decay}"),
+        (0.0 <= o.final_lr_scale <= 1.0,
+         f"optim.final_lr_scale must be in [0, 1], got {o.final_lr_scale}"),
+    ]
 
 
 def _steps_per_call_checks(cfg: Config) -> list[tuple[bool, str]]:
@@ -696,14 +738,14 @@ def config_from_dict(d: dict) -> Config:
     """
     unknown = set(d) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
-        raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, data, model, "
-                         f"train, parallel, features")
+        raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, "
+                         f"{', '.join(SECTIONS)}, features")
     kw: dict[str, Any] = {}
     if "name" in d:
         kw["name"] = _from_json(d["name"], str, "name")
     if d.get("features") is not None:
         kw["features"] = FeatureSchema.from_dict(d["features"])
-    for section in ("data", "model", "train", "parallel"):
+    for section in SECTIONS:
         if section not in d:
             continue
         cls = type(getattr(Config(), section))
@@ -720,3 +762,49 @@ def config_from_dict(d: dict) -> Config:
         cfg = dataclasses.replace(cfg, features=None)
     validate(cfg)
     return cfg
+
+
+def field_help() -> dict[str, str]:
+    """{"section.field": help} for every field of the config sections: the comment on
+    the field's line and the comment lines right above it in this module's source (the
+    text a reader of the dataclass sees), "" for a field with neither."""
+    import ast
+    import inspect
+    import io
+    import tokenize
+    source = inspect.getsource(inspect.getmodule(field_help))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    classes = {type(getattr(Config(), s)).__name__: s for s in SECTIONS}
+    out = {}
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.ClassDef) and node.name in classes):
+            continue
+        for item in node.body:
+            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                continue
+            above, n = [], item.lineno - 1
+            while n in comments and lines[n - 1].lstrip().startswith("#"):
+                above.insert(0, comments[n].strip("- "))
+                n -= 1
+            parts = [p for p in (*above, comments.get(item.lineno, "")) if p]
+            out[f"{classes[node.name]}.{item.target.id}"] = " ".join(parts)
+    return out
+
+
+def describe_fields(cfg: Config) -> str:
+    """Every field of cfg's sections, one per line: `section.field = value  (type) help`,
+    for --helpconfig."""
+    helps = field_help()
+    rows = []
+    for section in SECTIONS:
+        sub = getattr(cfg, section)
+        hints = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            typ = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            rows.append(f"{section}.{f.name} = {getattr(sub, f.name)!r}  ({typ})  "
+                        f"{helps.get(f'{section}.{f.name}', '')}".rstrip())
+    return "\n".join(rows)

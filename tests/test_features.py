@@ -19,7 +19,8 @@ from gemjax.config import apply_overrides, config_from_dict, get_config
 from gemjax.data.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature, Table,
                                   check_compatible, differences, schema_of, with_schema)
 from gemjax.data.synthetic import SyntheticStream, synthetic_schema
-from gemjax.models.gem import build_model, sequence_id_fields, table_specs
+from gemjax.models.gem import build_model, sequence_id_fields
+from gemjax.train.optim import table_specs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -33,7 +33,7 @@ from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import SequenceEncoder, mean_pool
 from gemjax.layers.wukong import Wukong
 from gemjax.precision.policy import Policy, apply_policy
-from gemjax.sparse import RowWiseAdagrad, TableSpec
+from gemjax.sparse import TableSpec
 
 def sequence_id_fields(cfg: Config) -> dict[str, tuple[str, ...]]:
     """{sequence: fields looked up in tables} (empty when sequences are off)."""
@@ -44,10 +44,11 @@ def table_specs(cfg: Config) -> list[TableSpec]:
     """One TableSpec per schema table that a used feature reads, features as
     FeatureSchema.table_features. Width: the table's dim, or model.dim; the LR baseline
     stores S*K weights per id in every table. model.kind "retrieval": the item table also
-    serves the feature CANDIDATES (the rows its softmax scores, gemjax.models.retrieval)."""
+    serves the feature CANDIDATES (the rows its softmax scores, gemjax.models.retrieval).
+    Each spec keeps TableSpec's default optimizer: the run's own is set where every
+    optimizer is built (gemjax.train.optim.table_specs)."""
     schema, m = schema_of(cfg), cfg.model
     lr_dim = schema.num_surfaces * schema.num_tasks if m.kind == "lr" else None
-    opt = RowWiseAdagrad(lr=cfg.train.sparse_lr)
     specs = []
     scored = None
     if m.kind == "retrieval":      # the retrieval head scores rows of the item table
@@ -61,7 +62,7 @@ def table_specs(cfg: Config) -> list[TableSpec]:
         if lr_dim is None and dim != m.dim:
             raise ValueError(f"table {name!r}: dim {dim}, but model.kind={m.kind!r} makes one "
                              f"model.dim={m.dim} token of every feature; use dim None or {m.dim}")
-        specs.append(TableSpec(name, t.vocab, dim, feats, pooling=t.pooling, optimizer=opt,
+        specs.append(TableSpec(name, t.vocab, dim, feats, pooling=t.pooling,
                                init_scale=0.0 if m.kind == "lr" else None, bounds=t.bounds))
     return specs
 

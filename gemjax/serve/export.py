@@ -89,7 +89,7 @@ def _unflatten(like, flat: Mapping[str, Any]):
 def feature_inputs(cfg: Config) -> dict[str, dict]:
     """{feature: {table, vocab, bounds, input (batch path), mask (path of the sequence's
     segment_ids, real tokens where < B; None for plain features)}} of the run's tables."""
-    from gemjax.models.gem import table_specs
+    from gemjax.train.optim import table_specs
 
     out = {}
     for spec in table_specs(cfg):

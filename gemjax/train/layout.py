@@ -24,11 +24,11 @@ from typing import Any, Mapping
 from jax.sharding import Mesh
 
 from gemjax.config import Config
-from gemjax.models.gem import table_specs
 from gemjax.parallel import rules as rules_lib
 from gemjax.parallel.mesh import DEFAULT_TIERS, build_mesh, mesh_tiers
 from gemjax.sparse import plans as plans_lib
 from gemjax.sparse.plans import TablePlan
+from gemjax.train.optim import table_specs
 from gemjax.train.step import default_mesh
 
 

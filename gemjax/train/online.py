@@ -55,7 +55,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-import optax
 
 from gemjax.config import Config, validate
 from gemjax.data.batch import Batch
@@ -67,7 +66,7 @@ from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.guards import Interrupted, ResumeMismatch, StopSignals, lock_workdir, run_fields
 from gemjax.train.metrics import EvalAccumulator
 from gemjax.train.step import Trainer
-from gemjax.train import tracking
+from gemjax.train import optim, tracking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +130,12 @@ class Member:
 
 
 def online_trainer(cfg: Config, mesh=None) -> Trainer:
-    """A Trainer for cfg whose dense optimizer is Adam at a constant train.dense_lr after
-    a linear warm-up of train.warmup_steps (same optimizer-state structure as the
-    batch trainer's, so its shardings apply)."""
+    """A Trainer for cfg whose dense optimizer keeps a constant train.dense_lr after a
+    linear warm-up of train.warmup_steps (optim.dense_transform's "warmup_constant": an
+    endless stream has no end to decay towards; the same optimizer-state structure as
+    the batch trainer's, so its shardings apply)."""
     trainer = Trainer.create(cfg, mesh)
-    t = cfg.train
-    sched = optax.linear_schedule(0.0, t.dense_lr, max(1, t.warmup_steps))
-    return dataclasses.replace(trainer, tx=optax.chain(optax.clip_by_global_norm(10.0),
-                                                       optax.adam(sched)))
+    return dataclasses.replace(trainer, tx=optim.dense_transform(cfg, "warmup_constant"))
 
 
 def copy_state(state: dict) -> dict:

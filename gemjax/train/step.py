@@ -57,9 +57,10 @@ from gemjax.config import Config
 from gemjax.data.batch import Batch, id_features
 from gemjax.layers.experts import expert_parallel as expert_parallel_context
 from gemjax.layers.experts import sharded_batch
-from gemjax.models.gem import build_model, sequence_id_fields, table_specs
+from gemjax.models.gem import build_model, sequence_id_fields
 from gemjax.parallel import rules as rules_lib
 from gemjax.sparse import EmbeddingCollection, routing
+from gemjax.train import optim
 from gemjax.train.planned import PlannedStep, planned_jit
 
 BATCH_AXIS = "batch"
@@ -268,17 +269,14 @@ class Trainer:
                 raise ValueError(f"table_replica_axes: {a!r} is not a mesh axis {mesh.axis_names}")
         model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
         graphdef, abstract = nnx.split(model, nnx.Param)
-        t = cfg.train
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0, t.dense_lr, max(1, min(t.warmup_steps, t.steps // 2)), max(t.steps, 2), t.dense_lr * 0.05)
-        tx = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(sched))
+        tx = optim.dense_transform(cfg)
         p_sh = rules_lib.param_shardings(abstract, mesh, rules).to_pure_dict()
         replicated = NamedSharding(mesh, P())
         o_abs = jax.eval_shape(tx.init, abstract.to_pure_dict())
         o_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, o_abs, p_sh,
                                                 transform_non_params=lambda _: replicated)
         xb = routing.DEFAULT_EXCHANGE_BUCKETS if cfg.train.sparse_exchange_buckets else ()
-        coll = EmbeddingCollection(table_specs(cfg), table_plan, mesh=mesh,
+        coll = EmbeddingCollection(optim.table_specs(cfg), table_plan, mesh=mesh,
                                    replica_axes=tuple(table_replica_axes), exchange_buckets=xb,
                                    sync_buckets=cfg.train.sparse_sync_buckets,
                                    update_impl=cfg.train.sparse_update_impl,
