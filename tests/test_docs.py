@@ -1,7 +1,9 @@
 """Docs and library text cite only what the repository holds: every repository path named
 in library code (gemjax/, kernels/), in the programs (experiments/, benchmarks/, tools/),
-in docs/ and in README.md exists, and no library text names a Markdown file the
-repository lacks (a design note kept elsewhere)."""
+in docs/ and in README.md exists, every relative Markdown link of README.md and docs/*.md
+points at an existing file (and heading, where it names one), the README links every
+docs page, and no library text names a Markdown file the repository lacks (a design note
+kept elsewhere)."""
 
 import glob
 import os
@@ -12,7 +14,8 @@ TOP = ("gemjax", "kernels", "experiments", "benchmarks", "tools", "tests", "docs
 # a path under one of the top-level folders, e.g. kernels/gdpa/reference.py, tests/test_*.py
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w*.<>/-]*[\w*])" % "|".join(TOP))
 MARKDOWN = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
-AREAS = ("data", "sparse", "models", "parallel", "train", "kernels")
+# a Markdown link [text](target); the target up to its closing parenthesis
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def _files(folders, exts):
@@ -65,9 +68,52 @@ def test_library_text_names_no_absent_markdown_file():
     assert not absent, "library text names Markdown files the repository lacks:\n" + "\n".join(absent)
 
 
-def test_readme_layout_points_to_a_design_note_per_area():
+def _markdown_pages():
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def _anchor(heading):
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path):
+    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
+    return {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def broken_links(path):
+    """The relative links of one Markdown file whose file (or heading) does not exist."""
+    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
+    bad = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):            # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(dest):
+            bad.append(target)
+        elif anchor and dest.endswith(".md") and anchor not in _anchors(dest):
+            bad.append(target)
+    return bad
+
+
+def test_the_link_check_finds_what_it_must(tmp_path):
+    (tmp_path / "a.md").write_text("# A page\n\n## Its part\n\n[b](b.md) [gone](c.md) [x](b.md#no-such) "
+                                   "[ok](b.md#the-steps-time) [self](#its-part) [web](https://x.org/y)\n")
+    (tmp_path / "b.md").write_text("# B\n\n### The step's time\n")
+    assert broken_links(str(tmp_path / "a.md")) == ["c.md", "b.md#no-such"]
+
+
+def test_every_relative_link_resolves():
+    bad = [f"{os.path.relpath(p, ROOT)}: {t}" for p in _markdown_pages() for t in broken_links(p)]
+    assert not bad, "links to files or headings that do not exist:\n" + "\n".join(bad)
+
+
+def test_readme_links_every_docs_page():
     readme = open(os.path.join(ROOT, "README.md")).read()
-    layout = readme[readme.index("\n## Layout\n"):readme.index("\n## The contracts")]
-    for area in AREAS:
-        note = f"docs/{area}.md"
-        assert note in layout and os.path.exists(os.path.join(ROOT, note)), note
+    linked = {os.path.normpath(t.partition("#")[0]) for t in LINK.findall(readme)}
+    pages = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    assert pages, "docs/ has no page"
+    missing = [p for p in pages if p not in linked]
+    assert not missing, "docs pages the README does not link: " + ", ".join(missing)

@@ -1,7 +1,7 @@
-"""The README's commands run as written, and `./run` picks the jax build the README says.
+"""The commands of the README and docs/ run as written, and `./run` picks the jax build the README says.
 
-Every command of the README (each line or loop of a ```bash block, and each inline
-code span that starts like a command) must be in RUN or in SKIP (with the reason);
+Every command of README.md and docs/*.md (each line or loop of a ```bash block, and each
+inline code span that starts like a command) must be in RUN or in SKIP (with the reason);
 a new command in neither fails the test, so none goes untested unnoticed. The RUN
 commands are executed as written, with three substitutions only: `./run train` is
 the `.venv/bin/python -m experiments.train` it execs, `python` / `.venv/bin/python`
@@ -9,6 +9,7 @@ is this interpreter, and a `--workdir=` (the plot's `--workdirs=` and `--out=`) 
 temporary directory.
 """
 
+import glob
 import json
 import os
 import re
@@ -23,6 +24,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+PERFORMANCE = os.path.join(ROOT, "docs", "performance.md")     # holds the FLOPS command's figure
 COMMAND_STARTS = ("./run", "python ", "python3 ", ".venv/bin/python", "srun ", "mpirun ", "bash ", "for ")
 GPU_TEACHER = "--override=model.kind=teacher,model.num_experts=4,model.top_k=2"
 
@@ -104,8 +107,6 @@ SKIP = {
     "--override=data.source=parquet,...":
         "a template (DIR); tests/test_bench_train_feed.py runs the Feeder on a MovieLens-shaped set",
     "./run setup": "installs into .venv; CI's `./run test` runs the same setup",
-    "./run train --config=small --override=model.dim=32,data.seq_median=64,train.steps=3000": LONG,
-    "./run train --config=h200 --override=model.kind=teacher": "GPU (h200 preset)",
     "./run train --config=gem1b --steps=60 --eval_every=60 --workdir=runs/gem1b": "GPU (gem1b preset)",
     "python -m benchmarks.bench_segment_sum": "GPU (2.6M x 512 rows)",
     "python -m benchmarks.bench_layer_norm": "GPU ([1.32M, 512] rows); "
@@ -113,7 +114,7 @@ SKIP = {
     "python -m benchmarks.bench_segment_sum --smoke":
         "tests/test_segment_sum.py runs the benchmark's smoke mode",
     "python -m gemjax.perf.model_size --config=gem1b": "tests/test_gem1b.py runs its main() and "
-                                                       "pins the figures the README quotes",
+                                                       "pins the figures docs/performance.md quotes",
     f"./run train --config=h200 {GPU_TEACHER} --workdir=runs/h200": "GPU (h200 preset)",
     f"./run train --config=h200 {GPU_TEACHER} --mesh=replica=-1 --table_replica_axes=replica "
     "--batch_size=32768 --workdir=runs/h200x8": "8 GPUs",
@@ -151,6 +152,31 @@ SKIP = {
     "--coordinator=host0:12355 --num_processes=2 --process_id=1": "2 GPU hosts; the CPU rehearsal runs",
     "python -m experiments.ablate --config=small --steps=1000 --seeds=0,1,2 "
     "--override=data.batch_size=1024,model.dim=32,model.seq_heads=1": "one H200, 7 variants x 1000 steps",
+    # docs/ pages
+    "python -m benchmarks.bench_parquet --rows=1000000 --mean_len=100 --threads=1,4,8 --grain":
+        "minutes over a 1M-row file, grain beside it; tests/test_parquet.py checks the reader",
+    "python -m benchmarks.bench_feed --config=h200 --workers=1,2,4,8":
+        "the h200 preset's Feeder at up to 8 workers (minutes); tests/test_bench_train_feed.py runs "
+        "the Feeder on a MovieLens-shaped set",
+    "python -m benchmarks.bench_attention --sweep": "GPU knob sweep; tests/test_bench_attention.py runs "
+                                                    "the benchmark on CPU",
+    "python -m benchmarks.bench_attention --workloads=W1,W4": "GPU; tests/test_bench_attention.py runs "
+                                                              "the benchmark on CPU",
+    "python -m tools.bench_gdpa_mosaic --sweep": "Hopper GPU (the Mosaic kernels)",
+    "python -m benchmarks.bench_layer_norm --smoke": "tests/test_kernels_layer_norm.py runs the "
+                                                     "benchmark's smoke mode",
+    "python -m tools.triton_report": "needs ptxas (a CUDA toolkit); tests/test_triton_report.py runs "
+                                     "its lowering step on CPU",
+    "python -m tools.kernel_fingerprints --out=after.json": "exports every kernel for cuda (minutes); "
+                                                           "tests/test_kernel_fingerprints.py runs it",
+    "python -m pytest -m gpu tests/test_kernels_*.py": "GPU tests",
+    "bash tools/gpu_checks.sh kernels mosaic": "GPU checks",
+    "python -m experiments.ablate": "the program named in prose; its full command is skipped above",
+    "python -m experiments.sweep_mesh": "GPU mesh sweep; tests/test_sweep_mesh.py runs it on 2 CPU devices",
+    "python -m benchmarks.bench_sparse": "GPU (a 1e8-row table); tests/test_bench_sparse.py runs it "
+                                         "with a tiny table",
+    "python -m experiments.train": "the module named in prose (`./run train` runs it; its commands "
+                                   "are listed here)",
     **{cmd: "MovieLens-1M (not in CI); tests/test_movielens_trainer.py runs it on a fake MovieLens"
        for cmd in ML_RANK},
     **{cmd: "MovieLens-1M (not in CI); tests/test_movielens.py and tests/test_retrieval.py run "
@@ -191,6 +217,14 @@ def readme_commands(text):
     return list(dict.fromkeys(cmds))
 
 
+def all_commands():
+    """The commands of README.md and of every docs/*.md page, each once."""
+    cmds = []
+    for path in [README] + DOCS:
+        cmds += readme_commands(open(path).read())
+    return list(dict.fromkeys(cmds))
+
+
 def _env():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "GEMJAX_", "JAX_COORDINATOR"))}
@@ -222,12 +256,12 @@ def _run(argv_or_script, shell=False, timeout=300):
 
 
 def test_every_readme_command_is_run_or_skipped_with_a_reason():
-    cmds = readme_commands(open(README).read())
+    cmds = all_commands()
     unclassified = [c for c in cmds if c not in RUN and c not in SKIP]
-    assert not unclassified, ("README commands neither run nor skipped by tests/test_readme_commands.py "
+    assert not unclassified, ("README / docs commands neither run nor skipped by tests/test_readme_commands.py "
                               "(add each to RUN, or to SKIP with the reason):\n" + "\n".join(unclassified))
     stale = sorted((RUN | set(SKIP)) - set(cmds))
-    assert not stale, "commands listed here that the README no longer has:\n" + "\n".join(stale)
+    assert not stale, "commands listed here that neither the README nor docs/ has:\n" + "\n".join(stale)
     assert all(SKIP.values())
 
 
@@ -264,13 +298,13 @@ def _plot_argv(tmp_path):
 
 
 def _other_cpu_commands(tmp_path):
-    # the analytic FLOPs command reproduces the README's figure for it (1,161 MFLOP / sample)
+    # the analytic FLOPs command reproduces docs/performance.md's figure for it (1,161 MFLOP / sample)
     out = _run(_argv(FLOPS, tmp_path))
     got = float(re.search(r"\(([\d.]+) MFLOP / sample\)", out).group(1))
-    readme = open(README).read()
-    row = next(ln for ln in readme.splitlines() if FLOPS.split(" ", 1)[1] in ln and ln.startswith("|"))
+    page = open(PERFORMANCE).read()
+    row = next(ln for ln in page.splitlines() if FLOPS.split(" ", 1)[1] in ln and ln.startswith("|"))
     quoted = float(re.search(r"([\d,]+) MFLOP per sample per train step", row).group(1).replace(",", ""))
-    assert abs(got - quoted) / quoted < 0.01, f"README says {quoted} MFLOP / sample, the command prints {got}"
+    assert abs(got - quoted) / quoted < 0.01, f"docs say {quoted} MFLOP / sample, the command prints {got}"
     # the two launch rehearsals: each of the 2 processes reports the 2-process job
     for script, via in ((REHEARSE_SLURM, "slurm"), (REHEARSE_FLAGS, "explicit")):
         out = _run(_bash(script), shell=True, timeout=180)
