@@ -1,4 +1,4 @@
-"""The README's MovieLens-1M ranking recipe (section "Data") on a small fake MovieLens:
+"""The MovieLens-1M ranking recipe of docs/results.md on a small fake MovieLens:
 its converter command on the fake files tests/test_converters.py writes, then its train
 command, 2 steps, for each model the README names (the GEM teacher, Wukong + sequence
 encoder, Wukong alone, logistic regression) through gemjax.train.loop.train, each
@@ -32,9 +32,9 @@ VARIANTS = {"teacher": "model.kind=teacher", "gem": "model.kind=gem",
 
 
 def _readme_commands():
-    """(converter words, train words) of the README's MovieLens ranking block."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    data = text[text.index("\n## Data\n"):]
+    """(converter words, train words) of docs/results.md's MovieLens ranking block."""
+    text = open(os.path.join(ROOT, "docs", "results.md")).read()
+    data = text[text.index("\n## MovieLens-1M ranking\n"):]
     block = next(b for b in re.findall(r"```bash\n(.*?)```", data, re.S) if "movielens_rank" in b)
     lines = [" ".join(ln.split()) for ln in block.replace("\\\n", " ").splitlines() if ln.strip()]
     (conv,) = [shlex.split(ln) for ln in lines if "experiments.convert_movielens" in ln]
