@@ -38,6 +38,12 @@ class DataConfig:
     order: str = "shuffle"           # parquet train stream: "shuffle" | "time"
     shuffle_window: int = 65_536     # parquet: rows of the in-memory shuffle window
     nan: str = "error"               # parquet: NaN / null dense values: "error" | "zero"
+    # parquet train stream of positives only: N negatives per row drawn each epoch as a pure
+    # function of (train.seed, epoch, row) by gemjax.data.negatives (0: rows as stored);
+    # data.batch_size counts all rows (a multiple of 1 + N). negatives_path: the sampler's
+    # .npz ("": negatives.npz beside data.train_path)
+    negatives: int = 0
+    negatives_path: str = ""
     num_surfaces: int = 2
     num_tasks: int = 2
     vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
@@ -550,7 +556,13 @@ def _source_checks(d: DataConfig, features: FeatureSchema | None) -> list[tuple[
     out = [(d.source in SOURCES, f"data.source must be one of {', '.join(SOURCES)}, got {d.source!r}"),
            (d.order in ("shuffle", "time"), f"data.order must be shuffle or time, got {d.order!r}"),
            (d.shuffle_window >= 1, f"data.shuffle_window must be >= 1, got {d.shuffle_window}"),
-           (d.nan in ("error", "zero"), f"data.nan must be error or zero, got {d.nan!r}")]
+           (d.nan in ("error", "zero"), f"data.nan must be error or zero, got {d.nan!r}"),
+           (d.negatives >= 0, f"data.negatives must be >= 0, got {d.negatives}"),
+           (d.batch_size % (1 + max(d.negatives, 0)) == 0,
+            f"data.batch_size ({d.batch_size}) must be a multiple of 1 + data.negatives "
+            f"({1 + d.negatives}): each positive brings its negatives"),
+           (not d.negatives or d.source == "parquet",
+            "data.negatives (resampled negatives) needs data.source=parquet")]
     if d.source == "parquet":
         out += [(features is not None,
                  "data.source=parquet needs the feature schema of the files: config.features "

@@ -196,6 +196,9 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
                                                                                    "data.eval_path")
         if not path:
             raise ValueError(f"data.source=parquet needs {field}")
+        if stream == "train" and d.negatives:     # positives-only rows, negatives per epoch
+            from gemjax.data.negatives import resampled_source
+            return resampled_source(cfg, columns, seed)
         try:
             source = ParquetSource(path, columns, d.batch_size, seed,
                                    order=d.order if stream == "train" else "time",
