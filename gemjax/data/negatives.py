@@ -39,7 +39,7 @@ import os
 
 import numpy as np
 
-from gemjax.data.source import Counters, SourceInfo
+from gemjax.data.jagged import Jagged, layout_from_lengths
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -241,15 +241,13 @@ class ResampledNegatives:
         seqs = {k: repeat_jagged(j, g, caps[k]) for k, j in pos.sequences.items()}
         batch = pos.replace(sparse=sparse, dense=rep(pos.dense), sequences=seqs, labels=labels,
                             label_mask=mask, surface=rep(pos.surface), weights=rep(pos.weights))
-        counters = Counters({k: int(v) * g for k, v in info.counters.items()})
-        return batch, SourceInfo(counters, rep(info.rows))
+        counters = type(info.counters)({k: int(v) * g for k, v in info.counters.items()})
+        return batch, dataclasses.replace(info, counters=counters, rows=rep(info.rows))
 
 
 def repeat_jagged(j, times: int, capacity: int):
     """Every sample of Jagged `j` (numpy) `times` times in a row: B -> B * times samples,
     packed into `capacity` tokens."""
-    from gemjax.data.jagged import Jagged, layout_from_lengths
-
     off = np.asarray(j.offsets, np.int64)
     lens = np.repeat(np.diff(off), times)
     offsets, seg, positions = layout_from_lengths(lens, capacity)
@@ -263,27 +261,17 @@ def repeat_jagged(j, times: int, capacity: int):
     return Jagged(values, offsets, seg, positions)
 
 
-def resampled_source(cfg, columns, seed: int):
-    """The train source of a config with data.negatives = N > 0: a ParquetSource over
-    data.train_path of data.batch_size / (1 + N) positives per step, wrapped in
+def resample(base, cfg) -> ResampledNegatives:
+    """The train source of a config with data.negatives = N > 0: `base` (a ParquetSource
+    over data.train_path of data.batch_size / (1 + N) positives per step) in
     ResampledNegatives with the sampler of data.negatives_path ("": negatives.npz beside
     the train file, or inside the train directory)."""
-    from gemjax.data.parquet import ParquetSource
-
     d = cfg.data
-    group = 1 + d.negatives
-    if d.batch_size % group:
+    if d.batch_size % (1 + d.negatives):
         raise ValueError(f"data.batch_size={d.batch_size} must be a multiple of 1 + "
-                         f"data.negatives = {group} (each positive brings its negatives)")
-    path = d.negatives_path or default_sampler_path(d.train_path)
-    sampler = NegativeSampler.load(path)
-    try:
-        base = ParquetSource(d.train_path, columns, d.batch_size // group, seed, order=d.order,
-                             window=d.shuffle_window, nan=d.nan,
-                             capacity_slack=d.capacity_slack)
-    except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"data.train_path={d.train_path}: {e}") from None
-    return ResampledNegatives(base, sampler, d.negatives)
+                         f"data.negatives = {1 + d.negatives} (each positive brings its negatives)")
+    return ResampledNegatives(base, NegativeSampler.load(
+        d.negatives_path or default_sampler_path(d.train_path)), d.negatives)
 
 
 def default_sampler_path(train_path: str) -> str:

@@ -196,16 +196,17 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
                                                                                    "data.eval_path")
         if not path:
             raise ValueError(f"data.source=parquet needs {field}")
-        if stream == "train" and d.negatives:     # positives-only rows, negatives per epoch
-            from gemjax.data.negatives import resampled_source
-            return resampled_source(cfg, columns, seed)
+        group = 1 + d.negatives if stream == "train" else 1   # positives and their negatives
         try:
-            source = ParquetSource(path, columns, d.batch_size, seed,
+            source = ParquetSource(path, columns, d.batch_size // group, seed,
                                    order=d.order if stream == "train" else "time",
                                    window=d.shuffle_window, nan=d.nan,
                                    capacity_slack=d.capacity_slack)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"{field}={path}: {e}") from None
+        if group > 1:       # positives-only rows, negatives drawn per epoch
+            from gemjax.data.negatives import resample
+            return resample(source, cfg)
         return OneEpoch(source) if stream == "eval" and d.eval_batches == 0 else source
     if d.source != "synthetic":
         raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")
