@@ -152,8 +152,16 @@ def test_converter_writes_positives_and_a_sampler_make_source_reads(tmp_path):
     d.mkdir()
     seqs = write_ml(d)
     out = tmp_path / "out"
-    counts = cm.convert(str(d), str(out), tasks=("ranking",), seed=1, negatives=3, max_history=4,
+    counts = cm.convert(str(d), str(out), seed=1, negatives=3, max_history=4,
                         row_group_rows=10, valid=True, resample_negatives=True)["ranking"]
+    cm.convert(str(d), str(tmp_path / "fixed"), seed=1, negatives=3, max_history=4,
+               row_group_rows=10, valid=True)
+    for split in ("train", "valid", "test"):                     # retrieval: unchanged
+        assert pq.read_table(out / "retrieval" / f"{split}.parquet").equals(
+            pq.read_table(tmp_path / "fixed" / "retrieval" / f"{split}.parquet"))
+    for split in ("valid", "test"):                              # fixed negatives: unchanged
+        assert pq.read_table(out / "ranking" / f"{split}.parquet").equals(
+            pq.read_table(tmp_path / "fixed" / "ranking" / f"{split}.parquet"))
     r = out / "ranking"
     assert counts["train_negatives"] == "resampled per epoch"
     train = pq.read_table(r / "train.parquet")
@@ -195,3 +203,23 @@ def test_config_checks_negatives():
         get_config("tiny", "data.negatives=3")
     with pytest.raises(ValueError, match=r"multiple of 1 \+ data.negatives"):
         get_config("tiny", "data.negatives=3,data.batch_size=10")
+
+
+@pytest.mark.parametrize("order,shards", [("time", 1), ("shuffle", 1), ("shuffle", 2)])
+def test_epochs_of_counts_passes_over_the_rows(tmp_path, order, shards):
+    """Within a lane (shuffle) or the file (time), the rows served in epoch e are every
+    row of that lane once; epochs rise by one at a time."""
+    path = str(tmp_path / "pos.parquet")
+    positives_file(path, users=tuple(i % 3 for i in range(11)))
+    src = ParquetSource(path, COLS, 2 * shards, seed=3, order=order, window=4)
+    for shard in range(shards):
+        served = {}
+        for step in range(14):
+            rows = src.rows_of(step, shard, shards)
+            for r, e in zip(rows, src.epochs_of(step, shard, shards)):
+                served.setdefault(int(e), []).append(int(r))
+        lane = 11 if order == "time" else 11 // shards
+        epochs = sorted(served)
+        assert epochs == list(range(len(epochs))) and len(epochs) >= 2
+        for e in epochs[:-1]:                      # complete epochs
+            assert len(served[e]) == lane == len(set(served[e]))
