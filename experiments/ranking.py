@@ -35,7 +35,7 @@ Protocol (docs/ranking.md):
     "lr": {"train.sparse_lr": 0.1}}
 values as in --override (numbers, true/false, strings; lists become tuples "64:64").
 Models absent from the file run with the preset's settings. Choose them on validation
-only (experiments/sweep.py); the test rows never enter the choice.
+only (python -m experiments.sweep); the test rows never enter the choice.
 """
 
 from __future__ import annotations
