@@ -20,7 +20,8 @@ Protocol (docs/ranking.md):
      train: up to --max_epochs epochs, validation AUC after every epoch
             (train.select_metric=auc, train.valid_every = one epoch of steps), early
             stop after --patience epochs without improvement; the test rows are scored
-            once, on the best validation checkpoint.
+            once, on the best validation checkpoint. The dense learning rate decays
+            over the --max_epochs epochs of train.steps (an early stop ends part-way).
    then the model's overrides (MODELS), then its hyperparameters from --hparams, then
    --override. A workdir with summary.json is read back, not trained again; another is
    resumed by train() (a rerun continues where a killed one stopped). A workdir whose
