@@ -139,6 +139,15 @@ def test_resampled_batches(tmp_path, order):
     assert all(changed)
 
 
+def test_sampler_ids_outside_the_tables_are_refused(tmp_path):
+    path = str(tmp_path / "pos.parquet")
+    positives_file(path)
+    cols = dataclasses.replace(COLS, vocab=(("item", 15),))
+    with pytest.raises(ValueError, match=r"column 'item' holds ids in \[2, 15\], outside its "
+                                         r"table's 15 rows"):
+        ResampledNegatives(ParquetSource(path, cols, 4, order="time"), sampler(), 3)
+
+
 def test_other_seeds_draw_other_negatives(tmp_path):
     path = str(tmp_path / "pos.parquet")
     positives_file(path)

@@ -200,6 +200,11 @@ class ResampledNegatives:
         if missing:
             raise ValueError(f"negatives: {sampler.path}: columns {missing} are not sparse "
                              f"features of the rows ({list(base.columns.sparse)})")
+        vocab = dict(base.columns.vocab)
+        for c, v in ((sampler.item_column, sampler.items), *sampler.side.items()):
+            if c in vocab and (v.min() < 0 or v.max() >= vocab[c]):
+                raise ValueError(f"negatives: {sampler.path}: column {c!r} holds ids in "
+                                 f"[{v.min()}, {v.max()}], outside its table's {vocab[c]} rows")
         self.base, self.sampler, self.n = base, sampler, n
         self.group = 1 + n
         self.batch_size = base.batch_size * self.group
