@@ -76,13 +76,13 @@ def test_conversion_is_made_once_and_checked(ml, tmp_path):
                     "cannot select on validation")
 def test_smoke_two_models_one_seed(ml, tmp_path):
     data = R.ensure_converted(str(ml), str(tmp_path / "out"), 0, 3, 4, 0)
-    bench = {"negatives": 3, "positives": 4, "max_epochs": 2, "patience": 1}
+    bench = {"negatives": 3, "positives": 8, "max_epochs": 2, "patience": 1}
     tiny = ("model.dim=8,model.wukong_mlp=16,model.head_mlp=16,model.fmb_tokens=2,"
             "model.lcb_tokens=2,model.fm_rank=2")
     results = []
     for model in ("lr", "wukong"):
         cfg = R.run_config(data, model, 0, {}, tiny, **bench)
-        assert cfg.data.negatives == 3 and cfg.data.batch_size == 16
+        assert cfg.data.negatives == 3 and cfg.data.batch_size == 32
         wd = str(tmp_path / "runs" / f"{model}_s0")
         summary = R.train_one(cfg, wd, log=lambda s: None)
         assert summary["selection"]["metric"] == "auc"
