@@ -2,7 +2,6 @@
 
     python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m \\
         [--tasks=ranking,retrieval] [--negatives=4] [--max_history=200] [--seed=0] [--valid]
-        [--resample_negatives]
 
 Reads ../shared/datasets/ml-1m (or --data_dir) in place through
 gemjax.data.movielens.load_movielens (each user's train items in time order, the
@@ -302,11 +301,11 @@ def define_flags():
                          "positions (0 = every position from the 2nd on)")
     flags.DEFINE_bool("valid", False, "also write valid.parquet (each user's last train item) "
                       "and leave that position out of train.parquet")
-    flags.DEFINE_bool("resample_negatives", False, "ranking: train.parquet holds positives only "
-                      "and negatives.npz the sampler that draws --negatives-like train negatives "
-                      "afresh each epoch (data.negatives); valid / test keep fixed negatives")
     flags.DEFINE_integer("max_users", 0, "convert only the first N users (0 = all; for quick runs)")
     flags.DEFINE_integer("row_group_rows", 65_536, "target rows per Parquet row group")
+    flags.DEFINE_bool("resample_negatives", False, "ranking: train.parquet holds positives only "
+                      "and negatives.npz the sampler that draws the train negatives "
+                      "afresh each epoch (data.negatives); valid / test keep fixed negatives")
 
 
 def main(argv):

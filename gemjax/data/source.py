@@ -202,11 +202,11 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
                                    order=d.order if stream == "train" else "time",
                                    window=d.shuffle_window, nan=d.nan,
                                    capacity_slack=d.capacity_slack)
+            if group > 1:       # positives-only rows, negatives drawn per epoch
+                from gemjax.data.negatives import resample
+                source = resample(source, cfg)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"{field}={path}: {e}") from None
-        if group > 1:       # positives-only rows, negatives drawn per epoch
-            from gemjax.data.negatives import resample
-            return resample(source, cfg)
         return OneEpoch(source) if stream == "eval" and d.eval_batches == 0 else source
     if d.source != "synthetic":
         raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")
