@@ -33,8 +33,10 @@ Protocol (docs/ranking.md):
 
 --hparams: a JSON object {model: {override: value}}, e.g.
    {"teacher": {"train.dense_lr": 0.003, "model.dim": 64},
-    "lr": {"train.sparse_lr": 0.1}}
-values as in --override (numbers, true/false, strings; lists become tuples "64:64").
+    "lr": {"train.sparse_lr": 0.1}, "gem": "sweeps/gem/sweep.json"}
+values as in --override (numbers, true/false, strings; lists become tuples "64:64"); a
+string instead of an object is the path (relative to the file) of a sweep.json written
+by experiments.sweep, whose chosen trial's params are the model's overrides.
 Models absent from the file run with the preset's settings. Choose them on validation
 only (python -m experiments.sweep); the test rows never enter the choice.
 """
@@ -156,14 +158,30 @@ def load_hparams(path: str, models=MODELS) -> dict[str, dict[str, str]]:
     for model, over in raw.items():
         if model not in models:
             raise ValueError(f"--hparams={path}: unknown model {model!r}; known: {list(models)}")
+        if isinstance(over, str):
+            over = _sweep_choice(os.path.join(os.path.dirname(os.path.abspath(path)), over),
+                                 f"--hparams={path}: {model}")
         if not isinstance(over, dict):
-            raise ValueError(f"--hparams={path}: {model}: expected an object of overrides")
+            raise ValueError(f"--hparams={path}: {model}: expected an object of overrides or "
+                             f"the path of a sweep.json")
         out[model] = {}
         for k, v in over.items():
             if "." not in k:
                 raise ValueError(f"--hparams={path}: {model}: {k!r} is not section.field")
             out[model][k] = _text(v, f"--hparams={path}: {model}.{k}")
     return out
+
+
+def _sweep_choice(path: str, where: str) -> dict:
+    """The overrides a sweep chose: sweep.json's ["chosen"]["params"] (experiments.sweep)."""
+    try:
+        with open(path) as f:
+            chosen = json.load(f).get("chosen")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{where}: {path} is not a readable sweep.json ({e})") from None
+    if not isinstance(chosen, dict) or not isinstance(chosen.get("params"), dict):
+        raise ValueError(f"{where}: {path} holds no chosen trial (chosen.params)")
+    return chosen["params"]
 
 
 def _text(v, where: str) -> str:

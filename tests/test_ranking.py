@@ -20,6 +20,14 @@ def test_hparams_file(tmp_path):
         "lr": {"train.sparse_lr": "0.1", "model.use_sequences": "false"},
         "gem": {"model.wukong_mlp": "32:32", "model.attention": "softmax"}}
     assert R.load_hparams("") == {}
+    (tmp_path / "sw").mkdir()
+    (tmp_path / "sw" / "sweep.json").write_text(json.dumps(
+        {"chosen": {"number": 3, "params": {"train.dense_lr": 0.002, "model.dim": 16}}}))
+    p.write_text(json.dumps({"gem": "sw/sweep.json"}))
+    assert R.load_hparams(str(p)) == {"gem": {"train.dense_lr": "0.002", "model.dim": "16"}}
+    (tmp_path / "sw" / "sweep.json").write_text(json.dumps({"chosen": None}))
+    with pytest.raises(ValueError, match="gem: .*sweep.json holds no chosen trial"):
+        R.load_hparams(str(p))
     for bad, msg in (({"nope": {}}, "unknown model 'nope'"), ({"lr": 3}, "lr: expected an object"),
                      ({"lr": {"lr": 1}}, "'lr' is not section.field"),
                      ({"lr": {"train.x": {"a": 1}}}, r"lr.train.x: value \{'a': 1\}")):
