@@ -36,7 +36,11 @@ cfg.data.source:
                data.train_path (order data.order) or data.eval_path (file order),
                columns from cfg.features (`parquet.columns_from_schema`). With
                data.eval_batches = 0 the eval stream is `OneEpoch`: every eval row
-               once, the rows past the end of the last batch masked out.
+               once, the rows past the end of the last batch masked out. With
+               data.negatives = N > 0 the train files hold positives only and the
+               train stream is `gemjax.data.negatives.ResampledNegatives`:
+               data.batch_size / (1 + N) positives a step, each followed by N
+               negatives drawn per epoch.
 `eval_steps(source, cfg)` is the eval stream's number of batches, and
 `counter_names(source)` the fallback counters its infos carry (the train loop
 sums them into metrics.jsonl).
