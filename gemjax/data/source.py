@@ -200,15 +200,15 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
                                                                                    "data.eval_path")
         if not path:
             raise ValueError(f"data.source=parquet needs {field}")
-        group = 1 + d.negatives if stream == "train" else 1   # positives and their negatives
+        if stream == "train" and d.negatives:     # positives-only rows, negatives per epoch
+            from gemjax.data.negatives import resample
+            positives = dataclasses.replace(d, negatives=0, batch_size=d.batch_size // (1 + d.negatives))
+            return resample(make_source(dataclasses.replace(cfg, data=positives), seed=seed), cfg)
         try:
-            source = ParquetSource(path, columns, d.batch_size // group, seed,
+            source = ParquetSource(path, columns, d.batch_size, seed,
                                    order=d.order if stream == "train" else "time",
                                    window=d.shuffle_window, nan=d.nan,
                                    capacity_slack=d.capacity_slack)
-            if group > 1:       # positives-only rows, negatives drawn per epoch
-                from gemjax.data.negatives import resample
-                source = resample(source, cfg)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"{field}={path}: {e}") from None
         return OneEpoch(source) if stream == "eval" and d.eval_batches == 0 else source
