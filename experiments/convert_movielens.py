@@ -32,7 +32,12 @@ Positions (L = the user's train items):
 ranking     per position the true item (label 1), then --negatives sampled items
             (label 0), each drawn uniformly, with replacement, from the items that
             occur in the data minus every item the user ever rated (train and test):
-            never the positive, never in the user's history.
+            never the positive, never in the user's history. With
+            --resample_negatives, train.parquet holds the positives only and
+            ranking/negatives.npz the sampler (gemjax.data.negatives: the items that
+            occur with their genre, each user's rated items) that draws the train
+            negatives afresh every epoch (data.negatives=N); valid and test keep their
+            fixed, seeded negatives.
 retrieval   the true item only (label 1; a sampled-softmax or in-batch-negatives head
             draws its own negatives over the item table).
 
@@ -211,8 +216,10 @@ def _split_counts(data: Interactions, pos, cands, max_history: int) -> dict:
 
 def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int = 4,
             max_history: int = 200, train_positions: int = 0, max_users: int = 0,
-            row_group_rows: int = 65_536, valid: bool = False) -> dict:
-    """Write out/<task>/{train,test[,valid]}.parquet, schema.json, counts.json; returns
+            row_group_rows: int = 65_536, valid: bool = False,
+            resample_negatives: bool = False) -> dict:
+    """Write out/<task>/{train,test[,valid]}.parquet, schema.json, counts.json (ranking
+    with resample_negatives: positives-only train rows and negatives.npz); returns
     {task: counts}."""
     from gemjax.data.movielens import load_movielens
     from gemjax.data.parquet_writer import check_out_dir, write_json, write_split
@@ -235,9 +242,11 @@ def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int 
     for task in tasks:
         d = check_out_dir(os.path.join(out, task))
         k = negatives if task == "ranking" else 0
+        resample = resample_negatives and task == "ranking"
         counts = {"dataset": "ml-1m", "task": task, "data_dir": os.path.abspath(data_dir),
                   "seed": seed, "negatives": k, "max_history": max_history,
                   "train_positions": train_positions, "valid": valid,
+                  "train_negatives": "resampled per epoch" if resample else "fixed",
                   "users": data.num_users,
                   "dataset_users": data.dataset_users,
                   "dataset_interactions": data.dataset_interactions,
@@ -251,18 +260,32 @@ def convert(data_dir: str, out: str, tasks=TASKS, seed: int = 0, negatives: int 
             t1 = time.time()
             pos = data.positions(split, train_positions, valid)
             rng = np.random.default_rng([seed, TASKS.index(task), i])
-            neg = data.sample_negatives(data.user_of(pos), k, rng)
+            neg = data.sample_negatives(data.user_of(pos), 0 if resample and split == "train"
+                                        else k, rng)
             cands = np.concatenate([data.seq[pos][:, None], neg], axis=1)
             written = write_split(os.path.join(d, f"{split}.parquet"),
                                   _chunks(data, pos, cands, max_history, row_group_rows))
             counts["splits"][split] = {**written, **_split_counts(data, pos, cands, max_history),
                                        "seconds": time.time() - t1}
+        if resample:
+            negative_sampler(data).save(os.path.join(d, "negatives.npz"))
         write_json(os.path.join(d, "schema.json"), schema.to_dict())
         counts["raw_ids"] = {**{n: r.tolist() for n, r in data.raw_user.items()},
                              "genre": data.genres.tolist()}
         write_json(os.path.join(d, "counts.json"), counts)
         result[task] = counts
     return result
+
+
+def negative_sampler(data: Interactions):
+    """The train negatives' sampler (gemjax.data.negatives.NegativeSampler): the items
+    present with their genre, minus each user's rated items (train and test)."""
+    from gemjax.data.negatives import NegativeSampler
+    user, item = np.divmod(data.seen_keys, data.num_item_rows)
+    offsets = np.zeros(data.num_users + 1, np.int64)
+    np.cumsum(np.bincount(user, minlength=data.num_users), out=offsets[1:])
+    return NegativeSampler.build("user", "item", data.present,
+                                 {"genre": data.genre_of[data.present]}, offsets, item)
 
 
 def define_flags():
@@ -280,6 +303,9 @@ def define_flags():
                       "and leave that position out of train.parquet")
     flags.DEFINE_integer("max_users", 0, "convert only the first N users (0 = all; for quick runs)")
     flags.DEFINE_integer("row_group_rows", 65_536, "target rows per Parquet row group")
+    flags.DEFINE_bool("resample_negatives", False, "ranking: train.parquet holds positives only "
+                      "and negatives.npz the sampler that draws the train negatives "
+                      "afresh each epoch (data.negatives); valid / test keep fixed negatives")
 
 
 def main(argv):
@@ -291,7 +317,8 @@ def main(argv):
     from gemjax.data.movielens import DEFAULT_DIR
     t0 = time.time()
     result = convert(f.data_dir or DEFAULT_DIR, f.out, tuple(f.tasks), f.seed, f.negatives,
-                     f.max_history, f.train_positions, f.max_users, f.row_group_rows, f.valid)
+                     f.max_history, f.train_positions, f.max_users, f.row_group_rows, f.valid,
+                     f.resample_negatives)
     for task, counts in result.items():
         for split, c in counts["splits"].items():
             print(f"{task:9s} {split:5s} {c['rows']:9d} rows  {c['users']:5d} users  history "

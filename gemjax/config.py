@@ -55,6 +55,12 @@ class DataConfig:
     capacity_slack: float = 1.3      # packed capacity = slack * expected tokens per batch
     eval_batches: int = 16
     host_workers: int = 1            # Feeder threads: each builds, checks and device_puts (step, shard) pieces
+    # parquet train stream of positives only: N negatives per row drawn each epoch as a pure
+    # function of (train.seed, epoch, row) by gemjax.data.negatives (0: rows as stored);
+    # data.batch_size counts all rows (a multiple of 1 + N). negatives_path: the sampler's
+    # .npz ("": negatives.npz beside data.train_path)
+    negatives: int = 0
+    negatives_path: str = ""
     # planted teacher strengths (logit units)
     first_order: float = 0.4         # segment and context biases
     item_bias: float = 0.0           # per-item biases (many rare ids: slow to learn)
@@ -477,6 +483,7 @@ def validate(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
     checks = [
         *_source_checks(d, cfg.features),
+        *_negatives_checks(d),
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
         (d.num_surfaces >= 1 and d.num_tasks >= 1, "data.num_surfaces and data.num_tasks must be >= 1"),
         (10 <= d.vocab_user <= 10**9, f"data.vocab_user must be in [10, 1e9], got {d.vocab_user}"),
@@ -602,6 +609,16 @@ def _source_checks(d: DataConfig, features: FeatureSchema | None) -> list[tuple[
                 (bool(d.eval_path), "data.source=parquet needs data.eval_path (a file, a "
                                     "directory or a glob of the eval rows)")]
     return out
+
+
+def _negatives_checks(d: DataConfig) -> list[tuple[bool, str]]:
+    """Resampled train negatives (gemjax.data.negatives): a parquet source, whole groups."""
+    return [(d.negatives >= 0, f"data.negatives must be >= 0, got {d.negatives}"),
+            (d.batch_size % (1 + max(d.negatives, 0)) == 0,
+             f"data.batch_size ({d.batch_size}) must be a multiple of 1 + data.negatives "
+             f"({1 + d.negatives}): each positive brings its negatives"),
+            (not d.negatives or d.source == "parquet",
+             "data.negatives (resampled negatives) needs data.source=parquet")]
 
 
 def _feature_checks(cfg: Config) -> list[tuple[bool, str]]:

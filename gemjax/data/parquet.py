@@ -518,6 +518,15 @@ class ParquetSource:
             out[sel] = self.index.start[groups[k]] + (p - start[k])
         return out
 
+    def epochs_of(self, step: int, shard: int, num_shards: int) -> np.ndarray:
+        """[b] int64 the epoch (pass over the rows) each row of rows_of(step, shard,
+        num_shards) is read in: lane position // lane rows (shuffle), global position //
+        num_rows (time)."""
+        b = self.local_batch_size(num_shards)
+        if self.order == "time":
+            return (step * self.batch_size + shard * b + np.arange(b, dtype=np.int64)) // self.num_rows
+        return (step * b + np.arange(b, dtype=np.int64)) // (self.num_rows // num_shards)
+
     # ---- decoding -------------------------------------------------------------------------
 
     def _where(self, g: int, row: int | None = None) -> str:

@@ -36,7 +36,11 @@ cfg.data.source:
                data.train_path (order data.order) or data.eval_path (file order),
                columns from cfg.features (`parquet.columns_from_schema`). With
                data.eval_batches = 0 the eval stream is `OneEpoch`: every eval row
-               once, the rows past the end of the last batch masked out.
+               once, the rows past the end of the last batch masked out. With
+               data.negatives = N > 0 the train files hold positives only and the
+               train stream is `gemjax.data.negatives.ResampledNegatives`:
+               data.batch_size / (1 + N) positives a step, each followed by N
+               negatives drawn per epoch.
 `eval_steps(source, cfg)` is the eval stream's number of batches, and
 `counter_names(source)` the fallback counters its infos carry (the train loop
 sums them into metrics.jsonl).
@@ -196,6 +200,10 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
                                                                                    "data.eval_path")
         if not path:
             raise ValueError(f"data.source=parquet needs {field}")
+        if stream == "train" and d.negatives:     # positives-only rows, negatives per epoch
+            from gemjax.data.negatives import resample
+            positives = dataclasses.replace(d, negatives=0, batch_size=d.batch_size // (1 + d.negatives))
+            return resample(make_source(dataclasses.replace(cfg, data=positives), seed=seed), cfg)
         try:
             source = ParquetSource(path, columns, d.batch_size, seed,
                                    order=d.order if stream == "train" else "time",
