@@ -238,8 +238,10 @@ def run_process(argv: Sequence[str], workdir: str, log_path: str) -> int:
     with open(log_path, "ab") as log:
         log.write(f"\n$ {shlex.join(argv)}\n".encode())
         log.flush()
+        # its own process group: a terminal's Ctrl-C reaches the sweep, which passes it on
+        # once (a second signal would stop the run without its save)
         proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=pdeathsig)
+                                stdin=subprocess.DEVNULL, preexec_fn=pdeathsig, process_group=0)
         forward = lambda signum, _frame: proc.send_signal(signum)   # noqa: E731
         old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -617,7 +619,11 @@ def run_sweep(sweep: Sweep, params: list[Param], spec: dict, budget: int, top: i
               runner: Runner | None = None) -> dict:
     """Search, read test once for the chosen trial, write sweep.json and table.md;
     returns sweep.json's dict."""
-    import optuna
+    try:
+        import optuna
+    except ImportError:
+        raise SweepError("the sweep needs Optuna: pip install -c constraints.txt -e '.[sweep]' "
+                         "(at run time optuna, colorlog, tqdm, PyYAML, packaging, numpy)") from None
     runner = runner or RUNNER
     with sweep_lock(sweep.workdir):
         check_spec(sweep.workdir, spec)

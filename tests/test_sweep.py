@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -310,3 +311,61 @@ def test_two_tiny_trials_through_the_trainer(tmp_path):
         assert r["values"] == [summary["selection"]["best_value"]]
     assert out["chosen"]["mean"] == min(r["mean"] for r in out["trials"])
     assert len(out["test"]["values"]) == 1 and math.isfinite(out["test"]["mean"])
+
+
+# ----------------------------------------------------------------------------- the process runner
+
+CHILD = """
+import os, signal, sys, time
+got = []
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, lambda n, f: (got.append(n), print("sig" + "nal", n, flush=True)))
+print(f"child {os.getpid()} group {os.getpgrp()}", flush=True)
+for _ in range(600):
+    time.sleep(0.05)
+    if got:
+        time.sleep(0.5)                  # a second signal would show up here
+        print("sa" + "ved", flush=True)
+        sys.exit(128 + got[0])
+"""
+
+
+def start_parent(tmp_path):
+    """A sweep-like process in its own process group running CHILD through run_process
+    (it prints the exit code); returns (parent, log path, child pid, child group)."""
+    log = tmp_path / "run.log"
+    parent = (f"import sys; sys.path.insert(0, {REPO!r}); from experiments import sweep; "
+              f"print('code', sweep.run_process([sys.executable, '-c', {CHILD!r}], {str(tmp_path)!r}, "
+              f"{str(log)!r}), flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                            process_group=0)
+    deadline, found = time.monotonic() + 30, None
+    while found is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = re.search(r"child (\d+) group (\d+)", log.read_text() if log.exists() else "")
+    return proc, log, int(found.group(1)), int(found.group(2))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_run_process_passes_a_stop_signal_on_once(tmp_path, signum):
+    proc, log, child, group = start_parent(tmp_path)
+    assert group == child                        # its own group, apart from the sweep's
+    os.killpg(proc.pid, signum)                  # as a terminal's Ctrl-C: the sweep's whole group
+    out, _ = proc.communicate(timeout=30)
+    assert out.split() == ["code", str(128 + signum)]   # the run saved and stopped; the sweep lives on
+    assert re.findall(r"\nsignal (\d+)\n", log.read_text()) == [str(int(signum))]
+    assert "\nsaved\n" in log.read_text()
+
+
+def test_a_run_gets_sigterm_when_its_sweep_is_killed(tmp_path):
+    proc, log, child, _ = start_parent(tmp_path)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while "\nsaved\n" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "\nsaved\n" in log.read_text()
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.kill(child, 0)
+            time.sleep(0.05)
