@@ -452,9 +452,8 @@ def open_study(workdir: str, params: list[Param], sampler: str, seed: int, direc
     # seed + trials so far, so it draws no repeat of the points the first process drew.
     seed += len(study.get_trials(deepcopy=False))
     if sampler == "grid":   # every combination queued once (Optuna's GridSampler stops only optimize())
-        if not study.get_trials(deepcopy=False):
-            for point in itertools.product(*(p.grid() for p in params)):
-                study.enqueue_trial(dict(zip((p.name for p in params), point)))
+        for point in itertools.product(*(p.grid() for p in params)):
+            study.enqueue_trial(dict(zip((p.name for p in params), point)), skip_if_exists=True)
         study.sampler = optuna.samplers.RandomSampler(seed=seed)
     elif sampler == "random":
         study.sampler = optuna.samplers.RandomSampler(seed=seed)
@@ -475,7 +474,7 @@ def progress(sweep: Sweep, result: dict, done: int, budget: int) -> None:
           f"{result['wall_s']:.1f} s", flush=True)
 
 
-def finish(study, sweep: Sweep, number: int, result: dict) -> None:
+def finish(study, number: int, result: dict) -> None:
     from optuna.trial import TrialState
     if "error" in result:
         study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
@@ -505,19 +504,21 @@ def search(sweep: Sweep, params: list[Param], budget: int, sampler: str, seed: i
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):   # a stopped sweep's
         result = read_json(os.path.join(sweep.trial_dir(t.number), RESULT))
         if result is not None:            # finished, not yet told
-            finish(study, sweep, t.number, result)
+            finish(study, t.number, result)
         elif set(t.params) != set(dists):  # stopped inside ask(): nothing ran
             study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         elif len(counted()) < budget:
             log(f"[sweep] resuming trial {t.number}")
             result = run_trial(sweep, t.number, dict(t.params), runner)
-            finish(study, sweep, t.number, result)
+            finish(study, t.number, result)
             progress(sweep, result, len(counted()), budget)
     fails = 0
     while len(counted()) < budget:
+        if sampler == "grid" and not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            break                        # every queued combination ran
         trial = study.ask(dists)
         result = run_trial(sweep, trial.number, dict(trial.params), runner)
-        finish(study, sweep, trial.number, result)
+        finish(study, trial.number, result)
         progress(sweep, result, len(counted()), budget)
         fails = fails + 1 if "error" in result else 0
         if fails >= 3:
@@ -557,6 +558,8 @@ def table(sweep: Sweep, params: list[Param], rows: list[dict], test: dict | None
                                         vals, mean, f"{r['wall_s']:.1f}"]) + " |")
     ok = [r for r in rows if "error" not in r]
     lines.append("")
+    if not ok:
+        lines.append("no trial finished: nothing chosen, no test read")
     lines.append(f"{len(ok)} trials finished, {len(rows) - len(ok)} failed; seeds {sweep.seeds}; "
                  f"validation {sweep.metric} ({direction(sweep.metric)}d)")
     if test is not None:

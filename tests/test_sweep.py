@@ -293,24 +293,34 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path):
 
 # ----------------------------------------------------------------------------- real trainer
 
+@pytest.mark.slow
 def test_two_tiny_trials_through_the_trainer(tmp_path):
     if not sweep.trainer_selects():
         pytest.skip("gemjax.config.TrainConfig has no select_metric yet (validation selection "
                     "lands with the trainer's validation contract)")
+    # data.eval_batches changes the validation figures, not the compiled programs: the
+    # second trial and the test read load the first one's from the compilation cache
     argv = [sys.executable, "-m", "experiments.sweep", "--config=tiny", f"--workdir={tmp_path}",
-            "--override=train.steps=4,train.eval_every=2,train.log_every=2,train.checkpoint_every=2,"
-            "data.valid_path=synthetic", "--space=train.dense_lr=loguniform(1e-3,1e-2)", "--trials=2",
-            "--seeds=0", "--sampler=random", "--train_flags=--compile_cache="]
+            "--override=train.steps=4,train.eval_every=2,train.log_every=2,train.checkpoint_every=2",
+            "--space=data.eval_batches=choice(1,2)", "--trials=2", "--seeds=0", "--sampler=grid"]
     res = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / "sweep.json").read_text())
     assert len(out["trials"]) == 2 and out["metric"] == "ne"
     for r in out["trials"]:
-        summary = json.loads((tmp_path / "trials" / f"{r['number']:04d}" / "seed_0" / "summary.json")
-                             .read_text())
+        run_dir = tmp_path / "trials" / f"{r['number']:04d}" / "seed_0"
+        summary = json.loads((run_dir / "summary.json").read_text())
         assert r["values"] == [summary["selection"]["best_value"]]
-    assert out["chosen"]["mean"] == min(r["mean"] for r in out["trials"])
-    assert len(out["test"]["values"]) == 1 and math.isfinite(out["test"]["mean"])
+        cfg = json.loads((run_dir / "config.json").read_text())
+        assert (cfg["data"]["eval_path"], cfg["data"]["valid_path"], cfg["train"]["select_metric"]) \
+            == ("", "synthetic", "ne")
+    chosen = out["chosen"]
+    assert chosen["mean"] == min(r["mean"] for r in out["trials"])
+    best_step = json.loads((tmp_path / "trials" / f"{chosen['number']:04d}" / "seed_0" / "summary.json")
+                           .read_text())["selection"]["best_step"]
+    assert out["test"]["rows"]["0"]["step"] == best_step            # the best checkpoint's test figures
+    assert out["test"]["values"] == [out["test"]["rows"]["0"]["ne"]]
+    assert res.stdout.splitlines()[-1].startswith(f"chosen: trial {chosen['number']}")
 
 
 # ----------------------------------------------------------------------------- the process runner
