@@ -82,7 +82,8 @@ MINIMIZE = ("ne", "loss", "log_loss")
 RESERVED = ("train.seed", "train.select_metric", "data.eval_path")
 KINDS = {"loguniform": 2, "uniform": 2, "int": (2, 3), "logint": 2, "choice": None}
 SPEC_FILE, JOURNAL, RESULT = "spec.json", "study.journal", "result.json"
-STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+# a run that saved and stopped on a signal (128 + signum), or died of one before its handler
+STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
 
 
 class SweepError(ValueError):
@@ -232,8 +233,9 @@ def wait_unlocked(workdir: str, timeout: float = 600.0) -> None:
 
 def run_process(argv: Sequence[str], workdir: str, log_path: str) -> int:
     """Run `argv` with stdout and stderr appended to `log_path`; its exit code. A
-    SIGINT / SIGTERM to the sweep is passed on (the run saves and exits 128 + signal);
-    the run gets SIGTERM if the sweep dies."""
+    SIGINT / SIGTERM to the sweep is passed on (the run saves and exits 128 + signal;
+    128 + signal is returned whenever a passed-on signal ended it); the run gets SIGTERM
+    if the sweep dies."""
     wait_unlocked(workdir)
     with open(log_path, "ab") as log:
         log.write(f"\n$ {shlex.join(argv)}\n".encode())
@@ -242,10 +244,16 @@ def run_process(argv: Sequence[str], workdir: str, log_path: str) -> int:
         # once (a second signal would stop the run without its save)
         proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=pdeathsig, process_group=0)
-        forward = lambda signum, _frame: proc.send_signal(signum)   # noqa: E731
+        passed: list[int] = []
+
+        def forward(signum, _frame):
+            passed.append(signum)
+            proc.send_signal(signum)
+
         old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return proc.wait()
+            code = proc.wait()
+            return 128 + passed[0] if passed and code != 0 else code
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -342,7 +350,7 @@ def run_trial(sweep: Sweep, number: int, params: dict, runner: Runner) -> dict:
             log = os.path.join(sweep.trial_dir(number), f"seed_{seed}.log")
             code = runner(sweep.train_argv(number, seed, params), run_dir, log)
             if code in STOP_CODES:
-                raise Stopped(f"trial {number} seed {seed} stopped by signal {code - 128}")
+                raise Stopped(f"trial {number} seed {seed} stopped by signal {abs(code) % 128}")
             value = selection_value(sweep, run_dir)
             if code != 0 or value is None:
                 error = (f"seed {seed}: exit {code}" + ("" if code else ", no selection in summary.json")
@@ -377,7 +385,7 @@ def read_test(sweep: Sweep, number: int, runner: Runner) -> dict:
         log = os.path.join(sweep.trial_dir(number), f"seed_{seed}.test.log")
         code = runner(sweep.eval_argv(number, seed), run_dir, log)
         if code in STOP_CODES:
-            raise Stopped(f"test read of trial {number} seed {seed} stopped by signal {code - 128}")
+            raise Stopped(f"test read of trial {number} seed {seed} stopped by signal {abs(code) % 128}")
         row = read_json(os.path.join(run_dir, "eval", f"step_{best_step}.json"))
         if code != 0 or row is None or sweep.metric not in row:
             raise SweepError(f"test read of trial {number} seed {seed}: exit {code}, no "

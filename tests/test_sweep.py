@@ -340,12 +340,12 @@ for _ in range(600):
 """
 
 
-def start_parent(tmp_path):
+def start_parent(tmp_path, child=CHILD):
     """A sweep-like process in its own process group running CHILD through run_process
     (it prints the exit code); returns (parent, log path, child pid, child group)."""
     log = tmp_path / "run.log"
     parent = (f"import sys; sys.path.insert(0, {REPO!r}); from experiments import sweep; "
-              f"print('code', sweep.run_process([sys.executable, '-c', {CHILD!r}], {str(tmp_path)!r}, "
+              f"print('code', sweep.run_process([sys.executable, '-c', {child!r}], {str(tmp_path)!r}, "
               f"{str(log)!r}), flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
                             process_group=0)
@@ -365,6 +365,15 @@ def test_run_process_passes_a_stop_signal_on_once(tmp_path, signum):
     assert out.split() == ["code", str(128 + signum)]   # the run saved and stopped; the sweep lives on
     assert re.findall(r"\nsignal (\d+)\n", log.read_text()) == [str(int(signum))]
     assert "\nsaved\n" in log.read_text()
+
+
+def test_a_run_ended_by_a_passed_on_signal_is_a_stop(tmp_path):
+    bare = 'import os, time; print(f"child {os.getpid()} group {os.getpgrp()}", flush=True); time.sleep(60)'
+    proc, log, child, group = start_parent(tmp_path, bare)   # no handler: dies of the SIGINT
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert out.split() == ["code", str(128 + signal.SIGINT)]
+    assert 128 + signal.SIGINT in sweep.STOP_CODES
 
 
 def test_a_run_gets_sigterm_when_its_sweep_is_killed(tmp_path):
