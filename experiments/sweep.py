@@ -59,23 +59,28 @@ from absl import app, flags
 
 from gemjax.config import PRESETS, Config, apply_overrides, get_config, parse_overrides
 
-flags.DEFINE_string("config", "small", f"preset: one of {sorted(PRESETS)}")
-flags.DEFINE_string("workdir", "runs/sweep", "the sweep's directory (a rerun continues the sweep in it)")
-flags.DEFINE_string("override", "", "comma-separated section.field=value of every trial (e.g. "
-                    "train.steps=500,data.valid_path=synthetic); the trial's own values go on top")
-flags.DEFINE_string("features", "", "JSON feature schema of data.source=parquet files (passed to the trials)")
-flags.DEFINE_string("space", "", "';'-separated field=kind(args): loguniform(lo,hi), uniform(lo,hi), "
-                    "int(lo,hi[,step]), logint(lo,hi), choice(a,b,...)")
-flags.DEFINE_integer("trials", 20, "budget: trials run to completion (a rerun with more extends the sweep)")
-flags.DEFINE_list("seeds", ["0"], "train.seed of each run of a trial (the objective is their mean)")
-flags.DEFINE_string("metric", "", "validation metric to select on (train.select_metric; default: the "
-                    "config's train.select_metric, else hr@10 for model.kind=retrieval, else ne)")
-flags.DEFINE_enum("sampler", "tpe", ["tpe", "random", "grid"], "Optuna sampler")
-flags.DEFINE_integer("seed", 0, "seed of the sampler")
-flags.DEFINE_integer("top", 10, "trials in the table")
-flags.DEFINE_string("train_flags", "", "extra flags of every experiments.train call (shell words), "
-                    "e.g. '--cpu_devices=2 --compile_cache='")
-flags.DEFINE_string("python", sys.executable, "interpreter of the trial processes")
+
+def define_flags() -> None:
+    """The command line's flags (defined when run as a program, so that importing this
+    module beside another experiments program defines no flag twice)."""
+    flags.DEFINE_string("config", "small", f"preset: one of {sorted(PRESETS)}")
+    flags.DEFINE_string("workdir", "runs/sweep", "the sweep's directory (a rerun continues the sweep in it)")
+    flags.DEFINE_string("override", "", "comma-separated section.field=value of every trial (e.g. "
+                        "train.steps=500,data.valid_path=synthetic); the trial's own values go on top")
+    flags.DEFINE_string("features", "", "JSON feature schema of data.source=parquet files (passed to the trials)")
+    flags.DEFINE_string("space", "", "';'-separated field=kind(args): loguniform(lo,hi), uniform(lo,hi), "
+                        "int(lo,hi[,step]), logint(lo,hi), choice(a,b,...)")
+    flags.DEFINE_integer("trials", 20, "budget: trials run to completion (a rerun with more extends the sweep)")
+    flags.DEFINE_list("seeds", ["0"], "train.seed of each run of a trial (the objective is their mean)")
+    flags.DEFINE_string("metric", "", "validation metric to select on (train.select_metric; default: the "
+                        "config's train.select_metric, else hr@10 for model.kind=retrieval, else ne)")
+    flags.DEFINE_enum("sampler", "tpe", ["tpe", "random", "grid"], "Optuna sampler")
+    flags.DEFINE_integer("seed", 0, "seed of the sampler")
+    flags.DEFINE_integer("top", 10, "trials in the table")
+    flags.DEFINE_string("train_flags", "", "extra flags of every experiments.train call (shell words), "
+                        "e.g. '--cpu_devices=2 --compile_cache='")
+    flags.DEFINE_string("python", sys.executable, "interpreter of the trial processes")
+
 
 MINIMIZE = ("ne", "loss", "log_loss")
 # fields the sweep sets itself in every run
@@ -683,4 +688,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -252,6 +252,7 @@ from experiments import sweep
 import sweep_fake
 sweep.RUNNER = sweep_fake.run
 sweep.trainer_selects = lambda: True
+sweep.define_flags()
 app.run(sweep.main)
 """
 
