@@ -244,6 +244,16 @@ def test_a_stopped_trial_resumes_its_unfinished_seeds(tmp_path, call_log):
     assert got[3] not in got[:3]                   # the resumed sampler draws anew
 
 
+def test_a_partial_journal_record_is_dropped_and_the_sweep_continues(tmp_path, call_log, capsys):
+    run(tmp_path, trials=2, sampler="random")
+    with open(tmp_path / "study.journal", "ab") as fh:
+        fh.write(b'{"op_code": 5, "worker_id": "x", "trial_id"')      # a write cut short
+    out = run(tmp_path, trials=3, sampler="random")
+    assert "dropping a partial last record" in capsys.readouterr().out
+    assert sorted(r["number"] for r in out["trials"]) == [0, 1, 2]
+    assert (tmp_path / "study.journal").read_bytes().endswith(b"\n")
+
+
 LAUNCHER = """
 import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
