@@ -220,10 +220,15 @@ def _all_processes(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _mrr(ranks: np.ndarray) -> float:
+    """Mean reciprocal rank, 1 / (rank + 1) per row (rank 0: the target scored highest)."""
+    return float(np.mean(1.0 / (np.asarray(ranks, np.float64) + 1.0))) if len(ranks) else float("nan")
+
+
 class RetrievalEvaluator:
     """Full-ranking metrics over every row of the eval stream (module docstring);
-    __call__(state) -> {"hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200",
-    "mrr", the same "_unmasked", "rows", "catalog"}."""
+    __call__(state) -> {"hr@10", "ndcg@10", "hr@50", "ndcg@50", the same "_unmasked",
+    "rows", "catalog"}."""
 
     def __init__(self, trainer: RetrievalTrainer, cfg: Config):
         self.stream = make_source(cfg, "eval")
@@ -239,8 +244,9 @@ class RetrievalEvaluator:
             r = np.asarray(self.step_fn(state, self.feeder.to_device(batch)))
             ranks.append(r[np.asarray(batch.weights) > 0])
         r = _all_processes(np.concatenate(ranks))
-        out = {**ranking_summary(r[:, 0], KS, mrr=True),
-               **{f"{k}_unmasked": v for k, v in ranking_summary(r[:, 1], KS, mrr=True).items()}}
+        out = {**ranking_summary(r[:, 0], KS),
+               **{f"{k}_unmasked": v for k, v in ranking_summary(r[:, 1], KS).items()},
+               "mrr": _mrr(r[:, 0]), "mrr_unmasked": _mrr(r[:, 1])}
         return {**out, "rows": int(len(r)), "catalog": int(self.catalog.sum())}
 
     @staticmethod

@@ -9,7 +9,7 @@ token's is c, so one row trains every position of its history once.
     per_token = sampled_softmax(h, tgt_e, tgt_ids, neg_e, neg_ids, temperature)  # [T]
     exclude = history_mask(jag, hist_ids, V)                # [B, V] bool
     ranks = target_ranks(scores, targets, exclude)          # [B] int32
-    ranking_summary(ranks, ks, mrr=True)      # {"hr@10": ..., "ndcg@10": ..., "mrr": ...}
+    ranking_summary(ranks, ks)                              # {"hr@10": ..., "ndcg@10": ...}
 
 Negatives are shared by the tokens of one device ([N, d]); a negative equal to a
 token's target, or the padding item 0, is left out of that token's softmax. With N =
@@ -82,13 +82,10 @@ def target_ranks(scores: jax.Array, targets: jax.Array, exclude: jax.Array | Non
     return jnp.sum(above, axis=1).astype(jnp.int32)
 
 
-def ranking_summary(ranks: np.ndarray, ks=(10, 50), mrr: bool = False) -> dict[str, float]:
-    """{"hr@k": mean(rank < k), "ndcg@k": mean(1 / log2(rank + 2) if rank < k)} over ranks
-    [N] (rank 0: the top item); mrr: also "mrr": mean(1 / (rank + 1)) over the full ranking."""
+def ranking_summary(ranks: np.ndarray, ks=(10, 50)) -> dict[str, float]:
+    """{"hr@k": mean(rank < k), "ndcg@k": mean(1 / log2(rank + 2) if rank < k)} over ranks [N]."""
     r = np.asarray(ranks, np.float64)
     out = {}
-    if mrr:
-        out["mrr"] = float(np.mean(1.0 / (r + 1))) if r.size else float("nan")
     for k in ks:
         hit = r < k
         out[f"hr@{k}"] = float(hit.mean()) if r.size else float("nan")
