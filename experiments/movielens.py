@@ -66,7 +66,7 @@ def define_flags() -> None:
     flags.DEFINE_string("preset", "movielens_retrieval",
                         "movielens_retrieval (softmax tower) or movielens_hstu_large (HSTU blocks)")
     flags.DEFINE_integer("epochs", 100, "training epochs over the train rows (at most)")
-    flags.DEFINE_integer("eval_epochs", 10, "epochs between evaluations (validation with "
+    flags.DEFINE_integer("eval_epochs", 2, "epochs between evaluations (validation with "
                          "--valid, else test) and checkpoints")
     flags.DEFINE_bool("valid", True, "select the step on the validation rows (valid.parquet); "
                       "--novalid: no validation, the last state tested")

@@ -353,29 +353,6 @@ PRESETS: dict[str, Config] = {
         train=TrainConfig(steps=4_800, warmup_steps=48, dense_lr=1e-3, sparse_lr=0.05,
                           log_every=48, eval_every=480, checkpoint_every=480, baselines=False),
         features=ML1M_SCHEMA),
-    # MovieLens-1M retrieval with an HSTU-large-shaped tower (gemjax.layers.hstu), after
-    # generative-recommenders' configs/ml-1m/hstu-sampled-softmax-n128-large-final.gin:
-    # 8 blocks, 2 heads, dqk = dv = 25 (item dim 50), dropout 0.2 on the input and on each
-    # block's gated output, l2-normalised user and item vectors, temperature 0.05, 128
-    # sampled negatives, Adam 1e-3 without warmup or weight decay, batch 128 users, max
-    # length 200, 101 epochs (4,848 steps of 48 per epoch). Differences: position by RoPE
-    # on Q / K plus a learned recency embedding on the input (HSTU: a learned absolute
-    # position embedding and a bucketed relative position / time bias), the attention
-    # scale 1/200 as HSTU's 1/N; the negatives are shared by the tokens of a device (HSTU
-    # draws them per token); the item table trains with row-wise Adagrad (sparse_lr).
-    "movielens_hstu_large": Config(
-        name="movielens_hstu_large",
-        data=DataConfig(batch_size=128, source="parquet",
-                        train_path=f"{ML1M_DIR}/retrieval/train.parquet",
-                        eval_path=f"{ML1M_DIR}/retrieval/test.parquet", eval_batches=0,
-                        shuffle_window=1 << 20, capacity_slack=1.5),
-        model=ModelConfig(kind="retrieval", retrieval_encoder="hstu", dim=50, seq_layers=8,
-                          seq_heads=2, attention="gdpa", rope=True, qk_norm=False,
-                          retrieval_negatives=128, retrieval_temperature=0.05,
-                          retrieval_l2norm=True, retrieval_dropout=0.2, hstu_dropout=0.2),
-        train=TrainConfig(steps=4_848, warmup_steps=0, dense_lr=1e-3, sparse_lr=0.05,
-                          log_every=48, eval_every=480, checkpoint_every=480, baselines=False),
-        features=ML1M_SCHEMA),
     # Frappe CTR, GEM v0 (Wukong over the 10 field tokens: dim 16, 3 layers, FMB 6 + LCB 4
     # tokens, rank 4, MLPs of 64; experiments/frappe.py runs it over seeds). Trained on train.parquet, scored on every row of test.parquet. The step
     # count (180 = 2 epochs of 90 batches) and learning rates were picked on holdout.parquet
@@ -391,6 +368,25 @@ PRESETS: dict[str, Config] = {
                           eval_every=180, checkpoint_every=180, baselines=False),
         features=FRAPPE_SCHEMA),
 }
+
+# MovieLens-1M retrieval with an HSTU-large-shaped tower (gemjax.layers.hstu), after
+# generative-recommenders' configs/ml-1m/hstu-sampled-softmax-n128-large-final.gin:
+# 8 blocks, 2 heads, dqk = dv = 25 (item dim 50), dropout 0.2 on the input and on each
+# block's gated output, l2-normalised user and item vectors, temperature 0.05, 128
+# sampled negatives, Adam 1e-3 without warmup or weight decay, batch 128 users, max
+# length 200, 101 epochs (4,848 steps of 48 per epoch). Differences: position by RoPE
+# on Q / K plus a learned recency embedding on the input (HSTU: a learned absolute
+# position embedding and a bucketed relative position / time bias), the attention
+# scale 1/200 as HSTU's 1/N; the negatives are shared by the tokens of a device (HSTU
+# draws them per token); the item table trains with row-wise Adagrad (sparse_lr).
+# The data (and any selection settings) are movielens_retrieval's.
+PRESETS["movielens_hstu_large"] = dataclasses.replace(
+    PRESETS["movielens_retrieval"], name="movielens_hstu_large",
+    model=ModelConfig(kind="retrieval", retrieval_encoder="hstu", dim=50, seq_layers=8,
+                      seq_heads=2, attention="gdpa", rope=True, qk_norm=False,
+                      retrieval_negatives=128, retrieval_temperature=0.05, retrieval_l2norm=True,
+                      retrieval_dropout=0.2, hstu_dropout=0.2),
+    train=dataclasses.replace(PRESETS["movielens_retrieval"].train, steps=4_848, warmup_steps=0))
 
 
 def _is_none(value: str) -> bool:
