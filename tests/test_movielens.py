@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_converters import write_ml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +43,7 @@ def test_movielens_script_converts_trains_and_prints_the_summary_figures(tmp_pat
     wd = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "experiments.movielens",
                         f"--data_dir={src}", f"--data_out={tmp_path / 'conv'}", f"--workdir={wd}",
-                        "--epochs=2", "--eval_epochs=1",
+                        "--epochs=2", "--eval_epochs=1", "--novalid",
                         "--override=data.batch_size=4,model.dim=8,train.tensorboard=false"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -54,3 +56,35 @@ def test_movielens_script_converts_trains_and_prints_the_summary_figures(tmp_pat
     assert figures == [round(x, 4) for x in want]
     assert want == [evals[-1]["hr@10"], evals[-1]["ndcg@10"], evals[-1]["hr@50"]]
     assert "HSTU (published)" in r.stdout and "[movielens] converting" in r.stdout
+    assert summary["eval_hr@10"] <= summary["eval_hr@50"] <= summary["eval_hr@200"]
+    assert 0 < summary["eval_mrr"] <= 1
+
+
+@pytest.mark.skipif(not mlx.has_selection(), reason="the trainer has no model selection yet")
+def test_movielens_selects_on_validation_over_two_seeds_and_refits(tmp_path):
+    """--valid (the default): valid.parquet written, validation rows every epoch, the test
+    figures of each seed's best step, mean +- std over --seeds, and the refit run."""
+    src = tmp_path / "ml-1m"
+    src.mkdir()
+    write_ml(src)
+    wd = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "experiments.movielens", f"--data_dir={src}",
+                        f"--data_out={tmp_path / 'conv'}", f"--workdir={wd}", "--epochs=2",
+                        "--eval_epochs=1", "--seeds=0,1", "--patience=2", "--refit",
+                        "--preset=movielens_hstu_large",
+                        "--override=data.batch_size=4,model.dim=8,model.seq_layers=1,"
+                        "model.retrieval_negatives=8,train.tensorboard=false"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert os.path.exists(tmp_path / "conv" / "retrieval" / "valid.parquet")
+    for s in (0, 1):
+        summary = json.load(open(wd / f"seed{s}" / "summary.json"))
+        sel = summary["selection"]
+        assert sel["metric"] == "ndcg@10" and sel["best_step"] >= 1
+        rows = [json.loads(ln) for ln in open(wd / f"seed{s}" / "metrics.jsonl")]
+        valid = [x for x in rows if x.get("split") == "valid"]
+        assert valid and max(x["ndcg@10"] for x in valid) == sel["best_value"]
+        assert os.path.exists(wd / f"seed{s}" / "refit" / "summary.json")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gemjax mean +- std (2)")]
+    assert len(lines) == 2 and "refit over seeds" in r.stdout          # the runs, the refits
+    assert all(ln.count("+-") == 1 + len(mlx.COLUMNS) for ln in lines)

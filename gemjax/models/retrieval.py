@@ -3,7 +3,11 @@
 The event sequence of the schema (its first sequence, e.g. MovieLens "history" with the
 fields item and genre) is read as jagged tokens, the sum of its fields' embeddings
 (looked up outside the model by the EmbeddingCollection, as for GEM v0); input dropout;
-a causal SequenceEncoder (RoPE, QK-norm, final LayerNorm); optionally l2-normalised.
+a causal encoder; optionally l2-normalised. model.retrieval_encoder picks the encoder:
+"softmax" a SequenceEncoder (model.attention, RoPE, QK-norm, final LayerNorm), "hstu"
+HSTU blocks (gemjax.layers.hstu: SiLU pointwise attention through kernels.gdpa, gated
+by U, RoPE, attention scale 1 / the sequence's max_len) after a learned recency
+embedding is added to each token (row min(n - 1 - i, max_len - 1) for token i of n).
 Token t's vector scores the item that follows it: items are the rows of the same
 "item" table the history reads (tied input / output embeddings; the loss and the
 ranking are in gemjax.train.retrieval_loss). Nothing is padded per sample.
@@ -21,6 +25,8 @@ from flax import nnx
 from gemjax.config import Config
 from gemjax.data.batch import Batch
 from gemjax.data.features import schema_of
+from gemjax.layers.axes import param
+from gemjax.layers.hstu import HSTUEncoder
 from gemjax.layers.sequence import SequenceEncoder
 
 ITEM_FIELD = "item"                   # the sequence field whose table the head scores
@@ -68,19 +74,30 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 class RetrievalTower(nnx.Module):
     """acts {"<seq>.<field>": [T, dim]}, Batch, dropout key or None -> user vectors [T, dim].
 
-    model.dim, seq_layers, seq_heads, attention (softmax or gdpa; causal), rope,
-    qk_norm and dtype shape the encoder; model.retrieval_dropout is the rate of the
-    dropout on the input tokens (applied only when a key is given: training).
+    model.dim, seq_layers, seq_heads, rope and dtype shape the encoder (module
+    docstring; "softmax" also attention (softmax or gdpa; causal) and qk_norm, "hstu"
+    hstu_dropout); model.retrieval_dropout is the rate of the dropout on the input
+    tokens. Dropout runs only when a key is given (training).
     """
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         m = cfg.model
-        if m.attention == "block":
-            raise ValueError("model.kind=retrieval needs causal attention: model.attention "
-                             "softmax or gdpa, not block")
         self.cfg = cfg
         self.sequence = retrieval_sequence(cfg)
         self.fields = schema_of(cfg).id_fields[self.sequence]
+        if m.retrieval_encoder == "hstu":
+            max_len = next(q.max_len for q in schema_of(cfg).sequences if q.name == self.sequence)
+            self.max_len = max(int(max_len or 1), 1)
+            self.recency = param(jax.random.uniform(rngs.params(), (self.max_len, m.dim),
+                                                    minval=-1.0, maxval=1.0) * m.dim ** -0.5,
+                                 None, "embed")
+            self.encoder = HSTUEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
+                                       scale=1.0 / self.max_len, dropout=m.hstu_dropout,
+                                       rope=m.rope, dtype=jnp.dtype(m.dtype), rngs=rngs)
+            return
+        if m.attention == "block":
+            raise ValueError("model.kind=retrieval needs causal attention: model.attention "
+                             "softmax or gdpa, not block")
         self.encoder = SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
                                        attention=m.attention, causal=True, rope=m.rope,
                                        qk_norm=m.qk_norm, final_norm=True,
@@ -91,9 +108,18 @@ class RetrievalTower(nnx.Module):
         m = self.cfg.model
         jag = batch.sequences[self.sequence]
         x = sum(acts[f"{self.sequence}.{n}"] for n in self.fields)
+        hstu = m.retrieval_encoder == "hstu"
+        if hstu:
+            lengths = jnp.concatenate([jag.lengths, jnp.zeros((1,), jag.lengths.dtype)])
+            back = jnp.take(lengths, jag.segment_ids) - 1 - jag.positions     # 0: the newest
+            x = x + jnp.take(self.recency[...], jnp.clip(back, 0, self.max_len - 1), axis=0)
         rate = m.retrieval_dropout
         if dropout_key is not None and rate > 0:
             keep = jax.random.bernoulli(dropout_key, 1.0 - rate, x.shape)
             x = jnp.where(keep, x / (1.0 - rate), 0.0)
-        h = self.encoder(x, jag).astype(jnp.float32)
+        if hstu:
+            block_key = None if dropout_key is None else jax.random.fold_in(dropout_key, 1)
+            h = self.encoder(x, jag, block_key).astype(jnp.float32)
+        else:
+            h = self.encoder(x, jag).astype(jnp.float32)
         return l2_normalize(h) if m.retrieval_l2norm else h

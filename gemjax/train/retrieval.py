@@ -23,8 +23,9 @@ Eval (RetrievalEvaluator, every row of the eval stream once): the user vector at
 last history token of each row scored against every item row; rank = items scoring
 strictly higher than the row's candidate (ties in its favour), among the catalogue
 (rows >= 1 that occur in the train or eval data: a row's item or history), with the
-row's history items excluded ("hr@10", "ndcg@10", "hr@50", "ndcg@50", the published
-protocol) and kept ("..._unmasked"). Scores and ranks are computed on device; the
+row's history items excluded ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200",
+"ndcg@200", "mrr" = mean 1 / (rank + 1); the published protocol) and kept
+("..._unmasked"). Scores and ranks are computed on device; the
 host receives [B, 2] ranks per batch.
 
 Train metrics: "loss" (mean per-token cross-entropy), "loss_sum" / "weight_sum" [1]
@@ -56,8 +57,9 @@ from gemjax.train.retrieval_loss import (history_mask, next_item_targets, rankin
 from gemjax.train.step import (CHECK_VMA, PlannedStep, Trainer, gather_param, process_rows,
                                updated_state)
 
-KS = (10, 50)
-METRICS = tuple(f"{m}@{k}{s}" for s in ("", "_unmasked") for k in KS for m in ("hr", "ndcg"))
+KS = (10, 50, 200)
+METRICS = tuple(name for s in ("", "_unmasked")
+                for name in [f"{m}@{k}{s}" for k in KS for m in ("hr", "ndcg")] + [f"mrr{s}"])
 _NEGATIVES, _DROPOUT = 1, 2             # fold_in tags of the per-step keys
 
 
@@ -218,6 +220,11 @@ def _all_processes(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _mrr(ranks: np.ndarray) -> float:
+    """Mean reciprocal rank, 1 / (rank + 1) per row (rank 0: the target scored highest)."""
+    return float(np.mean(1.0 / (np.asarray(ranks, np.float64) + 1.0))) if len(ranks) else float("nan")
+
+
 class RetrievalEvaluator:
     """Full-ranking metrics over every row of the eval stream (module docstring);
     __call__(state) -> {"hr@10", "ndcg@10", "hr@50", "ndcg@50", the same "_unmasked",
@@ -238,11 +245,13 @@ class RetrievalEvaluator:
             ranks.append(r[np.asarray(batch.weights) > 0])
         r = _all_processes(np.concatenate(ranks))
         out = {**ranking_summary(r[:, 0], KS),
-               **{f"{k}_unmasked": v for k, v in ranking_summary(r[:, 1], KS).items()}}
+               **{f"{k}_unmasked": v for k, v in ranking_summary(r[:, 1], KS).items()},
+               "mrr": _mrr(r[:, 0]), "mrr_unmasked": _mrr(r[:, 1])}
         return {**out, "rows": int(len(r)), "catalog": int(self.catalog.sum())}
 
     @staticmethod
     def line(step: int, res: dict) -> str:
         return (f"[eval] step {step}: HR@10 {res['hr@10']:.4f} NDCG@10 {res['ndcg@10']:.4f} "
-                f"HR@50 {res['hr@50']:.4f} (history excluded; kept: HR@10 "
+                f"HR@50 {res['hr@50']:.4f} HR@200 {res['hr@200']:.4f} MRR {res['mrr']:.4f} "
+                f"(history excluded; kept: HR@10 "
                 f"{res['hr@10_unmasked']:.4f}) over {res['rows']} rows, {res['catalog']} items")
