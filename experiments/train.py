@@ -178,9 +178,10 @@ def main(argv):
     profile_steps = profile_window(flags.FLAGS.profile_steps, cfg.train.steps)
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
     f = flags.FLAGS
-    if (f.checkpoint_step is not None or f.checkpoint is not None) and f.mode != "eval":
-        raise app.UsageError("--checkpoint / --checkpoint_step pick the checkpoint of --mode=eval; "
-                             "training always resumes from the newest")
+    for flag in ("checkpoint_step", "checkpoint"):
+        if getattr(f, flag) is not None and f.mode != "eval":
+            raise app.UsageError(f"--{flag} picks the checkpoint of --mode=eval; "
+                                 f"training always resumes from the newest")
     if f.checkpoint_step is not None and f.checkpoint is not None:
         raise app.UsageError("--checkpoint and --checkpoint_step both name a checkpoint: give one")
     if f.refit and (f.mode != "train" or not cfg.train.select_metric):

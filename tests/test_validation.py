@@ -121,6 +121,7 @@ def test_resume_after_a_stop_selects_what_the_uninterrupted_run_did(data, whole,
     # a rerun of the finished (early-stopped) run trains nothing and reports the same
     again = train(cfg, cut, log=lambda s: None, mesh=_mesh())
     assert again["selection"] == summary["selection"] and again["eval"] == summary["eval"]
+    assert _rows(cut) == _rows(wd)                 # no second test row
 
 
 def test_serve_readers_default_to_best_and_newest_on_request(whole):
@@ -138,7 +139,7 @@ def test_serve_readers_default_to_best_and_newest_on_request(whole):
     assert load_for_inference(wd, "newest", mesh=_mesh()).step == 6
     lines = []
     row = evaluate_checkpoint(wd, None, _mesh(), log=lines.append)
-    assert row["step"] == 2 and "/best" in lines[-1]
+    assert row["step"] == 2 and f"checkpoint step 2 of {wd} (best)" in lines[-1]
     # the test eval of the best state, evaluated again through the serve path
     for k in ("ne", "auc", "count", "log_loss"):
         assert row[k] == summary["eval"][k], k
@@ -154,8 +155,8 @@ def test_train_py_mode_eval_reads_best_by_default_and_newest_on_request(whole):
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         out.append(r.stdout)
-    assert "checkpoint step 2 (" in out[0] and "/best)" in out[0]
-    assert "checkpoint step 6 (" in out[1] and "/checkpoints)" in out[1]
+    assert f"checkpoint step 2 of {wd} (best)" in out[0]
+    assert f"checkpoint step 6 of {wd} (checkpoints)" in out[1]
 
 
 def test_refit_trains_best_step_steps_on_train_and_valid_rows(whole):

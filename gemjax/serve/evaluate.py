@@ -63,10 +63,11 @@ def evaluate_checkpoint(workdir: str, step: int | str | None = None, mesh=None, 
         with open(path + ".tmp", "w") as f:
             json.dump(row, f, indent=1)
         os.replace(path + ".tmp", path)
+        which = os.path.basename(run.directory)     # best (the selection's) or checkpoints
         bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.6f})"
         if retrieval:
-            log(f"{evaluator.line(run.step, res)} (checkpoint {run.directory}) -> {path}")
+            log(f"{evaluator.line(run.step, res)} (checkpoint of {workdir}, {which}) -> {path}")
         else:
-            log(f"[eval] checkpoint step {run.step} ({run.directory}) on mesh {row['mesh']}: NE {res['ne']:.6f}"
+            log(f"[eval] checkpoint step {run.step} of {workdir} ({which}) on mesh {row['mesh']}: NE {res['ne']:.6f}"
                 f"{bayes} AUC {res['auc']:.6f} calibration {res['calibration']:.4f} -> {path}")
     return row

@@ -14,6 +14,13 @@ order: `checkpoint.save_train_state` / `restore_train_state`); the data stream i
 function of the step (and of the shard count), so a resumed run on the same mesh
 equals an uninterrupted one.
 
+Model selection (train.select_metric, data.valid_path; gemjax.train.selection): the
+validation rows are evaluated every train.valid_every steps and at the last step (rows of
+kind "valid"), the best eval's state is kept in WORKDIR/best, the run stops after
+train.patience evals without improvement, and the eval rows are read once at the end on
+the best state (a kind "eval" row with "split" "test" and "eval_step"); summary.json gets
+"selection" and "eval". The selection state rides in every checkpoint's meta.
+
 Faults (gemjax.train.guards): one run per workdir (WORKDIR/train.lock, naming its
 holder to a second run). SIGINT or SIGTERM stops the run at the next step
 boundary with a checkpoint of the state it holds, then raises `Interrupted`; a
@@ -529,6 +536,7 @@ class _Selecting:
                  lead: bool, log: Callable[[str], None]):
         t = cfg.train
         self.cfg, self.trainer, self.lead, self.log = cfg, trainer, lead, log
+        self.workdir = workdir
         self.every = t.valid_every or t.eval_every
         self.state = selection.Selection.of(cfg)
         if start:
@@ -576,6 +584,12 @@ class _Selecting:
         best = self.state.best_step
         if evaluator is None:
             return state, {}
+        done = [r for r in _read_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+                if r.get("split") == "test" and r["step"] == end]
+        if done:          # a rerun of a finished run: its test eval stands
+            self.test = {k: v for k, v in done[-1].items()
+                         if k not in ("step", "kind", "split", "samples_per_sec")}
+            return state, {k: done[-1].get(k) for k in _headline(self.cfg)}
         if best is not None and best != state_step(state):
             with Checkpointer(self.best_ckpt.directory, read_only=True) as bc:
                 have = bc.all_steps()
