@@ -83,7 +83,7 @@ def case_config(case: str, overrides: str, data_dir: str, warmup: int, steps: in
                 log_every: int, steps_per_call: int = 1):
     """The Config a case trains: its preset (on `data_dir`'s Parquet files for a Parquet
     case), --warmup + --steps steps, a log row every log_every, one eval batch and the
-    only eval and save at the end, steps_per_call steps per jitted call."""
+    only eval and save at the end (no model selection), steps_per_call steps per jitted call."""
     from gemjax.config import apply_overrides, get_config
     from gemjax.data.features import FeatureSchema
     cfg = get_config(case)
@@ -96,7 +96,9 @@ def case_config(case: str, overrides: str, data_dir: str, warmup: int, steps: in
     cfg = apply_overrides(cfg, f"data.eval_batches=1,train.steps={total},"
                                f"train.log_every={log_every},train.eval_every={total},"
                                f"train.checkpoint_every={total},train.tensorboard=false,"
-                               f"train.baselines=false,train.steps_per_call={steps_per_call}")
+                               f"train.baselines=false,train.steps_per_call={steps_per_call},"
+                               # throughput only: no model selection (no validation rows)
+                               f"train.select_metric=,train.patience=0,train.valid_every=0")
     return apply_overrides(cfg, overrides) if overrides else cfg
 
 

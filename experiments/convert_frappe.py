@@ -5,7 +5,8 @@
 Reads ../shared/datasets/frappe (or --data_dir) in place through
 gemjax.data.frappe.load_frappe (experiments/frappe.py converts through `convert`):
 train = valid.libsvm minus a seeded --holdout_fraction, holdout = that part (model
-selection: the preset's step count and learning rates), test = test.libsvm. Writes into --out (outside any git work tree: the
+selection: the validation rows of the preset `frappe`, data.valid_path=holdout.parquet,
+on which it picks its best step and stops early), test = test.libsvm. Writes into --out (outside any git work tree: the
 licence forbids redistribution):
 
   train.parquet, holdout.parquet, test.parquet   one row per sample: one int32 column

@@ -1,13 +1,14 @@
 """MovieLens-1M -> Parquet ranking and retrieval datasets + schema.json for ParquetSource.
 
     python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m \\
-        [--tasks=ranking,retrieval] [--negatives=4] [--max_history=200] [--seed=0] [--valid]
+        [--tasks=ranking,retrieval] [--negatives=4] [--max_history=200] [--seed=0] [--novalid]
 
 Reads ../shared/datasets/ml-1m (or --data_dir) in place through
 gemjax.data.movielens.load_movielens (each user's train items in time order, the
 leave-last-out test item). Writes --out/ranking/ and --out/retrieval/ (outside any git
 work tree: the licence forbids redistribution), each with train.parquet, test.parquet
-(and valid.parquet with --valid), schema.json (gemjax.data.features.FeatureSchema;
+and valid.parquet (the command line's default; --novalid leaves it out, as
+convert(valid=False) does), schema.json (gemjax.data.features.FeatureSchema;
 gemjax.data.parquet.columns_from_schema maps it to ParquetColumns) and counts.json.
 
 A sample (one row) is a target position t of a user's sequence S = (train items in
@@ -26,7 +27,8 @@ Items of the history and the candidate read one table "item", genres one table
 Positions (L = the user's train items):
   train   t = 1..L-1 (the last --train_positions of them when > 0); with --valid
           t = 1..L-2 (gemjax.data.movielens.leave_last_out's "train"; else "train_full")
-  valid   (--valid) t = L - 1, the last train item, for choosing epochs without test
+  valid   (--valid, the default) t = L - 1, the last train item: the validation rows the
+          movielens presets select their step on (data.valid_path=valid.parquet)
   test    t = L, the leave-last-out test item after the whole train history
 
 ranking     per position the true item (label 1), then --negatives sampled items
@@ -299,8 +301,9 @@ def define_flags():
     flags.DEFINE_integer("max_history", 200, "newest events kept in each history (HSTU: 200)")
     flags.DEFINE_integer("train_positions", 0, "train targets per user: the last N train "
                          "positions (0 = every position from the 2nd on)")
-    flags.DEFINE_bool("valid", False, "also write valid.parquet (each user's last train item) "
-                      "and leave that position out of train.parquet")
+    flags.DEFINE_bool("valid", True, "also write valid.parquet (each user's last train item: the "
+                      "validation rows the movielens presets select on, data.valid_path) and leave "
+                      "that position out of train.parquet; --novalid: train keeps it, no valid split")
     flags.DEFINE_integer("max_users", 0, "convert only the first N users (0 = all; for quick runs)")
     flags.DEFINE_integer("row_group_rows", 65_536, "target rows per Parquet row group")
     flags.DEFINE_bool("resample_negatives", False, "ranking: train.parquet holds positives only "

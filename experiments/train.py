@@ -24,12 +24,19 @@ elsewhere give --coordinator=HOST:PORT --num_processes=N --process_id=I (or
 $GEMJAX_COORDINATOR / $GEMJAX_NUM_PROCESSES / $GEMJAX_PROCESS_ID). Each process
 prints its layout line and feeds only its own devices' shards.
 
-Eval-only: --mode=eval restores the newest checkpoint of --workdir (or
---checkpoint_step=N) onto this run's mesh, with the run's config.json (--override
-applies on top, e.g. data.eval_batches=64), runs the training's evaluation and
-writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate):
+Eval-only: --mode=eval restores a checkpoint of --workdir onto this run's mesh (the
+best one, WORKDIR/best, when the run selected one on validation rows, else the newest;
+--checkpoint=best|newest|N or --checkpoint_step=N picks another), with the run's
+config.json (--override applies on top, e.g. data.eval_batches=64), runs the training's
+evaluation and writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate):
 
-    python -m experiments.train --mode=eval --workdir=runs/tiny [--checkpoint_step=10]
+    python -m experiments.train --mode=eval --workdir=runs/tiny [--checkpoint=newest]
+
+Model selection (docs/train.md): with train.select_metric and data.valid_path the run
+evaluates the validation rows every train.valid_every steps, keeps the best step in
+WORKDIR/best, stops after train.patience evals without improvement and tests the best
+state once; --refit then trains WORKDIR/refit on the train and validation rows for the
+best step count (gemjax.train.refit).
 
 Writes WORKDIR/metrics.jsonl and WORKDIR/summary.json; rerunning with the same
 workdir resumes. With train.baselines (default on for `small`), a logistic
@@ -83,7 +90,13 @@ flags.DEFINE_integer("process_id", None, "multi-process: this process's id ($GEM
 flags.DEFINE_integer("cpu_devices", None, "simulate this many CPU devices per process (tests, laptops)")
 flags.DEFINE_enum("mode", "train", ["train", "eval"], "train, or eval: evaluate a checkpoint of --workdir "
                   "(its config.json) and write WORKDIR/eval/step_N.json")
-flags.DEFINE_integer("checkpoint_step", None, "--mode=eval: the checkpoint step to evaluate (default: newest)")
+flags.DEFINE_integer("checkpoint_step", None, "--mode=eval: the checkpoint step to evaluate "
+                     "(default: --checkpoint)")
+flags.DEFINE_string("checkpoint", None, "--mode=eval: best, newest or a step number (default: best "
+                    "when the run selected one on its validation rows, WORKDIR/best, else newest)")
+flags.DEFINE_bool("refit", False, "after a run with train.select_metric: train WORKDIR/refit on the "
+                  "train and validation rows for the run's best step count, then test it once "
+                  "(gemjax.train.refit)")
 flags.DEFINE_string("features", "", "JSON file of the feature schema (FeatureSchema.to_dict's form): "
                     "the columns of data.source=parquet files")
 flags.DEFINE_string("compile_cache", None, "directory of the persistent compilation cache: a rerun "
@@ -161,15 +174,25 @@ def main(argv):
     if cfg.data.source == "parquet":        # files and columns checked before any compile
         from gemjax.data.source import make_source
         try:
-            make_source(cfg, "train"), make_source(cfg, "eval")
+            make_source(cfg, "train")
+            if cfg.data.eval_path:
+                make_source(cfg, "eval")
+            if cfg.train.select_metric:
+                make_source(cfg, "valid")
         except (ValueError, FileNotFoundError) as e:
             raise app.UsageError(str(e))
     profile_steps = profile_window(flags.FLAGS.profile_steps, cfg.train.steps)
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
     f = flags.FLAGS
-    if f.checkpoint_step is not None and f.mode != "eval":
-        raise app.UsageError("--checkpoint_step picks the checkpoint of --mode=eval; "
-                             "training always resumes from the newest")
+    for flag in ("checkpoint_step", "checkpoint"):
+        if getattr(f, flag) is not None and f.mode != "eval":
+            raise app.UsageError(f"--{flag} picks the checkpoint of --mode=eval; "
+                                 f"training always resumes from the newest")
+    if f.checkpoint_step is not None and f.checkpoint is not None:
+        raise app.UsageError("--checkpoint and --checkpoint_step both name a checkpoint: give one")
+    if f.refit and (f.mode != "train" or not cfg.train.select_metric):
+        raise app.UsageError("--refit follows a training run with model selection "
+                             "(train.select_metric; --mode=train)")
     from gemjax.parallel import multihost  # after flags: importing jax is slow
     try:   # before any jax call; no flags: SLURM / Open MPI / k8s found by JAX, else one process
         multihost.initialize(f.coordinator, f.num_processes, f.process_id, f.cpu_devices)
@@ -206,7 +229,8 @@ def main(argv):
     if f.mode == "eval":
         from gemjax.serve.evaluate import evaluate_checkpoint
         try:
-            evaluate_checkpoint(workdir, f.checkpoint_step, mesh, trainer_kw=trainer_kw,
+            which = f.checkpoint_step if f.checkpoint_step is not None else f.checkpoint
+            evaluate_checkpoint(workdir, which, mesh, trainer_kw=trainer_kw,
                                 overrides=f.override, log=log)
         except (FileNotFoundError, ValueError) as e:
             sys.exit(f"[gemjax] --mode=eval: {e}")
@@ -219,6 +243,21 @@ def main(argv):
             raise app.UsageError(str(e))
     summary = train(cfg, workdir, log=log, profile_steps=profile_steps,
                     peak_flops=flags.FLAGS.peak_flops)
+    if "selection" in summary and lead:
+        sel = summary["selection"]
+        print(f"[gemjax] selection: best {sel['metric']} {sel['best_value']} at step "
+              f"{sel['best_step']} of {sel['last_step']} ({sel['evals']} validation evals"
+              f"{', stopped early' if sel['stopped_early'] else ''}; {workdir}/best)")
+    if f.refit:
+        from gemjax.train.refit import refit
+        try:
+            refit_summary = refit(workdir, log=log, mesh=mesh, trainer_kw=trainer_kw)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"[gemjax] --refit: {e}")
+        if lead:
+            print(f"[gemjax] refit ({workdir}/refit/summary.json): eval NE "
+                  f"{refit_summary['eval_ne']} AUC {refit_summary['eval_auc']}"
+                  + (f" HR@10 {refit_summary['eval_hr@10']}" if 'eval_hr@10' in refit_summary else ""))
     if not lead:
         return
     if cfg.train.baselines:
@@ -244,6 +283,9 @@ def main(argv):
     rows = [(summary["model"], summary)] + list(summary.get("baselines", {}).items())
     print(f"  {'model':<22}{'eval NE':>10}{'eval AUC':>10}")
     for name, s in rows:
+        if s["eval_ne"] is None:       # a selection run without eval rows (data.eval_path)
+            print(f"  {name:<22}{'-':>10}{'-':>10}")
+            continue
         print(f"  {name:<22}{s['eval_ne']:>10.4f}{s['eval_auc']:>10.4f}")
     if summary["bayes_ne"] is not None:        # known for the synthetic stream only
         print(f"  {'bayes-optimal':<22}{summary['bayes_ne']:>10.4f}{summary['bayes_auc']:>10.4f}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -35,6 +36,12 @@ class DataConfig:
     source: str = "synthetic"        # "synthetic" | "parquet"
     train_path: str = ""             # parquet: file, directory or glob of the training rows
     eval_path: str = ""              # parquet: file, directory or glob of the eval rows
+    # validation rows of model selection (train.select_metric): parquet: a file, directory or
+    # glob, a bare file name meaning that file in data.train_path's directory (the converters
+    # write valid.parquet / holdout.parquet beside train.parquet); synthetic: "synthetic" (or
+    # a preset's bare file name) selects the held-out synthetic stream, seeded apart from the
+    # train and eval streams
+    valid_path: str = ""
     order: str = "shuffle"           # parquet train stream: "shuffle" | "time"
     shuffle_window: int = 65_536     # parquet: rows of the in-memory shuffle window
     nan: str = "error"               # parquet: NaN / null dense values: "error" | "zero"
@@ -206,6 +213,16 @@ class TrainConfig:
     # K stacked batches, gemjax.train.multistep); the metrics rows are those of K = 1.
     # train.steps and the log / eval / checkpoint intervals must be multiples of it
     steps_per_call: int = 1
+    # model selection on data.valid_path (gemjax.train.selection): the validation rows are
+    # evaluated every valid_every steps (0: eval_every) and at the end, WORKDIR/best keeps
+    # the checkpoint of the best select_metric ("ne", "auc", "loss", "hr@10", "ndcg@10",
+    # "mrr", ... any key of the eval rows; ne / loss lower is better, the rest higher), the
+    # run stops after `patience` validation evals without improvement (0: never), and the
+    # eval rows (data.eval_path) are evaluated once, at the end, on the best state.
+    # "" = no selection: the eval rows every eval_every steps
+    valid_every: int = 0
+    select_metric: str = ""
+    patience: int = 0
     # --- activation checkpointing (model.kind=teacher; gemjax.layers.regions, gemjax.train.remat) ---
     # "none" (autodiff keeps what it needs), "region:policy/..." with regions pyramid, cross,
     # seq, attention, interaction, heads (or all) and policies save, recompute, offload,
@@ -317,14 +334,18 @@ PRESETS: dict[str, Config] = {
     # data.train_path=..., data.eval_path=..., data.eval_batches=0 (every eval row once; a
     # preset validates as it stands, without a schema, so it keeps the synthetic source). One
     # epoch of the --train_positions=5 file (151,000 rows) is 295 steps of 512; the shuffle
-    # window holds the whole file (rows are sorted by user).
+    # window holds the whole file (rows are sorted by user). Model selection: validation AUC on
+    # valid.parquet beside data.train_path (the converter's valid split) every 50 steps, the
+    # best step kept in WORKDIR/best and tested, 3 evals without improvement stop the run
+    # (as the preset stands, on the synthetic source: the held-out synthetic stream).
     "movielens_rank": Config(
         name="movielens_rank",
-        data=DataConfig(batch_size=512, shuffle_window=1 << 20, recent=8),
+        data=DataConfig(batch_size=512, shuffle_window=1 << 20, recent=8, valid_path="valid.parquet"),
         model=ModelConfig(kind="teacher", dim=32, wukong_layers=1, fmb_tokens=4, lcb_tokens=4,
                           fm_rank=4, wukong_mlp=(64,), head_mlp=(64,)),
         train=TrainConfig(steps=295, warmup_steps=20, log_every=50, eval_every=295,
-                          checkpoint_every=295, dense_lr=1e-2, sparse_lr=0.5, baselines=False)),
+                          checkpoint_every=295, dense_lr=1e-2, sparse_lr=0.5, baselines=False,
+                          valid_every=50, select_metric="auc", patience=3)),
     "h200": Config(
         name="h200",
         data=DataConfig(batch_size=4096, vocab_user=10_000_000, vocab_item=1_000_000, num_categories=64,
@@ -366,31 +387,38 @@ PRESETS: dict[str, Config] = {
     # on the dense params); the item table trains with row-wise Adagrad (sparse_lr). One
     # step trains every position of 128 users' histories; 48 steps are one epoch (6,040
     # rows; 4,800 steps: 100 epochs). eval: every test row (leave-last-out), full ranking,
-    # history excluded.
+    # history excluded. Model selection: HR@10 on valid.parquet beside data.train_path (each
+    # user's last train item: experiments/convert_movielens.py writes it by default) every 480
+    # steps; the best step is kept (WORKDIR/best) and tested; 3 evals without gain stop the run.
     "movielens_retrieval": Config(
         name="movielens_retrieval",
         data=DataConfig(batch_size=128, source="parquet",
                         train_path=f"{ML1M_DIR}/retrieval/train.parquet",
                         eval_path=f"{ML1M_DIR}/retrieval/test.parquet", eval_batches=0,
-                        shuffle_window=1 << 20, capacity_slack=1.5),
+                        valid_path="valid.parquet", shuffle_window=1 << 20, capacity_slack=1.5),
         model=ModelConfig(kind="retrieval", dim=64, seq_layers=2, seq_heads=2, attention="softmax",
                           rope=True, qk_norm=True, retrieval_negatives=0, retrieval_dropout=0.2),
         train=TrainConfig(steps=4_800, warmup_steps=48, dense_lr=1e-3, sparse_lr=0.05,
-                          log_every=48, eval_every=480, checkpoint_every=480, baselines=False),
+                          log_every=48, eval_every=480, checkpoint_every=480, baselines=False,
+                          select_metric="hr@10", patience=3),
         features=ML1M_SCHEMA),
     # Frappe CTR, GEM v0 (Wukong over the 10 field tokens: dim 16, 3 layers, FMB 6 + LCB 4
     # tokens, rank 4, MLPs of 64; experiments/frappe.py runs it over seeds). Trained on train.parquet, scored on every row of test.parquet. The step
     # count (180 = 2 epochs of 90 batches) and learning rates were picked on holdout.parquet
     # (holdout AUC evaluated every 45 steps peaks at the end of 2 epochs; longer runs
-    # overfit: 0.921 after 20 epochs). README "Data" gives the test figures.
+    # overfit: 0.921 after 20 epochs). README "Data" gives the test figures. Model selection:
+    # holdout AUC (holdout.parquet beside data.train_path) every 45 steps, the best step kept
+    # (WORKDIR/best) and tested, 2 evals without improvement stop the run.
     "frappe": Config(
         name="frappe",
         data=DataConfig(batch_size=512, source="parquet", train_path=f"{FRAPPE_DIR}/train.parquet",
-                        eval_path=f"{FRAPPE_DIR}/test.parquet", eval_batches=0),
+                        eval_path=f"{FRAPPE_DIR}/test.parquet", valid_path="holdout.parquet",
+                        eval_batches=0),
         model=ModelConfig(kind="gem", dim=16, wukong_layers=3, fmb_tokens=6, lcb_tokens=4,
                           fm_rank=4, wukong_mlp=(64,), head_mlp=(64,)),
         train=TrainConfig(steps=180, warmup_steps=45, dense_lr=1e-3, sparse_lr=0.2, log_every=45,
-                          eval_every=180, checkpoint_every=180, baselines=False),
+                          eval_every=180, checkpoint_every=180, baselines=False,
+                          valid_every=45, select_metric="auc", patience=2),
         features=FRAPPE_SCHEMA),
 }
 
@@ -546,6 +574,7 @@ def validate(cfg: Config) -> None:
          f"train.sparse_onehot_rows must be >= 0 (0 = off), got {cfg.train.sparse_onehot_rows}"),
         *_train_checks(cfg.train),
         *_optim_checks(cfg.optim),
+        *_selection_checks(cfg),
         *_steps_per_call_checks(cfg),
         *_teacher_checks(m),
         *_feature_checks(cfg),
@@ -589,6 +618,54 @@ def _optim_checks(o: OptimConfig) -> list[tuple[bool, str]]:
     ]
 
 
+# metrics of model selection, by model kind: the eval rows' keys (gemjax.train.metrics.flat,
+# gemjax.train.retrieval) and whether lower ("min") or higher ("max") is better
+_BCE_SELECT = re.compile(r"(?:surface\d+/)?(?:task\d+/)?(ne|auc|log_loss)|loss")
+_RETRIEVAL_SELECT = re.compile(r"(?:hr|ndcg)@(?:10|50|200)(?:_unmasked)?|mrr(?:_unmasked)?")
+
+
+def select_mode(metric: str, model_kind: str) -> str | None:
+    """"min" (ne, log_loss, loss: lower is better) or "max" (auc, hr@k, ndcg@k, mrr) for a
+    selection metric of a model.kind; None if its eval rows have no such metric."""
+    if model_kind == "retrieval":
+        return "max" if _RETRIEVAL_SELECT.fullmatch(metric) else None
+    m = _BCE_SELECT.fullmatch(metric)
+    if not m:
+        return None
+    return "max" if m.group(1) == "auc" else "min"
+
+
+def _selection_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """train.select_metric known for the model kind and given validation rows; for the
+    synthetic source data.valid_path selects the held-out stream and names no files."""
+    t, d = cfg.train, cfg.data
+    out = [(t.valid_every >= 0, f"train.valid_every must be >= 0 (0: train.eval_every), got "
+                                f"{t.valid_every}"),
+           (t.patience >= 0, f"train.patience must be >= 0 (0: no early stop), got {t.patience}"),
+           (d.source != "synthetic" or "/" not in d.valid_path,
+            f"data.valid_path={d.valid_path!r} names files, but data.source=synthetic reads none: "
+            f"data.valid_path=synthetic selects the held-out synthetic stream"),
+           (d.source != "parquet" or d.valid_path != "synthetic",
+            "data.valid_path=synthetic is the synthetic stream's held-out part; data.source=parquet "
+            "needs the validation rows' file, directory or glob"),
+           (d.source != "parquet" or bool(d.eval_path) or bool(t.select_metric),
+            "data.source=parquet needs data.eval_path (a file, a directory or a glob of the eval "
+            "rows; only a run with train.select_metric may leave it empty: no test eval)")]
+    if not t.select_metric:
+        return out + [(t.patience == 0, "train.patience needs train.select_metric (the metric "
+                                        "early stopping watches)")]
+    kinds = ("hr@10, ndcg@10, hr@50, ndcg@50, hr@200, ndcg@200 (or _unmasked), mrr" if cfg.model.kind == "retrieval"
+             else "ne, auc, log_loss, loss, or one of them per task / surface: task0/auc, "
+                  "surface1/task0/ne")
+    return out + [
+        (select_mode(t.select_metric, cfg.model.kind) is not None,
+         f"train.select_metric={t.select_metric!r} is no eval metric of model.kind="
+         f"{cfg.model.kind}: choose {kinds}"),
+        (bool(d.valid_path), f"train.select_metric={t.select_metric} needs data.valid_path (the "
+                             f"validation rows; data.valid_path=synthetic for the synthetic "
+                             f"stream), or train.select_metric= to train without selection")]
+
+
 def _steps_per_call_checks(cfg: Config) -> list[tuple[bool, str]]:
     """K >= 1; train.steps and the log / eval / checkpoint intervals multiples of K (every
     boundary falls between two calls); retrieval trains one step per call."""
@@ -598,7 +675,7 @@ def _steps_per_call_checks(cfg: Config) -> list[tuple[bool, str]]:
     out = [(getattr(cfg.train, f) % k == 0,
             f"train.{f} ({getattr(cfg.train, f)}) must be a multiple of train.steps_per_call "
             f"({k}): the loop logs, evaluates, checkpoints and stops between calls of {k} steps")
-           for f in ("steps", "log_every", "eval_every", "checkpoint_every")]
+           for f in ("steps", "log_every", "eval_every", "checkpoint_every", "valid_every")]
     out.append((k == 1 or cfg.model.kind != "retrieval",
                 f"model.kind=retrieval runs with train.steps_per_call=1, got {k}"))
     return out
@@ -628,8 +705,9 @@ def _source_checks(d: DataConfig, features: FeatureSchema | None) -> list[tuple[
                  "(experiments/train.py --features=schema.json)"),
                 (bool(d.train_path), "data.source=parquet needs data.train_path (a file, a "
                                      "directory or a glob of the training rows)"),
-                (bool(d.eval_path), "data.source=parquet needs data.eval_path (a file, a "
-                                    "directory or a glob of the eval rows)")]
+                (bool(d.eval_path or d.valid_path),
+                 "data.source=parquet needs data.eval_path (a file, a directory or a glob of the "
+                 "eval rows)")]
     return out
 
 

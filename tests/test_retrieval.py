@@ -147,7 +147,9 @@ def test_evaluator_matches_a_numpy_ranking_of_the_table_rows(fake_retrieval):
 
 def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tmp_path):
     """The preset with sampled negatives and dropout on 2 devices: stopped after 3 steps
-    and resumed, every logged loss and eval figure equals the uninterrupted run's."""
+    and resumed, every logged loss, validation figure (HR@10 on the converter's
+    valid.parquet, the preset's selection) and the test eval of the best step equal the
+    uninterrupted run's."""
     from test_own_data import whole_and_resumed
     cfg, _ = fake_retrieval
     cfg = apply_overrides(cfg, {"model.retrieval_negatives": "6", "train.steps": "6",
@@ -155,18 +157,23 @@ def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tm
                                 "train.checkpoint_every": "3", "train.warmup_steps": "1"})
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
     whole, resumed, a, b = whole_and_resumed(cfg, tmp_path, mesh, stop_after=3)
-    assert [r["kind"] for r in a].count("eval") == 2 and a == b
+    assert [r["kind"] for r in a].count("valid") == 2 and a == b
     losses = [r["loss"] for r in a if r["kind"] == "train"]
     assert len(losses) == 6 and all(np.isfinite(losses)) and len(set(losses)) == 6
-    assert a[-1]["rows"] == 5 and a[-1]["kind"] == "eval"
+    assert a[-1]["rows"] == 5 and a[-1]["kind"] == "eval" and a[-1]["split"] == "test"
+    valid = [r for r in a if r["kind"] == "valid"]
+    best = max(valid, key=lambda r: r["hr@10"])         # the first of equals: strictly better wins
+    assert whole["selection"] == resumed["selection"]
+    assert whole["selection"]["best_step"] == best["step"] == a[-1]["eval_step"]
     for k in ("eval_hr@10", "eval_ndcg@10", "eval_hr@50", "eval_hr@10_unmasked"):
         assert whole[k] == resumed[k] and 0 <= whole[k] <= 1, k
     assert whole["eval_ne"] is None and whole["model"] == "retrieval"
-    # eval-only on the finished run (experiments/train.py --mode=eval) reproduces its last eval
+    # eval-only on the finished run (experiments/train.py --mode=eval) reproduces its test
+    # eval: that of the best step (WORKDIR/best)
     from gemjax.serve.evaluate import evaluate_checkpoint
     row = evaluate_checkpoint(str(tmp_path / "whole"), None, mesh, log=lambda s: None)
-    assert row["step"] == 6 and all(row[k] == a[-1][k] for k in ("hr@10", "ndcg@10", "hr@50",
-                                                                   "hr@10_unmasked", "rows"))
+    assert row["step"] == best["step"] and all(row[k] == a[-1][k] for k in (
+        "hr@10", "ndcg@10", "hr@50", "hr@10_unmasked", "mrr", "rows"))
 
 
 def test_ranking_summary_hr200_ndcg_mrr_match_a_brute_force_sort():

@@ -49,6 +49,7 @@ sums them into metrics.jsonl).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
@@ -180,14 +181,30 @@ def counter_names(source) -> tuple[str, ...]:
     return tuple(getattr(source, "counter_names", ()))
 
 
+def valid_files(d) -> str:
+    """data.valid_path of a DataConfig as read: a bare file name (no directory part, no glob)
+    is that file in data.train_path's directory (the directory itself when train_path is
+    one); anything else as given."""
+    path = d.valid_path
+    if not path or os.path.dirname(path) or any(ch in path for ch in "*?["):
+        return path
+    base = d.train_path if os.path.isdir(d.train_path) else os.path.dirname(d.train_path)
+    return os.path.join(base, path)
+
+
 def make_source(cfg, stream: str = "train", *, seed: int | None = None):
-    """The source of `stream` ("train" | "eval") for a gemjax.config.Config (module
-    docstring); seed None: cfg.train.seed. Synthetic: cfg.features, when set, must
-    describe the stream (ValueError naming each difference,
+    """The source of `stream` ("train" | "eval" | "valid") for a gemjax.config.Config
+    (module docstring); seed None: cfg.train.seed. "valid": the validation rows of model
+    selection, read like the eval rows (data.valid_path, `valid_files`); on the synthetic
+    source a held-out stream seeded apart from train and eval. Synthetic: cfg.features,
+    when set, must describe the stream (ValueError naming each difference,
     gemjax.data.features.differences). Parquet: ValueError / FileNotFoundError naming
     the path, file or column that does not fit cfg.features."""
-    if stream not in ("train", "eval"):
-        raise ValueError(f"stream must be 'train' or 'eval', got {stream!r}")
+    if stream not in ("train", "eval", "valid"):
+        raise ValueError(f"stream must be 'train', 'eval' or 'valid', got {stream!r}")
+    if stream == "valid" and not cfg.data.valid_path:
+        raise ValueError("the validation stream needs data.valid_path (data.valid_path=synthetic "
+                         "for the synthetic source)")
     seed = cfg.train.seed if seed is None else seed
     d = cfg.data
     if d.source == "parquet":
@@ -196,8 +213,9 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
             raise ValueError("data.source=parquet needs config.features, the feature schema of "
                              "the files")
         columns = columns_from_schema(cfg.features)
-        path, field = (d.train_path, "data.train_path") if stream == "train" else (d.eval_path,
-                                                                                   "data.eval_path")
+        path, field = {"train": (d.train_path, "data.train_path"),
+                       "eval": (d.eval_path, "data.eval_path"),
+                       "valid": (valid_files(d), "data.valid_path")}[stream]
         if not path:
             raise ValueError(f"data.source=parquet needs {field}")
         if stream == "train" and d.negatives:     # positives-only rows, negatives per epoch
@@ -211,7 +229,7 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
                                    capacity_slack=d.capacity_slack)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"{field}={path}: {e}") from None
-        return OneEpoch(source) if stream == "eval" and d.eval_batches == 0 else source
+        return OneEpoch(source) if stream != "train" and d.eval_batches == 0 else source
     if d.source != "synthetic":
         raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")
     from gemjax.data.features import differences

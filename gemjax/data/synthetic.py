@@ -52,7 +52,7 @@ _SPARSE_TABLES = {"user": "user", "segment": "segment", "context": "context", "i
                   "item_cat": "category"}                                # sparse feature -> table
 _FAV_PROB = {"clicks": 0.7, "views": 0.5}
 _NUM_FAV = 3
-_STREAMS = {"train": 0, "eval": 1}
+_STREAMS = {"train": 0, "eval": 1, "valid": 2}   # seeds apart: train, test, validation
 
 
 def _multiplier(v: int) -> int:

@@ -2,7 +2,8 @@
 
     row = evaluate_checkpoint(workdir, step=None, mesh=None)
 
-Restores the checkpoint (newest, or `step`) onto `mesh`, runs
+Restores the checkpoint (default: the best one, WORKDIR/best, when the run selected
+one, else the newest; or `step`: "best", "newest", a step number) onto `mesh`, runs
 `gemjax.train.loop.Evaluator` (the eval stream and eval step of training) and
 writes the row to WORKDIR/eval/step_<N>.json, N the checkpoint step (a rerun
 replaces it). The row holds the keys of the training's eval rows in
@@ -33,10 +34,10 @@ def eval_path(workdir: str, step: int) -> str:
     return os.path.join(workdir, "eval", f"step_{step}.json")
 
 
-def evaluate_checkpoint(workdir: str, step: int | None = None, mesh=None, *,
+def evaluate_checkpoint(workdir: str, step: int | str | None = None, mesh=None, *,
                         trainer_kw: dict | None = None, overrides: str | dict | None = None,
                         log: Callable[[str], None] = print) -> dict:
-    """Eval metrics of checkpoint `step` (default: the newest) of the run in `workdir`.
+    """Eval metrics of checkpoint `step` (default: best, else newest) of the run in `workdir`.
 
     mesh / trainer_kw: where to restore and evaluate (Trainer.create); overrides:
     on top of the run's config.json (e.g. "data.eval_batches=64" for a longer eval).
@@ -62,10 +63,11 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, mesh=None, *,
         with open(path + ".tmp", "w") as f:
             json.dump(row, f, indent=1)
         os.replace(path + ".tmp", path)
+        which = os.path.basename(run.directory)     # best (the selection's) or checkpoints
         bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.6f})"
         if retrieval:
-            log(f"{evaluator.line(run.step, res)} (checkpoint of {workdir}) -> {path}")
+            log(f"{evaluator.line(run.step, res)} (checkpoint of {workdir}, {which}) -> {path}")
         else:
-            log(f"[eval] checkpoint step {run.step} of {workdir} on mesh {row['mesh']}: NE {res['ne']:.6f}"
+            log(f"[eval] checkpoint step {run.step} of {workdir} ({which}) on mesh {row['mesh']}: NE {res['ne']:.6f}"
                 f"{bayes} AUC {res['auc']:.6f} calibration {res['calibration']:.4f} -> {path}")
     return row

@@ -136,12 +136,13 @@ def _spec(a: np.ndarray) -> dict:
     return {"shape": list(a.shape), "dtype": str(a.dtype)}
 
 
-def export_model(workdir: str, out: str | None = None, step: int | None = None, *,
+def export_model(workdir: str, out: str | None = None, step: int | str | None = None, *,
                  batch: Batch | None = None, mesh=None, trainer_kw: dict | None = None,
                  platforms: tuple[str, ...] | None = None,
                  log: Callable[[str], None] = print) -> str:
-    """Export checkpoint `step` (default: the newest) of the run in `workdir` to `out`
-    (default WORKDIR/export); returns `out`.
+    """Export checkpoint `step` of the run in `workdir` to `out` (default WORKDIR/export);
+    returns `out`. step: default the best one (WORKDIR/best) when the run selected one, else
+    the newest; "best", "newest" or a step number (gemjax.serve.restore.pick_checkpoint).
 
     batch: an example one-device Batch fixing the input shapes (default: the run's
     first eval batch on one shard). mesh / trainer_kw: where and how to restore
@@ -177,6 +178,7 @@ def export_model(workdir: str, out: str | None = None, step: int | None = None, 
     np.savez(os.path.join(out, FILES["tables"]), **tables)
     manifest = {
         "format": FORMAT, "workdir": os.path.abspath(workdir), "step": pred.step,
+        "checkpoint_dir": pred.directory,
         "platforms": list(exp.platforms), "jax_version": jax.__version__,
         "inputs": {"params": {k: _spec(v) for k, v in flat_params.items()},
                    "tables": {k: _spec(v) for k, v in tables.items()},
@@ -188,7 +190,7 @@ def export_model(workdir: str, out: str | None = None, step: int | None = None, 
     }
     with open(os.path.join(out, FILES["manifest"]), "w") as f:
         json.dump(manifest, f, indent=1)
-    log(f"[gemjax] exported checkpoint step {pred.step} of {workdir} -> {out} "
+    log(f"[gemjax] exported checkpoint step {pred.step} ({pred.directory}) -> {out} "
         f"(batch {manifest['output']['shape'][0]}, platforms {manifest['platforms']})")
     return out
 

@@ -1,6 +1,6 @@
 """Prediction from a trained run: `load_for_inference(workdir)` -> predict(Batch) -> [B, K].
 
-    predict = gemjax.load_for_inference("runs/tiny")          # newest checkpoint, 1 device
+    predict = gemjax.load_for_inference("runs/tiny")          # best (else newest) checkpoint, 1 device
     probs = predict(batch)                                     # numpy float [B, K]
 
 `predict` is the training's eval step (`Trainer.make_eval_step`: sparse lookup,
@@ -38,12 +38,14 @@ def _no_stream(step, shard, num_shards):
 class Predictor:
     """predict(batch) -> probabilities [rows of this process's shards, K] (numpy).
 
-    Attributes: cfg (the run's Config), trainer, step (the checkpoint step), state
+    Attributes: cfg (the run's Config), trainer, step (the checkpoint step), directory
+    (the checkpoint directory: WORKDIR/best or WORKDIR/checkpoints), state
     (params and tables on trainer.mesh; the optimizer state is dropped), meta.
     """
 
     def __init__(self, run):
         self.cfg, self.trainer, self.step, self.meta = run.cfg, run.trainer, run.step, run.meta
+        self.directory = run.directory     # WORKDIR/best or WORKDIR/checkpoints
         self.state = {k: v for k, v in run.state.items() if k != "opt_state"}   # unused by the forward
         for leaf in jax.tree.leaves(run.state["opt_state"]):
             if isinstance(leaf, jax.Array):
@@ -76,9 +78,12 @@ class Predictor:
         return np.asarray(self.eval_step(self.state, batch if on_mesh else self.place(batch)))
 
 
-def load_for_inference(workdir: str, step: int | None = None, mesh: Any = None, *,
+def load_for_inference(workdir: str, step: int | str | None = None, mesh: Any = None, *,
                        trainer_kw: dict | None = None) -> Predictor:
-    """A Predictor for checkpoint `step` (default: the newest) of the run in `workdir`.
+    """A Predictor for checkpoint `step` of the run in `workdir`: default the best one
+    (WORKDIR/best, the model selection's) when the run has it, else the newest; "best",
+    "newest" or a step number pick another (gemjax.serve.restore.pick_checkpoint).
+    Predictor.step and .directory say which checkpoint came back.
 
     mesh: any jax Mesh (default: one device, the first of jax.devices(), on a
     "batch" axis); trainer_kw: Trainer.create options (rules, table_replica_axes).

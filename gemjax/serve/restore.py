@@ -1,7 +1,8 @@
 """A run's Config and a checkpointed train state, back from its workdir.
 
     cfg = read_config(workdir)                       # WORKDIR/config.json -> Config
-    run = restore(workdir, step=None, mesh=None)     # newest checkpoint (or `step`)
+    run = restore(workdir, step=None, mesh=None)     # best checkpoint, else newest (or `step`:
+                                                     # "best", "newest", a step number)
     run.trainer, run.step, run.state, run.meta
 
 The state is restored onto `mesh` (default: every device on one "batch" axis)
@@ -39,6 +40,34 @@ def read_config(workdir: str, overrides: str | dict | None = None) -> Config:
     return apply_overrides(cfg, overrides)
 
 
+def pick_checkpoint(workdir: str, which: int | str | None = None) -> tuple[str, int | None]:
+    """(checkpoint directory, step or None for its newest) of `which`: None (default:
+    WORKDIR/best, the model selection's best step, when the run has one, else the newest
+    of WORKDIR/checkpoints), "best", "newest", or a step number (of WORKDIR/checkpoints,
+    or the best one's). FileNotFoundError names what is missing; ValueError a bad `which`."""
+    best = os.path.join(workdir, "best")
+    has_best = os.path.isdir(best) and any(n.isdigit() for n in os.listdir(best))
+    if which is None:
+        which = "best" if has_best else "newest"
+    if isinstance(which, str) and which not in ("best", "newest"):
+        try:
+            which = int(which)
+        except ValueError:
+            raise ValueError(f"checkpoint {which!r}: expected best, newest or a step number") from None
+    if which == "best":
+        if not has_best:
+            raise FileNotFoundError(f"no best checkpoint {best}: the run in {workdir!r} selected "
+                                    f"no step (train.select_metric)")
+        return best, None
+    if which == "newest":
+        return checkpoint_dir(workdir), None
+    step = int(which)
+    if has_best and str(step) in os.listdir(best) and not os.path.isdir(
+            os.path.join(workdir, "checkpoints", str(step))):
+        return best, step
+    return checkpoint_dir(workdir), step
+
+
 def checkpoint_dir(workdir: str) -> str:
     """WORKDIR/checkpoints, or FileNotFoundError when there is none (nothing is created)."""
     path = os.path.join(workdir, "checkpoints")
@@ -59,11 +88,14 @@ class RestoredRun:
     step: int
     state: dict
     meta: dict
+    directory: str = ""      # the checkpoint directory it came from (WORKDIR/best or checkpoints)
 
 
-def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dict | None = None,
-            overrides: str | dict | None = None) -> RestoredRun:
-    """The checkpoint of `step` (default: the newest) of the run in `workdir` on `mesh`.
+def restore(workdir: str, step: int | str | None = None, mesh=None, *,
+            trainer_kw: dict | None = None, overrides: str | dict | None = None) -> RestoredRun:
+    """The checkpoint `step` of the run in `workdir` on `mesh`: default the best one
+    (WORKDIR/best) when the run selected one, else the newest; "best", "newest" or a step
+    number pick another (`pick_checkpoint`). RestoredRun.step says which step came back.
 
     trainer_kw: Trainer.create options (rules, table_replica_axes, table plan).
     overrides: applied to the run's config (see read_config); they must keep the
@@ -73,7 +105,7 @@ def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dic
     from gemjax.train.step import Trainer
 
     cfg = read_config(workdir, overrides)
-    directory = checkpoint_dir(workdir)
+    directory, step = pick_checkpoint(workdir, step)
     from gemjax.train.retrieval import RetrievalTrainer, is_retrieval
     trainer = (RetrievalTrainer if is_retrieval(cfg) else Trainer).create(cfg, mesh,
                                                                           **(trainer_kw or {}))
@@ -85,4 +117,4 @@ def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dic
             raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (have {steps})")
         got, state, meta = restore_train_state(ckpt, trainer.coll, trainer.init_state(cfg.train.seed),
                                                step)
-    return RestoredRun(cfg, trainer, got, state, meta)
+    return RestoredRun(cfg, trainer, got, state, meta, directory)

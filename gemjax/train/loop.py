@@ -14,6 +14,13 @@ order: `checkpoint.save_train_state` / `restore_train_state`); the data stream i
 function of the step (and of the shard count), so a resumed run on the same mesh
 equals an uninterrupted one.
 
+Model selection (train.select_metric, data.valid_path; gemjax.train.selection): the
+validation rows are evaluated every train.valid_every steps and at the last step (rows of
+kind "valid"), the best eval's state is kept in WORKDIR/best, the run stops after
+train.patience evals without improvement, and the eval rows are read once at the end on
+the best state (a kind "eval" row with "split" "test" and "eval_step"); summary.json gets
+"selection" and "eval". The selection state rides in every checkpoint's meta.
+
 Faults (gemjax.train.guards): one run per workdir (WORKDIR/train.lock, naming its
 holder to a second run). SIGINT or SIGTERM stops the run at the next step
 boundary with a checkpoint of the state it holds, then raises `Interrupted`; a
@@ -53,7 +60,7 @@ from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
 from gemjax.train.checkpoint import (UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer,
                                      restore_train_state, save_train_state, state_step)
-from gemjax.train import layout, multistep, runtime
+from gemjax.train import layout, multistep, runtime, selection
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
                                  lock_workdir, pause_for_test, run_fields)
 from gemjax.train.metrics import EvalAccumulator, flat
@@ -150,12 +157,13 @@ def _resume(ckpt: Checkpointer, coll, target: dict, cfg: Config, lead: bool,
 
 
 class Evaluator:
-    """Eval over the fixed eval stream (`eval_steps` batches); `bayes` holds the
-    stream's Bayes-optimal metrics where its infos carry the true probabilities (the
-    synthetic stream), else {"ne": None, "auc": None} (a file source)."""
+    """Eval over the fixed eval stream (`eval_steps` batches; stream "valid": the
+    validation rows of model selection); `bayes` holds the stream's Bayes-optimal
+    metrics where its infos carry the true probabilities (the synthetic stream), else
+    {"ne": None, "auc": None} (a file source)."""
 
-    def __init__(self, trainer: Trainer, cfg: Config):
-        self.stream = make_source(cfg, "eval")
+    def __init__(self, trainer: Trainer, cfg: Config, stream: str = "eval"):
+        self.stream = make_source(cfg, stream)
         self.feeder = Feeder(self.stream.shard_batch, trainer.mesh, prefetch=0)
         self.step_fn = trainer.make_eval_step()
         self.cfg = cfg
@@ -258,7 +266,10 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                                                lead, log)
     _announce(cfg, workdir, trainer, state, lead, log)
 
-    evaluator = (RetrievalEvaluator if retrieval else Evaluator)(trainer, cfg)
+    sel = _Selecting(cfg, workdir, trainer, ckpt, start, lead, log) if t.select_metric else None
+    # with selection the eval rows (the test) are read once, at the end, on the best state
+    evaluator = (None if sel is not None and not _has_test(cfg) else
+                 (RetrievalEvaluator if retrieval else Evaluator)(trainer, cfg))
     train_step = trainer.make_train_step() if k == 1 else multistep.MultiStep(trainer, k)
     meter = Throughput(window=5)   # in log intervals
     meter.update(0, 0)             # opens the clock; compile time lands in the first interval
@@ -269,8 +280,13 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                              log=log)
     profile = tracking.ProfileWindow(profile_steps, os.path.join(workdir, "profile"), start, end,
                                      log=log, enabled=lead, paused=meter.paused)
-    save = _Saver(ckpt, trainer, cfg)
+    save = _Saver(ckpt, trainer, cfg, sel.meta if sel is not None else None)
     waits = tracking.HostWait()    # seconds blocked on the feed
+    early = False                  # stopped by the selection's patience
+    if sel is not None and sel.state.exhausted and start < t.steps:   # a rerun of an early stop
+        log(f"[gemjax] the run stopped early at step {start} (patience {t.patience}): nothing "
+            f"to train; the best step is {sel.state.best_step}")
+        early, end = True, start
 
     finished = False
     try:
@@ -292,10 +308,17 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                 window.log_point(done, cfg, meter, last_eval, ckpt,
                                  lambda row: runlog.append({**row, **loads.row()}), log)
                 waits.log_point(done)
-            if done % t.eval_every == 0 or done == end:
+            if sel is None and (done % t.eval_every == 0 or done == end):
                 pause_for_test("eval", done, stop, log)
                 last_eval = _eval_point(evaluator, state, done, meter, runlog.append, log)
-            saved = done % t.checkpoint_every == 0 or done == end or stopping
+            elif sel is not None and sel.due(done):
+                pause_for_test("eval", done, stop, log)
+                last_eval = sel.evaluate(state, done, meter, runlog.append)
+                early = sel.state.exhausted and done < t.steps
+                if early and window.pending:     # the train row of the last steps run
+                    window.log_point(done, cfg, meter, last_eval, ckpt,
+                                     lambda row: runlog.append({**row, **loads.row()}), log)
+            saved = done % t.checkpoint_every == 0 or done == end or stopping or early
             if saved:
                 with tracking.idle_pause(meter.paused, state):
                     save(state)
@@ -310,6 +333,11 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
                 raise Interrupted(stop.signum, done, f"stopped by {stop.name()} after step {done}: "
                                   f"checkpoint step {done} saved in {ckpt.directory}; rerun the "
                                   f"same command to resume")
+            if early:
+                log(f"[gemjax] early stop at step {done}: {sel.state.bad} validation evals "
+                    f"without a better {t.select_metric} than step {sel.state.best_step}'s")
+                end = done
+                break
         finished = True
     except Interrupted:
         raise
@@ -318,10 +346,18 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
         raise
     finally:
         _close(ckpt, log, raise_errors=finished)   # waits for in-flight saves on every exit path
-    if end < t.steps:
+        if sel is not None:
+            _close(sel.best_ckpt, log, raise_errors=finished)
+    if end < t.steps and not early:
         return {"steps": end, "stopped_early": True}
+    chosen = None
+    if sel is not None:     # the test rows once, on the best state
+        state, last_eval = sel.finish(state, evaluator, end, meter, runlog.append)
+        chosen = sel.state.summary(early, end)
     summary = _summary(cfg, trainer, evaluator, state, last_eval, window.counters, meter,
-                       started, compile_timer, lead, runlog)
+                       started, compile_timer, lead, runlog, chosen)
+    if sel is not None and sel.test is not None:
+        summary["eval"] = sel.test
     summary.update(tracking.run_efficiency(cfg, trainer.mesh, stream, summary["step_time_s"], waits,
                                            peak_flops))
     runlog.close()
@@ -358,7 +394,7 @@ def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: 
         kept = [r for r in _read_jsonl(metrics_path) if r["step"] <= start]
         if lead:
             _rewrite_jsonl(metrics_path, kept)
-        evals = [r for r in kept if r["kind"] == "eval"]
+        evals = [r for r in kept if r["kind"] in ("eval", "valid")]
         if evals:
             last_eval = {k: evals[-1].get(k) for k in _headline(cfg)}
         trains = [r for r in kept if r["kind"] == "train"]
@@ -435,30 +471,42 @@ class _Window:
 
 
 def _eval_point(evaluator: "Evaluator", state: dict, done: int, meter: Throughput,
-                write: Callable[[dict], None], log: Callable[[str], None]) -> dict:
-    """Evaluate `state` (off the throughput clock), write its metrics.jsonl row and eval
-    line; returns the _HEADLINE figures."""
+                write: Callable[[dict], None], log: Callable[[str], None], *,
+                extra: dict | None = None, rows: list | None = None) -> dict:
+    """Evaluate `state` (off the throughput clock), write its metrics.jsonl row (kind
+    "eval"; `extra` fields on top, e.g. kind "valid") and eval line; returns the
+    _HEADLINE figures (`rows` gets the whole row)."""
+    extra = extra or {}
     with tracking.idle_pause(meter.paused, state):
         res = evaluator(state)
     if isinstance(evaluator, RetrievalEvaluator):
-        write({"step": done, "kind": "eval", **res, "samples_per_sec": meter.samples_per_sec})
-        log(evaluator.line(done, res))
-        return {k: res[k] for k in RETRIEVAL_METRICS}
-    write({"step": done, "kind": "eval", "loss": res["log_loss"], **flat(res),
-           "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec})
-    bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.4f})"
-    log(f"[eval] step {done}: NE {res['ne']:.4f}{bayes} "
-        f"AUC {res['auc']:.4f} calibration {res['calibration']:.3f}")
-    return {k: res[k] for k in _HEADLINE}
+        row = {"step": done, "kind": "eval", **res, "samples_per_sec": meter.samples_per_sec,
+               **extra}
+        line, headline = evaluator.line(done, res), RETRIEVAL_METRICS
+    else:
+        row = {"step": done, "kind": "eval", "loss": res["log_loss"], **flat(res),
+               "bayes_ne": evaluator.bayes["ne"], "samples_per_sec": meter.samples_per_sec, **extra}
+        bayes = "" if evaluator.bayes["ne"] is None else f" (Bayes {evaluator.bayes['ne']:.4f})"
+        line = (f"[eval] step {done}: NE {res['ne']:.4f}{bayes} "
+                f"AUC {res['auc']:.4f} calibration {res['calibration']:.3f}")
+        headline = _HEADLINE
+    write(row)
+    if rows is not None:
+        rows.append(row)
+    split = extra.get("split")
+    log(line if split is None else line.replace("[eval]", f"[{split}]", 1))
+    return {k: res[k] for k in headline}
 
 
 class _Saver:
     """save(state) -> step: start saving a finite `state` labelled with its own step
     counter; FloatingPointError (nothing saved) if it holds a NaN or inf."""
 
-    def __init__(self, ckpt: Checkpointer, trainer: Trainer, cfg: Config):
+    def __init__(self, ckpt: Checkpointer, trainer: Trainer, cfg: Config,
+                 extra_meta: Callable[[], dict] | None = None):
         self.ckpt, self.coll, self.cfg = ckpt, trainer.coll, cfg
         self.nonfinite = _nonfinite_leaves(trainer.mesh)
+        self.extra_meta = extra_meta     # () -> more meta (the selection state)
 
     def __call__(self, state: dict) -> int:
         held = state_step(state)
@@ -470,8 +518,96 @@ class _Saver:
         cfg = self.cfg
         save_train_state(self.ckpt, self.coll, held, state,
                          {"data_step": held, "config": cfg.name, "run": run_fields(cfg),
-                          "features": schema_of(cfg).to_dict()})
+                          "features": schema_of(cfg).to_dict(),
+                          **(self.extra_meta() if self.extra_meta else {})})
         return held
+
+
+def _has_test(cfg: Config) -> bool:
+    """Whether the run has eval rows (the test): the synthetic eval stream, or data.eval_path."""
+    return cfg.data.source == "synthetic" or bool(cfg.data.eval_path)
+
+
+class _Selecting:
+    """Model selection in the loop (gemjax.train.selection): the validation evaluator, the
+    Selection state (resumed from the checkpoint of `start`) and WORKDIR/best."""
+
+    def __init__(self, cfg: Config, workdir: str, trainer: Trainer, ckpt: Checkpointer, start: int,
+                 lead: bool, log: Callable[[str], None]):
+        t = cfg.train
+        self.cfg, self.trainer, self.lead, self.log = cfg, trainer, lead, log
+        self.workdir = workdir
+        self.every = t.valid_every or t.eval_every
+        self.state = selection.Selection.of(cfg)
+        if start:
+            rows = [r for r in _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+                    if r.get("kind") == "valid" and r["step"] <= start]
+            saved = ckpt.metadata(start)[1].get("selection")
+            self.state = self.state.resumed(saved, rows)
+        self.valid = (RetrievalEvaluator if is_retrieval(cfg) else Evaluator)(trainer, cfg, "valid")
+        self.best_ckpt = Checkpointer(os.path.join(workdir, selection.BEST_DIR), keep=1)
+        self.save = _Saver(self.best_ckpt, trainer, cfg, self.meta)
+        self.test: dict | None = None
+
+    def meta(self) -> dict:
+        """The checkpoint meta of the selection state."""
+        return {"selection": self.state.to_dict()}
+
+    def due(self, done: int) -> bool:
+        return done % self.every == 0 or done == self.cfg.train.steps
+
+    def evaluate(self, state: dict, done: int, meter: Throughput,
+                 write: Callable[[dict], None]) -> dict:
+        """The validation eval of step `done` (a kind "valid" row); a new best goes to
+        WORKDIR/best. Returns the headline figures."""
+        rows: list = []
+        headline = _eval_point(self.valid, state, done, meter, write, self.log,
+                               extra={"kind": "valid", "split": "valid"}, rows=rows)
+        if self.state.update(done, rows[0]):
+            stale = [s for s in self.best_ckpt.all_steps() if s >= done]
+            if stale:      # saved by a run that crashed before its next newest checkpoint
+                self.best_ckpt.wait()
+                if self.lead:
+                    selection.drop_steps_from(self.best_ckpt.directory, done)
+                self.best_ckpt.all_steps()
+            with tracking.idle_pause(meter.paused, state):
+                self.save(state)
+            self.log(f"[valid] step {done}: best {self.state.metric} so far "
+                     f"({self.state.best_value:.6g}) -> {self.best_ckpt.directory}")
+        return headline
+
+    def finish(self, state: dict, evaluator, end: int, meter: Throughput,
+               write: Callable[[dict], None]) -> tuple[dict, dict]:
+        """(state, test headline): the eval rows once on the best state (restored from
+        WORKDIR/best unless it is `state`), written as a kind "eval" row of step `end` with
+        "split" "test" and "eval_step"; ({} without eval rows)."""
+        best = self.state.best_step
+        if evaluator is None:
+            return state, {}
+        done = [r for r in _read_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+                if r.get("split") == "test" and r["step"] == end]
+        if done:          # a rerun of a finished run: its test eval stands
+            self.test = {k: v for k, v in done[-1].items()
+                         if k not in ("step", "kind", "split", "samples_per_sec")}
+            return state, {k: done[-1].get(k) for k in _headline(self.cfg)}
+        if best is not None and best != state_step(state):
+            with Checkpointer(self.best_ckpt.directory, read_only=True) as bc:
+                have = bc.all_steps()
+                if have and have[-1] != best:   # a crash's lost stretch, replayed otherwise
+                    self.log(f"[gemjax] {bc.directory} holds step {have[-1]}, not the selection's "
+                             f"best step {best} (saved before a crash, resumed on another "
+                             f"mesh): testing step {have[-1]}, what the serve readers load")
+                    best = have[-1]
+                _, state, _ = restore_train_state(bc, self.trainer.coll, state, best)
+        rows: list = []
+        step = best if best is not None else end
+        headline = _eval_point(evaluator, state, end, meter, write, self.log,
+                               extra={"split": "test", "eval_step": step}, rows=rows)
+        self.log(f"[test] the eval rows on the best state (step {step}, validation "
+                 f"{self.state.metric} {self.state.best_value})")
+        self.test = {k: v for k, v in rows[0].items()
+                     if k not in ("step", "kind", "split", "samples_per_sec")}
+        return state, headline
 
 
 def _save_at_once(save: _Saver, state: dict, ckpt: Checkpointer,
@@ -487,21 +623,27 @@ def _save_at_once(save: _Saver, state: dict, ckpt: Checkpointer,
             f"newest checkpoint: step {ckpt.latest_step()}")
 
 
-def _summary(cfg: Config, trainer: Trainer, evaluator: "Evaluator", state: dict, last_eval: dict,
-             counters: dict, meter: Throughput, started: float,
-             compile_timer: tracking.CompileTimer, lead: bool, runlog: tracking.RunLog) -> dict:
+def _summary(cfg: Config, trainer: Trainer, evaluator: "Evaluator | None", state: dict,
+             last_eval: dict, counters: dict, meter: Throughput, started: float,
+             compile_timer: tracking.CompileTimer, lead: bool, runlog: tracking.RunLog,
+             selection: dict | None = None) -> dict:
     """summary.json of a finished run (evaluating `state` if no eval ran since the start;
-    `started`: the run's time.perf_counter() at its start)."""
-    res = evaluator(state) if not last_eval else None
+    `started`: the run's time.perf_counter() at its start). selection: the model selection's
+    summary (gemjax.train.selection); then last_eval is the test eval of the best state
+    ({} without eval rows) and evaluator None without eval rows."""
+    res = evaluator(state) if not last_eval and selection is None else None
     headline = _headline(cfg)
     final = last_eval if res is None else {k: res[k] for k in headline}
     summary = {"config": cfg.name, "model": cfg.model.kind, "steps": cfg.train.steps,
                "eval_ne": final.get("ne"), "eval_auc": final.get("auc"),
-               "eval_calibration": final.get("calibration"), "bayes_ne": evaluator.bayes["ne"],
-               "bayes_auc": evaluator.bayes["auc"],
-               **({f"eval_{k}": final[k] for k in headline} if is_retrieval(cfg) else {}),
+               "eval_calibration": final.get("calibration"),
+               "bayes_ne": evaluator.bayes["ne"] if evaluator else None,
+               "bayes_auc": evaluator.bayes["auc"] if evaluator else None,
+               **({f"eval_{k}": final.get(k) for k in headline} if is_retrieval(cfg) else {}),
                **tracking.timing(meter, cfg.data.batch_size, time.perf_counter() - started,
                                  compile_timer.stop()), **counters}
+    if selection is not None:
+        summary["selection"] = selection
     summary.update(tracking.run_facts(trainer.mesh) if lead else {},
                    tensorboard_dir=runlog.tensorboard_dir)
     return summary

@@ -49,7 +49,7 @@ from gemjax.config import Config
 from gemjax.data.batch import Batch, id_features
 from gemjax.data.features import schema_of
 from gemjax.data.feeding import Feeder
-from gemjax.data.source import eval_steps, make_source
+from gemjax.data.source import eval_steps, make_source, valid_files
 from gemjax.models.retrieval import (CANDIDATES, ITEM_FIELD, item_table, l2_normalize,
                                      retrieval_sequence, target_feature)
 from gemjax.train.retrieval_loss import (history_mask, next_item_targets, ranking_summary,
@@ -191,16 +191,18 @@ class RetrievalTrainer(Trainer):
         return local_rows
 
 
-def catalog_rows(cfg: Config, vocab: int) -> np.ndarray:
+def catalog_rows(cfg: Config, vocab: int, stream: str = "eval") -> np.ndarray:
     """[V] bool: the item rows a ranking competes over. A file source: rows >= 1 that
-    occur in the train or eval data (a row's next item or a history item), read once in
-    file order through make_source; the synthetic stream: every row >= 1."""
+    occur in the train data or the ranked rows (`stream` "eval" or "valid": a row's next
+    item or a history item), read once in file order through make_source; the synthetic
+    stream: every row >= 1."""
     out = np.zeros(vocab, bool)
     if cfg.data.source == "synthetic":
         out[1:] = True
         return out
     seq, tgt = retrieval_sequence(cfg), target_feature(cfg)
-    for path in (cfg.data.train_path, cfg.data.eval_path):
+    ranked = valid_files(cfg.data) if stream == "valid" else cfg.data.eval_path
+    for path in (cfg.data.train_path, ranked):
         one_pass = dataclasses.replace(cfg, data=dataclasses.replace(
             cfg.data, eval_path=path, eval_batches=0))
         source = make_source(one_pass, "eval")
@@ -227,13 +229,14 @@ def _mrr(ranks: np.ndarray) -> float:
 
 class RetrievalEvaluator:
     """Full-ranking metrics over every row of the eval stream (module docstring);
-    __call__(state) -> {"hr@10", "ndcg@10", "hr@50", "ndcg@50", the same "_unmasked",
-    "rows", "catalog"}."""
+    __call__(state) -> {"hr@10", "ndcg@10", "hr@50", "ndcg@50", "mrr" (mean 1 / (rank + 1)),
+    the same "_unmasked", "rows", "catalog"}. stream: "eval" (the test rows) or "valid"
+    (the validation rows of model selection)."""
 
-    def __init__(self, trainer: RetrievalTrainer, cfg: Config):
-        self.stream = make_source(cfg, "eval")
+    def __init__(self, trainer: RetrievalTrainer, cfg: Config, stream: str = "eval"):
+        self.stream = make_source(cfg, stream)
         self.feeder = Feeder(self.stream.shard_batch, trainer.mesh, prefetch=0)
-        self.catalog = catalog_rows(cfg, trainer.vocab)
+        self.catalog = catalog_rows(cfg, trainer.vocab, stream)
         self.step_fn = trainer.make_eval_step(self.catalog)
         self._host = [self.feeder.host_batch(i) for i in range(eval_steps(self.stream, cfg))]
         self.bayes = {"ne": None, "auc": None}
