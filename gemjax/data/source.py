@@ -228,7 +228,10 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
                                    window=d.shuffle_window, nan=d.nan,
                                    capacity_slack=d.capacity_slack)
         except (ValueError, FileNotFoundError) as e:
-            raise type(e)(f"{field}={path}: {e}") from None
+            hint = ("; the validation rows of model selection (train.select_metric): write "
+                    "them, or pass train.select_metric= and train.patience=0 to train without "
+                    "selection") if stream == "valid" else ""
+            raise type(e)(f"{field}={path}: {e}{hint}") from None
         return OneEpoch(source) if stream != "train" and d.eval_batches == 0 else source
     if d.source != "synthetic":
         raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")

@@ -6,6 +6,7 @@
     from gemjax.serve.export import export_model, load_exported   # jax.export for serving
 
 Everything reads a finished (or running) run's WORKDIR: config.json for the
-Config and the Orbax checkpoints under WORKDIR/checkpoints, which hold the
-tables in logical row order and restore onto any mesh.
+Config and the Orbax checkpoints under WORKDIR/best (the model selection's best
+step, read by default when the run has it) or WORKDIR/checkpoints (the newest),
+which hold the tables in logical row order and restore onto any mesh.
 """
