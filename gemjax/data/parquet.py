@@ -266,6 +266,37 @@ def list_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     return out
 
 
+def file_facts(paths) -> list[dict]:
+    """[{"path", "bytes", "rows", "mtime_ns"}] of each file `paths` names (list_files
+    order): what the index and every epoch's shuffle are built from. Sizes and mtimes
+    from stat, rows from the footers (a file whose footer does not read: rows None)."""
+    out = []
+    for path in list_files(paths):
+        st = os.stat(path)
+        try:
+            rows = pq.ParquetFile(path).metadata.num_rows
+        except Exception:  # noqa: BLE001 - the source itself names an unreadable file
+            rows = None
+        out.append({"path": os.path.abspath(path), "bytes": st.st_size, "rows": rows,
+                    "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def file_changes(before: Sequence[dict], now: Sequence[dict]) -> list[str]:
+    """One line per file added, removed or changed (bytes or rows) between two
+    `file_facts` lists; [] when the same files hold the same rows. mtimes alone (a
+    copy, a touch) are no change."""
+    old, new = {f["path"]: f for f in before}, {f["path"]: f for f in now}
+    out = [f"added {p} ({new[p]['rows']} rows)" for p in sorted(set(new) - set(old))]
+    out += [f"removed {p} ({old[p]['rows']} rows)" for p in sorted(set(old) - set(new))]
+    for p in sorted(set(old) & set(new)):
+        a, b = old[p], new[p]
+        if (a["bytes"], a["rows"]) != (b["bytes"], b["rows"]):
+            out.append(f"changed {p} ({a['rows']} rows, {a['bytes']} bytes -> {b['rows']} rows, "
+                       f"{b['bytes']} bytes)")
+    return out
+
+
 def _kind_ok(typ: pa.DataType, kind: str) -> bool:
     if kind == "int":
         return pa.types.is_integer(typ)

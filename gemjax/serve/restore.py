@@ -7,7 +7,10 @@
 The state is restored onto `mesh` (default: every device on one "batch" axis)
 whatever mesh it was saved from (`gemjax.train.checkpoint.restore_train_state`).
 A missing workdir, config or checkpoint, or a step with no checkpoint, is a
-FileNotFoundError naming the path (and the steps there are).
+FileNotFoundError naming the path (and the steps there are). The newest step that
+passes its checksums is read; newer damaged ones are skipped and named, and a step
+rotated away by a running training while it is read makes the steps be listed again
+(`gemjax.train.checkpoint.newest_intact`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 from gemjax.config import Config, apply_overrides, config_from_dict
 
@@ -62,14 +65,20 @@ class RestoredRun:
 
 
 def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dict | None = None,
-            overrides: str | dict | None = None) -> RestoredRun:
+            overrides: str | dict | None = None,
+            log: Callable[[str], None] = print) -> RestoredRun:
     """The checkpoint of `step` (default: the newest) of the run in `workdir` on `mesh`.
 
     trainer_kw: Trainer.create options (rules, table_replica_axes, table plan).
     overrides: applied to the run's config (see read_config); they must keep the
     model's parameter shapes, or the restore fails naming the leaves that differ.
+    Without `step`, a newer step that is damaged (checksums, unreadable, empty) or
+    has no checksums (unless train.trust_unverified_checkpoints) is skipped and
+    logged, naming its directory (checkpoint.newest_intact), as a resuming training
+    does, without moving it; none intact is CheckpointDamaged naming each step.
     """
-    from gemjax.train.checkpoint import Checkpointer, restore_train_state   # jax, orbax: imported on use
+    from gemjax.train.checkpoint import (Checkpointer, newest_intact,   # jax, orbax: on use
+                                         restore_train_state)
     from gemjax.train.step import Trainer
 
     cfg = read_config(workdir, overrides)
@@ -77,12 +86,11 @@ def restore(workdir: str, step: int | None = None, mesh=None, *, trainer_kw: dic
     from gemjax.train.retrieval import RetrievalTrainer, is_retrieval
     trainer = (RetrievalTrainer if is_retrieval(cfg) else Trainer).create(cfg, mesh,
                                                                           **(trainer_kw or {}))
-    with Checkpointer(directory, read_only=True) as ckpt:   # a training may be saving
-        steps = ckpt.all_steps()   # named before the (possibly large) initial state is built
-        if not steps:
-            raise FileNotFoundError(f"no finished checkpoint in {directory}")
-        if step is not None and int(step) not in steps:
-            raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (have {steps})")
-        got, state, meta = restore_train_state(ckpt, trainer.coll, trainer.init_state(cfg.train.seed),
-                                               step)
+    with Checkpointer(directory, read_only=True,   # a training may be saving
+                      trust_unverified=cfg.train.trust_unverified_checkpoints) as ckpt:
+        # the (possibly large) initial state is built only for a step that checks
+        got, (_, state, meta) = newest_intact(
+            ckpt, lambda s: restore_train_state(ckpt, trainer.coll,
+                                                trainer.init_state(cfg.train.seed), s),
+            step, log=log)
     return RestoredRun(cfg, trainer, got, state, meta)

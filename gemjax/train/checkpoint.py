@@ -5,6 +5,8 @@
                                           # write continues in the background
     ckpt.latest_step() -> int | None      # newest finished checkpoint
     ckpt.verify(step) -> str | None       # what is damaged in a step (checksums), or None
+    ckpt.check(step) -> str | None        # verify, refusing a step without checksums unless trusted
+    step, x = newest_intact(ckpt, read)   # read(step) of the newest step that checks and reads
     step, state, meta = ckpt.restore(target)    # newest (or step=..., resizable=...)
     step, meta = ckpt.metadata()                # meta alone, no arrays read
     ckpt.wait(); ckpt.close()             # or `with Checkpointer(...) as ckpt:`
@@ -49,9 +51,14 @@ carries its checksums, except the two files orbax writes at the commit itself
 (STEP/_CHECKPOINT_METADATA, STEP/commit_success.txt), which `restore` needs
 no data from. `verify(step)` names a missing, truncated, altered or unexpected
 file, an empty step directory or a missing checksum file; `restore` verifies
-first and raises CheckpointDamaged. A step without checksums.sha256 (written
-before checksums existed) is reported by `verify` as "unverified" and restores
-as before: only a failing read shows its damage. `set_aside(step)` moves a
+first and raises CheckpointDamaged. A step without checksums.sha256 is reported
+by `verify` as "unverified" and refused by `check` and `restore` unless the
+Checkpointer trusts such steps (trust_unverified=True, the run's
+train.trust_unverified_checkpoints): then only a failing read shows its damage.
+`newest_intact(ckpt, read)` is the read-only fallback every reader of a checkpoint
+directory uses: the newest step that checks and reads, naming each newer step it
+skips, listing again when a step vanishes under a running training's rotation.
+`set_aside(step)` moves a
 damaged step out of the directory (to DIRECTORY-damaged/), so it is neither
 the latest step nor counted by the keep-N rotation.
 
@@ -71,21 +78,22 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import json
 import os
 import shutil
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from gemjax import checksums
+
 LAYOUT_VERSION = 1
-CHECKSUM_FILE = "checksums.sha256"
-UNVERIFIED = "unverified: no " + CHECKSUM_FILE
+CHECKSUM_FILE = checksums.FILE
+UNVERIFIED = checksums.NO_SUMS
 # written by orbax when it commits a step, after the checksums; restore reads no data from them
 _COMMIT_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
@@ -98,25 +106,9 @@ class CheckpointMismatch(ValueError):
     """A restore target (or run) that does not fit a readable checkpoint."""
 
 
-def _step_files(step_dir: str) -> list[str]:
-    """Paths of every file under step_dir, relative to it, sorted."""
-    out = []
-    for root, _, files in os.walk(step_dir):
-        out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
-    return sorted(out)
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def write_checksums(step_dir: str) -> None:
     """STEP/checksums.sha256: "<sha256>  <path>" for every file but the commit files."""
-    lines = [f"{_sha256(os.path.join(step_dir, rel))}  {rel}\n" for rel in _step_files(step_dir)
-             if rel not in _COMMIT_FILES and rel != CHECKSUM_FILE]
-    with open(os.path.join(step_dir, CHECKSUM_FILE), "w") as f:
-        f.writelines(lines)
+    checksums.write(step_dir, skip=_COMMIT_FILES)
 
 
 def verify_step_dir(step_dir: str) -> str | None:
@@ -124,29 +116,9 @@ def verify_step_dir(step_dir: str) -> str | None:
     None when every file matches its checksum and no file is missing or extra."""
     if not os.path.isdir(step_dir):
         return "no step directory"
-    files = _step_files(step_dir)
-    if not files:
+    if not checksums.files_under(step_dir):
         return "empty step directory"
-    if CHECKSUM_FILE not in files:
-        return UNVERIFIED
-    want = {}
-    with open(os.path.join(step_dir, CHECKSUM_FILE), "rb") as f:
-        for n, line in enumerate(f, 1):
-            digest, sep, rel = line.rstrip(b"\n").partition(b"  ")
-            if not sep or len(digest) != 64:
-                return f"{CHECKSUM_FILE} line {n} is not '<sha256>  <path>'"
-            want[rel.decode("utf-8", "replace")] = digest.decode("ascii", "replace")
-    have = {rel for rel in files if rel not in _COMMIT_FILES and rel != CHECKSUM_FILE}
-    for rel in sorted(want):
-        path = os.path.join(step_dir, rel)
-        if rel not in have:
-            return f"file {rel} is missing"
-        if _sha256(path) != want[rel]:
-            return f"file {rel} does not match its checksum ({os.path.getsize(path)} bytes)"
-    extra = sorted(have - set(want))
-    if extra:
-        return f"unexpected files {extra[:3]}"
-    return None
+    return checksums.check(step_dir, skip=_COMMIT_FILES)
 
 
 def _entry_name(entry) -> str:
@@ -234,12 +206,15 @@ class Checkpointer:
     """Keep-N, optionally async checkpoints of a train-state pytree in `directory`."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False, trust_unverified: bool = False):
         """read_only: restore only (eval, inference, export): no save, and the temporary
-        directories of a save in flight in another process are left alone."""
+        directories of a save in flight in another process are left alone.
+        trust_unverified: restore steps that have no checksums.sha256 (their damage then
+        shows only if a read fails); by default `check` and `restore` refuse them."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(os.fspath(directory))
+        self.trust_unverified = trust_unverified
         self._async = async_save
         self.read_only = read_only
         self._saving: int | None = None      # the step whose write is in flight
@@ -322,6 +297,21 @@ class Checkpointer:
             self._verified.add(int(step))
         return problem
 
+    def check(self, step: int, log: Callable[[str], None] | None = None) -> str | None:
+        """`verify` under this Checkpointer's trust: None for an intact step, or for a step
+        without checksums when trust_unverified (logged); else what is wrong (one line)."""
+        problem = self.verify(step)
+        if problem != UNVERIFIED:
+            return problem
+        where = os.path.join(self.directory, str(int(step)), CHECKSUM_FILE)
+        if not self.trust_unverified:
+            return (f"{where} is missing, so its files cannot be verified (not trusted; "
+                    f"train.trust_unverified_checkpoints=true accepts such a step)")
+        if log is not None:
+            log(f"[gemjax] checkpoint step {step}: {where} is missing; trusted "
+                f"(train.trust_unverified_checkpoints) if it reads")
+        return None
+
     def set_aside(self, step: int) -> str:
         """Move a damaged `step` to DIRECTORY-damaged/STEP[.n] (returned); the step is
         then no longer listed. Call on one process (a shared directory)."""
@@ -363,8 +353,8 @@ class Checkpointer:
         """
         step = self._resolve_step(step)
         if step not in self._verified:
-            problem = self.verify(step)
-            if problem is not None and problem != UNVERIFIED:
+            problem = self.check(step)
+            if problem is not None:
                 raise CheckpointDamaged(f"checkpoint step {step} in {self.directory} is damaged: "
                                         f"{problem}")
         layout = self._manager.restore(
@@ -436,6 +426,58 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def newest_intact(ckpt: Checkpointer, read: Callable[[int], Any], step: int | None = None, *,
+                  log: Callable[[str], None] = print, attempts: int = 5) -> tuple[int, Any]:
+    """(step, read(step)) for the newest step of `ckpt` (or the given `step`) that
+    `ckpt.check` finds intact and `read` reads; the reader of a checkpoint directory
+    (WORKDIR/checkpoints or any other) that does not move anything.
+
+    A newer step failing its checksums, without them (unless ckpt.trust_unverified),
+    empty, or unreadable is skipped, logged naming its directory and the problem.
+    A step whose directory vanishes while it is checked or read (the keep-N rotation of
+    a training saving into the directory) makes the steps be listed again, up to
+    `attempts` times. CheckpointMismatch from `read` (the target does not fit)
+    propagates. No step at all, or a `step` not there: FileNotFoundError; none intact:
+    CheckpointDamaged naming every step and its problem.
+    """
+    for _ in range(attempts):
+        steps = ckpt.all_steps()
+        if step is not None and int(step) not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {ckpt.directory} "
+                                    f"(have {steps})")
+        if not steps:
+            raise FileNotFoundError(f"no finished checkpoint in {ckpt.directory}")
+        skipped, vanished = [], None
+        for s in [int(step)] if step is not None else reversed(steps):
+            where = os.path.join(ckpt.directory, str(s))
+            try:
+                problem = ckpt.check(s, log)
+                if problem is None:
+                    return s, read(s)
+            except CheckpointMismatch:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failing read of a step is damage
+                problem = f"unreadable: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            if not os.path.isdir(where):
+                vanished = s
+                break
+            if step is not None:
+                raise CheckpointDamaged(f"checkpoint step {s} in {ckpt.directory} is damaged: "
+                                        f"{problem}")
+            log(f"[gemjax] checkpoint step {s} skipped ({where}): {problem}")
+            skipped.append((s, problem))
+        if vanished is None:
+            raise CheckpointDamaged(f"no intact checkpoint in {ckpt.directory}: "
+                                    + "; ".join(f"step {s}: {p}" for s, p in skipped))
+        if step is not None:
+            raise FileNotFoundError(f"checkpoint step {step} left {ckpt.directory} while it was "
+                                    f"read (a running training rotates its checkpoints)")
+        log(f"[gemjax] checkpoint step {vanished} left {ckpt.directory} while it was read (a "
+            f"running training rotates its checkpoints); listing the steps again")
+    raise CheckpointDamaged(f"checkpoints in {ckpt.directory} kept vanishing while read "
+                            f"({attempts} attempts)")
 
 
 # ------------------------------------------------------------ the train state

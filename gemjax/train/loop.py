@@ -51,7 +51,7 @@ from gemjax.data import balance
 from gemjax.data.feeding import Feeder
 from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
-from gemjax.train.checkpoint import (UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer,
+from gemjax.train.checkpoint import (CheckpointDamaged, CheckpointMismatch, Checkpointer,
                                      restore_train_state, save_train_state, state_step)
 from gemjax.train import layout, multistep, runtime
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
@@ -66,13 +66,6 @@ from gemjax.train import tracking
 # while the first step of a run (its compile: minutes for a large FP8 step) has not returned,
 # a line every this many seconds says so (tracking.Heartbeat)
 COMPILE_HEARTBEAT_S = 60.0
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _rewrite_jsonl(path: str, rows: list[dict]) -> None:
@@ -119,10 +112,8 @@ def _resume(ckpt: Checkpointer, coll, target: dict, cfg: Config, lead: bool,
     ResumeMismatch / CheckpointMismatch (the run does not fit) propagate at once."""
     damaged = []
     for step in reversed(ckpt.all_steps()):
-        problem = ckpt.verify(step)
-        if problem in (None, UNVERIFIED):
-            if problem:
-                log(f"[gemjax] checkpoint step {step}: {problem}; trusted if it reads")
+        problem = ckpt.check(step, log)   # no checksums: refused unless trusted (train.trust_...)
+        if problem is None:
             try:
                 _, meta = ckpt.metadata(step)
                 check_resume(meta, cfg, step, os.path.dirname(ckpt.directory))
@@ -253,7 +244,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     feeder = multistep.feeder(k, loads.wrap(stream.shard_batch), trainer.mesh,
                               check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields,
                               workers=cfg.data.host_workers)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
+                        trust_unverified=t.trust_unverified_checkpoints)
     start, state, last_eval, counters = _start(ckpt, trainer, trainer_kw or {}, stream, cfg, workdir,
                                                lead, log)
     _announce(cfg, workdir, trainer, state, lead, log)
@@ -349,13 +341,16 @@ def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: 
     start, last_eval = 0, {}
     counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
                 "ids_overflow": 0, "checkpoints_damaged": 0,   # fallbacks, counted over the whole run
+                "metrics_lines_torn": 0,
                 **dict.fromkeys(counter_names(stream), 0)}     # the source's own (parquet: ids_clamped, ...)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    damaged = 0
+    damaged = torn = 0
+    tracking.check_train_files(cfg, workdir, bool(ckpt.all_steps()), lead=lead, log=log)
     if ckpt.all_steps():
         start, state, damaged = _resume(ckpt, trainer.coll, state, cfg, lead, log)
         log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
-        kept = [r for r in _read_jsonl(metrics_path) if r["step"] <= start]
+        rows, torn = tracking.read_metrics(metrics_path, log)   # a torn last row dropped
+        kept = [r for r in rows if r["step"] <= start]
         if lead:
             _rewrite_jsonl(metrics_path, kept)
         evals = [r for r in kept if r["kind"] == "eval"]
@@ -367,6 +362,7 @@ def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: 
     elif lead and os.path.exists(metrics_path):
         os.remove(metrics_path)
     counters["checkpoints_damaged"] += damaged
+    counters["metrics_lines_torn"] += torn
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(with_schema(layout.record(cfg, trainer, trainer_kw))), f,
