@@ -199,10 +199,11 @@ def main(argv):
     workdir = f.workdir
     if f.mode == "eval":
         from gemjax.serve.evaluate import evaluate_checkpoint
+        from gemjax.train.checkpoint import CheckpointDamaged
         try:
             evaluate_checkpoint(workdir, f.checkpoint_step, mesh, trainer_kw=trainer_kw,
                                 overrides=f.override, log=log)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, CheckpointDamaged) as e:
             sys.exit(f"[gemjax] --mode=eval: {e}")
         return
     if cfg.train.remat == "auto":     # the planner's plan for train.memory_budget_gb, measured here
@@ -254,6 +255,12 @@ def run(argv):
     except RunRefused as e:
         print(f"[gemjax] refused: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except OSError as e:     # disk full, read-only or unwritable workdir: one line
+        from gemjax.train.checkpoint import disk_error
+        if disk_error(e) is None:
+            raise
+        print(f"[gemjax] stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ caller may donate or delete the state buffers right after.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import json
+import logging
 import os
 import shutil
 import time
@@ -104,6 +106,45 @@ class CheckpointDamaged(OSError):
 
 class CheckpointMismatch(ValueError):
     """A restore target (or run) that does not fit a readable checkpoint."""
+
+
+class CheckpointWriteFailed(OSError):
+    """A save the filesystem refused (disk full, read-only or not writable); errno set.
+    Its message is one line: the step, the path, the reason and the steps kept."""
+
+
+# errno -> the text orbax / tensorstore errors carry for it
+DISK_ERRORS = {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system",
+               errno.EACCES: "Permission denied", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def disk_error(e: BaseException | None) -> int | None:
+    """The errno of DISK_ERRORS behind `e` (an OSError, or orbax's / tensorstore's
+    errors naming it in their text, or any of their causes), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+            return e.errno
+        text = str(e)
+        for code, words in DISK_ERRORS.items():
+            if words in text or f"os_error_code='{code}'" in text:
+                return code
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _QuietDiskErrors(logging.Filter):
+    """Drops orbax's logged tracebacks of a write the filesystem refused (one per
+    background thread); Checkpointer raises CheckpointWriteFailed for it instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ("orbax" in record.pathname and record.levelno >= logging.ERROR
+                    and disk_error(exc) is not None)
+
+
+_QUIET = _QuietDiskErrors()
 
 
 def write_checksums(step_dir: str) -> None:
@@ -229,7 +270,15 @@ class Checkpointer:
             create=not read_only,
             read_only=read_only,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._failed: CheckpointWriteFailed | None = None   # a refused write, reported once
+        logging.getLogger("absl").addFilter(_QUIET)        # (once: filters are a set)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            if disk_error(e) is None:
+                raise
+            raise CheckpointWriteFailed(e.errno, f"cannot open the checkpoint directory "
+                                                 f"{self.directory}: {DISK_ERRORS[e.errno]}") from None
 
     def _write_checksums(self) -> None:
         """Checksums of the step being committed (orbax's save thread, primary process,
@@ -269,16 +318,51 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
             layout=ocp.args.JsonSave(layout),
         )
-        self._manager.wait_until_finished()   # the previous write (orbax waits here too)
+        self._finish()   # the previous write (orbax waits here too)
         self._saving = step
-        started = bool(self._manager.save(step, args=args))
+        try:
+            started = bool(self._manager.save(step, args=args))
+        except Exception as e:
+            self._refused(e)
+            raise
         if not self._async:
-            self._manager.wait_until_finished()
+            self._finish()
         return started
 
     def wait(self) -> None:
-        """Block until every started save is on disk."""
-        self._manager.wait_until_finished()
+        """Block until every started save is on disk (CheckpointWriteFailed: one the
+        filesystem refused)."""
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._refused(e)
+            raise
+
+    def _refused(self, e: Exception) -> None:
+        """Raise CheckpointWriteFailed (one line) for a write the filesystem refused,
+        after deleting the step's partial temporary directory (the space it holds)."""
+        code = disk_error(e)
+        if code is None:
+            return
+        step = self._saving
+        for tmp in glob.glob(os.path.join(glob.escape(self.directory),
+                                          f"{step}.orbax-checkpoint-tmp*")):
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+        except OSError:
+            kept = []
+        self._failed = CheckpointWriteFailed(
+            code, f"checkpoint step {step} was not written to {self.directory}: "
+                  f"{DISK_ERRORS[code]} (errno {errno.errorcode[code]}); its partial files are "
+                  f"deleted; kept: " + (f"checkpoint steps {kept}, the newest resumes"
+                                        if kept else "no finished checkpoint"))
+        raise self._failed from None
 
     # -- restoring ------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -417,9 +501,20 @@ class Checkpointer:
 
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Finish pending saves and release the manager (a refused write is raised
+        once: by the save, wait or close that meets it first)."""
+        failed = self._failed
+        try:
+            self._finish()
+        except CheckpointWriteFailed as e:
+            if e is not failed:
+                raise
+        finally:
+            try:
+                self._manager.close()
+            except Exception:
+                if self._failed is None:
+                    raise
 
     def __enter__(self) -> "Checkpointer":
         return self
