@@ -245,8 +245,9 @@ def main(argv):
 
 
 def run(argv):
-    """main, with a stop by SIGINT / SIGTERM (after its checkpoint) or a refused run
-    (busy workdir, resume mismatch) ending in one message and exit 128 + signal / 2."""
+    """main, with a stop by SIGINT / SIGTERM (after its checkpoint), a refused run (busy
+    workdir, resume mismatch), a bad flag or config value, or a filesystem refusing
+    writes ending in one message and exit 128 + signal / 2 / 1 / 1."""
     try:
         main(argv)
     except Interrupted as e:
@@ -255,6 +256,9 @@ def run(argv):
     except RunRefused as e:
         print(f"[gemjax] refused: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except app.UsageError as e:      # a bad flag or config value: its line, no flag listing
+        print(f"[gemjax] error: {e} (--helpfull lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(1)
     except OSError as e:     # disk full, read-only or unwritable workdir: one line
         from gemjax.train.checkpoint import disk_error
         if disk_error(e) is None:

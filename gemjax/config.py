@@ -38,6 +38,9 @@ class DataConfig:
     order: str = "shuffle"           # parquet train stream: "shuffle" | "time"
     shuffle_window: int = 65_536     # parquet: rows of the in-memory shuffle window
     nan: str = "error"               # parquet: NaN / null dense values: "error" | "zero"
+    # parquet: bound on the magnitude of finite dense values (0: none); beyond it a value is
+    # an error naming file, row and column (nan="error") or clamped, counted dense_clamped
+    dense_max_abs: float = 0.0
     # parquet: resume although the train files differ from WORKDIR/train_files.json (the
     # files the run started with); the change is logged and recorded there
     accept_changed_files: bool = False

@@ -109,3 +109,32 @@ def test_metrics_rows_torn_only_at_the_end(tmp_path):
     with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not a metrics row"):
         read_metrics(path)
     assert read_metrics(str(tmp_path / "none.jsonl")) == ([], 0)
+
+
+def test_huge_finite_dense_values_are_named_or_clamped(tmp_path):
+    """A finite 1e30 in a dense column (a float32 that overflows the model to NaN) is
+    refused naming file, row and column, or clamped and counted (data.dense_max_abs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_own_data import SCHEMA, _write_log
+    from gemjax.data.parquet import ParquetSource, columns_from_schema
+    path = tmp_path / "t.parquet"
+    _write_log(path, 50, 0)
+    table = pq.read_table(path)
+    price = table.column("price").to_numpy().copy()
+    price[30] = 1e30
+    price[31] = -5e3
+    pq.write_table(table.set_column(table.schema.get_field_index("price"), "price",
+                                    pa.array(price)), path, row_group_size=25)
+    cols = columns_from_schema(SCHEMA)
+    kw = dict(batch_size=50, order="time")
+    batch, _ = ParquetSource(str(path), cols, **kw).shard_batch(0)      # no bound: as read
+    assert batch.dense[30, 0] == np.float32(1e30)
+    with pytest.raises(ValueError, match=r"t.parquet: row group 1: row 5 \(row 30 of the file\): "
+                                         r"column 'price' is 1e\+30, beyond the bound 1000 "
+                                         r"\(data.dense_max_abs\)"):
+        ParquetSource(str(path), cols, dense_max_abs=1e3, **kw).shard_batch(0)
+    batch, info = ParquetSource(str(path), cols, dense_max_abs=1e3, nan="zero", **kw).shard_batch(0)
+    want = np.clip(price, -1e3, 1e3)
+    np.testing.assert_array_equal(batch.dense[:, 0], want)
+    assert info.counters["dense_clamped"] == 2

@@ -67,6 +67,9 @@ or a documented fallback counted in the shard's `SourceInfo.counters`:
   batch over its packed capacity    longest sequences cut further (newest kept),
                                     counted seq_truncated_to_capacity
   NaN / Inf / null dense value      nan="error": error; nan="zero": 0, counted nan_filled
+  finite value beyond dense_max_abs nan="error": error; nan="zero": clamped to the bound,
+  (when > 0; dense and float        counted dense_clamped
+  sequence fields)
   (also float sequence fields)
   label null or NaN                 unobserved: label_mask 0 (label 0)
   label other than 0/1              error
@@ -114,7 +117,7 @@ BOUNDS_MODES = ("strict", "clamp", "hash")
 NAN_MODES = ("error", "zero")
 ORDERS = ("shuffle", "time")
 COUNTERS = ("seq_truncated_to_cap", "seq_truncated_to_capacity", "ids_clamped", "ids_hashed",
-            "nan_filled")
+            "nan_filled", "dense_clamped")
 _INT32_LIMIT = 2 ** 31
 
 
@@ -433,7 +436,9 @@ class ParquetSource:
     samples per step. order: "shuffle" or "time" (module docstring). window:
     rows of the in-memory shuffle window. nan: "error" or "zero". capacity_slack /
     capacity_tokens ({sequence: global tokens per step}): the packed capacity.
-    cache_bytes: decoded row groups kept per process.
+    cache_bytes: decoded row groups kept per process. dense_max_abs: bound on the
+    magnitude of finite dense (and float sequence) values, 0 for none; beyond it a
+    value is an error or clamped, as `nan` says.
     """
 
     counter_names = COUNTERS     # the fallback counters of every shard's SourceInfo
@@ -441,7 +446,7 @@ class ParquetSource:
     def __init__(self, paths, columns: ParquetColumns, batch_size: int, seed: int = 0, *,
                  order: str = "shuffle", window: int = 65_536, nan: str = "error",
                  capacity_slack: float = 1.3, capacity_tokens: Mapping[str, int] | None = None,
-                 cache_bytes: int = 1 << 30):
+                 cache_bytes: int = 1 << 30, dense_max_abs: float = 0.0):
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if nan not in NAN_MODES:
@@ -453,6 +458,9 @@ class ParquetSource:
             raise ValueError(f"capacity_tokens names unknown sequences {sorted(unknown)}")
         self.columns, self.batch_size, self.seed = columns, batch_size, seed
         self.order, self.window, self.nan = order, window, nan
+        if not dense_max_abs >= 0:
+            raise ValueError(f"dense_max_abs must be >= 0 (0: no bound), got {dense_max_abs}")
+        self.dense_max_abs = float(dense_max_abs)
         self.capacity_slack, self.capacity_tokens = capacity_slack, dict(capacity_tokens or {})
         self.index, self._metas = build_index(list_files(paths), columns)
         self._vocab = dict(columns.vocab)
@@ -625,6 +633,18 @@ class ParquetSource:
                                  f"null); clean the data or read with nan='zero'")
             a[bad] = 0.0
             counts["nan_filled"] = bad
+        m = self.dense_max_abs
+        if m > 0:
+            big = np.abs(a) > m
+            if big.any():
+                if self.nan == "error":
+                    i = int(np.argmax(big))
+                    raise ValueError(f"parquet: {row_of(i)}: column {col!r} is {float(a[i]):g}, "
+                                     f"beyond the bound {m:g} (data.dense_max_abs); clean the "
+                                     f"data, raise the bound, or read with nan='zero' (clamped, "
+                                     f"counted dense_clamped)")
+                a = np.clip(a, -m, m)
+                counts["dense_clamped"] = big
         return a
 
     def _decode(self, g: int) -> _Chunk:

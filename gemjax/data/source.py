@@ -200,7 +200,8 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
             source = ParquetSource(path, columns, d.batch_size, seed,
                                    order=d.order if stream == "train" else "time",
                                    window=d.shuffle_window, nan=d.nan,
-                                   capacity_slack=d.capacity_slack)
+                                   capacity_slack=d.capacity_slack,
+                                   dense_max_abs=d.dense_max_abs)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"{field}={path}: {e}") from None
         return OneEpoch(source) if stream == "eval" and d.eval_batches == 0 else source

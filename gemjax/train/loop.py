@@ -323,6 +323,11 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     return summary
 
 
+# what a NaN message adds: huge finite inputs overflow a step too (gemjax.data.parquet)
+_HUGE_INPUTS = (" (finite but huge dense inputs overflow too: data.dense_max_abs bounds them, "
+                "naming the file, row and column)")
+
+
 # The eval figures a train row and the summary repeat from the newest eval.
 _HEADLINE = ("ne", "auc", "calibration")
 
@@ -412,7 +417,7 @@ class _Window:
             raise FloatingPointError(
                 f"loss is {loss} (largest grad norm {grad_norm}) at step {done}: stopped, "
                 f"nothing of it saved; the checkpoints kept ({ckpt.all_steps()}) hold "
-                f"finite states")
+                f"finite states{_HUGE_INPUTS}")
         for c in ("ids_out_of_range", "ids_overflow"):
             self.counters[c] += int(sum(x[c] for x in ms))
         ne = None if self.retrieval else _window_ne(ms)
@@ -462,7 +467,8 @@ class _Saver:
         if bad:
             raise FloatingPointError(
                 f"train state at step {held} holds NaN or inf in {len(bad)} arrays ({bad[:3]}): "
-                f"not saved; the checkpoints kept ({self.ckpt.all_steps()}) hold finite states")
+                f"not saved; the checkpoints kept ({self.ckpt.all_steps()}) hold finite states"
+                f"{_HUGE_INPUTS}")
         cfg = self.cfg
         save_train_state(self.ckpt, self.coll, held, state,
                          {"data_step": held, "config": cfg.name, "run": run_fields(cfg),
