@@ -112,6 +112,9 @@ def test_damaged_export_is_refused_naming_the_file(run, tmp_path):
     with pytest.raises(ExportDamaged, match=r"a/checksums.sha256: no such file"):
         load_exported(a)
     assert load_exported(a, verify=False).manifest["step"] == 3     # trusted when asked
+    with pytest.raises(FileExistsError, match="is not an earlier export .*'notes.txt'"):
+        export_model(run, b, log=lambda s: None)                    # never replaces other files
+    assert os.path.exists(os.path.join(b, "notes.txt"))
 
 
 def _damage_meta(step_dir):

@@ -168,7 +168,8 @@ def export_model(workdir: str, out: str | None = None, step: int | None = None, 
     batch: an example one-device Batch fixing the input shapes (default: the run's
     first eval batch on one shard). mesh / trainer_kw: where and how to restore
     (load_for_inference; default one device); the tables are gathered to the host in
-    logical row order from any mesh and table plan.
+    logical row order from any mesh and table plan. An existing `out` is replaced
+    whole, so it must be an earlier export or empty (else FileExistsError).
     Single-process only.
     """
     if jax.process_count() > 1:
@@ -176,6 +177,13 @@ def export_model(workdir: str, out: str | None = None, step: int | None = None, 
     from gemjax.data.source import make_source
     from gemjax.serve.inference import load_for_inference
 
+    out = os.path.abspath(out or os.path.join(workdir, "export"))
+    if os.path.lexists(out):            # replaced whole: only an earlier export (or nothing)
+        other = (sorted(set(os.listdir(out)) - set(FILES.values()) - {checksums.FILE})
+                 if os.path.isdir(out) and not os.path.islink(out) else [os.path.basename(out)])
+        if other:
+            raise FileExistsError(f"{out} is not an earlier export (it holds {other[:5]}): an "
+                                  f"export replaces its whole directory, so give another out")
     pred = load_for_inference(workdir, step, mesh, trainer_kw=trainer_kw)
     cfg, coll = pred.cfg, pred.trainer.coll
     if batch is None:
@@ -189,7 +197,6 @@ def export_model(workdir: str, out: str | None = None, step: int | None = None, 
     specs = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
              for t in (flat_params, tables, flat_batch)]
     exp = jax.export.export(jax.jit(forward), platforms=platforms)(*specs)
-    out = os.path.abspath(out or os.path.join(workdir, "export"))
     manifest = {
         "format": FORMAT, "workdir": os.path.abspath(workdir), "step": pred.step,
         "platforms": list(exp.platforms), "jax_version": jax.__version__,

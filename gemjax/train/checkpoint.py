@@ -538,7 +538,11 @@ def newest_intact(ckpt: Checkpointer, read: Callable[[int], Any], step: int | No
     CheckpointDamaged naming every step and its problem.
     """
     for _ in range(attempts):
-        steps = ckpt.all_steps()
+        try:
+            steps = ckpt.all_steps()
+        except FileNotFoundError:         # a step renamed or deleted while orbax listed it
+            time.sleep(0.05)
+            continue
         if step is not None and int(step) not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {ckpt.directory} "
                                     f"(have {steps})")
