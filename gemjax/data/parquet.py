@@ -271,8 +271,9 @@ def list_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
 
 def file_facts(paths) -> list[dict]:
     """[{"path", "bytes", "rows", "mtime_ns"}] of each file `paths` names (list_files
-    order): what the index and every epoch's shuffle are built from. Sizes and mtimes
-    from stat, rows from the footers (a file whose footer does not read: rows None)."""
+    order; paths as list_files gives them, relative where `paths` is): what the index and
+    every epoch's shuffle are built from. Sizes and mtimes from stat, rows from the
+    footers (a file whose footer does not read: rows None)."""
     out = []
     for path in list_files(paths):
         st = os.stat(path)
@@ -280,7 +281,7 @@ def file_facts(paths) -> list[dict]:
             rows = pq.ParquetFile(path).metadata.num_rows
         except Exception:  # noqa: BLE001 - the source itself names an unreadable file
             rows = None
-        out.append({"path": os.path.abspath(path), "bytes": st.st_size, "rows": rows,
+        out.append({"path": path, "bytes": st.st_size, "rows": rows,
                     "mtime_ns": st.st_mtime_ns})
     return out
 
