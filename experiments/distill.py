@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from absl import app, flags, logging
@@ -503,6 +504,17 @@ def main(argv):
     print(text)
 
 
+def run(argv):
+    """main, with a stop by SIGINT / SIGTERM inside a training (after its checkpoint)
+    ending in one message and exit 128 + signal, as experiments/train.py."""
+    from gemjax.train.guards import Interrupted
+    try:
+        main(argv)
+    except Interrupted as e:
+        print(f"[distill] {e}", flush=True)
+        sys.exit(128 + e.signum)
+
+
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(run)

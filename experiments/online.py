@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         summary = run_online(cfg, a.workdir, spec)
     except Interrupted as e:
         print(f"[online] {e}", flush=True)
-        return 130
+        return 128 + e.signum       # 130 SIGINT, 143 SIGTERM, as experiments/train.py
     print(f"[online] fresh teacher ahead of the frozen one on every window after the drift: "
           f"{summary['fresh_ahead_after_drift']}")
     return 0

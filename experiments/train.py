@@ -228,11 +228,12 @@ def main(argv):
     workdir = f.workdir
     if f.mode == "eval":
         from gemjax.serve.evaluate import evaluate_checkpoint
+        from gemjax.train.checkpoint import CheckpointDamaged
         try:
             which = f.checkpoint_step if f.checkpoint_step is not None else f.checkpoint
             evaluate_checkpoint(workdir, which, mesh, trainer_kw=trainer_kw,
                                 overrides=f.override, log=log)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, CheckpointDamaged) as e:
             sys.exit(f"[gemjax] --mode=eval: {e}")
         return
     if cfg.train.remat == "auto":     # the planner's plan for train.memory_budget_gb, measured here
@@ -292,8 +293,9 @@ def main(argv):
 
 
 def run(argv):
-    """main, with a stop by SIGINT / SIGTERM (after its checkpoint) or a refused run
-    (busy workdir, resume mismatch) ending in one message and exit 128 + signal / 2."""
+    """main, with a stop by SIGINT / SIGTERM (after its checkpoint), a refused run (busy
+    workdir, resume mismatch), a bad flag or config value, or a filesystem refusing
+    writes ending in one message and exit 128 + signal / 2 / 1 / 1."""
     try:
         main(argv)
     except Interrupted as e:
@@ -302,6 +304,15 @@ def run(argv):
     except RunRefused as e:
         print(f"[gemjax] refused: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except app.UsageError as e:      # a bad flag or config value: its line, no flag listing
+        print(f"[gemjax] error: {e} (--helpfull lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except OSError as e:     # disk full, read-only or unwritable workdir: one line
+        from gemjax.train.checkpoint import disk_error
+        if disk_error(e) is None:
+            raise
+        print(f"[gemjax] stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,12 @@ class DataConfig:
     order: str = "shuffle"           # parquet train stream: "shuffle" | "time"
     shuffle_window: int = 65_536     # parquet: rows of the in-memory shuffle window
     nan: str = "error"               # parquet: NaN / null dense values: "error" | "zero"
+    # parquet: bound on the magnitude of finite dense values (0: none); beyond it a value is
+    # an error naming file, row and column (nan="error") or clamped, counted dense_clamped
+    dense_max_abs: float = 0.0
+    # parquet: resume although the train files differ from WORKDIR/train_files.json (the
+    # files the run started with); the change is logged and recorded there
+    accept_changed_files: bool = False
     num_surfaces: int = 2
     num_tasks: int = 2
     vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
@@ -205,6 +211,9 @@ class TrainConfig:
     eval_every: int = 500
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
+    # restore (resume, eval, inference, export) a checkpoint step that has no
+    # checksums.sha256; false: such a step is skipped for an older verified one
+    trust_unverified_checkpoints: bool = False
     baselines: bool = True           # also train LR and the no-sequence model on the same stream
     # write metrics.jsonl's rows as TensorBoard scalars too, under WORKDIR/tensorboard
     # (needs tensorboardX; without it the run logs one line and writes metrics.jsonl only)

@@ -273,7 +273,8 @@ def _largest_chunk(step_dir):
 
 
 # (damage to step 8, what the log must say); checksums.sha256 removed = a step
-# without checksums, whose damage only a failing read shows
+# without checksums: not trusted (train.trust_unverified_checkpoints=false), whatever it holds
+UNTRUSTED = "8/checksums.sha256 is missing, so its files cannot be verified (not trusted"
 DAMAGE = {
     "truncated_data": (lambda d: _truncate(_largest_chunk(d)), "does not match its checksum"),
     "missing_manifest": (lambda d: os.remove(os.path.join(d, "state", "manifest.ocdbt")),
@@ -283,10 +284,12 @@ DAMAGE = {
     "empty_step_dir": (_empty, "empty step directory"),
     "random_bytes": (damage_chunk, "does not match its checksum"),
     "no_checksums_truncated": (lambda d: (os.remove(os.path.join(d, "checksums.sha256")),
-                                          _truncate(_largest_chunk(d))), "unreadable: "),
+                                          _truncate(_largest_chunk(d))), UNTRUSTED),
+    "no_checksums_random_bytes": (lambda d: (os.remove(os.path.join(d, "checksums.sha256")),
+                                             damage_chunk(d)), UNTRUSTED),
     "no_checksums_garbage_metadata": (lambda d: (os.remove(os.path.join(d, "checksums.sha256")),
                                                  _garbage(os.path.join(d, "meta", "metadata"))),
-                                      "unreadable: "),
+                                      UNTRUSTED),
 }
 
 
@@ -310,14 +313,31 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
         for a, b in zip(host(state), want6):
             np.testing.assert_array_equal(a, b, err_msg=name)
 
-    # a step without checksums that reads is used (verified by the full read only)
+    # a step without checksums is used when trusted (train.trust_unverified_checkpoints):
+    # only a failing read shows its damage
     checkpoints = str(tmp_path / "unverified" / "checkpoints")
     shutil.copytree(os.path.join(reference, "checkpoints"), checkpoints)
     os.remove(os.path.join(checkpoints, "8", "checksums.sha256"))
     logged = []
-    step, _, damaged = _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1),
-                               CFG, True, logged.append)
-    assert (step, damaged) == (8, 0) and "unverified: no checksums.sha256" in logged[0]
+    step, _, damaged = _resume(Checkpointer(checkpoints, trust_unverified=True), trainer.coll,
+                               trainer.init_state(1), CFG, True, logged.append)
+    assert (step, damaged) == (8, 0) and "8/checksums.sha256 is missing; trusted" in logged[0]
+    _truncate(_largest_chunk(os.path.join(checkpoints, "8")))
+    logged = []
+    step, _, damaged = _resume(Checkpointer(checkpoints, trust_unverified=True), trainer.coll,
+                               trainer.init_state(1), CFG, True, logged.append)
+    assert (step, damaged) == (6, 1) and any("step 8 is damaged (unreadable: " in s for s in logged)
+
+    # no verified step left: refused, naming the step and the missing file
+    checkpoints = str(tmp_path / "none_verified" / "checkpoints")
+    shutil.copytree(os.path.join(reference, "checkpoints"), checkpoints)
+    for s in (3, 6, 8):
+        os.remove(os.path.join(checkpoints, str(s), "checksums.sha256"))
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*: step 8: .*/8/"
+                                                r"checksums.sha256 is missing.*; step 3: "):
+        _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1), CFG, True,
+                lambda s: None)
+    assert steps_in(checkpoints) == [3, 6, 8]
 
     # nothing intact: a clear error, nothing moved
     checkpoints = str(tmp_path / "all" / "checkpoints")

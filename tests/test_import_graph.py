@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Bottom to top. "gemjax" is the package's own __init__ (its lazy attributes); distill
 # trains students through train's Trainer and reads teachers through serve.
-LAYERS = ("parallel", "precision", "kernels", "data", "config", "sparse", "layers", "models",
+LAYERS = ("checksums", "parallel", "precision", "kernels", "data", "config", "sparse", "layers", "models",
           "perf", "train", "serve", "distill", "gemjax")
 
 # Module cycles that exist today, each closed by an import inside a function.

@@ -67,6 +67,9 @@ or a documented fallback counted in the shard's `SourceInfo.counters`:
   batch over its packed capacity    longest sequences cut further (newest kept),
                                     counted seq_truncated_to_capacity
   NaN / Inf / null dense value      nan="error": error; nan="zero": 0, counted nan_filled
+  finite value beyond dense_max_abs nan="error": error; nan="zero": clamped to the bound,
+  (when > 0; dense and float        counted dense_clamped
+  sequence fields)
   (also float sequence fields)
   label null or NaN                 unobserved: label_mask 0 (label 0)
   label other than 0/1              error
@@ -114,7 +117,7 @@ BOUNDS_MODES = ("strict", "clamp", "hash")
 NAN_MODES = ("error", "zero")
 ORDERS = ("shuffle", "time")
 COUNTERS = ("seq_truncated_to_cap", "seq_truncated_to_capacity", "ids_clamped", "ids_hashed",
-            "nan_filled")
+            "nan_filled", "dense_clamped")
 _INT32_LIMIT = 2 ** 31
 
 
@@ -266,6 +269,38 @@ def list_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     return out
 
 
+def file_facts(paths) -> list[dict]:
+    """[{"path", "bytes", "rows", "mtime_ns"}] of each file `paths` names (list_files
+    order; paths as list_files gives them, relative where `paths` is): what the index and
+    every epoch's shuffle are built from. Sizes and mtimes from stat, rows from the
+    footers (a file whose footer does not read: rows None)."""
+    out = []
+    for path in list_files(paths):
+        st = os.stat(path)
+        try:
+            rows = pq.ParquetFile(path).metadata.num_rows
+        except Exception:  # noqa: BLE001 - the source itself names an unreadable file
+            rows = None
+        out.append({"path": path, "bytes": st.st_size, "rows": rows,
+                    "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def file_changes(before: Sequence[dict], now: Sequence[dict]) -> list[str]:
+    """One line per file added, removed or changed (bytes or rows) between two
+    `file_facts` lists; [] when the same files hold the same rows. mtimes alone (a
+    copy, a touch) are no change."""
+    old, new = {f["path"]: f for f in before}, {f["path"]: f for f in now}
+    out = [f"added {p} ({new[p]['rows']} rows)" for p in sorted(set(new) - set(old))]
+    out += [f"removed {p} ({old[p]['rows']} rows)" for p in sorted(set(old) - set(new))]
+    for p in sorted(set(old) & set(new)):
+        a, b = old[p], new[p]
+        if (a["bytes"], a["rows"]) != (b["bytes"], b["rows"]):
+            out.append(f"changed {p} ({a['rows']} rows, {a['bytes']} bytes -> {b['rows']} rows, "
+                       f"{b['bytes']} bytes)")
+    return out
+
+
 def _kind_ok(typ: pa.DataType, kind: str) -> bool:
     if kind == "int":
         return pa.types.is_integer(typ)
@@ -402,7 +437,9 @@ class ParquetSource:
     samples per step. order: "shuffle" or "time" (module docstring). window:
     rows of the in-memory shuffle window. nan: "error" or "zero". capacity_slack /
     capacity_tokens ({sequence: global tokens per step}): the packed capacity.
-    cache_bytes: decoded row groups kept per process.
+    cache_bytes: decoded row groups kept per process. dense_max_abs: bound on the
+    magnitude of finite dense (and float sequence) values, 0 for none; beyond it a
+    value is an error or clamped, as `nan` says.
     """
 
     counter_names = COUNTERS     # the fallback counters of every shard's SourceInfo
@@ -410,7 +447,7 @@ class ParquetSource:
     def __init__(self, paths, columns: ParquetColumns, batch_size: int, seed: int = 0, *,
                  order: str = "shuffle", window: int = 65_536, nan: str = "error",
                  capacity_slack: float = 1.3, capacity_tokens: Mapping[str, int] | None = None,
-                 cache_bytes: int = 1 << 30):
+                 cache_bytes: int = 1 << 30, dense_max_abs: float = 0.0):
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if nan not in NAN_MODES:
@@ -422,6 +459,9 @@ class ParquetSource:
             raise ValueError(f"capacity_tokens names unknown sequences {sorted(unknown)}")
         self.columns, self.batch_size, self.seed = columns, batch_size, seed
         self.order, self.window, self.nan = order, window, nan
+        if not dense_max_abs >= 0:
+            raise ValueError(f"dense_max_abs must be >= 0 (0: no bound), got {dense_max_abs}")
+        self.dense_max_abs = float(dense_max_abs)
         self.capacity_slack, self.capacity_tokens = capacity_slack, dict(capacity_tokens or {})
         self.index, self._metas = build_index(list_files(paths), columns)
         self._vocab = dict(columns.vocab)
@@ -603,6 +643,18 @@ class ParquetSource:
                                  f"null); clean the data or read with nan='zero'")
             a[bad] = 0.0
             counts["nan_filled"] = bad
+        m = self.dense_max_abs
+        if m > 0:
+            big = np.abs(a) > m
+            if big.any():
+                if self.nan == "error":
+                    i = int(np.argmax(big))
+                    raise ValueError(f"parquet: {row_of(i)}: column {col!r} is {float(a[i]):g}, "
+                                     f"beyond the bound {m:g} (data.dense_max_abs); clean the "
+                                     f"data, raise the bound, or read with nan='zero' (clamped, "
+                                     f"counted dense_clamped)")
+                a = np.clip(a, -m, m)
+                counts["dense_clamped"] = big
         return a
 
     def _decode(self, g: int) -> _Chunk:

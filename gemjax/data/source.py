@@ -226,7 +226,8 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
             source = ParquetSource(path, columns, d.batch_size, seed,
                                    order=d.order if stream == "train" else "time",
                                    window=d.shuffle_window, nan=d.nan,
-                                   capacity_slack=d.capacity_slack)
+                                   capacity_slack=d.capacity_slack,
+                                   dense_max_abs=d.dense_max_abs)
         except (ValueError, FileNotFoundError) as e:
             hint = ("; the validation rows of model selection (train.select_metric): write "
                     "them, or pass train.select_metric= and train.patience=0 to train without "

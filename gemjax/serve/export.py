@@ -36,6 +36,16 @@ Files under the export directory:
     manifest.json        format, checkpoint step, platforms, input / output shapes and
                          dtypes, features (table, vocab, bounds, input path, mask path),
                          the run's config
+    checksums.sha256     sha256 of each file above (`sha256sum -c` format), checked by
+                         load_exported before it reads anything (ExportDamaged names a
+                         missing, altered or unexpected file, or no checksums file)
+
+The files are written and flushed into a temporary directory beside the target
+(.NAME.tmp-PID) and put in place by one rename; an earlier export there is swapped
+out whole (renameat2 RENAME_EXCHANGE; where the filesystem lacks it, two renames, with
+the earlier export kept as .NAME.old-PID between them) and then deleted. So a process
+killed mid-export leaves the earlier export, whole, or none; the temporary
+directories of killed exports are deleted by the next export to the same target.
 
 The program is lowered for `platforms` (default: the current backend). The attention
 ops pick their implementation from the exporting process's backend
@@ -46,19 +56,31 @@ both lowerings (the tests run the cpu one).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
+import glob
 import json
 import os
+import shutil
+import time
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemjax import checksums
 from gemjax.config import Config, config_from_dict
 from gemjax.data.batch import Batch
 
 FORMAT = "gemjax.export/1"
+
+
+class ExportDamaged(OSError):
+    """An export directory whose files do not match its checksums.sha256 (or lack it)."""
+
+
 FILES = {"exported": "model.jax_exported", "stablehlo": "model.stablehlo", "params": "params.npz",
          "tables": "tables.npz", "manifest": "manifest.json"}
 
@@ -147,7 +169,8 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
     batch: an example one-device Batch fixing the input shapes (default: the run's
     first eval batch on one shard). mesh / trainer_kw: where and how to restore
     (load_for_inference; default one device); the tables are gathered to the host in
-    logical row order from any mesh and table plan.
+    logical row order from any mesh and table plan. An existing `out` is replaced
+    whole, so it must be an earlier export or empty (else FileExistsError).
     Single-process only.
     """
     if jax.process_count() > 1:
@@ -155,6 +178,13 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
     from gemjax.data.source import make_source
     from gemjax.serve.inference import load_for_inference
 
+    out = os.path.abspath(out or os.path.join(workdir, "export"))
+    if os.path.lexists(out):            # replaced whole: only an earlier export (or nothing)
+        other = (sorted(set(os.listdir(out)) - set(FILES.values()) - {checksums.FILE})
+                 if os.path.isdir(out) and not os.path.islink(out) else [os.path.basename(out)])
+        if other:
+            raise FileExistsError(f"{out} is not an earlier export (it holds {other[:5]}): an "
+                                  f"export replaces its whole directory, so give another out")
     pred = load_for_inference(workdir, step, mesh, trainer_kw=trainer_kw)
     cfg, coll = pred.cfg, pred.trainer.coll
     if batch is None:
@@ -168,14 +198,6 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
     specs = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
              for t in (flat_params, tables, flat_batch)]
     exp = jax.export.export(jax.jit(forward), platforms=platforms)(*specs)
-    out = out or os.path.join(workdir, "export")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, FILES["exported"]), "wb") as f:
-        f.write(exp.serialize())
-    with open(os.path.join(out, FILES["stablehlo"]), "wb") as f:
-        f.write(exp.mlir_module_serialized)
-    np.savez(os.path.join(out, FILES["params"]), **flat_params)
-    np.savez(os.path.join(out, FILES["tables"]), **tables)
     manifest = {
         "format": FORMAT, "workdir": os.path.abspath(workdir), "step": pred.step,
         "checkpoint_dir": pred.directory,
@@ -188,11 +210,101 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
         "features": feature_inputs(cfg),
         "config": dataclasses.asdict(cfg),
     }
-    with open(os.path.join(out, FILES["manifest"]), "w") as f:
-        json.dump(manifest, f, indent=1)
+    writers = {
+        "exported": lambda f: f.write(exp.serialize()),
+        "stablehlo": lambda f: f.write(exp.mlir_module_serialized),
+        "params": lambda f: np.savez(f, **flat_params),
+        "tables": lambda f: np.savez(f, **tables),
+        "manifest": lambda f: f.write(json.dumps(manifest, indent=1).encode()),
+    }
+    _write_whole(out, writers)
     log(f"[gemjax] exported checkpoint step {pred.step} ({pred.directory}) -> {out} "
         f"(batch {manifest['output']['shape'][0]}, platforms {manifest['platforms']})")
     return out
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap directories a and b in one step (Linux renameat2 RENAME_EXCHANGE); False
+    where the C library or the filesystem lacks it."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"cannot swap {a} into {b}: {os.strerror(err)}")
+
+
+def _siblings(out: str, kind: str) -> list[str]:
+    """Leftover temporary (kind "tmp") or replaced ("old") directories of exports to `out`."""
+    parent, base = os.path.split(out)
+    return glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.{kind}-*"))
+
+
+def _pid_alive(path: str) -> bool:
+    try:
+        pid = int(path.rsplit("-", 1)[1])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_whole(out: str, writers: Mapping[str, Callable]) -> None:
+    """Write FILES (writers[key](binary file)) and their checksums into a temporary
+    directory beside `out`, flushed to disk, then put it at `out` in one rename (an
+    earlier export there is swapped out whole, then deleted). A process killed on
+    the way leaves `out` as it was: the earlier export or none."""
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    for stale in _siblings(out, "tmp"):          # of killed exports (a live one's is kept)
+        if not _pid_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        for key, write in writers.items():
+            with open(os.path.join(tmp, FILES[key]), "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        checksums.write(tmp, fsync=True)
+        _fsync_dir(tmp)
+        if os.environ.get("GEMJAX_TEST_PAUSE") == "export:swap":   # test hook: kill -9 here
+            print(f"[gemjax] test pause at export swap {tmp}", flush=True)
+            time.sleep(120)
+        if not os.path.lexists(out):
+            os.rename(tmp, out)
+        elif _exchange(tmp, out):                # tmp now holds the earlier export
+            shutil.rmtree(tmp)
+        else:                                    # no atomic swap here: out is absent for a moment
+            old = os.path.join(parent, f".{os.path.basename(out)}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for stale in _siblings(out, "old"):
+        if not _pid_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 class ExportedModel:
@@ -204,12 +316,25 @@ class ExportedModel:
     same shapes (e.g. a newer checkpoint's).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, verify: bool = True):
         self.path = path
         files = {k: os.path.join(path, v) for k, v in FILES.items()}
         missing = [p for k, p in files.items() if k != "stablehlo" and not os.path.isfile(p)]
         if missing:
-            raise FileNotFoundError(f"{path}: not a gemjax export, missing {missing}")
+            moved = _siblings(os.path.abspath(path), "old") if not os.path.isdir(path) else []
+            raise FileNotFoundError(
+                f"{path}: not a gemjax export, missing {missing}"
+                + (f" (an export replacing it was interrupted; the earlier one is {moved[0]})"
+                   if moved else ""))
+        if verify:
+            problem = checksums.check(path)
+            if problem == checksums.NO_SUMS:
+                raise ExportDamaged(f"{os.path.join(path, checksums.FILE)}: no such file, so the "
+                                    f"export's files cannot be checked: export again (or "
+                                    f"load_exported(path, verify=False) to trust them)")
+            if problem is not None:
+                raise ExportDamaged(f"export {path} is damaged: {problem} "
+                                    f"({checksums.FILE}); export again")
         with open(files["manifest"]) as f:
             self.manifest = json.load(f)
         if self.manifest.get("format") != FORMAT:
@@ -266,6 +391,9 @@ class ExportedModel:
         return self.call(self.params, self.tables, batch)
 
 
-def load_exported(path: str) -> ExportedModel:
-    """The export in directory `path` (export_model's output), ready to run."""
-    return ExportedModel(path)
+def load_exported(path: str, verify: bool = True) -> ExportedModel:
+    """The export in directory `path` (export_model's output), ready to run.
+
+    verify: check every file against the export's checksums.sha256 first; a missing,
+    altered or unexpected file, or no checksums file, is ExportDamaged naming it."""
+    return ExportedModel(path, verify)

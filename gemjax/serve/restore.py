@@ -8,7 +8,10 @@
 The state is restored onto `mesh` (default: every device on one "batch" axis)
 whatever mesh it was saved from (`gemjax.train.checkpoint.restore_train_state`).
 A missing workdir, config or checkpoint, or a step with no checkpoint, is a
-FileNotFoundError naming the path (and the steps there are).
+FileNotFoundError naming the path (and the steps there are). The newest step that
+passes its checksums is read; newer damaged ones are skipped and named, and a step
+rotated away by a running training while it is read makes the steps be listed again
+(`gemjax.train.checkpoint.newest_intact`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 from gemjax.config import Config, apply_overrides, config_from_dict
 
@@ -92,7 +95,8 @@ class RestoredRun:
 
 
 def restore(workdir: str, step: int | str | None = None, mesh=None, *,
-            trainer_kw: dict | None = None, overrides: str | dict | None = None) -> RestoredRun:
+            trainer_kw: dict | None = None, overrides: str | dict | None = None,
+            log: Callable[[str], None] = print) -> RestoredRun:
     """The checkpoint `step` of the run in `workdir` on `mesh`: default the best one
     (WORKDIR/best) when the run selected one, else the newest; "best", "newest" or a step
     number pick another (`pick_checkpoint`). RestoredRun.step says which step came back.
@@ -100,8 +104,13 @@ def restore(workdir: str, step: int | str | None = None, mesh=None, *,
     trainer_kw: Trainer.create options (rules, table_replica_axes, table plan).
     overrides: applied to the run's config (see read_config); they must keep the
     model's parameter shapes, or the restore fails naming the leaves that differ.
+    Without a step number, a newer step that is damaged (checksums, unreadable, empty) or
+    has no checksums (unless train.trust_unverified_checkpoints) is skipped and
+    logged, naming its directory (checkpoint.newest_intact), as a resuming training
+    does, without moving it; none intact is CheckpointDamaged naming each step.
     """
-    from gemjax.train.checkpoint import Checkpointer, restore_train_state   # jax, orbax: imported on use
+    from gemjax.train.checkpoint import (Checkpointer, newest_intact,   # jax, orbax: on use
+                                         restore_train_state)
     from gemjax.train.step import Trainer
 
     cfg = read_config(workdir, overrides)
@@ -109,12 +118,11 @@ def restore(workdir: str, step: int | str | None = None, mesh=None, *,
     from gemjax.train.retrieval import RetrievalTrainer, is_retrieval
     trainer = (RetrievalTrainer if is_retrieval(cfg) else Trainer).create(cfg, mesh,
                                                                           **(trainer_kw or {}))
-    with Checkpointer(directory, read_only=True) as ckpt:   # a training may be saving
-        steps = ckpt.all_steps()   # named before the (possibly large) initial state is built
-        if not steps:
-            raise FileNotFoundError(f"no finished checkpoint in {directory}")
-        if step is not None and int(step) not in steps:
-            raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (have {steps})")
-        got, state, meta = restore_train_state(ckpt, trainer.coll, trainer.init_state(cfg.train.seed),
-                                               step)
+    with Checkpointer(directory, read_only=True,   # a training may be saving
+                      trust_unverified=cfg.train.trust_unverified_checkpoints) as ckpt:
+        # the (possibly large) initial state is built only for a step that checks
+        got, (_, state, meta) = newest_intact(
+            ckpt, lambda s: restore_train_state(ckpt, trainer.coll,
+                                                trainer.init_state(cfg.train.seed), s),
+            step, log=log)
     return RestoredRun(cfg, trainer, got, state, meta, directory)

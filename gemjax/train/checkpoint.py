@@ -5,6 +5,8 @@
                                           # write continues in the background
     ckpt.latest_step() -> int | None      # newest finished checkpoint
     ckpt.verify(step) -> str | None       # what is damaged in a step (checksums), or None
+    ckpt.check(step) -> str | None        # verify, refusing a step without checksums unless trusted
+    step, x = newest_intact(ckpt, read)   # read(step) of the newest step that checks and reads
     step, state, meta = ckpt.restore(target)    # newest (or step=..., resizable=...)
     step, meta = ckpt.metadata()                # meta alone, no arrays read
     ckpt.wait(); ckpt.close()             # or `with Checkpointer(...) as ckpt:`
@@ -49,9 +51,14 @@ carries its checksums, except the two files orbax writes at the commit itself
 (STEP/_CHECKPOINT_METADATA, STEP/commit_success.txt), which `restore` needs
 no data from. `verify(step)` names a missing, truncated, altered or unexpected
 file, an empty step directory or a missing checksum file; `restore` verifies
-first and raises CheckpointDamaged. A step without checksums.sha256 (written
-before checksums existed) is reported by `verify` as "unverified" and restores
-as before: only a failing read shows its damage. `set_aside(step)` moves a
+first and raises CheckpointDamaged. A step without checksums.sha256 is reported
+by `verify` as "unverified" and refused by `check` and `restore` unless the
+Checkpointer trusts such steps (trust_unverified=True, the run's
+train.trust_unverified_checkpoints): then only a failing read shows its damage.
+`newest_intact(ckpt, read)` is the read-only fallback every reader of a checkpoint
+directory uses: the newest step that checks and reads, naming each newer step it
+skips, listing again when a step vanishes under a running training's rotation.
+`set_aside(step)` moves a
 damaged step out of the directory (to DIRECTORY-damaged/), so it is neither
 the latest step nor counted by the keep-N rotation.
 
@@ -70,22 +77,25 @@ caller may donate or delete the state buffers right after.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
-import hashlib
 import json
+import logging
 import os
 import shutil
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from gemjax import checksums
+
 LAYOUT_VERSION = 1
-CHECKSUM_FILE = "checksums.sha256"
-UNVERIFIED = "unverified: no " + CHECKSUM_FILE
+CHECKSUM_FILE = checksums.FILE
+UNVERIFIED = checksums.NO_SUMS
 # written by orbax when it commits a step, after the checksums; restore reads no data from them
 _COMMIT_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
@@ -98,25 +108,48 @@ class CheckpointMismatch(ValueError):
     """A restore target (or run) that does not fit a readable checkpoint."""
 
 
-def _step_files(step_dir: str) -> list[str]:
-    """Paths of every file under step_dir, relative to it, sorted."""
-    out = []
-    for root, _, files in os.walk(step_dir):
-        out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
-    return sorted(out)
+class CheckpointWriteFailed(OSError):
+    """A save the filesystem refused (disk full, read-only or not writable); errno set.
+    Its message is one line: the step, the path, the reason and the steps kept."""
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+# errno -> the text orbax / tensorstore errors carry for it
+DISK_ERRORS = {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system",
+               errno.EACCES: "Permission denied", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def disk_error(e: BaseException | None) -> int | None:
+    """The errno of DISK_ERRORS behind `e` (an OSError, or orbax's / tensorstore's
+    errors naming it in their text, or any of their causes), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+            return e.errno
+        text = str(e)
+        for code, words in DISK_ERRORS.items():
+            if words in text or f"os_error_code='{code}'" in text:
+                return code
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _QuietDiskErrors(logging.Filter):
+    """Drops orbax's logged tracebacks of a write the filesystem refused (one per
+    background thread); Checkpointer raises CheckpointWriteFailed for it instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ("orbax" in record.pathname and record.levelno >= logging.ERROR
+                    and disk_error(exc) is not None)
+
+
+_QUIET = _QuietDiskErrors()
 
 
 def write_checksums(step_dir: str) -> None:
     """STEP/checksums.sha256: "<sha256>  <path>" for every file but the commit files."""
-    lines = [f"{_sha256(os.path.join(step_dir, rel))}  {rel}\n" for rel in _step_files(step_dir)
-             if rel not in _COMMIT_FILES and rel != CHECKSUM_FILE]
-    with open(os.path.join(step_dir, CHECKSUM_FILE), "w") as f:
-        f.writelines(lines)
+    checksums.write(step_dir, skip=_COMMIT_FILES)
 
 
 def verify_step_dir(step_dir: str) -> str | None:
@@ -124,29 +157,9 @@ def verify_step_dir(step_dir: str) -> str | None:
     None when every file matches its checksum and no file is missing or extra."""
     if not os.path.isdir(step_dir):
         return "no step directory"
-    files = _step_files(step_dir)
-    if not files:
+    if not checksums.files_under(step_dir):
         return "empty step directory"
-    if CHECKSUM_FILE not in files:
-        return UNVERIFIED
-    want = {}
-    with open(os.path.join(step_dir, CHECKSUM_FILE), "rb") as f:
-        for n, line in enumerate(f, 1):
-            digest, sep, rel = line.rstrip(b"\n").partition(b"  ")
-            if not sep or len(digest) != 64:
-                return f"{CHECKSUM_FILE} line {n} is not '<sha256>  <path>'"
-            want[rel.decode("utf-8", "replace")] = digest.decode("ascii", "replace")
-    have = {rel for rel in files if rel not in _COMMIT_FILES and rel != CHECKSUM_FILE}
-    for rel in sorted(want):
-        path = os.path.join(step_dir, rel)
-        if rel not in have:
-            return f"file {rel} is missing"
-        if _sha256(path) != want[rel]:
-            return f"file {rel} does not match its checksum ({os.path.getsize(path)} bytes)"
-    extra = sorted(have - set(want))
-    if extra:
-        return f"unexpected files {extra[:3]}"
-    return None
+    return checksums.check(step_dir, skip=_COMMIT_FILES)
 
 
 def _entry_name(entry) -> str:
@@ -234,12 +247,15 @@ class Checkpointer:
     """Keep-N, optionally async checkpoints of a train-state pytree in `directory`."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False, trust_unverified: bool = False):
         """read_only: restore only (eval, inference, export): no save, and the temporary
-        directories of a save in flight in another process are left alone."""
+        directories of a save in flight in another process are left alone.
+        trust_unverified: restore steps that have no checksums.sha256 (their damage then
+        shows only if a read fails); by default `check` and `restore` refuse them."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(os.fspath(directory))
+        self.trust_unverified = trust_unverified
         self._async = async_save
         self.read_only = read_only
         self._saving: int | None = None      # the step whose write is in flight
@@ -254,7 +270,15 @@ class Checkpointer:
             create=not read_only,
             read_only=read_only,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._failed: CheckpointWriteFailed | None = None   # a refused write, reported once
+        logging.getLogger("absl").addFilter(_QUIET)        # (once: filters are a set)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            if disk_error(e) is None:
+                raise
+            raise CheckpointWriteFailed(e.errno, f"cannot open the checkpoint directory "
+                                                 f"{self.directory}: {DISK_ERRORS[e.errno]}") from None
 
     def _write_checksums(self) -> None:
         """Checksums of the step being committed (orbax's save thread, primary process,
@@ -294,16 +318,51 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
             layout=ocp.args.JsonSave(layout),
         )
-        self._manager.wait_until_finished()   # the previous write (orbax waits here too)
+        self._finish()   # the previous write (orbax waits here too)
         self._saving = step
-        started = bool(self._manager.save(step, args=args))
+        try:
+            started = bool(self._manager.save(step, args=args))
+        except Exception as e:
+            self._refused(e)
+            raise
         if not self._async:
-            self._manager.wait_until_finished()
+            self._finish()
         return started
 
     def wait(self) -> None:
-        """Block until every started save is on disk."""
-        self._manager.wait_until_finished()
+        """Block until every started save is on disk (CheckpointWriteFailed: one the
+        filesystem refused)."""
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._refused(e)
+            raise
+
+    def _refused(self, e: Exception) -> None:
+        """Raise CheckpointWriteFailed (one line) for a write the filesystem refused,
+        after deleting the step's partial temporary directory (the space it holds)."""
+        code = disk_error(e)
+        if code is None:
+            return
+        step = self._saving
+        for tmp in glob.glob(os.path.join(glob.escape(self.directory),
+                                          f"{step}.orbax-checkpoint-tmp*")):
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+        except OSError:
+            kept = []
+        self._failed = CheckpointWriteFailed(
+            code, f"checkpoint step {step} was not written to {self.directory}: "
+                  f"{DISK_ERRORS[code]} (errno {errno.errorcode[code]}); its partial files are "
+                  f"deleted; kept: " + (f"checkpoint steps {kept}, the newest resumes"
+                                        if kept else "no finished checkpoint"))
+        raise self._failed from None
 
     # -- restoring ------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -321,6 +380,21 @@ class Checkpointer:
         if problem is None:
             self._verified.add(int(step))
         return problem
+
+    def check(self, step: int, log: Callable[[str], None] | None = None) -> str | None:
+        """`verify` under this Checkpointer's trust: None for an intact step, or for a step
+        without checksums when trust_unverified (logged); else what is wrong (one line)."""
+        problem = self.verify(step)
+        if problem != UNVERIFIED:
+            return problem
+        where = os.path.join(self.directory, str(int(step)), CHECKSUM_FILE)
+        if not self.trust_unverified:
+            return (f"{where} is missing, so its files cannot be verified (not trusted; "
+                    f"train.trust_unverified_checkpoints=true accepts such a step)")
+        if log is not None:
+            log(f"[gemjax] checkpoint step {step}: {where} is missing; trusted "
+                f"(train.trust_unverified_checkpoints) if it reads")
+        return None
 
     def set_aside(self, step: int) -> str:
         """Move a damaged `step` to DIRECTORY-damaged/STEP[.n] (returned); the step is
@@ -363,8 +437,8 @@ class Checkpointer:
         """
         step = self._resolve_step(step)
         if step not in self._verified:
-            problem = self.verify(step)
-            if problem is not None and problem != UNVERIFIED:
+            problem = self.check(step)
+            if problem is not None:
                 raise CheckpointDamaged(f"checkpoint step {step} in {self.directory} is damaged: "
                                         f"{problem}")
         layout = self._manager.restore(
@@ -427,15 +501,82 @@ class Checkpointer:
 
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Finish pending saves and release the manager (a refused write is raised
+        once: by the save, wait or close that meets it first)."""
+        failed = self._failed
+        try:
+            self._finish()
+        except CheckpointWriteFailed as e:
+            if e is not failed:
+                raise
+        finally:
+            try:
+                self._manager.close()
+            except Exception:
+                if self._failed is None:
+                    raise
 
     def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def newest_intact(ckpt: Checkpointer, read: Callable[[int], Any], step: int | None = None, *,
+                  log: Callable[[str], None] = print, attempts: int = 5) -> tuple[int, Any]:
+    """(step, read(step)) for the newest step of `ckpt` (or the given `step`) that
+    `ckpt.check` finds intact and `read` reads; the reader of a checkpoint directory
+    (WORKDIR/checkpoints or any other) that does not move anything.
+
+    A newer step failing its checksums, without them (unless ckpt.trust_unverified),
+    empty, or unreadable is skipped, logged naming its directory and the problem.
+    A step whose directory vanishes while it is checked or read (the keep-N rotation of
+    a training saving into the directory) makes the steps be listed again, up to
+    `attempts` times. CheckpointMismatch from `read` (the target does not fit)
+    propagates. No step at all, or a `step` not there: FileNotFoundError; none intact:
+    CheckpointDamaged naming every step and its problem.
+    """
+    for _ in range(attempts):
+        try:
+            steps = ckpt.all_steps()
+        except FileNotFoundError:         # a step renamed or deleted while orbax listed it
+            time.sleep(0.05)
+            continue
+        if step is not None and int(step) not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {ckpt.directory} "
+                                    f"(have {steps})")
+        if not steps:
+            raise FileNotFoundError(f"no finished checkpoint in {ckpt.directory}")
+        skipped, vanished = [], None
+        for s in [int(step)] if step is not None else reversed(steps):
+            where = os.path.join(ckpt.directory, str(s))
+            try:
+                problem = ckpt.check(s, log)
+                if problem is None:
+                    return s, read(s)
+            except CheckpointMismatch:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failing read of a step is damage
+                problem = f"unreadable: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            if not os.path.isdir(where):
+                vanished = s
+                break
+            if step is not None:
+                raise CheckpointDamaged(f"checkpoint step {s} in {ckpt.directory} is damaged: "
+                                        f"{problem}")
+            log(f"[gemjax] checkpoint step {s} skipped ({where}): {problem}")
+            skipped.append((s, problem))
+        if vanished is None:
+            raise CheckpointDamaged(f"no intact checkpoint in {ckpt.directory}: "
+                                    + "; ".join(f"step {s}: {p}" for s, p in skipped))
+        if step is not None:
+            raise FileNotFoundError(f"checkpoint step {step} left {ckpt.directory} while it was "
+                                    f"read (a running training rotates its checkpoints)")
+        log(f"[gemjax] checkpoint step {vanished} left {ckpt.directory} while it was read (a "
+            f"running training rotates its checkpoints); listing the steps again")
+    raise CheckpointDamaged(f"checkpoints in {ckpt.directory} kept vanishing while read "
+                            f"({attempts} attempts)")
 
 
 # ------------------------------------------------------------ the train state

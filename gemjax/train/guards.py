@@ -53,7 +53,7 @@ from gemjax.data.features import FeatureSchema, differences, schema_of
 
 LOCK_FILE = "train.lock"
 # DataConfig fields a resumed run may change (they change neither the stream nor the state)
-FREE_DATA_FIELDS = ("eval_batches", "host_workers")
+FREE_DATA_FIELDS = ("eval_batches", "host_workers", "accept_changed_files")
 
 
 class RunRefused(Exception):

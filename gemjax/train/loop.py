@@ -58,7 +58,7 @@ from gemjax.data import balance
 from gemjax.data.feeding import Feeder
 from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
-from gemjax.train.checkpoint import (UNVERIFIED, CheckpointDamaged, CheckpointMismatch, Checkpointer,
+from gemjax.train.checkpoint import (CheckpointDamaged, CheckpointMismatch, Checkpointer,
                                      restore_train_state, save_train_state, state_step)
 from gemjax.train import layout, multistep, runtime, selection
 from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check_resume,
@@ -73,13 +73,6 @@ from gemjax.train import tracking
 # while the first step of a run (its compile: minutes for a large FP8 step) has not returned,
 # a line every this many seconds says so (tracking.Heartbeat)
 COMPILE_HEARTBEAT_S = 60.0
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _rewrite_jsonl(path: str, rows: list[dict]) -> None:
@@ -126,10 +119,8 @@ def _resume(ckpt: Checkpointer, coll, target: dict, cfg: Config, lead: bool,
     ResumeMismatch / CheckpointMismatch (the run does not fit) propagate at once."""
     damaged = []
     for step in reversed(ckpt.all_steps()):
-        problem = ckpt.verify(step)
-        if problem in (None, UNVERIFIED):
-            if problem:
-                log(f"[gemjax] checkpoint step {step}: {problem}; trusted if it reads")
+        problem = ckpt.check(step, log)   # no checksums: refused unless trusted (train.trust_...)
+        if problem is None:
             try:
                 _, meta = ckpt.metadata(step)
                 check_resume(meta, cfg, step, os.path.dirname(ckpt.directory))
@@ -261,7 +252,8 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     feeder = multistep.feeder(k, loads.wrap(stream.shard_batch), trainer.mesh,
                               check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields,
                               workers=cfg.data.host_workers)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
+                        trust_unverified=t.trust_unverified_checkpoints)
     start, state, last_eval, counters = _start(ckpt, trainer, trainer_kw or {}, stream, cfg, workdir,
                                                lead, log)
     _announce(cfg, workdir, trainer, state, lead, log)
@@ -367,6 +359,11 @@ def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_aft
     return summary
 
 
+# what a NaN message adds: huge finite inputs overflow a step too (gemjax.data.parquet)
+_HUGE_INPUTS = (" (finite but huge dense inputs overflow too: data.dense_max_abs bounds them, "
+                "naming the file, row and column)")
+
+
 # The eval figures a train row and the summary repeat from the newest eval.
 _HEADLINE = ("ne", "auc", "calibration")
 
@@ -385,13 +382,16 @@ def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: 
     start, last_eval = 0, {}
     counters = {"seq_truncated_to_cap": 0, "seq_truncated_to_capacity": 0, "ids_out_of_range": 0,
                 "ids_overflow": 0, "checkpoints_damaged": 0,   # fallbacks, counted over the whole run
+                "metrics_lines_torn": 0,
                 **dict.fromkeys(counter_names(stream), 0)}     # the source's own (parquet: ids_clamped, ...)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    damaged = 0
+    damaged = torn = 0
+    tracking.check_train_files(cfg, workdir, bool(ckpt.all_steps()), lead=lead, log=log)
     if ckpt.all_steps():
         start, state, damaged = _resume(ckpt, trainer.coll, state, cfg, lead, log)
         log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
-        kept = [r for r in _read_jsonl(metrics_path) if r["step"] <= start]
+        rows, torn = tracking.read_metrics(metrics_path, log)   # a torn last row dropped
+        kept = [r for r in rows if r["step"] <= start]
         if lead:
             _rewrite_jsonl(metrics_path, kept)
         evals = [r for r in kept if r["kind"] in ("eval", "valid")]
@@ -403,6 +403,7 @@ def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: 
     elif lead and os.path.exists(metrics_path):
         os.remove(metrics_path)
     counters["checkpoints_damaged"] += damaged
+    counters["metrics_lines_torn"] += torn
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(with_schema(layout.record(cfg, trainer, trainer_kw))), f,
@@ -452,7 +453,7 @@ class _Window:
             raise FloatingPointError(
                 f"loss is {loss} (largest grad norm {grad_norm}) at step {done}: stopped, "
                 f"nothing of it saved; the checkpoints kept ({ckpt.all_steps()}) hold "
-                f"finite states")
+                f"finite states{_HUGE_INPUTS}")
         for c in ("ids_out_of_range", "ids_overflow"):
             self.counters[c] += int(sum(x[c] for x in ms))
         ne = None if self.retrieval else _window_ne(ms)
@@ -514,7 +515,8 @@ class _Saver:
         if bad:
             raise FloatingPointError(
                 f"train state at step {held} holds NaN or inf in {len(bad)} arrays ({bad[:3]}): "
-                f"not saved; the checkpoints kept ({self.ckpt.all_steps()}) hold finite states")
+                f"not saved; the checkpoints kept ({self.ckpt.all_steps()}) hold finite states"
+                f"{_HUGE_INPUTS}")
         cfg = self.cfg
         save_train_state(self.ckpt, self.coll, held, state,
                          {"data_step": held, "config": cfg.name, "run": run_fields(cfg),

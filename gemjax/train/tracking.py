@@ -3,6 +3,8 @@
     runlog = RunLog(workdir, start_step=start, tensorboard=cfg.train.tensorboard)
     runlog.append({"step": 10, "kind": "train", "loss": 0.52, "ne": 0.91})
     facts = run_facts(mesh)        # devices, mesh, versions, git revision
+    rows, torn = read_metrics(path)      # metrics.jsonl, a torn last row dropped
+    check_train_files(cfg, workdir, resuming)   # WORKDIR/train_files.json: refuse changed files
     timer = CompileTimer()         # seconds JAX spends tracing and compiling from here on
     with Heartbeat("the first step (compiling)", 60):   # a line a minute while it lasts
         state, m = train_step(state, batch)
@@ -122,6 +124,88 @@ class RunLog:
         if self._events is not None:
             self._events.close()
             self._events = None
+
+
+def read_metrics(path: str, log: Callable[[str], None] = print) -> tuple[list[dict], int]:
+    """(rows, torn) of a metrics.jsonl: its JSON objects in order, and 1 when its last
+    line is torn (a crash or a full disk mid-append left a partial row that does not
+    parse: dropped, logged naming the file and its bytes), else 0. A line before the
+    last that does not parse is a ValueError naming the file and line. No file: ([], 0)."""
+    if not os.path.exists(path):
+        return [], 0
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    rows, torn = [], 0
+    for i, (n, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except ValueError as e:          # JSONDecodeError, UnicodeDecodeError, not an object
+            if i < len(numbered) - 1:
+                raise ValueError(f"{path} line {n} is not a metrics row ({e}); the rows after "
+                                 f"it are whole, so this is not a torn append: repair or move "
+                                 f"the file") from None
+            torn = 1
+            log(f"[gemjax] {path} line {n} is a torn row ({len(line)} bytes: {line[:60]!r}...): "
+                f"dropped (counted metrics_lines_torn)")
+            continue
+        rows.append(row)
+    return rows, torn
+
+
+TRAIN_FILES = "train_files.json"
+
+
+def check_train_files(cfg, workdir: str, resuming: bool, *, lead: bool = True,
+                      log: Callable[[str], None] = print) -> None:
+    """WORKDIR/train_files.json: the Parquet train files (path, bytes, rows, mtime:
+    `gemjax.data.parquet.file_facts`) a run reads, recorded when it starts; a resume
+    whose files differ (added, removed, other bytes or rows) is refused
+    (guards.ResumeMismatch naming each file), since every epoch's shuffle spans the
+    whole file list and a changed one re-reads or skips rows, unless
+    data.accept_changed_files: then the changes are logged and appended to the
+    record's "accepted" list with the new file list. Nothing for other sources.
+    lead: this process writes the record (every process checks it)."""
+    if cfg.data.source != "parquet":
+        return
+    from gemjax.data.parquet import file_changes, file_facts
+    from gemjax.train.guards import ResumeMismatch
+
+    path = os.path.join(workdir, TRAIN_FILES)
+    now = file_facts(cfg.data.train_path)
+    record = {"train_path": cfg.data.train_path, "files": now, "accepted": []}
+    if resuming and os.path.exists(path):
+        try:
+            with open(path) as f:
+                before = json.load(f)
+            changes = file_changes(before["files"], now)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a train file record ({e}); move it away to record "
+                             f"the current files") from None
+        if not changes:
+            return
+        shown = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
+        if not cfg.data.accept_changed_files:
+            raise ResumeMismatch(
+                f"the train files (data.train_path={cfg.data.train_path}) differ from those the "
+                f"run started with ({path}): {shown}. Every epoch's shuffle spans the whole file "
+                f"list, so resuming would re-read or skip rows: restore the files, start a new "
+                f"workdir, or accept the change with data.accept_changed_files=true")
+        log(f"[gemjax] train files changed since {path}: {shown}; accepted "
+            f"(data.accept_changed_files): the shuffle from here on covers the new file list")
+        record["accepted"] = before.get("accepted", []) + [
+            {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "changes": changes}]
+    elif resuming:
+        log(f"[gemjax] no {path} (a run started before train files were recorded): "
+            f"recording the current {len(now)} files")
+    if lead:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
 
 
 class CompileTimer:
