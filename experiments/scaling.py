@@ -80,7 +80,7 @@ class Family:
     preset: str
     base: dict
     shape: Callable[[int, int], dict]
-    width_step: int = 8
+    width_step: int = 4
     requires: Callable[[], str | None] = lambda: None
 
 
@@ -469,11 +469,11 @@ def table(report: dict) -> str:
     lines = [f"| family | rung | width x depth | params | GFLOP/sample fwd | scoring GFLOP/sample "
              f"| training PFLOP to best | valid {m} | test {m} (mean ± std, {report['seeds']} "
              f"seed(s)) |", "|" + "---|" * 9]
-    fmt = lambda v, p=4: "–" if v is None else f"{v:.{p}f}"
+    fmt = lambda v, p=".4f": "–" if v is None else f"{v:{p}}"
     for r in report["rungs"]:
         lines.append(f"| {r['family']} | {r['index']} | {r['width']}x{r['depth']} | "
                      f"{r['params']:,} | {r['dense_flops'] / 1e9:.4f} | "
-                     f"{r['scoring_flops'] / 1e9:.4f} | {fmt(r['train_pflop_mean'], 5)} | "
+                     f"{r['scoring_flops'] / 1e9:.4f} | {fmt(r['train_pflop_mean'], '.4g')} | "
                      f"{fmt(r['valid_mean'])} | {fmt(r['test_mean'])} ± {fmt(r['test_std'])} |")
     return "\n".join(lines)
 
