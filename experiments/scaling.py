@@ -200,7 +200,7 @@ def make_rung(base, family: Family, index: int, width: int, depth: int, batches,
 
 
 def match_rung(base, family: Family, index: int, target: float, depth: int, batches,
-               max_width: int = 1024) -> Rung:
+               max_width: int = 1024, count_params: bool = True) -> Rung:
     """The rung of `family` whose dense FLOPs per sample are nearest `target`: width a
     multiple of family.width_step at `depth`; other depths (1 .. 2 depth + 2) when that
     misses by more than MATCH_TOL. FLOPs are quadratic in width at a fixed depth, so
@@ -226,7 +226,7 @@ def match_rung(base, family: Family, index: int, target: float, depth: int, batc
                 r = best_at(dp)
                 if abs(math.log(r.dense_flops / target)) < abs(math.log(best.dense_flops / target)):
                     best = r
-    return make_rung(base, family, index, best.width, best.depth, batches)
+    return make_rung(base, family, index, best.width, best.depth, batches, count_params)
 
 
 def check_span(rungs: list[Rung], min_span: float = MIN_SPAN) -> float:
@@ -253,17 +253,18 @@ def check_match(teacher: list[Rung], other: list[Rung], tol: float = MATCH_TOL) 
 
 
 def build_ladder(bases: dict, families: tuple[Family, ...], ladder, batches,
-                 log=print) -> dict[str, list[Rung]]:
+                 log=print, count_params: bool = True) -> dict[str, list[Rung]]:
     """{family name: rungs}: the first family's rungs from `ladder` ((width, depth)
     pairs), each other family matched to them; the span and the matches checked
-    (ValueError). bases: {family name: its base Config}; batches: FLOPs batches."""
+    (ValueError). bases: {family name: its base Config}; batches: FLOPs batches;
+    count_params False leaves Rung.params 0 (no model is traced)."""
     first, *rest = families
-    out = {first.name: [make_rung(bases[first.name], first, i, w, d, batches)
+    out = {first.name: [make_rung(bases[first.name], first, i, w, d, batches, count_params)
                         for i, (w, d) in enumerate(ladder)]}
     span = check_span(out[first.name])
     for fam in rest:
-        out[fam.name] = [match_rung(bases[fam.name], fam, r.index, r.dense_flops, r.depth, batches)
-                         for r in out[first.name]]
+        out[fam.name] = [match_rung(bases[fam.name], fam, r.index, r.dense_flops, r.depth, batches,
+                                    count_params=count_params) for r in out[first.name]]
         check_match(out[first.name], out[fam.name])
     log(ladder_table(out))
     log(f"[scaling] {first.name} spans {span:.1f}x dense FLOPs per sample (>= {MIN_SPAN:g}x)")
@@ -506,9 +507,10 @@ def plot(report: dict, out: str) -> None:
     fig.savefig(out, dpi=100, format="png")
 
 
-def write_report(report: dict, out: str) -> dict:
+def write_report(report: dict, out: str, log=print) -> dict:
     """OUT/scaling.json (the report with aggregated rungs and the verdict), OUT/scaling.md
-    (the table and the verdict) and OUT/scaling.png; returns the written report."""
+    (the table and the verdict) and OUT/scaling.png (logged and left out without
+    matplotlib); returns the written report."""
     report = {**report, "rungs": [aggregate(r) for r in report["rungs"]]}
     report["verdict"] = verdict(report)
     os.makedirs(out, exist_ok=True)
@@ -517,7 +519,10 @@ def write_report(report: dict, out: str) -> dict:
         with open(os.path.join(out, name + ".tmp"), "w") as f:
             f.write(text)
         os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
-    plot(report, os.path.join(out, "scaling.png"))
+    try:
+        plot(report, os.path.join(out, "scaling.png"))
+    except RuntimeError as e:
+        log(f"[scaling] no plot: {e}")
     return report
 
 
