@@ -314,7 +314,7 @@ def prepare_data(task: str, data_dir: str, out: str, max_users: int = 0, log=pri
     return d
 
 
-def base_config(task: str, family: Family, data: str, override: str = ""):
+def base_config(family: Family, data: str, override: str = ""):
     """family's preset on the converted files in `data` (schema, train / valid / test
     paths, every eval row), then family.base, then `override`."""
     from gemjax.config import apply_overrides, get_config
@@ -435,6 +435,14 @@ def aggregate(rung: dict) -> dict:
     return out
 
 
+LOWER_IS_BETTER = ("ne", "loss", "log_loss")
+
+
+def _gain(metric: str) -> float:
+    """+1 for metrics where higher is better (hr@k, ndcg@k, mrr, auc), -1 for ne / loss."""
+    return -1.0 if metric.rsplit("/", 1)[-1] in LOWER_IS_BETTER else 1.0
+
+
 def _slope(rows: list[dict]) -> float | None:
     pts = [(math.log10(r["train_pflop_mean"]), r["test_mean"]) for r in rows
            if r.get("test_mean") is not None and r.get("train_pflop_mean")]
@@ -447,7 +455,7 @@ def _slope(rows: list[dict]) -> float | None:
 def verdict(report: dict) -> str:
     """One plain sentence: does the teacher family scale better (a steeper least-squares
     slope of the test metric per decade of training compute, and the better metric at the
-    largest rung) than the comparison?"""
+    largest rung; for ne / loss lower is better) than the comparison?"""
     fams = report["families"]
     if len(fams) < 2:
         return f"only {fams[0]['name']} ran: no comparison"
@@ -458,8 +466,9 @@ def verdict(report: dict) -> str:
         return "too few finished rungs to compare slopes"
     top = lambda f: max(rows[f], key=lambda r: r["index"]).get("test_mean")
     t1, t2 = top(first), top(second)
-    better = s1 > s2 and t1 is not None and t2 is not None and t1 >= t2
     m = report["metric"]
+    g = _gain(m)
+    better = g * s1 > g * s2 and t1 is not None and t2 is not None and g * t1 >= g * t2
     return (f"{first} {'scales better than' if better else 'does NOT scale better than'} {second}: "
             f"test {m} gains {s1:+.4f} vs {s2:+.4f} per decade of training compute, "
             f"{t1:.4f} vs {t2:.4f} at the largest rung")
@@ -595,7 +604,7 @@ def main(argv):
         fams = _pick_families(task, f.families, log)
         ladder = parse_ladder(f.ladder) if f.ladder else LADDERS[task]
         data = prepare_data(task, f.data_dir or DEFAULT_DIR, f.data_out, f.max_users, log)
-        bases = {fam.name: base_config(task, fam, data, f.override) for fam in fams}
+        bases = {fam.name: base_config(fam, data, f.override) for fam in fams}
         batches = flops_batches(bases[fams[0].name], f.flops_batches)
         rungs = build_ladder(bases, fams, ladder, batches, log)
         pick = [int(i) for i in f.rungs] if f.rungs else list(range(len(ladder)))

@@ -185,6 +185,10 @@ def test_write_report_json_table_plot(tmp_path):
     assert saved == report
     better = scaling.write_report(_fake_report(0.03, 0.01), str(tmp_path / "b"))
     assert better["verdict"].startswith("teacher scales better than gem")
+    # a loss falling faster with compute is the better scaling
+    loss = scaling.write_report({**_fake_report(-0.03, -0.01), "metric": "loss"},
+                                str(tmp_path / "c"))
+    assert loss["verdict"].startswith("teacher scales better than gem")
 
 
 def test_run_rung_refuses_another_config(tmp_path):
