@@ -3,8 +3,9 @@
     python -m experiments.scaling --task=retrieval --out=runs/scaling_retrieval   # train
     python -m experiments.scaling --task=ranking --out=runs/scaling_ranking
     python -m experiments.scaling --task=retrieval --dry_run      # the ladder and its FLOPs
-    python -m experiments.scaling --task=retrieval --out=/tmp/scale_smoke --max_users=64 \\
-        --rungs=0,1 --epochs=1 --override=data.batch_size=16       # CPU smoke
+    python -m experiments.scaling --task=retrieval --out=/tmp/scale_smoke --max_users=16 \\
+        --families=gem_tower --ladder=8x1,16x1,32x2,64x4 --rungs=0,1 --epochs=1 \\
+        --valid_epochs=1 --override=data.batch_size=16             # CPU smoke
 
 Families (FAMILIES; the first of a task is the teacher family, the second the
 comparison sized to it):
