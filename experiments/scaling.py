@@ -297,7 +297,7 @@ def selection_available() -> str | None:
 def prepare_data(task: str, data_dir: str, out: str, max_users: int = 0, log=print) -> str:
     """out/<task>: the converted split with valid.parquet (converted now unless its
     counts.json says it holds the same data)."""
-    d = os.path.join(out, task)
+    d = os.path.abspath(os.path.join(out, task))      # the rungs' subprocesses run in REPO
     path = os.path.join(d, "counts.json")
     positions = TASKS[task]["train_positions"]
     if os.path.exists(path):
@@ -359,6 +359,7 @@ def run_rung(cfg, workdir: str, log=print) -> dict:
     workdir/train.log); a finished run's summary is read back, not rerun. ValueError
     when workdir holds a run of another config; RuntimeError (with the log's tail) when
     the subprocess fails."""
+    workdir = os.path.abspath(workdir)                 # the subprocess runs in REPO
     os.makedirs(workdir, exist_ok=True)
     want = {"config": _jsonable(cfg)}
     spec = os.path.join(workdir, "rung.json")
