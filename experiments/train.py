@@ -27,7 +27,8 @@ prints its layout line and feeds only its own devices' shards.
 Eval-only: --mode=eval restores the newest checkpoint of --workdir (or
 --checkpoint_step=N) onto this run's mesh, with the run's config.json (--override
 applies on top, e.g. data.eval_batches=64), runs the training's evaluation and
-writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate):
+writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate; a distilled student's workdir,
+with student.json, through gemjax.distill.runs.evaluate_student):
 
     python -m experiments.train --mode=eval --workdir=runs/tiny [--checkpoint_step=10]
 
@@ -205,6 +206,8 @@ def main(argv):
     workdir = f.workdir
     if f.mode == "eval":
         from gemjax.serve.evaluate import evaluate_checkpoint
+        if os.path.isfile(os.path.join(workdir, "student.json")):   # a distilled student
+            from gemjax.distill.runs import evaluate_student as evaluate_checkpoint
         try:
             evaluate_checkpoint(workdir, f.checkpoint_step, mesh, trainer_kw=trainer_kw,
                                 overrides=f.override, log=log)
