@@ -499,7 +499,7 @@ def main(argv):
             results.append({"seed": seed, "row": row, "ne": res["ne"], "auc": res["auc"],
                             "calibration": res["calibration"],
                             "shared_tables_unchanged": res.get("shared_tables_unchanged"),
-                            "seconds": round(time.time() - t0, 1)})
+                            "workdir": wd, "seconds": round(time.time() - t0, 1)})
             print(f"[distill] seed {seed} {row:10s} NE {res['ne']:.4f} AUC {res['auc']:.4f} "
                   f"({results[-1]['seconds']} s)", flush=True)
         if windows is not None:

@@ -89,7 +89,7 @@ def test_stopped_and_resumed_student_equals_uninterrupted(teacher_dir, tmp_path)
     row = evaluate_student(part, mesh=ONE, log=lambda s: None)
     assert abs(row["ne"] - resumed["eval_ne"]) <= 1e-6
     # the plain serve paths refuse it, naming the way
-    for call in (lambda: load_for_inference(part), lambda: evaluate_checkpoint(part, ONE, log=print),
+    for call in (lambda: load_for_inference(part), lambda: evaluate_checkpoint(part, None, ONE, log=print),
                  lambda: export_model(part, log=print)):
         with pytest.raises(ValueError, match="teacher_repr_dim.*gemjax.distill.runs"):
             call()
@@ -141,13 +141,19 @@ print("NE", repr(r["ne"]), "AUC", repr(r["auc"]))
 """
 
 
-def test_repr_student_exports_self_contained(teacher_dir, tmp_path):
-    """export_student folds the teacher's representation into the export; a fresh process
-    with the teacher's run moved away reproduces the student's eval NE and AUC."""
-    wd = str(tmp_path / "repr")
+@pytest.fixture(scope="module")
+def repr_student(teacher_dir, tmp_path_factory):
+    wd = str(tmp_path_factory.mktemp("repr") / "repr")
     summary = train_student(_cfg(distill_exp.STUDENT, 4), wd, _teacher(teacher_dir), REPR,
                             log=lambda s: None)
-    out = export_student(wd, log=lambda s: None)
+    return wd, summary
+
+
+def test_repr_student_exports_self_contained(teacher_dir, repr_student, tmp_path):
+    """export_student folds the teacher's representation into the export; a fresh process
+    with the teacher's run moved away reproduces the student's eval NE and AUC."""
+    wd, summary = repr_student
+    out = export_student(wd, str(tmp_path / "export"), log=lambda s: None)
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert manifest["teacher"]["workdir"] == os.path.abspath(teacher_dir)
     assert any(k.startswith("teacher/") for k in manifest["inputs"]["tables"])
@@ -168,3 +174,36 @@ def test_repr_student_exports_self_contained(teacher_dir, tmp_path):
     # the same predictions through load_student (the teacher's features from its run)
     pred = load_student(wd)
     assert pred.step == 4
+
+
+def _bench(args, cwd):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_serve", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_bench_serve_smoke(teacher_dir, repr_student, tmp_path):
+    """benchmarks/bench_serve.py at tiny batches on CPU: a row per model, batch and path,
+    finite figures, each model's NE from its run (no timing assertions)."""
+    wd, summary = repr_student
+    out = tmp_path / "bench.json"
+    p = _bench([f"--teacher={teacher_dir}", f"--student={wd}", "--batches=1,3", "--iters=2",
+                "--warmup=1", f"--out={out}", f"--export_dir={tmp_path / 'exports'}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.load(open(out))
+    got = {(r["model"], r["batch"], r["path"]) for r in res["rows"]}
+    assert got == {(m, b, k) for m in ("teacher", "student") for b in (1, 3)
+                   for k in ("jitted", "exported")}
+    assert all(np.isfinite([r["p50_ms"], r["p99_ms"], r["samples_per_s"]]).all() and
+               r["p99_ms"] >= r["p50_ms"] > 0 for r in res["rows"])
+    assert res["eval_ne"] == {"teacher": json.load(open(os.path.join(teacher_dir, "summary.json")))
+                              ["eval_ne"], "student": summary["eval_ne"]}
+    assert "| student | 3 | exported |" in p.stdout
+
+
+def test_bench_serve_help_and_bad_flags(tmp_path):
+    p = _bench(["--help"], tmp_path)       # absl's --help prints the usage and exits 1
+    assert p.returncode in (0, 1) and "Traceback" not in p.stderr
+    assert "Serving figures" in p.stdout and "--teacher" in p.stdout and "--batches" in p.stdout
+    p = _bench([f"--teacher={tmp_path}", f"--student={tmp_path}"], tmp_path)
+    assert p.returncode != 0 and "no config.json" in p.stderr

@@ -225,10 +225,11 @@ def _unflatten(like, flat: dict):
 
 
 def export_student(workdir: str, out: str | None = None, step: int | None = None, *,
-                   platforms: tuple[str, ...] | None = None,
+                   batch=None, platforms: tuple[str, ...] | None = None,
                    log: Callable[[str], None] = print) -> str:
-    """serve.export.export_model of a student run (default out WORKDIR/export); a repr
-    student's export computes the teacher's features itself (module docstring):
+    """serve.export.export_model of a student run (default out WORKDIR/export; batch: the
+    example one-device Batch fixing the shapes, as export_model's); a repr student's
+    export computes the teacher's features itself (module docstring):
 
         forward(params {path, "teacher/<path>", "teacher_repr/mean", "teacher_repr/std"},
                 tables {table, "teacher/<table>"}, batch {path}) -> probabilities [B, K]
@@ -236,7 +237,7 @@ def export_student(workdir: str, out: str | None = None, step: int | None = None
     The manifest names the teacher run and step ("teacher") and the features
     ("teacher_repr": dim E, repr_norm)."""
     if not read_config(workdir).model.teacher_repr_dim:
-        return export_model(workdir, out, step, platforms=platforms, log=log)
+        return export_model(workdir, out, step, batch=batch, platforms=platforms, log=log)
 
     def extend(pred, params, batch, flat_params, tables):
         d = _distiller(workdir, pred.trainer, pred.meta)
@@ -272,4 +273,5 @@ def export_student(workdir: str, out: str | None = None, step: int | None = None
                                  "what": "computed inside from the teacher/ params and tables"}}
         return forward, flat_params, tables, t_feats, info
 
-    return export_model(workdir, out, step, platforms=platforms, log=log, extend=extend)
+    return export_model(workdir, out, step, batch=batch, platforms=platforms, log=log,
+                        extend=extend)
