@@ -183,17 +183,16 @@ def _bench(args, cwd):
 
 
 def test_bench_serve_smoke(teacher_dir, repr_student, tmp_path):
-    """benchmarks/bench_serve.py at tiny batches on CPU: a row per model, batch and path,
+    """benchmarks/bench_serve.py at a tiny batch on CPU: a row per model and path,
     finite figures, each model's NE from its run (no timing assertions)."""
     wd, summary = repr_student
     out = tmp_path / "bench.json"
-    p = _bench([f"--teacher={teacher_dir}", f"--student={wd}", "--batches=1,3", "--iters=2",
+    p = _bench([f"--teacher={teacher_dir}", f"--student={wd}", "--batches=3", "--iters=2",
                 "--warmup=1", f"--out={out}", f"--export_dir={tmp_path / 'exports'}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.load(open(out))
     got = {(r["model"], r["batch"], r["path"]) for r in res["rows"]}
-    assert got == {(m, b, k) for m in ("teacher", "student") for b in (1, 3)
-                   for k in ("jitted", "exported")}
+    assert got == {(m, 3, k) for m in ("teacher", "student") for k in ("jitted", "exported")}
     assert all(np.isfinite([r["p50_ms"], r["p99_ms"], r["samples_per_s"]]).all() and
                r["p99_ms"] >= r["p50_ms"] > 0 for r in res["rows"])
     assert res["eval_ne"] == {"teacher": json.load(open(os.path.join(teacher_dir, "summary.json")))

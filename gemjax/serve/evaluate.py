@@ -47,11 +47,10 @@ def evaluate_checkpoint(workdir: str, step: int | None = None, mesh=None, *,
     """
     import jax
 
+    from gemjax.serve.inference import check_self_contained
     from gemjax.train.loop import Evaluator
     from gemjax.train.metrics import flat
     from gemjax.train.retrieval import RetrievalEvaluator, is_retrieval
-
-    from gemjax.serve.inference import check_self_contained
 
     run = restore(workdir, step, mesh, trainer_kw=trainer_kw, overrides=overrides)
     if wrap is None:
