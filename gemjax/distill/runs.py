@@ -168,8 +168,9 @@ def train_student(student_cfg: Config, workdir: str, teacher: Teacher, dcfg: Dis
     """Train the student of `student_cfg` (before `student_config`) from `teacher` with
     `dcfg` in `workdir` (resuming it); returns train()'s summary. mesh: default the
     teacher's; stop_after: as train()'s. Raises as train() does (Interrupted after a
-    signal, with the checkpoint saved) and ValueError for a co-trained teacher or
-    train.steps_per_call > 1."""
+    signal, with the checkpoint saved), ResumeMismatch for a workdir whose checkpoints
+    were trained with another DistillConfig or teacher, and ValueError for a co-trained
+    teacher or train.steps_per_call > 1."""
     if dcfg.teacher_mode != "offline":
         raise ValueError("train_student: teacher_mode must be offline (a co-trained teacher's "
                          "state is not part of the student's checkpoints)")
