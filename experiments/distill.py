@@ -63,6 +63,17 @@ teacher's eval logits through the kd+adapter student's final adapter (how much o
 teacher's drift a recalibration removes). results.json records, per seed and model
 ("drift_steps"), the global steps it trained on and was evaluated on.
 Writes OUT/<dataset>/results.json and OUT/<dataset>/table.md and prints the table.
+
+Students as runs: with an offline teacher (not --dataset=drift, whose students read
+windows of the drifting stream, nor cotrain), every student, the hierarchical row's
+domain model included, trains as a run in OUT/<dataset>/students/<row>_s<seed>
+(gemjax.distill.runs.train_student: checkpoints/, config.json, metrics.jsonl,
+summary.json and student.json, the DistillConfig and the teacher's run and step).
+`python -m experiments.train --mode=eval --workdir=<student dir>` evaluates it again;
+gemjax.distill.runs.export_student exports it (a +repr student with its teacher's
+representation inside). SIGTERM / SIGINT: the run in training saves a checkpoint and the
+command ends with one line, exit 143 / 130; rerunning the same command resumes it
+(exactly: the Distiller's host state is in the checkpoints) and reuses finished runs.
 """
 
 from __future__ import annotations
@@ -241,11 +252,22 @@ class DriftWindows:
         return {m: {u: sorted(v) for u, v in uses.items()} for m, uses in self.consumed.items()}
 
 
+def student_dir(out: str, row: str, seed: int) -> str:
+    """OUT/<dataset>/students/<row>_s<seed>: the workdir of a student run ("kd+adapter" ->
+    kd_adapter, "+repr" -> repr, "hier/domain" -> hier_domain)."""
+    name = row.strip("+").replace("+", "_").replace("/", "_")
+    return os.path.join(out, "students", f"{name}_s{seed}")
+
+
 def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
-                windows: DriftWindows | None = None, name: str = "student"):
+                windows: DriftWindows | None = None, name: str = "student",
+                workdir: str | None = None):
     """(eval metrics, Distiller, state) of one student trained with `methods`: `steps`
     steps from step 0 of the dataset's train stream, or with `windows` (drift) its
-    student steps, then evaluated on its eval window (consumed under `name`)."""
+    student steps, then evaluated on its eval window (consumed under `name`).
+    workdir (an offline teacher, no windows): the student is a run there
+    (gemjax.distill.runs.train_student: checkpointed, resumed, servable); then the
+    Distiller and state are None."""
     import numpy as np
     from gemjax.data.feeding import Feeder
     from gemjax.data.source import make_source
@@ -260,6 +282,8 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
                          repr_dropout=args.repr_dropout, share_accum=args.share_accum,
                          share_freeze_steps=args.share_freeze_steps,
                          share_lr_scale=args.share_lr_scale, share_dense=args.share_dense)
+    if workdir is not None:
+        return _student_run(scfg, teacher, dcfg, workdir, mesh), None, None
     if args.teacher_mode == "cotrain":
         tt = Trainer.create(tcfg, mesh)
         teacher = Teacher(tt, tt.init_state(tcfg.train.seed))
@@ -288,6 +312,22 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
                    for n in state["tables"])
         res["shared_tables_unchanged"] = bool(same) if args.teacher_mode == "offline" else None
     return res, d, state
+
+
+def _student_run(scfg, teacher, dcfg, workdir: str, mesh) -> dict:
+    """Eval metrics of the student run in `workdir` (trained, resumed or reused); frozen
+    shared tables: "shared_tables_unchanged" read back from its checkpoint."""
+    import numpy as np
+    from gemjax.distill.runs import train_student
+    from gemjax.serve.restore import restore
+    summary = train_student(scfg, workdir, teacher, dcfg, mesh=mesh, log=lambda s: None)
+    res = {k: summary[f"eval_{k}"] for k in ("ne", "auc", "calibration")}
+    if "share" in dcfg.method_set and dcfg.share == "frozen":
+        tables = restore(workdir, mesh=mesh).state["tables"]
+        res["shared_tables_unchanged"] = all(
+            np.array_equal(np.asarray(tables[n]["weights"]),
+                           np.asarray(teacher.state["tables"][n]["weights"])) for n in tables)
+    return res
 
 
 def latency_ms(cfg, batch_size: int, mesh) -> float:
@@ -427,20 +467,24 @@ def main(argv):
             teacher = Teacher.from_workdir(workdir, mesh=mesh)
             step = teacher.trainer.make_eval_step()
             teacher_ne.append(evaluate(tcfg, lambda b: step(teacher.state, b), mesh)["ne"])
+        as_run = windows is None and args.teacher_mode == "offline"   # students as runs
         for row in rows:
             t0 = time.time()
+            wd = student_dir(out, row, seed) if as_run else None
             if row == "hier":
                 # the domain model: on the drift stream, the students' recent windows
                 dom_steps = args.student_steps if drift else args.teacher_steps // 2
                 dom_cfg = model_config(base, DOMAIN, dom_steps, seed)
+                dom_wd = student_dir(out, "hier/domain", seed) if as_run else None
                 _, dd, dstate = run_student(dom_cfg, tcfg, teacher, "kd,adapter", args,
-                                            dom_steps, mesh, windows, "hier/domain")
-                domain = Teacher(dd.trainer, dstate)
+                                            dom_steps, mesh, windows, "hier/domain", dom_wd)
+                domain = (Teacher.from_workdir(dom_wd, mesh=mesh) if as_run
+                          else Teacher(dd.trainer, dstate))
                 res, _, _ = run_student(scfg, dom_cfg, domain, "kd,adapter", args,
-                                        args.student_steps, mesh, windows, row)
+                                        args.student_steps, mesh, windows, row, wd)
             else:
                 res, d, sstate = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
-                                        mesh, windows, row)
+                                        mesh, windows, row, wd)
                 if args.teacher_mode == "cotrain" and row == rows[0]:
                     # the co-trained teacher of the first row, after its student_steps steps
                     step = d.teacher.trainer.make_eval_step()
@@ -456,7 +500,7 @@ def main(argv):
             results.append({"seed": seed, "row": row, "ne": res["ne"], "auc": res["auc"],
                             "calibration": res["calibration"],
                             "shared_tables_unchanged": res.get("shared_tables_unchanged"),
-                            "seconds": round(time.time() - t0, 1)})
+                            "workdir": wd, "seconds": round(time.time() - t0, 1)})
             print(f"[distill] seed {seed} {row:10s} NE {res['ne']:.4f} AUC {res['auc']:.4f} "
                   f"({results[-1]['seconds']} s)", flush=True)
         if windows is not None:
@@ -505,14 +549,30 @@ def main(argv):
 
 
 def run(argv):
-    """main, with a stop by SIGINT / SIGTERM inside a training (after its checkpoint)
-    ending in one message and exit 128 + signal, as experiments/train.py."""
-    from gemjax.train.guards import Interrupted
+    """main, with a stop by SIGINT / SIGTERM ending in one line and exit 128 + signal (a
+    teacher or student run stopped mid-training saves its checkpoint first; rerunning
+    the same command resumes it and reuses the finished ones), a second signal (stop at
+    once) in exit 130, a refused run (busy workdir, resume mismatch) in exit 2."""
+    import signal
+    import sys
+    from gemjax.train.guards import Interrupted, RunRefused
+
+    def between_runs(signum, frame):     # train() installs its own handlers while it runs
+        raise Interrupted(signum, None, f"stopped by {signal.Signals(signum).name} between "
+                          f"runs: nothing in training; rerun the same command to resume")
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, between_runs)
     try:
         main(argv)
     except Interrupted as e:
         print(f"[distill] {e}", flush=True)
         sys.exit(128 + e.signum)
+    except KeyboardInterrupt as e:
+        print(f"[distill] {e or 'interrupted'}", flush=True)
+        sys.exit(130)
+    except RunRefused as e:
+        print(f"[distill] refused: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

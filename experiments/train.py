@@ -28,7 +28,8 @@ Eval-only: --mode=eval restores a checkpoint of --workdir onto this run's mesh (
 best one, WORKDIR/best, when the run selected one on validation rows, else the newest;
 --checkpoint=best|newest|N or --checkpoint_step=N picks another), with the run's
 config.json (--override applies on top, e.g. data.eval_batches=64), runs the training's
-evaluation and writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate):
+evaluation and writes WORKDIR/eval/step_N.json (gemjax.serve.evaluate; a distilled student's workdir,
+with student.json, through gemjax.distill.runs.evaluate_student):
 
     python -m experiments.train --mode=eval --workdir=runs/tiny [--checkpoint=newest]
 
@@ -229,6 +230,8 @@ def main(argv):
     if f.mode == "eval":
         from gemjax.serve.evaluate import evaluate_checkpoint
         from gemjax.train.checkpoint import CheckpointDamaged
+        if os.path.isfile(os.path.join(workdir, "student.json")):   # a distilled student
+            from gemjax.distill.runs import evaluate_student as evaluate_checkpoint
         try:
             which = f.checkpoint_step if f.checkpoint_step is not None else f.checkpoint
             evaluate_checkpoint(workdir, which, mesh, trainer_kw=trainer_kw,

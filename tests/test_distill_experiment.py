@@ -40,6 +40,15 @@ def test_distill_experiment_table(tmp_path):
     assert all(r["shared_tables_unchanged"] for r in res["runs"] if r["row"] in ("+share", "all"))
     assert len(res["summary"]["teacher_ne"]) == 1
     assert os.path.exists(os.path.join(out, "teacher_s0", "summary.json"))   # offline checkpoint
+    # every student (the domain model too) is a run whose summary holds the table's NE
+    for row, name in (("none", "none"), ("kd+adapter", "kd_adapter"), ("+repr", "repr"),
+                      ("all", "all"), ("hier", "hier")):
+        wd = os.path.join(out, "students", f"{name}_s0")
+        for f in ("config.json", "metrics.jsonl", "summary.json", "student.json", "checkpoints"):
+            assert os.path.exists(os.path.join(wd, f)), (row, f)
+        got = json.load(open(os.path.join(wd, "summary.json")))["eval_ne"]
+        assert got == next(r["ne"] for r in res["runs"] if r["row"] == row)
+    assert os.path.exists(os.path.join(out, "students", "hier_domain_s0", "summary.json"))
     # the budget's FLOPs are the student's analytic count for its config
     from gemjax.config import apply_overrides, get_config
     from gemjax.models.student import forward_flops
@@ -105,3 +114,25 @@ def test_distill_drift_evaluates_on_an_unseen_window(tmp_path):
 
     p = _run([f"--out={tmp_path}", "--dataset=drift", "--teacher_steps=3", over], tmp_path)
     assert p.returncode != 0 and "--teacher_steps=3 must be a positive multiple" in p.stderr
+
+
+def test_distill_stop_is_one_line_and_exit_143(tmp_path):
+    """SIGTERM once a student's run has started: the command ends with one line and exit
+    143, no traceback (the exact resume: tests/test_distill_runs.py)."""
+    import signal
+    import time
+    args = [f"--out={tmp_path}", "--seeds=0", "--teacher_steps=2", "--student_steps=400",
+            "--rows=kd", "--nohierarchical", "--latency_batch=0",
+            "--data_overrides=data.eval_batches=1,data.batch_size=32"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = os.path.join(tmp_path, "synthetic", "students", "kd_s0", "config.json")
+    deadline = time.time() + 500
+    while not os.path.exists(started) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "Traceback" not in out
+    assert out.strip().splitlines()[-1].startswith("[distill] stopped by SIGTERM")

@@ -124,6 +124,27 @@ class StudentAdapter:
         z, y, w, f = (np.concatenate(c)[-self.window:] for c in zip(*self._rows[k]))
         return z, y, w, f
 
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """What the next corrections depend on, as arrays: coef [K, 2 + F], per task k its
+        window rows z{k}, y{k}, w{k} [n], f{k} [n, F] (n <= window), observed, fits []."""
+        out = {"coef": self.coef.copy(), "observed": np.asarray(self.observed),
+               "fits": np.asarray(self.fits)}
+        for k in range(self.num_tasks):
+            out.update({f"{n}{k}": x for n, x in zip("zywf", self.window_rows(k))})
+        return out
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take the state `state_arrays` gave (of an adapter of the same shape)."""
+        if np.shape(arrays["coef"]) != self.coef.shape:
+            raise ValueError(f"StudentAdapter: saved coef {np.shape(arrays['coef'])}, this adapter "
+                             f"{self.coef.shape}")
+        self.coef = np.array(arrays["coef"], np.float64)
+        self.observed, self.fits = int(arrays["observed"]), int(arrays["fits"])
+        for k in range(self.num_tasks):
+            rows = tuple(np.asarray(arrays[f"{n}{k}"]) for n in "zywf")
+            self._rows[k] = collections.deque([rows] if len(rows[0]) else [])
+            self._count[k] = len(rows[0])
+
     def refit(self) -> None:
         """Fit every task's coefficients on its window (tasks without rows keep theirs)."""
         for k in range(self.num_tasks):

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Iterable
 
 import jax
@@ -184,10 +185,13 @@ def teacher_outputs(ctx, state: dict, batch: Batch) -> tuple[jax.Array, jax.Arra
 
 class Teacher:
     """A model teaching a student: its Trainer and train state; `outputs(batch)` gives
-    (logits [B, K], repr [B, E]) as numpy, `train(batch)` one optimizer step (co-training)."""
+    (logits [B, K], repr [B, E]) as numpy, `train(batch)` one optimizer step (co-training).
+    `workdir` and `step`: the run and checkpoint it was read from (`from_workdir`), else None."""
 
     def __init__(self, trainer: Trainer, state: dict):
         self.trainer, self.state, self.cfg = trainer, state, trainer.cfg
+        self.workdir: str | None = None
+        self.step: int | None = None
         self._outputs = trainer._planned(functools.partial(teacher_outputs, trainer.context()),
                                          "teacher outputs")
         self._train = None
@@ -197,7 +201,9 @@ class Teacher:
         """The teacher of a finished run (its newest checkpoint, or `step`), offline."""
         from gemjax.serve.restore import restore
         run = restore(workdir, step, mesh)
-        return cls(run.trainer, run.state)
+        teacher = cls(run.trainer, run.state)
+        teacher.workdir, teacher.step = os.path.abspath(workdir), run.step
+        return teacher
 
     def outputs(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         logits, rep = self._outputs(self.state, batch)
@@ -236,6 +242,21 @@ class ReprCache:
                 self.misses += 1
         return out
 
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """users [N], rows [N, E], steps [N] of the cached rows; hits, misses []."""
+        users = list(self.rows)
+        rows = [self.rows[u][0] for u in users]
+        return {"users": np.asarray(users, np.int64), "steps": np.asarray(
+                    [self.rows[u][1] for u in users], np.int64),
+                "rows": np.stack(rows) if rows else np.zeros((0, 0), np.float32),
+                "hits": np.asarray(self.hits), "misses": np.asarray(self.misses)}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take the state `state_arrays` gave."""
+        self.rows = {int(u): (np.asarray(r), int(t)) for u, r, t in
+                     zip(arrays["users"], arrays["rows"], arrays["steps"])}
+        self.hits, self.misses = int(arrays["hits"]), int(arrays["misses"])
+
 
 class ReprNormalizer:
     """Per-feature standardisation of teacher features: `update(x [B, E])` adds a
@@ -259,9 +280,27 @@ class ReprNormalizer:
     def apply(self, x: np.ndarray) -> np.ndarray:
         if not self.n:
             return np.asarray(x, np.float32)
+        mean, std = self.statistics(np.shape(x)[1])
+        return ((np.asarray(x, np.float64) - mean) / std).astype(np.float32)
+
+    def statistics(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(mean [E], std [E]) float64: apply(x) = (x - mean) / std, std = sqrt(var + eps);
+        before any row (0, 1)."""
+        if not self.n:
+            return np.zeros(width), np.ones(width)
         mean = self.s1 / self.n
         var = np.maximum(self.s2 / self.n - mean * mean, 0.0)
-        return ((np.asarray(x, np.float64) - mean) / np.sqrt(var + self.eps)).astype(np.float32)
+        return mean, np.sqrt(var + self.eps)
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """n [] and, after a row, s1, s2 [E] (float64 sums)."""
+        return {"n": np.asarray(self.n), **({} if self.s1 is None else {"s1": self.s1, "s2": self.s2})}
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take the state `state_arrays` gave."""
+        self.n = int(arrays["n"])
+        self.s1 = np.array(arrays["s1"]) if "s1" in arrays else None
+        self.s2 = np.array(arrays["s2"]) if "s2" in arrays else None
 
 
 class Distiller:
@@ -432,6 +471,26 @@ class Distiller:
         if self.dcfg.teacher_mode == "cotrain":
             self.teacher.train(batch)
         return state, metrics
+
+    def host_state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """What the next steps depend on besides the student's train state: (arrays by
+        "adapter/...", "cache/...", "norm/...", "steps_done"; the repr-dropout generator's
+        state, JSON)."""
+        arrays = {"steps_done": np.asarray(self.steps_done)}
+        for name, part in (("adapter", self.adapter), ("cache", self.cache), ("norm", self.norm)):
+            if part is not None:
+                arrays.update({f"{name}/{k}": v for k, v in part.state_arrays().items()})
+        return arrays, self._rng.bit_generator.state
+
+    def load_host_state(self, arrays: dict[str, np.ndarray], rng: dict) -> None:
+        """Take the state `host_state` gave (of a Distiller with the same DistillConfig)."""
+        self.steps_done = int(arrays["steps_done"])
+        for name, part in (("adapter", self.adapter), ("cache", self.cache), ("norm", self.norm)):
+            if part is not None:
+                part.load_state_arrays({k[len(name) + 1:]: v for k, v in arrays.items()
+                                        if k.startswith(name + "/")})
+        self._rng = np.random.default_rng()
+        self._rng.bit_generator.state = rng
 
     def predict(self, state: dict, batch: Batch) -> np.ndarray:
         """The student's probabilities [B, K] on `batch` (fresh teacher features)."""

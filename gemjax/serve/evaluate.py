@@ -36,22 +36,29 @@ def eval_path(workdir: str, step: int) -> str:
 
 def evaluate_checkpoint(workdir: str, step: int | str | None = None, mesh=None, *,
                         trainer_kw: dict | None = None, overrides: str | dict | None = None,
-                        log: Callable[[str], None] = print) -> dict:
+                        log: Callable[[str], None] = print, wrap: Callable | None = None) -> dict:
     """Eval metrics of checkpoint `step` (default: best, else newest) of the run in `workdir`.
 
     mesh / trainer_kw: where to restore and evaluate (Trainer.create); overrides:
     on top of the run's config.json (e.g. "data.eval_batches=64" for a longer eval).
+    wrap: (RestoredRun) -> the trainer whose eval step runs (default run.trainer; a
+    student reading its teacher's features: gemjax.distill.runs.evaluate_student);
+    without it such a model is refused (inference.check_self_contained).
     Returns the row written to `eval_path(workdir, step)` (by process 0 only).
     """
     import jax
 
+    from gemjax.serve.inference import check_self_contained
     from gemjax.train.loop import Evaluator
     from gemjax.train.metrics import flat
     from gemjax.train.retrieval import RetrievalEvaluator, is_retrieval
 
     run = restore(workdir, step, mesh, trainer_kw=trainer_kw, overrides=overrides)
+    if wrap is None:
+        check_self_contained(run.cfg, workdir)
     retrieval = is_retrieval(run.cfg)      # HR / NDCG rows instead of NE / AUC
-    evaluator = (RetrievalEvaluator if retrieval else Evaluator)(run.trainer, run.cfg)
+    evaluator = (RetrievalEvaluator if retrieval else Evaluator)(
+        run.trainer if wrap is None else wrap(run), run.cfg)
     res = evaluator(run.state)
     figures = res if retrieval else {"loss": res["log_loss"], **flat(res)}
     row = {"step": run.step, "kind": KIND, **figures,

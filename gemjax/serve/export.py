@@ -138,20 +138,35 @@ def serving_forward(cfg: Config, graphdef, params_like, batch_like: Batch) -> Ca
 
     def forward(params, tables, flat_batch):
         batch = _unflatten(batch_like, flat_batch)
-        b = batch.labels.shape[0]
-        acts = {}
-        for f, fi in feats.items():
-            raw = flat_batch[fi["input"]].astype(jnp.int32)
-            ids = jnp.mod(raw, fi["vocab"]) if fi["bounds"] == "hash" else jnp.clip(raw, 0, fi["vocab"] - 1)
-            rows = jnp.take(tables[fi["table"]], ids, axis=0)
-            if fi["mask"] is not None:        # padding tokens: zero rows, as the trainer's lookup
-                real = flat_batch[fi["mask"]] < b
-                rows = jnp.where(real[:, None], rows, jnp.zeros((), rows.dtype))
-            acts[f] = rows
+        acts = lookup_features(feats, tables, flat_batch, batch.labels.shape[0])
         model = nnx.merge(graphdef, _unflatten(params_like, params))
         return jax.nn.sigmoid(model(acts, batch))
 
     return forward
+
+
+def lookup_features(feats: dict[str, dict], tables: Mapping[str, Any], flat_batch: Mapping[str, Any],
+                    b: int) -> dict[str, jax.Array]:
+    """{feature: rows [B, D] or [T, D]}: each feature of `feats` (feature_inputs' form) looked
+    up in tables[its table] from flat_batch[its input] (B samples), ids bounded as its
+    table says, padding tokens' rows zero (as the trainer's lookup)."""
+    acts = {}
+    for f, fi in feats.items():
+        raw = flat_batch[fi["input"]].astype(jnp.int32)
+        ids = jnp.mod(raw, fi["vocab"]) if fi["bounds"] == "hash" else jnp.clip(raw, 0, fi["vocab"] - 1)
+        rows = jnp.take(tables[fi["table"]], ids, axis=0)
+        if fi["mask"] is not None:        # padding tokens: zero rows, as the trainer's lookup
+            real = flat_batch[fi["mask"]] < b
+            rows = jnp.where(real[:, None], rows, jnp.zeros((), rows.dtype))
+        acts[f] = rows
+    return acts
+
+
+def host_tables(coll, state_tables: dict) -> dict[str, np.ndarray]:
+    """{table: weights [V, D]} in logical row order on the host, from the tables of a
+    train state on any mesh and plan (coll: their EmbeddingCollection)."""
+    logical = coll.logical_arrays(state_tables)
+    return {n: np.asarray(jax.device_get(logical[n]["weights"]))[:s.vocab] for n, s in coll.specs.items()}
 
 
 def _spec(a: np.ndarray) -> dict:
@@ -161,7 +176,7 @@ def _spec(a: np.ndarray) -> dict:
 def export_model(workdir: str, out: str | None = None, step: int | str | None = None, *,
                  batch: Batch | None = None, mesh=None, trainer_kw: dict | None = None,
                  platforms: tuple[str, ...] | None = None,
-                 log: Callable[[str], None] = print) -> str:
+                 log: Callable[[str], None] = print, extend: Callable | None = None) -> str:
     """Export checkpoint `step` of the run in `workdir` to `out` (default WORKDIR/export);
     returns `out`. step: default the best one (WORKDIR/best) when the run selected one, else
     the newest; "best", "newest" or a step number (gemjax.serve.restore.pick_checkpoint).
@@ -171,6 +186,10 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
     (load_for_inference; default one device); the tables are gathered to the host in
     logical row order from any mesh and table plan. An existing `out` is replaced
     whole, so it must be an earlier export or empty (else FileExistsError).
+    extend: (predictor, params tree, batch, flat_params, tables) -> (forward, flat_params,
+    tables, extra features, extra manifest) replaces the forward and its arguments (a
+    student reading its teacher's features: gemjax.distill.runs.export_student); without
+    it, a model reading teacher features (model.teacher_repr_dim) is refused.
     Single-process only.
     """
     if jax.process_count() > 1:
@@ -185,16 +204,20 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
         if other:
             raise FileExistsError(f"{out} is not an earlier export (it holds {other[:5]}): an "
                                   f"export replaces its whole directory, so give another out")
-    pred = load_for_inference(workdir, step, mesh, trainer_kw=trainer_kw)
+    pred = load_for_inference(workdir, step, mesh, trainer_kw=trainer_kw,
+                              teacher_features=extend is not None)
     cfg, coll = pred.cfg, pred.trainer.coll
     if batch is None:
         batch, _ = make_source(cfg, "eval").shard_batch(0, 0, 1)
     batch = jax.tree.map(np.asarray, batch)
     params = jax.tree.map(np.asarray, jax.device_get(pred.state["params"]))
-    logical = coll.logical_arrays(pred.state["tables"])
-    tables = {n: np.asarray(jax.device_get(logical[n]["weights"]))[:s.vocab] for n, s in coll.specs.items()}
+    tables = host_tables(coll, pred.state["tables"])
     flat_params, flat_batch = flatten_by_path(params), flatten_by_path(batch)
     forward = serving_forward(cfg, pred.trainer.graphdef, params, batch)
+    extra_features, extra_manifest = {}, {}
+    if extend is not None:
+        forward, flat_params, tables, extra_features, extra_manifest = extend(
+            pred, params, batch, flat_params, tables)
     specs = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
              for t in (flat_params, tables, flat_batch)]
     exp = jax.export.export(jax.jit(forward), platforms=platforms)(*specs)
@@ -207,8 +230,8 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
                    "batch": {k: _spec(v) for k, v in flat_batch.items()}},
         "output": {"shape": [int(d) for d in exp.out_avals[0].shape], "dtype": str(exp.out_avals[0].dtype),
                    "what": "sigmoid probabilities [B, K]: K = data.num_tasks, each sample's own surface"},
-        "features": feature_inputs(cfg),
-        "config": dataclasses.asdict(cfg),
+        "features": {**feature_inputs(cfg), **extra_features},
+        "config": dataclasses.asdict(cfg), **extra_manifest,
     }
     writers = {
         "exported": lambda f: f.write(exp.serialize()),

@@ -78,8 +78,17 @@ class Predictor:
         return np.asarray(self.eval_step(self.state, batch if on_mesh else self.place(batch)))
 
 
+def check_self_contained(cfg, workdir: str) -> None:
+    """ValueError for a run whose model reads its teacher's features (model.teacher_repr_dim
+    > 0, a distilled student's representation transfer): its eval step needs the teacher."""
+    if cfg.model.teacher_repr_dim:
+        raise ValueError(f"{workdir}: the model reads its teacher's features (model.teacher_repr_dim="
+                         f"{cfg.model.teacher_repr_dim}): evaluate, predict and export it with "
+                         f"gemjax.distill.runs (evaluate_student, load_student, export_student)")
+
+
 def load_for_inference(workdir: str, step: int | str | None = None, mesh: Any = None, *,
-                       trainer_kw: dict | None = None) -> Predictor:
+                       trainer_kw: dict | None = None, teacher_features: bool = False) -> Predictor:
     """A Predictor for checkpoint `step` of the run in `workdir`: default the best one
     (WORKDIR/best, the model selection's) when the run has it, else the newest; "best",
     "newest" or a step number pick another (gemjax.serve.restore.pick_checkpoint).
@@ -89,7 +98,12 @@ def load_for_inference(workdir: str, step: int | str | None = None, mesh: Any = 
     "batch" axis); trainer_kw: Trainer.create options (rules, table_replica_axes).
     The Config comes from WORKDIR/config.json. A workdir with no config or no
     checkpoint, or a step with no checkpoint, is a FileNotFoundError naming it.
+    A model reading teacher features is refused (`check_self_contained`) unless
+    `teacher_features` (the caller supplies them: gemjax.distill.runs).
     """
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
-    return Predictor(restore(workdir, step, mesh, trainer_kw=trainer_kw))
+    run = restore(workdir, step, mesh, trainer_kw=trainer_kw)
+    if not teacher_features:
+        check_self_contained(run.cfg, workdir)
+    return Predictor(run)

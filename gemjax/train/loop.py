@@ -211,7 +211,8 @@ def _with_next(items):
 
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
           mesh=None, stop_after: int | None = None, trainer_kw: dict | None = None,
-          profile_steps: tuple[int, int] | None = None, peak_flops: float | None = None) -> dict:
+          profile_steps: tuple[int, int] | None = None, peak_flops: float | None = None,
+          make_trainer: Callable | None = None) -> dict:
     """Train cfg.train.steps steps (resuming from workdir); returns the summary dict.
 
     stop_after: stop (with a checkpoint) once this many total steps are done;
@@ -222,6 +223,11 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     trace of steps a..b-1 (0-based) to WORKDIR/profile (`tracking.ProfileWindow`).
     peak_flops: the per-device peak FLOP/s of summary.json's e2e_mfu (default: the spec
     peak of the device kind, gemjax.perf.mfu.PEAK_FLOPS; none on CPU).
+    make_trainer: (cfg, mesh, **trainer_kw) -> the run's trainer (default Trainer.create,
+    or RetrievalTrainer.create); a trainer with host-side state beside its train state
+    (a distilled student: gemjax.distill.runs) may define `checkpoint_meta() -> dict`,
+    saved in every checkpoint's meta under its keys, and `resume_meta(meta)`, called
+    with the restored checkpoint's meta on a resume.
     Raises WorkdirBusy (another run holds the workdir), ResumeMismatch, Interrupted
     (SIGINT / SIGTERM, after saving), FloatingPointError (non-finite loss or state;
     nothing non-finite saved).
@@ -233,19 +239,21 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop, \
             runtime.short_gil_switch():   # the loop's thread gets the GIL back sooner (runtime)
         return _train(cfg, workdir, log, mesh, stop_after, trainer_kw, stop, profile_steps,
-                      peak_flops)
+                      peak_flops, make_trainer)
 
 
 def _train(cfg: Config, workdir: str, log: Callable[[str], None], mesh, stop_after: int | None,
            trainer_kw: dict | None, stop: StopSignals,
-           profile_steps: tuple[int, int] | None, peak_flops: float | None) -> dict:
+           profile_steps: tuple[int, int] | None, peak_flops: float | None,
+           make_trainer: Callable | None = None) -> dict:
     t = cfg.train
     started, compile_timer = time.perf_counter(), tracking.CompileTimer()
     lead = jax.process_index() == 0    # one process writes the files (all compute the same rows)
     if mesh is None and trainer_kw is None:        # the layout cfg.parallel describes
         mesh, trainer_kw = layout.build(cfg)
     retrieval = is_retrieval(cfg)   # next-item retrieval: gemjax.train.retrieval
-    trainer = (RetrievalTrainer if retrieval else Trainer).create(cfg, mesh, **(trainer_kw or {}))
+    trainer = (make_trainer or (RetrievalTrainer if retrieval else Trainer).create)(
+        cfg, mesh, **(trainer_kw or {}))
     stream = balance.train_source(cfg)        # with data.bbs: Base Batch Shuffling
     loads = balance.LoadLog(trainer.num_shards)
     k = t.steps_per_call      # K steps per jitted call (gemjax.train.multistep)
@@ -390,6 +398,8 @@ def _start(ckpt: Checkpointer, trainer: Trainer, trainer_kw: dict, stream, cfg: 
     if ckpt.all_steps():
         start, state, damaged = _resume(ckpt, trainer.coll, state, cfg, lead, log)
         log(f"[gemjax] resumed from step {start} ({workdir}/checkpoints)")
+        if hasattr(trainer, "resume_meta"):       # host-side state (train()'s make_trainer)
+            trainer.resume_meta(ckpt.metadata(start)[1])
         rows, torn = tracking.read_metrics(metrics_path, log)   # a torn last row dropped
         kept = [r for r in rows if r["step"] <= start]
         if lead:
@@ -506,6 +516,7 @@ class _Saver:
     def __init__(self, ckpt: Checkpointer, trainer: Trainer, cfg: Config,
                  extra_meta: Callable[[], dict] | None = None):
         self.ckpt, self.coll, self.cfg = ckpt, trainer.coll, cfg
+        self.host_meta = getattr(trainer, "checkpoint_meta", dict)   # train()'s make_trainer
         self.nonfinite = _nonfinite_leaves(trainer.mesh)
         self.extra_meta = extra_meta     # () -> more meta (the selection state)
 
@@ -520,7 +531,7 @@ class _Saver:
         cfg = self.cfg
         save_train_state(self.ckpt, self.coll, held, state,
                          {"data_step": held, "config": cfg.name, "run": run_fields(cfg),
-                          "features": schema_of(cfg).to_dict(),
+                          "features": schema_of(cfg).to_dict(), **self.host_meta(),
                           **(self.extra_meta() if self.extra_meta else {})})
         return held
 
