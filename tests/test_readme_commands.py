@@ -181,6 +181,40 @@ SKIP = {
        for cmd in ML_RANK},
     **{cmd: "MovieLens-1M (not in CI); tests/test_movielens.py and tests/test_retrieval.py run "
             "it on a fake MovieLens" for cmd in ML_RETRIEVAL},
+    # real data, selection, sweeps, benchmarks of this wave
+    "python -m experiments.datasets --name=ml-1m --out=/tmp/gemjax-data":
+        "downloads from the internet; tests/test_datasets.py runs the command on a loopback server",
+    "python -m experiments.movielens --preset=movielens_hstu_large --seeds=0,1,2 --epochs=200 "
+    "--eval_epochs=4 --patience=4 --refit --workdir=runs/ml_hstu":
+        "minutes a seed on a GPU; tests/test_movielens.py runs the script on a fake MovieLens",
+    "./run train --config=tiny --workdir=runs/sel --override=data.valid_path=synthetic,"
+    "train.select_metric=auc,train.valid_every=10,train.patience=2":
+        "tests/test_validation.py trains the same selection on the tiny preset",
+    "python -m experiments.sweep --config=tiny --workdir=runs/sweep --trials=8 "
+    "--space='train.dense_lr=loguniform(1e-4,3e-2);model.dim=choice(8,16)'":
+        "8 trials of training; tests/test_sweep.py runs sweeps of the tiny preset (and a fake trainer)",
+    "python -m experiments.sweep": "the program named in prose",
+    "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0,1,2 "
+    "--hparams=best.json --workdir=runs/ranking": "hours on CPU (a GPU run); tests/test_ranking.py smokes it",
+    "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0,1,2 "
+    "--hparams=best.json --workdir=runs/ranking --table_only": "reads the GPU run's results",
+    "python -m experiments.ranking --data_out=/tmp/gemjax-data/ml-1m-200 --max_users=200 "
+    "--models=lr,wukong --seeds=0 --max_epochs=2 --workdir=/tmp/ranking-quick":
+        "needs ../shared/datasets/ml-1m; tests/test_ranking.py runs the same path on fake data",
+    "python -m experiments.scaling --task=retrieval --out=runs/scaling_retrieval": "a GPU run",
+    "python -m experiments.scaling --task=ranking --out=runs/scaling_ranking": "a GPU run",
+    "python -m experiments.scaling --task=retrieval --seeds=3 --epochs=60 "
+    "--ladder=32x1,64x2,96x3,128x4,192x6": "a GPU run",
+    "python -m experiments.scaling --task=retrieval --dry_run":
+        "needs the converted ML-1M files; tests/test_scaling.py checks the ladder's span",
+    "python -m experiments.scaling --task=retrieval --max_users=16 --families=gem_tower "
+    "--ladder=8x1,16x1,32x2,64x4 --rungs=0,1 --epochs=1 --valid_epochs=1 "
+    "--override=data.batch_size=16 --out=/tmp/scale_smoke":
+        "needs ../shared/datasets/ml-1m; tests/test_scaling.py runs the same smoke",
+    "python -m experiments.convert_frappe --out=/tmp/gemjax-data/frappe":
+        "needs ../shared/datasets/frappe; tests/test_converters.py converts fake Frappe files",
+    "python -m experiments.train --mode=eval": "the mode named in prose",
+    "python -m experiments.train ... --refit": "the flag named in prose; tests/test_validation.py refits",
 }
 
 
