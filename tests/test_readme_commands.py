@@ -60,11 +60,7 @@ ML_RANK = ("python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m
            "model.kind=teacher")
 
 # README "Data": MovieLens-1M retrieval
-ML_RETRIEVAL = ("python -m experiments.movielens --workdir=runs/ml_retrieval --epochs=100",
-                "python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m "
-                "--tasks=retrieval --train_positions=1",
-                "./run train --config=movielens_retrieval --workdir=runs/ml_retrieval_0 "
-                "--steps=4800 --eval_every=480")
+
 
 LONG = "small preset, minutes on CPU; the tiny command runs the same train.py path"
 SKIP = {
@@ -98,9 +94,6 @@ SKIP = {
     "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7": "environment of the SLURM example below",
     "python -m benchmarks.bench_train_feed": "GPU benchmark (minutes); tests/test_bench_train_feed.py "
                                              "runs it on CPU with a small model",
-    "python -m experiments.train --config=movielens_retrieval --seed=S":
-        "a template (S, the converted MovieLens-1M); tests/test_retrieval.py trains the preset "
-        "on a fake MovieLens",
     "python -m experiments.train --config=frappe --workdir=runs/frappe/gem_s0 --seed=0":
         "needs the converted Frappe files; tests/test_frappe_trainer.py trains the preset on fake ones",
     "python -m benchmarks.bench_feed --config=movielens_rank --features=DIR/schema.json "
@@ -179,8 +172,6 @@ SKIP = {
                                    "are listed here)",
     **{cmd: "MovieLens-1M (not in CI); tests/test_movielens_trainer.py runs it on a fake MovieLens"
        for cmd in ML_RANK},
-    **{cmd: "MovieLens-1M (not in CI); tests/test_movielens.py and tests/test_retrieval.py run "
-            "it on a fake MovieLens" for cmd in ML_RETRIEVAL},
     # real data, selection, sweeps, benchmarks of this wave
     "python -m experiments.datasets --name=ml-1m --out=/tmp/gemjax-data":
         "downloads from the internet; tests/test_datasets.py runs the command on a loopback server",
