@@ -29,7 +29,7 @@ history lengths, random ids), written under --data_dir unless it is already ther
 on --movielens_dir (convert_movielens.py --tasks=ranking output, e.g. the real data).
 Any other name is a preset trained on its synthetic stream (h200: the model v0 of the
 preset; --case_override=h200:model.kind=teacher,model.num_experts=4,model.top_k=2
-for the README's teacher). --case_override=CASE:OVERRIDES (repeatable) applies on top
+for docs/performance.md's teacher). --case_override=CASE:OVERRIDES (repeatable) applies on top
 of a case's preset.
 
 On GPU the run uses CUDA graphs unless GEMJAX_GPU_GRAPHS=0, and packed shard copies unless

@@ -7,7 +7,7 @@ Writes --out/train.parquet, test.parquet, schema.json and counts.json, shaped li
 
     python -m experiments.convert_movielens --tasks=ranking --train_positions=5 --max_history=50
 
-(the README's `movielens_rank` recipe): the same columns and types (user, gender, age,
+(docs/results.md's `movielens_rank` recipe): the same columns and types (user, gender, age,
 occupation, history_item, history_genre [list<int32>], item, genre [int32], label
 [float32]), the same schema.json (convert_movielens.movielens_schema with the vocabulary
 sizes below), the same row order and row groups (by user, then position, the positive

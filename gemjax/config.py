@@ -51,36 +51,37 @@ class DataConfig:
     # parquet: resume although the train files differ from WORKDIR/train_files.json (the
     # files the run started with); the change is logged and recorded there
     accept_changed_files: bool = False
-    num_surfaces: int = 2
-    num_tasks: int = 2
+    num_surfaces: int = 2        # synthetic: surfaces (e.g. feed, video), each with its own head
+    num_tasks: int = 2           # synthetic: tasks (labels) per sample, e.g. click and conversion
     vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
     vocab_segment: int = 200         # user segment: first-order + FM signal
     vocab_context: int = 50          # context: first-order + FM signal
     vocab_item: int = 4_000          # items (candidate and events); category = item % num_categories
-    num_categories: int = 8
-    num_event_types: int = 4
-    num_dense: int = 4
-    zipf: float = 1.05
+    num_categories: int = 8      # synthetic: item categories
+    num_event_types: int = 4     # synthetic: event types of the sequences
+    num_dense: int = 4           # synthetic: dense features
+    zipf: float = 1.05           # synthetic: Zipf exponent of id popularity
     seq_median: float = 32.0         # log-normal sequence lengths
-    seq_sigma: float = 0.8
+    seq_sigma: float = 0.8       # log-sigma of the sequence lengths
     seq_cap: int = 256               # longer sequences keep their most recent events (counted)
     recent: int = 32                 # the teacher's recency window over sequences
     capacity_slack: float = 1.3      # packed capacity = slack * expected tokens per batch
-    eval_batches: int = 16
+    eval_batches: int = 16       # eval batches (0: the whole eval data once)
     host_workers: int = 1            # Feeder threads: each builds, checks and device_puts (step, shard) pieces
     # parquet train stream of positives only: N negatives per row drawn each epoch as a pure
     # function of (train.seed, epoch, row) by gemjax.data.negatives (0: rows as stored);
     # data.batch_size counts all rows (a multiple of 1 + N). negatives_path: the sampler's
     # .npz ("": negatives.npz beside data.train_path)
     negatives: int = 0
+    # sampler file of data.negatives ("": negatives.npz beside the train file)
     negatives_path: str = ""
     # planted teacher strengths (logit units)
     first_order: float = 0.4         # segment and context biases
     item_bias: float = 0.0           # per-item biases (many rare ids: slow to learn)
-    fm: float = 0.8
-    dense_signal: float = 0.4
-    clicks_signal: float = 3.0
-    views_signal: float = 1.5
+    fm: float = 0.8              # synthetic: strength of the pairwise (FM) signal
+    dense_signal: float = 0.4    # synthetic: strength of the dense features
+    clicks_signal: float = 3.0   # synthetic: strength of the clicks sequence
+    views_signal: float = 1.5    # synthetic: strength of the views sequence
     # drifting online stream (gemjax.data.drift; experiments/online.py); drift_every=0: off
     drift_every: int = 0             # steps per window; the planted model moves at each window start
     drift_strength: float = 0.0      # share of fresh parameters per window: p' = sqrt(1-s^2) p + s n
@@ -89,7 +90,7 @@ class DataConfig:
     # Base Batch Shuffling (gemjax.data.balance): the train batch dealt to the devices as
     # length-sorted sub-batches of bbs_sub_batch samples, in snake order (synthetic source)
     bbs: bool = False
-    bbs_sub_batch: int = 8
+    bbs_sub_batch: int = 8       # samples per BBS sub-batch (divides data.batch_size)
 
     @property
     def sequence_capacity(self) -> int:
@@ -103,17 +104,19 @@ class DataConfig:
 class ModelConfig:
     kind: str = "gem"                # "gem" (model v0), "teacher" (full GEM teacher), "lr" (baseline)
     dim: int = 16                    # embedding / token width
-    use_sequences: bool = True
-    seq_layers: int = 1
-    seq_heads: int = 2
+    use_sequences: bool = True   # read the sequence features (false: the no-sequence ablation)
+    seq_layers: int = 1          # sequence encoder layers (retrieval: the tower's blocks)
+    seq_heads: int = 2           # attention heads of the sequence layers
     attention: str = "block"         # "block" (BlockAttention), "softmax" or "gdpa"
     block: int = 32                  # BlockAttention block size (GEM uses 64)
-    dense_tokens: int = 2
-    wukong_layers: int = 2
-    fmb_tokens: int = 8
-    lcb_tokens: int = 8
-    fm_rank: int = 8
+    dense_tokens: int = 2        # tokens the dense features are projected to
+    wukong_layers: int = 2       # Wukong interaction layers
+    fmb_tokens: int = 8          # Wukong: tokens of each factorization-machine block
+    lcb_tokens: int = 8          # Wukong: tokens of each linear-compression block
+    fm_rank: int = 8             # Wukong: rank k of the optimized FM (Y in R^{n x k})
+    # Wukong FMB MLP widths
     wukong_mlp: tuple[int, ...] = (64,)
+    # head MLP widths
     head_mlp: tuple[int, ...] = (64,)
     dtype: str = "float32"           # compute dtype; parameters are float32
     # --- the full GEM teacher (kind="teacher", gemjax.models.interformer) ---
@@ -127,7 +130,7 @@ class ModelConfig:
     summary_tokens: int = 4          # m: x_sum tokens
     cls_tokens: int = 4              # c, p, r: s_sum = [CLS | PMA | most recent] tokens;
     pma_tokens: int = 2              #   each may be 0 (that component removed), c + p + r > 0
-    recent_tokens: int = 2
+    recent_tokens: int = 2       # r: most recent sequence tokens in s_sum
     # Pyramid levels per sequence, (block, pooled tokens per block, block-attention
     # layers); pooled None ("none") only on the last level. None: ((block, 4, 1),
     # (block, None, 1)) with block = model.block. Override form: levels separated
@@ -138,7 +141,7 @@ class ModelConfig:
     capacity_factor: float | None = None   # None: no drops ("none" in overrides)
     lb_coef: float = 0.01            # weight of the experts' load-balancing loss
     cross_layer_attention: bool = True   # Wukong layer inputs attend over earlier layers' outputs
-    qk_norm: bool = True
+    qk_norm: bool = True         # LayerNorm on queries and keys of the sequence attention
     rope: bool = True                # RoPE on sequence self-attention ("block" always rotates)
     head_towers: str = "per_surface"     # multi-domain head: "per_surface" or "shared"
     # --- next-item retrieval (kind="retrieval": gemjax.models.retrieval, gemjax.train.retrieval) ---
@@ -156,8 +159,9 @@ class ModelConfig:
     teacher_repr_dim: int = 0        # E of the teacher features the batch carries (0: none)
     # --- FP8 GEMMs per region (gemjax.precision.policy; names separated by "+") ---
     # gem1b's step on one H200: 189.7 ms BF16, 270.6 ms FP8 (the quantize passes outweigh
-    # the faster GEMMs; 203.1 ms with fp8_regions=wukong+interformer; README "FP8")
+    # the faster GEMMs; 203.1 ms with fp8_regions=wukong+interformer; docs/precision.md)
     precision: str = "bf16"          # "bf16": every GEMM in `dtype`; "fp8": fp8_regions' linears in FP8
+    # model.precision=fp8: the regions whose linears run in FP8
     fp8_regions: str = "wukong+interformer+attn_proj+sequence"
     fp8_exclude: str = "heads+last"  # regions (or "last": the last layer) kept in `dtype`
     fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales)
@@ -183,16 +187,17 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1_000
-    seed: int = 0
-    dense_lr: float = 4e-3
-    sparse_lr: float = 0.5
+    steps: int = 1_000           # train steps of the run
+    seed: int = 0                # seed of the data order, the parameters and dropout
+    dense_lr: float = 4e-3       # peak learning rate of the dense optimizer (optim.dense)
+    sparse_lr: float = 0.5       # learning rate of the embedding tables' optimizer (optim.sparse)
     # sparse all_to_all capacity picked per step from the unique ids (EmbeddingCollection
     # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS), and replicas of a local table
     # copy all-gathering unique rows only (sync_buckets). On in the h200 preset (its
     # 1-GPU step: 132 ms with both, 159 ms without); off here so small CPU runs keep
     # one compiled step (the branches are fixed per batch, PlannedStep)
     sparse_exchange_buckets: bool = False
+    # replicas of a local table copy all-gather unique rows only
     sparse_sync_buckets: bool = False
     # their branches fixed per batch before the step (PlannedStep) instead of a lax.switch
     # around collectives inside it, which XLA:GPU runs as a host-synced conditional
@@ -206,11 +211,12 @@ class TrainConfig:
     # row_major): else XLA:GPU may lay a sequence stack out feature-major and transpose
     # every per-id gradient (15 ms of the 2-GPU h200 step); false for A/B runs
     sparse_row_major: bool = True
-    warmup_steps: int = 100
-    log_every: int = 100
+    warmup_steps: int = 100      # linear warm-up of the dense learning rate
+    log_every: int = 100         # steps between metrics rows
+    # steps between evaluations (test rows; none on a schedule when selecting)
     eval_every: int = 500
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
+    checkpoint_every: int = 500  # steps between checkpoints
+    keep_checkpoints: int = 3    # newest checkpoints kept
     # restore (resume, eval, inference, export) a checkpoint step that has no
     # checksums.sha256; false: such a step is skipped for an older verified one
     trust_unverified_checkpoints: bool = False
@@ -230,8 +236,8 @@ class TrainConfig:
     # eval rows (data.eval_path) are evaluated once, at the end, on the best state.
     # "" = no selection: the eval rows every eval_every steps
     valid_every: int = 0
-    select_metric: str = ""
-    patience: int = 0
+    select_metric: str = ""      # validation metric that picks the best step ("": no selection)
+    patience: int = 0            # validation evals without gain before stopping (0: never early)
     # --- activation checkpointing (model.kind=teacher; gemjax.layers.regions, gemjax.train.remat) ---
     # "none" (autodiff keeps what it needs), "region:policy/..." with regions pyramid, cross,
     # seq, attention, interaction, heads (or all) and policies save, recompute, offload,
@@ -263,8 +269,8 @@ class OptimConfig:
     # "warmup_cosine" (to dense_lr * final_lr_scale at train.steps), "warmup_constant"
     # or "constant"
     schedule: str = "warmup_cosine"
-    final_lr_scale: float = 0.05
-    clip_norm: float = 10.0
+    final_lr_scale: float = 0.05  # warmup_cosine ends at dense_lr times this
+    clip_norm: float = 10.0      # global gradient-norm clip of the dense params (0: none)
     weight_decay: float = 0.0        # for optimizers that take one (adamw, lamb, lion)
     # embedding tables: "rowwise_adagrad", "adagrad", "sgd" or "lazy_adam"
     sparse: str = "rowwise_adagrad"
@@ -338,7 +344,7 @@ PRESETS: dict[str, Config] = {
         train=TrainConfig(steps=20, log_every=5, eval_every=10, checkpoint_every=10, warmup_steps=5,
                           dense_lr=2e-3, sparse_lr=0.1, baselines=False)),
     "small": Config(name="small"),
-    # MovieLens-1M ranking (experiments/convert_movielens.py --tasks=ranking; README "Data"):
+    # MovieLens-1M ranking (experiments/convert_movielens.py --tasks=ranking; docs/results.md):
     # run with --features=<out>/ranking/schema.json and data.source=parquet,
     # data.train_path=..., data.eval_path=..., data.eval_batches=0 (every eval row once; a
     # preset validates as it stands, without a schema, so it keeps the synthetic source). One
@@ -390,7 +396,7 @@ PRESETS: dict[str, Config] = {
                           baselines=False, sparse_act_dtype="model", sparse_onehot_rows=128)),
     # MovieLens-1M next-item retrieval (gemjax.train.retrieval; experiments/movielens.py
     # runs it): the recipe of the standalone script's defaults that reached HR@10 0.3061
-    # (README "Measured so far"): item dim 64, 2 causal softmax blocks of 2 heads
+    # (docs/results.md): item dim 64, 2 causal softmax blocks of 2 heads
     # with RoPE and QK-norm, genre added to each item token, input dropout 0.2, full
     # softmax over the item table without l2-normalisation, batch 128 users, Adam 1e-3
     # on the dense params); the item table trains with row-wise Adagrad (sparse_lr). One
@@ -415,7 +421,7 @@ PRESETS: dict[str, Config] = {
     # tokens, rank 4, MLPs of 64; experiments/frappe.py runs it over seeds). Trained on train.parquet, scored on every row of test.parquet. The step
     # count (180 = 2 epochs of 90 batches) and learning rates were picked on holdout.parquet
     # (holdout AUC evaluated every 45 steps peaks at the end of 2 epochs; longer runs
-    # overfit: 0.921 after 20 epochs). README "Data" gives the test figures. Model selection:
+    # overfit: 0.921 after 20 epochs). docs/results.md gives the test figures. Model selection:
     # holdout AUC (holdout.parquet beside data.train_path) every 45 steps, the best step kept
     # (WORKDIR/best) and tested, 2 evals without improvement stop the run.
     "frappe": Config(

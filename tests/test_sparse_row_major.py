@@ -2,7 +2,7 @@
 apply_gradients reads to a row-major layout (a LayoutConstraint custom call in the
 lowered program), and changes no value: lookups and updated tables equal the
 unpinned collection's bit for bit. On 2 H200s the pin took the replica=2 h200 step
-from 160.3 to 141.1 ms (README); CPU layouts are row-major anyway, so only the
+from 160.3 to 141.1 ms (docs/performance.md); CPU layouts are row-major anyway, so only the
 program text and the values can be checked here.
 """
 
