@@ -553,7 +553,8 @@ class _Selecting:
         self.every = t.valid_every or t.eval_every
         self.state = selection.Selection.of(cfg)
         if start:
-            rows = [r for r in _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+            rows = [r for r in tracking.read_metrics(os.path.join(workdir, "metrics.jsonl"),
+                                                     log)[0]
                     if r.get("kind") == "valid" and r["step"] <= start]
             saved = ckpt.metadata(start)[1].get("selection")
             self.state = self.state.resumed(saved, rows)
@@ -597,7 +598,8 @@ class _Selecting:
         best = self.state.best_step
         if evaluator is None:
             return state, {}
-        done = [r for r in _read_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+        done = [r for r in tracking.read_metrics(os.path.join(self.workdir, "metrics.jsonl"),
+                                                 self.log)[0]
                 if r.get("split") == "test" and r["step"] == end]
         if done:          # a rerun of a finished run: its test eval stands
             self.test = {k: v for k, v in done[-1].items()
