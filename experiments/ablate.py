@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 from absl import app, flags
 
+from experiments.seeds import parse_seeds
 from gemjax.config import PRESETS, Config, apply_overrides, get_config
 
 # What turns a preset into the full teacher (before --override).
@@ -86,17 +87,6 @@ def parse_variants(names: Sequence[str], with_full: bool = True) -> list[str]:
         raise ValueError(f"--variants: unknown {unknown}; choose 'all' or any of {list(VARIANTS)}")
     out = ["full"] if with_full else []
     return out + [n for n in VARIANTS if n in names and n != "full"]
-
-
-def parse_seeds(seeds: Sequence[str]) -> list[int]:
-    """--seeds strings -> distinct ints (at least one)."""
-    try:
-        out = [int(s) for s in seeds if s.strip()]
-    except ValueError:
-        raise ValueError(f"--seeds: integers expected, got {list(seeds)}") from None
-    if not out or len(set(out)) != len(out):
-        raise ValueError(f"--seeds: give one or more distinct seeds, got {list(seeds)}")
-    return out
 
 
 def full_config(config: str, override: str = "") -> Config:

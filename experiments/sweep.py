@@ -57,6 +57,7 @@ from typing import Callable, Sequence
 
 from absl import app, flags
 
+from experiments.seeds import parse_seeds
 from gemjax.config import PRESETS, Config, apply_overrides, get_config, parse_overrides
 
 
@@ -591,14 +592,11 @@ def default_metric(cfg: Config) -> str:
     return getattr(cfg.train, "select_metric", "") or ("hr@10" if cfg.model.kind == "retrieval" else "ne")
 
 
-def parse_seeds(seeds: Sequence[str]) -> list[int]:
+def _seeds(seeds: Sequence[str]) -> list[int]:
     try:
-        out = [int(s) for s in seeds if s.strip()]
-    except ValueError:
-        raise SweepError(f"--seeds: integers expected, got {','.join(seeds)}") from None
-    if not out or len(set(out)) != len(out):
-        raise SweepError(f"--seeds: give one or more distinct seeds, got {','.join(seeds)}")
-    return out
+        return parse_seeds(seeds)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
 
 
 def build(f) -> tuple[Sweep, list[Param], dict]:
@@ -620,7 +618,7 @@ def build(f) -> tuple[Sweep, list[Param], dict]:
         raise SweepError(f"--override: {reserved} are set by the sweep itself (--seeds, --metric)")
     metric = f.metric or default_metric(cfg)
     sweep = Sweep(workdir=f.workdir, config=f.config, base_override=base_override, base=cfg,
-                  metric=metric, seeds=parse_seeds(f.seeds), features=f.features,
+                  metric=metric, seeds=_seeds(f.seeds), features=f.features,
                   train_flags=tuple(shlex.split(f.train_flags)), python=f.python)
     if cfg.data.source != "synthetic" and not getattr(cfg.data, "valid_path", ""):
         raise SweepError("--override: give data.valid_path (the validation rows the trials select on)")

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh
 
 from gemjax.config import apply_overrides, get_config
-from gemjax.data.parquet import file_changes, file_facts
+from gemjax.data.files import file_changes, file_facts
 from gemjax.train.guards import ResumeMismatch
 from gemjax.train.loop import train
 from gemjax.train.tracking import read_metrics

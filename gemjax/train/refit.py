@@ -21,7 +21,7 @@ import os
 from typing import Callable
 
 from gemjax.config import Config, apply_overrides, config_from_dict
-from gemjax.data.parquet import list_files
+from gemjax.data.files import list_files
 from gemjax.data.source import valid_files
 
 REFIT_DIR = "refit"

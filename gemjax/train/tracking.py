@@ -161,7 +161,7 @@ TRAIN_FILES = "train_files.json"
 def check_train_files(cfg, workdir: str, resuming: bool, *, lead: bool = True,
                       log: Callable[[str], None] = print) -> None:
     """WORKDIR/train_files.json: the Parquet train files (path, bytes, rows, mtime:
-    `gemjax.data.parquet.file_facts`) a run reads, recorded when it starts; a resume
+    `gemjax.data.files.file_facts`) a run reads, recorded when it starts; a resume
     whose files differ (added, removed, other bytes or rows) is refused
     (guards.ResumeMismatch naming each file), since every epoch's shuffle spans the
     whole file list and a changed one re-reads or skips rows, unless
@@ -170,7 +170,7 @@ def check_train_files(cfg, workdir: str, resuming: bool, *, lead: bool = True,
     lead: this process writes the record (every process checks it)."""
     if cfg.data.source != "parquet":
         return
-    from gemjax.data.parquet import file_changes, file_facts
+    from gemjax.data.files import file_changes, file_facts
     from gemjax.train.guards import ResumeMismatch
 
     path = os.path.join(workdir, TRAIN_FILES)
