@@ -342,3 +342,13 @@ def test_a_resumed_run_log_purges_the_later_points_and_keeps_tags_as_written(tmp
     fresh = tracking.RunLog(str(tmp_path))                   # a fresh run starts over
     fresh.close()
     assert _tensorboard_view(fresh.tensorboard_dir) == {}
+
+
+def test_a_run_log_dropped_unclosed_writes_its_rows(tmp_path):
+    import gc
+    runlog = tracking.RunLog(str(tmp_path))
+    runlog.append({"step": 2, "kind": "train", "loss": 0.5})
+    logdir = runlog.tensorboard_dir
+    del runlog
+    gc.collect()
+    assert _tensorboard_view(logdir) == {("train/loss", 2): 0.5}

@@ -16,8 +16,8 @@ WORKDIR/tensorboard through a `tensorboardX.SummaryWriter`: tag "<kind>/<key>"
 ("train/loss", "eval/ne", "eval/task1/auc", "eval/hr@10", kept as written), at the
 row's "step", as TensorBoard's float32 scalar values, one event per row. The
 writer's thread writes each row to the event file as it comes and flushes it
-within a second (flush_secs=1); `close()` and the interpreter's exit write the
-rest, so a killed run's event file lacks at most its last second of rows, which
+within a second (flush_secs=1); `close()`, dropping the RunLog and the
+interpreter's exit write the rest, so a killed run's event file lacks at most its last second of rows, which
 metrics.jsonl holds. A resumed run (start_step > 0) opens a new event file with
 purge_step = start_step + 1: TensorBoard drops the older files' points at that
 step and later, as the loop drops those rows from metrics.jsonl, so a resume
@@ -96,6 +96,7 @@ class RunLog:
         self._writer = SummaryWriter(self.tensorboard_dir,
                                      purge_step=start_step + 1 if start_step > 0 and older else None,
                                      flush_secs=1, filename_suffix=f".{time.time_ns() % 10**9:09d}")
+        self._closer = weakref.finalize(self, self._writer.close)   # a run log dropped unclosed
         if start_step > 0 and not older and os.path.exists(self.metrics_path):
             with open(self.metrics_path) as f:
                 for line in f:
@@ -123,7 +124,7 @@ class RunLog:
     def close(self) -> None:
         """Write every pending row and close the event file."""
         if self._writer is not None:
-            self._writer.close()
+            self._closer()
             self._writer = None
 
 
