@@ -33,7 +33,8 @@ exact AUC counts it; a pair sharing a bin counts 1/2, which is exact for tied
 scores. So |binned - exact| <= 1/2 * sum_b pos_b * neg_b / (P * N) (P, N: the
 positive and negative weight; pos_b, neg_b: theirs in bin b), the bound
 `binned_auc` returns; with the negatives' logit density at most f per logit unit
-this is <= f * h / 2 (2.5e-4 for f = 1, a spread no tighter than one logit).
+(scores within the range) this is <= f * h / 2 (2.5e-4 for f = 1, a spread no
+tighter than one logit).
 """
 
 from __future__ import annotations
