@@ -224,6 +224,11 @@ class TrainConfig:
     # write metrics.jsonl's rows as TensorBoard scalars too, under WORKDIR/tensorboard
     # (needs tensorboardX; without it the run logs one line and writes metrics.jsonl only)
     tensorboard: bool = True
+    # eval rows up to which every AUC is exact (all predictions kept on the host); an eval
+    # with more rows folds them into 2^16-bin score histograms per class, (surface, task):
+    # bounded memory, AUC within a stated bound (eval row keys auc_binned, auc_bin_error;
+    # gemjax.train.metrics)
+    exact_auc_rows: int = 2_000_000
     # K steps per call: train steps run K at a time inside one jitted call (a lax.scan over
     # K stacked batches, gemjax.train.multistep); the metrics rows are those of K = 1.
     # train.steps and the log / eval / checkpoint intervals must be multiples of it

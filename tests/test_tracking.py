@@ -322,3 +322,33 @@ def test_the_first_step_of_a_run_has_a_heartbeat(tmp_path, monkeypatch):
     train(TINY, str(tmp_path / "run"), log=lines.append, mesh=mesh, stop_after=2)
     beats = [line for line in lines if line.startswith("[gemjax] the first step (compiling): ")]
     assert beats, lines
+
+
+def test_a_resumed_run_log_purges_the_later_points_and_keeps_tags_as_written(tmp_path):
+    first = tracking.RunLog(str(tmp_path))
+    for step in (2, 4, 6):
+        first.append({"step": step, "kind": "eval", "hr@10": step / 10, "ok": True})
+    first.close()
+    resumed = tracking.RunLog(str(tmp_path), start_step=4)   # step 6 was never checkpointed
+    resumed.append({"step": 6, "kind": "eval", "hr@10": 0.25})
+    resumed.close()
+    files = sorted(glob.glob(os.path.join(tmp_path, "tensorboard", "events.out.tfevents.*")))
+    assert len(files) == 2
+    purge = [ev for ev in _events(files[1]) if not ev.file_version][0]
+    assert purge.session_log.status == purge.session_log.START and purge.step == 5
+    assert _tensorboard_view(resumed.tensorboard_dir) == {
+        ("eval/hr@10", 2): np.float32(0.2), ("eval/hr@10", 4): np.float32(0.4),
+        ("eval/hr@10", 6): np.float32(0.25)}
+    fresh = tracking.RunLog(str(tmp_path))                   # a fresh run starts over
+    fresh.close()
+    assert _tensorboard_view(fresh.tensorboard_dir) == {}
+
+
+def test_a_run_log_dropped_unclosed_writes_its_rows(tmp_path):
+    import gc
+    runlog = tracking.RunLog(str(tmp_path))
+    runlog.append({"step": 2, "kind": "train", "loss": 0.5})
+    logdir = runlog.tensorboard_dir
+    del runlog
+    gc.collect()
+    assert _tensorboard_view(logdir) == {("train/loss", 2): 0.5}

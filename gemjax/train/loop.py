@@ -162,7 +162,7 @@ class Evaluator:
         self._host = [self.feeder.host_batch(i) for i in range(eval_steps(self.stream, cfg))]
         self.bayes = {"ne": None, "auc": None}
         if all(hasattr(i, "true_probs") for _, infos, _ in self._host for i in infos):
-            bayes = EvalAccumulator(*self.grid)
+            bayes = EvalAccumulator(*self.grid, exact_auc_rows=cfg.train.exact_auc_rows)
             for batch, infos, _ in self._host:
                 probs = np.concatenate([i.true_probs for i in infos])
                 bayes.add(*_all_processes(probs, batch.labels, batch.label_mask, batch.surface,
@@ -171,7 +171,7 @@ class Evaluator:
 
     def __call__(self, state) -> dict:
         """Metrics over every process's eval shards (the same figures on every process)."""
-        acc = EvalAccumulator(*self.grid)
+        acc = EvalAccumulator(*self.grid, exact_auc_rows=self.cfg.train.exact_auc_rows)
         for batch, _, _ in self._host:
             probs = np.asarray(self.step_fn(state, self.feeder.to_device(batch)))  # this process's rows
             acc.add(*_all_processes(probs, batch.labels, batch.label_mask, batch.surface,

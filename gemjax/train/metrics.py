@@ -23,6 +23,18 @@ Conventions (one place, so every number a user sees means the same thing):
 Non-finite preds, labels outside [0, 1] and negative or non-finite weights
 raise ValueError naming the input. `EvalAccumulator` streams eval batches and
 reports everything per task and per (surface, task).
+
+Bounded-memory AUC (`score_bins`, `binned_auc`): scores go to AUC_BINS = 2^16
+equal bins of the logit log(p / (1 - p)) over [-AUC_LOGIT_RANGE, AUC_LOGIT_RANGE]
+= [-16, 16] (bin width h = 32 / 2^16 ~ 4.9e-4 logits; preds beyond the range,
+0 and 1 included, fall into the end bins, where `log_loss`'s EPS clip already
+treats them alike). A (positive, negative) pair in different bins counts as the
+exact AUC counts it; a pair sharing a bin counts 1/2, which is exact for tied
+scores. So |binned - exact| <= 1/2 * sum_b pos_b * neg_b / (P * N) (P, N: the
+positive and negative weight; pos_b, neg_b: theirs in bin b), the bound
+`binned_auc` returns; with the negatives' logit density at most f per logit unit
+(scores within the range) this is <= f * h / 2 (2.5e-4 for f = 1, a spread no
+tighter than one logit).
 """
 
 from __future__ import annotations
@@ -33,6 +45,9 @@ import numpy as np
 
 EPS = 1e-7
 METRIC_NAMES = ("ne", "auc", "calibration", "log_loss", "count", "positive_rate")
+AUC_BINS = 2 ** 16
+AUC_LOGIT_RANGE = 16.0
+EXACT_AUC_ROWS = 2_000_000   # EvalAccumulator's default (config train.exact_auc_rows)
 
 
 def _check(labels, preds, weights):
@@ -68,8 +83,11 @@ def _base_entropy(y, w) -> float:
     total = w.sum()
     if total <= 0:
         return math.nan
-    rate = float(np.sum(w * y) / total)
-    if rate <= 0.0 or rate >= 1.0:
+    return _entropy(float(np.sum(w * y) / total))
+
+
+def _entropy(rate: float) -> float:
+    if not 0.0 < rate < 1.0:
         return math.nan
     return -(rate * math.log(rate) + (1.0 - rate) * math.log1p(-rate))
 
@@ -131,6 +149,33 @@ def binary_metrics(labels, preds, weights=None) -> dict[str, float]:
     }
 
 
+def score_bins(preds, bins: int = AUC_BINS) -> np.ndarray:
+    """Bin index [N] int64 in [0, bins) of each prediction [N] in [0, 1]: equal bins of
+    the logit over [-AUC_LOGIT_RANGE, AUC_LOGIT_RANGE], monotone in the prediction
+    (the module doc)."""
+    p = np.asarray(preds, np.float64)
+    with np.errstate(divide="ignore"):
+        z = np.log(p) - np.log1p(-p)
+    u = (np.clip(z, -AUC_LOGIT_RANGE, AUC_LOGIT_RANGE) + AUC_LOGIT_RANGE) / (2 * AUC_LOGIT_RANGE)
+    return np.minimum((u * bins).astype(np.int64), bins - 1)
+
+
+def binned_auc(pos, neg) -> tuple[float, float]:
+    """(auc, bound) from per-bin positive and negative weight [..., B] (bins in score
+    order; leading axes summed): the tie-aware AUC of the bins (a pair sharing a bin
+    counts 1/2) and 1/2 * sum_b pos_b * neg_b / (P * N), the most it can differ from
+    the exact AUC of the binned scores. (nan, nan) without both classes."""
+    pos = np.asarray(pos, np.float64).reshape(-1, np.shape(pos)[-1]).sum(0)
+    neg = np.asarray(neg, np.float64).reshape(-1, np.shape(neg)[-1]).sum(0)
+    total_pos, total_neg = pos.sum(), neg.sum()
+    if total_pos <= 0 or total_neg <= 0:
+        return math.nan, math.nan
+    neg_below = np.cumsum(neg) - neg
+    pairs = total_pos * total_neg
+    return (float(np.sum(pos * (neg_below + 0.5 * neg)) / pairs),
+            float(0.5 * np.sum(pos * neg) / pairs))
+
+
 def _count_weighted_mean(values: list[float], counts: list[int]) -> float:
     pairs = [(v, c) for v, c in zip(values, counts) if c > 0 and math.isfinite(v)]
     if not pairs:
@@ -144,12 +189,25 @@ class EvalAccumulator:
     add(preds [B, K], labels [B, K], label_mask [B, K], surface [B] int, weights [B])
     with K = num_tasks and surface ids in [0, num_surfaces). A (sample, task) pair
     takes part when label_mask > 0 and weight > 0 (padding samples carry weight 0).
-    All kept values stay in host memory (eval sets are small).
+
+    Up to `exact_auc_rows` rows (the B rows of every add() together) the kept values
+    stay in host memory and every metric is exact. Once an add() takes the total
+    past it, they are folded into fixed-size state and dropped, and so is every
+    later batch: per (task, surface) the kept pairs' count, non-finite count and
+    weighted sums (w, w * y, w * p, w * log loss), and per class a histogram of
+    `auc_bins` score bins (`score_bins`), 2 * K * S * auc_bins float64 in all
+    (K * S MiB at 2^16 bins) however many rows follow. NE, log loss, calibration,
+    count and positive rate stay exact (up to float64 summation order); AUC becomes
+    `binned_auc`'s, within the bound the module doc derives. exact_auc_rows=0 bins
+    from the first row.
 
     result() returns
         {"ne", "auc", "calibration", "log_loss": summary over tasks,
          "count": labelled pairs over all tasks,
          "nonfinite_preds": count of non-finite preds among the kept pairs,
+         "auc_binned": False for exact AUCs, True for binned ones,
+         "auc_bin_error": (binned only) the largest of the groups' bounds on
+           |binned - exact| AUC (nan when no group has both classes),
          "tasks": [K dicts of METRIC_NAMES],
          "surface_tasks": [S lists of K dicts of METRIC_NAMES]}
     The summary metrics are the count-weighted mean of the per-task values,
@@ -160,15 +218,28 @@ class EvalAccumulator:
     `flat(result)` turns the nested dict into "task0/ne"-style keys for logs.
     """
 
-    def __init__(self, num_surfaces: int, num_tasks: int):
+    def __init__(self, num_surfaces: int, num_tasks: int, *,
+                 exact_auc_rows: int = EXACT_AUC_ROWS, auc_bins: int = AUC_BINS):
         if num_surfaces < 1 or num_tasks < 1:
             raise ValueError(f"num_surfaces={num_surfaces} and num_tasks={num_tasks} must be >= 1")
+        if exact_auc_rows < 0 or auc_bins < 1:
+            raise ValueError(f"exact_auc_rows={exact_auc_rows} must be >= 0 and "
+                             f"auc_bins={auc_bins} >= 1")
         self.num_surfaces = num_surfaces
         self.num_tasks = num_tasks
-        self._chunks: list[tuple[np.ndarray, ...]] = []
+        self.exact_auc_rows = exact_auc_rows
+        self.auc_bins = auc_bins
+        self.reset()
 
     def reset(self) -> None:
-        self._chunks = []
+        self._chunks: list[tuple[np.ndarray, ...]] = []
+        self.rows = 0
+        self._binned: dict[str, np.ndarray] | None = None
+
+    @property
+    def binned(self) -> bool:
+        """True once the rows went past exact_auc_rows (AUC from histograms)."""
+        return self._binned is not None
 
     def add(self, preds, labels, label_mask, surface, weights) -> None:
         preds = np.asarray(preds, np.float64)
@@ -195,9 +266,42 @@ class EvalAccumulator:
         observed = labels[keep]
         if not np.all(np.isfinite(observed)) or np.any((observed < 0) | (observed > 1)):
             raise ValueError("labels must be finite and in [0, 1] where label_mask > 0")
-        # copies: callers may reuse their buffers after add() returns
-        self._chunks.append((preds.copy(), labels.copy(), keep, surface.astype(np.int64),
-                             weights.copy()))
+        self.rows += b
+        if self._binned is None and self.rows <= self.exact_auc_rows:
+            # copies: callers may reuse their buffers after add() returns
+            self._chunks.append((preds.copy(), labels.copy(), keep, surface.astype(np.int64),
+                                 weights.copy()))
+            return
+        if self._binned is None:
+            k, s, nb = self.num_tasks, self.num_surfaces, self.auc_bins
+            self._binned = {"n": np.zeros((k, s), np.int64), "bad": np.zeros((k, s), np.int64),
+                            "sums": np.zeros((4, k, s)), "pos": np.zeros((k, s, nb)),
+                            "neg": np.zeros((k, s, nb))}
+            for chunk in self._chunks:
+                self._fold(*chunk)
+            self._chunks = []
+        self._fold(preds, labels, keep, surface.astype(np.int64), weights)
+
+    def _fold(self, preds, labels, keep, surface, weights) -> None:
+        """Add one batch's kept pairs to the binned state."""
+        st, s, nb = self._binned, self.num_surfaces, self.auc_bins
+        kept = preds[keep]
+        if np.any((kept < 0) | (kept > 1)):     # nan compares False: counted below
+            raise ValueError("preds must be probabilities in [0, 1] (got values outside; logits?)")
+        for t in range(self.num_tasks):
+            m = keep[:, t]
+            p, y, w, srf = preds[m, t], labels[m, t], weights[m], surface[m]
+            ok = np.isfinite(p)
+            st["n"][t] += np.bincount(srf, minlength=s)
+            st["bad"][t] += np.bincount(srf[~ok], minlength=s)
+            p, y, w, srf = p[ok], y[ok], w[ok], srf[ok]
+            c = np.clip(p, EPS, 1.0 - EPS)
+            loss = -(y * np.log(c) + (1.0 - y) * np.log1p(-c))
+            for i, v in enumerate((w, w * y, w * p, w * loss)):
+                st["sums"][i, t] += np.bincount(srf, weights=v, minlength=s)
+            idx = srf * nb + score_bins(p, nb)
+            st["pos"][t] += np.bincount(idx, weights=w * y, minlength=s * nb).reshape(s, nb)
+            st["neg"][t] += np.bincount(idx, weights=w * (1.0 - y), minlength=s * nb).reshape(s, nb)
 
     def _group(self, p, y, w) -> tuple[dict[str, float], int]:
         bad = ~np.isfinite(p)
@@ -207,7 +311,37 @@ class EvalAccumulator:
             return out, int(bad.sum())
         return binary_metrics(y, p, w), 0
 
-    def result(self) -> dict:
+    def _binned_group(self, t, srf) -> tuple[dict[str, float], float]:
+        """(metrics, AUC bound) of task t over surfaces `srf` (an index or a slice)."""
+        st = self._binned
+        n, bad = int(np.sum(st["n"][t, srf])), int(np.sum(st["bad"][t, srf]))
+        if bad:
+            return {name: math.nan for name in METRIC_NAMES} | {"count": n}, math.nan
+        sw, swy, swp, swl = (float(np.sum(st["sums"][i, t, srf])) for i in range(4))
+        log_loss_ = swl / sw if sw > 0 else math.nan
+        auc_, bound = binned_auc(st["pos"][t, srf], st["neg"][t, srf])
+        return {"ne": log_loss_ / _entropy(swy / sw) if sw > 0 else math.nan,
+                "auc": auc_,
+                "calibration": swp / swy if swy > 0 else math.nan,
+                "log_loss": log_loss_,
+                "count": n,
+                "positive_rate": swy / sw if sw > 0 else math.nan}, bound
+
+    def _binned_result(self) -> tuple[list, list, int, float]:
+        k, s = self.num_tasks, self.num_surfaces
+        tasks, surface_tasks, bounds = [], [[None] * k for _ in range(s)], []
+        for t in range(k):
+            out, bound = self._binned_group(t, slice(None))
+            tasks.append(out)
+            bounds.append(bound)
+            for srf in range(s):
+                surface_tasks[srf][t], bound = self._binned_group(t, srf)
+                bounds.append(bound)
+        finite = [x for x in bounds if math.isfinite(x)]
+        return (tasks, surface_tasks, int(self._binned["bad"].sum()),
+                max(finite) if finite else math.nan)
+
+    def _exact_result(self) -> tuple[list, list, int]:
         k, s = self.num_tasks, self.num_surfaces
         if self._chunks:
             preds, labels, keep, surface, weights = (np.concatenate(c) for c in zip(*self._chunks))
@@ -225,10 +359,19 @@ class EvalAccumulator:
             for srf in range(s):
                 ms = m & (surface == srf)
                 surface_tasks[srf][t] = self._group(preds[ms, t], labels[ms, t], weights[ms])[0]
+        return tasks, surface_tasks, nonfinite
+
+    def result(self) -> dict:
+        if self._binned is not None:
+            tasks, surface_tasks, nonfinite, bin_error = self._binned_result()
+            auc_keys = {"auc_binned": True, "auc_bin_error": bin_error}
+        else:
+            tasks, surface_tasks, nonfinite = self._exact_result()
+            auc_keys = {"auc_binned": False}
         counts = [d["count"] for d in tasks]
         summary = {name: _count_weighted_mean([d[name] for d in tasks], counts)
                    for name in ("ne", "auc", "calibration", "log_loss")}
-        summary.update(count=int(sum(counts)), nonfinite_preds=nonfinite,
+        summary.update(count=int(sum(counts)), nonfinite_preds=nonfinite, **auc_keys,
                        tasks=tasks, surface_tasks=surface_tasks)
         return summary
 

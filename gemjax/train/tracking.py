@@ -12,21 +12,23 @@
 
 `RunLog` owns WORKDIR/metrics.jsonl (one JSON object per row, appended) and, when
 TensorBoard logging is on, writes every row's numbers as scalars under
-WORKDIR/tensorboard: tag "<kind>/<key>" ("train/loss", "eval/ne",
-"eval/task1/auc"), at the row's "step", as TensorBoard's float32 scalar values.
-Each row is written and flushed as it is appended, so a crashed run's event file
-holds every row of its metrics.jsonl. A resumed run (start_step > 0) opens a new
-event file that begins with a purge marker at start_step + 1: TensorBoard drops
-the older files' points at that step and later, as the loop drops those rows from
-metrics.jsonl; when there are no older files (the run so far had TensorBoard off),
-the new file starts with the rows metrics.jsonl holds. A fresh run (start_step = 0)
-deletes the workdir's old event files.
+WORKDIR/tensorboard through a `tensorboardX.SummaryWriter`: tag "<kind>/<key>"
+("train/loss", "eval/ne", "eval/task1/auc", "eval/hr@10", kept as written), at the
+row's "step", as TensorBoard's float32 scalar values, one event per row. The
+writer's thread writes each row to the event file as it comes and flushes it
+within a second (flush_secs=1); `close()`, dropping the RunLog and the
+interpreter's exit write the rest, so a killed run's event file lacks at most its last second of rows, which
+metrics.jsonl holds. A resumed run (start_step > 0) opens a new event file with
+purge_step = start_step + 1: TensorBoard drops the older files' points at that
+step and later, as the loop drops those rows from metrics.jsonl, so a resume
+shows no doubled curve; when there are no older files (the run so far had
+TensorBoard off), the new file starts with the rows metrics.jsonl holds. A fresh
+run (start_step = 0) deletes the workdir's old event files.
 
-TensorBoard logging needs the `tensorboardX` package (a gemjax dependency, used
-only for its event protocol buffers and record writer). With tensorboard=False,
-or when tensorboardX does not import, only metrics.jsonl is written, one log line
-says so, and `RunLog.tensorboard_dir` is None (the loop records it in
-summary.json).
+TensorBoard logging needs the `tensorboardX` package (a gemjax dependency). With
+tensorboard=False, or when tensorboardX does not import, only metrics.jsonl is
+written, one log line says so, and `RunLog.tensorboard_dir` is None (the loop
+records it in summary.json).
 """
 
 from __future__ import annotations
@@ -72,18 +74,17 @@ class RunLog:
         self.metrics_path = os.path.join(workdir, "metrics.jsonl")
         self.enabled = enabled
         self.tensorboard_dir: str | None = None
-        self._events = None
+        self._writer = None
         if not (enabled and tensorboard):
             return
         try:
-            from tensorboardX.event_file_writer import EventsWriter
-            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            from tensorboardX import SummaryWriter
             from tensorboardX.proto.summary_pb2 import Summary
         except ImportError as e:
             log(f"[gemjax] TensorBoard logging off: tensorboardX does not import ({e}); "
                 f"metrics.jsonl only (pip install tensorboardX, or set train.tensorboard=false)")
             return
-        self._Event, self._Summary = Event, Summary
+        self._Summary = Summary
         self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_SUBDIR)
         os.makedirs(self.tensorboard_dir, exist_ok=True)
         older = glob.glob(os.path.join(self.tensorboard_dir, EVENT_FILE_GLOB))
@@ -92,38 +93,39 @@ class RunLog:
                 os.remove(old)
         # file names sort in creation order (TensorBoard reads them in name order):
         # events.out.tfevents.<unix seconds>.<host>.<nanoseconds within the second>
-        suffix = f".{time.time_ns() % 10**9:09d}"
-        self._events = EventsWriter(os.path.join(self.tensorboard_dir, "events"), suffix)
-        if start_step > 0 and older:
-            self._events.write_event(Event(wall_time=time.time(), step=start_step + 1,
-                                           session_log=SessionLog(status=SessionLog.START)))
-        elif start_step > 0 and os.path.exists(self.metrics_path):
+        self._writer = SummaryWriter(self.tensorboard_dir,
+                                     purge_step=start_step + 1 if start_step > 0 and older else None,
+                                     flush_secs=1, filename_suffix=f".{time.time_ns() % 10**9:09d}")
+        self._closer = weakref.finalize(self, self._writer.close)   # a run log dropped unclosed
+        if start_step > 0 and not older and os.path.exists(self.metrics_path):
             with open(self.metrics_path) as f:
                 for line in f:
                     if line.strip():
                         self._write_event(json.loads(line))
-        self._events.flush()
 
     def append(self, row: dict) -> None:
-        """Append one row (a JSON object with "step" and "kind") to metrics.jsonl and,
-        when on, its numbers to TensorBoard; both are flushed before this returns."""
+        """Append one row (a JSON object with "step" and "kind") to metrics.jsonl (flushed
+        before this returns) and, when on, its numbers to TensorBoard (written by the
+        writer's thread, flushed within a second)."""
         if not self.enabled:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self._events is not None:
+        if self._writer is not None:
             self._write_event(row)
-            self._events.flush()
 
     def _write_event(self, row: dict) -> None:
+        # one Summary per row; FileWriter.add_summary keeps the tags as written
+        # (SummaryWriter.add_scalar would rewrite "hr@10" to "hr_10")
         values = [self._Summary.Value(tag=tag, simple_value=v) for tag, v in _scalars(row).items()]
-        self._events.write_event(self._Event(wall_time=time.time(), step=int(row["step"]),
-                                             summary=self._Summary(value=values)))
+        self._writer.file_writer.add_summary(self._Summary(value=values), int(row["step"]),
+                                             time.time())
 
     def close(self) -> None:
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+        """Write every pending row and close the event file."""
+        if self._writer is not None:
+            self._closer()
+            self._writer = None
 
 
 def read_metrics(path: str, log: Callable[[str], None] = print) -> tuple[list[dict], int]:
