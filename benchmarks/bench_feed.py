@@ -48,7 +48,7 @@ def main(argv):
     import dataclasses
 
     from gemjax.config import apply_overrides, get_config
-    from gemjax.data.features import FeatureSchema
+    from gemjax.features import FeatureSchema
     from gemjax.data.feeding import Feeder
     from gemjax.data.source import make_source
     from gemjax.train.step import Trainer, default_mesh

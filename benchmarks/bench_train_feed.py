@@ -85,7 +85,7 @@ def case_config(case: str, overrides: str, data_dir: str, warmup: int, steps: in
     case), --warmup + --steps steps, a log row every log_every, one eval batch and the
     only eval and save at the end (no model selection), steps_per_call steps per jitted call."""
     from gemjax.config import apply_overrides, get_config
-    from gemjax.data.features import FeatureSchema
+    from gemjax.features import FeatureSchema
     cfg = get_config(case)
     if case in PARQUET_CASES:
         with open(os.path.join(data_dir, "schema.json")) as f:

@@ -120,7 +120,7 @@ def interformer_max_len(cfg: Config) -> int:
 def _jsonable(cfg: Config) -> dict:
     """What train() writes to config.json for cfg (the schema made explicit)."""
     import dataclasses
-    from gemjax.data.features import with_schema
+    from gemjax.config import with_schema
     return json.loads(json.dumps(dataclasses.asdict(with_schema(cfg))))
 
 

@@ -13,7 +13,7 @@ licence forbids redistribution):
       per field (user, item, daytime, weekday, isweekend, homework, cost, weather,
       country, city; field_1.. when a file has another field count) holding the
       loader's table rows, and a float32 "label" column (0/1)
-  schema.json   the FeatureSchema (gemjax.data.features): every field reads the one
+  schema.json   the FeatureSchema (gemjax.features): every field reads the one
       shared table "feature" of all ids of both files, as the preset `frappe`'s models
       do; gemjax.data.parquet.columns_from_schema maps it to ParquetColumns
   counts.json   rows and positive share per split, table rows, the raw id of each row
@@ -42,7 +42,7 @@ def field_names(num_fields: int) -> tuple[str, ...]:
 
 def frappe_schema(num_features: int, num_fields: int):
     """Every field one sparse feature of the shared table; one task, "label"."""
-    from gemjax.data.features import FeatureSchema, SparseFeature, Table
+    from gemjax.features import FeatureSchema, SparseFeature, Table
     return FeatureSchema(tables=(Table(TABLE, num_features),),
                          sparse=tuple(SparseFeature(n, TABLE) for n in field_names(num_fields)),
                          tasks=("label",))

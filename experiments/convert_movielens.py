@@ -8,7 +8,7 @@ gemjax.data.movielens.load_movielens (each user's train items in time order, the
 leave-last-out test item). Writes --out/ranking/ and --out/retrieval/ (outside any git
 work tree: the licence forbids redistribution), each with train.parquet, test.parquet
 and valid.parquet (the command line's default; --novalid leaves it out, as
-convert(valid=False) does), schema.json (gemjax.data.features.FeatureSchema;
+convert(valid=False) does), schema.json (gemjax.features.FeatureSchema;
 gemjax.data.parquet.columns_from_schema maps it to ParquetColumns) and counts.json.
 
 A sample (one row) is a target position t of a user's sequence S = (train items in
@@ -65,8 +65,7 @@ SPLITS = ("train", "test", "valid")   # the index of each seeds its negatives
 def movielens_schema(num_users: int, user_vocab: dict, num_item_rows: int, num_genres: int,
                      max_history: int):
     """User features, the candidate item and genre, the history sequence; task "label"."""
-    from gemjax.data.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature,
-                                      Table)
+    from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
     tables = ((Table("user", num_users),) + tuple(Table(n, user_vocab[n]) for n in USER_FIELDS)
               + (Table("item", num_item_rows), Table("genre", num_genres)))
     sparse = tuple(SparseFeature(n, n) for n in ("user",) + USER_FIELDS + ("item", "genre"))

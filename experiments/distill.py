@@ -219,7 +219,7 @@ class DriftWindows:
         """EvalAccumulator.result of `predict(batch) -> probs [B, K]` over the eval window,
         with "bayes_ne": the NE of the window's true probabilities."""
         import numpy as np
-        from gemjax.data.features import schema_of
+        from gemjax.config import schema_of
         from gemjax.data.feeding import Feeder
         from gemjax.train.metrics import EvalAccumulator
         f = schema_of(cfg)

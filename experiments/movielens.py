@@ -120,7 +120,7 @@ def build_config(retrieval_dir: str, epochs: int, eval_epochs: int, seed: int, o
     epochs. valid: data.valid_path = valid.parquet, train.select_metric / patience /
     valid_every set (ValueError if the trainer has no selection); else no selection."""
     from gemjax.config import apply_overrides, get_config
-    from gemjax.data.features import FeatureSchema
+    from gemjax.features import FeatureSchema
     schema = FeatureSchema.from_dict(json.load(open(os.path.join(retrieval_dir, "schema.json"))))
     counts = json.load(open(os.path.join(retrieval_dir, "counts.json")))
     cfg = dataclasses.replace(get_config(preset), features=schema)

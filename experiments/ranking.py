@@ -218,7 +218,7 @@ def bench_overrides(data: str, positives_total: int, *, negatives: int, positive
 def run_config(data: str, model: str, seed: int, hparams: dict, override: str = "", **bench):
     """The Config of one (model, seed) run: preset, schema, protocol, model, hparams, override."""
     from gemjax.config import PRESETS, apply_overrides
-    from gemjax.data.features import FeatureSchema
+    from gemjax.features import FeatureSchema
     with open(os.path.join(data, "schema.json")) as f:
         schema = FeatureSchema.from_dict(json.load(f))
     over = {**bench_overrides(data, train_positives(data), seed=seed, **bench), **MODELS[model],

@@ -319,7 +319,7 @@ def base_config(family: Family, data: str, override: str = ""):
     """family's preset on the converted files in `data` (schema, train / valid / test
     paths, every eval row), then family.base, then `override`."""
     from gemjax.config import apply_overrides, get_config
-    from gemjax.data.features import FeatureSchema
+    from gemjax.features import FeatureSchema
     schema = FeatureSchema.from_dict(json.load(open(os.path.join(data, "schema.json"))))
     cfg = dataclasses.replace(get_config(family.preset), features=schema)
     cfg = apply_overrides(cfg, {"data.source": "parquet", "data.eval_batches": "0",

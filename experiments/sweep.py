@@ -606,7 +606,7 @@ def build(f) -> tuple[Sweep, list[Param], dict]:
     try:
         cfg = get_config(f.config)
         if f.features:
-            from gemjax.data.features import FeatureSchema
+            from gemjax.features import FeatureSchema
             with open(f.features) as fh:
                 cfg = dataclasses.replace(cfg, features=FeatureSchema.from_dict(json.load(fh)))
         base_override = parse_overrides(f.override)

@@ -3,7 +3,7 @@
     python -m experiments.train --config=small --workdir=runs/small
     python -m experiments.train --config=tiny --steps=50 --override=model.dim=16,data.batch_size=128
 
-Your own data: --features names a JSON feature schema (gemjax.data.features,
+Your own data: --features names a JSON feature schema (gemjax.features,
 FeatureSchema.to_dict's form) and data.source=parquet points the run at the files
 (columns named after the features; README "Train on your own data"):
 
@@ -64,7 +64,7 @@ import sys
 from absl import app, flags, logging
 
 from gemjax.config import PRESETS, apply_overrides, get_config, parse_overrides, validate
-from gemjax.data.features import FeatureSchema  # no jax import
+from gemjax.features import FeatureSchema  # no jax import
 from gemjax.train.guards import Interrupted, RunRefused  # no jax import
 
 flags.DEFINE_string("config", "small", f"preset: one of {sorted(PRESETS)}")

@@ -7,14 +7,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
 import typing
 from typing import Any
 
-from gemjax.data.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature, Table,
-                                  schema_of)
+from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,9 +308,56 @@ class Config:
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     optim: OptimConfig = OptimConfig()
-    # the features the models are built for (gemjax.data.features.schema_of); None: the
-    # default source's, the synthetic stream's schema of `data`
+    # the features the models are built for (schema_of); None: the default source's, the
+    # synthetic stream's schema of `data`
     features: FeatureSchema | None = None
+
+
+# The synthetic stream's features (gemjax.data.synthetic draws them): its schema is a pure
+# function of DataConfig, so a config resolves it without reading a data source.
+SEQUENCES = ("clicks", "views")
+SEQUENCE_FIELDS = ("item", "cat", "event")
+SPARSE_FEATURES = ("user", "segment", "context", "item", "item_cat")
+SYNTHETIC_FIELD_TABLES = {"item": "item", "cat": "category", "event": "event"}   # sequence field -> table
+SYNTHETIC_SPARSE_TABLES = {"user": "user", "segment": "segment", "context": "context", "item": "item",
+                           "item_cat": "category"}                                # sparse feature -> table
+
+
+@functools.lru_cache(maxsize=64)
+def synthetic_schema(d: DataConfig) -> FeatureSchema:
+    """The synthetic stream's FeatureSchema: tables user, segment, context, item, category,
+    event (vocabularies from d, width model.dim, strict bounds); sparse features
+    SPARSE_FEATURES (item_cat reads table category); d.num_dense dense features;
+    sequences SEQUENCES, each of SEQUENCE_FIELDS (item, cat -> category, event), capped
+    at d.seq_cap; d.num_surfaces x d.num_tasks logits."""
+    vocab = {"user": d.vocab_user, "segment": d.vocab_segment, "context": d.vocab_context,
+             "item": d.vocab_item, "category": d.num_categories, "event": d.num_event_types}
+    fields = tuple(EventField(f, SYNTHETIC_FIELD_TABLES[f]) for f in SEQUENCE_FIELDS)
+    return FeatureSchema(
+        tables=tuple(Table(name, v) for name, v in vocab.items()),
+        sparse=tuple(SparseFeature(f, SYNTHETIC_SPARSE_TABLES[f]) for f in SPARSE_FEATURES),
+        dense=tuple(f"dense{i}" for i in range(d.num_dense)),
+        sequences=tuple(SequenceFeature(s, fields, d.seq_cap) for s in SEQUENCES),
+        surfaces=tuple(f"surface{i}" for i in range(d.num_surfaces)),
+        tasks=tuple(f"task{k}" for k in range(d.num_tasks)),
+        surface_column="surface")
+
+
+def schema_of(cfg) -> FeatureSchema:
+    """The schema a config trains on: cfg.features, or (None, or a config without the
+    field) the default source's, the synthetic stream's of cfg.data (synthetic_schema).
+    How the models, the trainer and the cost models read it; no data source is read."""
+    features = getattr(cfg, "features", None)
+    if features is not None:
+        return features
+    return synthetic_schema(cfg.data)
+
+
+def with_schema(cfg):
+    """cfg with its schema made explicit (features = schema_of(cfg)): what a run's
+    config.json records (config_from_dict reads the default source's schema back as
+    features=None)."""
+    return dataclasses.replace(cfg, features=schema_of(cfg))
 
 
 # Frappe CTR as experiments/convert_frappe.py writes it (its frappe_schema on the real

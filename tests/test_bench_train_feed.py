@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gemjax.data.features import FeatureSchema
+from gemjax.features import FeatureSchema
 from tests.test_converters import write_ml
 
 from benchmarks import movielens_shaped as ms

@@ -19,8 +19,7 @@ import pytest
 
 from experiments import convert_frappe as cf
 from experiments import convert_movielens as cm
-from gemjax.data.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature,
-                                  Table)
+from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 from gemjax.data.frappe import DEFAULT_DIR as FRAPPE_DIR
 from gemjax.data.frappe import load_frappe
 from gemjax.data.movielens import DEFAULT_DIR as ML_DIR

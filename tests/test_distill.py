@@ -486,7 +486,7 @@ def test_sequence_less_gem_teacher_repr_is_its_user_row():
     feeder = Feeder(make_source(tcfg, "train").shard_batch, tt.mesh, prefetch=0)
     host, _, _ = feeder.host_batch(0)
     _, rep = teacher.outputs(feeder.to_device(host))
-    from gemjax.data.features import schema_of
+    from gemjax.config import schema_of
     table = next(f.table for f in schema_of(tcfg).sparse if f.name == "user")
     rows = tt.coll.to_logical(jax.device_get(teacher.state["tables"]))[table]["weights"]
     np.testing.assert_allclose(rep, np.asarray(rows, np.float32)[np.asarray(host.sparse["user"])],

@@ -102,7 +102,7 @@ def test_distill_drift_evaluates_on_an_unseen_window(tmp_path):
     sys.path.insert(0, ROOT)
     from experiments import distill
     from gemjax.data.drift import DriftingStream
-    from gemjax.data.features import schema_of
+    from gemjax.config import schema_of
     from gemjax.train.metrics import EvalAccumulator
     cfg = distill.base_config("drift", "", "data.drift_every=2,data.batch_size=32")
     stream = DriftingStream(cfg.data, 0)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import distill as distill_exp
-from gemjax.config import apply_overrides, get_config
+from gemjax.config import apply_overrides, get_config, schema_of
 from gemjax.distill.runs import (evaluate_student, export_student, load_student, read_record,
                                  train_student)
 from gemjax.distill.transfer import DistillConfig, Teacher
@@ -126,7 +126,6 @@ _FRESH = """
 import sys
 import numpy as np
 from gemjax.data.source import eval_steps, make_source
-from gemjax.data.features import schema_of
 from gemjax.serve.export import load_exported
 from gemjax.train.metrics import EvalAccumulator
 model = load_exported(sys.argv[1])

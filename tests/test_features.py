@@ -1,4 +1,4 @@
-"""The feature schema (gemjax.data.features): JSON round trip, compatibility messages, the
+"""The feature schema (gemjax.features): JSON round trip, compatibility messages, the
 synthetic stream's schema against the table layout the models were written for, the
 models built from a schema other than the synthetic one, the import graph, and a
 resume onto another schema refused by train()."""
@@ -15,10 +15,11 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from gemjax.config import apply_overrides, config_from_dict, get_config
-from gemjax.data.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature, Table,
-                                  check_compatible, differences, schema_of, with_schema)
-from gemjax.data.synthetic import SyntheticStream, synthetic_schema
+from gemjax.config import (apply_overrides, config_from_dict, get_config, schema_of, synthetic_schema,
+                           with_schema)
+from gemjax.data.synthetic import SyntheticStream
+from gemjax.features import (EventField, FeatureSchema, SequenceFeature, SparseFeature, Table,
+                             check_compatible, differences)
 from gemjax.models.gem import build_model, sequence_id_fields
 from gemjax.train.optim import table_specs
 
@@ -84,7 +85,7 @@ def test_invalid_schemas_are_refused():
 
 
 def test_pooling_and_bounds_modes_match_the_sparse_specs():
-    from gemjax.data import features
+    from gemjax import features
     from gemjax.sparse import specs
     assert features.POOLINGS == specs.POOLINGS and features.BOUNDS == specs.BOUNDS
 

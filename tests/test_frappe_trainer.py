@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from experiments import convert_frappe as cf
 from gemjax.config import FRAPPE_SCHEMA, apply_overrides, config_from_dict, get_config
-from gemjax.data.features import FeatureSchema
+from gemjax.features import FeatureSchema
 from gemjax.serve.evaluate import evaluate_checkpoint
 from gemjax.train.loop import train
 

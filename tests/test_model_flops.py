@@ -43,8 +43,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemjax.config import get_config
-from gemjax.data.features import schema_of
+from gemjax.config import get_config, schema_of
 from gemjax.data.jagged import Jagged
 from gemjax.data.synthetic import SEQUENCES, SyntheticStream
 from gemjax.perf import local_mfu as L

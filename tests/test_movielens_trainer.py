@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh
 
 from gemjax.config import apply_overrides, get_config
-from gemjax.data.features import FeatureSchema
+from gemjax.features import FeatureSchema
 from tests.test_converters import write_ml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

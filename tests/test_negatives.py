@@ -15,7 +15,7 @@ import pytest
 
 from experiments import convert_movielens as cm
 from gemjax.config import get_config
-from gemjax.data.features import FeatureSchema
+from gemjax.features import FeatureSchema
 from gemjax.data.negatives import NegativeSampler, ResampledNegatives, draw_keys
 from gemjax.data.parquet import ParquetColumns, ParquetSource, SequenceColumns
 from gemjax.data.source import make_source

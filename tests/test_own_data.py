@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh
 
 from gemjax.config import apply_overrides, config_from_dict, get_config
-from gemjax.data.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
+from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 from gemjax.data.parquet import columns_from_schema, sequence_column
 from gemjax.data.source import OneEpoch, make_source
 

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gemjax.config import apply_overrides, get_config
-from gemjax.data.features import FeatureSchema
+from gemjax.features import FeatureSchema
 from gemjax.data.jagged import pack
 from gemjax.data.movielens import exclude_history, ranking_metrics
 from gemjax.train.retrieval_loss import (history_mask, next_item_targets, ranking_summary,

@@ -16,8 +16,7 @@ import pytest
 from flax import nnx
 
 from experiments import scaling
-from gemjax.config import ModelConfig, get_config
-from gemjax.data.features import schema_of
+from gemjax.config import ModelConfig, get_config, schema_of
 from gemjax.perf.retrieval_flops import retrieval_forward_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

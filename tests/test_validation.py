@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh
 
 from gemjax.config import apply_overrides, get_config, select_mode
-from gemjax.data.features import FeatureSchema, SparseFeature, Table
+from gemjax.features import FeatureSchema, SparseFeature, Table
 from gemjax.data.source import make_source
 from gemjax.train.selection import Selection
 

@@ -36,14 +36,11 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gemjax.config import DataConfig
 from gemjax.data.synthetic import PlantedTeacher, SyntheticStream, zipf_ranks
-
-if TYPE_CHECKING:
-    from gemjax.config import DataConfig
 
 # The teacher parameters that drift (PlantedTeacher attribute names).
 DRIFTING = ("w_seg", "w_ctx", "w_item", "u_seg", "c_ctx", "g_cat", "h_ctx", "w_dense")
@@ -190,7 +187,7 @@ class DriftingStream:
 
     @property
     def schema(self):
-        """The features of every batch (`synthetic.synthetic_schema`; item ids raw)."""
+        """The features of every batch (`gemjax.config.synthetic_schema`; item ids raw)."""
         return self._stream_of(0, 0).schema
 
     def local_batch_size(self, num_shards: int) -> int:

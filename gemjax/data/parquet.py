@@ -213,7 +213,7 @@ def sequence_column(sequence: str, field: str) -> str:
 
 
 def columns_from_schema(schema) -> ParquetColumns:
-    """The columns a `gemjax.data.features.FeatureSchema` reads, named after its features:
+    """The columns a `gemjax.features.FeatureSchema` reads, named after its features:
 
       sparse feature f            integer column f, ids in [0, its table's vocab)
       dense feature d             numeric column d

@@ -30,7 +30,7 @@ summed key by key, `rows` concatenated).
 `make_source(cfg, stream)` is the one place a run's source is chosen (the trainer,
 the evaluator, the equivalence runs and the export take theirs from it), by
 cfg.data.source:
-  "synthetic"  the planted-teacher stream, whose `schema` (gemjax.data.features)
+  "synthetic"  the planted-teacher stream, whose `schema` (gemjax.features)
                must be the config's;
   "parquet"    a `gemjax.data.parquet.ParquetSource` over the files of
                data.train_path (order data.order) or data.eval_path (file order),
@@ -198,7 +198,7 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
     selection, read like the eval rows (data.valid_path, `valid_files`); on the synthetic
     source a held-out stream seeded apart from train and eval. Synthetic: cfg.features,
     when set, must describe the stream (ValueError naming each difference,
-    gemjax.data.features.differences). Parquet: ValueError / FileNotFoundError naming
+    gemjax.features.differences). Parquet: ValueError / FileNotFoundError naming
     the path, file or column that does not fit cfg.features."""
     if stream not in ("train", "eval", "valid"):
         raise ValueError(f"stream must be 'train', 'eval' or 'valid', got {stream!r}")
@@ -236,7 +236,7 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
         return OneEpoch(source) if stream != "train" and d.eval_batches == 0 else source
     if d.source != "synthetic":
         raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")
-    from gemjax.data.features import differences
+    from gemjax.features import differences
     from gemjax.data.synthetic import SyntheticStream
     source = SyntheticStream(d, seed, stream)
     if cfg.features is not None:

@@ -6,7 +6,7 @@ same samples, on any CPU type: the values come from numpy's Generator draws and
 exactly rounded arithmetic (`portable_math` for exp / log / pow and for the dot
 products: no BLAS kernel or SIMD dispatch decides a bit). Shards are numbered globally (process_index * local_devices + d).
 
-Features of one sample (`synthetic_schema(cfg)` is their FeatureSchema):
+Features of one sample (`gemjax.config.synthetic_schema(cfg)` is their FeatureSchema):
   sparse   user (Zipf over data.vocab_user; no direct signal), segment (a hash of
            the user), context (Zipf), item (candidate, Zipf within its category),
            item_cat (= item % num_categories)
@@ -32,24 +32,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gemjax.config import (SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES,  # noqa: F401 (the stream's names)
+                           DataConfig, synthetic_schema)
 from gemjax.data.batch import Batch
 from gemjax.data import portable_math
-from gemjax.data.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 from gemjax.data.jagged import Jagged, fit_to_capacity, layout_from_lengths
+from gemjax.features import FeatureSchema
 
-if TYPE_CHECKING:        # annotations only: gemjax.config imports gemjax.data, not the reverse
-    from gemjax.config import DataConfig
-
-SEQUENCES = ("clicks", "views")
-SEQUENCE_FIELDS = ("item", "cat", "event")
-SPARSE_FEATURES = ("user", "segment", "context", "item", "item_cat")
-_FIELD_TABLES = {"item": "item", "cat": "category", "event": "event"}   # sequence field -> table
-_SPARSE_TABLES = {"user": "user", "segment": "segment", "context": "context", "item": "item",
-                  "item_cat": "category"}                                # sparse feature -> table
 _FAV_PROB = {"clicks": 0.7, "views": 0.5}
 _NUM_FAV = 3
 _STREAMS = {"train": 0, "eval": 1, "valid": 2}   # seeds apart: train, test, validation
@@ -131,26 +123,6 @@ def zipf_ranks(rng: np.random.Generator, vocab: int, a: float, size,
     np.copyto(r, x, casting="unsafe")                     # exact: integral values < vocab + 2
     r -= 1
     return np.clip(r, 0, vocab - 1, out=r)
-
-
-@functools.lru_cache(maxsize=64)
-def synthetic_schema(cfg: DataConfig) -> FeatureSchema:
-    """The stream's FeatureSchema: tables user, segment, context, item, category, event
-    (vocabularies from cfg, width model.dim, strict bounds); sparse features
-    SPARSE_FEATURES (item_cat reads table category); cfg.num_dense dense features;
-    sequences SEQUENCES, each of SEQUENCE_FIELDS (item, cat -> category, event), capped
-    at cfg.seq_cap; cfg.num_surfaces x cfg.num_tasks logits."""
-    vocab = {"user": cfg.vocab_user, "segment": cfg.vocab_segment, "context": cfg.vocab_context,
-             "item": cfg.vocab_item, "category": cfg.num_categories, "event": cfg.num_event_types}
-    fields = tuple(EventField(f, _FIELD_TABLES[f]) for f in SEQUENCE_FIELDS)
-    return FeatureSchema(
-        tables=tuple(Table(name, v) for name, v in vocab.items()),
-        sparse=tuple(SparseFeature(f, _SPARSE_TABLES[f]) for f in SPARSE_FEATURES),
-        dense=tuple(f"dense{i}" for i in range(cfg.num_dense)),
-        sequences=tuple(SequenceFeature(s, fields, cfg.seq_cap) for s in SEQUENCES),
-        surfaces=tuple(f"surface{i}" for i in range(cfg.num_surfaces)),
-        tasks=tuple(f"task{k}" for k in range(cfg.num_tasks)),
-        surface_column="surface")
 
 
 @dataclasses.dataclass

@@ -21,9 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gemjax.config import Config
+from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch
-from gemjax.data.features import schema_of
 from gemjax.layers.sequence import mean_pool
 from gemjax.models.gem import recent_mean_pool
 

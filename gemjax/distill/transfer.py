@@ -59,10 +59,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gemjax.config import Config
+from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch, id_features
 from gemjax.data.feeding import Feeder
-from gemjax.data.features import schema_of
 from gemjax.data.source import eval_steps, make_source
 from gemjax.distill.adapter import StudentAdapter
 from gemjax.distill.batch import DistillBatch, with_teacher

@@ -1,6 +1,6 @@
 """GEM model v0: sparse embeddings -> feature tokens -> Wukong -> per-surface, per-task heads.
 
-The features come from the config's FeatureSchema (gemjax.data.features.schema_of):
+The features come from the config's FeatureSchema (gemjax.config.schema_of):
 its tables become the TableSpecs, its sparse features, dense columns, sequences and
 surfaces x tasks shape the model.
 
@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemjax.config import Config
+from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch
-from gemjax.data.features import schema_of
 from gemjax.data.jagged import Jagged
 from gemjax.layers.axes import ConstantTokens
 from gemjax.layers.mlp import MLP

@@ -4,7 +4,7 @@ experts interaction, GDPA summaries) -> multi-domain heads.
 Same contract as models.gem.GEMv0, so the trainer can swap it in:
     GEMTeacher(cfg, rngs=...)(acts, batch) -> logits [B, K] float32
 
-Features: the config's FeatureSchema (gemjax.data.features.schema_of).
+Features: the config's FeatureSchema (gemjax.config.schema_of).
 Tokens per sample, each [D]:
   x    one per sparse feature (acts[f] [B, D]) + `dense_tokens` from a projection
        of the dense features                                      [B, n, D]
@@ -39,9 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemjax.config import ModelConfig
+from gemjax.config import ModelConfig, schema_of
 from gemjax.data.batch import Batch
-from gemjax.data.features import schema_of
 from gemjax.layers import regions
 from gemjax.layers.axes import dense_projection
 from gemjax.layers.experts import aux_loss_scale

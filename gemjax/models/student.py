@@ -30,9 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemjax.config import Config
+from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch
-from gemjax.data.features import schema_of
 from gemjax.layers.axes import ConstantTokens, linear
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import mean_pool

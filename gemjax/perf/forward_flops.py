@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemjax.config import Config
-from gemjax.data.features import schema_of
+from gemjax.config import Config, schema_of
 from gemjax.perf.mfu import attention_flops, dense_flops, mlp_flops, wukong_flops
 
 FFN_MULT = 2         # SequenceEncoder's FFN width multiple in GEMv0

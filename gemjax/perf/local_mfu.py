@@ -39,8 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemjax.config import Config
-from gemjax.data.features import schema_of
+from gemjax.config import Config, schema_of
 from gemjax.models.gem import build_model
 from gemjax.perf import mfu, model_flops
 from gemjax.perf.model_flops import AttentionCall, attention_calls, runs_in_pallas, shard_seq_lengths

@@ -76,8 +76,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from gemjax.config import Config
-from gemjax.data.features import schema_of
+from gemjax.config import Config, schema_of
 from gemjax.layers.experts import expert_capacity
 from gemjax.layers.pyramid import num_blocks
 from gemjax.models.interformer import teacher_arch

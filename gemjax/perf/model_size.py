@@ -27,8 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gemjax.config import Config
-from gemjax.data.features import schema_of
+from gemjax.config import Config, schema_of
 
 
 @dataclasses.dataclass(frozen=True)

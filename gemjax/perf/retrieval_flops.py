@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemjax.config import Config
-from gemjax.data.features import schema_of
+from gemjax.config import Config, schema_of
 
 FFN_MULT = 2            # SequenceEncoder's FFN width multiple in the retrieval tower
 HSTU_UVQK = 4           # HSTUBlock's W_1 output width multiple (U, V, Q, K)

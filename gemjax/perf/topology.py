@@ -95,7 +95,7 @@ def workload_for(cfg, *, dense_params: float, expert_params: float, local_batch:
     layers * (E * C / B) * (n_in + n_out) / 2 tokens per sample for the 4 all-to-alls
     `step_collectives` counts.
     """
-    from gemjax.data.features import schema_of
+    from gemjax.config import schema_of
     from gemjax.layers.experts import expert_capacity
     from gemjax.models.interformer import teacher_arch
     m, a = cfg.model, teacher_arch(cfg)

@@ -22,7 +22,7 @@ fields a resumed run must share with it (every data field but eval_batches and
 host_workers, and train.seed): with any of them changed the stream, the tables'
 vocabularies or the batch differ, and the resumed run would silently be another
 run. So is a checkpoint whose meta["features"] (the feature schema it was trained
-on) differs from the run's in what the state means (gemjax.data.features.differences:
+on) differs from the run's in what the state means (gemjax.features.differences:
 tables' vocab / dim / pooling, features, sequences, surfaces, tasks). Fewer
 train.steps than the checkpoint's step is refused too (extending a
 run with more steps is how a finished run continues). Mesh shape, device count,
@@ -49,7 +49,8 @@ import threading
 import time
 from typing import Callable
 
-from gemjax.data.features import FeatureSchema, differences, schema_of
+from gemjax.config import schema_of
+from gemjax.features import FeatureSchema, differences
 
 LOCK_FILE = "train.lock"
 # DataConfig fields a resumed run may change (they change neither the stream nor the state)
@@ -199,7 +200,7 @@ def check_resume(meta: dict, cfg, step: int, where: str) -> None:
     for field, value in run_fields(cfg).items():
         if field in saved and saved[field] != value:
             problems.append(f"{field} is {value!r}, the checkpoint's is {saved[field]!r}")
-    if meta.get("features") is not None:        # the feature schema (gemjax.data.features)
+    if meta.get("features") is not None:        # the feature schema (gemjax.features)
         problems += differences(FeatureSchema.from_dict(meta["features"]), schema_of(cfg))
     if problems:
         raise ResumeMismatch(f"cannot resume {where} at step {step}: " + "; ".join(problems)

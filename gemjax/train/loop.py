@@ -53,10 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gemjax.config import Config, validate
+from gemjax.config import Config, schema_of, validate, with_schema
 from gemjax.data import balance
 from gemjax.data.feeding import Feeder
-from gemjax.data.features import schema_of, with_schema
 from gemjax.data.source import counter_names, eval_steps, fallback_counters, make_source
 from gemjax.train.checkpoint import (CheckpointDamaged, CheckpointMismatch, Checkpointer,
                                      restore_train_state, save_train_state, state_step)

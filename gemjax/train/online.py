@@ -56,10 +56,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from gemjax.config import Config, validate
+from gemjax.config import Config, schema_of, validate
 from gemjax.data.batch import Batch
 from gemjax.data.drift import DriftingStream
-from gemjax.data.features import schema_of
 from gemjax.data.feeding import Feeder, concat_shards, validate_batch
 from gemjax.sparse.admission import FrequencyAdmission
 from gemjax.train.checkpoint import Checkpointer

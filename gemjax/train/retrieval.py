@@ -45,9 +45,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gemjax.config import Config
+from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch, id_features
-from gemjax.data.features import schema_of
 from gemjax.data.feeding import Feeder
 from gemjax.data.source import eval_steps, make_source, valid_files
 from gemjax.models.retrieval import (CANDIDATES, ITEM_FIELD, item_table, l2_normalize,

@@ -36,9 +36,8 @@ vocab / dim / pooling, features and their tables and order, dense columns, seque
 their fields, surfaces, tasks) and names every difference. Length caps, bounds modes
 and the surface / weight columns may change between runs.
 
-`schema_of(cfg)` is how the models, the trainer and the cost models read it:
-cfg.features, or where that is None the default source's schema (the synthetic stream's,
-gemjax.data.synthetic.synthetic_schema(cfg.data)).
+This module imports nothing of gemjax: the config, the data sources, the models and the
+cost models all read it. `gemjax.config.schema_of(cfg)` is the schema a config trains on.
 """
 
 from __future__ import annotations
@@ -343,19 +342,3 @@ def check_compatible(saved: FeatureSchema | Mapping | None, current: FeatureSche
         raise ValueError("the checkpoint was trained on another feature schema: " + "; ".join(diffs)
                          + " (restore with the checkpoint's schema, or start a fresh workdir)")
 
-
-def schema_of(cfg) -> FeatureSchema:
-    """The schema a config trains on: cfg.features, or (None, or a config without the
-    field) the default source's, the synthetic stream's of cfg.data."""
-    features = getattr(cfg, "features", None)
-    if features is not None:
-        return features
-    from gemjax.data.synthetic import synthetic_schema     # the default source
-    return synthetic_schema(cfg.data)
-
-
-def with_schema(cfg):
-    """cfg with its schema made explicit (features = schema_of(cfg)): what a run's
-    config.json records (gemjax.config.config_from_dict reads the default source's
-    schema back as features=None)."""
-    return dataclasses.replace(cfg, features=schema_of(cfg))
