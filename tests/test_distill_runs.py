@@ -125,6 +125,7 @@ def test_plain_student_is_served_as_any_run(teacher_dir, tmp_path):
 _FRESH = """
 import sys
 import numpy as np
+from gemjax.config import schema_of
 from gemjax.data.source import eval_steps, make_source
 from gemjax.serve.export import load_exported
 from gemjax.train.metrics import EvalAccumulator

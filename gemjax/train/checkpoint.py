@@ -350,9 +350,14 @@ class Checkpointer:
         if code is None:
             return
         step = self._saving
-        for tmp in glob.glob(os.path.join(glob.escape(self.directory),
-                                          f"{step}.orbax-checkpoint-tmp*")):
-            shutil.rmtree(tmp, ignore_errors=True)
+        pattern = os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")
+        deadline = time.monotonic() + 5.0   # orbax's other writer threads may still be failing
+        while glob.glob(pattern):
+            for tmp in glob.glob(pattern):
+                shutil.rmtree(tmp, ignore_errors=True)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         try:
             kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
         except OSError:
