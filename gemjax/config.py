@@ -152,6 +152,11 @@ class ModelConfig:
     retrieval_encoder: str = "softmax"   # "softmax": SequenceEncoder (model.attention, causal);
                                          # "hstu": HSTU blocks (gemjax.layers.hstu; GDPA SiLU, gated)
     hstu_dropout: float = 0.2        # "hstu": dropout on each block's gated attention output
+    # "hstu": relative attention bias added to the logits before the SiLU: "none" (position
+    # from model.rope and the recency embedding only; the GDPA kernel), "position" (a learned
+    # logit per head and distance i - j), "position+time" (plus one per log-bucketed time
+    # gap; needs per-event timestamps, which no schema sequence carries yet)
+    hstu_rel_bias: str = "none"
     # --- distillation students (kind="student": gemjax.models.student) ---
     student_arch: str = "dlrm"       # "dlrm" (pairwise dots + MLP) or "wukong" (small Wukong + MLP)
     student_width: int = 0           # token width; 0: model.dim (else looked-up rows are projected)
@@ -510,6 +515,14 @@ PRESETS["movielens_hstu_large"] = dataclasses.replace(
                       retrieval_dropout=0.2, hstu_dropout=0.2),
     train=dataclasses.replace(PRESETS["movielens_retrieval"].train, steps=9_600, warmup_steps=0),
     optim=OptimConfig(schedule="constant"))
+# movielens_hstu_large with HSTU's relative attention bias in place of RoPE: each block
+# learns a logit per head and relative position i - j (0..199), added before the SiLU
+# (model.hstu_rel_bias=position; the attention runs densely on the histories padded to
+# 200). ML-1M's files carry no timestamps, so the time-gap part of HSTU's bias is off.
+PRESETS["movielens_hstu_large_rab"] = dataclasses.replace(
+    PRESETS["movielens_hstu_large"], name="movielens_hstu_large_rab",
+    model=dataclasses.replace(PRESETS["movielens_hstu_large"].model, rope=False,
+                              hstu_rel_bias="position"))
 
 
 # The sections of a Config that hold fields ("section.field=value" overrides).
@@ -821,6 +834,9 @@ def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
              f"model.retrieval_encoder must be softmax or hstu, got {m.retrieval_encoder!r}"),
             (0.0 <= m.hstu_dropout < 1.0,
              f"model.hstu_dropout must be in [0, 1), got {m.hstu_dropout}"),
+            (m.hstu_rel_bias in ("none", "position", "position+time"),
+             f"model.hstu_rel_bias must be none, position or position+time, got "
+             f"{m.hstu_rel_bias!r}"),
             (not on or m.retrieval_encoder == "hstu" or m.attention in ("softmax", "gdpa"),
              f"model.kind=retrieval needs causal attention: model.attention softmax or gdpa, "
              f"got {m.attention!r}"),

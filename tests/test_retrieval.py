@@ -200,15 +200,18 @@ def test_ranking_summary_hr200_ndcg_mrr_match_a_brute_force_sort():
     assert 0 < got["hr@10"] < got["hr@50"] < got["hr@200"] < 1
 
 
-def test_hstu_preset_trains_through_train_and_its_encoder_is_hstu(fake_retrieval, tmp_path):
-    """movielens_hstu_large with small shapes: a few train steps through train() on the
-    fake MovieLens, losses finite and falling on the same rows, the eval figures ordered
-    (HR@10 <= HR@50 <= HR@200, MRR in (0, 1]); the model holds HSTU blocks."""
+@pytest.mark.parametrize("preset", ["movielens_hstu_large", "movielens_hstu_large_rab"])
+def test_hstu_preset_trains_through_train_and_its_encoder_is_hstu(fake_retrieval, tmp_path,
+                                                                  preset):
+    """movielens_hstu_large (RoPE) and its _rab variant (relative position bias) with small
+    shapes: a few train steps through train() on the fake MovieLens, losses finite and
+    falling on the same rows, the eval figures ordered (HR@10 <= HR@50 <= HR@200, MRR in
+    (0, 1]); the model holds HSTU blocks, with a bias table per block in the _rab one."""
     from gemjax.layers.hstu import HSTUEncoder
     from gemjax.train.loop import train
     from gemjax.train.retrieval import RetrievalTrainer
     base, d = fake_retrieval
-    cfg = dataclasses.replace(get_config("movielens_hstu_large"), features=base.features)
+    cfg = dataclasses.replace(get_config(preset), features=base.features)
     cfg = apply_overrides(cfg, {
         "data.train_path": str(d / "train.parquet"), "data.eval_path": str(d / "test.parquet"),
         "data.batch_size": "4", "model.dim": "8", "model.seq_layers": "1",
@@ -217,7 +220,10 @@ def test_hstu_preset_trains_through_train_and_its_encoder_is_hstu(fake_retrieval
         "train.dense_lr": "1e-2"})
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
     tr = RetrievalTrainer.create(cfg, mesh)
-    assert isinstance(nnx.merge(tr.graphdef, tr.init_state(0)["params"]).encoder, HSTUEncoder)
+    enc = nnx.merge(tr.graphdef, tr.init_state(0)["params"]).encoder
+    assert isinstance(enc, HSTUEncoder)
+    rab = preset.endswith("_rab")
+    assert all((b.rel_bias is not None) == rab and b.rope != rab for b in enc.blocks)
     summary = train(cfg, str(tmp_path / "run"), log=lambda s: None, mesh=mesh)
     rows = [json.loads(ln) for ln in open(tmp_path / "run" / "metrics.jsonl")]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
@@ -225,3 +231,17 @@ def test_hstu_preset_trains_through_train_and_its_encoder_is_hstu(fake_retrieval
     assert np.mean(losses[-2:]) < np.mean(losses[:2])          # 5 rows: 2 steps an epoch
     assert summary["eval_hr@10"] <= summary["eval_hr@50"] <= summary["eval_hr@200"] <= 1
     assert 0 < summary["eval_mrr"] <= 1 and summary["model"] == "retrieval"
+
+
+def test_hstu_rel_bias_flag_is_checked_and_time_needs_timestamps():
+    """model.hstu_rel_bias: an unknown value fails validation naming the flag; position+time
+    is refused when the tower is built (the schema's sequences carry no timestamps)."""
+    from gemjax.models.retrieval import RetrievalTower
+    cfg = get_config("movielens_hstu_large")
+    assert cfg.model.hstu_rel_bias == "none" and cfg.model.rope            # the default path
+    with pytest.raises(ValueError, match="model.hstu_rel_bias must be"):
+        apply_overrides(cfg, {"model.hstu_rel_bias": "time"})
+    small = apply_overrides(cfg, {"model.dim": "8", "model.seq_layers": "1",
+                                  "model.hstu_rel_bias": "position+time"})
+    with pytest.raises(ValueError, match="position\\+time needs per-event timestamps"):
+        RetrievalTower(small, rngs=nnx.Rngs(0))

@@ -6,8 +6,10 @@ fields item and genre) is read as jagged tokens, the sum of its fields' embeddin
 a causal encoder; optionally l2-normalised. model.retrieval_encoder picks the encoder:
 "softmax" a SequenceEncoder (model.attention, RoPE, QK-norm, final LayerNorm), "hstu"
 HSTU blocks (gemjax.layers.hstu: SiLU pointwise attention through kernels.gdpa, gated
-by U, RoPE, attention scale 1 / the sequence's max_len) after a learned recency
-embedding is added to each token (row min(n - 1 - i, max_len - 1) for token i of n).
+by U, RoPE (model.rope) and / or a learned relative attention bias per distance
+(model.hstu_rel_bias=position), attention scale 1 / the sequence's max_len) after a
+learned recency embedding is added to each token (row min(n - 1 - i, max_len - 1) for
+token i of n).
 Token t's vector scores the item that follows it: items are the rows of the same
 "item" table the history reads (tied input / output embeddings; the loss and the
 ranking are in gemjax.train.retrieval_loss). Nothing is padded per sample.
@@ -75,8 +77,8 @@ class RetrievalTower(nnx.Module):
 
     model.dim, seq_layers, seq_heads, rope and dtype shape the encoder (module
     docstring; "softmax" also attention (softmax or gdpa; causal) and qk_norm, "hstu"
-    hstu_dropout); model.retrieval_dropout is the rate of the dropout on the input
-    tokens. Dropout runs only when a key is given (training).
+    hstu_dropout and hstu_rel_bias); model.retrieval_dropout is the rate of the dropout
+    on the input tokens. Dropout runs only when a key is given (training).
     """
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
@@ -87,12 +89,17 @@ class RetrievalTower(nnx.Module):
         if m.retrieval_encoder == "hstu":
             max_len = next(q.max_len for q in schema_of(cfg).sequences if q.name == self.sequence)
             self.max_len = max(int(max_len or 1), 1)
+            if m.hstu_rel_bias == "position+time":
+                raise ValueError(f"model.hstu_rel_bias=position+time needs per-event timestamps "
+                                 f"in sequence {self.sequence!r}; the feature schema's sequences "
+                                 f"hold id fields only: use model.hstu_rel_bias=position")
             self.recency = param(jax.random.uniform(rngs.params(), (self.max_len, m.dim),
                                                     minval=-1.0, maxval=1.0) * m.dim ** -0.5,
                                  None, "embed")
             self.encoder = HSTUEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
                                        scale=1.0 / self.max_len, dropout=m.hstu_dropout,
-                                       rope=m.rope, dtype=jnp.dtype(m.dtype), rngs=rngs)
+                                       rope=m.rope, rel_bias=m.hstu_rel_bias,
+                                       max_len=self.max_len, dtype=jnp.dtype(m.dtype), rngs=rngs)
             return
         if m.attention == "block":
             raise ValueError("model.kind=retrieval needs causal attention: model.attention "
