@@ -64,7 +64,8 @@ def define_flags() -> None:
                         "converted Parquet (outside any git work tree); reused when present")
     flags.DEFINE_string("workdir", "runs/ml_retrieval", "run directory (resumes if it holds one)")
     flags.DEFINE_string("preset", "movielens_retrieval",
-                        "movielens_retrieval (softmax tower) or movielens_hstu_large (HSTU blocks)")
+                        "movielens_retrieval (softmax tower), movielens_hstu_large (HSTU blocks) or "
+                        "movielens_hstu_large_rab (HSTU blocks, relative position bias)")
     flags.DEFINE_integer("epochs", 100, "training epochs over the train rows (at most)")
     flags.DEFINE_integer("eval_epochs", 2, "epochs between evaluations (validation with "
                          "--valid, else test) and checkpoints")
