@@ -837,6 +837,9 @@ def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
             (m.hstu_rel_bias in ("none", "position", "position+time"),
              f"model.hstu_rel_bias must be none, position or position+time, got "
              f"{m.hstu_rel_bias!r}"),
+            (not on or m.retrieval_encoder == "hstu" or m.hstu_rel_bias == "none",
+             f"model.hstu_rel_bias={m.hstu_rel_bias} needs model.retrieval_encoder=hstu, got "
+             f"{m.retrieval_encoder!r}"),
             (not on or m.retrieval_encoder == "hstu" or m.attention in ("softmax", "gdpa"),
              f"model.kind=retrieval needs causal attention: model.attention softmax or gdpa, "
              f"got {m.attention!r}"),

@@ -241,6 +241,8 @@ def test_hstu_rel_bias_flag_is_checked_and_time_needs_timestamps():
     assert cfg.model.hstu_rel_bias == "none" and cfg.model.rope            # the default path
     with pytest.raises(ValueError, match="model.hstu_rel_bias must be"):
         apply_overrides(cfg, {"model.hstu_rel_bias": "time"})
+    with pytest.raises(ValueError, match="needs model.retrieval_encoder=hstu"):
+        apply_overrides(get_config("movielens_retrieval"), {"model.hstu_rel_bias": "position"})
     small = apply_overrides(cfg, {"model.dim": "8", "model.seq_layers": "1",
                                   "model.hstu_rel_bias": "position+time"})
     with pytest.raises(ValueError, match="position\\+time needs per-event timestamps"):
