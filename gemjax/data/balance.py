@@ -102,12 +102,15 @@ def load_ratio(values) -> float:
     return float(v.max() / mean) if mean > 0 else 1.0
 
 
-def pack_shards(parts: list[tuple[Batch, int, int]], capacity: int) -> tuple[Batch, int]:
+def pack_shards(parts: list[tuple[Batch, int, int]],
+                capacity: int | Mapping[str, int]) -> tuple[Batch, int]:
     """Sample ranges (batch, lo, hi) -> (one shard holding samples lo..hi-1 of each part,
-    in order, every sequence packed into `capacity` tokens; sequences cut to fit).
-    A cut sample keeps its most recent events."""
+    in order, every sequence packed into `capacity` tokens (one int, or {sequence name:
+    tokens}); sequences cut to fit). A cut sample keeps its most recent events."""
     seqs, n_cut = {}, 0
+    caps = capacity
     for name in parts[0][0].sequences:
+        capacity = caps[name] if isinstance(caps, Mapping) else caps
         jags = [(p.sequences[name], lo, hi) for p, lo, hi in parts]
         spans = [np.asarray(j.offsets)[[lo, hi]].astype(np.int64) for j, lo, hi in jags]
         lengths = np.concatenate([np.diff(np.asarray(j.offsets)[lo:hi + 1]).astype(np.int64)
