@@ -15,46 +15,32 @@ import dataclasses
 
 import jax
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from jax.sharding import Mesh
 
 from gemjax.config import apply_overrides, get_config
 from gemjax.data import balance
-from gemjax.data.parquet import sequence_column
 from gemjax.data.source import make_source
-from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
+from gemjax.features import EventField, SequenceFeature
+from test_own_data import SCHEMA as OWN_SCHEMA, _write_log, whole_and_resumed
 
-SCHEMA = FeatureSchema(
-    tables=(Table("user", 60), Table("item", 50)),
-    sparse=(SparseFeature("user", "user"), SparseFeature("item", "item")),
-    dense=("price",),
-    sequences=(SequenceFeature("history", (EventField("item", "item"),), max_len=64),),
-    tasks=("click",))
+# test_own_data's log with histories of up to 64 events
+SCHEMA = dataclasses.replace(OWN_SCHEMA, sequences=(
+    SequenceFeature("history", (EventField("item", "item"),), max_len=64),))
 ROWS = 256
 
 
-def _write_skewed(path, n, seed):
-    """n rows of SCHEMA in row groups of 32: 85 % of the histories hold 0-3 events, the rest
-    32-64 (the cap)."""
-    rng = np.random.default_rng(seed)
-    user, item = rng.integers(0, 60, n), rng.integers(0, 50, n)
+def _skewed(rng, n):
+    """[n] history lengths: 85 % in 0-3 events, the rest 32-64 (the cap)."""
     long = rng.random(n) < 0.15
-    lengths = np.where(long, rng.integers(32, 65, n), rng.integers(0, 4, n))
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    history = pa.ListArray.from_arrays(offsets, rng.integers(0, 50, offsets[-1]))
-    click = (rng.random(n) < 1 / (1 + np.exp(-((item % 3 == user % 3) * 2.0 - 1.0)))).astype(np.float32)
-    table = pa.table({"user": user, "item": item, "price": rng.random(n).astype(np.float32),
-                      sequence_column("history", "item"): history, "click": click})
-    pq.write_table(table, path, row_group_size=32)
+    return np.where(long, rng.integers(32, 65, n), rng.integers(0, 4, n))
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bbs_parquet")
-    _write_skewed(d / "train.parquet", ROWS, 0)
-    _write_skewed(d / "eval.parquet", 64, 1)
+    _write_log(d / "train.parquet", ROWS, 0, lengths=_skewed, row_group_size=32)
+    _write_log(d / "eval.parquet", 64, 1, lengths=_skewed, row_group_size=32)
     return d
 
 
@@ -148,7 +134,6 @@ def test_the_balanced_step_equals_the_plain_step(files, trainer4, processes):
 
 
 def test_a_bbs_run_on_parquet_trains_and_resumes_exactly(files, tmp_path):
-    from test_own_data import whole_and_resumed
     cfg = _config(files, True)
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
     whole, resumed, a, b = whole_and_resumed(cfg, tmp_path, mesh, stop_after=2)
