@@ -8,7 +8,9 @@ on a small log whose sequence lengths are skewed (most rows short, a few near th
   plain batch (loss, weight sums, gradient norm, updated parameters and tables) up to float
   rounding: BBS only moves samples between devices;
 - a data.bbs=true run on the files trains, and a run stopped and resumed equals the
-  uninterrupted one row for row."""
+  uninterrupted one row for row;
+- with 2 processes each reads only its own devices' source shards and serves the rows
+  the one-process simulation (processes=2) serves."""
 
 import collections
 import dataclasses
@@ -142,3 +144,25 @@ def test_a_bbs_run_on_parquet_trains_and_resumes_exactly(files, tmp_path):
     assert whole["eval_ne"] == resumed["eval_ne"] and np.isfinite(whole["eval_ne"])
     train_rows = [r for r in a if r["kind"] == "train"]
     assert all(np.isfinite(r["loss"]) and r["load_tokens_max_over_mean"] >= 1.0 for r in train_rows)
+
+
+def test_two_processes_each_balance_the_rows_they_read(files):
+    """2 processes x 2 CPU devices: each process reads only its own devices' source shards
+    and serves the rows one process serves with processes=2 (the same blocks, same plan)."""
+    import json
+
+    from gemjax.parallel import launch
+    cfg = _config(files, True)
+    results = launch.launch("tests.bbs_feed:feed_rows", 2, cpu_devices=2, timeout_s=240,
+                            kwargs=dict(config=json.loads(json.dumps(dataclasses.asdict(cfg))), steps=3))
+    src = balance.train_source(cfg, processes=2)
+    plain = make_source(_config(files, False), "train")
+    for res in results:
+        mine = res["shards"]
+        assert mine == [2 * res["process"], 2 * res["process"] + 1] and res["built"] == mine
+        for step, rows in enumerate(res["rows"]):
+            assert rows == [src.shard_batch(step, s, 4)[1].rows.tolist() for s in mine]
+            assert sorted(sum(rows, [])) == sorted(sum((plain.shard_batch(step, s, 4)[1].rows.tolist()
+                                                        for s in mine), []))
+        assert any(rows != [plain.shard_batch(step, s, 4)[1].rows.tolist() for s in mine]
+                   for step, rows in enumerate(res["rows"]))       # BBS moved some rows
