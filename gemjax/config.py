@@ -88,7 +88,8 @@ class DataConfig:
     popularity_shift: int = 0        # within-category item popularity ranks rotate this far per window
     new_id_rate: float = 0.0         # share of items drawn from the window's block of never-seen ids
     # Base Batch Shuffling (gemjax.data.balance): the train batch dealt to the devices as
-    # length-sorted sub-batches of bbs_sub_batch samples, in snake order (synthetic source)
+    # length-sorted sub-batches of bbs_sub_batch samples, in snake order (synthetic: over
+    # every device; parquet: over each process's devices)
     bbs: bool = False
     bbs_sub_batch: int = 8       # samples per BBS sub-batch (divides data.batch_size)
 
@@ -645,7 +646,6 @@ def validate(cfg: Config) -> None:
         (d.bbs_sub_batch >= 1 and (not d.bbs or d.batch_size % d.bbs_sub_batch == 0),
          f"data.bbs_sub_batch ({d.bbs_sub_batch}) must be >= 1 and divide data.batch_size "
          f"({d.batch_size}) when data.bbs is on"),
-        (not d.bbs or d.source == "synthetic", "data.bbs needs data.source=synthetic"),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.sparse_update_impl in ("xla", "pallas"),
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),

@@ -164,3 +164,16 @@ def test_threads_share_a_step_each_inner_shard_built_once():
     for k, (batch, _) in enumerate(got):
         assert _fingerprints(batch) == _fingerprints(serial.shard_batch(k // 8, k % 8, 8)[0])
     assert not src._steps                     # every step's shards dropped once its ranks were built
+
+
+def test_bbs_refused_where_it_cannot_balance(tmp_path):
+    """A source BBS does not know, and online training (the drifting stream), name data.bbs."""
+    import dataclasses
+
+    from gemjax.train.online import OnlineRun, OnlineSpec
+    cfg = get_config("tiny", "data.bbs=true")
+    other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="kafka"))
+    with pytest.raises(ValueError, match="data.bbs=true: .*not data.source='kafka'"):
+        balance.train_source(other)
+    with pytest.raises(ValueError, match="data.bbs=true: online training"):
+        OnlineRun(cfg, str(tmp_path), OnlineSpec(windows=1))

@@ -103,19 +103,20 @@ SCHEMA = FeatureSchema(
     tasks=("click",))
 
 
-def _write_log(path, n, seed, bad_ids=0):
-    """n rows of SCHEMA's columns in row groups of 25 (the first `bad_ids` items are 40:
-    beyond table item, clamped)."""
+def _write_log(path, n, seed, bad_ids=0, lengths=None, row_group_size=25):
+    """n rows of SCHEMA's columns in row groups of `row_group_size` (the first `bad_ids`
+    items are 40: beyond table item, clamped); lengths: (rng, n) -> [n] history lengths
+    (None: uniform in [0, 12))."""
     rng = np.random.default_rng(seed)
     user, item = rng.integers(0, 50, n), rng.integers(0, 40, n)
     item[:bad_ids] = 40
-    lengths = rng.integers(0, 12, n)
+    lengths = rng.integers(0, 12, n) if lengths is None else lengths(rng, n)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     history = pa.ListArray.from_arrays(offsets, rng.integers(0, 40, offsets[-1]))
     click = (rng.random(n) < 1 / (1 + np.exp(-((item % 3 == user % 3) * 2.0 - 1.0)))).astype(np.float32)
     table = pa.table({"user": user, "item": item, "price": rng.random(n).astype(np.float32),
                       sequence_column("history", "item"): history, "click": click})
-    pq.write_table(table, path, row_group_size=25)
+    pq.write_table(table, path, row_group_size=row_group_size)
 
 
 def _own_config(tmp_path, order="shuffle"):

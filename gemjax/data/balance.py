@@ -12,16 +12,26 @@ each of the R ranks gets G / R sub-batches and about 1 / R of the tokens:
 
 Mechanism, no communication: the step's samples are those of the source without
 BBS, its R shards (`shard_batch(step, c, R)`, each a pure function of (seed,
-step, c, R)); sub-batch j is samples [j s, (j + 1) s) of their concatenation.
-Every process builds the step's R shards (once per step, shared by the Feeder
-threads asking for its ranks: `BalancedSource`), reads the sub-batches' lengths,
-computes the same plan and keeps the sub-batches of its own ranks. So a step
-trains on exactly the samples it trains on without BBS, only their rank
-changes (the shards are built with twice the packed capacity, so where the
-source alone would cut a shard's sequences to fit, only the balanced rank's
-packing cuts). With one process (one host and its GPUs) the process builds the global
-batch as without BBS; with P processes each builds all of it (P x the host work
-of its share).
+step, c, R)). The ranks are cut into `groups` contiguous blocks of K = R / groups
+ranks (groups = 1: one block, every rank); sub-batches move only within a block.
+Block sub-batch j is samples [j s, (j + 1) s) of the concatenation of the block's
+K shards. Every process builds the step's shards of each block it feeds (once per
+step, shared by the Feeder threads asking for its ranks: `BalancedSource`), reads
+the sub-batches' lengths, computes the block's plan and keeps the sub-batches of
+its own ranks. So a step trains on exactly the samples it trains on without BBS,
+only their rank changes (the shards are built with twice the packed capacity, so
+where the source alone would cut a shard's sequences to fit, only the balanced
+rank's packing cuts), and the plan is a pure function of (seed, step, R, groups):
+a resumed run replays it. `train_source` picks the blocks by source:
+
+  synthetic  groups = 1: every process builds the whole step (cheap: a pure
+             function of the step, P x the host work of its share with P
+             processes) and the step is balanced over all R devices;
+  parquet    groups = P, the process count: a process's devices are one block
+             (gemjax.data.feeding.Feeder: a contiguous run of shards), so each
+             process reads only its own devices' rows, as without BBS, and
+             balances them over its devices. With one process (one host and its
+             GPUs) that is the whole step.
 
 A rank's sub-batches are packed, in plan order, into the rank's static capacity
 (the source's shard capacity); a rank whose tokens do not fit loses its longest
@@ -40,7 +50,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -92,12 +102,15 @@ def load_ratio(values) -> float:
     return float(v.max() / mean) if mean > 0 else 1.0
 
 
-def pack_shards(parts: list[tuple[Batch, int, int]], capacity: int) -> tuple[Batch, int]:
+def pack_shards(parts: list[tuple[Batch, int, int]],
+                capacity: int | Mapping[str, int]) -> tuple[Batch, int]:
     """Sample ranges (batch, lo, hi) -> (one shard holding samples lo..hi-1 of each part,
-    in order, every sequence packed into `capacity` tokens; sequences cut to fit).
-    A cut sample keeps its most recent events."""
+    in order, every sequence packed into `capacity` tokens (one int, or {sequence name:
+    tokens}); sequences cut to fit). A cut sample keeps its most recent events."""
     seqs, n_cut = {}, 0
+    caps = capacity
     for name in parts[0][0].sequences:
+        capacity = caps[name] if isinstance(caps, Mapping) else caps
         jags = [(p.sequences[name], lo, hi) for p, lo, hi in parts]
         spans = [np.asarray(j.offsets)[[lo, hi]].astype(np.int64) for j, lo, hi in jags]
         lengths = np.concatenate([np.diff(np.asarray(j.offsets)[lo:hi + 1]).astype(np.int64)
@@ -132,7 +145,8 @@ def pack_shards(parts: list[tuple[Batch, int, int]], capacity: int) -> tuple[Bat
 
 def _slice_info(info: Any, lo: int, hi: int, counters: bool) -> Any:
     """Samples lo..hi-1 of a dataclass info: per-sample arrays sliced, integer counters
-    kept (counters=True) or zeroed, so a shard's counters are counted once."""
+    (fields, or a {name: int} field such as SourceInfo.counters) kept (counters=True) or
+    zeroed, so a shard's counters are counted once."""
     if not dataclasses.is_dataclass(info):
         return info
     out = {}
@@ -142,9 +156,26 @@ def _slice_info(info: Any, lo: int, hi: int, counters: bool) -> Any:
             out[f.name] = v[lo:hi]
         elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
             out[f.name] = v if counters else 0
+        elif isinstance(v, Mapping):
+            out[f.name] = v if counters else type(v)(dict.fromkeys(v, 0))
         else:
             out[f.name] = v
     return type(info)(**out)
+
+
+def _count_cut(info: Any, n_cut: int) -> Any:
+    """info with n_cut more sequences in its seq_truncated_to_capacity counter (a field,
+    or a key of its `counters` mapping)."""
+    if not n_cut:
+        return info
+    fields = {f.name for f in dataclasses.fields(info)} if dataclasses.is_dataclass(info) else set()
+    if "seq_truncated_to_capacity" in fields:
+        return dataclasses.replace(info, seq_truncated_to_capacity=info.seq_truncated_to_capacity + n_cut)
+    if isinstance(getattr(info, "counters", None), Mapping):
+        counters = type(info.counters)(info.counters)
+        counters["seq_truncated_to_capacity"] = counters.get("seq_truncated_to_capacity", 0) + n_cut
+        return dataclasses.replace(info, counters=counters)
+    return info
 
 
 class BalancedSource:
@@ -153,20 +184,25 @@ class BalancedSource:
     inner: the source without BBS, built with room to spare (INNER_ROOM); capacity:
     the ranks' packed capacity by rank count (the source's own without BBS); sub_batch:
     s samples per sub-batch; balance: False deals the sub-batches without sorting
-    (identity_plan: rank r holds inner shard r). Thread safe (the Feeder's workers call shard_batch
-    concurrently); keeps a step's inner shards until each of its num_shards ranks was
-    built once (with several processes, that never happens: then the newest `keep_steps`
-    steps are kept); a step asked for again is rebuilt, the same.
+    (identity_plan: rank r holds inner shard r); groups: the blocks of ranks balanced
+    apart (module docstring; 1: all ranks together). Thread safe (the Feeder's workers
+    call shard_batch concurrently); keeps a step's inner shards of a block until each
+    of its ranks was built once (a process that builds only some of a block's ranks
+    never gets there: then the newest `keep_steps` steps are kept); a step asked for
+    again is rebuilt, the same.
     """
 
     def __init__(self, inner, capacity: Callable[[int], Any], batch_size: int, sub_batch: int,
-                 balance: bool = True, keep_steps: int = 16):
+                 balance: bool = True, keep_steps: int = 16, groups: int = 1):
         if sub_batch < 1 or batch_size % sub_batch:
             raise ValueError(f"data.bbs_sub_batch={sub_batch} must be >= 1 and divide "
                              f"data.batch_size={batch_size}")
+        if groups < 1:
+            raise ValueError(f"BBS: groups must be >= 1, got {groups}")
         self.inner, self._capacity = inner, capacity
         self.batch_size, self.sub_batch, self.balance = batch_size, sub_batch, balance
         self.num_sub_batches = batch_size // sub_batch
+        self.groups = groups
         self._steps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self._keep = keep_steps
@@ -182,27 +218,37 @@ class BalancedSource:
     def sequence_capacity(self, num_shards: int):
         return self._capacity(num_shards)
 
+    def block(self, shard: int, num_shards: int) -> tuple[int, int]:
+        """(lo, K): the block of ranks lo .. lo + K - 1 that shard `shard` is balanced with."""
+        if num_shards % self.groups:
+            raise ValueError(f"BBS: the {num_shards} devices cannot be cut into {self.groups} "
+                             f"equal blocks (one per process)")
+        k = num_shards // self.groups
+        return shard - shard % k, k
+
     def inner_shards(self, step: int, num_shards: int, first: int = 0) -> list[tuple[Batch, Any]]:
-        """The step's shards without BBS (each built once per (step, num_shards), cached).
+        """The step's K shards without BBS of the block holding shard `first` (each built
+        once per (step, num_shards), cached).
 
         Threads asking for the same step share the work: each builds the shards no
         other thread has claimed yet (from shard `first` on), then waits for the rest."""
-        key = (step, num_shards)
+        lo, k = self.block(first, num_shards)
+        key = (step, num_shards, lo)
         with self._lock:
             entry = self._steps.get(key)
             if entry is None:
-                entry = self._steps[key] = {"claimed": [False] * num_shards, "served": 0,
-                                            "done": [threading.Event() for _ in range(num_shards)],
-                                            "shards": [None] * num_shards}
+                entry = self._steps[key] = {"claimed": [False] * k, "served": 0,
+                                            "done": [threading.Event() for _ in range(k)],
+                                            "shards": [None] * k}
                 while len(self._steps) > self._keep:
                     self._steps.popitem(last=False)
-        for c in [(first + i) % num_shards for i in range(num_shards)]:
+        for c in [(first - lo + i) % k for i in range(k)]:
             with self._lock:
                 if entry["claimed"][c]:
                     continue
                 entry["claimed"][c] = True
             try:
-                entry["shards"][c] = self.inner.shard_batch(step, c, num_shards)
+                entry["shards"][c] = self.inner.shard_batch(step, lo + c, num_shards)
             finally:
                 entry["done"][c].set()
         for c, done in enumerate(entry["done"]):
@@ -210,11 +256,13 @@ class BalancedSource:
             if entry["shards"][c] is None:
                 with self._lock:
                     self._steps.pop(key, None)
-                raise RuntimeError(f"BBS: building shard {c} of step {step} failed in another thread")
+                raise RuntimeError(f"BBS: building shard {lo + c} of step {step} failed in "
+                                   f"another thread")
         return list(entry["shards"])
 
     def sub_batch_loads(self, step: int, num_shards: int, first: int = 0) -> np.ndarray:
-        """[G, 2] (tokens, pairs) of the step's sub-batches."""
+        """[G_K, 2] (tokens, pairs) of the step's sub-batches in the block of shard `first`
+        (G_K = K b / s; the whole step's G with groups = 1)."""
         s = self.sub_batch
         out = []
         for batch, _ in self.inner_shards(step, num_shards, first):
@@ -224,19 +272,22 @@ class BalancedSource:
         return np.concatenate(out)
 
     def plan(self, step: int, num_shards: int, first: int = 0) -> np.ndarray:
-        """[R, G / R] sub-batch ids of each rank at `step` (first: see inner_shards)."""
+        """[K, G_K / K] block sub-batch ids of each rank of the block holding shard `first`
+        at `step` (groups = 1: [R, G / R], every rank)."""
         b = self.local_batch_size(num_shards)
         if b % self.sub_batch:
             raise ValueError(f"BBS: data.bbs_sub_batch={self.sub_batch} must divide the "
                              f"{b} samples of each of the {num_shards} devices")
+        _, k = self.block(first, num_shards)
         if not self.balance:
-            return identity_plan(self.num_sub_batches, num_shards)
-        return snake_plan(self.sub_batch_loads(step, num_shards, first)[:, 0], num_shards)
+            return identity_plan(k * b // self.sub_batch, k)
+        return snake_plan(self.sub_batch_loads(step, num_shards, first)[:, 0], k)
 
     def shard_batch(self, step: int, shard: int, num_shards: int) -> tuple[Batch, Any]:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range for {num_shards} shards")
-        ids = self.plan(step, num_shards, first=shard)[shard]
+        first, ranks = self.block(shard, num_shards)
+        ids = self.plan(step, num_shards, first=shard)[shard - first]
         shards = self.inner_shards(step, num_shards, first=shard)
         per = self.local_batch_size(num_shards) // self.sub_batch     # sub-batches per inner shard
         parts, infos = [], []
@@ -246,17 +297,14 @@ class BalancedSource:
             parts.append((shards[c][0], lo, hi))
             # the inner shard's counters go with its first sub-batch
             infos.append(_slice_info(shards[c][1], lo, hi, counters=k == 0))
-        with self._lock:                             # every rank built: drop the step's shards
-            entry = self._steps.get((step, num_shards))
+        with self._lock:                             # every rank built: drop the block's shards
+            entry = self._steps.get((step, num_shards, first))
             if entry is not None:
                 entry["served"] += 1
-                if entry["served"] >= num_shards:
-                    del self._steps[(step, num_shards)]
+                if entry["served"] >= ranks:
+                    del self._steps[(step, num_shards, first)]
         batch, n_cut = pack_shards(parts, self.sequence_capacity(num_shards))
-        info = merge_infos(infos)
-        if n_cut and hasattr(info, "seq_truncated_to_capacity"):
-            info = dataclasses.replace(info, seq_truncated_to_capacity=info.seq_truncated_to_capacity + n_cut)
-        return batch, info
+        return batch, _count_cut(merge_infos(infos), n_cut)
 
 
 # The inner shards' capacity over the ranks': a shard the source would cut to its capacity
@@ -265,22 +313,31 @@ class BalancedSource:
 INNER_ROOM = 2.0
 
 
-def train_source(cfg, seed: int | None = None):
+# data.source -> whether each process balances only its own devices (module docstring)
+PER_PROCESS = {"synthetic": False, "parquet": True}
+
+
+def train_source(cfg, seed: int | None = None, processes: int | None = None):
     """The train loop's source: make_source(cfg, "train"), with data.bbs a BalancedSource
-    over the same stream built with INNER_ROOM x its capacity (synthetic stream only)."""
+    over the same stream built with INNER_ROOM x its capacity, balanced over every
+    device (synthetic) or over each process's devices (parquet; processes: the
+    process count, None: jax.process_count()). ValueError naming data.bbs for a
+    source BBS cannot balance."""
     from gemjax.data.source import make_source
 
     d = cfg.data
+    if getattr(d, "bbs", False) and d.source not in PER_PROCESS:
+        raise ValueError(f"data.bbs=true: Base Batch Shuffling balances the "
+                         f"{' and '.join(PER_PROCESS)} sources, not data.source={d.source!r}; "
+                         f"set data.bbs=false")
     plain = make_source(cfg, "train", seed=seed)
     if not getattr(d, "bbs", False):
         return plain
-    if d.source != "synthetic":
-        raise ValueError(f"data.bbs needs data.source=synthetic (its shards are a pure "
-                         f"function of the step), got {d.source!r}")
     roomy = dataclasses.replace(cfg, data=dataclasses.replace(
         d, capacity_slack=INNER_ROOM * d.capacity_slack))
+    groups = (jax.process_count() if processes is None else processes) if PER_PROCESS[d.source] else 1
     return BalancedSource(make_source(roomy, "train", seed=seed), plain.sequence_capacity,
-                          d.batch_size, d.bbs_sub_batch)
+                          d.batch_size, d.bbs_sub_batch, groups=groups)
 
 
 class LoadLog:

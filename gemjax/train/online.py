@@ -210,6 +210,10 @@ class OnlineRun:
                  log: Callable[[str], None] = print, mesh=None):
         cfg = with_table_rows(cfg, spec.table_rows)
         validate(cfg)
+        if cfg.data.bbs:
+            raise ValueError("data.bbs=true: online training reads the drifting stream window "
+                             "by window, which Base Batch Shuffling does not balance; set "
+                             "data.bbs=false")
         if spec.windows < spec.warmup_windows or spec.warmup_windows < 1:
             raise ValueError(f"online: need windows >= warmup_windows >= 1, got windows="
                              f"{spec.windows}, warmup_windows={spec.warmup_windows}")
