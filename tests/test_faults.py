@@ -377,7 +377,12 @@ def test_resume_that_does_not_fit_is_refused(reference):
     with Checkpointer(os.path.join(reference, "checkpoints")) as ckpt:
         _, meta = ckpt.metadata(8)
         check_resume(meta, apply_overrides(CFG, "train.steps=20,data.eval_batches=3,"
-                                                "train.dense_lr=0.01"), 8, "w")
+                                                "train.dense_lr=0.01,model.norm_impl=auto"), 8, "w")
+        # a model flag that changes no parameter shape still changes the function
+        flipped = str(not CFG.model.rope).lower()
+        with pytest.raises(ResumeMismatch, match=f"model.rope is {not CFG.model.rope!r}, "
+                                                 f"the checkpoint's is {CFG.model.rope!r}"):
+            check_resume(meta, apply_overrides(CFG, f"model.rope={flipped}"), 8, "w")
         # restoring tables of another vocabulary is refused below the loop too
         other = one_device_trainer(apply_overrides(CFG, "data.vocab_item=500"))
         with pytest.raises(CheckpointMismatch, match=r"another vocabulary \(item: checkpoint "

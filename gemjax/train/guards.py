@@ -18,10 +18,12 @@ the state it holds and raises Interrupted (a KeyboardInterrupt whose `signum`
 and `step` say why and where). A second signal raises KeyboardInterrupt at once.
 
 Resume compatibility: a checkpoint's meta["run"] (`run_fields`) holds the config
-fields a resumed run must share with it (every data field but eval_batches and
-host_workers, and train.seed): with any of them changed the stream, the tables'
-vocabularies or the batch differ, and the resumed run would silently be another
-run. So is a checkpoint whose meta["features"] (the feature schema it was trained
+fields a resumed run must share with it (every data field but eval_batches,
+host_workers and accept_changed_files; every model field but norm_impl, which picks
+an implementation of the same function; and train.seed): with any of them changed
+the stream, the tables' vocabularies, the batch or the model's function differ (a
+flag such as model.rope changes no parameter shape, so the restore alone would not
+notice), and the resumed run would silently be another run. So is a checkpoint whose meta["features"] (the feature schema it was trained
 on) differs from the run's in what the state means (gemjax.features.differences:
 tables' vocab / dim / pooling, features, sequences, surfaces, tasks). Fewer
 train.steps than the checkpoint's step is refused too (extending a
@@ -55,6 +57,8 @@ from gemjax.features import FeatureSchema, differences
 LOCK_FILE = "train.lock"
 # DataConfig fields a resumed run may change (they change neither the stream nor the state)
 FREE_DATA_FIELDS = ("eval_batches", "host_workers", "accept_changed_files")
+# model fields that choose an implementation of the same function (free on resume)
+FREE_MODEL_FIELDS = ("norm_impl",)
 
 
 class RunRefused(Exception):
@@ -182,9 +186,12 @@ def pause_for_test(point: str, step: int, stop: StopSignals, log: Callable[[str]
 
 
 def run_fields(cfg) -> dict:
-    """{"data.<field>": value, "train.seed": seed}: what a resume must keep (JSON values)."""
+    """{"data.<field>": value, "model.<field>": value, "train.seed": seed}: what a resume
+    must keep (JSON values)."""
     out = {f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items()
            if k not in FREE_DATA_FIELDS}
+    out.update({f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()
+                if k not in FREE_MODEL_FIELDS})
     out["train.seed"] = cfg.train.seed
     return json.loads(json.dumps(out))
 
