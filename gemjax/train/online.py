@@ -1,9 +1,14 @@
-"""Continuous online training on the drifting stream, with progressive validation.
+"""Continuous online training on a time-ordered stream, with progressive validation.
 
     result = run_online(cfg, workdir, OnlineSpec(windows=8))
 
-The stream is `gemjax.data.drift.DriftingStream(cfg.data, cfg.train.seed)` cut into
-windows of W = data.drift_every steps. Raw item ids (and those of any table in
+The stream is, with data.source="synthetic", `gemjax.data.drift.DriftingStream(cfg.data,
+cfg.train.seed)` cut into windows of W = data.drift_every steps; with
+data.source="parquet" (data.order="time"), the rows of data.train_path (columns from
+cfg.features) cut into windows of data.window_seconds of data.time_column
+(`gemjax.data.time_windows.TimeWindows`: window w is ceil(rows_w / B) batches, the last
+one padded with masked rows; windows=0 runs every window of the files), ids of the
+admitted tables read raw (`parquet_windows`). Raw item ids (and those of any table in
 spec.admit_tables) go through a `FrequencyAdmission` per model and table before
 a model sees them. The models are `Member`s:
 
@@ -29,7 +34,10 @@ Per window w:
      "bayes_ne", "ne_<member>", "loss_<member>", "<table>_new_ids" (distinct raw ids
      first seen in the window), "<table>_hashed" (the fresh teacher's training
      lookups read from a shared row in the window), "<table>_admitted" /
-     "<table>_refused" / "<table>_seen" (totals so far)};
+     "<table>_refused" / "<table>_seen" (totals so far)}; on Parquet rows "step" is the
+     batches read through window w, there is no "bayes_ne", and the row adds "t_start",
+     "t_end" (the window's interval of the time column, seconds), "rows" and
+     "auc_<member>";
   4. from the end of the warm-up on, a checkpoint labelled (w + 1) * W of every
      member's state (tables in logical row order) with the stream position, every
      admission state and the run's settings in its meta (written synchronously).
@@ -37,7 +45,8 @@ Per window w:
 Resume: rerunning on the same workdir restores the newest checkpoint and cuts
 metrics.jsonl back to its step; the stream is a pure function of the step and the
 admission state is restored, so the rows and final states equal an uninterrupted
-run's. A resume with other data / seed / online settings is refused
+run's (Parquet: the windows are a pure function of the files). A resume with other
+data / seed / online settings is refused
 (ResumeMismatch). SIGINT / SIGTERM stop at the end of the current window, after its
 checkpoint (`Interrupted`); kill -9 loses the windows since the newest checkpoint.
 One process (the model may span all its local devices); a window's W host batches
