@@ -3,7 +3,9 @@ data.source=parquet, gemjax.data.time_windows): windows of a timestamp column,
 progressive validation, new-id admission, exact resume after SIGTERM and kill -9 on
 real `experiments/online.py` subprocesses, and clear errors for bad time columns.
 The data: a tiny stream written here (two files, three row groups, item ids that
-appear only in later windows), whose labels follow a planted item and user bias."""
+appear only in later windows), whose labels follow a planted item and user bias; the
+model is the logistic regression (model.kind=lr: the loop is the same for every model,
+and it compiles in a second)."""
 
 import json
 import os
@@ -60,7 +62,8 @@ def write_stream(directory, rows=ROWS, seed=0):
 def config(data_dir, **over):
     o = {"data.source": "parquet", "data.train_path": str(data_dir), "data.eval_path": str(data_dir),
          "data.order": "time", "data.time_column": "ts", "data.window_seconds": str(WIDTH),
-         "data.batch_size": "16", "train.warmup_steps": "2", "train.dense_lr": "5e-3"}
+         "data.batch_size": "16", "train.warmup_steps": "2", "train.dense_lr": "5e-3",
+         "model.kind": "lr"}
     o.update(over)
     import dataclasses
     return apply_overrides(dataclasses.replace(get_config("tiny"), features=SCHEMA), o)
@@ -138,7 +141,8 @@ def _parquet_args(data_dir):
     over = ",".join(f"{k}={v}" for k, v in {
         "data.source": "parquet", "data.train_path": o.data.train_path, "data.eval_path": o.data.eval_path,
         "data.order": "time", "data.time_column": "ts", "data.window_seconds": WIDTH,
-        "data.batch_size": 16, "train.warmup_steps": 2, "train.dense_lr": 5e-3}.items())
+        "data.batch_size": 16, "train.warmup_steps": 2, "train.dense_lr": 5e-3,
+        "model.kind": "lr"}.items())
     return ["--config=tiny", f"--features={data_dir}/../schema.json", f"--override={over}",
             "--models=teacher", "--admit_tables=item", "--admit_rows=48", "--min_count=2",
             "--buckets=4"]
