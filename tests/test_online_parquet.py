@@ -22,6 +22,7 @@ from gemjax.config import apply_overrides, get_config
 from gemjax.data.parquet import ParquetSource, columns_from_schema
 from gemjax.data.time_windows import TimeWindows
 from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
+from gemjax.train.guards import ResumeMismatch
 from gemjax.train.online import OnlineSpec, run_online
 from test_faults import Run
 
@@ -203,6 +204,11 @@ def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     assert [r["window"] for r in table["rows"]] == [0, 1, 2, 3]
     assert table["rows"][2]["teacher"]["ne_fresh"] == rows[2]["ne_fresh"]
     assert "| window |" in (dir_ / "online_table.md").read_text()
+
+    # a resume on rows that make other windows is refused, naming them
+    write_stream(data, rows=ROWS - 20)
+    with pytest.raises(ResumeMismatch, match="stream: checkpoint"):
+        run_online(config(data), str(tmp_path / "ref"), SPEC, mesh=mesh, log=lambda s: None)
 
 
 def _frozen_ne_by_hand(data, t, workdir, mesh, w):

@@ -396,11 +396,17 @@ class OnlineRun:
 
     def _meta(self) -> dict:
         held = [n for n, m in self.members.items() if m.state is not None]
-        return {"window": self.window, "data_step": self.step_at(self.window),
+        meta = {"window": self.window, "data_step": self.step_at(self.window),
                 "run": run_fields(self.cfg), "online": self.spec.fields(),
                 "members": sorted(self.members), "held": held,
                 "admission": {n: {t: a.state() for t, a in m.admission.items()}
                               for n, m in self.members.items() if not m.shares_admission}}
+        if self.parquet:       # the windows the files make: a resume on other rows is refused
+            tw = self.stream
+            meta["stream"] = {"rows": tw.source.num_rows, "windows": tw.num_windows,
+                              "t_first": float(tw.first_time[0]), "t_last": float(tw.last_time[-1]),
+                              "steps": tw.start_step(tw.num_windows)}
+        return meta
 
     def save(self) -> None:
         """Checkpoint every member that has a state, and every admission."""
@@ -415,7 +421,8 @@ class OnlineRun:
         step, meta = self.ckpt.metadata()
         want = self._meta()
         problems = [f"{k}: checkpoint {meta.get(k)!r}, this run {want[k]!r}"
-                    for k in ("run", "online", "members") if meta.get(k) != want[k]]
+                    for k in ("run", "online", "members") + (("stream",) if self.parquet else ())
+                    if meta.get(k) != want[k]]
         if problems:
             raise ResumeMismatch(f"cannot resume {self.workdir} at step {step}: "
                                  + "; ".join(problems) + ". Use the checkpoint's settings or "
