@@ -110,8 +110,8 @@ def main(argv=None) -> int:
                    "the fresh teacher for student_fresh")
     p.add_argument("--kd_alpha", type=float, default=0.5, help="weight of the teacher's soft "
                    "labels in the students' loss")
-    p.add_argument("--item_rows", type=int, default=2048, help="rows of the item table (raw item "
-                   "ids are unbounded: admitted ids take rows until they run out)")
+    p.add_argument("--item_rows", type=int, default=2048, help="synthetic stream: rows of the item "
+                   "table (raw item ids are unbounded: admitted ids take rows until they run out)")
     p.add_argument("--features", default="", help="JSON feature schema of Parquet rows: train "
                    "on data.train_path in windows of data.time_column (set them, "
                    "data.source=parquet and data.window_seconds with --override)")
@@ -119,8 +119,9 @@ def main(argv=None) -> int:
                    "convert_movielens_time.py's output (written there first when absent)")
     p.add_argument("--max_rows", type=int, default=0, help="--movielens: convert only the "
                    "first N rows in time order (0: all)")
-    p.add_argument("--window_seconds", type=float, default=0, help="--movielens: "
-                   "data.window_seconds (0: an eighth of the rows' time span)")
+    p.add_argument("--window_seconds", type=float, default=0, help="Parquet: "
+                   "data.window_seconds (0: the config's; with --movielens an eighth of the "
+                   "rows' time span)")
     p.add_argument("--models", default="teacher", help="Parquet: comma-separated models, one "
                    "online run each in WORKDIR/<model>: teacher (the preset's model), student "
                    "(model.kind=student)")
@@ -136,6 +137,11 @@ def main(argv=None) -> int:
             p.error("--students (KD students) is for the synthetic stream; on Parquet rows use "
                     "--models=teacher,student")
         return run_parquet(a, p)
+    parquet_only = [f"--{k}" for k, v in (("models", "teacher"), ("admit_tables", "item"),
+                                          ("admit_rows", 0), ("max_rows", 0), ("window_seconds", 0))
+                    if getattr(a, k) != v]
+    if parquet_only:
+        p.error(f"{', '.join(parquet_only)}: for Parquet rows (--features or --movielens)")
     a.windows = 8 if a.windows is None else a.windows
     a.students = 1 if a.students is None else a.students
     cfg = apply_overrides(get_config(a.config), STREAM + ("," + a.override if a.override else ""))
@@ -169,7 +175,7 @@ def movielens_data(a) -> tuple[str, str]:
     width = a.window_seconds or (counts["ts_last"] - counts["ts_first"] + 1) / 8
     train = os.path.join(a.movielens, "train.parquet")
     over = (f"data.source=parquet,data.train_path={train},data.eval_path={train},data.order=time,"
-            f"data.time_column=ts,data.window_seconds={width:g}")
+            f"data.time_column=ts,data.window_seconds={float(width)!r}")
     return os.path.join(a.movielens, "schema.json"), over
 
 
@@ -216,7 +222,8 @@ def run_parquet(a, p) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         p.error(f"--features={features}: {e}")
     base = dataclasses.replace(get_config(a.config), features=schema)
-    base = apply_overrides(base, ",".join(x for x in (over, a.override) if x))
+    width = f"data.window_seconds={float(a.window_seconds)!r}" if a.window_seconds else ""
+    base = apply_overrides(base, ",".join(x for x in (over, a.override, width) if x))
     if not base.data.eval_path:       # unused by online training; validate() asks for one
         base = dataclasses.replace(base, data=dataclasses.replace(base.data,
                                                                   eval_path=base.data.train_path))
