@@ -87,6 +87,13 @@ class DataConfig:
     drift_strength: float = 0.0      # share of fresh parameters per window: p' = sqrt(1-s^2) p + s n
     popularity_shift: int = 0        # within-category item popularity ranks rotate this far per window
     new_id_rate: float = 0.0         # share of items drawn from the window's block of never-seen ids
+    # parquet online training (gemjax.train.online, experiments/online.py): the column of event
+    # times (integer or float seconds, or a Parquet timestamp) the time-ordered train rows are
+    # sorted by; no nulls, never decreasing across the files in path order
+    time_column: str = ""
+    # parquet online training: width of one window of data.time_column, in seconds (86400: a
+    # day); the windows are the non-empty intervals [t0 + k W, t0 + (k + 1) W), t0 the first time
+    window_seconds: float = 0.0
     # Base Batch Shuffling (gemjax.data.balance): the train batch dealt to the devices as
     # length-sorted sub-batches of bbs_sub_batch samples, in snake order (synthetic: over
     # every device; parquet: over each process's devices)

@@ -69,6 +69,20 @@ SKIP = {
     "./run test": "the suite itself (CI runs it; this test is part of it)",
     "python -m experiments.online --workdir=runs/online":
         "minutes on CPU; tests/test_online_resume.py runs the same script on a 4-window stream",
+    "python -m experiments.online --config=tiny --workdir=runs/online_ml "
+    "--movielens=/tmp/gemjax-data/ml-1m-time-100k --max_rows=100000 --models=teacher,student "
+    "--admit_tables=user,item --override=data.batch_size=256":
+        "ML-1M (not in CI), 3 min on CPU; tests/test_online_parquet.py runs the same script on a "
+        "tiny Parquet stream",
+    "python -m experiments.online --config=tiny --workdir=runs/online_ml_full "
+    "--movielens=/tmp/gemjax-data/ml-1m-time --models=teacher,student --admit_tables=user,item "
+    "--override=data.batch_size=1024": "the whole ML-1M stream, a GPU machine",
+    "python -m experiments.convert_movielens_time --ratings=ml-1m/ratings.dat "
+    "--out=/tmp/gemjax-data/ml-1m-rated": "GroupLens' ratings.dat (not in the shared datasets); "
+                                          "tests/test_convert_movielens_time.py converts a small one",
+    "python -m experiments.online --workdir=runs/online_ml_rated "
+    "--movielens=/tmp/gemjax-data/ml-1m-rated --window_seconds=2592000 --models=teacher,student "
+    "--admit_tables=user,item": "needs the converted ratings.dat above",
     "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
     "python -m experiments.frappe --models=gem":

@@ -85,9 +85,10 @@ def _int(tok: str, where: str, field: str) -> int:
     return int(t)
 
 
-def read_ratings(path: str, sep: str, header: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_ratings(path: str, sep: str, header: bool, with_rating: bool = False) -> tuple:
     """A ratings file of integer user, integer item, rating, integer timestamp ->
-    (user, item, time) int64 [N] in file order. sep: "::" (ML-1M) or "," (ML-20M);
+    (user, item, time) int64 [N] in file order (with_rating: then the ratings, float64
+    [N]). sep: "::" (ML-1M) or "," (ML-20M);
     header: skip the first line. pyarrow parses; a file it refuses is scanned line by
     line so that the error names the line and field."""
     import pyarrow as pa
@@ -130,6 +131,8 @@ def read_ratings(path: str, sep: str, header: bool) -> tuple[np.ndarray, np.ndar
             i = int(np.argmax(col < 1))
             raise ValueError(f"movielens: {path}:{i + 1 + int(header)}: field {field}: ids "
                              f"start at 1, got {col[i]}")
+    if with_rating:
+        return cols[0], cols[1], cols[2], t["rating"].to_numpy()
     return cols[0], cols[1], cols[2]
 
 

@@ -717,10 +717,19 @@ class ParquetSource:
     def shard_batch(self, step: int, shard: int = 0,
                     num_shards: int = 1) -> tuple[Batch, SourceInfo]:
         """(Batch of numpy arrays, SourceInfo) for shard `shard` of global step `step`."""
+        return self.rows_batch(self.rows_of(step, shard, num_shards), num_shards)
+
+    def rows_batch(self, rows: np.ndarray, num_shards: int = 1) -> tuple[Batch, SourceInfo]:
+        """(Batch, SourceInfo) of the given global rows (file order) [b] int64, b =
+        local_batch_size(num_shards), packed to the sequence capacity of one of num_shards
+        shards."""
         cols = self.columns
         b = self.local_batch_size(num_shards)
         capacity = self.sequence_capacity(num_shards)
-        rows = self.rows_of(step, shard, num_shards)
+        rows = np.asarray(rows, np.int64)
+        if rows.shape != (b,) or (b and (rows.min() < 0 or rows.max() >= self.num_rows)):
+            raise ValueError(f"rows_batch: need [{b}] rows in [0, {self.num_rows}), got shape "
+                             f"{rows.shape}")
         g_of = np.searchsorted(self.index.start, rows, side="right") - 1
         r_of = rows - self.index.start[g_of]
         groups, inv = np.unique(g_of, return_inverse=True)

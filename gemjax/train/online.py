@@ -1,9 +1,14 @@
-"""Continuous online training on the drifting stream, with progressive validation.
+"""Continuous online training on a time-ordered stream, with progressive validation.
 
     result = run_online(cfg, workdir, OnlineSpec(windows=8))
 
-The stream is `gemjax.data.drift.DriftingStream(cfg.data, cfg.train.seed)` cut into
-windows of W = data.drift_every steps. Raw item ids (and those of any table in
+The stream is, with data.source="synthetic", `gemjax.data.drift.DriftingStream(cfg.data,
+cfg.train.seed)` cut into windows of W = data.drift_every steps; with
+data.source="parquet" (data.order="time"), the rows of data.train_path (columns from
+cfg.features) cut into windows of data.window_seconds of data.time_column
+(`gemjax.data.time_windows.TimeWindows`: window w is ceil(rows_w / B) batches, the last
+one padded with masked rows; windows=0 runs every window of the files), ids of the
+admitted tables read raw (`parquet_windows`). Raw item ids (and those of any table in
 spec.admit_tables) go through a `FrequencyAdmission` per model and table before
 a model sees them. The models are `Member`s:
 
@@ -29,7 +34,10 @@ Per window w:
      "bayes_ne", "ne_<member>", "loss_<member>", "<table>_new_ids" (distinct raw ids
      first seen in the window), "<table>_hashed" (the fresh teacher's training
      lookups read from a shared row in the window), "<table>_admitted" /
-     "<table>_refused" / "<table>_seen" (totals so far)};
+     "<table>_refused" / "<table>_seen" (totals so far)}; on Parquet rows "step" is the
+     batches read through window w, there is no "bayes_ne", and the row adds "t_start",
+     "t_end" (the window's interval of the time column, seconds), "rows" and
+     "auc_<member>";
   4. from the end of the warm-up on, a checkpoint labelled (w + 1) * W of every
      member's state (tables in logical row order) with the stream position, every
      admission state and the run's settings in its meta (written synchronously).
@@ -37,7 +45,8 @@ Per window w:
 Resume: rerunning on the same workdir restores the newest checkpoint and cuts
 metrics.jsonl back to its step; the stream is a pure function of the step and the
 admission state is restored, so the rows and final states equal an uninterrupted
-run's. A resume with other data / seed / online settings is refused
+run's (Parquet: the windows are a pure function of the files). A resume with other
+data / seed / online settings is refused
 (ResumeMismatch). SIGINT / SIGTERM stop at the end of the current window, after its
 checkpoint (`Interrupted`); kill -9 loses the windows since the newest checkpoint.
 One process (the model may span all its local devices); a window's W host batches
@@ -60,6 +69,8 @@ from gemjax.config import Config, schema_of, validate
 from gemjax.data.batch import Batch
 from gemjax.data.drift import DriftingStream
 from gemjax.data.feeding import Feeder, concat_shards, validate_batch
+from gemjax.data.parquet import ParquetSource, columns_from_schema, sequence_column
+from gemjax.data.time_windows import TimeWindows
 from gemjax.sparse.admission import FrequencyAdmission
 from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.guards import Interrupted, ResumeMismatch, StopSignals, lock_workdir, run_fields
@@ -152,6 +163,37 @@ def state_digest(state: dict, trainer: Trainer) -> str:
     return h.hexdigest()
 
 
+def parquet_windows(cfg: Config, admit_tables: tuple[str, ...]) -> TimeWindows:
+    """The time windows of cfg's Parquet train rows (data.train_path, read in file order,
+    data.time_column, data.window_seconds; columns from cfg.features). Ids of the
+    admitted tables are raw (any int32 >= 0: the admission maps them to rows); the other
+    id columns keep their table's vocab and bounds. ValueError naming the field, file or
+    column that does not fit."""
+    d = cfg.data
+    if cfg.features is None or not d.train_path:
+        raise ValueError("online training on data.source=parquet needs config.features and "
+                         "data.train_path")
+    if d.order != "time":
+        raise ValueError(f"online training reads the Parquet rows in time order: set "
+                         f"data.order=time (got {d.order!r})")
+    if d.negatives:
+        raise ValueError("online training reads the rows as stored: data.negatives must be 0")
+    cols = columns_from_schema(cfg.features)
+    tables = {f.name: f.table for f in cfg.features.sparse}
+    tables.update({sequence_column(s.name, e.name): e.table for s in cfg.features.sequences
+                   for e in s.fields})
+    raw = {c for c, t in tables.items() if t in admit_tables}
+    cols = dataclasses.replace(cols, vocab=tuple(p for p in cols.vocab if p[0] not in raw),
+                               bounds=tuple(p for p in cols.bounds if p[0] not in raw))
+    try:
+        source = ParquetSource(d.train_path, cols, d.batch_size, cfg.train.seed, order="time",
+                               nan=d.nan, capacity_slack=d.capacity_slack,
+                               dense_max_abs=d.dense_max_abs)
+        return TimeWindows(source, d.time_column, d.window_seconds)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"data.train_path={d.train_path}: {e}") from None
+
+
 class _Fields:
     """Where each admitted table's ids sit in a batch: sparse features and sequence fields."""
 
@@ -167,35 +209,48 @@ class _Fields:
         self.seq = {t: [(s.name, e.name) for s in schema.sequences for e in s.fields
                         if e.table == t] for t in tables}
 
-    def raw_ids(self, shards: list[Batch], table: str) -> np.ndarray:
+    def raw_ids(self, shards: list[Batch], table: str, real=None) -> np.ndarray:
         """The table's raw ids of one step, in order: per shard, its sparse features
-        then its sequences' real tokens (int64)."""
+        then its sequences' real tokens (int64); real [shards] int: only the first
+        real[i] samples of shard i (None: all)."""
         out = []
-        for b in shards:
-            out += [np.asarray(b.sparse[f], np.int64) for f in self.sparse[table]]
+        for i, b in enumerate(shards):
+            r = None if real is None else int(real[i])
+            out += [np.asarray(b.sparse[f][:r], np.int64) for f in self.sparse[table]]
             for s, f in self.seq[table]:
                 seq = b.sequences[s]
-                out.append(np.asarray(seq.values[f][:int(seq.offsets[-1])], np.int64))
+                out.append(np.asarray(seq.values[f][:int(seq.offsets[-1 if r is None else r])],
+                                      np.int64))
         return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def mapped(self, shards: list[Batch], admission: dict[str, FrequencyAdmission],
-               count: bool) -> tuple[list[Batch], dict[str, int]]:
+               count: bool, real=None) -> tuple[list[Batch], dict[str, int]]:
         """The shards with every admitted table's ids replaced by their rows, and the
-        lookups per table that read a shared row."""
+        lookups per table that read a shared row; real [shards] int: only the first
+        real[i] samples of shard i count (None: all; the others map uncounted)."""
         hashed = {}
         out = []
-        for b in shards:
+
+        def lookup(adm, ids, r):
+            if r is None:
+                return adm.lookup(ids, count=count)
+            (head, n), (tail, _) = adm.lookup(ids[:r], count=count), adm.lookup(ids[r:], count=False)
+            return np.concatenate([head, tail]), n
+
+        for i, b in enumerate(shards):
+            r = None if real is None else int(real[i])
             sparse, seqs = dict(b.sparse), dict(b.sequences)
             for table, adm in admission.items():
                 for f in self.sparse[table]:
-                    sparse[f], n = adm.lookup(sparse[f], count=count)
+                    sparse[f], n = lookup(adm, sparse[f], r)
                     hashed[table] = hashed.get(table, 0) + n
                 for s, f in self.seq[table]:
                     seq = seqs[s]
                     vals = dict(seq.values)
                     n_real = int(seq.offsets[-1])
                     col = np.zeros_like(vals[f])
-                    col[:n_real], n = adm.lookup(vals[f][:n_real], count=count)
+                    col[:n_real], n = lookup(adm, vals[f][:n_real],
+                                             None if r is None else int(seq.offsets[r]))
                     vals[f] = col
                     seqs[s] = dataclasses.replace(seq, values=vals)
                     hashed[table] = hashed.get(table, 0) + n
@@ -211,17 +266,27 @@ class OnlineRun:
         cfg = with_table_rows(cfg, spec.table_rows)
         validate(cfg)
         if cfg.data.bbs:
-            raise ValueError("data.bbs=true: online training reads the drifting stream window "
-                             "by window, which Base Batch Shuffling does not balance; set "
-                             "data.bbs=false")
-        if spec.windows < spec.warmup_windows or spec.warmup_windows < 1:
-            raise ValueError(f"online: need windows >= warmup_windows >= 1, got windows="
-                             f"{spec.windows}, warmup_windows={spec.warmup_windows}")
-        self.cfg, self.workdir, self.spec, self.log = cfg, workdir, spec, log
-        self.stream = DriftingStream(cfg.data, cfg.train.seed)
+            raise ValueError("data.bbs=true: online training reads its stream window by window, "
+                             "which Base Batch Shuffling does not balance; set data.bbs=false")
+        self.parquet = cfg.data.source == "parquet"
         self.fields = _Fields(cfg, spec.admit_tables)
+        self.stream = (parquet_windows(cfg, spec.admit_tables) if self.parquet
+                       else DriftingStream(cfg.data, cfg.train.seed))
+        self.num_windows = spec.windows
+        if self.parquet:
+            have = self.stream.num_windows
+            self.num_windows = spec.windows or have
+            if self.num_windows > have:
+                raise ValueError(f"online: {spec.windows} windows asked, {cfg.data.train_path} "
+                                 f"holds {have} windows of {cfg.data.window_seconds:g} s of "
+                                 f"{cfg.data.time_column!r}")
+        if self.num_windows < spec.warmup_windows or spec.warmup_windows < 1:
+            raise ValueError(f"online: need windows >= warmup_windows >= 1, got windows="
+                             f"{self.num_windows}, warmup_windows={spec.warmup_windows}")
+        self.cfg, self.workdir, self.spec, self.log = cfg, workdir, spec, log
         trainer = online_trainer(cfg, mesh)
-        self.feeder = Feeder(self.stream.shard_batch, trainer.mesh)
+        shard_batch = self.stream.source.shard_batch if self.parquet else self.stream.shard_batch
+        self.feeder = Feeder(shard_batch, trainer.mesh)
         self.num_shards = trainer.num_shards
         self.grid = (schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks)
         admission = {t: FrequencyAdmission(self.fields.rows[t], spec.min_count, spec.buckets)
@@ -252,8 +317,8 @@ class OnlineRun:
         """The id maps `member` reads (its own, or those of the member it shares)."""
         return self.members[member.shares_admission or member.name].admission
 
-    def _device_batch(self, member: Member, shards: list[Batch], count: bool):
-        mapped, hashed = self.fields.mapped(shards, self.admission_of(member), count)
+    def _device_batch(self, member: Member, shards: list[Batch], count: bool, real=None):
+        mapped, hashed = self.fields.mapped(shards, self.admission_of(member), count, real)
         coll, id_fields = member.trainer.coll, member.trainer.id_fields
         for s, b in enumerate(mapped):
             validate_batch(b, coll.check_ids, id_fields, where=f"member {member.name} shard {s}")
@@ -261,25 +326,36 @@ class OnlineRun:
 
     def run_window(self, w: int) -> dict:
         """Validate every member on window w, then train; returns its metrics row."""
-        steps = list(self.stream.window_steps(w))
-        raw = [self._raw_step(t) for t in steps]
+        if self.parquet:
+            raw = self.stream.batches(w, self.num_shards)
+            row = {"step": self.step_at(w + 1), "kind": "window", "window": w,
+                   **self.stream.describe(w)}
+        else:
+            steps = list(self.stream.window_steps(w))
+            raw = [(*self._raw_step(t), None) for t in steps]
+            row = {"step": steps[-1] + 1, "kind": "window", "window": w}
         for m in self.members.values():
             if m.refresh is not None:
                 m.refresh(m, self.members, w)
-        row = {"step": steps[-1] + 1, "kind": "window", "window": w}
         bayes = EvalAccumulator(*self.grid)
         accs = {n: EvalAccumulator(*self.grid) for n, m in self.members.items() if m.state is not None}
-        for shards, infos in raw:
+        for shards, infos, real in raw:
             host = concat_shards(shards)
             cols = (host.labels, host.label_mask, host.surface, host.weights)
-            bayes.add(np.concatenate([i.true_probs for i in infos]), *cols)
+            if not self.parquet:
+                bayes.add(np.concatenate([i.true_probs for i in infos]), *cols)
             for n in accs:
                 m = self.members[n]
-                batch, _ = self._device_batch(m, shards, count=False)
+                batch, _ = self._device_batch(m, shards, count=False, real=real)
                 accs[n].add(np.asarray(m.eval_step(m.state, batch)), *cols)
-        row["bayes_ne"] = bayes.result()["ne"]
+        if not self.parquet:
+            row["bayes_ne"] = bayes.result()["ne"]
+        results = {n: a.result() for n, a in accs.items()}
         for n in self.members:
-            row[f"ne_{n}"] = accs[n].result()["ne"] if n in accs else None
+            row[f"ne_{n}"] = results[n]["ne"] if n in results else None
+        if self.parquet:
+            for n in self.members:
+                row[f"auc_{n}"] = results[n]["auc"] if n in results else None
         fresh = self.members["fresh"]
         new_ids = dict.fromkeys(fresh.admission, 0)
         hashed_sum = dict.fromkeys(fresh.admission, 0)
@@ -287,12 +363,12 @@ class OnlineRun:
             if m.train_step is None or m.state is None:
                 continue
             losses = []
-            for shards, _ in raw:
-                batch, hashed = self._device_batch(m, shards, count=m is fresh)
+            for shards, _, real in raw:
+                batch, hashed = self._device_batch(m, shards, count=m is fresh, real=real)
                 m.state, metrics = m.train_step(m.state, batch)
                 losses.append(metrics["loss"])
                 for table, adm in ({} if m.shares_admission else m.admission).items():
-                    got = adm.observe(self.fields.raw_ids(shards, table))
+                    got = adm.observe(self.fields.raw_ids(shards, table, real))
                     if m is fresh:
                         new_ids[table] += got["new_ids"]
                         hashed_sum[table] += hashed.get(table, 0)
@@ -308,6 +384,13 @@ class OnlineRun:
         self.window = w + 1
         return row
 
+    def step_at(self, window: int) -> int:
+        """The data step where `window` starts (a checkpoint taken after window w - 1 is
+        labelled step_at(w))."""
+        if self.parquet:
+            return self.stream.start_step(window)
+        return window * self.cfg.data.drift_every
+
     # -- checkpoints --------------------------------------------------------------
     def _targets(self, names) -> dict:
         return {n: {**self.members[n].trainer.init_state(self.cfg.train.seed),
@@ -316,17 +399,23 @@ class OnlineRun:
 
     def _meta(self) -> dict:
         held = [n for n, m in self.members.items() if m.state is not None]
-        return {"window": self.window, "data_step": self.window * self.cfg.data.drift_every,
+        meta = {"window": self.window, "data_step": self.step_at(self.window),
                 "run": run_fields(self.cfg), "online": self.spec.fields(),
                 "members": sorted(self.members), "held": held,
                 "admission": {n: {t: a.state() for t, a in m.admission.items()}
                               for n, m in self.members.items() if not m.shares_admission}}
+        if self.parquet:       # the windows the files make: a resume on other rows is refused
+            tw = self.stream
+            meta["stream"] = {"rows": tw.source.num_rows, "windows": tw.num_windows,
+                              "t_first": float(tw.first_time[0]), "t_last": float(tw.last_time[-1]),
+                              "steps": tw.start_step(tw.num_windows)}
+        return meta
 
     def save(self) -> None:
         """Checkpoint every member that has a state, and every admission."""
         tree = {n: {**m.state, "tables": m.trainer.coll.logical_arrays(m.state["tables"])}
                 for n, m in self.members.items() if m.state is not None}
-        self.ckpt.save(self.window * self.cfg.data.drift_every, tree, self._meta())
+        self.ckpt.save(self.step_at(self.window), tree, self._meta())
 
     def restore(self) -> int | None:
         """Restore the newest checkpoint (returns its step), or None if there is none."""
@@ -335,7 +424,8 @@ class OnlineRun:
         step, meta = self.ckpt.metadata()
         want = self._meta()
         problems = [f"{k}: checkpoint {meta.get(k)!r}, this run {want[k]!r}"
-                    for k in ("run", "online", "members") if meta.get(k) != want[k]]
+                    for k in ("run", "online", "members") + (("stream",) if self.parquet else ())
+                    if meta.get(k) != want[k]]
         if problems:
             raise ResumeMismatch(f"cannot resume {self.workdir} at step {step}: "
                                  + "; ".join(problems) + ". Use the checkpoint's settings or "
@@ -370,7 +460,7 @@ def summary_table(rows: list[dict], members: list[str]) -> str:
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
     for r in rows:
-        cells = [str(r["window"]), fmt(r["bayes_ne"])] + [fmt(r.get(f"ne_{m}")) for m in members]
+        cells = [str(r["window"]), fmt(r.get("bayes_ne"))] + [fmt(r.get(f"ne_{m}")) for m in members]
         cells += [f"{r[f'{t}_new_ids']}/{r[f'{t}_hashed']}/{r[f'{t}_admitted']}" for t in tables]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
@@ -406,20 +496,28 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
     runlog = tracking.RunLog(workdir, start_step=start, tensorboard=False, log=log)
-    log(f"[online] config={cfg.name} windows={spec.windows} x {cfg.data.drift_every} steps, "
-        f"batch {cfg.data.batch_size}, drift_strength={cfg.data.drift_strength}, "
-        f"new_id_rate={cfg.data.new_id_rate}, admission min_count={spec.min_count} "
-        f"buckets={spec.buckets}, members {sorted(run.members)}")
-    for w in range(run.window, spec.windows):
+    windows = run.num_windows
+    if run.parquet:
+        log(f"[online] config={cfg.name} windows={windows} of {cfg.data.window_seconds:g} s of "
+            f"{cfg.data.time_column!r} in {cfg.data.train_path} ({run.stream.source.num_rows} rows), "
+            f"batch {cfg.data.batch_size}, admission min_count={spec.min_count} "
+            f"buckets={spec.buckets} tables {list(spec.admit_tables)}, members {sorted(run.members)}")
+    else:
+        log(f"[online] config={cfg.name} windows={spec.windows} x {cfg.data.drift_every} steps, "
+            f"batch {cfg.data.batch_size}, drift_strength={cfg.data.drift_strength}, "
+            f"new_id_rate={cfg.data.new_id_rate}, admission min_count={spec.min_count} "
+            f"buckets={spec.buckets}, members {sorted(run.members)}")
+    for w in range(run.window, windows):
         row = run.run_window(w)
         runlog.append(row)
         saved = run.window >= spec.warmup_windows
         if saved:
             run.save()
         nes = " ".join(f"{n} {row[f'ne_{n}']:.4f}" for n in run.members if row[f"ne_{n}"] is not None)
-        log(f"[online] window {w}: NE {nes} (Bayes {row['bayes_ne']:.4f})"
+        tail = (f"{row['rows']} rows" if run.parquet else f"Bayes {row['bayes_ne']:.4f}")
+        log(f"[online] window {w}: NE {nes} ({tail})"
             + (f"; checkpoint step {row['step']}" if saved else ""))
-        if stop.signum is not None and w + 1 < spec.windows:
+        if stop.signum is not None and w + 1 < windows:
             runlog.close()
             raise Interrupted(stop.signum, row["step"],
                               f"stopped by {stop.name()} after window {w}"
@@ -431,7 +529,8 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
     table = summary_table(rows, members)
     log(table)
     after = [r for r in rows if r["window"] > spec.warmup_windows]   # past the first drift after freezing
-    summary = {"windows": spec.windows, "steps_per_window": cfg.data.drift_every,
+    summary = {"windows": windows,
+               "steps_per_window": None if run.parquet else cfg.data.drift_every,
                "rows": rows, "table": table,
                "fresh_ahead_after_drift": bool(after) and all(r["ne_fresh"] < r["ne_frozen"]
                                                               for r in after),
