@@ -4,6 +4,7 @@ in its own workdir, like any run, and resumes exactly after a stop.
     summary = train_student(student_cfg, "runs/students/kd", teacher, DistillConfig("kd,adapter"))
     row = evaluate_student("runs/students/kd")      # WORKDIR/eval/step_N.json
     predict = load_student("runs/students/kd")      # predict(Batch) -> probabilities [B, K]
+    distiller, state = restore_student("runs/students/kd")   # its adapter, teacher, state
     out = export_student("runs/students/kd")        # a gemjax export (serve.export.load_exported)
 
 The workdir holds what every train() run writes (config.json: the student's Config
@@ -70,7 +71,7 @@ from gemjax.serve.evaluate import evaluate_checkpoint
 from gemjax.serve.export import (export_model, feature_inputs, flatten_by_path, host_tables,
                                  lookup_features, serving_forward)
 from gemjax.serve.inference import Predictor, load_for_inference
-from gemjax.serve.restore import read_config
+from gemjax.serve.restore import read_config, restore
 from gemjax.train.checkpoint import state_step
 from gemjax.train.guards import ResumeMismatch
 from gemjax.train.loop import train
@@ -200,6 +201,15 @@ def _distiller(workdir: str, trainer: Trainer, meta: dict) -> Distiller:
     d = Distiller(trainer, teacher, DistillConfig(**record["distill"]))
     load_meta(d, meta, workdir)
     return d
+
+
+def restore_student(workdir: str, step: int | None = None, mesh=None) -> tuple[Distiller, dict]:
+    """(the student's Distiller, its train state) at checkpoint `step` (default the
+    newest) of a student run: the teacher read from the run named in student.json, the
+    host state (the Student Adapter's fit, ...) from the checkpoint's meta; e.g. for
+    `Distiller.corrected_teacher` with the adapter the student ended with."""
+    run = restore(workdir, step, mesh, log=lambda s: None)
+    return _distiller(workdir, run.trainer, run.meta), run.state
 
 
 def evaluate_student(workdir: str, step: int | None = None, mesh=None, **kw) -> dict:
