@@ -138,6 +138,8 @@ def _check(args, out, student, tmp_path, signals):
         name = signal.Signals(sig).name
         assert stdout.strip().splitlines()[-1].startswith(f"[distill] stopped by {name}"), stdout
         assert not os.path.exists(os.path.join(wd, "summary.json"))     # stopped mid-run
+    # the uninterrupted command from the same finished teacher run (copied: not retrained)
+    shutil.copytree(os.path.join(part, out, "teacher_s0"), os.path.join(whole, out, "teacher_s0"))
     for o in (part, whole):
         p = subprocess.run(_cmd([*args, f"--out={o}"]), cwd=ROOT, env=_env(), capture_output=True,
                            text=True, timeout=600)
@@ -166,6 +168,7 @@ def _check(args, out, student, tmp_path, signals):
     return wd
 
 
+@pytest.mark.slow
 def test_drift_student_resumes_after_signals_and_exports(tmp_path):
     args = ["--dataset=drift", "--seeds=0", "--teacher_steps=4", "--student_steps=40",
             "--rows=+repr", "--nohierarchical", "--latency_batch=0", "--adapter_refresh=5",
@@ -178,6 +181,7 @@ def test_drift_student_resumes_after_signals_and_exports(tmp_path):
     assert any(k.startswith("teacher/") for k in manifest["inputs"]["tables"])
 
 
+@pytest.mark.slow
 def test_frappe_style_student_resumes_after_sigterm_and_exports(tmp_path):
     """A converted Frappe stand-in (tests/test_converters.write_frappe, a few hundred
     rows) in place of /work/shared's."""
