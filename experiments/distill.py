@@ -271,19 +271,13 @@ def student_dir(out: str, row: str, seed: int) -> str:
     return os.path.join(out, "students", f"{name}_s{seed}")
 
 
-def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
-                workdir: str | None = None):
-    """(eval metrics, Distiller, state) of one student trained with `methods`: `steps`
-    steps from step 0 of the dataset's train stream (drift: scfg's data.drift_start),
-    then evaluated on its eval stream. workdir (an offline teacher): the student is a
-    run there (gemjax.distill.runs.train_student: checkpointed, resumed, servable);
-    then the Distiller and state are None. Without (a co-trained teacher, which
-    trains beside it here): in memory."""
-    import numpy as np
-    from gemjax.data.feeding import Feeder
-    from gemjax.data.source import make_source
-    from gemjax.distill.transfer import (DistillConfig, Distiller, Teacher, evaluate,
-                                         student_config)
+def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh, workdir: str) -> dict:
+    """Eval metrics of one student trained with `methods` for `steps` steps of the
+    dataset's train stream (drift: from scfg's data.drift_start) as the run `workdir`
+    (gemjax.distill.runs.train_student: checkpointed, resumed, servable), evaluated on
+    its eval stream. --teacher_mode=cotrain: `teacher` is ignored; a fresh teacher of
+    tcfg trains beside the student, checkpointed in WORKDIR/teacher."""
+    from gemjax.distill.transfer import DistillConfig, Teacher
     from gemjax.train.step import Trainer
     dcfg = DistillConfig(methods=methods, temperature=args.temperature, alpha=args.alpha,
                          adapter_window=args.adapter_window, adapter_refresh=args.adapter_refresh,
@@ -293,25 +287,10 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
                          repr_dropout=args.repr_dropout, share_accum=args.share_accum,
                          share_freeze_steps=args.share_freeze_steps,
                          share_lr_scale=args.share_lr_scale, share_dense=args.share_dense)
-    if workdir is not None:
-        return _student_run(scfg, teacher, dcfg, workdir, mesh), None, None
     if args.teacher_mode == "cotrain":
         tt = Trainer.create(tcfg, mesh)
         teacher = Teacher(tt, tt.init_state(tcfg.train.seed))
-    cfg = student_config(scfg, tcfg, dcfg)
-    d = Distiller(Trainer.create(cfg, mesh), teacher, dcfg)
-    state = d.init_state(cfg.train.seed)
-    feeder = Feeder(make_source(cfg, "train").shard_batch, mesh,
-                    check_ids=d.trainer.coll.check_ids, id_fields=d.trainer.id_fields)
-    for step, batch, _, _ in feeder.batches(0, steps):
-        state, _ = d.step(state, batch, step)
-    res = evaluate(cfg, lambda b: d.predict(state, b), mesh)
-    if "share" in methods and args.share == "frozen":
-        same = all(np.array_equal(np.asarray(state["tables"][n]["weights"]),
-                                  np.asarray(teacher.state["tables"][n]["weights"]))
-                   for n in state["tables"])
-        res["shared_tables_unchanged"] = bool(same) if args.teacher_mode == "offline" else None
-    return res, d, state
+    return _student_run(scfg, teacher, dcfg, workdir, mesh)
 
 
 def _student_run(scfg, teacher, dcfg, workdir: str, mesh) -> dict:
@@ -322,7 +301,7 @@ def _student_run(scfg, teacher, dcfg, workdir: str, mesh) -> dict:
     from gemjax.serve.restore import restore
     summary = train_student(scfg, workdir, teacher, dcfg, mesh=mesh, log=lambda s: None)
     res = {k: summary[f"eval_{k}"] for k in ("ne", "auc", "calibration")}
-    if "share" in dcfg.method_set and dcfg.share == "frozen":
+    if "share" in dcfg.method_set and dcfg.share == "frozen" and dcfg.teacher_mode == "offline":
         tables = restore(workdir, mesh=mesh).state["tables"]
         res["shared_tables_unchanged"] = all(
             np.array_equal(np.asarray(tables[n]["weights"]),
@@ -423,7 +402,7 @@ def main(argv):
         runtime.enable_compile_cache(args.compile_cache, min_compile_s=0.5, log=lambda s: None)
     except ValueError as e:
         raise app.UsageError(f"--compile_cache: {e}")
-    from gemjax.distill.runs import restore_student
+    from gemjax.distill.runs import COTRAINED, restore_student
     from gemjax.distill.transfer import Teacher, evaluate
     from gemjax.train.step import default_mesh
     if args.dataset == "frappe" and not os.path.exists(os.path.join(args.frappe_dir, "schema.json")):
@@ -473,10 +452,9 @@ def main(argv):
             teacher = Teacher.from_workdir(workdir, mesh=mesh)
             step = teacher.trainer.make_eval_step()
             teacher_ne.append(evaluate(tcfg, lambda b: step(teacher.state, b), mesh)["ne"])
-        as_run = args.teacher_mode == "offline"   # students as runs
         for row in rows:
             t0 = time.time()
-            wd = student_dir(out, row, seed) if as_run else None
+            wd = student_dir(out, row, seed)
             if row == "hier":
                 # the domain model: on the drift stream, the students' recent windows
                 dom_steps = args.student_steps if drift else args.teacher_steps // 2
@@ -488,18 +466,18 @@ def main(argv):
                 if windows is not None:
                     windows.ran("hier/domain", dom_wd)
                 domain = Teacher.from_workdir(dom_wd, mesh=mesh)
-                res, _, _ = run_student(scfg, dom_cfg, domain, "kd,adapter", args,
-                                        args.student_steps, mesh, wd)
+                res = run_student(scfg, dom_cfg, domain, "kd,adapter", args, args.student_steps,
+                                  mesh, wd)
             else:
-                res, d, _ = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
-                                        mesh, wd)
+                res = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps, mesh, wd)
+            if args.teacher_mode == "cotrain" and row == rows[0]:
+                # the co-trained teacher of the first row, after its student_steps steps
+                cot = Teacher.from_workdir(os.path.join(wd, COTRAINED), mesh=mesh)
+                step = cot.trainer.make_eval_step()
+                teacher_ne.append(evaluate(tcfg, lambda b: step(cot.state, b), mesh)["ne"])
             if windows is not None:
                 windows.ran(row, wd)
-                if args.teacher_mode == "cotrain" and row == rows[0]:
-                    # the co-trained teacher of the first row, after its student_steps steps
-                    step = d.teacher.trainer.make_eval_step()
-                    teacher_ne.append(evaluate(tcfg, lambda b: step(d.teacher.state, b), mesh)["ne"])
-                if windows is not None and row == "kd+adapter":
+                if row == "kd+adapter":
                     # the teacher's own eval logits through this student's final adapter
                     # (fitted on the newest student-window labels): its drift that
                     # calibration can correct

@@ -105,13 +105,15 @@ class StudentTrainer:
     """The trainer train() runs for a student: the student Trainer's attributes (cfg,
     coll, mesh, graphdef, ...) with init_state, the train step and the eval step of
     `distiller` (its teacher's outputs taken per batch), and its host state in every
-    checkpoint's meta (module docstring)."""
+    checkpoint's meta (module docstring). teacher_dir (a co-trained teacher): the run
+    directory its state is checkpointed in at every student checkpoint's step."""
 
-    def __init__(self, distiller: Distiller):
+    def __init__(self, distiller: Distiller, teacher_dir: str | None = None):
         self.distiller, self.trainer = distiller, distiller.trainer
+        self.teacher_dir = teacher_dir
 
     def __getattr__(self, name):
-        if name in ("distiller", "trainer"):
+        if name in ("distiller", "trainer", "teacher_dir"):
             raise AttributeError(name)
         return getattr(self.trainer, name)
 
@@ -130,10 +132,48 @@ class StudentTrainer:
 
     def checkpoint_meta(self) -> dict:
         arrays, rng = self.distiller.host_state()
-        return {"distill": {"arrays": _pack(arrays), "rng": rng}}
+        saved = {"arrays": _pack(arrays), "rng": rng}
+        if self.teacher_dir is not None:     # the co-trained teacher at the same step
+            saved["teacher_step"] = save_cotrained(self.teacher_dir, self.distiller.teacher,
+                                                   self.distiller.steps_done)
+        return {"distill": saved}
 
     def resume_meta(self, meta: dict) -> None:
         load_meta(self.distiller, meta, "student resume")
+        if self.teacher_dir is not None:
+            step = meta["distill"].get("teacher_step")
+            if step is None:
+                raise ValueError(f"student resume: the checkpoint's meta names no co-trained "
+                                 f"teacher step (meta['distill']['teacher_step'])")
+            self.distiller.teacher.state = Teacher.from_workdir(
+                self.teacher_dir, step, mesh=self.trainer.mesh).state
+
+
+COTRAINED = "teacher"     # WORKDIR/teacher: a co-trained teacher's run directory
+
+
+def save_cotrained(teacher_dir: str, teacher: Teacher, step: int) -> int:
+    """Checkpoint a co-trained teacher's state as `step` of the run directory
+    `teacher_dir` (config.json and checkpoints/, as train() writes them: restore and
+    Teacher.from_workdir read it), synchronously; returns step. A step already there
+    is kept (an exact resume recomputes the same state)."""
+    from gemjax.config import schema_of, with_schema
+    from gemjax.train.checkpoint import Checkpointer, save_train_state
+    from gemjax.train.guards import run_fields
+    cfg = teacher.cfg
+    path = os.path.join(teacher_dir, "config.json")
+    if not os.path.isfile(path):
+        os.makedirs(teacher_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(dataclasses.asdict(with_schema(cfg)), f, indent=1)
+        os.replace(path + ".tmp", path)
+    with Checkpointer(os.path.join(teacher_dir, "checkpoints"), keep=cfg.train.keep_checkpoints + 1,
+                      async_save=False) as ckpt:
+        if step not in ckpt.all_steps():
+            save_train_state(ckpt, teacher.trainer.coll, step, teacher.state,
+                             {"data_step": step, "config": cfg.name, "run": run_fields(cfg),
+                              "features": schema_of(cfg).to_dict()})
+    return step
 
 
 def read_record(workdir: str) -> dict:
@@ -172,18 +212,21 @@ def train_student(student_cfg: Config, workdir: str, teacher: Teacher, dcfg: Dis
     signal, with the checkpoint saved), ResumeMismatch for a workdir whose checkpoints
     were trained with another DistillConfig or teacher, and ValueError for a co-trained
     teacher or train.steps_per_call > 1."""
-    if dcfg.teacher_mode != "offline":
-        raise ValueError("train_student: teacher_mode must be offline (a co-trained teacher's "
-                         "state is not part of the student's checkpoints)")
     if student_cfg.train.steps_per_call != 1:
         raise ValueError(f"train_student: train.steps_per_call must be 1 (the teacher's outputs "
                          f"pass through the host per step), got {student_cfg.train.steps_per_call}")
     cfg = student_config(student_cfg, teacher.cfg, dcfg)
-    ref = None if teacher.workdir is None else {"workdir": teacher.workdir, "step": teacher.step}
+    cotrain = dcfg.teacher_mode == "cotrain"
+    if cotrain:
+        ref = {"cotrained": COTRAINED}
+    else:
+        ref = None if teacher.workdir is None else {"workdir": teacher.workdir, "step": teacher.step}
     _write_record(workdir, {"format": FORMAT, "distill": dataclasses.asdict(dcfg), "teacher": ref})
+    teacher_dir = os.path.join(workdir, COTRAINED) if cotrain else None
 
     def make(cfg, mesh, **trainer_kw):
-        return StudentTrainer(Distiller(Trainer.create(cfg, mesh, **trainer_kw), teacher, dcfg))
+        return StudentTrainer(Distiller(Trainer.create(cfg, mesh, **trainer_kw), teacher, dcfg),
+                              teacher_dir)
 
     return train(cfg, workdir, log=log, mesh=mesh or teacher.trainer.mesh, stop_after=stop_after,
                  make_trainer=make)
@@ -197,7 +240,11 @@ def _distiller(workdir: str, trainer: Trainer, meta: dict) -> Distiller:
     if ref is None:
         raise ValueError(f"{workdir}: the student's teacher was not read from a run "
                          f"(student.json teacher: null), so its features cannot be recomputed")
-    teacher = Teacher.from_workdir(ref["workdir"], ref["step"], mesh=trainer.mesh)
+    if "cotrained" in ref:      # the co-trained teacher as it was at this checkpoint
+        teacher = Teacher.from_workdir(os.path.join(workdir, ref["cotrained"]),
+                                       meta["distill"]["teacher_step"], mesh=trainer.mesh)
+    else:
+        teacher = Teacher.from_workdir(ref["workdir"], ref["step"], mesh=trainer.mesh)
     d = Distiller(trainer, teacher, DistillConfig(**record["distill"]))
     load_meta(d, meta, workdir)
     return d
