@@ -9,8 +9,9 @@ Per seed:
    finished one, with summary.json, is reused) and is read back from its checkpoint
    (`Teacher.from_workdir`: the offline teacher). --teacher_mode=cotrain trains a fresh
    teacher inside each student's run instead (the same batches, the teacher's outputs
-   taken before it trains on them; the teacher's NE is that of the first row's
-   teacher after --student_steps steps; no hierarchical row).
+   taken before it trains on them; checkpointed with the student in its run's
+   teacher/; the teacher's NE is that of the first row's teacher after
+   --student_steps steps; no hierarchical row).
 2. One student (model.kind=student, `--student_override`: by default a DLRM of the
    teacher's width 16, so shared tables need no projection) per row, trained
    --student_steps steps from the same init seed on the same stream with
@@ -67,9 +68,9 @@ drift a recalibration removes). results.json records, per seed and model
 ("drift_steps"), the global steps it trained on and was evaluated on.
 Writes OUT/<dataset>/results.json and OUT/<dataset>/table.md and prints the table.
 
-Students as runs: with an offline teacher (every dataset, drift included; not cotrain,
-whose students train in memory beside their teacher), every student, the hierarchical
-row's domain model included, trains as a run in OUT/<dataset>/students/<row>_s<seed>
+Students as runs: every student (every dataset, drift included; cotrain too, its
+teacher a run inside the student's: WORKDIR/teacher), the hierarchical row's domain
+model included, trains as a run in OUT/<dataset>/students/<row>_s<seed>
 (gemjax.distill.runs.train_student: checkpoints/, config.json, metrics.jsonl,
 summary.json and student.json, the DistillConfig and the teacher's run and step).
 `python -m experiments.train --mode=eval --workdir=<student dir>` evaluates it again;

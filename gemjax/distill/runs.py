@@ -45,8 +45,16 @@ checkpoint present. For a teacher without sequences the features are its user
 table's row: a table of the export. XLA drops the teacher computation the features do
 not use (its logits); every teacher dense parameter is still an input (params.npz).
 
-One process (the teacher's outputs pass through the host); an offline teacher only (a
-co-trained teacher's state is not part of the student's checkpoints).
+Co-training (DistillConfig teacher_mode "cotrain": a fresh teacher trains on each batch
+after the student's step): the teacher's state is checkpointed with the student's, at
+the same step, as the run directory WORKDIR/teacher (config.json and checkpoints/, as a
+train() run's: Teacher.from_workdir reads it), written synchronously before the
+student's checkpoint (`save_cotrained`); the student's meta["distill"]["teacher_step"]
+names it and a resume restores the teacher from there. student.json's "teacher" is then
+{"cotrained": "teacher"}, and a repr student's features are recomputed from the teacher
+as it was at the student's checkpoint.
+
+One process (the teacher's outputs pass through the host).
 """
 
 from __future__ import annotations
@@ -208,10 +216,12 @@ def train_student(student_cfg: Config, workdir: str, teacher: Teacher, dcfg: Dis
                   stop_after: int | None = None) -> dict:
     """Train the student of `student_cfg` (before `student_config`) from `teacher` with
     `dcfg` in `workdir` (resuming it); returns train()'s summary. mesh: default the
-    teacher's; stop_after: as train()'s. Raises as train() does (Interrupted after a
-    signal, with the checkpoint saved), ResumeMismatch for a workdir whose checkpoints
-    were trained with another DistillConfig or teacher, and ValueError for a co-trained
-    teacher or train.steps_per_call > 1."""
+    teacher's; stop_after: as train()'s. dcfg.teacher_mode "cotrain": `teacher` is the
+    fresh teacher that trains beside the student (its state is replaced by
+    WORKDIR/teacher's on a resume; module docstring). Raises as train() does
+    (Interrupted after a signal, with the checkpoint saved), ResumeMismatch for a
+    workdir whose checkpoints were trained with another DistillConfig or teacher, and
+    ValueError for train.steps_per_call > 1."""
     if student_cfg.train.steps_per_call != 1:
         raise ValueError(f"train_student: train.steps_per_call must be 1 (the teacher's outputs "
                          f"pass through the host per step), got {student_cfg.train.steps_per_call}")
