@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemjax.config import Config
+from gemjax.config import Config, schema_of, with_schema
 from gemjax.distill.batch import with_teacher
 from gemjax.distill.represent import represent
 from gemjax.distill.transfer import DistillConfig, Distiller, Teacher, student_config
@@ -80,8 +80,8 @@ from gemjax.serve.export import (export_model, feature_inputs, flatten_by_path, 
                                  lookup_features, serving_forward)
 from gemjax.serve.inference import Predictor, load_for_inference
 from gemjax.serve.restore import read_config, restore
-from gemjax.train.checkpoint import state_step
-from gemjax.train.guards import ResumeMismatch
+from gemjax.train.checkpoint import Checkpointer, save_train_state, state_step
+from gemjax.train.guards import ResumeMismatch, run_fields
 from gemjax.train.loop import train
 from gemjax.train.step import Trainer
 
@@ -153,8 +153,13 @@ class StudentTrainer:
             if step is None:
                 raise ValueError(f"student resume: the checkpoint's meta names no co-trained "
                                  f"teacher step (meta['distill']['teacher_step'])")
-            self.distiller.teacher.state = Teacher.from_workdir(
-                self.teacher_dir, step, mesh=self.trainer.mesh).state
+            saved = Teacher.from_workdir(self.teacher_dir, step, mesh=self.trainer.mesh)
+            if saved.cfg.model != self.distiller.teacher.cfg.model:
+                raise ResumeMismatch(f"cannot resume the student: its co-trained teacher in "
+                                     f"{self.teacher_dir} has another model config than this "
+                                     f"run's teacher. Rerun with the checkpoint's teacher "
+                                     f"settings, or use a new workdir")
+            self.distiller.teacher.state = saved.state
 
 
 COTRAINED = "teacher"     # WORKDIR/teacher: a co-trained teacher's run directory
@@ -165,9 +170,6 @@ def save_cotrained(teacher_dir: str, teacher: Teacher, step: int) -> int:
     `teacher_dir` (config.json and checkpoints/, as train() writes them: restore and
     Teacher.from_workdir read it), synchronously; returns step. A step already there
     is kept (an exact resume recomputes the same state)."""
-    from gemjax.config import schema_of, with_schema
-    from gemjax.train.checkpoint import Checkpointer, save_train_state
-    from gemjax.train.guards import run_fields
     cfg = teacher.cfg
     path = os.path.join(teacher_dir, "config.json")
     if not os.path.isfile(path):
