@@ -9,8 +9,9 @@ Per seed:
    finished one, with summary.json, is reused) and is read back from its checkpoint
    (`Teacher.from_workdir`: the offline teacher). --teacher_mode=cotrain trains a fresh
    teacher inside each student's run instead (the same batches, the teacher's outputs
-   taken before it trains on them; the teacher's NE is that of the first row's
-   teacher after --student_steps steps; no hierarchical row).
+   taken before it trains on them; checkpointed with the student in its run's
+   teacher/; the teacher's NE is that of the first row's teacher after
+   --student_steps steps; no hierarchical row).
 2. One student (model.kind=student, `--student_override`: by default a DLRM of the
    teacher's width 16, so shared tables need no projection) per row, trained
    --student_steps steps from the same init seed on the same stream with
@@ -45,28 +46,31 @@ to the dataset config of every model.
 
 --dataset=drift is the drifting synthetic stream (gemjax.data.drift.DriftingStream,
 DRIFT_DATA: windows of data.drift_every steps, the planted model and the item
-popularity moving at each window start), time-ordered per seed:
+popularity moving at each window start), time-ordered per seed; every model is a run
+reading it through make_source (data.drift_start: the stream step of its step 0):
   teacher   trains (offline, before any student) on global steps [0, T) with
-            T = --teacher_steps, the earlier windows;
+            T = --teacher_steps, the earlier windows, as the run OUT/drift/teacher_sSEED
+            (--drift_teacher_lr constant: optim.schedule=warmup_constant);
   students  (and the hierarchical row's domain model) train on the next
             --student_steps steps [T, T + S), the recent window(s), with the fixed
-            teacher's outputs; the Student Adapter observes only these labels, so its
-            fit is on the newest labeled rows (--adapter_window rows);
+            teacher's outputs (data.drift_start=T); the Student Adapter observes only
+            these labels, so its fit is on the newest labeled rows (--adapter_window rows);
   eval      every row, the teacher too, on the whole window after them (the
             drift_every steps from T + S), labelled by that window's planted model:
             samples none of the models trained on; its Bayes-optimal NE is printed too.
 T and S must be multiples of data.drift_every; data.new_id_rate must be 0 (fresh raw
-ids need an id admission, experiments/online.py); data.eval_batches is not used. The
-teacher trains in this process (--drift_teacher_lr: its lr schedule) and is not kept
-as a checkpoint; --teacher_mode=cotrain is refused. A line under the table scores the
-teacher's eval logits through the kd+adapter student's final adapter (how much of the
-teacher's drift a recalibration removes). results.json records, per seed and model
+ids need an id admission, experiments/online.py); every run's data.eval_batches is
+data.drift_every (a student run's own eval is the eval window; the teacher run's, not
+used, the students' window); --teacher_mode=cotrain is refused. A line under the table
+scores the teacher's eval logits through the kd+adapter student's final adapter
+(restored from its run: gemjax.distill.runs.restore_student; how much of the teacher's
+drift a recalibration removes). results.json records, per seed and model
 ("drift_steps"), the global steps it trained on and was evaluated on.
 Writes OUT/<dataset>/results.json and OUT/<dataset>/table.md and prints the table.
 
-Students as runs: with an offline teacher (not --dataset=drift, whose students read
-windows of the drifting stream, nor cotrain), every student, the hierarchical row's
-domain model included, trains as a run in OUT/<dataset>/students/<row>_s<seed>
+Students as runs: every student (every dataset, drift included; cotrain too, its
+teacher a run inside the student's: WORKDIR/teacher), the hierarchical row's domain
+model included, trains as a run in OUT/<dataset>/students/<row>_s<seed>
 (gemjax.distill.runs.train_student: checkpoints/, config.json, metrics.jsonl,
 summary.json and student.json, the DistillConfig and the teacher's run and step).
 `python -m experiments.train --mode=eval --workdir=<student dir>` evaluates it again;
@@ -186,7 +190,8 @@ class DriftWindows:
     """The drift dataset of one seed (module docstring): the DriftingStream of cfg.data
     and seed cfg.train.seed, the global step ranges of the teacher, the students and
     the eval window, and `consumed[model] = {"train": set, "eval": set}`, the steps
-    each model's batches were read at (recorded by the source each model reads)."""
+    each model's batches were read at: recorded by the source read for the evaluations
+    made here (`evaluate`), and from its config for each run (`ran`)."""
 
     def __init__(self, cfg, teacher_steps: int, student_steps: int):
         from gemjax.data.drift import DriftingStream
@@ -232,24 +237,32 @@ class DriftWindows:
             bayes.add(np.concatenate([i.true_probs for i in infos]), *cols)
         return {**acc.result(), "bayes_ne": bayes.result()["ne"]}
 
-    def train_teacher(self, tcfg, mesh, lr: str = "decay"):
-        """The offline teacher: tcfg's model trained on the teacher steps, then fixed;
-        lr "decay": the batch trainer's schedule, "constant": online_trainer's."""
-        from gemjax.data.feeding import Feeder
-        from gemjax.distill.transfer import Teacher
-        from gemjax.train.online import online_trainer
-        from gemjax.train.step import Trainer
-        tr = online_trainer(tcfg, mesh) if lr == "constant" else Trainer.create(tcfg, mesh)
-        state, step_fn = tr.init_state(tcfg.train.seed), tr.make_train_step()
-        feeder = Feeder(self.source("teacher", "train"), mesh, check_ids=tr.coll.check_ids,
-                        id_fields=tr.id_fields)
-        for _, batch, _, _ in feeder.batches(self.teacher.start, self.teacher.stop):
-            state, _ = step_fn(state, batch)
-        return Teacher(tr, state)
+    def ran(self, model: str, workdir: str, use: tuple[str, ...] = ("train", "eval")) -> None:
+        """Record under consumed[model] the steps the run in `workdir` trained (`use`
+        "train") and was evaluated (`use` "eval") on: its config.json's data.drift_start,
+        train.steps and data.eval_batches (make_source's drifting stream)."""
+        from gemjax.serve.restore import read_config
+        cfg = read_config(workdir)
+        seen = self.consumed.setdefault(model, {"train": set(), "eval": set()})
+        start, stop = cfg.data.drift_start, cfg.data.drift_start + cfg.train.steps
+        steps = {"train": range(start, stop), "eval": range(stop, stop + cfg.data.eval_batches)}
+        for u in use:
+            seen[u].update(steps[u])
 
     def record(self) -> dict:
         """consumed as sorted lists (results.json)."""
         return {m: {u: sorted(v) for u, v in uses.items()} for m, uses in self.consumed.items()}
+
+
+def drift_config(cfg, start: int, teacher_lr: str = "decay"):
+    """cfg reading the drifting stream from global step `start` (data.drift_start), its
+    run's eval the whole window after its training (data.eval_batches =
+    data.drift_every); teacher_lr "constant": optim.schedule=warmup_constant (the lr of
+    gemjax.train.online.online_trainer)."""
+    from gemjax.config import apply_overrides
+    over = f"data.drift_start={start},data.eval_batches={cfg.data.drift_every}"
+    return apply_overrides(cfg, over + (",optim.schedule=warmup_constant"
+                                        if teacher_lr == "constant" else ""))
 
 
 def student_dir(out: str, row: str, seed: int) -> str:
@@ -259,20 +272,13 @@ def student_dir(out: str, row: str, seed: int) -> str:
     return os.path.join(out, "students", f"{name}_s{seed}")
 
 
-def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
-                windows: DriftWindows | None = None, name: str = "student",
-                workdir: str | None = None):
-    """(eval metrics, Distiller, state) of one student trained with `methods`: `steps`
-    steps from step 0 of the dataset's train stream, or with `windows` (drift) its
-    student steps, then evaluated on its eval window (consumed under `name`).
-    workdir (an offline teacher, no windows): the student is a run there
-    (gemjax.distill.runs.train_student: checkpointed, resumed, servable); then the
-    Distiller and state are None."""
-    import numpy as np
-    from gemjax.data.feeding import Feeder
-    from gemjax.data.source import make_source
-    from gemjax.distill.transfer import (DistillConfig, Distiller, Teacher, evaluate,
-                                         student_config)
+def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh, workdir: str) -> dict:
+    """Eval metrics of one student trained with `methods` for `steps` steps of the
+    dataset's train stream (drift: from scfg's data.drift_start) as the run `workdir`
+    (gemjax.distill.runs.train_student: checkpointed, resumed, servable), evaluated on
+    its eval stream. --teacher_mode=cotrain: `teacher` is ignored; a fresh teacher of
+    tcfg trains beside the student, checkpointed in WORKDIR/teacher."""
+    from gemjax.distill.transfer import DistillConfig, Teacher
     from gemjax.train.step import Trainer
     dcfg = DistillConfig(methods=methods, temperature=args.temperature, alpha=args.alpha,
                          adapter_window=args.adapter_window, adapter_refresh=args.adapter_refresh,
@@ -282,36 +288,10 @@ def run_student(scfg, tcfg, teacher, methods: str, args, steps: int, mesh,
                          repr_dropout=args.repr_dropout, share_accum=args.share_accum,
                          share_freeze_steps=args.share_freeze_steps,
                          share_lr_scale=args.share_lr_scale, share_dense=args.share_dense)
-    if workdir is not None:
-        return _student_run(scfg, teacher, dcfg, workdir, mesh), None, None
     if args.teacher_mode == "cotrain":
         tt = Trainer.create(tcfg, mesh)
         teacher = Teacher(tt, tt.init_state(tcfg.train.seed))
-    cfg = student_config(scfg, tcfg, dcfg)
-    d = Distiller(Trainer.create(cfg, mesh), teacher, dcfg)
-    state = d.init_state(cfg.train.seed)
-    if windows is None:
-        shard_batch, start, stop = make_source(cfg, "train").shard_batch, 0, steps
-    else:
-        if steps != len(windows.student):
-            raise ValueError(f"--dataset=drift: {name} trains on the {len(windows.student)} "
-                             f"student steps, not {steps}")
-        shard_batch = windows.source(name, "train")
-        start, stop = windows.student.start, windows.student.stop
-    feeder = Feeder(shard_batch, mesh, check_ids=d.trainer.coll.check_ids,
-                    id_fields=d.trainer.id_fields)
-    for step, batch, _, _ in feeder.batches(start, stop):
-        state, _ = d.step(state, batch, step)
-    if windows is None:
-        res = evaluate(cfg, lambda b: d.predict(state, b), mesh)
-    else:
-        res = windows.evaluate(cfg, lambda b: d.predict(state, b), mesh, name)
-    if "share" in methods and args.share == "frozen":
-        same = all(np.array_equal(np.asarray(state["tables"][n]["weights"]),
-                                  np.asarray(teacher.state["tables"][n]["weights"]))
-                   for n in state["tables"])
-        res["shared_tables_unchanged"] = bool(same) if args.teacher_mode == "offline" else None
-    return res, d, state
+    return _student_run(scfg, teacher, dcfg, workdir, mesh)
 
 
 def _student_run(scfg, teacher, dcfg, workdir: str, mesh) -> dict:
@@ -322,7 +302,7 @@ def _student_run(scfg, teacher, dcfg, workdir: str, mesh) -> dict:
     from gemjax.serve.restore import restore
     summary = train_student(scfg, workdir, teacher, dcfg, mesh=mesh, log=lambda s: None)
     res = {k: summary[f"eval_{k}"] for k in ("ne", "auc", "calibration")}
-    if "share" in dcfg.method_set and dcfg.share == "frozen":
+    if "share" in dcfg.method_set and dcfg.share == "frozen" and dcfg.teacher_mode == "offline":
         tables = restore(workdir, mesh=mesh).state["tables"]
         res["shared_tables_unchanged"] = all(
             np.array_equal(np.asarray(tables[n]["weights"]),
@@ -423,6 +403,7 @@ def main(argv):
         runtime.enable_compile_cache(args.compile_cache, min_compile_s=0.5, log=lambda s: None)
     except ValueError as e:
         raise app.UsageError(f"--compile_cache: {e}")
+    from gemjax.distill.runs import COTRAINED, restore_student
     from gemjax.distill.transfer import Teacher, evaluate
     from gemjax.train.step import default_mesh
     if args.dataset == "frappe" and not os.path.exists(os.path.join(args.frappe_dir, "schema.json")):
@@ -456,7 +437,12 @@ def main(argv):
                 windows = DriftWindows(tcfg, args.teacher_steps, args.student_steps)
             except ValueError as e:
                 raise app.UsageError(str(e)) from None
-            teacher = windows.train_teacher(tcfg, mesh, args.drift_teacher_lr)
+            tcfg = drift_config(tcfg, 0, args.drift_teacher_lr)
+            scfg = drift_config(scfg, args.teacher_steps)
+            workdir = os.path.join(out, f"teacher_s{seed}")
+            train_teacher(tcfg, workdir)
+            windows.ran("teacher", workdir, ("train",))    # its own run's eval is not the table's
+            teacher = Teacher.from_workdir(workdir, mesh=mesh)
             step = teacher.trainer.make_eval_step()
             got = windows.evaluate(tcfg, lambda b: step(teacher.state, b), mesh, "teacher")
             teacher_ne.append(got["ne"])
@@ -467,32 +453,36 @@ def main(argv):
             teacher = Teacher.from_workdir(workdir, mesh=mesh)
             step = teacher.trainer.make_eval_step()
             teacher_ne.append(evaluate(tcfg, lambda b: step(teacher.state, b), mesh)["ne"])
-        as_run = windows is None and args.teacher_mode == "offline"   # students as runs
         for row in rows:
             t0 = time.time()
-            wd = student_dir(out, row, seed) if as_run else None
+            wd = student_dir(out, row, seed)
             if row == "hier":
                 # the domain model: on the drift stream, the students' recent windows
                 dom_steps = args.student_steps if drift else args.teacher_steps // 2
                 dom_cfg = model_config(base, DOMAIN, dom_steps, seed)
-                dom_wd = student_dir(out, "hier/domain", seed) if as_run else None
-                _, dd, dstate = run_student(dom_cfg, tcfg, teacher, "kd,adapter", args,
-                                            dom_steps, mesh, windows, "hier/domain", dom_wd)
-                domain = (Teacher.from_workdir(dom_wd, mesh=mesh) if as_run
-                          else Teacher(dd.trainer, dstate))
-                res, _, _ = run_student(scfg, dom_cfg, domain, "kd,adapter", args,
-                                        args.student_steps, mesh, windows, row, wd)
+                if drift:
+                    dom_cfg = drift_config(dom_cfg, args.teacher_steps)
+                dom_wd = student_dir(out, "hier/domain", seed)
+                run_student(dom_cfg, tcfg, teacher, "kd,adapter", args, dom_steps, mesh, dom_wd)
+                if windows is not None:
+                    windows.ran("hier/domain", dom_wd)
+                domain = Teacher.from_workdir(dom_wd, mesh=mesh)
+                res = run_student(scfg, dom_cfg, domain, "kd,adapter", args, args.student_steps,
+                                  mesh, wd)
             else:
-                res, d, sstate = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps,
-                                        mesh, windows, row, wd)
-                if args.teacher_mode == "cotrain" and row == rows[0]:
-                    # the co-trained teacher of the first row, after its student_steps steps
-                    step = d.teacher.trainer.make_eval_step()
-                    teacher_ne.append(evaluate(tcfg, lambda b: step(d.teacher.state, b), mesh)["ne"])
-                if windows is not None and row == "kd+adapter":
+                res = run_student(scfg, tcfg, teacher, ROWS[row], args, args.student_steps, mesh, wd)
+            if args.teacher_mode == "cotrain" and row == rows[0]:
+                # the co-trained teacher of the first row, after its student_steps steps
+                cot = Teacher.from_workdir(os.path.join(wd, COTRAINED), mesh=mesh)
+                step = cot.trainer.make_eval_step()
+                teacher_ne.append(evaluate(tcfg, lambda b: step(cot.state, b), mesh)["ne"])
+            if windows is not None:
+                windows.ran(row, wd)
+                if row == "kd+adapter":
                     # the teacher's own eval logits through this student's final adapter
                     # (fitted on the newest student-window labels): its drift that
                     # calibration can correct
+                    d, sstate = restore_student(wd, mesh=mesh)
                     got = windows.evaluate(
                         tcfg, lambda b: 1 / (1 + np.exp(-d.corrected_teacher(b, sstate))), mesh,
                         "teacher+adapter")

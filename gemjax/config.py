@@ -87,6 +87,7 @@ class DataConfig:
     drift_strength: float = 0.0      # share of fresh parameters per window: p' = sqrt(1-s^2) p + s n
     popularity_shift: int = 0        # within-category item popularity ranks rotate this far per window
     new_id_rate: float = 0.0         # share of items drawn from the window's block of never-seen ids
+    drift_start: int = 0             # make_source with drift_every > 0: run step 0 is this stream step
     # parquet online training (gemjax.train.online, experiments/online.py): the column of event
     # times (integer or float seconds, or a Parquet timestamp) the time-ordered train rows are
     # sorted by; no nulls, never decreasing across the files in path order
@@ -634,6 +635,7 @@ def validate(cfg: Config) -> None:
         (d.seq_median > 0 and d.seq_sigma >= 0, "data.seq_median must be > 0 and data.seq_sigma >= 0"),
         (d.recent >= 1, "data.recent must be >= 1"),
         (d.drift_every >= 0, f"data.drift_every must be >= 0, got {d.drift_every}"),
+        (d.drift_start >= 0, f"data.drift_start must be >= 0, got {d.drift_start}"),
         (0.0 <= d.drift_strength <= 1.0, f"data.drift_strength must be in [0, 1], got {d.drift_strength}"),
         (d.popularity_shift >= 0, f"data.popularity_shift must be >= 0, got {d.popularity_shift}"),
         (0.0 <= d.new_id_rate <= 1.0, f"data.new_id_rate must be in [0, 1], got {d.new_id_rate}"),

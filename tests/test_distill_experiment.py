@@ -116,6 +116,32 @@ def test_distill_drift_evaluates_on_an_unseen_window(tmp_path):
     assert p.returncode != 0 and "--teacher_steps=3 must be a positive multiple" in p.stderr
 
 
+def test_distill_cotrain_students_are_runs(tmp_path):
+    """--teacher_mode=cotrain: each student is a run whose co-trained teacher is a run
+    inside it (WORKDIR/teacher, checkpointed at the student's steps); the table's teacher
+    NE is the first row's teacher read back from there."""
+    p = _run([f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
+              "--teacher_mode=cotrain", "--rows=none,kd", "--latency_batch=0",
+              "--data_overrides=data.eval_batches=1,data.batch_size=32"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = os.path.join(tmp_path, "synthetic")
+    res = json.load(open(os.path.join(out, "results.json")))
+    assert {r["row"] for r in res["runs"]} == {"none", "kd"}
+    for name in ("none", "kd"):
+        wd = os.path.join(out, "students", f"{name}_s0")
+        assert json.load(open(os.path.join(wd, "student.json")))["teacher"] == {"cotrained": "teacher"}
+        assert os.listdir(os.path.join(wd, "teacher", "checkpoints")) == ["2"]
+    sys.path.insert(0, ROOT)
+    import jax
+    from gemjax.distill.transfer import Teacher, evaluate
+    from gemjax.train.step import default_mesh
+    mesh = default_mesh(jax.devices()[:1])
+    t = Teacher.from_workdir(os.path.join(out, "students", "none_s0", "teacher"), mesh=mesh)
+    step = t.trainer.make_eval_step()
+    ne = evaluate(t.cfg, lambda b: step(t.state, b), mesh)["ne"]
+    assert res["summary"]["teacher_ne"] == [ne]
+
+
 def test_distill_stop_is_one_line_and_exit_143(tmp_path):
     """SIGTERM once a student's run has started: the command ends with one line and exit
     143, no traceback (the exact resume: tests/test_distill_runs.py)."""

@@ -98,6 +98,48 @@ def test_stopped_and_resumed_student_equals_uninterrupted(teacher_dir, tmp_path)
         train_student(scfg, part, teacher, DistillConfig(methods="kd"), log=lambda s: None)
 
 
+def test_cotrained_student_run_resumes_with_its_teacher(tmp_path):
+    """--teacher_mode=cotrain as a run: the fresh teacher that trains beside the student
+    is checkpointed in WORKDIR/teacher at every student checkpoint's step; stopped and
+    resumed, student and teacher end as in an uninterrupted run (and differ when the
+    resume keeps the fresh teacher: the test can fail); the student's eval reads back."""
+    import jax
+    from gemjax.serve.restore import restore
+    from gemjax.train.step import Trainer
+    tcfg, scfg = _cfg(distill_exp.TEACHER, 4), _cfg(distill_exp.STUDENT, 4)
+    dcfg = DistillConfig(methods="kd,adapter,repr", adapter_refresh=1, adapter_window=64,
+                         teacher_mode="cotrain")
+
+    def fresh():
+        tr = Trainer.create(tcfg, ONE)
+        return Teacher(tr, tr.init_state(0))
+
+    def leaves(wd):
+        return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(restore(wd, log=lambda s: None).state["params"]))]
+
+    whole, part, lost = (str(tmp_path / n) for n in ("whole", "part", "lost"))
+    want = train_student(scfg, whole, fresh(), dcfg, log=lambda s: None)
+    assert train_student(scfg, part, fresh(), dcfg, log=lambda s: None, stop_after=2)["steps"] == 2
+    shutil.copytree(part, lost)
+    got = train_student(scfg, part, fresh(), dcfg, log=lambda s: None)
+    assert got["eval_ne"] == want["eval_ne"] and got["eval_auc"] == want["eval_auc"]
+    for sub in ("", "teacher"):
+        for a, b in zip(leaves(os.path.join(part, sub)), leaves(os.path.join(whole, sub)), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert read_record(part)["teacher"] == {"cotrained": "teacher"}
+    assert Teacher.from_workdir(os.path.join(part, "teacher"), mesh=ONE).step == 4
+    from gemjax.distill.runs import StudentTrainer
+    orig = StudentTrainer.resume_meta
+    StudentTrainer.resume_meta = lambda self, meta: orig(
+        StudentTrainer(self.distiller), meta)     # the host state, not the teacher's
+    try:
+        forgot = train_student(scfg, lost, fresh(), dcfg, log=lambda s: None)
+    finally:
+        StudentTrainer.resume_meta = orig
+    assert forgot["eval_ne"] != want["eval_ne"]
+    assert abs(evaluate_student(part, mesh=ONE, log=lambda s: None)["ne"] - want["eval_ne"]) <= 1e-6
+
+
 def test_plain_student_is_served_as_any_run(teacher_dir, tmp_path):
     """A kd+adapter+share student: train.py --mode=eval, load_for_inference and
     export_model read its workdir with no teacher (the run's eval reproduced)."""

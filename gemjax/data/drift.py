@@ -203,3 +203,26 @@ class DriftingStream:
         w = self.window(step)
         return self._stream_of(w, w if teacher_window is None else teacher_window).shard_batch(
             step, shard, num_shards)
+
+
+class StreamFrom:
+    """Source protocol over `stream` (a DriftingStream) read from global step `start`:
+    shard_batch(step, ...) is stream.shard_batch(start + step, ...)."""
+
+    def __init__(self, stream: DriftingStream, start: int):
+        if start < 0:
+            raise ValueError(f"StreamFrom: start must be >= 0, got {start}")
+        self.stream, self.start = stream, start
+
+    @property
+    def schema(self):
+        return self.stream.schema
+
+    def local_batch_size(self, num_shards: int) -> int:
+        return self.stream.local_batch_size(num_shards)
+
+    def sequence_capacity(self, num_shards: int) -> int:
+        return self.stream.sequence_capacity(num_shards)
+
+    def shard_batch(self, step: int, shard: int = 0, num_shards: int = 1):
+        return self.stream.shard_batch(self.start + step, shard, num_shards)

@@ -4,6 +4,7 @@ in its own workdir, like any run, and resumes exactly after a stop.
     summary = train_student(student_cfg, "runs/students/kd", teacher, DistillConfig("kd,adapter"))
     row = evaluate_student("runs/students/kd")      # WORKDIR/eval/step_N.json
     predict = load_student("runs/students/kd")      # predict(Batch) -> probabilities [B, K]
+    distiller, state = restore_student("runs/students/kd")   # its adapter, teacher, state
     out = export_student("runs/students/kd")        # a gemjax export (serve.export.load_exported)
 
 The workdir holds what every train() run writes (config.json: the student's Config
@@ -44,8 +45,16 @@ checkpoint present. For a teacher without sequences the features are its user
 table's row: a table of the export. XLA drops the teacher computation the features do
 not use (its logits); every teacher dense parameter is still an input (params.npz).
 
-One process (the teacher's outputs pass through the host); an offline teacher only (a
-co-trained teacher's state is not part of the student's checkpoints).
+Co-training (DistillConfig teacher_mode "cotrain": a fresh teacher trains on each batch
+after the student's step): the teacher's state is checkpointed with the student's, at
+the same step, as the run directory WORKDIR/teacher (config.json and checkpoints/, as a
+train() run's: Teacher.from_workdir reads it), written synchronously before the
+student's checkpoint (`save_cotrained`); the student's meta["distill"]["teacher_step"]
+names it and a resume restores the teacher from there. student.json's "teacher" is then
+{"cotrained": "teacher"}, and a repr student's features are recomputed from the teacher
+as it was at the student's checkpoint.
+
+One process (the teacher's outputs pass through the host).
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemjax.config import Config
+from gemjax.config import Config, schema_of, with_schema
 from gemjax.distill.batch import with_teacher
 from gemjax.distill.represent import represent
 from gemjax.distill.transfer import DistillConfig, Distiller, Teacher, student_config
@@ -70,9 +79,9 @@ from gemjax.serve.evaluate import evaluate_checkpoint
 from gemjax.serve.export import (export_model, feature_inputs, flatten_by_path, host_tables,
                                  lookup_features, serving_forward)
 from gemjax.serve.inference import Predictor, load_for_inference
-from gemjax.serve.restore import read_config
-from gemjax.train.checkpoint import state_step
-from gemjax.train.guards import ResumeMismatch
+from gemjax.serve.restore import read_config, restore
+from gemjax.train.checkpoint import Checkpointer, save_train_state, state_step
+from gemjax.train.guards import ResumeMismatch, run_fields
 from gemjax.train.loop import train
 from gemjax.train.step import Trainer
 
@@ -104,13 +113,15 @@ class StudentTrainer:
     """The trainer train() runs for a student: the student Trainer's attributes (cfg,
     coll, mesh, graphdef, ...) with init_state, the train step and the eval step of
     `distiller` (its teacher's outputs taken per batch), and its host state in every
-    checkpoint's meta (module docstring)."""
+    checkpoint's meta (module docstring). teacher_dir (a co-trained teacher): the run
+    directory its state is checkpointed in at every student checkpoint's step."""
 
-    def __init__(self, distiller: Distiller):
+    def __init__(self, distiller: Distiller, teacher_dir: str | None = None):
         self.distiller, self.trainer = distiller, distiller.trainer
+        self.teacher_dir = teacher_dir
 
     def __getattr__(self, name):
-        if name in ("distiller", "trainer"):
+        if name in ("distiller", "trainer", "teacher_dir"):
             raise AttributeError(name)
         return getattr(self.trainer, name)
 
@@ -129,10 +140,50 @@ class StudentTrainer:
 
     def checkpoint_meta(self) -> dict:
         arrays, rng = self.distiller.host_state()
-        return {"distill": {"arrays": _pack(arrays), "rng": rng}}
+        saved = {"arrays": _pack(arrays), "rng": rng}
+        if self.teacher_dir is not None:     # the co-trained teacher at the same step
+            saved["teacher_step"] = save_cotrained(self.teacher_dir, self.distiller.teacher,
+                                                   self.distiller.steps_done)
+        return {"distill": saved}
 
     def resume_meta(self, meta: dict) -> None:
         load_meta(self.distiller, meta, "student resume")
+        if self.teacher_dir is not None:
+            step = meta["distill"].get("teacher_step")
+            if step is None:
+                raise ValueError(f"student resume: the checkpoint's meta names no co-trained "
+                                 f"teacher step (meta['distill']['teacher_step'])")
+            saved = Teacher.from_workdir(self.teacher_dir, step, mesh=self.trainer.mesh)
+            if saved.cfg.model != self.distiller.teacher.cfg.model:
+                raise ResumeMismatch(f"cannot resume the student: its co-trained teacher in "
+                                     f"{self.teacher_dir} has another model config than this "
+                                     f"run's teacher. Rerun with the checkpoint's teacher "
+                                     f"settings, or use a new workdir")
+            self.distiller.teacher.state = saved.state
+
+
+COTRAINED = "teacher"     # WORKDIR/teacher: a co-trained teacher's run directory
+
+
+def save_cotrained(teacher_dir: str, teacher: Teacher, step: int) -> int:
+    """Checkpoint a co-trained teacher's state as `step` of the run directory
+    `teacher_dir` (config.json and checkpoints/, as train() writes them: restore and
+    Teacher.from_workdir read it), synchronously; returns step. A step already there
+    is kept (an exact resume recomputes the same state)."""
+    cfg = teacher.cfg
+    path = os.path.join(teacher_dir, "config.json")
+    if not os.path.isfile(path):
+        os.makedirs(teacher_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(dataclasses.asdict(with_schema(cfg)), f, indent=1)
+        os.replace(path + ".tmp", path)
+    with Checkpointer(os.path.join(teacher_dir, "checkpoints"), keep=cfg.train.keep_checkpoints + 1,
+                      async_save=False) as ckpt:
+        if step not in ckpt.all_steps():
+            save_train_state(ckpt, teacher.trainer.coll, step, teacher.state,
+                             {"data_step": step, "config": cfg.name, "run": run_fields(cfg),
+                              "features": schema_of(cfg).to_dict()})
+    return step
 
 
 def read_record(workdir: str) -> dict:
@@ -167,22 +218,27 @@ def train_student(student_cfg: Config, workdir: str, teacher: Teacher, dcfg: Dis
                   stop_after: int | None = None) -> dict:
     """Train the student of `student_cfg` (before `student_config`) from `teacher` with
     `dcfg` in `workdir` (resuming it); returns train()'s summary. mesh: default the
-    teacher's; stop_after: as train()'s. Raises as train() does (Interrupted after a
-    signal, with the checkpoint saved), ResumeMismatch for a workdir whose checkpoints
-    were trained with another DistillConfig or teacher, and ValueError for a co-trained
-    teacher or train.steps_per_call > 1."""
-    if dcfg.teacher_mode != "offline":
-        raise ValueError("train_student: teacher_mode must be offline (a co-trained teacher's "
-                         "state is not part of the student's checkpoints)")
+    teacher's; stop_after: as train()'s. dcfg.teacher_mode "cotrain": `teacher` is the
+    fresh teacher that trains beside the student (its state is replaced by
+    WORKDIR/teacher's on a resume; module docstring). Raises as train() does
+    (Interrupted after a signal, with the checkpoint saved), ResumeMismatch for a
+    workdir whose checkpoints were trained with another DistillConfig or teacher, and
+    ValueError for train.steps_per_call > 1."""
     if student_cfg.train.steps_per_call != 1:
         raise ValueError(f"train_student: train.steps_per_call must be 1 (the teacher's outputs "
                          f"pass through the host per step), got {student_cfg.train.steps_per_call}")
     cfg = student_config(student_cfg, teacher.cfg, dcfg)
-    ref = None if teacher.workdir is None else {"workdir": teacher.workdir, "step": teacher.step}
+    cotrain = dcfg.teacher_mode == "cotrain"
+    if cotrain:
+        ref = {"cotrained": COTRAINED}
+    else:
+        ref = None if teacher.workdir is None else {"workdir": teacher.workdir, "step": teacher.step}
     _write_record(workdir, {"format": FORMAT, "distill": dataclasses.asdict(dcfg), "teacher": ref})
+    teacher_dir = os.path.join(workdir, COTRAINED) if cotrain else None
 
     def make(cfg, mesh, **trainer_kw):
-        return StudentTrainer(Distiller(Trainer.create(cfg, mesh, **trainer_kw), teacher, dcfg))
+        return StudentTrainer(Distiller(Trainer.create(cfg, mesh, **trainer_kw), teacher, dcfg),
+                              teacher_dir)
 
     return train(cfg, workdir, log=log, mesh=mesh or teacher.trainer.mesh, stop_after=stop_after,
                  make_trainer=make)
@@ -196,10 +252,23 @@ def _distiller(workdir: str, trainer: Trainer, meta: dict) -> Distiller:
     if ref is None:
         raise ValueError(f"{workdir}: the student's teacher was not read from a run "
                          f"(student.json teacher: null), so its features cannot be recomputed")
-    teacher = Teacher.from_workdir(ref["workdir"], ref["step"], mesh=trainer.mesh)
+    if "cotrained" in ref:      # the co-trained teacher as it was at this checkpoint
+        teacher = Teacher.from_workdir(os.path.join(workdir, ref["cotrained"]),
+                                       meta["distill"]["teacher_step"], mesh=trainer.mesh)
+    else:
+        teacher = Teacher.from_workdir(ref["workdir"], ref["step"], mesh=trainer.mesh)
     d = Distiller(trainer, teacher, DistillConfig(**record["distill"]))
     load_meta(d, meta, workdir)
     return d
+
+
+def restore_student(workdir: str, step: int | None = None, mesh=None) -> tuple[Distiller, dict]:
+    """(the student's Distiller, its train state) at checkpoint `step` (default the
+    newest) of a student run: the teacher read from the run named in student.json, the
+    host state (the Student Adapter's fit, ...) from the checkpoint's meta; e.g. for
+    `Distiller.corrected_teacher` with the adapter the student ended with."""
+    run = restore(workdir, step, mesh, log=lambda s: None)
+    return _distiller(workdir, run.trainer, run.meta), run.state
 
 
 def evaluate_student(workdir: str, step: int | None = None, mesh=None, **kw) -> dict:

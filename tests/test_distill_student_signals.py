@@ -1,0 +1,197 @@
+"""Students of experiments/distill.py as runs, end to end through the command: on the
+drifting stream (a +repr student, its teacher folded into the export) and on Frappe-
+style converted files (a tiny stand-in written here; a kd+adapter student). The command
+is stopped by a real SIGTERM in the student's training (exit 143, one line, no
+traceback), then, on the drift stream, by SIGINT in the resumed training (exit 130),
+then rerun to the end: the student's checkpointed params and its eval rows equal those
+of an uninterrupted command's. The finished student is exported and reloaded in a fresh
+process (load_exported), whose predictions on the eval rows, built there without the
+run's source (drift: DriftingStream steps T + S on), equal load_student's to 1e-6 and
+give the run's eval NE to 1e-6. make_source's drifting stream is checked step by step
+against DriftingStream."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from gemjax.config import apply_overrides, get_config
+from suite_cache import with_suite_cache   # tests/suite_cache.py
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIFT = "data.drift_every=2,data.batch_size=32"
+
+
+def test_make_source_reads_the_drifting_stream_from_drift_start():
+    from gemjax.data.drift import DriftingStream
+    from gemjax.data.source import make_source
+    cfg = get_config("tiny", f"{DRIFT},data.drift_strength=0.5,data.drift_start=4,"
+                             f"train.steps=2,data.eval_batches=2")
+    ref = DriftingStream(cfg.data, cfg.train.seed)
+    for stream, steps in (("train", (4, 5)), ("eval", (6, 7))):
+        src = make_source(cfg, stream)
+        for i, step in enumerate(steps):
+            got, want = src.shard_batch(i, 1, 2)[0], ref.shard_batch(step, 1, 2)[0]
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(a, b)
+    # drift_start moves the samples (the check can fail)
+    first = make_source(apply_overrides(cfg, "data.drift_start=0"), "train").shard_batch(0, 1, 2)[0]
+    assert not np.array_equal(first.dense, make_source(cfg, "train").shard_batch(0, 1, 2)[0].dense)
+    with pytest.raises(ValueError, match="new_id_rate"):
+        make_source(apply_overrides(cfg, "data.new_id_rate=0.1"), "train")
+    with pytest.raises(ValueError, match="data.drift_start must be >= 0"):
+        get_config("tiny", "data.drift_start=-1")
+
+
+def _cmd(args):
+    return [sys.executable, "-m", "experiments.distill", *args]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    return with_suite_cache({**env, "JAX_PLATFORMS": "cpu"})   # the children share programs
+
+
+def _holder(lock):
+    try:
+        with open(lock) as f:
+            return json.load(f).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
+def _stopped(args, student_wd, sig):
+    """Run the command, send `sig` once its student run holds its workdir (train.lock
+    names this process); returns (rc, stdout, stderr)."""
+    p = subprocess.Popen(_cmd(args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    lock, deadline = os.path.join(student_wd, "train.lock"), time.time() + 500
+    while _holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=500)
+    return p.returncode, out, err
+
+
+def _params(wd):
+    from gemjax.serve.restore import restore
+    run = restore(wd, log=lambda s: None)
+    return run.step, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(run.state["params"]))]
+
+
+def _eval_rows(wd):
+    """The eval rows of metrics.jsonl without the throughput (wall-clock) figure."""
+    with open(os.path.join(wd, "metrics.jsonl")) as f:
+        return [{k: v for k, v in r.items() if k != "samples_per_sec"}
+                for r in map(json.loads, f) if r["kind"] == "eval"]
+
+
+_FRESH = """
+import sys
+import numpy as np
+from gemjax.config import schema_of
+from gemjax.serve.export import load_exported
+from gemjax.train.metrics import EvalAccumulator
+sys.path.insert(0, sys.argv[3] + "/tests")
+from test_distill_student_signals import eval_batches
+model = load_exported(sys.argv[1])
+cfg = model.config
+acc = EvalAccumulator(schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks)
+preds = []
+for b in eval_batches(cfg):
+    p = np.asarray(model(b))
+    preds.append(p)
+    acc.add(p, b.labels, b.label_mask, b.surface, b.weights)
+np.save(sys.argv[2], np.concatenate(preds))
+print("NE", repr(acc.result()["ne"]))
+"""
+
+
+def eval_batches(cfg):
+    """The eval rows of a student's run, one-shard batches: drift, DriftingStream steps
+    from data.drift_start + train.steps (data.eval_batches of them); else every batch of
+    the eval files (make_source, OneEpoch)."""
+    if cfg.data.drift_every:
+        from gemjax.data.drift import DriftingStream
+        stream, start = DriftingStream(cfg.data, cfg.train.seed), cfg.data.drift_start + cfg.train.steps
+        return [stream.shard_batch(start + i)[0] for i in range(cfg.data.eval_batches)]
+    from gemjax.data.source import eval_steps, make_source
+    src = make_source(cfg, "eval")
+    return [src.shard_batch(i, 0, 1)[0] for i in range(eval_steps(src, cfg))]
+
+
+def _check(args, out, student, tmp_path, signals):
+    """The scenario of the module docstring for the command `args` (without --out)."""
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    wd = os.path.join(part, out, "students", student)
+    for sig, rc in signals:
+        got, stdout, stderr = _stopped([*args, f"--out={part}"], wd, sig)
+        assert got == rc, stderr[-3000:]
+        assert "Traceback" not in stderr + stdout
+        name = signal.Signals(sig).name
+        assert stdout.strip().splitlines()[-1].startswith(f"[distill] stopped by {name}"), stdout
+        assert not os.path.exists(os.path.join(wd, "summary.json"))     # stopped mid-run
+    # the uninterrupted command from the same finished teacher run (copied: not retrained)
+    shutil.copytree(os.path.join(part, out, "teacher_s0"), os.path.join(whole, out, "teacher_s0"))
+    for o in (part, whole):
+        p = subprocess.run(_cmd([*args, f"--out={o}"]), cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    ref = os.path.join(whole, out, "students", student)
+    (step, got), (ref_step, want) = _params(wd), _params(ref)
+    assert step == ref_step and len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert _eval_rows(wd) == _eval_rows(ref)
+    res = [json.load(open(os.path.join(o, out, "results.json")))["runs"] for o in (part, whole)]
+    assert [r["ne"] for r in res[0]] == [r["ne"] for r in res[1]]
+
+    # export, reload in a fresh process: its predictions and NE are the run's
+    from gemjax.distill.runs import export_student, load_student
+    exported = export_student(wd, str(tmp_path / "export"), log=lambda s: None)
+    saved = str(tmp_path / "preds.npy")
+    p = subprocess.run([sys.executable, "-c", _FRESH, exported, saved, ROOT], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.load(open(os.path.join(wd, "summary.json")))
+    assert abs(float(p.stdout.split()[-1]) - summary["eval_ne"]) <= 1e-6
+    pred = load_student(wd)
+    mine = np.concatenate([np.asarray(pred(b)) for b in eval_batches(pred.cfg)])
+    np.testing.assert_allclose(np.load(saved), mine, atol=1e-6, rtol=0)
+    return wd
+
+
+@pytest.mark.slow
+def test_drift_student_resumes_after_signals_and_exports(tmp_path):
+    args = ["--dataset=drift", "--seeds=0", "--teacher_steps=4", "--student_steps=40",
+            "--rows=+repr", "--nohierarchical", "--latency_batch=0", "--adapter_refresh=5",
+            "--repr_norm=standardize", f"--data_overrides={DRIFT}"]
+    wd = _check(args, "drift", "repr_s0", tmp_path,
+                [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+    cfg = json.load(open(os.path.join(wd, "config.json")))
+    assert cfg["data"]["drift_start"] == 4 and cfg["data"]["eval_batches"] == 2
+    manifest = json.load(open(os.path.join(tmp_path, "export", "manifest.json")))
+    assert any(k.startswith("teacher/") for k in manifest["inputs"]["tables"])
+
+
+@pytest.mark.slow
+def test_frappe_style_student_resumes_after_sigterm_and_exports(tmp_path):
+    """A converted Frappe stand-in (tests/test_converters.write_frappe, a few hundred
+    rows) in place of /work/shared's."""
+    from experiments import convert_frappe
+    from tests.test_converters import write_frappe
+    raw, conv = tmp_path / "raw", str(tmp_path / "frappe")
+    raw.mkdir()
+    write_frappe(raw, n_valid=300, n_test=120)
+    convert_frappe.convert(str(raw), conv)
+    args = ["--dataset=frappe", f"--frappe_dir={conv}", "--seeds=0", "--teacher_steps=4",
+            "--student_steps=40", "--rows=kd+adapter", "--nohierarchical", "--latency_batch=0",
+            "--data_overrides=data.batch_size=16"]
+    _check(args, "frappe", "kd_adapter_s0", tmp_path, [(signal.SIGTERM, 143)])
