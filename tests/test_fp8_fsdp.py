@@ -156,10 +156,10 @@ def _train(overrides: str, steps: int = 2) -> dict:
     feeder = Feeder(regroup(make_source(cfg, seed=0).shard_batch, 4), mesh,
                     check_ids=tr.coll.check_ids, id_fields=tr.id_fields)
     step = tr.make_train_step()
-    batches = [feeder.to_device(feeder.host_batch(i)[0]) for i in range(steps)]
+    batches = [feeder.to_device(feeder.host_batch(i)[0]) for i in range(max(steps, 1))]
     out = {"hlo": step.lower(state, batches[0]).compile().as_text(), "losses": [],
            "trainer": tr, "init": jax.device_get(state["params"])}
-    for b in batches:
+    for b in batches[:steps]:
         state, m = step(state, b)
         out["losses"].append(float(m["loss"]))
     out["params"] = jax.device_get(state["params"])
