@@ -143,11 +143,14 @@ def _grid_amax(t32: jax.Array, block: tuple[int, int], g: WeightGather) -> jax.A
     that order): float32 [ceil(r * n / br), ceil(c / bc)], the same on every device."""
     rows, cols = t32.shape
     br, bc = block
-    n = jax.lax.psum(1, g.axis_name)
+    n = jax.lax.axis_size(g.axis_name)
     mag = jnp.pad(finite_abs(t32), ((0, 0), (0, -cols % bc)))
-    mag = jnp.max(mag.reshape(rows, -1, bc), axis=-1)                   # [r, Cb]
-    rows_at = jax.lax.axis_index(g.axis_name) * rows + jnp.arange(rows)  # global row index
-    part = jax.ops.segment_max(mag, rows_at // br, num_segments=-(-rows * n // br),
+    # chunks of c rows never straddle a block (c divides the shard's offset and br), so the
+    # scatter into the block grid moves rows / c partial rows (one, when the shard is aligned)
+    c = math.gcd(rows, br)
+    mag = jnp.max(mag.reshape(rows // c, c, -1, bc), axis=(1, 3))      # [r / c, Cb]
+    at = jax.lax.axis_index(g.axis_name) * rows + c * jnp.arange(rows // c)  # first rows
+    part = jax.ops.segment_max(mag, at // br, num_segments=-(-rows * n // br),
                                indices_are_sorted=True)
     return jax.lax.pmax(jnp.maximum(part, 0.0), g.axis_name)          # empty blocks: 0
 
