@@ -206,3 +206,9 @@ def test_train_step_equals_gather_then_quantize(fp8_step):
     moved = max(float(np.max(np.abs(b - i))) for b, i in
                 zip(jax.tree.leaves(ref["params"]), jax.tree.leaves(ref["init"])))
     assert moved > 1e-4                                       # the steps update the params
+
+
+def test_fp8_gather_flag_named():
+    from gemjax.config import get_config
+    with pytest.raises(ValueError, match="model.fp8_gather must be exact, always or off"):
+        get_config("tiny", "model.fp8_gather=yes")
