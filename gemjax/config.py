@@ -182,6 +182,13 @@ class ModelConfig:
     fp8_grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
     wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
     fp8_fast_accum: str = "none"     # "forward": the forward GEMMs in FP8 fast accumulation
+    # model.precision=fp8 with FSDP-sharded kernels: which FP8 linears' kernels the train step
+    # gathers as FP8 bits (quantized once per step with the GEMM's scales) instead of float32
+    # (gemjax.precision.fsdp.all_gather_fp8_weight; docs/precision.md). "exact": under the
+    # tensor and blocked scalings (one quantization of w serves forward and dgrad, so the step
+    # is unchanged); "always": rowwise too (its dgrad re-quantizes the gathered weight per row);
+    # "off": every kernel gathered in float32
+    fp8_gather: str = "exact"
     # --- the teacher's transformer FFN activation (pyramid and InterFormer Sequence Arch) ---
     # "gelu" (exact, erf), "gelu_tanh" (the tanh approximation: 12% less time than exact
     # GELU for a [659072, 512] -> 1024 -> 512 FFN's forward + backward on an H200, whose
@@ -645,6 +652,8 @@ def validate(cfg: Config) -> None:
         *_retrieval_checks(m, cfg.train),
         (m.attention in ("block", "softmax", "gdpa"), f"model.attention must be block, softmax or gdpa, got {m.attention!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
+        (m.fp8_gather in ("exact", "always", "off"),
+         f"model.fp8_gather must be exact, always or off, got {m.fp8_gather!r}"),
         (m.block >= 1, f"model.block must be >= 1, got {m.block}"),
         (m.dim >= 1 and m.dim % max(m.seq_heads, 1) == 0, f"model.dim ({m.dim}) must be divisible by model.seq_heads ({m.seq_heads})"),
         (d.eval_batches >= (0 if d.source == "parquet" else 1),

@@ -11,6 +11,7 @@
   gemm.py      fp8_dot: x @ w in FP8 (row-wise or 128-block scales) with its dgrad / wgrad
   policy.py    which linears of a model run FP8 (regions from ModelConfig.precision, ...)
   fsdp.py      FP8 FSDP all-gather: weights quantized per shard before the collective
+               (all_gather_fp8_weight: the train step's gather of FP8 linears' kernels)
 
 Pure jnp / flax, jit-able. A model computes in `model.dtype` (float32 or bfloat16) except
 the linears its precision policy puts in FP8 and what a "quantize" region keeps for its

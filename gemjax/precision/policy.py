@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
@@ -167,3 +168,15 @@ def fp8_linears(model: nnx.Module) -> list[str]:
     """'/'-joined graph paths of the linears running FP8 (sorted)."""
     return sorted("/".join(map(str, p)) for p, n in nnx.iter_graph(model)
                   if isinstance(n, nnx.Linear) and isinstance(n.dot_general, Fp8DotGeneral))
+
+
+def fp8_kernels(model: nnx.Module) -> dict[tuple, tuple[Recipe, str | None]]:
+    """{graph path of each FP8 linear's kernel param (the linear's path + ("kernel",)):
+    (its Recipe, the dtype its GEMM reads the kernel in: the linear's dtype, None for
+    the kernel's own)}."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Linear) and isinstance(node.dot_general, Fp8DotGeneral):
+            dtype = None if node.dtype is None else str(jnp.dtype(node.dtype))
+            out[tuple(path) + ("kernel",)] = (node.dot_general.recipe, dtype)
+    return out

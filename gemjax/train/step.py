@@ -20,6 +20,12 @@ Layout, for a mesh such as replica=2,fsdp=2,expert=2:
            shard_map each parameter is all-gathered over its sharded axes, so the
            backward pass reduce-scatters its gradient back to the shard (and
            sums over the replica axes); params and optimizer state stay sharded.
+  fp8      with model.precision=fp8 and model.fp8_gather (default "exact": the tensor and
+           blocked scalings; "always": rowwise too), the kernel of each FP8 linear
+           sharded over one dim goes through gemjax.precision.fsdp.all_gather_fp8_weight
+           instead: quantized once per step with the FP8 GEMM's own scales, gathered as
+           FP8 bits (a quarter of the float32 bytes), its gradient reduce-scattered
+           the same way (StepContext.fp8_weights, `fp8_weight_plan`).
   experts  expert parallelism ("2D FSDP + EP"): when the rules shard the
            experts' stacked dim over mesh axes of size ep > 1 (default: "expert",
            if it divides E), expert params are NOT gathered over those axes: each
@@ -59,6 +65,8 @@ from gemjax.layers.experts import expert_parallel as expert_parallel_context
 from gemjax.layers.experts import sharded_batch
 from gemjax.models.gem import build_model, sequence_id_fields
 from gemjax.parallel import rules as rules_lib
+from gemjax.precision.fsdp import WeightGather, all_gather_fp8_weight, weight_block
+from gemjax.precision.policy import fp8_kernels
 from gemjax.sparse import EmbeddingCollection, routing
 from gemjax.train import optim
 from gemjax.train.planned import PlannedStep, planned_jit
@@ -97,6 +105,48 @@ def gather_param(x: jax.Array, spec: P, local_dims: Sequence[int] = ()) -> jax.A
         if axes is not None and d not in local_dims:
             x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
     return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A leaf of StepContext.fp8_weights: the kernel of an FP8 linear, its GEMM's recipe
+    and input dtype (None: the kernel's own); rowwise: gathered as FP8 under the rowwise
+    scaling too (model.fp8_gather=always)."""
+    recipe: Any
+    dtype: str | None
+    rowwise: bool = False
+
+
+def fp8_weight_plan(w: jax.Array, spec: P, local_dims: Sequence[int], fp8: Any,
+                    mesh: Mesh) -> WeightGather | None:
+    """How the step gathers shard w of an FP8 linear's kernel [K, N] (placed with `spec`)
+    as FP8, or None to gather it like any param: when `fp8` is an Fp8Weight and exactly
+    one dim of w is sharded, over mesh axes of more than one device in all."""
+    if not isinstance(fp8, Fp8Weight) or w.ndim != 2:
+        return None
+    if fp8.recipe.scaling == "rowwise" and not fp8.rowwise:
+        return None
+    dims = [d for d, a in enumerate(spec) if a is not None and d not in local_dims]
+    if len(dims) != 1:
+        return None
+    d = dims[0]
+    axes = (spec[d],) if isinstance(spec[d], str) else tuple(spec[d])
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    if n == 1:
+        return None
+    shape = tuple(s * (n if i == d else 1) for i, s in enumerate(w.shape))
+    return WeightGather(axes, d, weight_block(fp8.recipe, shape), fp8.recipe.fwd_fmt,
+                        fp8.dtype or str(w.dtype))
+
+
+def fp8_weight_mask(graphdef: Any, params: Any, rowwise: bool = False) -> Any:
+    """Like `params` (a pure dict, any leaves): an Fp8Weight at each FP8 linear's kernel
+    (gemjax.precision.policy.fp8_kernels), False elsewhere."""
+    kernels = fp8_kernels(nnx.merge(graphdef, params))
+    key = lambda k: getattr(k, "key", getattr(k, "idx", None))  # noqa: E731
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: (Fp8Weight(*kernels[p], rowwise) if (p := tuple(map(key, path))) in kernels
+                         else False), params)
 
 
 def expert_param_mask(graphdef: Any, params: Any) -> Any:
@@ -153,16 +203,27 @@ class StepContext:
     ep_axes: tuple[str, ...] | None
     # knowledge distillation: the loss hook (None: the labels' log loss)
     objective: Callable | None = None
+    # like params: Fp8Weight at the kernels gathered as FP8 (None: every param gathered as is)
+    fp8_weights: Any = None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
         return tuple(self.mesh.axis_names)
 
 
+def _gather_fp8_or_param(mesh: Mesh, x: jax.Array, spec: P, local_dims: Sequence[int], fp8: Any):
+    plan = fp8_weight_plan(x, spec, local_dims, fp8, mesh)
+    return gather_param(x, spec, local_dims) if plan is None else all_gather_fp8_weight(x, plan)
+
+
 def local_forward(ctx: StepContext, params, acts, batch: Batch):
     """Per device, inside shard_map: (loss_sum, weight_sum, positive_sum) [K] each, summed
     over the mesh, and this shard's logits [B_local, K]."""
-    full = jax.tree.map(gather_param, params, ctx.p_specs, ctx.local_dims)
+    if ctx.fp8_weights is None:
+        full = jax.tree.map(gather_param, params, ctx.p_specs, ctx.local_dims)
+    else:
+        full = jax.tree.map(functools.partial(_gather_fp8_or_param, ctx.mesh), params,
+                            ctx.p_specs, ctx.local_dims, ctx.fp8_weights)
     ep = expert_parallel_context(ctx.ep_axes) if ctx.ep_axes else contextlib.nullcontext()
     with ep, sharded_batch(ctx.batch_axes):    # router aux over the global batch
         logits = nnx.merge(ctx.graphdef, full)(acts, batch)
@@ -328,8 +389,12 @@ class Trainer:
         ep_axes = (expert_parallel_axes(self.mesh, p_specs, is_expert)
                    if self.expert_parallel else None)
         local_dims = jax.tree.map(lambda e: (0,) if e and ep_axes else (), is_expert)
+        m = self.cfg.model
+        fp8 = (fp8_weight_mask(self.graphdef, jax.tree.map(
+            lambda _: 0.0, p_specs, is_leaf=lambda s: isinstance(s, P)), m.fp8_gather == "always")
+            if m.precision == "fp8" and m.fp8_gather != "off" else None)
         return StepContext(self.graphdef, self.mesh, self.tx, self.coll, self.id_fields,
-                           p_specs, local_dims, ep_axes, self.objective)
+                           p_specs, local_dims, ep_axes, self.objective, fp8)
 
     def make_train_step(self) -> PlannedStep:
         """`train_step` as (state, batch[, next_batch]) -> (state, metrics), jitted; state
