@@ -64,6 +64,13 @@ ML_RANK = ("python -m experiments.convert_movielens --out=/tmp/gemjax-data/ml-1m
 
 LONG = "small preset, minutes on CPU; the tiny command runs the same train.py path"
 SKIP = {
+    "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0 --positives=512 "
+    "--patience=2 --override=train.dense_lr=3e-3 --workdir=runs/ranking_lr3e-3":
+        "ML-1M (not in CI), GPU minutes; tests/test_ranking.py runs the script on a fake MovieLens",
+    "python -m experiments.distill --dataset=synthetic --seeds=0 --rows=all --nohierarchical":
+        "minutes on CPU; tests/test_distill_experiment.py runs the script at a smaller size",
+    "python -m benchmarks.bench_serve":
+        "needs trained runs; tests/test_distill_runs.py::test_bench_serve_smoke runs it on tiny ones",
     "./run train": LONG,
     "./run": "the script named in prose, no command",
     "./run test": "the suite itself (CI runs it; this test is part of it)",
