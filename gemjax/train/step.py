@@ -31,12 +31,12 @@ Layout, for a mesh such as replica=2,fsdp=2,expert=2:
            experts' stacked dim over mesh axes of size ep > 1 (default: "expert",
            if it divides E), expert params are NOT gathered over those axes: each
            device keeps its [E/ep, ...] shard (still gathered over fsdp) and the
-           forward runs under `experts.expert_parallel(axes)`, which makes
-           WukongExperts exchange tokens with all_to_all. Their gradients come
+           model's experts get those axes (`experts.set_mesh_axes(expert_axes=)`), which
+           makes WukongExperts exchange tokens with all_to_all. Their gradients come
            back per owner (reduce-scattered over fsdp, summed over replica by
            shard_map's transpose, never summed over the EP axes). Off with
            `Trainer.expert_parallel = False` (every device then runs all experts).
-  router   the forward runs under `experts.sharded_batch(batch axes)`: the experts'
+  router   the model gets the batch axes (`experts.set_mesh_axes(batch_axes=)`): the experts'
   aux      aux (load-balancing loss, z-loss, drops, load) are global-batch figures
            and their gradient is added once, as on one device (experts.py).
   tables   `EmbeddingCollection(specs, mesh, replica_axes=table_replica_axes)`:
@@ -48,7 +48,6 @@ parallelism with replicated params.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Protocol, Sequence
@@ -62,8 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.config import Config
 from gemjax.data.batch import Batch, id_features
-from gemjax.layers.experts import expert_parallel as expert_parallel_context
-from gemjax.layers.experts import sharded_batch
+from gemjax.layers.experts import set_mesh_axes
 from gemjax.models.gem import build_model, sequence_id_fields
 from gemjax.parallel import rules as rules_lib
 from gemjax.sparse import EmbeddingCollection, routing
@@ -231,10 +229,10 @@ def local_forward(ctx: StepContext, method: str, params, acts, batch: Batch, ids
     """Per device, inside shard_map: the objective's `method` ("loss_sums" or "predict") on
     the model with its full parameters (each gathered over its sharded axes)."""
     full = jax.tree.map(gather_param, params, ctx.p_specs, ctx.local_dims)
-    model = nnx.merge(ctx.graphdef, full)
-    ep = expert_parallel_context(ctx.ep_axes) if ctx.ep_axes else contextlib.nullcontext()
-    with ep, sharded_batch(ctx.batch_axes):    # router aux over the global batch
-        return getattr(ctx.objective, method)(model, acts, batch, Shard(step, ids, ctx.batch_axes))
+    # experts: EP over ctx.ep_axes; router aux over the global batch
+    model = set_mesh_axes(nnx.merge(ctx.graphdef, full), expert_axes=ctx.ep_axes,
+                          batch_axes=ctx.batch_axes)
+    return getattr(ctx.objective, method)(model, acts, batch, Shard(step, ids, ctx.batch_axes))
 
 
 def _global_sums(ctx: StepContext, *args):
