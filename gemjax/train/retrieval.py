@@ -1,4 +1,5 @@
-"""Next-item retrieval through the trainer: the train / eval steps and the evaluator.
+"""Next-item retrieval through the trainer: its objective (NextItemSoftmax, run by the one
+train / eval step of gemjax.train.step) and the evaluator.
 
 model.kind="retrieval" (gemjax.models.retrieval.RetrievalTower) trains on rows of
 (history, next item): every history token predicts the item after it (the last token
@@ -25,8 +26,8 @@ strictly higher than the row's candidate (ties in its favour), among the catalog
 (rows >= 1 that occur in the train or eval data: a row's item or history), with the
 row's history items excluded ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200",
 "ndcg@200", "mrr" = mean 1 / (rank + 1); the published protocol) and kept
-("..._unmasked"). Scores and ranks are computed on device; the
-host receives [B, 2] ranks per batch.
+("..._unmasked"). Scores and ranks are computed on device (NextItemSoftmax.predict); the
+host receives [B, 2] ranks per batch and summarises them (gemjax.train.ranking).
 
 Train metrics: "loss" (mean per-token cross-entropy), "loss_sum" / "weight_sum" [1]
 (sums over the tokens, weighted by the row weights), "grad_norm", the collection's
