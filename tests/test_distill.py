@@ -43,7 +43,7 @@ def test_kd_sums_match_numpy(alpha, temperature):
     wts = rng.random(b)
     batch = types.SimpleNamespace(labels=jnp.float32(y), label_mask=jnp.float32(mask),
                                   weights=jnp.float32(wts), teacher_logits=jnp.float32(t))
-    loss_sum, w_sum, pos_sum = losses.kd_objective(alpha, temperature)(jnp.float32(s), batch)
+    loss_sum, w_sum, pos_sum = losses.kd_objective(alpha, temperature).task_loss(jnp.float32(s), batch)
     w = mask * wts[:, None]
     T = temperature
     ref = ((1 - alpha) * _np_bce(y, _sig(s)) + alpha * T * T * _np_bce(_sig(t / T), _sig(s / T)))

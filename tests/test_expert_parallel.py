@@ -8,7 +8,6 @@ to each device's shard on its own and a float64 numpy count of per-device queue
 overflow (with a capacity factor), and the one-device trainer.
 """
 
-import contextlib
 import re
 
 import jax
@@ -18,8 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gemjax.layers.experts import (WukongExperts, active_expert_axes, expert_capacity,
-                                   expert_parallel)
+from gemjax.layers.experts import WukongExperts, expert_capacity, set_mesh_axes
 from gemjax.train.equivalence import max_rel_diff
 from gemjax.parallel.mesh import build_mesh
 from gemjax.parallel.rules import param_shardings
@@ -40,7 +38,7 @@ def make(top_k=2, capacity_factor=None):
 
 def sharded_layer(graphdef, state, mesh, ep=True):
     """jit((params placed by the rules, x [B, N, D] over every axis) -> (y, dropped [devices]))
-    the way the trainer runs it: gather params except the EP dim, expert_parallel on."""
+    the way the trainer runs it: gather params except the EP dim, expert axes set."""
     specs = jax.tree.map(lambda s: s.spec, param_shardings(state, mesh).to_pure_dict())
     params = state.to_pure_dict()
     is_expert = expert_param_mask(graphdef, params)
@@ -50,8 +48,7 @@ def sharded_layer(graphdef, state, mesh, ep=True):
 
     def local(p, x):
         full = jax.tree.map(gather_param, p, specs, local_dims)
-        with expert_parallel(ep_axes) if ep_axes else contextlib.nullcontext():
-            y, aux = nnx.merge(graphdef, full)(x)
+        y, aux = set_mesh_axes(nnx.merge(graphdef, full), expert_axes=ep_axes)(x)
         return y, aux["dropped_fraction"][None]
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(axes)), out_specs=(P(axes), P(axes)),
@@ -172,23 +169,20 @@ def test_ep_bad_use_fails_with_a_clear_error():
     params = state.to_pure_dict()
     x = jnp.zeros((B, N, D), jnp.float32)
     with pytest.raises(ValueError, match="only inside shard_map"):
-        with expert_parallel("expert"):
-            nnx.merge(graphdef, params)(x)
-    assert active_expert_axes() is None           # the context is reset, even after an error
+        set_mesh_axes(nnx.merge(graphdef, params), expert_axes="expert")(x)
+    assert nnx.merge(graphdef, params).expert_axes is None     # set on that model only
     mesh = build_mesh("replica=2,fsdp=2,expert=2")
     replicated = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), params)
 
     def local(p, x):      # experts left whole [E, ...] while claiming EP
-        with expert_parallel("expert"):
-            return nnx.merge(graphdef, p)(x)[0]
+        return set_mesh_axes(nnx.merge(graphdef, p), expert_axes="expert")(x)[0]
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(mesh.axis_names)),
                        out_specs=P(mesh.axis_names), check_vma=CHECK_VMA)
     with pytest.raises(ValueError, match=r"leading dim E/ep=2, got leading dims \[4\]"):
         jax.jit(fn)(replicated, x)
     with pytest.raises(ValueError, match="axis_name"):
-        with expert_parallel(()):
-            pass
+        set_mesh_axes(nnx.merge(graphdef, params), expert_axes=())
 
 
 # The smallest full teacher with a mixture of 4 experts (top-2, no capacity drops). The

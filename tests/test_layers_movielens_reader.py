@@ -5,7 +5,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from gemjax.data.movielens import leave_last_out, load_movielens, ranking_metrics
+from gemjax.data.movielens import leave_last_out, load_movielens
+from gemjax.train.ranking import ranking_metrics
 
 
 def write_ml(tmp_path, train_lines, test_lines):
@@ -130,5 +131,6 @@ def test_ranking_metrics_against_hand_computed_ranks():
     assert m["hr@2"] == pytest.approx(2 / 3)
     assert m["hr@3"] == pytest.approx(1.0)
     assert m["ndcg@3"] == pytest.approx((1 / np.log2(4) + 1 + 1 / np.log2(3)) / 3)
+    assert m["mrr"] == pytest.approx((1 / 3 + 1 + 1 / 2) / 3)
     with pytest.raises(ValueError, match="outside"):
         ranking_metrics(scores, np.array([2, 2, 4]))

@@ -20,9 +20,9 @@ from jax.sharding import Mesh
 from gemjax.config import apply_overrides, get_config
 from gemjax.features import FeatureSchema
 from gemjax.data.jagged import pack
-from gemjax.data.movielens import exclude_history, ranking_metrics
-from gemjax.train.retrieval_loss import (history_mask, next_item_targets, ranking_summary,
-                                         sampled_softmax, target_ranks)
+from gemjax.data.movielens import exclude_history
+from gemjax.train.ranking import ranking_metrics, ranking_summary, target_ranks
+from gemjax.train.retrieval_loss import history_mask, next_item_targets, sampled_softmax
 from tests.test_converters import write_ml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +71,7 @@ def test_ranks_with_history_excluded_and_ties_match_numpy():
     pad = jnp.zeros((b, v), bool).at[:, 0].set(True)
     masked = np.asarray(target_ranks(jnp.asarray(scores), jnp.asarray(targets), excl | pad))
     kept = np.asarray(target_ranks(jnp.asarray(scores), jnp.asarray(targets), pad))
-    # reference: gemjax.data.movielens (history columns set to -inf, ranks counted there)
+    # reference: numpy ranks of the scores with the history columns at -inf (exclude_history)
     for ranks, s in ((masked, exclude_history(scores, hist)), (kept, scores)):
         ref = ranking_metrics(s, targets, ks=(1, 3, 10))
         got = ranking_summary(ranks, ks=(1, 3, 10))
@@ -179,14 +179,14 @@ def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tm
 def test_ranking_summary_hr200_ndcg_mrr_match_a_brute_force_sort():
     """The evaluator's figures: HR@k / NDCG@k / MRR from target_ranks + ranking_summary equal a per-row sort of the
     catalogue (ties ordered with the target first) for k = 10, 50, 200."""
-    from gemjax.train.retrieval import KS, _mrr
+    from gemjax.train.retrieval import KS
     assert 200 in KS
     rng = np.random.default_rng(5)
     n, v = 40, 300
     scores = rng.integers(0, 60, size=(n, v)).astype(np.float32)      # ties
     targets = rng.integers(0, v, size=n)
     ranks = np.asarray(target_ranks(jnp.asarray(scores), jnp.asarray(targets)))
-    got = {**ranking_summary(ranks, ks=(10, 50, 200)), "mrr": _mrr(ranks)}
+    got = ranking_summary(ranks, ks=(10, 50, 200))
     pos = []
     for row, t in zip(scores, targets):
         order = sorted(range(v), key=lambda i: (-float(row[i]), i != t))

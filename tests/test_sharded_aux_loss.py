@@ -1,8 +1,8 @@
 """The experts' router aux under a sharded batch equals the one-device figures, and so
 does its gradient (issue 5: every sharded path gives the one-device loss and params).
 
-Inside the trainer's shard_map the model sees one batch shard; `experts.sharded_batch`
-makes route_top_k psum its per-shard sums, and the teacher attaches the global
+Inside the trainer's shard_map the model sees one batch shard; its batch axes
+(`experts.set_mesh_axes`) make route_top_k psum its per-shard sums, and the teacher attaches the global
 load-balancing loss on every shard with weight coef * aux_loss_scale = coef / N, so
 its gradient is added once. References: a float64 numpy evaluation of the formulas
 on the whole batch (forward, drops per shard queue, and the analytic gradient
@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gemjax.layers.experts import (active_batch_axes, aux_loss_scale, route_top_k,
-                                   sharded_batch)
+from gemjax.layers.experts import aux_loss_scale, route_top_k, set_mesh_axes
 from gemjax.models.interformer import attach_aux_loss
 from gemjax.train.equivalence import max_rel_diff
 from gemjax.parallel.mesh import build_mesh
@@ -59,13 +59,11 @@ def test_global_router_aux_and_its_gradient_equal_the_whole_batch_formula(spec, 
     want, grad_lb = aux_np(logits, K, capacity, n)
 
     def aux_of(x):
-        with sharded_batch(axes):
-            return route_top_k(x, K, capacity, active_batch_axes())[2]
+        return route_top_k(x, K, capacity, axes)[2]
 
     def injected(x):          # the teacher's pattern: attach on every shard, main loss psum'd
-        with sharded_batch(axes):
-            lb = route_top_k(x, K, capacity, active_batch_axes())[2]["load_balance_loss"]
-            y = attach_aux_loss(x, lb, COEF * aux_loss_scale(x))
+        lb = route_top_k(x, K, capacity, axes)[2]["load_balance_loss"]
+        y = attach_aux_loss(x, lb, COEF * aux_loss_scale(x, axes))
         return jax.lax.psum(jnp.sum(y * w_local(x)), axes)
 
     def w_local(x):           # this shard's rows of w
@@ -91,8 +89,8 @@ def test_global_router_aux_and_its_gradient_equal_the_whole_batch_formula(spec, 
     assert max_rel_diff(w64 + n * COEF * grad_lb, w64 + COEF * grad_lb) > 0.1   # N-fold would fail
 
 
-def test_per_shard_aux_without_the_context_and_bad_axes():
-    """Without sharded_batch each shard reports its own figures (a different, biased
+def test_per_shard_aux_without_batch_axes_and_bad_axes():
+    """Without batch axes each shard reports its own figures (a different, biased
     load-balancing loss): the reference above can tell them apart. Axes that are not
     manual shard_map axes fail with a message naming them."""
     mesh = build_mesh("fsdp=8")
@@ -102,14 +100,11 @@ def test_per_shard_aux_without_the_context_and_bad_axes():
         lambda x: route_top_k(x, K, B // 8)[2]["load_balance_loss"][None], mesh=mesh,
         in_specs=P("fsdp"), out_specs=P("fsdp"), check_vma=False))(logits)
     assert abs(float(np.mean(per_shard)) - want["load_balance_loss"]) > 1e-3
-    assert aux_loss_scale(logits) == 1.0 and active_batch_axes() is None
-    with pytest.raises(ValueError, match=r"sharded_batch\(\('fsdp',\)\).*not manual axes"):
-        with sharded_batch("fsdp"):
-            route_top_k(logits, K, B, active_batch_axes())
-    assert active_batch_axes() is None             # reset after the error
+    assert aux_loss_scale(logits) == 1.0
+    with pytest.raises(ValueError, match=r"batch_axes\(\('fsdp',\)\).*not manual axes"):
+        route_top_k(logits, K, B, ("fsdp",))
     with pytest.raises(ValueError, match="axis_name"):
-        with sharded_batch(()):
-            pass
+        set_mesh_axes(nnx.Module(), batch_axes=())
 
 
 # test_expert_parallel's smallest full teacher (4 experts, top-2, no capacity drops) with

@@ -19,7 +19,6 @@ whatever their magnitude. Every error names the file and line (and field).
                                           user_ids, item_ids, genre_ids)
     leave_last_out(ml, max_len)   -> train / train_full / valid / test splits
     exclude_history(scores, histories) -> scores with each row's history items at -inf
-    ranking_metrics(scores, targets, ks) -> {"hr@k", "ndcg@k"} (full ranking)
 
 Protocol (generative-recommenders, research/data/reco_dataset.py, dataset.py and
 eval.py): the model reads at most the max_len most recent events; training sees
@@ -224,29 +223,3 @@ def exclude_history(scores: np.ndarray, histories) -> np.ndarray:
         raise ValueError("exclude_history: a history item is outside the score columns")
     scores[np.repeat(np.arange(len(lens)), lens), cols] = -np.inf
     return scores
-
-
-def ranking_metrics(scores: np.ndarray, targets: np.ndarray, ks=(10, 50)) -> dict[str, float]:
-    """Full-ranking HR@k and NDCG@k.
-
-    scores [N, V] (column j = item j; columns the caller wants excluded, such as the
-    padding item 0, set to -inf), targets [N] int item ids. Rank = number of items
-    scoring strictly higher than the target (ties resolved in the target's favour).
-    HR@k = mean(rank < k); NDCG@k = mean(1 / log2(rank + 2) if rank < k else 0).
-    """
-    scores = np.asarray(scores, np.float64)
-    targets = np.asarray(targets, np.int64)
-    if scores.ndim != 2 or targets.shape != (scores.shape[0],):
-        raise ValueError(f"ranking_metrics: scores [N, V] and targets [N] expected, got "
-                         f"{scores.shape} and {targets.shape}")
-    if targets.size and (targets.min() < 0 or targets.max() >= scores.shape[1]):
-        raise ValueError("ranking_metrics: a target is outside the score columns")
-    t = scores[np.arange(len(targets)), targets]
-    rank = np.sum(scores > t[:, None], axis=1)
-    out = {}
-    for k in ks:
-        hit = rank < k
-        out[f"hr@{k}"] = float(np.mean(hit)) if len(rank) else float("nan")
-        out[f"ndcg@{k}"] = float(np.mean(np.where(hit, 1.0 / np.log2(rank + 2), 0.0))) \
-            if len(rank) else float("nan")
-    return out

@@ -16,7 +16,8 @@ temperature. Both terms are weighted by label_mask * weights,
 so the sums normalise like the plain log loss (gemjax.train.step.masked_bce_sums):
 a task whose label is unobserved contributes nothing.
 
-`kd_objective(alpha, temperature)` is a StepContext.objective: it reads the
+`kd_objective(alpha, temperature)` is the student's train step objective
+(gemjax.train.step.BinaryTasks with `kd_sums` as its per-task loss): it reads the
 DistillBatch's teacher_logits. Its loss_sum is the objective's, so a student's train
 rows in metrics.jsonl report that objective; eval NE is always the labels'.
 """
@@ -24,11 +25,12 @@ rows in metrics.jsonl report that objective; eval NE is always the labels'.
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from gemjax.train.step import BinaryTasks
 
 
 def soft_bce(logits: jax.Array, target_logits: jax.Array) -> jax.Array:
@@ -46,21 +48,23 @@ def kd_loss(logits: jax.Array, labels: jax.Array, target_logits: jax.Array, *, a
     return (1.0 - alpha) * hard + alpha * soft
 
 
-def _kd_sums(logits: jax.Array, batch, *, alpha: float, temperature: float):
+def kd_sums(logits: jax.Array, batch, *, alpha: float, temperature: float):
+    """Per-task sums over the batch of the KD loss: (loss_sum [K], weight_sum [K],
+    positive_sum [K]); logits [B, K], batch a DistillBatch (teacher_logits [B, K])."""
     w = batch.label_mask * batch.weights[:, None]
     loss = kd_loss(logits, batch.labels, batch.teacher_logits, alpha=alpha,
                    temperature=temperature)
     return jnp.sum(loss * w, 0), jnp.sum(w, 0), jnp.sum(batch.labels * w, 0)
 
 
-def kd_objective(alpha: float, temperature: float) -> Callable:
-    """StepContext.objective: (logits [B, K], DistillBatch) -> (loss_sum, weight_sum,
-    positive_sum) [K] of the KD loss. ValueError for alpha outside [0, 1] or T <= 0."""
+def kd_objective(alpha: float, temperature: float) -> BinaryTasks:
+    """The KD objective of a student's train step: BinaryTasks whose task_loss is `kd_sums`
+    at (alpha, temperature). ValueError for alpha outside [0, 1] or T <= 0."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"distill alpha must be in [0, 1], got {alpha}")
     if not temperature > 0.0:
         raise ValueError(f"distill temperature must be > 0, got {temperature}")
-    return functools.partial(_kd_sums, alpha=float(alpha), temperature=float(temperature))
+    return BinaryTasks(functools.partial(kd_sums, alpha=float(alpha), temperature=float(temperature)))
 
 
 def feature_mse(student_features: jax.Array, teacher_features: jax.Array) -> jax.Array:

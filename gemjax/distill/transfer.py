@@ -304,7 +304,7 @@ class ReprNormalizer:
 
 class Distiller:
     """Trains a student from `teacher` with `dcfg`'s methods, through the student
-    Trainer's own train_step (its StepContext.objective is the KD loss with kd on).
+    Trainer's own train_step (its Trainer.objective is the KD loss, kd_objective, with kd on).
 
     student_trainer: built from `student_config(...)` on the teacher's mesh.
     """

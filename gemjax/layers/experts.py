@@ -19,18 +19,19 @@ reported in aux, never silent, and a sample with every choice dropped gets y = 0
 
 Expert parallelism (EP). Inside `jax.shard_map`, a caller that keeps each device's
 expert parameters as its local shard [E/ep, ...] along a manual mesh axis (the
-trainer, gemjax.train.step, for the axis the rules put on the "expert" dim) says so:
+trainer, gemjax.train.step, for the axis the rules put on the "expert" dim) says so on
+the model it merged there:
 
-    with expert_parallel("expert"):        # the mesh axis (or tuple of axes) of size ep
-        y, aux = experts(x)                # x: this device's [B_local, n, d]
+    set_mesh_axes(model, expert_axes="expert")   # the mesh axis (or tuple of axes) of size ep
+    y, aux = experts(x)                          # x: this device's [B_local, n, d]
 
 and the layer exchanges tokens instead of running every expert on its own samples:
 route locally (router replicated) -> [E, C, n, d] -> reshape [ep, E/ep, C, n, d] ->
 all_to_all over the axis -> this device's E/ep experts run on [E/ep, ep*C, n, d]
 (its ep peers' slots side by side) -> all_to_all back -> combine with the gates.
 ep must divide E and the expert params must have leading dim E/ep (ValueError
-otherwise); using the context outside shard_map is an error. Without the context
-nothing changes (plain single-device use, or shard_map with gathered experts).
+otherwise); expert axes outside shard_map are an error. Without expert axes nothing
+changes (plain single-device use, or shard_map with gathered experts).
 Gradients: the all_to_all transposes route activation cotangents back to the
 sample's device, and each expert shard's gradient already sums every token it
 served, so the caller must not psum expert grads over the EP axis (it still sums
@@ -42,8 +43,8 @@ when a peer left slots empty, so per expert kept = sum_dev min(n_dev,e, C_local)
 rather than the global path's min(sum_dev n_dev,e, C_global): equal when no
 device overflows; more drops when one device's samples crowd an expert (ceil
 rounding of C_local can also keep a few more). Drops happen per device and are
-counted in aux["dropped_fraction"] (this shard's, or the global batch's under
-`sharded_batch` below); the routing is the same per-shard routing as the non-EP
+counted in aux["dropped_fraction"] (this shard's, or the global batch's with
+batch axes, below); the routing is the same per-shard routing as the non-EP
 path under shard_map, so EP and gathered experts give identical outputs and drops.
 
 aux (all f32 scalars except expert_load):
@@ -59,8 +60,8 @@ this device's B_local samples, and f_e P_e summed per shard is not the global
 loss (a product of means is not a mean of products). A caller that runs the
 model per batch shard says over which manual mesh axes the batch is split:
 
-    with sharded_batch(("replica", "fsdp", "expert")):   # the trainer: every mesh axis
-        y, aux = experts(x)
+    set_mesh_axes(model, batch_axes=("replica", "fsdp", "expert"))  # the trainer: every mesh axis
+    y, aux = experts(x)
 
 and route_top_k psums its per-shard sums (assignment counts [E], router prob sums
 [E], sum of logsumexp^2, kept assignments) over those axes and divides by the
@@ -68,23 +69,21 @@ global counts (B = N B_local, N the product of the axes' sizes), so every aux
 figure equals the one-device value on the whole batch, identical on each shard.
 The routing itself (top-k, capacity queues, drops) stays per shard: drops depend
 on C_local = expert_capacity(B_local) exactly as described above (none with
-capacity_factor None, the default). Without the context aux is the shard's own.
+capacity_factor None, the default). Without batch axes aux is the shard's own.
 
 Gradient of a global aux. With the trainer's shard_map(check_vma=False) the
 transpose of psum is psum: a cotangent c placed on the global aux on each of the
 N shards reaches every shard's local sums as N c. A caller that adds coef * aux
 to its loss on every shard (models.interformer.attach_aux_loss) must therefore
-weight it by `aux_loss_scale(local)` = 1/N, so the parameters get d(coef * aux)
+weight it by `aux_loss_scale(local, batch_axes)` = 1/N, so the parameters get d(coef * aux)
 once in total (under check_vma=True the batch axes are typed as varying, psum
 transposes to pvary, and the scale is 1).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,12 +94,6 @@ from gemjax.layers.wukong import Wukong
 from gemjax.parallel.rules import with_logical_constraint
 
 _EXPERT_AXIS = {nnx.PARTITION_NAME: "expert"}
-_EP_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "gemjax_expert_parallel_axes", default=None)
-_BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "gemjax_sharded_batch_axes", default=None)
-
-
 def _axis_tuple(axis_name, who: str) -> tuple[str, ...]:
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     if not axes or not all(isinstance(a, str) for a in axes):
@@ -109,44 +102,27 @@ def _axis_tuple(axis_name, who: str) -> tuple[str, ...]:
     return axes
 
 
-@contextlib.contextmanager
-def _axes_context(var: contextvars.ContextVar, axis_name, who: str) -> Iterator[tuple[str, ...]]:
-    """Set `var` to the axis tuple while inside; restores the outer value on exit."""
-    axes = _axis_tuple(axis_name, who)
-    token = var.set(axes)
-    try:
-        yield axes
-    finally:
-        var.reset(token)
+def set_mesh_axes(model: nnx.Module, *, expert_axes: str | Sequence[str] | None = None,
+                  batch_axes: str | Sequence[str] | None = None) -> nnx.Module:
+    """Tell every WukongExperts in `model` (and any module with these attributes, such as
+    a teacher that scales its aux loss) the manual shard_map axes it runs under; returns
+    `model`. Call it on the model merged inside the shard_map, before the forward.
 
-
-def expert_parallel(axis_name: str | Sequence[str]) -> contextlib.AbstractContextManager[tuple[str, ...]]:
-    """While tracing inside, WukongExperts exchange tokens over mesh axis `axis_name`.
-
-    axis_name: a manual (shard_map) mesh axis, or a tuple of them (their product is
-    ep, device order row-major as in a PartitionSpec). Expert params must be the
-    local shard [E/ep, ...] of that axis. See the module docstring.
+    expert_axes: the mesh axis (or tuple of axes, their product ep, device order
+      row-major as in a PartitionSpec) the experts exchange tokens over; the expert
+      params must be the local shard [E/ep, ...] of it. None: every expert runs here.
+    batch_axes: the axes the batch is split over (each device an equal B_local share):
+      the router's aux figures are global over them. None: the shard's own.
+    See the module docstring.
     """
-    return _axes_context(_EP_AXES, axis_name, "expert_parallel")
-
-
-def active_expert_axes() -> tuple[str, ...] | None:
-    """The axes set by the innermost `expert_parallel` context, or None."""
-    return _EP_AXES.get()
-
-
-def sharded_batch(axis_name: str | Sequence[str]) -> contextlib.AbstractContextManager[tuple[str, ...]]:
-    """While tracing inside, the router's aux figures are global over mesh axes `axis_name`.
-
-    axis_name: the manual (shard_map) mesh axes the batch is split over, or one of
-    them; each device holds an equal B_local share. See the module docstring.
-    """
-    return _axes_context(_BATCH_AXES, axis_name, "sharded_batch")
-
-
-def active_batch_axes() -> tuple[str, ...] | None:
-    """The axes set by the innermost `sharded_batch` context, or None."""
-    return _BATCH_AXES.get()
+    attrs = {}
+    if expert_axes is not None:
+        attrs["expert_axes"] = _axis_tuple(expert_axes, "expert_axes")
+    if batch_axes is not None:
+        attrs["batch_axes"] = _axis_tuple(batch_axes, "batch_axes")
+    if attrs:
+        model.set_attributes(raise_if_not_found=False, **attrs)
+    return model
 
 
 def _manual_axes_size(axes: tuple[str, ...], who: str) -> int:
@@ -164,19 +140,19 @@ def _manual_axes_size(axes: tuple[str, ...], who: str) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def aux_loss_scale(local: jax.Array) -> float:
+def aux_loss_scale(local: jax.Array, batch_axes: Sequence[str] = ()) -> float:
     """Per-shard weight of a global aux loss whose gradient every shard injects.
 
-    1.0 without a `sharded_batch` context. Inside one, 1 / (product of the sizes of
-    the batch axes along which psum transposes to psum): the axes `local` (any
-    per-shard array of this shard_map, e.g. the logits) is not typed as varying
-    along, i.e. all of them under check_vma=False (the trainer), none under
-    check_vma=True. See "Gradient of a global aux" in the module docstring.
+    1.0 without batch_axes (the manual axes the batch is split over, `set_mesh_axes`).
+    With them, 1 / (product of the sizes of the batch axes along which psum transposes
+    to psum): the axes `local` (any per-shard array of this shard_map, e.g. the logits)
+    is not typed as varying along, i.e. all of them under check_vma=False (the trainer),
+    none under check_vma=True. See "Gradient of a global aux" in the module docstring.
     """
-    axes = active_batch_axes()
+    axes = tuple(batch_axes)
     if not axes:
         return 1.0
-    _manual_axes_size(axes, "sharded_batch")
+    _manual_axes_size(axes, "batch_axes")
     mat = getattr(jax.typeof(local), "manual_axis_type", None)
     varying = getattr(mat, "varying", frozenset()) or frozenset()
     summed = tuple(a for a in axes if a not in varying)
@@ -215,7 +191,7 @@ def route_top_k(logits: jax.Array, top_k: int, capacity: int,
     """
     b, e = logits.shape
     batch_axes = tuple(batch_axes)
-    n_shards = _manual_axes_size(batch_axes, "sharded_batch") if batch_axes else 1
+    n_shards = _manual_axes_size(batch_axes, "batch_axes") if batch_axes else 1
 
     def total(x):                                     # sum over the batch shards
         return jax.lax.psum(x, batch_axes) if batch_axes else x
@@ -275,6 +251,9 @@ class WukongExperts(nnx.Module):
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.out_tokens = int(fmb_tokens) + int(lcb_tokens)
         self.dtype = dtype
+        # the manual shard_map axes of the forward (set_mesh_axes): EP and the global aux
+        self.expert_axes: tuple[str, ...] | None = None
+        self.batch_axes: tuple[str, ...] = ()
         self.router = linear(self.num_tokens * self.dim, num_experts, names=("embed", None),
                              dtype=jnp.float32, rngs=rngs)
 
@@ -295,7 +274,7 @@ class WukongExperts(nnx.Module):
         b = x.shape[0]
         cap = expert_capacity(b, self.num_experts, self.top_k, self.capacity_factor)
         logits = self.router(x.reshape(b, -1).astype(jnp.float32))
-        index, combine, aux = route_top_k(logits, self.top_k, cap, active_batch_axes() or ())
+        index, combine, aux = route_top_k(logits, self.top_k, cap, self.batch_axes)
         xpad = jnp.concatenate([x.astype(self.dtype), jnp.zeros((1,) + x.shape[1:], self.dtype)])
         xin = _constrain(jnp.take(xpad, index, axis=0),                    # [E, C, n, d]
                          ("expert", "batch", None, None))
@@ -304,7 +283,7 @@ class WukongExperts(nnx.Module):
         def run(expert, xe):
             return expert(xe)
 
-        ep_axes = active_expert_axes()
+        ep_axes = self.expert_axes
         if ep_axes is None:
             yout = run(self.experts, xin)                                  # [E, C, n_out, d]
         else:
@@ -317,13 +296,13 @@ class WukongExperts(nnx.Module):
     def _exchange_and_run(self, run, xin: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         """EP: xin [E, C, n, d] (slots for every expert) -> yout [E, C, n_out, d] via
         all_to_all over `axes`, this device's E/ep experts run on [E/ep, ep*C, n, d]."""
-        ep, e = _manual_axes_size(axes, "expert_parallel"), self.num_experts
+        ep, e = _manual_axes_size(axes, "expert_axes"), self.num_experts
         if e % ep:
-            raise ValueError(f"WukongExperts: expert_parallel over {axes} (ep={ep}) must divide "
+            raise ValueError(f"WukongExperts: expert_axes {axes} (ep={ep}) must divide "
                              f"num_experts={e}")
         local = {int(v.shape[0]) for v in jax.tree.leaves(nnx.state(self.experts, nnx.Param))}
         if local != {e // ep}:
-            raise ValueError(f"WukongExperts: under expert_parallel({axes}) (ep={ep}) the expert "
+            raise ValueError(f"WukongExperts: with expert_axes {axes} (ep={ep}) the expert "
                              f"params must be local shards with leading dim E/ep={e // ep}, got "
                              f"leading dims {sorted(local)}")
         cap, rest = xin.shape[1], xin.shape[2:]

@@ -29,7 +29,7 @@ Policies:
 
 `tag(x, name)` marks a tensor for the offload policy; outside an offloaded block it
 returns x itself (no checkpoint_name in the program), so tags cost nothing elsewhere.
-The plan is read while the forward is traced (a context, like experts.sharded_batch);
+The plan is read while the forward is traced (a context);
 every wrapper traces its block at once, under the contexts active at the call.
 """
 

@@ -18,9 +18,10 @@ Experts' router losses: the trainer's loss only sees logits, so the weighted
 load-balancing loss is attached to the logits by `attach_aux_loss` (identity in
 the forward pass; in the backward pass it adds d(coef * aux)/d(params)), i.e. the
 parameters get the gradient of loss + coef * aux. Under the trainer's shard_map
-the model runs per batch shard inside `experts.sharded_batch(axes)`, so aux is the
-global-batch figure (psum of per-shard sums, the same on every shard) and every
-shard attaches it with weight coef * experts.aux_loss_scale(logits) = coef / N:
+the model runs per batch shard with its batch axes set (`experts.set_mesh_axes`: the
+teacher's and its experts' `batch_axes`), so aux is the global-batch figure (psum of
+per-shard sums, the same on every shard) and every shard attaches it with weight
+coef * experts.aux_loss_scale(logits, batch_axes) = coef / N:
 shard_map's backward (check_vma=False) transposes the psum into a psum over the N
 shards, so the total gradient is d(coef * aux_global) exactly once, the one-device
 gradient (tests/test_sharded_aux_loss.py).
@@ -204,6 +205,7 @@ class GEMTeacher(nnx.Module):
         dtype = jnp.dtype(a.dtype)
         self.dim, self.dense_tokens, self.dtype = a.dim, a.dense_tokens, dtype
         self.lb_coef = a.lb_coef
+        self.batch_axes: tuple[str, ...] = ()    # the shard_map's batch axes (experts.set_mesh_axes)
         self.remat_plan = regions.parse_plan(getattr(getattr(cfg, "train", None), "remat", "none"))
         self.dense_proj = dense_projection(a.num_dense, a.dense_tokens * a.dim, dtype=dtype, rngs=rngs)
         self.pyramid = ParallelPyramid(a.sequences, a.dim, levels=a.levels, num_heads=a.heads,
@@ -260,5 +262,5 @@ class GEMTeacher(nnx.Module):
         logits = regions.run("heads", self.head, summary, batch.surface)
         if "load_balance_loss" in aux and self.lb_coef:
             logits = attach_aux_loss(logits, aux["load_balance_loss"],
-                                     self.lb_coef * aux_loss_scale(logits))
+                                     self.lb_coef * aux_loss_scale(logits, self.batch_axes))
         return logits

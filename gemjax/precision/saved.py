@@ -36,7 +36,8 @@ absent. So a non-finite saved input gives NaN gradients, never a finite stand-in
 trainer's non-finite check sees it).
 
 The block is traced once at the call (jax.closure_convert), under the contexts active
-there (experts' sharded_batch / expert_parallel), and the backward evaluates that trace.
+there (the regions plan; the experts' mesh axes are attributes of the module), and the
+backward evaluates that trace.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from gemjax.train.guards import (Interrupted, ResumeMismatch, StopSignals, check
 from gemjax.train.metrics import EvalAccumulator, flat
 from gemjax.train.retrieval import METRICS as RETRIEVAL_METRICS
 from gemjax.train.retrieval import RetrievalEvaluator, RetrievalTrainer, is_retrieval
-from gemjax.train.step import Trainer
+from gemjax.train.step import BinaryTasks, Trainer
 from gemjax.train.throughput import Throughput, progress_line
 from gemjax.train import tracking
 
@@ -371,8 +371,9 @@ _HUGE_INPUTS = (" (finite but huge dense inputs overflow too: data.dense_max_abs
                 "naming the file, row and column)")
 
 
-# The eval figures a train row and the summary repeat from the newest eval.
-_HEADLINE = ("ne", "auc", "calibration")
+# The eval figures a train row and the summary repeat from the newest eval: those the
+# objective reports (BinaryTasks; retrieval: NextItemSoftmax, RETRIEVAL_METRICS).
+_HEADLINE = BinaryTasks.metrics
 
 
 def _headline(cfg: Config) -> tuple[str, ...]:

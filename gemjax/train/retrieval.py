@@ -1,4 +1,5 @@
-"""Next-item retrieval through the trainer: the train / eval steps and the evaluator.
+"""Next-item retrieval through the trainer: its objective (NextItemSoftmax, run by the one
+train / eval step of gemjax.train.step) and the evaluator.
 
 model.kind="retrieval" (gemjax.models.retrieval.RetrievalTower) trains on rows of
 (history, next item): every history token predicts the item after it (the last token
@@ -25,8 +26,8 @@ strictly higher than the row's candidate (ties in its favour), among the catalog
 (rows >= 1 that occur in the train or eval data: a row's item or history), with the
 row's history items excluded ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200",
 "ndcg@200", "mrr" = mean 1 / (rank + 1); the published protocol) and kept
-("..._unmasked"). Scores and ranks are computed on device; the
-host receives [B, 2] ranks per batch.
+("..._unmasked"). Scores and ranks are computed on device (NextItemSoftmax.predict); the
+host receives [B, 2] ranks per batch and summarises them (gemjax.train.ranking).
 
 Train metrics: "loss" (mean per-token cross-entropy), "loss_sum" / "weight_sum" [1]
 (sums over the tokens, weighted by the row weights), "grad_norm", the collection's
@@ -36,25 +37,23 @@ stats. There is no NE for a softmax over items: metrics.jsonl carries ne null.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gemjax.config import Config, schema_of
-from gemjax.data.batch import Batch, id_features
+from gemjax.data.batch import Batch
 from gemjax.data.feeding import Feeder
 from gemjax.data.source import eval_steps, make_source, valid_files
 from gemjax.models.retrieval import (CANDIDATES, ITEM_FIELD, item_table, l2_normalize,
                                      retrieval_sequence, target_feature)
-from gemjax.train.retrieval_loss import (history_mask, next_item_targets, ranking_summary,
-                                         sampled_softmax, target_ranks)
-from gemjax.train.step import (CHECK_VMA, PlannedStep, Trainer, gather_param, process_rows,
-                               updated_state)
+from gemjax.train.ranking import ranking_summary, target_ranks
+from gemjax.train.retrieval_loss import history_mask, next_item_targets, sampled_softmax
+from gemjax.train.step import Shard, StepContext, Trainer, eval_step, process_rows
 
 KS = (10, 50, 200)
 METRICS = tuple(name for s in ("", "_unmasked")
@@ -66,123 +65,96 @@ def is_retrieval(cfg: Config) -> bool:
     return cfg.model.kind == "retrieval"
 
 
-class RetrievalTrainer(Trainer):
-    """Trainer with the retrieval forward (module docstring); create() / state /
-    checkpoints as Trainer."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class NextItemSoftmax:
+    """The retrieval objective (module docstring), an `Objective` of gemjax.train.step.
 
-    @property
-    def _seq(self) -> str:
-        return retrieval_sequence(self.cfg)
+    lookup_ids: {CANDIDATES: the scored item rows} (`candidate_ids`); loss_sums:
+    {"loss_sum" [1], "weight_sum" [1]}, the softmax cross-entropy of every history token
+    against its next item, weighted by the row weights; predict: ranks [B_local, 2] int32
+    of each row's candidate among the catalog rows, its history excluded and kept.
+    vocab: rows of the item table; catalog [V] bool: the rows an eval ranks (None: every
+    row >= 1).
+    """
 
-    @property
-    def vocab(self) -> int:
-        """Rows of the item table (row 0: padding)."""
-        return schema_of(self.cfg).table(item_table(self.cfg)).vocab
+    cfg: Config
+    vocab: int
+    catalog: np.ndarray | None = None
+    metrics: tuple[str, ...] = METRICS
 
-    def candidate_ids(self, step: jax.Array, train: bool) -> jax.Array:
+    def candidate_ids(self, ctx: StepContext, step: jax.Array, train: bool) -> jax.Array:
         """[num_shards * N] int32 ids, shard i's N rows on device i (P(batch axes)): every
         item row (eval, or retrieval_negatives 0), else N uniform rows in [1, V) drawn
         from (train.seed, step)."""
-        s, n = self.num_shards, self.cfg.model.retrieval_negatives
+        s, n = ctx.mesh.size, self.cfg.model.retrieval_negatives
         if not train or n == 0:
             ids = jnp.tile(jnp.arange(self.vocab, dtype=jnp.int32), s)
         else:
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.train.seed),
                                                         _NEGATIVES), step)
             ids = jax.random.randint(key, (s * n,), 1, self.vocab, dtype=jnp.int32)
-        return jax.lax.with_sharding_constraint(ids, NamedSharding(self.mesh, P(self.batch_axes)))
+        return jax.lax.with_sharding_constraint(ids, NamedSharding(ctx.mesh, P(ctx.batch_axes)))
 
-    def _local(self, train: bool) -> Callable:
-        """Per-device forward (inside shard_map): train -> (loss_sum [1], weight_sum [1]);
-        eval -> ranks [B, 2] int32 (history excluded, kept)."""
-        graphdef, axes, cfg = self.graphdef, self.batch_axes, self.cfg
-        m, seq, tgt_feat = cfg.model, self._seq, target_feature(cfg)
-        p_specs = jax.tree.map(lambda sh: sh.spec, self.param_shardings)
-        hist_feat = f"{seq}.{ITEM_FIELD}"
+    def lookup_ids(self, ctx: StepContext, step: jax.Array, train: bool) -> dict[str, jax.Array]:
+        return {CANDIDATES: self.candidate_ids(ctx, step, train)}
 
-        def items(e):
-            return l2_normalize(e) if m.retrieval_l2norm else e.astype(jnp.float32)
+    def _items(self, e: jax.Array) -> jax.Array:
+        return l2_normalize(e) if self.cfg.model.retrieval_l2norm else e.astype(jnp.float32)
 
-        def local(params, acts, batch: Batch, cand_ids, step, catalog):
-            full = jax.tree.map(gather_param, params, p_specs)
-            model = nnx.merge(graphdef, full)
-            key = None
-            if train:
-                key = jax.random.fold_in(jax.random.key(cfg.train.seed), _DROPOUT)
-                key = jax.random.fold_in(jax.random.fold_in(key, step),
-                                         jax.lax.axis_index(axes))
-            h = model(acts, batch, key)                                          # [T, d]
-            jag = batch.sequences[seq]
-            cand_e = items(acts[CANDIDATES])                                     # [N, d]
-            if train:
-                tgt_e = next_item_targets(jag, items(acts[hist_feat]), items(acts[tgt_feat]))
-                tgt_ids = next_item_targets(jag, jag.values[ITEM_FIELD], batch.sparse[tgt_feat])
-                ce = sampled_softmax(h, tgt_e, tgt_ids, cand_e, cand_ids, m.retrieval_temperature)
-                seg = jnp.minimum(jag.segment_ids, jag.num_samples - 1)
-                w = jnp.where(jag.mask, jnp.take(batch.weights, seg), 0.0)
-                sums = (jnp.sum(ce * w)[None], jnp.sum(w)[None])
-                return jax.tree.map(lambda x: jax.lax.psum(x, axes), sums)
-            last = jnp.maximum(jag.offsets[1:] - 1, 0)
-            scores = (jnp.take(h, last, axis=0) @ cand_e.T) / m.retrieval_temperature   # [B, V]
-            b, v = scores.shape
-            not_item = jnp.broadcast_to(~catalog | (jnp.arange(v) == 0), (b, v))
-            hist = history_mask(jag, jag.values[ITEM_FIELD], v)
-            targets = batch.sparse[tgt_feat]
-            kept = target_ranks(scores, targets, not_item)
-            masked = target_ranks(scores, targets, not_item | hist)
-            return jnp.stack([masked, kept], axis=1)
+    def loss_sums(self, model, acts: dict, batch: Batch, shard: Shard) -> dict[str, jax.Array]:
+        cfg, seq, tgt_feat = self.cfg, retrieval_sequence(self.cfg), target_feature(self.cfg)
+        key = jax.random.fold_in(jax.random.key(cfg.train.seed), _DROPOUT)
+        key = jax.random.fold_in(jax.random.fold_in(key, shard.step), jax.lax.axis_index(shard.axes))
+        h = model(acts, batch, key)                                              # [T, d]
+        jag = batch.sequences[seq]
+        tgt_e = next_item_targets(jag, self._items(acts[f"{seq}.{ITEM_FIELD}"]),
+                                  self._items(acts[tgt_feat]))
+        tgt_ids = next_item_targets(jag, jag.values[ITEM_FIELD], batch.sparse[tgt_feat])
+        ce = sampled_softmax(h, tgt_e, tgt_ids, self._items(acts[CANDIDATES]),
+                             shard.ids[CANDIDATES], cfg.model.retrieval_temperature)
+        seg = jnp.minimum(jag.segment_ids, jag.num_samples - 1)
+        w = jnp.where(jag.mask, jnp.take(batch.weights, seg), 0.0)
+        return {"loss_sum": jnp.sum(ce * w)[None], "weight_sum": jnp.sum(w)[None]}
 
-        return local
+    def predict(self, model, acts: dict, batch: Batch, shard: Shard) -> jax.Array:
+        seq, tgt_feat = retrieval_sequence(self.cfg), target_feature(self.cfg)
+        h = model(acts, batch, None)                                             # [T, d]
+        jag = batch.sequences[seq]
+        last = jnp.maximum(jag.offsets[1:] - 1, 0)
+        scores = ((jnp.take(h, last, axis=0) @ self._items(acts[CANDIDATES]).T)
+                  / self.cfg.model.retrieval_temperature)                        # [B, V]
+        b, v = scores.shape
+        catalog = np.ones(self.vocab, bool) if self.catalog is None else self.catalog
+        not_item = jnp.broadcast_to(~jnp.asarray(catalog) | (jnp.arange(v) == 0), (b, v))
+        hist = history_mask(jag, jag.values[ITEM_FIELD], v)
+        targets = batch.sparse[tgt_feat]
+        kept = target_ranks(scores, targets, not_item)
+        masked = target_ranks(scores, targets, not_item | hist)
+        return jnp.stack([masked, kept], axis=1)
 
-    def _sharded(self, train: bool) -> Callable:
-        axes = self.batch_axes
-        p_specs = jax.tree.map(lambda sh: sh.spec, self.param_shardings)
-        out = (P(), P()) if train else P(axes)
-        return jax.shard_map(self._local(train), mesh=self.mesh,
-                             in_specs=(p_specs, P(axes), P(axes), P(axes), P(), P()),
-                             out_specs=out, check_vma=CHECK_VMA)
 
-    def make_train_step(self) -> PlannedStep:
-        """(state, batch[, next_batch]) -> (state, metrics), jitted; state donated."""
-        fwd = self._sharded(train=True)
-        coll, tx, id_fields = self.coll, self.tx, self.id_fields
-        no_catalog = jnp.ones((self.vocab,), bool)
+class RetrievalTrainer(Trainer):
+    """Trainer whose objective is `NextItemSoftmax` (module docstring); create() / state /
+    checkpoints / the train step as Trainer."""
 
-        def loss_fn(params, acts, batch, cand, step):
-            loss_sum, w_sum = fwd(params, acts, batch, cand, step, no_catalog)
-            return jnp.sum(loss_sum) / jnp.maximum(jnp.sum(w_sum), 1.0), (loss_sum, w_sum)
+    @classmethod
+    def create(cls, cfg: Config, *args, **kw) -> "RetrievalTrainer":
+        trainer = super().create(cfg, *args, **kw)
+        trainer.objective = NextItemSoftmax(cfg, schema_of(cfg).table(item_table(cfg)).vocab)
+        return trainer
 
-        def step(state, batch: Batch):
-            cand = self.candidate_ids(state["step"], train=True)
-            feats = {**id_features(batch, id_fields), CANDIDATES: cand}
-            acts, residuals = coll.lookup(state["tables"], feats)
-            (loss, (loss_sum, w_sum)), (g_params, g_acts) = jax.value_and_grad(
-                loss_fn, argnums=(0, 1), has_aux=True)(state["params"], acts, batch, cand,
-                                                       state["step"])
-            new_state = updated_state(tx, coll, state, residuals, g_params, g_acts)
-            metrics = {"loss": loss, "loss_sum": loss_sum, "weight_sum": w_sum,
-                       "grad_norm": optax.global_norm(g_params), **residuals["stats"]}
-            return new_state, metrics
-
-        replicated = NamedSharding(self.mesh, P())
-        return self._planned(step, "train step", donate_argnums=(0,),
-                             out_shardings=(self.state_shardings(), replicated))
+    @property
+    def vocab(self) -> int:
+        """Rows of the item table (row 0: padding)."""
+        return self.objective.vocab
 
     def make_eval_step(self, catalog: np.ndarray | None = None) -> Callable:
         """(state, batch) -> ranks [rows of this process's shards, 2] int32 numpy: per row,
         items above its candidate with its history excluded, and kept. catalog [V] bool:
         the rankable rows (None: every row >= 1)."""
-        fwd = self._sharded(train=False)
-        coll, id_fields = self.coll, self.id_fields
-        cat = jnp.asarray(np.ones(self.vocab, bool) if catalog is None else catalog)
-
-        def step(state, batch: Batch):
-            cand = self.candidate_ids(state["step"], train=False)
-            acts, _ = coll.lookup(state["tables"], {**id_features(batch, id_fields),
-                                                    CANDIDATES: cand})
-            return fwd(state["params"], acts, batch, cand, state["step"], cat)
-
-        planned = self._planned(step, "eval step")
+        ctx = dataclasses.replace(self.context(),
+                                  objective=dataclasses.replace(self.objective, catalog=catalog))
+        planned = self._planned(functools.partial(eval_step, ctx), "eval step")
 
         def local_rows(state, batch):
             return process_rows(planned(state, batch))
@@ -221,11 +193,6 @@ def _all_processes(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _mrr(ranks: np.ndarray) -> float:
-    """Mean reciprocal rank, 1 / (rank + 1) per row (rank 0: the target scored highest)."""
-    return float(np.mean(1.0 / (np.asarray(ranks, np.float64) + 1.0))) if len(ranks) else float("nan")
-
-
 class RetrievalEvaluator:
     """Full-ranking metrics over every row of the eval stream (module docstring);
     __call__(state) -> {"hr@10", "ndcg@10", "hr@50", "ndcg@50", "mrr" (mean 1 / (rank + 1)),
@@ -247,8 +214,7 @@ class RetrievalEvaluator:
             ranks.append(r[np.asarray(batch.weights) > 0])
         r = _all_processes(np.concatenate(ranks))
         out = {**ranking_summary(r[:, 0], KS),
-               **{f"{k}_unmasked": v for k, v in ranking_summary(r[:, 1], KS).items()},
-               "mrr": _mrr(r[:, 0]), "mrr_unmasked": _mrr(r[:, 1])}
+               **{f"{k}_unmasked": v for k, v in ranking_summary(r[:, 1], KS).items()}}
         return {**out, "rows": int(len(r)), "catalog": int(self.catalog.sum())}
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Next-item retrieval: per-token targets, the sampled-softmax loss, full-ranking ranks.
+"""Next-item retrieval: per-token targets, the sampled-softmax loss, the history mask.
 
 Autoregressive training (SASRec-style): a row holds a user's history h_0..h_{n-1}
 (jagged) and the item that followed it, c. Token i's target is h_{i+1}, the last
@@ -8,8 +8,8 @@ token's is c, so one row trains every position of its history once.
     tgt_ids = next_item_targets(jag, hist_ids, cand_ids)    # [T] int32
     per_token = sampled_softmax(h, tgt_e, tgt_ids, neg_e, neg_ids, temperature)  # [T]
     exclude = history_mask(jag, hist_ids, V)                # [B, V] bool
-    ranks = target_ranks(scores, targets, exclude)          # [B] int32
-    ranking_summary(ranks, ks)                              # {"hr@10": ..., "ndcg@10": ...}
+
+The ranks and HR / NDCG / MRR of an evaluation: gemjax.train.ranking.
 
 Negatives are shared by the tokens of one device ([N, d]); a negative equal to a
 token's target, or the padding item 0, is left out of that token's softmax. With N =
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gemjax.data.jagged import Jagged
 
@@ -67,28 +66,3 @@ def history_mask(jag: Jagged, ids: jax.Array, vocab: int) -> jax.Array:
     in [0, vocab)); padding tokens mark nothing."""
     b = jag.num_samples
     return jnp.zeros((b, vocab), bool).at[jag.segment_ids, ids].set(True, mode="drop")
-
-
-def target_ranks(scores: jax.Array, targets: jax.Array, exclude: jax.Array | None = None):
-    """Items scoring strictly higher than the target (ties in the target's favour) [N] int32.
-
-    scores [N, V]; targets [N] int in [0, V); exclude [N, V] bool (True: the item is
-    out of that row's ranking; the target itself is never excluded). Works on jax or
-    numpy arrays (jnp ops)."""
-    t = jnp.take_along_axis(scores, targets[:, None], axis=1)
-    above = scores > t
-    if exclude is not None:
-        above = above & ~exclude
-    return jnp.sum(above, axis=1).astype(jnp.int32)
-
-
-def ranking_summary(ranks: np.ndarray, ks=(10, 50)) -> dict[str, float]:
-    """{"hr@k": mean(rank < k), "ndcg@k": mean(1 / log2(rank + 2) if rank < k)} over ranks [N]."""
-    r = np.asarray(ranks, np.float64)
-    out = {}
-    for k in ks:
-        hit = r < k
-        out[f"hr@{k}"] = float(hit.mean()) if r.size else float("nan")
-        out[f"ndcg@{k}"] = (float(np.where(hit, 1.0 / np.log2(r + 2), 0.0).mean())
-                            if r.size else float("nan"))
-    return out

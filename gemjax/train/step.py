@@ -6,11 +6,18 @@ Train state (a plain pytree, checkpointed whole):
     {"step": int32 [], "params": nested dict of float32 arrays (the NNX params),
      "opt_state": optax state, "tables": {table: {"weights": [V, D], "accum": [V]}}}
 
-One step (`train_step`):  ids -> sparse lookup (tables never enter jax.grad) -> dense
-model -> loss (`loss_fn`; the per-task loss itself: `masked_bce_sums`);
-value_and_grad w.r.t. (dense params, looked-up activations); optax on the dense
-params, the fused row-wise optimizer on the touched table rows only. The sparse
-branch plan of each batch is fixed ahead of the step by gemjax.train.planned.
+One step (`train_step`):  ids (the batch's and the objective's `lookup_ids`) -> sparse
+lookup (tables never enter jax.grad) -> the objective's loss sums per batch shard
+(`Objective.loss_sums`, calling the dense model) -> loss (`loss_fn`); value_and_grad
+w.r.t. (dense params, looked-up activations); optax on the dense params, the fused
+row-wise optimizer on the touched table rows only. The sparse branch plan of each batch
+is fixed ahead of the step by gemjax.train.planned.
+
+Objectives (`Objective`, passed in StepContext / Trainer.objective): `BinaryTasks` (the
+multi-task log loss, `masked_bce_sums`; the default), a distilled student's KD loss
+(gemjax.distill.losses.kd_objective, a BinaryTasks), next-item retrieval's sampled or
+full softmax (gemjax.train.retrieval.NextItemSoftmax). The eval step returns the
+objective's `predict` per row.
 
 Layout, for a mesh such as replica=2,fsdp=2,expert=2:
   batch    sharded over ALL mesh axes: each device holds its own packed jagged
@@ -30,12 +37,12 @@ Layout, for a mesh such as replica=2,fsdp=2,expert=2:
            experts' stacked dim over mesh axes of size ep > 1 (default: "expert",
            if it divides E), expert params are NOT gathered over those axes: each
            device keeps its [E/ep, ...] shard (still gathered over fsdp) and the
-           forward runs under `experts.expert_parallel(axes)`, which makes
-           WukongExperts exchange tokens with all_to_all. Their gradients come
+           model's experts get those axes (`experts.set_mesh_axes(expert_axes=)`), which
+           makes WukongExperts exchange tokens with all_to_all. Their gradients come
            back per owner (reduce-scattered over fsdp, summed over replica by
            shard_map's transpose, never summed over the EP axes). Off with
            `Trainer.expert_parallel = False` (every device then runs all experts).
-  router   the forward runs under `experts.sharded_batch(batch axes)`: the experts'
+  router   the model gets the batch axes (`experts.set_mesh_axes(batch_axes=)`): the experts'
   aux      aux (load-balancing loss, z-loss, drops, load) are global-batch figures
            and their gradient is added once, as on one device (experts.py).
   tables   `EmbeddingCollection(specs, mesh, replica_axes=table_replica_axes)`:
@@ -47,10 +54,9 @@ parallelism with replicated params.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +67,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.config import Config
 from gemjax.data.batch import Batch, id_features
-from gemjax.layers.experts import expert_parallel as expert_parallel_context
-from gemjax.layers.experts import sharded_batch
+from gemjax.layers.experts import set_mesh_axes
 from gemjax.models.gem import build_model, sequence_id_fields
 from gemjax.parallel import rules as rules_lib
 from gemjax.precision.fsdp import WeightGather, all_gather_fp8_weight, weight_block
@@ -180,17 +185,79 @@ def expert_parallel_axes(mesh: Mesh, p_specs: Any, is_expert: Any) -> tuple[str,
     return axes
 
 
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What an objective reads inside the step's shard_map besides the model, the
+    activations and the batch: step (int32 [], the state's step counter), ids (this
+    shard's rows of the objective's `lookup_ids`, {feature: [N_local] int32}), axes (the
+    manual mesh axes the batch is split over: `jax.lax.axis_index(axes)` is the shard's
+    index)."""
+
+    step: jax.Array
+    ids: dict[str, jax.Array]
+    axes: tuple[str, ...]
+
+
+class Objective(Protocol):
+    """What a step optimizes and what its eval step returns; the step passes it explicitly
+    (`StepContext.objective`, `Trainer.objective`).
+
+    metrics: the eval figures the objective's evaluator reports (the headline of eval rows).
+    lookup_ids(ctx, step, train) -> {feature: [num_shards * N] int32} ids looked up beside
+      the batch's own (sharded over the batch axes, N per device; {}: none). train False:
+      the eval step's.
+    loss_sums(model, acts, batch, shard) -> {"loss_sum": [K], "weight_sum": [K], ...}: sums
+      over this shard (per device, inside shard_map); the step sums them over the mesh and
+      trains on loss = sum(loss_sum) / max(sum(weight_sum), 1), so the loss is the
+      global-batch mean whatever the mesh. Every entry is reported in the step's metrics.
+    predict(model, acts, batch, shard) -> [B_local, ...]: the eval step's output per shard.
+
+    model: the merged NNX model (full parameters); acts: the looked-up activations,
+    lookup_ids' features included; batch: this shard's Batch.
+    """
+
+    metrics: tuple[str, ...]
+
+    def lookup_ids(self, ctx: "StepContext", step: jax.Array, train: bool) -> dict[str, jax.Array]:
+        ...
+
+    def loss_sums(self, model, acts: dict, batch: Batch, shard: Shard) -> dict[str, jax.Array]:
+        ...
+
+    def predict(self, model, acts: dict, batch: Batch, shard: Shard) -> jax.Array:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BinaryTasks:
+    """The ranking objective: logits [B, K] = model(acts, batch), per-task sums of
+    `task_loss` (logits [B_local, K], batch) -> (loss_sum, weight_sum, positive_sum) [K]
+    (default `masked_bce_sums`, the labels' log loss; a distilled student's
+    gemjax.distill.losses.kd_objective reads the soft targets its batch carries).
+    predict: sigmoid probabilities [B_local, K]."""
+
+    task_loss: Callable = masked_bce_sums
+    metrics: tuple[str, ...] = ("ne", "auc", "calibration")
+
+    def lookup_ids(self, ctx, step, train):
+        return {}
+
+    def loss_sums(self, model, acts, batch, shard):
+        loss_sum, w_sum, pos_sum = self.task_loss(model(acts, batch), batch)
+        return {"loss_sum": loss_sum, "weight_sum": w_sum, "positive_sum": pos_sum}
+
+    def predict(self, model, acts, batch, shard):
+        return jax.nn.sigmoid(model(acts, batch))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepContext:
     """What the step functions read besides the state and the batch (`Trainer.context`).
 
     p_specs: PartitionSpecs like state["params"]; local_dims: like it, the dims each
     param keeps as its local shard inside the shard_map ((0,) for experts under EP);
-    ep_axes: the expert-parallel mesh axes, or None. objective: the per-task loss, a
-    function (logits [B_local, K], batch) -> (loss_sum, weight_sum, positive_sum) [K]
-    each over the local shard; None: `masked_bce_sums` (the labels' log loss). A
-    distilled student's objective reads the soft targets its batch carries
-    (gemjax.distill.losses, gemjax.distill.batch.DistillBatch).
+    ep_axes: the expert-parallel mesh axes, or None; objective: the `Objective` trained
+    and evaluated.
     """
 
     graphdef: Any
@@ -201,8 +268,7 @@ class StepContext:
     p_specs: Any
     local_dims: Any
     ep_axes: tuple[str, ...] | None
-    # knowledge distillation: the loss hook (None: the labels' log loss)
-    objective: Callable | None = None
+    objective: Objective = BinaryTasks()
     # like params: Fp8Weight at the kernels gathered as FP8 (None: every param gathered as is)
     fp8_weights: Any = None
 
@@ -216,36 +282,56 @@ def _gather_fp8_or_param(mesh: Mesh, x: jax.Array, spec: P, local_dims: Sequence
     return gather_param(x, spec, local_dims) if plan is None else all_gather_fp8_weight(x, plan)
 
 
-def local_forward(ctx: StepContext, params, acts, batch: Batch):
-    """Per device, inside shard_map: (loss_sum, weight_sum, positive_sum) [K] each, summed
-    over the mesh, and this shard's logits [B_local, K]."""
+def local_forward(ctx: StepContext, method: str, params, acts, batch: Batch, ids, step):
+    """Per device, inside shard_map: the objective's `method` ("loss_sums" or "predict") on
+    the model with its full parameters (each gathered over its sharded axes; the kernels of
+    ctx.fp8_weights as FP8 bits + scales)."""
     if ctx.fp8_weights is None:
         full = jax.tree.map(gather_param, params, ctx.p_specs, ctx.local_dims)
     else:
         full = jax.tree.map(functools.partial(_gather_fp8_or_param, ctx.mesh), params,
                             ctx.p_specs, ctx.local_dims, ctx.fp8_weights)
-    ep = expert_parallel_context(ctx.ep_axes) if ctx.ep_axes else contextlib.nullcontext()
-    with ep, sharded_batch(ctx.batch_axes):    # router aux over the global batch
-        logits = nnx.merge(ctx.graphdef, full)(acts, batch)
-    task_loss = masked_bce_sums if ctx.objective is None else ctx.objective
-    sums = task_loss(logits, batch)            # the task loss: per-task sums over the shard
-    return jax.tree.map(lambda s: jax.lax.psum(s, ctx.batch_axes), sums), logits
+    # experts: EP over ctx.ep_axes; router aux over the global batch
+    model = set_mesh_axes(nnx.merge(ctx.graphdef, full), expert_axes=ctx.ep_axes,
+                          batch_axes=ctx.batch_axes)
+    return getattr(ctx.objective, method)(model, acts, batch, Shard(step, ids, ctx.batch_axes))
 
 
-def loss_fn(ctx: StepContext, params, acts, batch: Batch):
-    """(loss [], (loss_sum [K], weight_sum [K], positive_sum [K], logits [B, K])).
+def _global_sums(ctx: StepContext, *args):
+    sums = local_forward(ctx, "loss_sums", *args)
+    return jax.tree.map(lambda s: jax.lax.psum(s, ctx.batch_axes), sums)
+
+
+def _predictions(ctx: StepContext, *args):
+    return local_forward(ctx, "predict", *args)
+
+
+def _sharded(ctx: StepContext, fn: Callable, out_specs) -> Callable:
+    """fn(ctx, params, acts, batch, ids, step) as a shard_map over the mesh."""
+    axes = ctx.batch_axes
+    return jax.shard_map(functools.partial(fn, ctx), mesh=ctx.mesh,
+                         in_specs=(ctx.p_specs, P(axes), P(axes), P(axes), P()),
+                         out_specs=out_specs, check_vma=CHECK_VMA)
+
+
+def _lookup(ctx: StepContext, state: dict, batch: Batch, train: bool):
+    """(acts, residuals, ids) of the batch's ids and the objective's `lookup_ids`."""
+    ids = ctx.objective.lookup_ids(ctx, state["step"], train)
+    acts, residuals = ctx.coll.lookup(state["tables"], {**id_features(batch, ctx.id_fields), **ids})
+    return acts, residuals, ids
+
+
+def loss_fn(ctx: StepContext, params, acts, batch: Batch, ids: dict, step: jax.Array):
+    """(loss [], sums): the objective's loss_sums summed over the mesh and the loss, the
+    global-batch mean sum(loss_sum) / max(sum(weight_sum), 1) (`Objective`).
 
     params: like state["params"] (sharded); acts: the looked-up activations
-    (`EmbeddingCollection.lookup`); the loss is the weighted mean log loss over the
-    global batch and every task.
+    (`EmbeddingCollection.lookup`); ids, step: the objective's lookup_ids and the
+    state's step counter.
     """
-    axes = ctx.batch_axes
-    fwd = jax.shard_map(functools.partial(local_forward, ctx), mesh=ctx.mesh,
-                        in_specs=(ctx.p_specs, P(axes), P(axes)), out_specs=(P(), P(axes)),
-                        check_vma=CHECK_VMA)
-    (loss_sum, w_sum, pos_sum), logits = fwd(params, acts, batch)
-    loss = jnp.sum(loss_sum) / jnp.maximum(jnp.sum(w_sum), 1.0)
-    return loss, (loss_sum, w_sum, pos_sum, logits)
+    sums = _sharded(ctx, _global_sums, P())(params, acts, batch, ids, step)
+    loss = jnp.sum(sums["loss_sum"]) / jnp.maximum(jnp.sum(sums["weight_sum"]), 1.0)
+    return loss, sums
 
 
 def updated_state(tx: optax.GradientTransformation, coll: EmbeddingCollection, state: dict,
@@ -261,27 +347,27 @@ def updated_state(tx: optax.GradientTransformation, coll: EmbeddingCollection, s
 
 
 def train_step(ctx: StepContext, state: dict, batch: Batch) -> tuple[dict, dict]:
-    """One optimizer step: (new state, metrics).
+    """One optimizer step of ctx.objective: (new state, metrics).
 
-    metrics: "loss" [], "loss_sum" / "weight_sum" / "positive_sum" [K], "grad_norm" []
-    (dense params) and the sparse lookup's counters ("ids_out_of_range", "ids_overflow").
+    metrics: "loss" [], the objective's loss_sums summed over the mesh ("loss_sum",
+    "weight_sum" [K], ...; BinaryTasks adds "positive_sum"), "grad_norm" [] (dense params)
+    and the sparse lookup's counters ("ids_out_of_range", "ids_overflow").
     """
-    acts, residuals = ctx.coll.lookup(state["tables"], id_features(batch, ctx.id_fields))
+    acts, residuals, ids = _lookup(ctx, state, batch, train=True)
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, ctx), argnums=(0, 1), has_aux=True)
-    (loss, (loss_sum, w_sum, pos_sum, _)), (g_params, g_acts) = grad_fn(
-        state["params"], acts, batch)
+    (loss, sums), (g_params, g_acts) = grad_fn(state["params"], acts, batch, ids, state["step"])
     new_state = updated_state(ctx.tx, ctx.coll, state, residuals, g_params, g_acts)
-    metrics = {"loss": loss, "loss_sum": loss_sum, "weight_sum": w_sum,
-               "positive_sum": pos_sum, "grad_norm": optax.global_norm(g_params),
+    metrics = {"loss": loss, **sums, "grad_norm": optax.global_norm(g_params),
                **residuals["stats"]}
     return new_state, metrics
 
 
 def eval_step(ctx: StepContext, state: dict, batch: Batch) -> jax.Array:
-    """Sigmoid probabilities [B, K] of the batch (no update)."""
-    acts, _ = ctx.coll.lookup(state["tables"], id_features(batch, ctx.id_fields))
-    _, (_, _, _, logits) = loss_fn(ctx, state["params"], acts, batch)
-    return jax.nn.sigmoid(logits)
+    """The objective's predict over the batch (no update): [B, ...] sharded like the
+    batch (BinaryTasks: sigmoid probabilities [B, K])."""
+    acts, _, ids = _lookup(ctx, state, batch, train=False)
+    fwd = _sharded(ctx, _predictions, P(ctx.batch_axes))
+    return fwd(state["params"], acts, batch, ids, state["step"])
 
 
 def process_rows(out: jax.Array) -> np.ndarray:
@@ -309,7 +395,7 @@ class Trainer:
     param_shardings: Any        # nested dict of NamedSharding, like state["params"]
     opt_shardings: Any          # like state["opt_state"]
     expert_parallel: bool = True  # EP when the rules shard the expert dim (module docstring)
-    objective: Callable | None = None  # StepContext.objective of the steps (None: log loss)
+    objective: Objective = BinaryTasks()  # StepContext.objective of the steps
 
     @classmethod
     def create(cls, cfg: Config, mesh: Mesh | None = None, *, rules: rules_lib.Rules | None = None,
