@@ -4,7 +4,7 @@ The features come from the config's FeatureSchema (gemjax.config.schema_of):
 its tables become the TableSpecs, its sparse features, dense columns, sequences and
 surfaces x tasks shape the model.
 
-Tokens per sample (each [D]):
+Tokens per sample (each [D]; the feature and sequence tokens from gemjax.layers.inputs):
   one per sparse feature (looked up outside the model, see gemjax.sparse),
   `dense_tokens` from a projection of the dense features,
   per event sequence: the event tokens (sum of its fields' embeddings, e.g. item,

@@ -5,7 +5,7 @@ Same contract as models.gem.GEMv0, so the trainer can swap it in:
     GEMTeacher(cfg, rngs=...)(acts, batch) -> logits [B, K] float32
 
 Features: the config's FeatureSchema (gemjax.config.schema_of).
-Tokens per sample, each [D]:
+Tokens per sample, each [D] (the inputs from gemjax.layers.inputs):
   x    one per sparse feature (acts[f] [B, D]) + `dense_tokens` from a projection
        of the dense features                                      [B, n, D]
   seq  each event sequence's tokens (sum of its field embeddings, acts

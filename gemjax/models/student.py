@@ -1,6 +1,7 @@
 """Students: small vertical models on the teacher's feature schema (model.kind="student").
 
-Tokens per sample (each [w], w = model.student_width or model.dim):
+Tokens per sample (each [w], w = model.student_width or model.dim; the features' tokens
+from gemjax.layers.inputs):
   one per sparse feature (its looked-up row),
   `dense_tokens` from a projection of the dense features,
   per event sequence a short summary, no attention: the mean of the event embeddings
