@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch
 from gemjax.layers.sequence import mean_pool
-from gemjax.models.gem import recent_mean_pool
 
 KINDS = ("gem", "teacher", "student")
 USER_FEATURE = "user"    # the sparse feature whose teacher row is a sequence-less teacher's repr
@@ -64,16 +63,9 @@ def represent(model, acts: dict[str, jax.Array], batch: Batch) -> tuple[jax.Arra
         return logits, rep.astype(jnp.float32)
     logits = model(acts, batch)
     b = batch.dense.shape[0]
-    if kind == "student":
+    if kind in ("student", "gem"):
         parts = model.sequence_summary(acts, batch)
-    elif kind == "gem":
-        parts = []
-        if cfg.model.use_sequences:
-            for s, fields in schema_of(cfg).id_fields.items():
-                jag = batch.sequences[s]
-                x = model.encoders[s](sum(acts[f"{s}.{n}"] for n in fields), jag)
-                parts += [mean_pool(x, jag), recent_mean_pool(x, jag, cfg.data.recent)]
-        if not parts:
+        if not parts and kind == "gem":
             _check_user_feature(cfg)
             parts = [acts[USER_FEATURE]]
     else:

@@ -5,7 +5,8 @@ experts), attention (jagged self/cross attention through kernels/), sequence
 (SequenceEncoder, pooling), interformer (Cross / Interaction / Sequence Arch),
 heads (multi-domain per-surface, per-task logits), pyramid (pyramid-parallel
 sequence encoding), regions (activation-checkpointing regions and their policies),
-axes (logical sharding names on parameters).
+axes (logical sharding names on parameters), inputs (where a batch's features become
+tokens).
 """
 
 from gemjax.layers.attention import (JaggedCrossAttention, JaggedSelfAttention,

@@ -4,7 +4,7 @@ The features come from the config's FeatureSchema (gemjax.config.schema_of):
 its tables become the TableSpecs, its sparse features, dense columns, sequences and
 surfaces x tasks shape the model.
 
-Tokens per sample (each [D]):
+Tokens per sample (each [D]; the feature and sequence tokens from gemjax.layers.inputs):
   one per sparse feature (looked up outside the model, see gemjax.sparse),
   `dense_tokens` from a projection of the dense features,
   per event sequence: the event tokens (sum of its fields' embeddings, e.g. item,
@@ -28,6 +28,8 @@ from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch
 from gemjax.data.jagged import Jagged
 from gemjax.layers.axes import ConstantTokens
+from gemjax.layers.inputs import (feature_tokens, num_feature_tokens, sequence_tokens,
+                                  sparse_token_list)
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import SequenceEncoder, mean_pool
 from gemjax.layers.wukong import Wukong
@@ -93,7 +95,7 @@ class GEMv0(nnx.Module):
         self.dense_proj = (nnx.Linear(f.num_dense, m.dense_tokens * m.dim, dtype=dtype,
                                       param_dtype=jnp.float32, rngs=rngs) if f.num_dense
                            else ConstantTokens(m.dense_tokens * m.dim, dtype=dtype))
-        n_tokens = len(f.sparse) + m.dense_tokens
+        n_tokens = num_feature_tokens(f, m.dense_tokens)
         self.encoders = nnx.Dict({
             s: SequenceEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
                                attention=m.attention, block=m.block, dtype=dtype,
@@ -106,19 +108,25 @@ class GEMv0(nnx.Module):
         self.head = MLP(self.wukong.out_tokens * m.dim, m.head_mlp, f.num_surfaces * f.num_tasks,
                         dtype=dtype, rngs=rngs)
 
+    def sequence_summary(self, acts: dict[str, jax.Array], batch: Batch) -> list[jax.Array]:
+        """Per sequence, its encoded tokens pooled to two [B, D] tokens (whole-history mean,
+        mean of the data.recent newest); [] without sequences."""
+        f, out = schema_of(self.cfg), []
+        names = f.sequence_names if self.cfg.model.use_sequences else ()
+        for s, (x, jag) in sequence_tokens(acts, batch.sequences, f, names=names).items():
+            x = self.encoders[s](x, jag)
+            out += [mean_pool(x, jag), recent_mean_pool(x, jag, self.cfg.data.recent)]
+        return out
+
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
         f, m = schema_of(self.cfg), self.cfg.model
         b = batch.dense.shape[0]
-        tokens = [acts[n][:, None, :] for n in f.sparse_names]
-        tokens.append(self.dense_proj(batch.dense).reshape(b, m.dense_tokens, m.dim))
-        if m.use_sequences:
-            for s, fields in f.id_fields.items():
-                jag = batch.sequences[s]
-                x = sum(acts[f"{s}.{n}"] for n in fields)
-                x = self.encoders[s](x, jag)
-                tokens += [mean_pool(x, jag)[:, None],
-                           recent_mean_pool(x, jag, self.cfg.data.recent)[:, None]]
-        x = jnp.concatenate([t.astype(jnp.dtype(m.dtype)) for t in tokens], axis=1)
+        dtype = jnp.dtype(m.dtype)
+        x = feature_tokens(acts, batch.dense, f, self.dense_proj, dense_tokens=m.dense_tokens,
+                           width=m.dim, dtype=dtype)
+        pooled = self.sequence_summary(acts, batch)
+        if pooled:
+            x = jnp.concatenate([x] + [p[:, None].astype(dtype) for p in pooled], axis=1)
         y = self.wukong(x)
         logits = self.head(y.reshape(b, -1)).astype(jnp.float32)
         return _pick_surface(logits.reshape(b, f.num_surfaces, f.num_tasks), batch.surface)
@@ -136,7 +144,8 @@ class LogisticRegression(nnx.Module):
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
         f = schema_of(self.cfg)
         b = batch.dense.shape[0]
-        z = self.dense(batch.dense) + sum(acts[n] for n in f.sparse_names)
+        z = self.dense(batch.dense) + sum(t[:, i] for t in sparse_token_list(acts, f)
+                                          for i in range(t.shape[1]))     # tokens [B, S*K]
         if self.cfg.model.use_sequences:
             for s, fields in f.id_fields.items():
                 jag = batch.sequences[s]

@@ -5,7 +5,7 @@ Same contract as models.gem.GEMv0, so the trainer can swap it in:
     GEMTeacher(cfg, rngs=...)(acts, batch) -> logits [B, K] float32
 
 Features: the config's FeatureSchema (gemjax.config.schema_of).
-Tokens per sample, each [D]:
+Tokens per sample, each [D] (the inputs from gemjax.layers.inputs):
   x    one per sparse feature (acts[f] [B, D]) + `dense_tokens` from a projection
        of the dense features                                      [B, n, D]
   seq  each event sequence's tokens (sum of its field embeddings, acts
@@ -46,6 +46,7 @@ from gemjax.layers import regions
 from gemjax.layers.axes import dense_projection
 from gemjax.layers.experts import aux_loss_scale
 from gemjax.layers.heads import MultiDomainHead
+from gemjax.layers.inputs import feature_tokens, num_feature_tokens, sequence_tokens
 from gemjax.layers.interformer import InterFormer
 from gemjax.layers.pyramid import ParallelPyramid
 
@@ -145,7 +146,7 @@ def teacher_arch(cfg) -> TeacherArch:
     model.fmb_tokens when < n, else n // 2."""
     f, m = schema_of(cfg), cfg.model
     block = int(getattr(m, "block", 64))
-    n = len(f.sparse) + m.dense_tokens
+    n = num_feature_tokens(f, m.dense_tokens)
     return TeacherArch(
         dim=m.dim, heads=m.seq_heads, dtype=m.dtype, num_dense=f.num_dense,
         dense_tokens=m.dense_tokens, sequences=tuple(f.sequence_names),
@@ -227,15 +228,11 @@ class GEMTeacher(nnx.Module):
     def inputs(self, acts: dict[str, jax.Array], dense: jax.Array, sequences: dict):
         """The ``inputs`` block: -> (x [B, n, D] feature tokens, {seq: (tokens [T, D], jagged)}),
         a sequence's tokens the sum of its field embeddings."""
-        b = dense.shape[0]
-        f = schema_of(self.cfg)
-        tokens = [acts[n][:, None, :] for n in f.sparse_names]
-        tokens.append(self.dense_proj(dense).reshape(b, self.dense_tokens, self.dim))
-        x = jnp.concatenate([t.astype(self.dtype) for t in tokens], axis=1)
         # fields summed in float32 (bf16 rows, train.sparse_act_dtype=model, round once)
-        seqs = {s: (sum(acts[f"{s}.{n}"].astype(jnp.float32) for n in fields).astype(self.dtype),
-                    sequences[s]) for s, fields in f.id_fields.items()}
-        return x, seqs
+        f = schema_of(self.cfg)
+        x = feature_tokens(acts, dense, f, self.dense_proj, dense_tokens=self.dense_tokens,
+                           width=self.dim, dtype=self.dtype)
+        return x, sequence_tokens(acts, sequences, f, self.dtype)
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch, taps: dict | None = None) -> jax.Array:
         """taps: None, or a dict this call fills with the blocks' inputs: "x" [B, n, D],

@@ -28,6 +28,7 @@ from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch
 from gemjax.layers.axes import param
 from gemjax.layers.hstu import HSTUEncoder
+from gemjax.layers.inputs import sequence_tokens
 from gemjax.layers.sequence import SequenceEncoder
 
 ITEM_FIELD = "item"                   # the sequence field whose table the head scores
@@ -85,7 +86,6 @@ class RetrievalTower(nnx.Module):
         m = cfg.model
         self.cfg = cfg
         self.sequence = retrieval_sequence(cfg)
-        self.fields = schema_of(cfg).id_fields[self.sequence]
         if m.retrieval_encoder == "hstu":
             max_len = next(q.max_len for q in schema_of(cfg).sequences if q.name == self.sequence)
             self.max_len = max(int(max_len or 1), 1)
@@ -112,8 +112,8 @@ class RetrievalTower(nnx.Module):
     def __call__(self, acts: dict[str, jax.Array], batch: Batch,
                  dropout_key: jax.Array | None = None) -> jax.Array:
         m = self.cfg.model
-        jag = batch.sequences[self.sequence]
-        x = sum(acts[f"{self.sequence}.{n}"] for n in self.fields)
+        x, jag = sequence_tokens(acts, batch.sequences, schema_of(self.cfg),
+                                 names=(self.sequence,))[self.sequence]
         hstu = m.retrieval_encoder == "hstu"
         if hstu:
             lengths = jnp.concatenate([jag.lengths, jnp.zeros((1,), jag.lengths.dtype)])

@@ -1,6 +1,7 @@
 """Students: small vertical models on the teacher's feature schema (model.kind="student").
 
-Tokens per sample (each [w], w = model.student_width or model.dim):
+Tokens per sample (each [w], w = model.student_width or model.dim; the features' tokens
+from gemjax.layers.inputs):
   one per sparse feature (its looked-up row),
   `dense_tokens` from a projection of the dense features,
   per event sequence a short summary, no attention: the mean of the event embeddings
@@ -33,6 +34,8 @@ from flax import nnx
 from gemjax.config import Config, schema_of
 from gemjax.data.batch import Batch
 from gemjax.layers.axes import ConstantTokens, linear
+from gemjax.layers.inputs import (num_feature_tokens, num_sparse_tokens, project_dense,
+                                  sequence_tokens, sparse_token_list)
 from gemjax.layers.mlp import MLP
 from gemjax.layers.sequence import mean_pool
 from gemjax.layers.wukong import Wukong
@@ -60,7 +63,7 @@ def width(cfg: Config) -> int:
 def num_tokens(cfg: Config) -> int:
     """n: sparse + dense + 2 per sequence + REPR_TOKENS with teacher features."""
     f, m = schema_of(cfg), cfg.model
-    return (len(f.sparse) + m.dense_tokens + 2 * len(f.sequence_names)
+    return (num_feature_tokens(f, m.dense_tokens) + 2 * len(f.sequence_names)
             + (REPR_TOKENS if m.teacher_repr_dim else 0))
 
 
@@ -92,11 +95,8 @@ class Student(nnx.Module):
 
     def sequence_summary(self, acts: dict[str, jax.Array], batch: Batch) -> list[jax.Array]:
         """Per sequence, its two summary tokens [B, dim] (whole-history mean, recent mean)."""
-        f = schema_of(self.cfg)
         out = []
-        for s, fields in f.id_fields.items():
-            jag = batch.sequences[s]
-            x = sum(acts[f"{s}.{n}"] for n in fields)
+        for x, jag in sequence_tokens(acts, batch.sequences, schema_of(self.cfg)).values():
             out += [mean_pool(x, jag), recent_mean(x, jag, self.cfg.model.student_recent)]
         return out
 
@@ -104,11 +104,11 @@ class Student(nnx.Module):
         f, m = schema_of(self.cfg), self.cfg.model
         dtype = jnp.dtype(m.dtype)
         b, w = batch.dense.shape[0], width(self.cfg)
-        rows = [acts[n] for n in f.sparse_names] + self.sequence_summary(acts, batch)
-        x = jnp.stack([r.astype(dtype) for r in rows], axis=1)          # [B, n_rows, dim]
+        rows = sparse_token_list(acts, f) + [r[:, None] for r in self.sequence_summary(acts, batch)]
+        x = jnp.concatenate([r.astype(dtype) for r in rows], axis=1)    # [B, n_rows, dim]
         if self.proj is not None:
             x = self.proj(x)
-        tokens = [x, self.dense_proj(batch.dense).reshape(b, m.dense_tokens, w).astype(dtype)]
+        tokens = [x, project_dense(self.dense_proj, batch.dense, m.dense_tokens, w).astype(dtype)]
         if self.repr_proj is not None:
             tokens.append(self.repr_proj(batch.teacher_repr.astype(dtype))
                           .reshape(b, REPR_TOKENS, w))
@@ -132,7 +132,7 @@ def forward_flops(cfg: Config) -> int:
     """Matmul FLOPs of one sample's forward (module docstring)."""
     f, m = schema_of(cfg), cfg.model
     w, n = width(cfg), num_tokens(cfg)
-    rows = len(f.sparse) + 2 * len(f.sequence_names)
+    rows = num_sparse_tokens(f) + 2 * len(f.sequence_names)
     flops = 2 * rows * m.dim * w if w != m.dim else 0
     flops += 2 * f.num_dense * m.dense_tokens * w
     flops += 2 * m.teacher_repr_dim * REPR_TOKENS * w

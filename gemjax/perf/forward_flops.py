@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from gemjax.config import Config, schema_of
+from gemjax.layers.inputs import num_feature_tokens
 from gemjax.perf.mfu import attention_flops, dense_flops, mlp_flops, wukong_flops
 
 FFN_MULT = 2         # SequenceEncoder's FFN width multiple in GEMv0
@@ -39,7 +40,7 @@ def gem_forward_flops(cfg: Config, batch) -> int:
     f, m = schema_of(cfg), cfg.model
     b, d = int(np.asarray(batch.dense).shape[0]), m.dim
     total = dense_flops(b, f.num_dense, m.dense_tokens * d) if f.num_dense else 0
-    n = len(f.sparse) + m.dense_tokens
+    n = num_feature_tokens(f, m.dense_tokens)
     if m.use_sequences:
         for s in f.sequence_names:
             lens = _lengths(batch, s)

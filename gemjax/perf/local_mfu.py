@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from gemjax.config import Config, schema_of
+from gemjax.data.jagged import Jagged
 from gemjax.models.gem import build_model
 from gemjax.perf import mfu, model_flops
 from gemjax.perf.model_flops import AttentionCall, attention_calls, runs_in_pallas, shard_seq_lengths
@@ -164,11 +165,13 @@ def teacher_blocks(model, acts: dict, batch, seed: int = 0) -> list[Block]:
 
 
 def random_acts(cfg: Config, batch, key, scale: float = 0.1) -> dict:
-    """Stand-in looked-up embeddings for ``batch`` (float32, like the tables)."""
+    """Stand-in looked-up embeddings for ``batch`` (float32, like the tables): a row per
+    id ([*ids.shape, D]), one per sample for a pooled bag (a Jagged: [B, D])."""
     d = cfg.model.dim
     b = batch.dense.shape[0]
     schema = schema_of(cfg)
-    shapes = {f: (b, d) for f in schema.sparse_names}
+    shapes = {f: ((b,) if isinstance(batch.sparse[f], Jagged) else np.shape(batch.sparse[f])) + (d,)
+              for f in schema.sparse_names}
     for s, fields in schema.id_fields.items():
         t = batch.sequences[s].capacity
         shapes.update({f"{s}.{f}": (t, d) for f in fields})
