@@ -26,6 +26,7 @@ step, shard, num_shards).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -33,7 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from gemjax.config import Config
 from gemjax.data.batch import Batch
+from gemjax.data.parquet import ParquetSource, columns_from_schema, sequence_column
 
 _PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
 
@@ -158,3 +161,34 @@ class TimeWindows:
                 infos.append(info)
             out.append((shards, infos, real.reshape(num_shards, b).sum(1)))
         return out
+
+
+def parquet_windows(cfg: Config, admit_tables: tuple[str, ...]) -> TimeWindows:
+    """The time windows of cfg's Parquet train rows (data.train_path, read in file order,
+    data.time_column, data.window_seconds; columns from cfg.features). Ids of the
+    admitted tables are raw (any int32 >= 0: the admission maps them to rows); the other
+    id columns keep their table's vocab and bounds. ValueError naming the field, file or
+    column that does not fit."""
+    d = cfg.data
+    if cfg.features is None or not d.train_path:
+        raise ValueError("online training on data.source=parquet needs config.features and "
+                         "data.train_path")
+    if d.order != "time":
+        raise ValueError(f"online training reads the Parquet rows in time order: set "
+                         f"data.order=time (got {d.order!r})")
+    if d.negatives:
+        raise ValueError("online training reads the rows as stored: data.negatives must be 0")
+    cols = columns_from_schema(cfg.features)
+    tables = {f.name: f.table for f in cfg.features.sparse}
+    tables.update({sequence_column(s.name, e.name): e.table for s in cfg.features.sequences
+                   for e in s.fields})
+    raw = {c for c, t in tables.items() if t in admit_tables}
+    cols = dataclasses.replace(cols, vocab=tuple(p for p in cols.vocab if p[0] not in raw),
+                               bounds=tuple(p for p in cols.bounds if p[0] not in raw))
+    try:
+        source = ParquetSource(d.train_path, cols, d.batch_size, cfg.train.seed, order="time",
+                               nan=d.nan, capacity_slack=d.capacity_slack,
+                               dense_max_abs=d.dense_max_abs)
+        return TimeWindows(source, d.time_column, d.window_seconds)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"data.train_path={d.train_path}: {e}") from None

@@ -8,7 +8,7 @@ data.source="parquet" (data.order="time"), the rows of data.train_path (columns 
 cfg.features) cut into windows of data.window_seconds of data.time_column
 (`gemjax.data.time_windows.TimeWindows`: window w is ceil(rows_w / B) batches, the last
 one padded with masked rows; windows=0 runs every window of the files), ids of the
-admitted tables read raw (`parquet_windows`). Raw item ids (and those of any table in
+admitted tables read raw (`gemjax.data.time_windows.parquet_windows`). Raw item ids (and those of any table in
 spec.admit_tables) go through a `FrequencyAdmission` per model and table before
 a model sees them. The models are `Member`s:
 
@@ -69,8 +69,7 @@ from gemjax.config import Config, schema_of, validate
 from gemjax.data.batch import Batch
 from gemjax.data.drift import DriftingStream
 from gemjax.data.feeding import Feeder, concat_shards, validate_batch
-from gemjax.data.parquet import ParquetSource, columns_from_schema, sequence_column
-from gemjax.data.time_windows import TimeWindows
+from gemjax.data.time_windows import parquet_windows
 from gemjax.sparse.admission import FrequencyAdmission
 from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.guards import Interrupted, ResumeMismatch, StopSignals, lock_workdir, run_fields
@@ -161,37 +160,6 @@ def state_digest(state: dict, trainer: Trainer) -> str:
         h.update(jax.tree_util.keystr(path).encode())
         h.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
     return h.hexdigest()
-
-
-def parquet_windows(cfg: Config, admit_tables: tuple[str, ...]) -> TimeWindows:
-    """The time windows of cfg's Parquet train rows (data.train_path, read in file order,
-    data.time_column, data.window_seconds; columns from cfg.features). Ids of the
-    admitted tables are raw (any int32 >= 0: the admission maps them to rows); the other
-    id columns keep their table's vocab and bounds. ValueError naming the field, file or
-    column that does not fit."""
-    d = cfg.data
-    if cfg.features is None or not d.train_path:
-        raise ValueError("online training on data.source=parquet needs config.features and "
-                         "data.train_path")
-    if d.order != "time":
-        raise ValueError(f"online training reads the Parquet rows in time order: set "
-                         f"data.order=time (got {d.order!r})")
-    if d.negatives:
-        raise ValueError("online training reads the rows as stored: data.negatives must be 0")
-    cols = columns_from_schema(cfg.features)
-    tables = {f.name: f.table for f in cfg.features.sparse}
-    tables.update({sequence_column(s.name, e.name): e.table for s in cfg.features.sequences
-                   for e in s.fields})
-    raw = {c for c, t in tables.items() if t in admit_tables}
-    cols = dataclasses.replace(cols, vocab=tuple(p for p in cols.vocab if p[0] not in raw),
-                               bounds=tuple(p for p in cols.bounds if p[0] not in raw))
-    try:
-        source = ParquetSource(d.train_path, cols, d.batch_size, cfg.train.seed, order="time",
-                               nan=d.nan, capacity_slack=d.capacity_slack,
-                               dense_max_abs=d.dense_max_abs)
-        return TimeWindows(source, d.time_column, d.window_seconds)
-    except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"data.train_path={d.train_path}: {e}") from None
 
 
 class _Fields:
