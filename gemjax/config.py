@@ -449,25 +449,78 @@ def parse_overrides(text: str) -> dict[str, str]:
 
 def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Config:
     """Apply "section.field=value,..." overrides (tuples as 64:64, tuples of tuples as
-    32:4:1/32:none:1, optional fields as none). Unknown fields are errors."""
+    32:4:1/32:none:1, optional fields as none). A path reaches any depth (replace_path):
+    "features.sequences.history.max_len=100" sets a field of an explicit schema's
+    sequence. Unknown fields are errors."""
     if not overrides:
         return cfg
     if isinstance(overrides, str):
         overrides = parse_overrides(overrides)
     for path, value in overrides.items():
         section, _, field = path.partition(".")
-        if section not in SECTIONS or not field:
+        if section not in (*SECTIONS, "features") or not field:
             raise ValueError(f"override {path!r}: expected <section>.<field> with a section of "
-                             f"{', '.join(SECTIONS)}")
-        sub = getattr(cfg, section)
-        hints = typing.get_type_hints(type(sub))
-        if field not in hints:
-            known = ", ".join(f.name for f in dataclasses.fields(sub))
-            raise ValueError(f"override {path!r}: {section} has no field {field!r}; known: {known}")
-        sub = dataclasses.replace(sub, **{field: _coerce(str(value), hints[field], path)})
-        cfg = dataclasses.replace(cfg, **{section: sub})
+                             f"{', '.join(SECTIONS)} (or features.<...> of an explicit schema)")
+        if section == "features" and cfg.features is None:
+            raise ValueError(f"override {path!r}: config {cfg.name!r} has no explicit features "
+                             f"(its schema is the synthetic stream's, set by the data.* fields)")
+        cfg = replace_path(cfg, path, str(value))
     validate(cfg)
     return cfg
+
+
+def replace_path(obj: Any, path: str, value: str) -> Any:
+    """`obj` (a frozen dataclass) with the field at dotted `path` set to `value`, a string
+    coerced to the field's type as in apply_overrides; every dataclass on the way is
+    rebuilt (its __post_init__ checks run). A path goes through fields of nested
+    dataclasses and entries of tuples, an entry named by its `name` field or by its
+    index: "tables.item.vocab", "sequences.0.max_len". ValueError naming the path."""
+    names = path.split(".")
+    if not all(names):
+        raise ValueError(f"override {path!r}: an empty name between dots")
+    return _replace(obj, type(obj), names, 0, value, path)
+
+
+def _replace(obj: Any, typ: Any, names: list[str], depth: int, value: str, path: str) -> Any:
+    """obj (of field type typ) with names[depth:] below it set to value."""
+    name, here = names[depth], ".".join(names[:depth]) or type(obj).__name__
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):      # X | None
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if dataclasses.is_dataclass(obj):
+        hints = typing.get_type_hints(type(obj))
+        if name not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(obj))
+            raise ValueError(f"override {path!r}: {here} has no field {name!r}; known: {known}")
+        sub_typ = hints[name]
+        old = getattr(obj, name)
+    elif isinstance(obj, tuple):
+        index = _entry_index(obj, name)
+        if index is None:
+            raise ValueError(f"override {path!r}: {here} has no entry {name!r} (entries: names "
+                             f"or indices 0..{len(obj) - 1})")
+        args = typing.get_args(typ)
+        sub_typ = args[0] if len(args) == 2 and args[1] is Ellipsis else args[index]
+        old = obj[index]
+    else:
+        raise ValueError(f"override {path!r}: {here} is {obj!r}, which has no fields")
+    if depth + 1 == len(names):
+        new = _coerce(value, sub_typ, path)
+    else:
+        new = _replace(old, sub_typ, names, depth + 1, value, path)
+    if isinstance(obj, tuple):
+        return obj[:index] + (new,) + obj[index + 1:]
+    try:
+        return dataclasses.replace(obj, **{name: new})
+    except ValueError as e:
+        raise ValueError(f"override {path}={value!r}: {e}") from None
+
+
+def _entry_index(entries: tuple, name: str) -> int | None:
+    """The index of the entry whose `name` field is `name`, else `name` read as an index."""
+    for i, entry in enumerate(entries):
+        if getattr(entry, "name", None) == name:
+            return i
+    return int(name) if name.isdigit() and int(name) < len(entries) else None
 
 
 def validate(cfg: Config) -> None:
