@@ -2,6 +2,9 @@
 
     cfg = get_config("small", overrides="data.batch_size=512,model.dim=32")
     cfg = config_from_dict(json.load(open("runs/x/config.json")))   # a run's config back
+
+The named presets are defined in gemjax.presets, which fills PRESETS here on import
+(gemjax/__init__ imports it); this module imports only gemjax.features.
 """
 
 from __future__ import annotations
@@ -801,6 +804,7 @@ def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
 
 
 def get_config(name: str, overrides: str | dict[str, str] | None = None) -> Config:
+    """Preset `name` (PRESETS) validated, then `overrides` (apply_overrides)."""
     if name not in PRESETS:
         raise ValueError(f"unknown config preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
