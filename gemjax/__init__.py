@@ -1,8 +1,11 @@
 """gemjax: a JAX/XLA training system for GEM-style recommendation models.
 
-Importing the package is cheap (no jax); `gemjax.load_for_inference` (see
+Importing the package is cheap (no jax): it registers the named presets
+(gemjax.presets, into gemjax.config.PRESETS); `gemjax.load_for_inference` (see
 gemjax.serve.inference) is imported on first use.
 """
+
+from gemjax import presets as _presets  # noqa: F401  (fills gemjax.config.PRESETS)
 
 
 def __getattr__(name: str):

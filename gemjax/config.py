@@ -1,7 +1,10 @@
-"""Configs: dataclasses plus named presets, overridable field by field.
+"""Configs: the dataclasses of a run, overridable field by field at any depth.
 
     cfg = get_config("small", overrides="data.batch_size=512,model.dim=32")
     cfg = config_from_dict(json.load(open("runs/x/config.json")))   # a run's config back
+
+The named presets are defined in gemjax.presets, which fills PRESETS here on import
+(gemjax/__init__ imports it); this module imports only gemjax.features.
 """
 
 from __future__ import annotations
@@ -381,164 +384,8 @@ def with_schema(cfg):
     return dataclasses.replace(cfg, features=schema_of(cfg))
 
 
-# Frappe CTR as experiments/convert_frappe.py writes it (its frappe_schema on the real
-# files): the 10 context fields, each a sparse feature of one shared table of the 5,382
-# feature ids, one task.
-FRAPPE_DIR = "/tmp/gemjax-data/frappe"      # convert_frappe.py --out (outside the repository)
-FRAPPE_FIELDS = ("user", "item", "daytime", "weekday", "isweekend", "homework", "cost",
-                 "weather", "country", "city")
-FRAPPE_SCHEMA = FeatureSchema(tables=(Table("feature", 5_382),),
-                              sparse=tuple(SparseFeature(n, "feature") for n in FRAPPE_FIELDS),
-                              tasks=("label",))
-
-# MovieLens-1M next-item retrieval as experiments/convert_movielens.py --tasks=retrieval
-# --train_positions=1 writes it (its movielens_schema on the real files): per user one
-# train row (history = the 200 newest train items before the last one, item = the last
-# train item) and one test row (history = the 200 newest train items, item = the
-# leave-last-out test item); the item table (3,953 rows, 3,706 items occur) is shared by
-# the history and the candidate.
-ML1M_DIR = "/tmp/gemjax-data/ml-1m"        # convert_movielens.py --out (outside the repository)
-ML1M_USER_FIELDS = ("user", "gender", "age", "occupation")
-ML1M_SCHEMA = FeatureSchema(
-    tables=(Table("user", 6_040), Table("gender", 2), Table("age", 7), Table("occupation", 21),
-            Table("item", 3_953), Table("genre", 18)),
-    sparse=tuple(SparseFeature(n, n) for n in ML1M_USER_FIELDS + ("item", "genre")),
-    sequences=(SequenceFeature("history", (EventField("item", "item"), EventField("genre", "genre")),
-                               max_len=200),),
-    tasks=("label",))
-
-PRESETS: dict[str, Config] = {
-    "tiny": Config(
-        name="tiny",
-        data=DataConfig(batch_size=64, vocab_user=1_000, vocab_item=400, seq_median=8, seq_cap=32,
-                        recent=8, eval_batches=2),
-        model=ModelConfig(dim=8, wukong_layers=1, fmb_tokens=4, lcb_tokens=4, fm_rank=4,
-                          wukong_mlp=(16,), head_mlp=(16,)),
-        train=TrainConfig(steps=20, log_every=5, eval_every=10, checkpoint_every=10, warmup_steps=5,
-                          dense_lr=2e-3, sparse_lr=0.1, baselines=False)),
-    "small": Config(name="small"),
-    # MovieLens-1M ranking (experiments/convert_movielens.py --tasks=ranking; docs/results.md):
-    # run with --features=<out>/ranking/schema.json and data.source=parquet,
-    # data.train_path=..., data.eval_path=..., data.eval_batches=0 (every eval row once; a
-    # preset validates as it stands, without a schema, so it keeps the synthetic source). One
-    # epoch of the --train_positions=5 file (151,000 rows) is 295 steps of 512; the shuffle
-    # window holds the whole file (rows are sorted by user). Model selection: validation AUC on
-    # valid.parquet beside data.train_path (the converter's valid split) every 50 steps, the
-    # best step kept in WORKDIR/best and tested, 3 evals without improvement stop the run
-    # (as the preset stands, on the synthetic source: the held-out synthetic stream).
-    "movielens_rank": Config(
-        name="movielens_rank",
-        data=DataConfig(batch_size=512, shuffle_window=1 << 20, recent=8, valid_path="valid.parquet"),
-        model=ModelConfig(kind="teacher", dim=32, wukong_layers=1, fmb_tokens=4, lcb_tokens=4,
-                          fm_rank=4, wukong_mlp=(64,), head_mlp=(64,)),
-        train=TrainConfig(steps=295, warmup_steps=20, log_every=50, eval_every=295,
-                          checkpoint_every=295, dense_lr=1e-2, sparse_lr=0.5, baselines=False,
-                          valid_every=50, select_metric="auc", patience=3)),
-    "h200": Config(
-        name="h200",
-        data=DataConfig(batch_size=4096, vocab_user=10_000_000, vocab_item=1_000_000, num_categories=64,
-                        seq_median=256, seq_cap=4096, recent=64, eval_batches=8, host_workers=8),
-        model=ModelConfig(dim=128, block=64, seq_layers=2, seq_heads=4, dense_tokens=4, wukong_layers=4,
-                          fmb_tokens=32, lcb_tokens=32, fm_rank=32, wukong_mlp=(1024,),
-                          head_mlp=(512,), dtype="bfloat16"),
-        train=TrainConfig(steps=2_000, log_every=50, eval_every=500, dense_lr=1e-3, sparse_lr=0.1,
-                          baselines=False, sparse_exchange_buckets=True, sparse_sync_buckets=True)),
-    # GEM-shaped teacher for one H200 (issue: GEM scale). 1,253M dense parameters (965M in
-    # the 8 Wukong experts, 288M outside), width 512 (4 heads of 128), two event sequences of
-    # log-normal lengths (median 1,024, sigma 0.6, cap 8,192; about 2,330 events per sample),
-    # ~51 GFLOP of model FLOPs per sample per train step (gemjax.perf.model_size prints both
-    # counts; tests/test_gem1b.py pins them). The FLOPs sit in big GEMMs: the pyramid's
-    # per-token projections and FFN over ~2.4M tokens a step, Wukong MLPs 1,024 -> 8,192 ->
-    # 8,192 in each expert (top 2 of 8, capacity 1.25: 320 rows per expert, not 8 x the
-    # batch), summary MLPs 6,656 -> 8,192 and per-surface heads 6,144 -> 4,096. capacity_slack
-    # 1.05: the packed buffers hold 1.32M tokens per sequence per step (1.19M expected). On a
-    # GPU the sequence encoders' norms run on kernels.layer_norm (norm_impl auto), and the
-    # category (64 rows) and event (4) tables sum their per-id grads as one-hot matmuls.
-    "gem1b": Config(
-        name="gem1b",
-        data=DataConfig(batch_size=1024, vocab_user=2_000_000, vocab_item=1_000_000,
-                        num_categories=64, seq_median=1024, seq_sigma=0.6, seq_cap=8192, recent=64,
-                        capacity_slack=1.05, eval_batches=4, host_workers=12),
-        model=ModelConfig(kind="teacher", dim=512, block=64, seq_heads=4, dense_tokens=8,
-                          wukong_layers=2, fmb_tokens=16, lcb_tokens=16, fm_rank=32,
-                          wukong_mlp=(8192,), head_mlp=(4096,), num_experts=8, top_k=2,
-                          capacity_factor=1.25, dtype="bfloat16", ffn_activation="gelu_tanh",
-                          token_bias=False, norm_impl="auto"),
-        train=TrainConfig(steps=300, warmup_steps=50, log_every=20, eval_every=300,
-                          checkpoint_every=1_000_000, dense_lr=3e-4, sparse_lr=0.05,
-                          baselines=False, sparse_act_dtype="model", sparse_onehot_rows=128)),
-    # MovieLens-1M next-item retrieval (gemjax.train.retrieval; experiments/movielens.py
-    # runs it): the recipe of the standalone script's defaults that reached HR@10 0.3061
-    # (docs/results.md): item dim 64, 2 causal softmax blocks of 2 heads
-    # with RoPE and QK-norm, genre added to each item token, input dropout 0.2, full
-    # softmax over the item table without l2-normalisation, batch 128 users, Adam 1e-3
-    # on the dense params); the item table trains with row-wise Adagrad (sparse_lr). One
-    # step trains every position of 128 users' histories; 48 steps are one epoch (6,040
-    # rows; 4,800 steps: 100 epochs). eval: every test row (leave-last-out), full ranking,
-    # history excluded. Model selection: HR@10 on valid.parquet beside data.train_path (each
-    # user's last train item: experiments/convert_movielens.py writes it by default) every 480
-    # steps; the best step is kept (WORKDIR/best) and tested; 3 evals without gain stop the run.
-    "movielens_retrieval": Config(
-        name="movielens_retrieval",
-        data=DataConfig(batch_size=128, source="parquet",
-                        train_path=f"{ML1M_DIR}/retrieval/train.parquet",
-                        eval_path=f"{ML1M_DIR}/retrieval/test.parquet", eval_batches=0,
-                        valid_path="valid.parquet", shuffle_window=1 << 20, capacity_slack=1.5),
-        model=ModelConfig(kind="retrieval", dim=64, seq_layers=2, seq_heads=2, attention="softmax",
-                          rope=True, qk_norm=True, retrieval_negatives=0, retrieval_dropout=0.2),
-        train=TrainConfig(steps=4_800, warmup_steps=48, dense_lr=1e-3, sparse_lr=0.05,
-                          log_every=48, eval_every=480, checkpoint_every=480, baselines=False,
-                          select_metric="hr@10", patience=3),
-        features=ML1M_SCHEMA),
-    # Frappe CTR, GEM v0 (Wukong over the 10 field tokens: dim 16, 3 layers, FMB 6 + LCB 4
-    # tokens, rank 4, MLPs of 64; experiments/frappe.py runs it over seeds). Trained on train.parquet, scored on every row of test.parquet. The step
-    # count (180 = 2 epochs of 90 batches) and learning rates were picked on holdout.parquet
-    # (holdout AUC evaluated every 45 steps peaks at the end of 2 epochs; longer runs
-    # overfit: 0.921 after 20 epochs). docs/results.md gives the test figures. Model selection:
-    # holdout AUC (holdout.parquet beside data.train_path) every 45 steps, the best step kept
-    # (WORKDIR/best) and tested, 2 evals without improvement stop the run.
-    "frappe": Config(
-        name="frappe",
-        data=DataConfig(batch_size=512, source="parquet", train_path=f"{FRAPPE_DIR}/train.parquet",
-                        eval_path=f"{FRAPPE_DIR}/test.parquet", valid_path="holdout.parquet",
-                        eval_batches=0),
-        model=ModelConfig(kind="gem", dim=16, wukong_layers=3, fmb_tokens=6, lcb_tokens=4,
-                          fm_rank=4, wukong_mlp=(64,), head_mlp=(64,)),
-        train=TrainConfig(steps=180, warmup_steps=45, dense_lr=1e-3, sparse_lr=0.2, log_every=45,
-                          eval_every=180, checkpoint_every=180, baselines=False,
-                          valid_every=45, select_metric="auc", patience=2),
-        features=FRAPPE_SCHEMA),
-}
-
-# MovieLens-1M retrieval with an HSTU-large-shaped tower (gemjax.layers.hstu): the depth
-# and width of generative-recommenders' ML-1M HSTU-large (8 blocks, 2 heads, dqk = dv = 25,
-# item dim 50, dropout 0.2 on the input and on each block's gated output, batch 128 users,
-# max length 200, Adam 1e-3 without warmup or weight decay), trained as measured best on
-# the validation rows (docs/results.md): a full softmax over the item table at temperature
-# 1 without l2-normalisation, and a constant learning rate (optim.schedule), so a run that
-# stops early on validation and its refit see the same rate. HSTU's own sampled softmax
-# (128 negatives, l2-normalised vectors, temperature 0.05: model.retrieval_negatives=128,
-# retrieval_l2norm=true, retrieval_temperature=0.05) learned about 10x slower here, where
-# the negatives are shared by a device's tokens. Position by RoPE on Q / K plus a learned
-# recency embedding on the input (HSTU: learned absolute positions and a bucketed relative
-# position / time bias), attention scale 1/200; the item table trains with row-wise Adagrad
-# (sparse_lr). The data and selection settings are movielens_retrieval's.
-PRESETS["movielens_hstu_large"] = dataclasses.replace(
-    PRESETS["movielens_retrieval"], name="movielens_hstu_large",
-    model=ModelConfig(kind="retrieval", retrieval_encoder="hstu", dim=50, seq_layers=8,
-                      seq_heads=2, attention="gdpa", rope=True, qk_norm=False,
-                      retrieval_negatives=0, retrieval_temperature=1.0, retrieval_l2norm=False,
-                      retrieval_dropout=0.2, hstu_dropout=0.2),
-    train=dataclasses.replace(PRESETS["movielens_retrieval"].train, steps=9_600, warmup_steps=0),
-    optim=OptimConfig(schedule="constant"))
-# movielens_hstu_large with HSTU's relative attention bias in place of RoPE: each block
-# learns a logit per head and relative position i - j (0..199), added before the SiLU
-# (model.hstu_rel_bias=position; the attention runs densely on the histories padded to
-# 200). ML-1M's files carry no timestamps, so the time-gap part of HSTU's bias is off.
-PRESETS["movielens_hstu_large_rab"] = dataclasses.replace(
-    PRESETS["movielens_hstu_large"], name="movielens_hstu_large_rab",
-    model=dataclasses.replace(PRESETS["movielens_hstu_large"].model, rope=False,
-                              hstu_rel_bias="position"))
+# The presets by name; gemjax.presets fills it on import (gemjax/__init__ imports it).
+PRESETS: dict[str, Config] = {}
 
 
 # The sections of a Config that hold fields ("section.field=value" overrides).
@@ -605,25 +452,78 @@ def parse_overrides(text: str) -> dict[str, str]:
 
 def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Config:
     """Apply "section.field=value,..." overrides (tuples as 64:64, tuples of tuples as
-    32:4:1/32:none:1, optional fields as none). Unknown fields are errors."""
+    32:4:1/32:none:1, optional fields as none). A path reaches any depth (replace_path):
+    "features.sequences.history.max_len=100" sets a field of an explicit schema's
+    sequence. Unknown fields are errors."""
     if not overrides:
         return cfg
     if isinstance(overrides, str):
         overrides = parse_overrides(overrides)
     for path, value in overrides.items():
         section, _, field = path.partition(".")
-        if section not in SECTIONS or not field:
+        if section not in (*SECTIONS, "features") or not field:
             raise ValueError(f"override {path!r}: expected <section>.<field> with a section of "
-                             f"{', '.join(SECTIONS)}")
-        sub = getattr(cfg, section)
-        hints = typing.get_type_hints(type(sub))
-        if field not in hints:
-            known = ", ".join(f.name for f in dataclasses.fields(sub))
-            raise ValueError(f"override {path!r}: {section} has no field {field!r}; known: {known}")
-        sub = dataclasses.replace(sub, **{field: _coerce(str(value), hints[field], path)})
-        cfg = dataclasses.replace(cfg, **{section: sub})
+                             f"{', '.join(SECTIONS)} (or features.<...> of an explicit schema)")
+        if section == "features" and cfg.features is None:
+            raise ValueError(f"override {path!r}: config {cfg.name!r} has no explicit features "
+                             f"(its schema is the synthetic stream's, set by the data.* fields)")
+        cfg = replace_path(cfg, path, str(value))
     validate(cfg)
     return cfg
+
+
+def replace_path(obj: Any, path: str, value: str) -> Any:
+    """`obj` (a frozen dataclass) with the field at dotted `path` set to `value`, a string
+    coerced to the field's type as in apply_overrides; every dataclass on the way is
+    rebuilt (its __post_init__ checks run). A path goes through fields of nested
+    dataclasses and entries of tuples, an entry named by its `name` field or by its
+    index: "tables.item.vocab", "sequences.0.max_len". ValueError naming the path."""
+    names = path.split(".")
+    if not all(names):
+        raise ValueError(f"override {path!r}: an empty name between dots")
+    return _replace(obj, type(obj), names, 0, value, path)
+
+
+def _replace(obj: Any, typ: Any, names: list[str], depth: int, value: str, path: str) -> Any:
+    """obj (of field type typ) with names[depth:] below it set to value."""
+    name, here = names[depth], ".".join(names[:depth]) or type(obj).__name__
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):      # X | None
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if dataclasses.is_dataclass(obj):
+        hints = typing.get_type_hints(type(obj))
+        if name not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(obj))
+            raise ValueError(f"override {path!r}: {here} has no field {name!r}; known: {known}")
+        sub_typ = hints[name]
+        old = getattr(obj, name)
+    elif isinstance(obj, tuple):
+        index = _entry_index(obj, name)
+        if index is None:
+            raise ValueError(f"override {path!r}: {here} has no entry {name!r} (entries: names "
+                             f"or indices 0..{len(obj) - 1})")
+        args = typing.get_args(typ)
+        sub_typ = args[0] if len(args) == 2 and args[1] is Ellipsis else args[index]
+        old = obj[index]
+    else:
+        raise ValueError(f"override {path!r}: {here} is {obj!r}, which has no fields")
+    if depth + 1 == len(names):
+        new = _coerce(value, sub_typ, path)
+    else:
+        new = _replace(old, sub_typ, names, depth + 1, value, path)
+    if isinstance(obj, tuple):
+        return obj[:index] + (new,) + obj[index + 1:]
+    try:
+        return dataclasses.replace(obj, **{name: new})
+    except ValueError as e:
+        raise ValueError(f"override {path}={value!r}: {e}") from None
+
+
+def _entry_index(entries: tuple, name: str) -> int | None:
+    """The index of the entry whose `name` field is `name`, else `name` read as an index."""
+    for i, entry in enumerate(entries):
+        if getattr(entry, "name", None) == name:
+            return i
+    return int(name) if name.isdigit() and int(name) < len(entries) else None
 
 
 def validate(cfg: Config) -> None:
@@ -904,6 +804,7 @@ def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
 
 
 def get_config(name: str, overrides: str | dict[str, str] | None = None) -> Config:
+    """Preset `name` (PRESETS) validated, then `overrides` (apply_overrides)."""
     if name not in PRESETS:
         raise ValueError(f"unknown config preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[name]

@@ -14,8 +14,9 @@ import pytest
 from jax.sharding import Mesh
 
 from experiments import convert_frappe as cf
-from gemjax.config import FRAPPE_SCHEMA, apply_overrides, config_from_dict, get_config
+from gemjax.config import apply_overrides, config_from_dict, get_config
 from gemjax.features import FeatureSchema
+from gemjax.presets import FRAPPE_SCHEMA
 from gemjax.serve.evaluate import evaluate_checkpoint
 from gemjax.train.loop import train
 

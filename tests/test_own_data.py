@@ -286,7 +286,8 @@ def test_one_step_of_every_source_through_one_trainer(one_trainer, source):
 
 
 def test_on_converted_files_reads_the_schema_and_names_a_bad_one(tmp_path):
-    from gemjax.config import FRAPPE_SCHEMA, on_converted_files
+    from gemjax.config import on_converted_files
+    from gemjax.presets import FRAPPE_SCHEMA
     with pytest.raises(FileNotFoundError, match="schema.json"):
         on_converted_files("frappe", str(tmp_path))
     (tmp_path / "schema.json").write_text(json.dumps({"tables": "nonsense"}))
