@@ -17,7 +17,8 @@ new item ids admitted by frequency. With --students (on by default), two student
 frozen teacher. Prints one line per window and the per-window NE
 table at the end; WORKDIR holds metrics.jsonl (one "window" row per window),
 summary.json and the checkpoints (rerunning the command resumes; SIGTERM stops after
-the current window's checkpoint).
+the current window's checkpoint), and each model as a run directory WORKDIR/members/<name>
+(load_for_inference, export_model; raw ids through gemjax.serve.admitted).
 
 Parquet (--features, or --movielens): the rows of data.train_path, sorted by
 data.time_column, cut into windows of data.window_seconds; every window is scored (NE,

@@ -103,3 +103,14 @@ def test_students_and_snapshot_resume_exactly(tmp_path):
     # window 1: the snapshot is the frozen teacher, so both students start alike
     assert r1["ne_student_fresh"] == r1["ne_student_frozen"]
     assert r2["ne_snapshot"] == r2["ne_fresh"] != r2["ne_frozen"]
+    # every member, students included, is a run directory holding its final state, with the
+    # id map it reads: the snapshot's for student_fresh
+    from gemjax.serve.restore import restore
+    from gemjax.train.online import member_dir, state_digest
+    for n in whole["digests"]:
+        got = restore(member_dir(str(tmp_path / "whole"), n), log=lambda s: None)
+        assert state_digest(got.state, got.trainer) == whole["digests"][n], n
+        if n == "student_fresh":
+            assert got.cfg.model.kind == "student"
+            assert got.meta["admission"] == restore(member_dir(str(tmp_path / "whole"), "snapshot"),
+                                                    log=lambda s: None).meta["admission"]

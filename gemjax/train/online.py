@@ -51,6 +51,22 @@ data / seed / online settings is refused
 checkpoint (`Interrupted`); kill -9 loses the windows since the newest checkpoint.
 One process (the model may span all its local devices); a window's W host batches
 are built once (raw ids) and held while the window runs.
+
+Members as runs: with every checkpoint, each member holding a state is also written as a
+standard run directory WORKDIR/members/<name>/ (`write_member_runs`): config.json (the
+member's Config as train() records it: layout.record, schema explicit; written to a
+temporary file and renamed) and checkpoints/STEP in the trainer's format
+(`save_train_state`: tables in logical row order, checksummed, committed by one rename,
+the newest 2 kept), labelled with the member's own step counter state["step"] (a member
+that did not change since its last write, e.g. the frozen teacher, is not written
+again). The step's meta holds "online" {"workdir", "window", "data_step", "member"} and
+"admission" {table: `admission_map`}: the id map the member reads (its own, or the one it
+shares) as it stands after the window, so the model and its map are one atomic,
+checksummed step. gemjax.serve.restore / load_for_inference / export_model read these
+directories like any run's; the model's ids are table rows, so raw ids go through the
+map first (gemjax.serve.admitted). A fresh start (no online checkpoint) clears
+WORKDIR/members; a resume rewrites the restored step's member runs (skipped where they
+exist), so a kill between the online checkpoint and the member runs loses nothing.
 """
 
 from __future__ import annotations
@@ -59,23 +75,40 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from gemjax.config import Config, schema_of, validate
+from gemjax.config import Config, schema_of, validate, with_schema
 from gemjax.data.batch import Batch
 from gemjax.data.drift import DriftingStream
 from gemjax.data.feeding import Feeder, concat_shards, validate_batch
 from gemjax.data.time_windows import parquet_windows
 from gemjax.sparse.admission import FrequencyAdmission
-from gemjax.train.checkpoint import Checkpointer
+from gemjax.train.checkpoint import Checkpointer, save_train_state, state_step
 from gemjax.train.guards import Interrupted, ResumeMismatch, StopSignals, lock_workdir, run_fields
 from gemjax.train.metrics import EvalAccumulator
 from gemjax.train.step import Trainer
-from gemjax.train import optim, tracking
+from gemjax.train import layout, optim, tracking
+
+MEMBERS_DIR = "members"     # WORKDIR/members/<name>/: each member as a run directory
+
+
+def member_dir(workdir: str, name: str) -> str:
+    """The run directory of online member `name` of the online run in `workdir`."""
+    return os.path.join(workdir, MEMBERS_DIR, name)
+
+
+def admission_map(adm: FrequencyAdmission) -> dict:
+    """The raw id -> row map of `adm` (JSON values): {"rows": table rows, "buckets": shared
+    rows, "ids": admitted raw ids ascending [A], "own_rows": their rows [A]}; any other raw
+    id x reads row `gemjax.sparse.admission.bucket_of(x, buckets)`."""
+    ids = sorted(adm.row_of)
+    return {"rows": adm.rows, "buckets": adm.buckets, "ids": ids,
+            "own_rows": [adm.row_of[i] for i in ids]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +306,7 @@ class OnlineRun:
                 raise ValueError(f"online: member {m.name!r} shares the admission of "
                                  f"{m.shares_admission!r}, which is not a member owning one")
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2, async_save=False)
+        self.member_ckpts: dict[str, Checkpointer] = {}
         self.window = 0
 
     # -- one window ---------------------------------------------------------------
@@ -384,6 +418,35 @@ class OnlineRun:
         tree = {n: {**m.state, "tables": m.trainer.coll.logical_arrays(m.state["tables"])}
                 for n, m in self.members.items() if m.state is not None}
         self.ckpt.save(self.step_at(self.window), tree, self._meta())
+        self.write_member_runs()
+
+    def write_member_runs(self) -> None:
+        """WORKDIR/members/<name>/ of every member holding a state (module docstring):
+        config.json and a checkpoint labelled state["step"] with the member's id maps in
+        its meta; skipped for a member whose directory already holds that step."""
+        for n, m in self.members.items():
+            if m.state is None:
+                continue
+            ckpt = self.member_ckpts.get(n)
+            if ckpt is None:
+                d = member_dir(self.workdir, n)
+                os.makedirs(d, exist_ok=True)
+                rec = with_schema(layout.record(m.trainer.cfg, m.trainer, {}))
+                tmp = os.path.join(d, f".config.json.tmp-{os.getpid()}")
+                with open(tmp, "w") as f:
+                    json.dump(dataclasses.asdict(rec), f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, os.path.join(d, "config.json"))
+                ckpt = self.member_ckpts[n] = Checkpointer(os.path.join(d, "checkpoints"), keep=2,
+                                                           async_save=False)
+            step = state_step(m.state)
+            if step in ckpt.all_steps():
+                continue
+            meta = {"online": {"workdir": os.path.abspath(self.workdir), "window": self.window,
+                               "data_step": self.step_at(self.window), "member": n},
+                    "admission": {t: admission_map(a) for t, a in self.admission_of(m).items()}}
+            save_train_state(ckpt, m.trainer.coll, step, m.state, meta)
 
     def restore(self) -> int | None:
         """Restore the newest checkpoint (returns its step), or None if there is none."""
@@ -408,10 +471,13 @@ class OnlineRun:
             self.members[n].admission = {t: FrequencyAdmission.from_state(s)
                                          for t, s in tables.items()}
         self.window = int(meta["window"])
+        self.write_member_runs()
         return step
 
     def close(self) -> None:
         self.ckpt.close()
+        for ckpt in self.member_ckpts.values():
+            ckpt.close()
 
 
 def _read_rows(path: str) -> list[dict]:
@@ -457,6 +523,7 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
     if start is None:
         if os.path.exists(metrics_path):
             os.remove(metrics_path)
+        shutil.rmtree(os.path.join(workdir, MEMBERS_DIR), ignore_errors=True)
         start = 0
     else:
         log(f"[online] resumed at window {run.window} (step {start})")
