@@ -4,7 +4,7 @@
     cfg = config_from_dict(json.load(open("runs/x/config.json")))   # a run's config back
 
 The named presets are defined in gemjax.presets, which fills PRESETS here on import
-(gemjax/__init__ imports it); this module imports only gemjax.features.
+(gemjax/__init__.py imports it); this module imports only gemjax.features.
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ def with_schema(cfg):
     return dataclasses.replace(cfg, features=schema_of(cfg))
 
 
-# The presets by name; gemjax.presets fills it on import (gemjax/__init__ imports it).
+# The presets by name; gemjax.presets fills it on import (gemjax/__init__.py imports it).
 PRESETS: dict[str, Config] = {}
 
 
