@@ -205,3 +205,35 @@ def test_the_checks_can_fail():
                                "gemjax.perf.mfu:1 imports gemjax.train.step (perf < train)",
                                "gemjax.newpkg.x: package 'newpkg' has no place in LAYERS"]
     assert cycles(g) == [{"gemjax.train.step", "gemjax.perf.mfu"}]
+
+
+def implicit_state(source: str) -> list[str]:
+    """'line: what' for each thread-local or context-variable use in `source` (ast):
+    threading.local / `from threading import local`, any import of contextvars or
+    ContextVar. The library's settings are explicit (arguments, module attributes)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("local", "ContextVar") and \
+                ast.unparse(node.value) in ("threading", "_thread", "contextvars"):
+            out.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Import):
+            out += [f"{node.lineno}: import {a.name}" for a in node.names if a.name == "contextvars"]
+        elif isinstance(node, ast.ImportFrom) and node.module in ("threading", "_thread", "contextvars"):
+            out += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                    if node.module == "contextvars" or a.name == "local"]
+        elif isinstance(node, ast.Name) and node.id == "ContextVar":
+            out.append(f"{node.lineno}: ContextVar")
+    return out
+
+
+def test_no_thread_local_or_context_variable_settings():
+    found = {m: hits for m, src in library().items() if (hits := implicit_state(src))}
+    assert found == {}, "thread-local / context-variable state in the library"
+    # the check sees each form (and leaves locks, events and threads alone)
+    assert implicit_state("import threading\n_s = threading.local()\n") == ["2: threading.local"]
+    assert implicit_state("from threading import Lock, local\n") == ["1: from threading import local"]
+    assert implicit_state("import contextvars\nv = contextvars.ContextVar('v')\n") == [
+        "1: import contextvars", "2: contextvars.ContextVar"]
+    assert implicit_state("from contextvars import ContextVar\nv = ContextVar('v')\n") == [
+        "1: from contextvars import ContextVar", "2: ContextVar"]
+    assert implicit_state("import threading\nlock = threading.Lock()\nthreading.Event()\n") == []

@@ -18,6 +18,9 @@ from flax import nnx
 
 from gemjax.config import get_config
 from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES, SyntheticStream
+from gemjax.layers import regions
+from gemjax.layers.interformer import InterFormer
+from gemjax.layers.mlp import MLP
 from gemjax.layers.regions import REGIONS, format_plan, parse_plan
 from gemjax.models.interformer import GEMTeacher
 from gemjax.precision.saved import REL_BOUND
@@ -40,6 +43,29 @@ def test_parse_plan_round_trip_and_errors_name_the_flag():
         get_config("tiny", "model.kind=teacher,train.remat=auto")
     with pytest.raises(ValueError, match="model.kind=teacher"):
         get_config("tiny", "train.remat=seq:recompute")
+
+
+def test_plan_and_offload_tags_are_module_attributes():
+    """set_plan reaches every module that runs regions; under "offload" only the copy of
+    the block's module merged inside the checkpoint tags (checkpoint_name), the model's
+    own modules keep offload_tags False, and the other policies name nothing."""
+    m = InterFormer(3, 8, num_layers=2, num_heads=2, summary_tokens=2, cls_tokens=1,
+                    pma_tokens=1, recent_tokens=1, rngs=nnx.Rngs(0))
+    plan = parse_plan("cross:offload/seq:recompute")
+    assert regions.set_plan(m, plan) is m
+    holders = [mod for _, mod in nnx.iter_modules(m) if hasattr(mod, "remat_plan")]
+    assert len(holders) == 3 and all(h.remat_plan == plan for h in holders)   # stack + 2 layers
+    mlp = MLP(4, (6, 5), 3, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 4))
+
+    def jaxpr(plan):
+        return str(jax.make_jaxpr(lambda x: regions.run(plan, "heads", mlp, x))(x))
+    assert jaxpr(()).count("name=mlp.hidden") == 0
+    assert jaxpr({"heads": "recompute"}).count("name=mlp.hidden") == 0
+    assert jaxpr({"heads": "offload"}).count("name=mlp.hidden") == 2        # two hidden layers
+    assert jaxpr({"cross": "offload"}).count("name=mlp.hidden") == 0        # another region's policy
+    assert mlp.offload_tags is False
+    assert str(jax.make_jaxpr(lambda x: regions.tag(x, "attn.out", True))(x)).count("name=attn.out") == 1
 
 
 def _teacher_grads(plan: str):

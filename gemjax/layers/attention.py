@@ -74,6 +74,7 @@ class JaggedSelfAttention(nnx.Module):
         self.causal, self.window, self.block = causal, window, block
         self.rope, self.rope_theta = rope or attention == "block", rope_theta
         self.dtype = dtype
+        self.offload_tags = False       # True inside an offloaded block (layers.regions)
         lin = lambda names: linear(dim, dim, names=names, use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.q_proj, self.k_proj, self.v_proj = (lin(("embed", "mlp")) for _ in range(3))
         self.out_proj = lin(("mlp", "embed"))
@@ -95,7 +96,7 @@ class JaggedSelfAttention(nnx.Module):
         if self.rope and self.attention != "block":      # block_attention rotates itself
             q = rope(q, jagged.positions, self.rope_theta)
             k = rope(k, jagged.positions, self.rope_theta)
-        q, k, v = (tag(a, "attn.qkv") for a in (q, k, v))
+        q, k, v = (tag(a, "attn.qkv", self.offload_tags) for a in (q, k, v))
         off = jnp.asarray(jagged.offsets, jnp.int32)
         if self.attention == "softmax":
             o = jagged_attention(q, k, v, off, off, causal=self.causal, window=self.window)
@@ -111,7 +112,7 @@ class JaggedSelfAttention(nnx.Module):
             o = block_attention(q, k, v, off, block=self.block,
                                 positions=jnp.asarray(jagged.positions, jnp.int32),
                                 rope_theta=self.rope_theta)
-        o = tag(o, "attn.out")
+        o = tag(o, "attn.out", self.offload_tags)
         out = self.out_proj(o.reshape(t, self.dim).astype(self.dtype))
         return jnp.where(jagged.mask[:, None], out, 0).astype(self.dtype)
 
@@ -179,6 +180,7 @@ class JaggedCrossAttention(nnx.Module):
         self.dim, self.kv_dim, self.num_heads, self.head_dim = dim, kv_dim, num_heads, dim // num_heads
         self.attention, self.gdpa_activation, self.gdpa_scale = attention, gdpa_activation, gdpa_scale
         self.dtype = dtype
+        self.offload_tags = False       # True inside an offloaded block (layers.regions)
         b = dict(use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.q_proj = linear(dim, dim, names=("embed", "mlp"), **b)
         self.k_proj = linear(kv_dim, dim, names=("embed", "mlp"), **b)
@@ -207,7 +209,7 @@ class JaggedCrossAttention(nnx.Module):
         v = self.v_proj(kv_tokens.astype(self.dtype)).reshape(tk, h, dh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (tag(a, "attn.qkv") for a in (q, k, v))
+        q, k, v = (tag(a, "attn.qkv", self.offload_tags) for a in (q, k, v))
         seg, _ = segment_layout(q_offsets, tq)                        # padding -> B
         kv_len = jnp.concatenate([kv_offsets[1:] - kv_offsets[:-1], jnp.zeros((1,), jnp.int32)])
         n_keys = kv_len[seg]                                             # [Tq], 0 on padding
@@ -218,6 +220,6 @@ class JaggedCrossAttention(nnx.Module):
             o = gdpa(q, k, v, q_offsets, kv_offsets, activation=self.gdpa_activation, scale=scale)
             if self.gdpa_scale is None:
                 o = o * (1.0 / jnp.maximum(n_keys, 1)).astype(o.dtype)[:, None, None]
-        o = tag(o, "attn.out")
+        o = tag(o, "attn.out", self.offload_tags)
         out = self.out_proj(o.reshape(tq, self.dim).astype(self.dtype))
         return jnp.where((n_keys > 0)[:, None], out, 0).astype(self.dtype)

@@ -165,6 +165,7 @@ class HSTUBlock(nnx.Module):
         self.dim, self.num_heads, self.qk_dim, self.v_dim = dim, num_heads, qk_dim, v_dim
         self.scale, self.dropout, self.rope, self.dtype = scale, dropout, rope, dtype
         self.max_len = max_len
+        self.offload_tags = False       # True inside an offloaded block (layers.regions)
         self.rel_bias = (None if rel_bias == "none" else RelativeBias(
             num_heads, max_len, time_buckets=time_buckets if rel_bias == "position+time" else 0,
             rngs=rngs))
@@ -189,7 +190,7 @@ class HSTUBlock(nnx.Module):
         if self.rope:
             pos = jnp.asarray(jagged.positions, jnp.int32)
             q, k = rope_even(q, pos), rope_even(k, pos)
-        q, k, v = (tag(a, "attn.qkv") for a in (q, k, v))
+        q, k, v = (tag(a, "attn.qkv", self.offload_tags) for a in (q, k, v))
         off = jnp.asarray(jagged.offsets, jnp.int32)
         if times is not None and (self.rel_bias is None or self.rel_bias.w_time is None):
             raise ValueError("HSTUBlock: times given but rel_bias is not 'position+time'")
@@ -211,7 +212,7 @@ class HSTUBlock(nnx.Module):
                      causal=True)[..., :self.v_dim]
         else:
             o = gdpa(q, k, v, off, off, activation="silu", scale=self.scale, causal=True)
-        o = tag(o, "attn.out").reshape(t, hv).astype(self.dtype)
+        o = tag(o, "attn.out", self.offload_tags).reshape(t, hv).astype(self.dtype)
         g = self.attn_norm(o) * u
         if key is not None and self.dropout > 0:
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, g.shape)

@@ -139,6 +139,7 @@ class InterFormerLayer(nnx.Module):
             raise ValueError(f"InterFormerLayer: summary_tokens must be > 0, got {summary_tokens}")
         n, d = int(num_tokens), int(dim)
         self.num_tokens, self.dim, self.dtype = n, d, dtype
+        self.remat_plan: tuple[tuple[str, str], ...] = ()   # regions.set_plan
         self.summary_tokens, self.cls_tokens = summary_tokens, cls_tokens
         self.pma_tokens, self.recent_tokens = pma_tokens, recent_tokens
         self.seq_summary_tokens = cls_tokens + pma_tokens + recent_tokens
@@ -180,9 +181,9 @@ class InterFormerLayer(nnx.Module):
         """-> (seq' [T, d], cls' [B, c, d]). Checkpointing regions (layers.regions): the
         self-attention block is "attention", the blocks before and after it "seq"."""
         mask = jagged.mask[:, None]
-        seq = regions.run("seq", self._personalized_ffn, seq, x_sum, jagged.offsets)
-        seq = regions.run("attention", self._self_attention, seq, jagged)
-        return regions.run("seq", self._ffn_cls, seq, cls, mask, jagged.offsets)
+        seq = regions.run(self.remat_plan, "seq", self._personalized_ffn, seq, x_sum, jagged.offsets)
+        seq = regions.run(self.remat_plan, "attention", self._self_attention, seq, jagged)
+        return regions.run(self.remat_plan, "seq", self._ffn_cls, seq, cls, mask, jagged.offsets)
 
     def _personalized_ffn(self, seq, x_sum, offsets):
         """seq [T, d] + PFFN(LN seq) with K/V from x_sum [B, m, d]."""
@@ -222,14 +223,14 @@ class InterFormerLayer(nnx.Module):
             raise ValueError(f"InterFormerLayer: jagged has {jagged.num_samples} samples and cls is "
                              f"{cls.shape}; expected B={b} and cls [B, {self.cls_tokens}, {d}]")
         x, seq, cls = x.astype(self.dtype), seq.astype(self.dtype), cls.astype(self.dtype)
-        x_sum, s_sum = regions.run("cross", self.cross, x, seq, cls, jagged)
+        x_sum, s_sum = regions.run(self.remat_plan, "cross", self.cross, x, seq, cls, jagged)
         tokens = jnp.concatenate([x, s_sum], axis=1)
         if taps is not None:
             taps.update(x=x, seq=seq, cls=cls, x_sum=x_sum, tokens=tokens)
         if self.use_experts:
-            x_new, aux = regions.run("interaction", self.interaction, tokens)
+            x_new, aux = regions.run(self.remat_plan, "interaction", self.interaction, tokens)
         else:
-            x_new, aux = regions.run("interaction", self.interaction, tokens), {}
+            x_new, aux = regions.run(self.remat_plan, "interaction", self.interaction, tokens), {}
         seq_new, cls_new = self.sequence_arch(seq, cls, x_sum, jagged)
         return x_new, seq_new, cls_new, x_sum, s_sum, aux
 
@@ -258,6 +259,7 @@ class InterFormer(nnx.Module):
                                      cls_tokens=first.cls_tokens, pma_tokens=first.pma_tokens,
                                      recent_tokens=first.recent_tokens, rngs=rngs, **cross_kw)
         self.cls_tokens, self.dim, self.dtype = first.cls_tokens, dim, first.dtype
+        self.remat_plan: tuple[tuple[str, str], ...] = ()   # regions.set_plan
         self.out_tokens = first.summary_tokens + first.seq_summary_tokens
         self.cls_init = (param(0.02 * jax.random.normal(rngs.params(), (self.cls_tokens, dim)),
                                None, "embed") if self.cls_tokens else None)
@@ -281,6 +283,6 @@ class InterFormer(nnx.Module):
                 layer_taps.append(t)
         if taps is not None:
             taps["final"] = {"x": x, "seq": seq, "cls": cls}
-        x_sum, s_sum = regions.run("cross", self.final_cross, x, seq, cls, jagged)
+        x_sum, s_sum = regions.run(self.remat_plan, "cross", self.final_cross, x, seq, cls, jagged)
         mean_aux = jax.tree.map(lambda *v: sum(v) / len(v), *auxes) if auxes[0] else {}
         return jnp.concatenate([x_sum, s_sum], axis=1), mean_aux

@@ -64,6 +64,7 @@ class MLP(nnx.Module):
         self.activation = activation
         self._act = activation_fn(activation)
         self.dtype = dtype
+        self.offload_tags = False       # True inside an offloaded block (layers.regions)
         dims = (self.in_features,) + hidden + (self.out_features,)
         # FSDP-friendly names: in -> hidden is ("embed", "mlp"), hidden -> out ("mlp", "embed").
         names = [("embed", "mlp") if i == 0 else ("mlp", "embed") if i == len(dims) - 2
@@ -83,7 +84,7 @@ class MLP(nnx.Module):
         for i, lin in enumerate(self.linears):
             x = lin(x)
             if i < n - 1:
-                x = tag(x, "mlp.hidden")
+                x = tag(x, "mlp.hidden", self.offload_tags)
                 if len(self.norms):
                     x = self.norms[i](x)
                 x = self._act(x)

@@ -2,8 +2,8 @@
 one policy that decides what its backward keeps from the forward.
 
     plan = parse_plan("seq:recompute/attention:save/interaction:offload")
-    with active(plan):                       # while the forward is traced
-        y = run("attention", block_fn, x, jagged)
+    set_plan(model, plan)                    # every submodule with a `remat_plan` attribute
+    y = run(self.remat_plan, "attention", block_fn, x, jagged)   # inside such a module
 
 Regions (non-overlapping; a region is every block the model runs under its name):
   pyramid      the pyramid sequence encoder (every level of every sequence)
@@ -27,16 +27,21 @@ Policies:
                and the block is recomputed from them in the backward
                (gemjax.precision.saved.quantized_residuals; the forward is exact)
 
-`tag(x, name)` marks a tensor for the offload policy; outside an offloaded block it
-returns x itself (no checkpoint_name in the program), so tags cost nothing elsewhere.
-The plan is read while the forward is traced (a context);
-every wrapper traces its block at once, under the contexts active at the call.
+State is explicit, in static module attributes (part of the graphdef, no global or
+thread-local setting):
+  remat_plan    on the modules that run regions (the teacher, InterFormer and its
+                layers): parse_plan's tuple, () by default; `set_plan` sets it on every
+                module of a model that has the attribute
+  offload_tags  (OFFLOAD_ATTR) on the modules that tag tensors (MLP, the jagged
+                attentions, HSTU blocks): False by default. `run` sets it to True on the
+                copy of the block's module it merges inside an offloaded block, so
+                `tag(x, name, self.offload_tags)` marks x (jax checkpoint_name) only
+                there and returns x itself elsewhere (no checkpoint_name in the program).
+Every wrapper traces its block at once, at the call.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Callable, Mapping
 
 import jax
@@ -50,8 +55,11 @@ POLICIES = ("save", "recompute", "offload", "quantize")
 # checkpoint names of the tensors an offloaded block sends to the host
 TAGS = ("attn.qkv", "attn.out", "mlp.hidden")
 FLAG = "train.remat"
+# the module attribute that turns `tag` on (module docstring)
+OFFLOAD_ATTR = "offload_tags"
 
-_local = threading.local()
+# a plan: parse_plan's ((region, policy), ...) or a {region: policy} dict
+Plan = tuple[tuple[str, str], ...] | Mapping[str, str]
 
 
 def parse_plan(text: str, flag: str = FLAG) -> tuple[tuple[str, str], ...]:
@@ -79,7 +87,7 @@ def parse_plan(text: str, flag: str = FLAG) -> tuple[tuple[str, str], ...]:
     return tuple((r, plan[r]) for r in REGIONS if plan.get(r, "save") != "save")
 
 
-def format_plan(plan: Mapping[str, str] | tuple[tuple[str, str], ...]) -> str:
+def format_plan(plan: Plan) -> str:
     """The flag text of a plan (inverse of parse_plan, "/"-separated): "none" when every
     region saves."""
     items = dict(plan)
@@ -87,52 +95,36 @@ def format_plan(plan: Mapping[str, str] | tuple[tuple[str, str], ...]) -> str:
     return text or "none"
 
 
-@contextlib.contextmanager
-def active(plan: tuple[tuple[str, str], ...] | Mapping[str, str]):
-    """Blocks run by `run` inside this context follow `plan` (parse_plan's form or a dict)."""
-    prev = getattr(_local, "plan", None)
-    _local.plan = dict(plan)
-    try:
-        yield
-    finally:
-        _local.plan = prev
+def set_plan(model: nnx.Module, plan: Plan) -> nnx.Module:
+    """Set `remat_plan` = plan (parse_plan's form or a dict, stored as ((region, policy),
+    ...)) on every module of `model` that has that attribute; returns `model`."""
+    model.set_attributes(raise_if_not_found=False, remat_plan=tuple(dict(plan).items()))
+    return model
 
 
-def policy_of(region: str) -> str:
-    """The active plan's policy for `region` ("save" without a plan)."""
-    plan = getattr(_local, "plan", None)
-    return (plan or {}).get(region, "save")
+def policy_of(plan: Plan, region: str) -> str:
+    """`plan`'s policy for `region` ("save" when the plan does not name it)."""
+    return dict(plan).get(region, "save")
 
 
-@contextlib.contextmanager
-def _tagging():
-    prev = getattr(_local, "tagging", False)
-    _local.tagging = True
-    try:
-        yield
-    finally:
-        _local.tagging = prev
-
-
-def tag(x: jax.Array, name: str) -> jax.Array:
-    """x, marked as checkpoint name `name` (one of TAGS) inside an offloaded block."""
-    return checkpoint_name(x, name) if getattr(_local, "tagging", False) else x
+def tag(x: jax.Array, name: str, on: bool) -> jax.Array:
+    """x, marked as checkpoint name `name` (one of TAGS) when `on` (the calling module's
+    offload_tags, True only inside an offloaded block); else x itself."""
+    return checkpoint_name(x, name) if on else x
 
 
 def _offloaded(fn: Callable) -> Callable:
     policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(TAGS),
         offload_src="device", offload_dst="pinned_host")
-
-    def tagged(*args):
-        with _tagging():
-            return fn(*args)
-    return jax.checkpoint(tagged, policy=policy)
+    return jax.checkpoint(fn, policy=policy)
 
 
 def wrap(policy: str, fn: Callable, exact: int = 0) -> Callable:
     """fn under `policy` (module docstring); "save" returns fn itself. exact: leading
-    arguments of fn (parameters) that "quantize" keeps as they are."""
+    arguments of fn (parameters) that "quantize" keeps as they are. Under "offload" the
+    tensors fn tags (modules with offload_tags True) go to the host; `run` turns the
+    tags on."""
     if policy == "save":
         return fn
     if policy == "recompute":
@@ -144,14 +136,16 @@ def wrap(policy: str, fn: Callable, exact: int = 0) -> Callable:
     raise ValueError(f"{FLAG}: unknown policy {policy!r}; one of {', '.join(POLICIES)}")
 
 
-def run(region: str, fn: Callable, *args):
-    """fn(*args) under the active plan's policy for `region`.
+def run(plan: Plan, region: str, fn: Callable, *args):
+    """fn(*args) under `plan`'s policy for `region` (plan: the calling module's
+    remat_plan).
 
     fn: an nnx Module (its __call__) or a bound method of one; args: pytrees of arrays
     (the block's activations and index arrays). Under a policy other than "save" the
     module's state goes in as an explicit input (nnx.split / merge), so the wrapper
-    traces a pure function of (state, *args) and differentiates the parameters."""
-    policy = policy_of(region)
+    traces a pure function of (state, *args) and differentiates the parameters; under
+    "offload" the merged copy of the module has offload_tags set to True."""
+    policy = policy_of(plan, region)
     if policy == "save":
         return fn(*args)
     if isinstance(fn, nnx.Module):
@@ -161,5 +155,8 @@ def run(region: str, fn: Callable, *args):
     graphdef, state = nnx.split(module)
 
     def pure(state, *args):
-        return method(nnx.merge(graphdef, state), *args)
+        copy = nnx.merge(graphdef, state)
+        if policy == "offload":
+            copy.set_attributes(raise_if_not_found=False, **{OFFLOAD_ATTR: True})
+        return method(copy, *args)
     return wrap(policy, pure, exact=1)(state, *args)

@@ -224,6 +224,7 @@ class GEMTeacher(nnx.Module):
         self.head = MultiDomainHead(self.interformer.out_tokens * a.dim, num_surfaces=a.surfaces,
                                     num_tasks=a.tasks, hidden=a.head_mlp,
                                     towers=a.head_towers, dtype=dtype, rngs=rngs)
+        regions.set_plan(self, self.remat_plan)      # the teacher's and InterFormer's regions
 
     def inputs(self, acts: dict[str, jax.Array], dense: jax.Array, sequences: dict):
         """The ``inputs`` block: -> (x [B, n, D] feature tokens, {seq: (tokens [T, D], jagged)}),
@@ -239,24 +240,19 @@ class GEMTeacher(nnx.Module):
         "seqs" {seq: (tokens, jagged)}, "seq" [T, D] and "jagged" (the pyramid's output),
         InterFormer.__call__'s taps ("layers", "final"), "summary" [B, F].
 
-        Activation checkpointing: the forward runs under ``self.remat_plan`` (the
-        parse of train.remat, gemjax.layers.regions); "none" wraps nothing."""
-        if not self.remat_plan:
-            return self._forward(acts, batch, taps)
-        with regions.active(self.remat_plan):
-            return self._forward(acts, batch, taps)
-
-    def _forward(self, acts: dict[str, jax.Array], batch: Batch, taps: dict | None) -> jax.Array:
+        Activation checkpointing: the regions run under ``self.remat_plan`` (the parse of
+        train.remat, gemjax.layers.regions; set on the InterFormer's modules too, by
+        regions.set_plan); "none" wraps nothing."""
         b = batch.dense.shape[0]
         x, seqs = self.inputs(acts, batch.dense, batch.sequences)
-        seq, jag = regions.run("pyramid", self.pyramid, seqs)
+        seq, jag = regions.run(self.remat_plan, "pyramid", self.pyramid, seqs)
         if taps is not None:
             taps.update(x=x, seqs=seqs, seq=seq, jagged=jag)
         summary, aux = self.interformer(x, seq, jag, taps=taps)
         summary = summary.reshape(b, -1)
         if taps is not None:
             taps["summary"] = summary
-        logits = regions.run("heads", self.head, summary, batch.surface)
+        logits = regions.run(self.remat_plan, "heads", self.head, summary, batch.surface)
         if "load_balance_loss" in aux and self.lb_coef:
             logits = attach_aux_loss(logits, aux["load_balance_loss"],
                                      self.lb_coef * aux_loss_scale(logits, self.batch_axes))

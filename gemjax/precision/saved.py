@@ -35,8 +35,8 @@ infinity); a block's other elements are quantized as if the non-finite ones were
 absent. So a non-finite saved input gives NaN gradients, never a finite stand-in (the
 trainer's non-finite check sees it).
 
-The block is traced once at the call (jax.closure_convert), under the contexts active
-there (the regions plan; the experts' mesh axes are attributes of the module), and the
+The block is traced once at the call (jax.closure_convert), with the module attributes
+it reads then (the regions plan, the experts' mesh axes), and the
 backward evaluates that trace.
 """
 
