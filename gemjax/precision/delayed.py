@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gemjax.precision.formats import FORMATS
-from gemjax.precision.gemm import Recipe, _f8_mm, _flat, _wgrad, _with_scale
+from gemjax.precision.gemm import Recipe, _f8_mm, _flat, _tensor_grads, _with_scale
 from gemjax.precision.quantize import finite_abs
 
 ROWS = ("x", "w", "dy")
@@ -124,15 +124,9 @@ def _delayed_fwd(x, w, hist, recipe, axes, margin):
 
 
 def _delayed_bwd(recipe, axes, margin, res, dy):
-    qxt, sx, w, sw, sdy, x, x_like, amax, hist = res
+    qxt, sx, w, sw, sdy, keep_x, x_like, amax, hist = res
     dy2 = _flat(dy)
-    qdy = _with_scale(dy2, sdy, recipe.grad_fmt)
-    dx = _f8_mm(qdy, sdy, _with_scale(w, sw, recipe.fwd_fmt), sw, x_like.dtype)
-    dx = dx.reshape(x_like.shape[:-1] + (w.shape[0],))
-    if recipe.wgrad == "fp8":                                            # [K, M] . [N, M]
-        dw = _f8_mm(qxt, sx, _with_scale(dy2.T, sdy, recipe.grad_fmt), sdy, w.dtype)
-    else:
-        dw = _wgrad(_flat(x), dy2, recipe, w.dtype)
+    dx, dw = _tensor_grads(recipe, dy2, sdy, (qxt, sx, w, sw, keep_x, x_like))
     amaxes = jnp.concatenate([amax, current_amax(dy2)[None]])
     if axes:
         amaxes = lax.pmax(amaxes, axes)

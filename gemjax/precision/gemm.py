@@ -307,8 +307,14 @@ def _fp8_dot_bwd(recipe, res, dy):
         x, w = res
         dx = _dgrad(dy2, w, recipe, x.dtype).reshape(x.shape)
         return dx, _wgrad(_flat(x), dy2, recipe, w.dtype)
+    return _tensor_grads(recipe, dy2, _scales(dy2, (0, 1), recipe.grad_fmt), res)
+
+
+def _tensor_grads(recipe: Recipe, dy2, sdy, res):
+    """(dx [..., K], dw [K, N]) of the per-tensor products for dy2 [M, N] with scale sdy
+    [1, 1]; res: the forward's (qxt, sx, w, sw, x, x_like) (_fp8_dot_fwd)."""
     qxt, sx, w, sw, x, x_like = res
-    qdy, sdy = _quant(dy2, dy2.shape, recipe.grad_fmt)                  # [M, N]
+    qdy = _with_scale(dy2, sdy, recipe.grad_fmt)                        # [M, N]
     dx = _f8_mm(qdy, sdy, _with_scale(w, sw, recipe.fwd_fmt), sw, x_like.dtype)
     dx = dx.reshape(x_like.shape[:-1] + (w.shape[0],))
     if recipe.wgrad == "fp8":                                           # [K, M] . [N, M]
