@@ -119,3 +119,55 @@ def test_bad_history_shape_names_it():
         fp8_dot_delayed(x, w, jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match="history length"):
         init_history(0)
+
+
+def _fp8_convert_ancestors(fn, *args):
+    """For each float8 convert of fn's jaxpr: the (primitive, size of its first input) it
+    depends on, through calls."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    producers = {}
+
+    def walk(jx):
+        for e in jx.eqns:
+            subs = [p.jaxpr if hasattr(p, "jaxpr") else p for p in e.params.values()
+                    if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]
+            for sub in subs:          # map a call's inputs / outputs through its body
+                for outer, inner in zip(e.invars, sub.invars):
+                    producers[inner] = (("call", 0), [outer])
+                walk(sub)
+                for outer, inner in zip(e.outvars, sub.outvars):
+                    producers[outer] = (("call", 0), [inner])
+            if not subs:
+                for v in e.outvars:
+                    size = int(np.prod(e.invars[0].aval.shape)) if e.invars else 0
+                    producers[v] = ((e.primitive.name, size), list(e.invars))
+            if (e.primitive.name == "convert_element_type"
+                    and "float8" in str(e.params["new_dtype"])):
+                stack, seen, names = list(e.invars), set(), set()
+                while stack:
+                    v = stack.pop()
+                    if type(v).__name__ == "Literal" or id(v) in seen or v not in producers:
+                        continue
+                    seen.add(id(v))
+                    name, ins = producers[v]
+                    names.add(name)
+                    stack += ins
+                out.append(names)
+
+    out = []
+    walk(jaxpr)
+    return out
+
+
+def test_the_forward_converts_read_no_reduction():
+    """The point of delayed scaling: x's and w's FP8 converts depend on no reduction over
+    a tensor (only over the 4-entry history; the tensor recipe's do: the check can fail)."""
+    from gemjax.precision.gemm import fp8_dot
+    x, w, _ = _data(5)
+    hist = jnp.ones((3, 4), jnp.float32)
+    delayed = _fp8_convert_ancestors(lambda a, b: fp8_dot_delayed(a, b, hist), x, w)
+    tensor = _fp8_convert_ancestors(lambda a, b: fp8_dot(a, b, Recipe("tensor")), x, w)
+    assert delayed and tensor
+    big = lambda names: any(p == "reduce_max" and n > 4 for p, n in names)   # noqa: E731
+    assert not any(big(names) for names in delayed)
+    assert any(big(names) for names in tensor)
