@@ -25,8 +25,25 @@ On GPU both precisions run with XLA's Triton GEMM fusions off (every GEMM on cuB
 cuBLASLt, gemjax.train.runtime.FP8_GEMM_FLAGS, as the train runs' FP8 steps; --triton_gemm
 keeps them).
 
---variants times a subset of the fp8_dot variants; --nogemms times the two train steps
-only. Each variant's line and each step's line is printed as it is timed, and --out (JSON,
+3. Limit table (--limit): the train step in BF16 and in FP8 under each --scalings
+   (model.fp8_scaling: rowwise, tensor, blocked, delayed), every linear GEMM shape of the
+   step (all of them unless --max_shapes) timed as BF16 and as the FP8 GEMMs alone on
+   operands quantized beforehand, and in one table:
+     bf16 / fp8 <scaling>   measured steps, ms and speedup over BF16
+     fp8 quantization free  the BF16 step with each linear GEMM's forward+backward time
+                            (count x bf16 fwd+bwd ms) replaced by the pre-quantized FP8
+                            GEMMs' (count x fp8_gemm_only fwd+bwd ms): the FP8 step if
+                            every quantize pass cost nothing (derived, not a timed step)
+     Amdahl bound           1 / ((1 - f) + f / s): f the GEMM share of the BF16 step
+                            (--gemm_share, or measured: sum of count x bf16 fwd+bwd ms
+                            over the BF16 step), s the pre-quantized FP8 GEMMs' speedup
+                            (sum of bf16 over sum of fp8_gemm_only fwd+bwd ms); and the
+                            bound with FP8 GEMMs free, 1 / (1 - f)
+   The linear GEMMs are the dot_generals of a 2-D weight (attention's batched products and
+   the einsum token mixes are not among them: they count in "rest").
+
+--variants times a subset of the fp8_dot variants (under --limit, none unless given);
+--nogemms times the two train steps only. Each variant's line and each step's line is printed as it is timed, and --out (JSON,
 every figure) is rewritten after each, so a run cut short still reports. Prints the table
 last. --smoke: the tiny preset's
 teacher, 2 shapes (or --max_shapes), 1 timed iteration (a CPU check of the script, not a
@@ -63,10 +80,16 @@ flags.DEFINE_string("compile_cache", "", "persistent compilation cache directory
                     "runtime; '' off): a rerun loads the compiled steps, and on GPU XLA's "
                     "autotuning, instead of redoing them (compile_s is then the load time)")
 flags.DEFINE_list("variants", [], "FP8 variants of fp8_dot to time (default all: fp8_rowwise, "
-                  "fp8_tensor, fp8_blocked, fp8_rowwise_fast); bf16 and the FP8 GEMMs alone "
-                  "always run")
+                  "fp8_tensor, fp8_blocked, fp8_rowwise_fast, fp8_delayed; under --limit none); "
+                  "bf16 and the FP8 GEMMs alone always run")
+flags.DEFINE_bool("limit", False, "the limit table: BF16 step, FP8 step per --scalings, FP8 with "
+                  "quantization free, Amdahl bound (module docstring)")
+flags.DEFINE_list("scalings", ["rowwise", "tensor", "blocked", "delayed"],
+                  "--limit: the model.fp8_scaling of each FP8 step timed")
+flags.DEFINE_float("gemm_share", 0.0, "--limit: the linear GEMMs' share of the BF16 step (e.g. "
+                   "from a profile); 0: measured from the GEMM table")
 
-FP8_VARIANTS = ("fp8_rowwise", "fp8_tensor", "fp8_blocked", "fp8_rowwise_fast")
+FP8_VARIANTS = ("fp8_rowwise", "fp8_tensor", "fp8_blocked", "fp8_rowwise_fast", "fp8_delayed")
 _DOT = re.compile(r"stablehlo\.dot_general [^,]+, [^,]+, contracting_dims = \[(\d+)\] x \[0\], "
                   r"precision = [^:]*: \(tensor<([0-9x]+)x\w+>, tensor<(\d+)x(\d+)x\w+>\)")
 
@@ -130,6 +153,7 @@ def bench_gemm(m, k, n, iters, seed=0, fp8_variants=FP8_VARIANTS):
     import jax.numpy as jnp
     from jax import lax
 
+    from gemjax.precision.delayed import fp8_dot_delayed, next_history
     from gemjax.precision.gemm import Recipe, fp8_dot
 
     kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
@@ -142,7 +166,12 @@ def bench_gemm(m, k, n, iters, seed=0, fp8_variants=FP8_VARIANTS):
                "fp8_blocked": Recipe("blocked"),
                "fp8_rowwise_fast": Recipe("rowwise", fast_accum="forward")}
     variants = {"bf16": lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())))}
-    variants.update({v: (lambda a, b, r=recipes[v]: fp8_dot(a, b, r)) for v in fp8_variants})
+    variants.update({v: (lambda a, b, r=recipes[v]: fp8_dot(a, b, r)) for v in fp8_variants
+                     if v in recipes})
+    if "fp8_delayed" in fp8_variants:    # scales from a history holding this data's amaxes
+        amax = jnp.stack([jnp.max(jnp.abs(t.astype(jnp.float32))) for t in (x, w, dy)])
+        hist = next_history(jnp.zeros((3, 16), jnp.float32), amax)
+        variants["fp8_delayed"] = lambda a, b: fp8_dot_delayed(a, b, hist, Recipe())
     res: dict = {}
     for name, f in variants.items():
         t0 = time.perf_counter()
@@ -246,11 +275,20 @@ def main(argv):
         raise app.UsageError(f"--variants: unknown {bad} (have {', '.join(FP8_VARIANTS)})")
     if not f.gemms and not f.step:
         raise app.UsageError("--nogemms with --nostep leaves nothing to time")
-    fp8 = tuple(v for v in FP8_VARIANTS if not f.variants or v in f.variants)
+    fp8 = tuple(v for v in FP8_VARIANTS if (not f.variants and not f.limit) or v in f.variants)
+    bad = sorted(set(f.scalings) - {"rowwise", "tensor", "blocked", "delayed"})
+    if bad:
+        raise app.UsageError(f"--scalings: unknown {bad} (have rowwise, tensor, blocked, delayed)")
+    if not 0.0 <= f.gemm_share < 1.0:
+        raise app.UsageError(f"--gemm_share: {f.gemm_share} is not in [0, 1)")
+    if f.limit and not (f.gemms and f.step):
+        raise app.UsageError("--limit needs the GEMMs and the steps (no --nogemms / --nostep)")
+    fp8_overrides = ([f"model.precision=fp8,model.fp8_scaling={sc}" for sc in f.scalings]
+                     if f.limit else f.fp8_override)
     if f.smoke:
         config, iters = "tiny", 1
     cfg = get_config(config, override)
-    res = {"config": config, "override": override, "fp8_override": f.fp8_override,
+    res = {"config": config, "override": override, "fp8_override": fp8_overrides,
            "device_kind": jax.devices()[0].device_kind, "gemms": [], "step": {}}
 
     def dump():
@@ -272,7 +310,10 @@ def main(argv):
               f"{time.perf_counter() - t0:.1f} s", flush=True)
     order = sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1] * kv[0][2])
     res["all_shapes"] = [{"m": m, "k": k, "n": n, "count": c} for (m, k, n), c in order]
-    keep = 2 if f.smoke and not f["max_shapes"].present else (f.max_shapes or len(order))
+    if f.limit and not f["max_shapes"].present:
+        keep = len(order)            # the GEMM share needs every shape
+    else:
+        keep = 2 if f.smoke and not f["max_shapes"].present else (f.max_shapes or len(order))
     res["variants"] = list(fp8)
     for (m, k, n), count in order[:keep]:
         r = bench_gemm(m, k, n, iters, fp8_variants=fp8)
@@ -282,7 +323,7 @@ def main(argv):
             f"{r[v]['fusions']} fusions" for v in r), flush=True)
         dump()
     if f.step:
-        runs = [("bf16", "", override)] + [("fp8", fo, _join(override, fo)) for fo in f.fp8_override]
+        runs = [("bf16", "", override)] + [("fp8", fo, _join(override, fo)) for fo in fp8_overrides]
         res["step"]["fp8_variants"] = []
         for name, fo, ov in runs:
             st, _ = bench_step(get_config(config, ov), iters, f.batches)
@@ -306,7 +347,7 @@ def main(argv):
     dump()
     if res["gemms"]:
         short = {"fp8_rowwise": "row", "fp8_tensor": "tensor", "fp8_blocked": "blocked",
-                 "fp8_rowwise_fast": "rowfast", "fp8_gemm_only": "gemm"}
+                 "fp8_rowwise_fast": "rowfast", "fp8_delayed": "delayed", "fp8_gemm_only": "gemm"}
         hdr = f"{'M':>8} {'K':>5} {'N':>5} {'#':>3} | {'bf16 f / fb ms':>17} {'err':>7}"
         for v in fp8 + ("fp8_gemm_only",):
             hdr += f" | {short[v] + ' f / fb ms':>17} {'x f':>5} {'x fb':>5} {'err':>7}"
@@ -330,6 +371,42 @@ def main(argv):
             tag = "" if len(s["fp8_variants"]) == 1 else f" [{v['fp8_override']}]"
             print(f"train step: bf16 {s['bf16']['step_ms']:.2f} ms  fp8{tag} {v['step_ms']:.2f} ms  "
                   f"speedup x{v['speedup']:.3f}  (loss {s['bf16']['loss']:.4f} / {v['loss']:.4f})")
+
+    if f.limit:
+        res["limit"] = limit_table(res, f.gemm_share)
+        dump()
+        print_limit(res["limit"])
+
+
+def limit_table(res: dict, gemm_share: float = 0.0) -> dict:
+    """The limit table (module docstring) from a run's figures: {"rows": [{name, step_ms,
+    speedup}], "gemm_share", "gemm_share_measured", "gemm_speedup", "amdahl",
+    "amdahl_free"}."""
+    bf16 = res["step"]["bf16"]["step_ms"]
+    tot = res["gemm_totals_ms"]
+    g16, g8 = tot["bf16"]["fwdbwd"], tot["fp8_gemm_only"]["fwdbwd"]
+    measured = g16 / bf16
+    share = gemm_share or measured
+    s = g16 / max(g8, 1e-12)
+    rows = [{"name": "bf16", "step_ms": bf16}]
+    for v in res["step"]["fp8_variants"]:
+        sc = v["fp8_override"].rpartition("fp8_scaling=")[2].split(",")[0] or v["fp8_override"]
+        rows.append({"name": f"fp8 {sc}", "step_ms": v["step_ms"]})
+    rows.append({"name": "fp8 quantization free", "step_ms": bf16 - g16 + g8})
+    for r in rows:
+        r["speedup"] = bf16 / r["step_ms"]
+    return {"rows": rows, "gemm_share": share, "gemm_share_measured": measured,
+            "gemm_speedup": s, "amdahl": 1.0 / ((1.0 - share) + share / s),
+            "amdahl_free": 1.0 / (1.0 - share)}
+
+
+def print_limit(t: dict) -> None:
+    print(f"{'limit table':<26} {'step ms':>9} {'x bf16':>7}")
+    for r in t["rows"]:
+        print(f"{r['name']:<26} {r['step_ms']:>9.2f} {r['speedup']:>7.3f}")
+    print(f"{'Amdahl bound':<26} {'':>9} {t['amdahl']:>7.3f}  (GEMM share {t['gemm_share']:.3f}, "
+          f"measured {t['gemm_share_measured']:.3f}; FP8 GEMM speedup {t['gemm_speedup']:.2f})")
+    print(f"{'Amdahl, FP8 GEMMs free':<26} {'':>9} {t['amdahl_free']:>7.3f}")
 
 
 if __name__ == "__main__":

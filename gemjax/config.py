@@ -181,7 +181,11 @@ class ModelConfig:
     # model.precision=fp8: the regions whose linears run in FP8
     fp8_regions: str = "wukong+interformer+attn_proj+sequence"
     fp8_exclude: str = "heads+last"  # regions (or "last": the last layer) kept in `dtype`
-    fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales)
+    fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales),
+    # or "delayed": per-tensor scales from the amaxes of the last fp8_amax_history steps
+    # (gemjax.precision.delayed; the histories live in the train state's "fp8_meta")
+    fp8_amax_history: int = 16       # fp8_scaling=delayed: steps of amax history per operand
+    fp8_margin: int = 0              # fp8_scaling=delayed: scales get 2**fp8_margin headroom
     fp8_grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
     wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
     fp8_fast_accum: str = "none"     # "forward": the forward GEMMs in FP8 fast accumulation

@@ -103,3 +103,30 @@ def test_steps_only_each_printed_and_saved_as_timed(tmp_path):
                      "train step", "train step"]
     assert r.stdout.splitlines()[-1].startswith("train step: bf16") and second in r.stdout.splitlines()[-1]
     assert not any(ln.startswith("total ") for ln in r.stdout.splitlines())
+
+
+def test_limit_table_smoke(tmp_path):
+    """--limit: BF16 and FP8 steps per scaling (delayed included), the quantization-free
+    step and the Amdahl bound, their figures recomputed here from the per-GEMM timings."""
+    out = tmp_path / "fp8.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_fp8", "--smoke", "--limit",
+                        "--override=model.use_sequences=false", "--shapes=32x64x48:2,16x32x32:3",
+                        "--scalings=tensor,delayed", "--gemm_share=0.5", "--batches=1",
+                        f"--out={out}"], capture_output=True, text=True, timeout=600,
+                       env=with_suite_cache(dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(out))
+    t = res["limit"]
+    names = [row["name"] for row in t["rows"]]
+    assert names == ["bf16", "fp8 tensor", "fp8 delayed", "fp8 quantization free"]
+    bf16 = res["step"]["bf16"]["step_ms"]
+    g16 = sum(g["count"] * g["bf16"]["fwdbwd_ms"] for g in res["gemms"])
+    g8 = sum(g["count"] * g["fp8_gemm_only"]["fwdbwd_ms"] for g in res["gemms"])
+    np.testing.assert_allclose(t["rows"][-1]["step_ms"], bf16 - g16 + g8, rtol=1e-9)
+    np.testing.assert_allclose(t["gemm_share_measured"], g16 / bf16, rtol=1e-9)
+    np.testing.assert_allclose(t["amdahl"], 1 / (0.5 + 0.5 * g8 / g16), rtol=1e-9)
+    assert t["amdahl_free"] == 2.0
+    steps = {v["fp8_override"]: v["step_ms"] for v in res["step"]["fp8_variants"]}
+    assert t["rows"][2]["step_ms"] == steps["model.precision=fp8,model.fp8_scaling=delayed"]
+    assert res["variants"] == []          # --limit times no fp8_dot variant unless asked
+    assert "Amdahl bound" in r.stdout and "fp8 quantization free" in r.stdout

@@ -53,7 +53,9 @@ def test_bad_names_rejected():
                               ("fp8_exclude", "heads+first", "model.fp8_exclude"),
                               ("fp8_scaling", "mx", "model.fp8_scaling"),
                               ("wgrad_dtype", "fp16", "model.wgrad_dtype"),
-                              ("fp8_fast_accum", "all", "model.fp8_fast_accum")]:
+                              ("fp8_fast_accum", "all", "model.fp8_fast_accum"),
+                              ("fp8_amax_history", 0, "model.fp8_amax_history"),
+                              ("fp8_margin", -1, "model.fp8_margin")]:
         with pytest.raises(ValueError, match=msg):
             Policy.from_model_config(dataclasses.replace(m, **{field: value}))
     fast = dataclasses.replace(m, precision="fp8", fp8_fast_accum="forward")

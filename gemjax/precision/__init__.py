@@ -9,6 +9,8 @@
   saved.py     8-bit saved activations: a block whose backward keeps its inputs in E4M3
                (the teacher's train.remat "quantize" policy, gemjax.layers.regions)
   gemm.py      fp8_dot: x @ w in FP8 (row-wise or 128-block scales) with its dgrad / wgrad
+  delayed.py   fp8_dot_delayed: per-tensor FP8 scales from an amax history of earlier steps
+               (the history's cotangent is its update; the train state's "fp8_meta")
   policy.py    which linears of a model run FP8 (regions from ModelConfig.precision, ...)
   fsdp.py      FP8 FSDP all-gather: weights quantized per shard before the collective
                (all_gather_fp8_weight: the train step's gather of FP8 linears' kernels)

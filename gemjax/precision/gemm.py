@@ -88,7 +88,7 @@ from jax import lax
 from gemjax.precision.formats import FORMATS, Layout
 from gemjax.precision.quantize import finite_abs, quantize, saturate, to_format
 
-SCALINGS = ("rowwise", "tensor", "blocked")
+SCALINGS = ("rowwise", "tensor", "blocked", "delayed")
 WGRADS = ("fp8", "bf16", "f32")
 FAST_ACCUMS = ("none", "forward")
 BLOCK = 128
@@ -98,7 +98,9 @@ BLOCK = 128
 class Recipe:
     """How fp8_dot quantizes (hashable: a static argument).
 
-    scaling: "rowwise", "tensor" or "blocked" (module docstring).
+    scaling: "rowwise", "tensor" or "blocked" (module docstring); "delayed": per-tensor
+      scales from an amax history (gemjax.precision.delayed.fp8_dot_delayed), which
+      fp8_dot, given no history, runs as "tensor".
     fwd_fmt: format of x and w ("e4m3").
     grad_fmt: format of dy in dgrad and wgrad ("e5m2" or "e4m3").
     wgrad: "fp8" (quantized like the other products), "bf16" or "f32" (x^T @ dy unquantized,
@@ -178,7 +180,7 @@ def _operand_blocks(a_rows: int, k: int, b_cols: int, scaling: str, b_weight: bo
     """Quantization blocks of a [M, K] (along K) and b [K, N] (along K)."""
     if scaling == "rowwise":
         return (1, k), (k, 1)
-    if scaling == "tensor":
+    if scaling in ("tensor", "delayed"):
         return (a_rows, k), (k, b_cols)
     return (1, BLOCK), ((BLOCK, BLOCK) if b_weight else (BLOCK, 1))
 
@@ -305,8 +307,14 @@ def _fp8_dot_bwd(recipe, res, dy):
         x, w = res
         dx = _dgrad(dy2, w, recipe, x.dtype).reshape(x.shape)
         return dx, _wgrad(_flat(x), dy2, recipe, w.dtype)
+    return _tensor_grads(recipe, dy2, _scales(dy2, (0, 1), recipe.grad_fmt), res)
+
+
+def _tensor_grads(recipe: Recipe, dy2, sdy, res):
+    """(dx [..., K], dw [K, N]) of the per-tensor products for dy2 [M, N] with scale sdy
+    [1, 1]; res: the forward's (qxt, sx, w, sw, x, x_like) (_fp8_dot_fwd)."""
     qxt, sx, w, sw, x, x_like = res
-    qdy, sdy = _quant(dy2, dy2.shape, recipe.grad_fmt)                  # [M, N]
+    qdy = _with_scale(dy2, sdy, recipe.grad_fmt)                        # [M, N]
     dx = _f8_mm(qdy, sdy, _with_scale(w, sw, recipe.fwd_fmt), sw, x_like.dtype)
     dx = dx.reshape(x_like.shape[:-1] + (w.shape[0],))
     if recipe.wgrad == "fp8":                                           # [K, M] . [N, M]
@@ -322,9 +330,12 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 def fp8_dot(x: jax.Array, w: jax.Array, recipe: Recipe = Recipe()) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x.dtype, every product in FP8 (module docstring).
 
-    Differentiable in x and w (custom_vjp: dgrad and wgrad as the recipe says); jit-able."""
+    Differentiable in x and w (custom_vjp: dgrad and wgrad as the recipe says); jit-able.
+    recipe.scaling "delayed" (no amax history here) runs as "tensor"."""
     x, w = jnp.asarray(x), jnp.asarray(w)
     _check(x, w)
+    if recipe.scaling == "delayed":
+        recipe = dataclasses.replace(recipe, scaling="tensor")
     return _fp8_dot(x, w, recipe)
 
 

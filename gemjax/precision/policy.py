@@ -33,11 +33,13 @@ model untouched, so every program is the one without a policy.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from gemjax.precision.delayed import fp8_dot_delayed
 from gemjax.precision.gemm import FAST_ACCUMS, SCALINGS, WGRADS, Recipe, fp8_dot
 
 PRECISIONS = ("bf16", "fp8")
@@ -58,11 +60,14 @@ def _names(value: str, known: tuple[str, ...], field: str) -> frozenset[str]:
 class Policy:
     """precision: "bf16" (no FP8) or "fp8"; regions / exclude: region names (module
     docstring; exclude may also name "last"; in ModelConfig "+"-separated, e.g.
-    fp8_regions="wukong+attn_proj"); recipe: how FP8 GEMMs quantize."""
+    fp8_regions="wukong+attn_proj"); recipe: how FP8 GEMMs quantize; amax_history, margin:
+    the history length and scale headroom (a power of two) of recipe.scaling "delayed"."""
     precision: str = "bf16"
     regions: frozenset[str] = frozenset()
     exclude: frozenset[str] = frozenset()
     recipe: Recipe = Recipe()
+    amax_history: int = 16
+    margin: int = 0
 
     @classmethod
     def from_model_config(cls, m) -> Policy:
@@ -78,11 +83,16 @@ class Policy:
         if m.fp8_fast_accum not in FAST_ACCUMS:
             raise ValueError(f"model.fp8_fast_accum must be one of {FAST_ACCUMS}, "
                              f"got {m.fp8_fast_accum!r}")
+        if m.fp8_amax_history < 1:
+            raise ValueError(f"model.fp8_amax_history must be >= 1, got {m.fp8_amax_history}")
+        if not 0 <= m.fp8_margin <= 16:
+            raise ValueError(f"model.fp8_margin must be in [0, 16], got {m.fp8_margin}")
         return cls(precision=m.precision,
                    regions=_names(m.fp8_regions, REGIONS, "fp8_regions"),
                    exclude=_names(m.fp8_exclude, EXCLUDES, "fp8_exclude"),
                    recipe=Recipe(scaling=m.fp8_scaling, grad_fmt=m.fp8_grad_fmt,
-                                 wgrad=m.wgrad_dtype, fast_accum=m.fp8_fast_accum))
+                                 wgrad=m.wgrad_dtype, fast_accum=m.fp8_fast_accum),
+                   amax_history=m.fp8_amax_history, margin=m.fp8_margin)
 
     def is_fp8(self, region: str, last: bool) -> bool:
         return (self.precision == "fp8" and region in self.regions
@@ -103,8 +113,43 @@ class Fp8DotGeneral:
             return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type,
                                    out_sharding=out_sharding)
-        y = fp8_dot(lhs, rhs, self.recipe)
+        y = self._dot(lhs, rhs)
         return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+    def _dot(self, lhs, rhs):
+        return fp8_dot(lhs, rhs, self.recipe)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DelayedDotGeneral(Fp8DotGeneral):
+    """Fp8DotGeneral bound to one linear's amax history hist [3, H] for a step:
+    gemjax.precision.delayed.fp8_dot_delayed(x, w, hist, recipe, axes, margin), whose
+    cotangent of hist is the next history. Set on a merged model inside the step
+    (`bind_histories`), never split into a graphdef."""
+    hist: Any = None
+    axes: tuple[str, ...] = ()
+    margin: int = 0
+
+    def _dot(self, lhs, rhs):
+        return fp8_dot_delayed(lhs, rhs, self.hist, self.recipe, self.axes, self.margin)
+
+
+def delayed_linears(model: nnx.Module) -> list[str]:
+    """fp8_linears whose recipe scales from an amax history ("delayed"): the keys of the
+    train state's "fp8_meta"."""
+    return sorted("/".join(map(str, p)) for p, n in nnx.iter_graph(model)
+                  if isinstance(n, nnx.Linear) and isinstance(n.dot_general, Fp8DotGeneral)
+                  and n.dot_general.recipe.scaling == "delayed")
+
+
+def bind_histories(model: nnx.Module, hists: dict, axes: tuple[str, ...], margin: int) -> None:
+    """Gives each linear of `hists` ({delayed_linears key: [3, H]}) a DelayedDotGeneral
+    with its history (in place; inside a traced step)."""
+    for path, node in nnx.iter_graph(model):
+        key = "/".join(map(str, path))
+        if key in hists:
+            node.dot_general = DelayedDotGeneral(node.dot_general.recipe, hists[key],
+                                                 tuple(axes), margin)
 
 
 def region_of(path: tuple) -> str:

@@ -5,6 +5,11 @@ jits them, on any mesh from gemjax.parallel.mesh.build_mesh.
 Train state (a plain pytree, checkpointed whole):
     {"step": int32 [], "params": nested dict of float32 arrays (the NNX params),
      "opt_state": optax state, "tables": {table: {"weights": [V, D], "accum": [V]}}}
+  plus, under model.precision=fp8 with model.fp8_scaling=delayed,
+     "fp8_meta": {"/"-joined path of each FP8 linear: amax history float32 [3, H]}
+  (rows x, w, dy, newest first; H = model.fp8_amax_history; replicated): each step
+  scales its FP8 operands from it and writes the next one (gemjax.precision.delayed: the
+  history's "gradient" is its update; it never enters the optimizer).
 
 One step (`train_step`):  ids (the batch's and the objective's `lookup_ids`) -> sparse
 lookup (tables never enter jax.grad) -> the objective's loss sums per batch shard
@@ -71,7 +76,7 @@ from gemjax.layers.experts import set_mesh_axes
 from gemjax.models.gem import build_model, sequence_id_fields
 from gemjax.parallel import rules as rules_lib
 from gemjax.precision.fsdp import WeightGather, all_gather_fp8_weight, weight_block
-from gemjax.precision.policy import fp8_kernels
+from gemjax.precision.policy import bind_histories, delayed_linears, fp8_kernels
 from gemjax.sparse import EmbeddingCollection, routing
 from gemjax.train import optim
 from gemjax.train.planned import PlannedStep, planned_jit
@@ -129,7 +134,7 @@ def fp8_weight_plan(w: jax.Array, spec: P, local_dims: Sequence[int], fp8: Any,
     one dim of w is sharded, over mesh axes of more than one device in all."""
     if not isinstance(fp8, Fp8Weight) or w.ndim != 2:
         return None
-    if fp8.recipe.scaling == "rowwise" and not fp8.rowwise:
+    if fp8.recipe.scaling == "rowwise" and not fp8.rowwise or fp8.recipe.scaling == "delayed":
         return None
     dims = [d for d, a in enumerate(spec) if a is not None and d not in local_dims]
     if len(dims) != 1:
@@ -271,6 +276,7 @@ class StepContext:
     objective: Objective = BinaryTasks()
     # like params: Fp8Weight at the kernels gathered as FP8 (None: every param gathered as is)
     fp8_weights: Any = None
+    fp8_margin: int = 0      # model.fp8_margin: the delayed scales' headroom
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -282,10 +288,12 @@ def _gather_fp8_or_param(mesh: Mesh, x: jax.Array, spec: P, local_dims: Sequence
     return gather_param(x, spec, local_dims) if plan is None else all_gather_fp8_weight(x, plan)
 
 
-def local_forward(ctx: StepContext, method: str, params, acts, batch: Batch, ids, step):
+def local_forward(ctx: StepContext, method: str, params, acts, batch: Batch, ids, step,
+                  fp8_meta=None):
     """Per device, inside shard_map: the objective's `method` ("loss_sums" or "predict") on
     the model with its full parameters (each gathered over its sharded axes; the kernels of
-    ctx.fp8_weights as FP8 bits + scales)."""
+    ctx.fp8_weights as FP8 bits + scales); fp8_meta: this device's copy of the amax
+    histories ({key: [1, 3, H]}, `stacked_meta`), bound to their delayed-scaling linears."""
     if ctx.fp8_weights is None:
         full = jax.tree.map(gather_param, params, ctx.p_specs, ctx.local_dims)
     else:
@@ -294,6 +302,9 @@ def local_forward(ctx: StepContext, method: str, params, acts, batch: Batch, ids
     # experts: EP over ctx.ep_axes; router aux over the global batch
     model = set_mesh_axes(nnx.merge(ctx.graphdef, full), expert_axes=ctx.ep_axes,
                           batch_axes=ctx.batch_axes)
+    if fp8_meta:
+        bind_histories(model, {k: h[0] for k, h in fp8_meta.items()}, ctx.batch_axes,
+                       ctx.fp8_margin)
     return getattr(ctx.objective, method)(model, acts, batch, Shard(step, ids, ctx.batch_axes))
 
 
@@ -307,11 +318,28 @@ def _predictions(ctx: StepContext, *args):
 
 
 def _sharded(ctx: StepContext, fn: Callable, out_specs) -> Callable:
-    """fn(ctx, params, acts, batch, ids, step) as a shard_map over the mesh."""
+    """fn(ctx, params, acts, batch, ids, step[, fp8_meta]) as a shard_map over the mesh
+    (fp8_meta: `stacked_meta`, one copy per device)."""
     axes = ctx.batch_axes
     return jax.shard_map(functools.partial(fn, ctx), mesh=ctx.mesh,
-                         in_specs=(ctx.p_specs, P(axes), P(axes), P(axes), P()),
+                         in_specs=(ctx.p_specs, P(axes), P(axes), P(axes), P(), P(axes)),
                          out_specs=out_specs, check_vma=CHECK_VMA)
+
+
+def stacked_meta(ctx: StepContext, fp8_meta: dict | None) -> dict | None:
+    """Each history [3, H] repeated per device: [devices, 3, H], one copy per batch shard,
+    so the shard_map's transpose hands each device's next history back unsummed."""
+    if not fp8_meta:
+        return None
+    n = ctx.mesh.size
+    return {k: jnp.broadcast_to(h, (n,) + h.shape) for k, h in fp8_meta.items()}
+
+
+def next_meta(fp8_meta: dict, g_meta: dict) -> dict:
+    """The next amax histories from their cotangents [devices, 3, H] (equal over devices:
+    the amaxes are maxed over the mesh); a history whose linear did not run this step
+    (cotangent all zeros) is kept."""
+    return {k: jnp.where(jnp.any(g_meta[k][0] != 0), g_meta[k][0], h) for k, h in fp8_meta.items()}
 
 
 def _lookup(ctx: StepContext, state: dict, batch: Batch, train: bool):
@@ -321,15 +349,17 @@ def _lookup(ctx: StepContext, state: dict, batch: Batch, train: bool):
     return acts, residuals, ids
 
 
-def loss_fn(ctx: StepContext, params, acts, batch: Batch, ids: dict, step: jax.Array):
+def loss_fn(ctx: StepContext, params, acts, batch: Batch, ids: dict, step: jax.Array,
+            fp8_meta=None):
     """(loss [], sums): the objective's loss_sums summed over the mesh and the loss, the
     global-batch mean sum(loss_sum) / max(sum(weight_sum), 1) (`Objective`).
 
     params: like state["params"] (sharded); acts: the looked-up activations
     (`EmbeddingCollection.lookup`); ids, step: the objective's lookup_ids and the
-    state's step counter.
+    state's step counter; fp8_meta: `stacked_meta` of the state's amax histories (its
+    gradient is the next histories, `next_meta`).
     """
-    sums = _sharded(ctx, _global_sums, P())(params, acts, batch, ids, step)
+    sums = _sharded(ctx, _global_sums, P())(params, acts, batch, ids, step, fp8_meta)
     loss = jnp.sum(sums["loss_sum"]) / jnp.maximum(jnp.sum(sums["weight_sum"]), 1.0)
     return loss, sums
 
@@ -354,9 +384,14 @@ def train_step(ctx: StepContext, state: dict, batch: Batch) -> tuple[dict, dict]
     and the sparse lookup's counters ("ids_out_of_range", "ids_overflow").
     """
     acts, residuals, ids = _lookup(ctx, state, batch, train=True)
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, ctx), argnums=(0, 1), has_aux=True)
-    (loss, sums), (g_params, g_acts) = grad_fn(state["params"], acts, batch, ids, state["step"])
+    meta = stacked_meta(ctx, state.get("fp8_meta"))
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, ctx), has_aux=True,
+                                 argnums=(0, 1) if meta is None else (0, 1, 5))
+    (loss, sums), grads = grad_fn(state["params"], acts, batch, ids, state["step"], meta)
+    g_params, g_acts = grads[:2]
     new_state = updated_state(ctx.tx, ctx.coll, state, residuals, g_params, g_acts)
+    if meta is not None:
+        new_state["fp8_meta"] = next_meta(state["fp8_meta"], grads[2])
     metrics = {"loss": loss, **sums, "grad_norm": optax.global_norm(g_params),
                **residuals["stats"]}
     return new_state, metrics
@@ -367,7 +402,8 @@ def eval_step(ctx: StepContext, state: dict, batch: Batch) -> jax.Array:
     batch (BinaryTasks: sigmoid probabilities [B, K])."""
     acts, _, ids = _lookup(ctx, state, batch, train=False)
     fwd = _sharded(ctx, _predictions, P(ctx.batch_axes))
-    return fwd(state["params"], acts, batch, ids, state["step"])
+    return fwd(state["params"], acts, batch, ids, state["step"],
+               stacked_meta(ctx, state.get("fp8_meta")))
 
 
 def process_rows(out: jax.Array) -> np.ndarray:
@@ -446,8 +482,21 @@ class Trainer:
 
     def state_shardings(self) -> dict:
         """NamedShardings of the train state (orbax restore targets, jit out_shardings)."""
-        return {"step": NamedSharding(self.mesh, P()), "params": self.param_shardings,
-                "opt_state": self.opt_shardings, "tables": self.coll.state_sharding()}
+        out = {"step": NamedSharding(self.mesh, P()), "params": self.param_shardings,
+               "opt_state": self.opt_shardings, "tables": self.coll.state_sharding()}
+        keys = self.fp8_meta_keys()
+        if keys:
+            out["fp8_meta"] = {k: NamedSharding(self.mesh, P()) for k in keys}
+        return out
+
+    def fp8_meta_keys(self) -> list[str]:
+        """The keys of state["fp8_meta"]: the FP8 linears with delayed scaling (module
+        docstring); [] when there are none (the state then has no "fp8_meta")."""
+        m = self.cfg.model
+        if m.precision != "fp8" or m.fp8_scaling != "delayed":
+            return []
+        dummy = jax.tree.map(lambda s: 0.0, self.param_shardings)
+        return delayed_linears(nnx.merge(self.graphdef, dummy))
 
     def init_state(self, seed: int) -> dict:
         """The initial state, every array already placed on state_shardings() (any process count).
@@ -464,8 +513,14 @@ class Trainer:
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         step = jax.make_array_from_callback((), NamedSharding(self.mesh, P()),
                                             lambda i: np.zeros((), np.int32))
-        return {"step": step, "params": params, "opt_state": opt_state,
-                "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
+        state = {"step": step, "params": params, "opt_state": opt_state,
+                 "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
+        keys = self.fp8_meta_keys()
+        if keys:                          # empty amax histories (gemjax.precision.delayed)
+            zeros = np.zeros((3, self.cfg.model.fp8_amax_history), np.float32)
+            state["fp8_meta"] = {k: jax.make_array_from_callback(
+                zeros.shape, NamedSharding(self.mesh, P()), lambda i: zeros[i]) for k in keys}
+        return state
 
     def context(self) -> StepContext:
         """The StepContext of this trainer (expert parallelism per `expert_parallel`)."""
@@ -480,7 +535,7 @@ class Trainer:
             lambda _: 0.0, p_specs, is_leaf=lambda s: isinstance(s, P)), m.fp8_gather == "always")
             if m.precision == "fp8" and m.fp8_gather != "off" else None)
         return StepContext(self.graphdef, self.mesh, self.tx, self.coll, self.id_fields,
-                           p_specs, local_dims, ep_axes, self.objective, fp8)
+                           p_specs, local_dims, ep_axes, self.objective, fp8, m.fp8_margin)
 
     def make_train_step(self) -> PlannedStep:
         """`train_step` as (state, batch[, next_batch]) -> (state, metrics), jitted; state
