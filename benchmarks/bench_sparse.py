@@ -34,7 +34,7 @@ Variants (--variants; EmbeddingCollection options, see gemjax/sparse/routing.py)
   sort_scatter_buckets  dedup="sort_scatter" + the same buckets
   sort_buckets_bf16     sort_buckets + grad_dtype=bfloat16 (per-id grads gathered in bf16)
   sort_buckets_pallas   sort_buckets with update_impl="pallas": duplicate sum + row-wise Adagrad
-                        fused in one Pallas Triton pass (gemjax/sparse/fused_update.py)
+                        fused in one Pallas Triton pass (kernels/sparse_update)
   sort_pallas           the same with one bucket of N (one program per id slot, early exit past U)
   sort_pallas_looped    sort_pallas with fused_knobs short_programs=2112 (16 per SM): a fixed grid
                         looping over the short-row groups up to U, so no lax.switch and no idle
@@ -81,7 +81,8 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
-from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TablePlan, TableSpec, fused_update, routing
+from gemjax.sparse import EmbeddingCollection, RowWiseAdagrad, TablePlan, TableSpec, routing
+from kernels import sparse_update
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("vocab", 100_000_000, "rows of the table")
@@ -108,7 +109,7 @@ flags.DEFINE_list("fused_sweep", ["16/256/2/0", "16/1024/2/16/16", "16/256/2/16/
                                    "16/256/2/16/16/2112", "16/256/2/16/16/4224"],
                   "fused kernel knobs block_ids/split/num_warps[/short[/rows_per_program"
                   "[/short_programs]]] (short 0: one program per row; short_programs P: P "
-                  "programs looping over the short-row groups; omitted: fused_update.KNOBS)")
+                  "programs looping over the short-row groups; omitted: kernels.sparse_update.KNOBS)")
 flags.DEFINE_integer("profile_steps", 0, "also trace this many steps of every variant (after its "
                      "timed steps) into <--out>.profile/<variant> and print where device time goes "
                      "(tools/profile_summary.py); 0 = off")
@@ -288,7 +289,7 @@ def bench_pieces(state, ids, variant, steps):
             kn = dict(zip(names, (int(x) for x in knob.split("/"))))
 
             def fused(st, rows, seg, perm, g, kn=kn):
-                wt, ac = fused_update.row_wise_adagrad_fused(
+                wt, ac = sparse_update.row_wise_adagrad_fused(
                     st["weights"], st["accum"], rows, seg, perm, g, lr=opt.lr, eps=opt.eps, **kn)
                 return {"weights": wt, "accum": ac}
             try:

@@ -1,4 +1,4 @@
-"""Fused duplicate sum + row-wise Adagrad (gemjax/sparse/fused_update.py) vs float64 numpy.
+"""Fused duplicate sum + row-wise Adagrad (kernels/sparse_update) vs float64 numpy.
 
 Gradients are multiples of 1/256 in [-1, 1], so every duplicate sum is exact in
 fp32 whatever the summation order; what is left is the rounding of mean(g^2),
@@ -17,7 +17,8 @@ import pytest
 from jax import export
 
 from gemjax.sparse import RowWiseAdagrad, routing
-from gemjax.sparse.fused_update import row_wise_adagrad_fused, row_wise_adagrad_reference
+from kernels.sparse_update import (row_wise_adagrad, row_wise_adagrad_fused,
+                                   row_wise_adagrad_reference, run_bounds)
 from test_no_host_loops import while_functions
 
 LR, EPS = 0.05, 1e-8
@@ -165,10 +166,25 @@ def test_empty_segments_and_unordered_rows():
     assert not np.isin(rows[[2, 5, 7]], ids).any()
     ref = jax.jit(lambda *x: row_wise_adagrad_reference(*x, lr=LR, eps=EPS))(*args)
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-6, atol=1e-6)
+    _assert_matches(c, *ref)
+
+
+def test_row_wise_adagrad_picks_the_impl():
+    """kernels.sparse_update.row_wise_adagrad: "pallas" runs the kernel (interpret mode
+    here), None and "reference" the jnp reference; both match float64 numpy; a bad impl
+    or kernel knobs on the reference are named."""
+    c = _case(6, vocab=200, dim=16, n=300, n_src=40, invalid=3)
+    u = int(np.sum(c["uniq"] != routing.INVALID))
+    args = [jnp.asarray(x) for x in (c["w"], c["a"], *_fused_args(c, u + 4), c["g"])]
+    for impl in (None, "reference", "pallas"):
+        _assert_matches(c, *row_wise_adagrad(*args, lr=LR, eps=EPS, impl=impl))
+    with pytest.raises(ValueError, match="impl"):
+        row_wise_adagrad(*args, lr=LR, eps=EPS, impl="mosaic")
+    with pytest.raises(ValueError, match="split"):
+        row_wise_adagrad(*args, lr=LR, eps=EPS, split=64)
 
 
 def test_run_bounds_with_gaps_and_tail():
-    from gemjax.sparse.fused_update import run_bounds
     rng = np.random.default_rng(4)
     for n, k in [(1, 1), (50, 8), (200, 40)]:
         seg = np.sort(rng.integers(0, k + 3, n)).astype(np.int32)    # gaps, values >= k

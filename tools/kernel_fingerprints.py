@@ -2,7 +2,8 @@
 
 Exports forward + backward of gdpa, jagged_attention (self, cross, PMA shapes; every
 FlashConfig.fused_bwd setting), block_attention, the Mosaic GPU forward and backward
-kernels, and layer_norm / add_layer_norm (plain, residual + mask, mask alone) for
+kernels, layer_norm / add_layer_norm (plain, residual + mask, mask alone) and the fused
+sparse update for
 platforms=["cuda"] (jax.export lowers the Pallas kernels without a GPU), strips source locations and prints a short
 hash per program. Equal hashes before and after a refactor mean the GPU runs the same
 kernels, so GPU test results and timings of the earlier code still stand.
@@ -77,7 +78,25 @@ def programs():
         q, k, v, qo, rope_chunks=4, rope_chunks_bwd=4)), [(t, 4, 128)] * 4)
     out.update(mosaic_programs(off(SHAPES["self"][0]), t))
     out.update(layer_norm_programs())
+    out.update(sparse_update_programs())
     return out
+
+
+def sparse_update_programs():
+    """The fused duplicate sum + row-wise Adagrad (kernels.sparse_update) on 4096 sorted
+    Zipf-like ids over 1024 unique slots of a [2048, 64] float32 table: short, medium and
+    hot runs (split 256), so every launch of the kernel is in the program."""
+    from kernels.sparse_update import row_wise_adagrad_fused
+    n, k, v = 4096, 1024, 2048
+    ids = np.minimum(np.random.RandomState(0).zipf(1.3, n) - 1, k - 1)
+    seg = jnp.asarray(np.sort(ids), jnp.int32)
+
+    def update(w, g):
+        rows = jnp.arange(k, dtype=jnp.int32)
+        return row_wise_adagrad_fused(w.astype(jnp.float32), jnp.zeros((v,), jnp.float32),
+                                      rows, seg, jnp.arange(n, dtype=jnp.int32), g,
+                                      lr=0.1, eps=1e-8)
+    return {"sparse_update": (update, [(v, 64), (n, 64)])}
 
 
 def layer_norm_programs():

@@ -84,9 +84,9 @@ assignment may make a whole sequence stack feature-major ([D, T] in memory) and
 then transpose every per-id gradient before its row gather: an 11 ms transpose
 and a 4 ms strided gather per step in the 2-GPU h200 program. A no-op on CPU.
 update_impl: "xla" (default) or "pallas": the duplicate sum and row-wise Adagrad
-fused in one Pallas kernel (gemjax.sparse.fused_update; tables whose optimizer
+fused in one Pallas kernel (kernels.sparse_update; tables whose optimizer
 is not RowWiseAdagrad or whose dim is not a power of two >= 16 keep "xla").
-fused_knobs: overrides of fused_update.KNOBS for that kernel (e.g. short_programs).
+fused_knobs: overrides of kernels.sparse_update.KNOBS for that kernel (e.g. short_programs).
 segment_sum: the "xla" update's sorted duplicate sum (routing.sum_duplicates): "auto"
 (the Pallas kernel kernels.segment_sum on GPU, XLA's segment_sum elsewhere), "xla", "pallas".
 onehot_rows (int, default 0 = off; opt-in): a local table without pooling (one gradient
@@ -126,7 +126,6 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gemjax.data.jagged import Jagged
-from gemjax.sparse import fused_update
 from gemjax.sparse import ids as ids_lib
 from gemjax.sparse import plans as plans_lib
 from gemjax.sparse import routing
@@ -134,6 +133,7 @@ from gemjax.sparse.branches import BranchPlanner
 from gemjax.sparse.optimizers import RowWiseAdagrad
 from gemjax.sparse.row_order import RowOrder
 from gemjax.sparse.specs import TableSpec
+from kernels import sparse_update
 
 Array = Any
 STATS = ("ids_out_of_range", "ids_overflow")
@@ -165,10 +165,10 @@ class EmbeddingCollection:
         if update_impl not in routing.UPDATE_IMPLS:
             raise ValueError(f"update_impl must be one of {routing.UPDATE_IMPLS}, got {update_impl!r}")
         self.update_impl = update_impl
-        unknown = set(fused_knobs or {}) - set(fused_update.KNOBS)
+        unknown = set(fused_knobs or {}) - set(sparse_update.KNOBS)
         if unknown:
             raise ValueError(f"fused_knobs: unknown knobs {sorted(unknown)} "
-                             f"(have {sorted(fused_update.KNOBS)})")
+                             f"(have {sorted(sparse_update.KNOBS)})")
         self.fused_knobs = tuple(sorted((fused_knobs or {}).items()))
         self.row_major = bool(row_major)
         if segment_sum not in routing.SEGMENT_SUMS:

@@ -44,7 +44,7 @@ gather in sorted order. Its GPU timing is not measured yet.
 
 Row update, `update_impl=` (`update_rows`, `update_unique_bucketed`):
   "xla"     segment_sum, gather the touched rows, optimizer, scatter back (default).
-  "pallas"  `gemjax.sparse.fused_update`: one Pallas Triton pass over the sorted
+  "pallas"  `kernels.sparse_update` (impl "pallas"): one Pallas Triton pass over the sorted
             ids sums each unique row's grads in registers and applies row-wise
             Adagrad in place (RowWiseAdagrad only; D a power of two >= 16). Uses
             the sort residual ({"perm", "seg"}); from an {"inv"} residual it sorts
@@ -99,8 +99,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from gemjax.sparse import fused_update
 from kernels.segment_sum import sorted_segment_sum
+from kernels.sparse_update import row_wise_adagrad
 from gemjax.sparse.optimizers import RowWiseAdagrad
 from gemjax.sparse.plans import Layout
 
@@ -541,11 +541,10 @@ def _sort_residual(res: dict) -> tuple[Array, Array]:
 def _fused(state: dict[str, Array], rows: Array, perm: Array, seg: Array, g: Array,
            src_index: Array | None, optimizer, knobs=()) -> dict[str, Array]:
     """Fused sum + row-wise Adagrad (Pallas) of rows [K] (-1 = none) from the sorted ids;
-    knobs: ((name, value), ...) of fused_update.KNOBS."""
+    knobs: ((name, value), ...) of kernels.sparse_update.KNOBS."""
     index = perm if src_index is None else jnp.take(src_index, perm)
-    w, a = fused_update.row_wise_adagrad_fused(
-        state["weights"], state["accum"], rows, seg, index.astype(jnp.int32), g,
-        lr=optimizer.lr, eps=optimizer.eps, **dict(knobs))
+    w, a = row_wise_adagrad(state["weights"], state["accum"], rows, seg, index.astype(jnp.int32),
+                            g, lr=optimizer.lr, eps=optimizer.eps, impl="pallas", **dict(knobs))
     return {"weights": w, "accum": a}
 
 

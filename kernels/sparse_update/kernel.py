@@ -51,8 +51,8 @@ Triton constraints: tiles are [block_ids, D] with block_ids and D powers of two
 >= 16 (smaller Triton tiles are silently wrong on GPU). On CPU the kernels run
 in Pallas interpret mode.
 
-Reference: `row_wise_adagrad_reference` (segment_sum + the optimizer formula in
-plain jnp, any backend).
+The reference (reference.py: segment_sum + the optimizer formula in plain jnp) and
+the choice between the two are in the package's __init__.
 """
 
 from __future__ import annotations
@@ -400,16 +400,3 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
     return _update(weights, accum, hot_rows, hot_lo, hot_hi,
                    _pad_index(jnp.arange(w_max, dtype=jnp.int32), c), partials,
                    lr, eps, knobs, interpret)
-
-
-def row_wise_adagrad_reference(weights, accum, rows, seg, index, g, *, lr, eps):
-    """Same contract as `row_wise_adagrad_fused`, in plain jnp (segment_sum + scatter)."""
-    k = rows.shape[0]
-    gs = jax.ops.segment_sum(jnp.take(g, index, axis=0).astype(F32), seg, num_segments=k)
-    count = jax.ops.segment_sum(jnp.ones(seg.shape, jnp.int32), seg, num_segments=k)
-    touch = (rows >= 0) & (count > 0)
-    r = jnp.where(touch, rows, 0)
-    a = accum[r] + jnp.mean(gs * gs, axis=-1)
-    w = (weights[r].astype(F32) - lr * gs / (jnp.sqrt(a)[:, None] + eps)).astype(weights.dtype)
-    r = jnp.where(touch, rows, weights.shape[0])                  # dropped
-    return weights.at[r].set(w, mode="drop"), accum.at[r].set(a, mode="drop")
