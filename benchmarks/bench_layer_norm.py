@@ -7,17 +7,10 @@ The sequence encoders' token norms at the gem1b shape: x [--rows, --dim] in --dt
 and bias float32 [D] cast to --dtype (as nnx.LayerNorm(dtype) does), eps 1e-6. Passes:
   fwd          y = LN(x)
   fwd_bwd      y and the VJP of a random dy: (y, dx, dscale, dbias)
-  add_fwd      the residual form (kernels.layer_norm.add_layer_norm against XLA's
-               s = where(m, x + r, 0), y = where(m, LN(s), 0)), m keeping the first 95%
-               of the rows (the encoder's padding at the buffer's end): (s, y)
-  add_fwd_bwd  (s, y) and the VJP of random (ds, dy): (s, y, dx, dscale, dbias) (dr is
-               dx)
 Each (impl, pass) is jitted on its own and timed blocking on every call (median of --iters
 after --warmup). Bytes (the HBM floor of one pass each way, s = the dtype's item size):
 fwd 2 T D s (read x, write y) + 8 T (the kernel's float32 mean and rstd); fwd_bwd adds
-3 T D s (read x and dy, write dx) + 8 T (mean, rstd read); add_fwd 4 T D s (read x, r,
-write s, y) + 12 T (mask, mean, rstd); add_fwd_bwd adds 4 T D s (read s, dy, ds, write
-dx) + 12 T. GB/s = bytes / time,
+3 T D s (read x and dy, write dx) + 8 T (mean, rstd read). GB/s = bytes / time,
 frac_hbm = GB/s / --hbm_tbps. max_abs_err: the kernel's outputs against XLA's (float32
 of each output, the largest over them). --sweep times the kernel at other knob settings
 as well. Writes JSON (--out), prints a table last.
@@ -34,7 +27,7 @@ from absl import app, flags
 from flax import nnx
 
 from benchmarks.timing import timed
-from kernels.layer_norm import add_layer_norm, layer_norm
+from kernels.layer_norm import layer_norm
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "tiny sizes, CPU interpret mode (a check that it runs)")
@@ -51,14 +44,11 @@ flags.DEFINE_float("hbm_tbps", 4.8, "HBM bandwidth of the roofline, TB/s (H200: 
 flags.DEFINE_string("out", "bench_layer_norm.json", "JSON output path")
 
 
-KINDS = ("fwd", "fwd_bwd", "add_fwd", "add_fwd_bwd")
+KINDS = ("fwd", "fwd_bwd")
 
 
 def hbm_bytes(kind, t, d, itemsize):
     """The floor's bytes of one pass (module docstring)."""
-    if kind.startswith("add"):
-        fwd = 4 * t * d * itemsize + 12 * t
-        return fwd if kind == "add_fwd" else 2 * fwd
     fwd = 2 * t * d * itemsize + 8 * t
     return fwd if kind == "fwd" else fwd + 3 * t * d * itemsize + 8 * t
 
@@ -70,39 +60,18 @@ def xla_layer_norm(x, scale, bias):
     return ln(x)
 
 
-def xla_add_layer_norm(x, r, m, scale, bias):
-    """(s, y): the unfused residual form, as the sequence encoder writes it."""
-    s = jnp.where(m[:, None], x + r, 0).astype(x.dtype)
-    return s, jnp.where(m[:, None], xla_layer_norm(s, scale, bias), 0).astype(x.dtype)
-
-
 def kernel_layer_norm(knobs):
     def fn(x, scale, bias):
         return layer_norm(x, scale.astype(x.dtype), bias.astype(x.dtype), impl="pallas", **knobs)
     return fn
 
 
-def kernel_add_layer_norm(knobs):
-    def fn(x, r, m, scale, bias):
-        return add_layer_norm(x, r, scale.astype(x.dtype), bias.astype(x.dtype), row_mask=m,
-                              impl="pallas", **knobs)
-    return fn
-
-
-def programs(fn, add_fn):
-    """{pass: jitted program} of a LayerNorm fn(x, scale, bias) and its residual form
-    add_fn(x, r, m, scale, bias) -> (s, y)."""
+def programs(fn):
+    """{pass: jitted program} of a LayerNorm fn(x, scale, bias)."""
     def fwd_bwd(x, scale, bias, dy):
         y, vjp = jax.vjp(fn, x, scale, bias)
         return (y,) + vjp(dy)
-
-    def add_fwd_bwd(x, r, m, scale, bias, ds, dy):
-        out, vjp = jax.vjp(lambda x, r, scale, bias: add_fn(x, r, m, scale, bias), x, r, scale,
-                           bias)
-        dx, _, dscale, dbias = vjp((ds, dy))
-        return tuple(out) + (dx, dscale, dbias)
-    return {"fwd": jax.jit(fn), "fwd_bwd": jax.jit(fwd_bwd), "add_fwd": jax.jit(add_fn),
-            "add_fwd_bwd": jax.jit(add_fwd_bwd)}
+    return {"fwd": jax.jit(fn), "fwd_bwd": jax.jit(fwd_bwd)}
 
 
 def parse_knobs(specs, flag="--knobs"):
@@ -131,25 +100,20 @@ def main(_):
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
     t, d = FLAGS.rows, FLAGS.dim
     itemsize = jnp.dtype(dtype).itemsize
-    keys = jax.random.split(jax.random.key(0), 6)
+    keys = jax.random.split(jax.random.key(0), 4)
     x = (2.0 * jax.random.normal(keys[0], (t, d), jnp.float32) + 0.5).astype(dtype)
     dy = jax.random.normal(keys[1], (t, d), jnp.float32).astype(dtype)
     scale = 1.0 + 0.1 * jax.random.normal(keys[2], (d,), jnp.float32)
     bias = 0.1 * jax.random.normal(keys[3], (d,), jnp.float32)
-    r = jax.random.normal(keys[4], (t, d), jnp.float32).astype(dtype)
-    ds = jax.random.normal(keys[5], (t, d), jnp.float32).astype(dtype)
-    m = jnp.arange(t) < int(0.95 * t)
     knobs = parse_knobs(FLAGS.knobs)
     print(f"backend {jax.default_backend()}, {jax.devices()[0].device_kind}, T={t}, D={d}, "
           f"{FLAGS.dtype}, knobs {knobs or 'default'}", flush=True)
-    impls = [("xla", "", programs(xla_layer_norm, xla_add_layer_norm)),
-             ("pallas", "", programs(kernel_layer_norm(knobs), kernel_add_layer_norm(knobs)))]
+    impls = [("xla", "", programs(xla_layer_norm)),
+             ("pallas", "", programs(kernel_layer_norm(knobs)))]
     for spec in FLAGS.sweep:
         k = {**knobs, **parse_knobs(spec.split(":"), "--sweep")}
-        impls.append(("pallas_sweep", spec, programs(kernel_layer_norm(k),
-                                                     kernel_add_layer_norm(k))))
-    args_of = {"fwd": (x, scale, bias), "fwd_bwd": (x, scale, bias, dy),
-               "add_fwd": (x, r, m, scale, bias), "add_fwd_bwd": (x, r, m, scale, bias, ds, dy)}
+        impls.append(("pallas_sweep", spec, programs(kernel_layer_norm(k))))
+    args_of = {"fwd": (x, scale, bias), "fwd_bwd": (x, scale, bias, dy)}
     rows = []
     for kind in KINDS:
         args = args_of[kind]

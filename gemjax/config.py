@@ -207,9 +207,7 @@ class ModelConfig:
     token_bias: bool = True
     # the sequence encoders' LayerNorms (gemjax.layers.sequence): "xla" (nnx.LayerNorm),
     # "pallas" (kernels.layer_norm's Triton kernels, one pass each way; interpret mode off GPU)
-    # or "auto" (pallas on a GPU, xla elsewhere); "pallas+add" / "auto+add" also add the
-    # encoders' residuals inside the norm kernels (add_layer_norm; gem1b measured no faster).
-    # The same parameters each way
+    # or "auto" (pallas on a GPU, xla elsewhere). The same parameters each way
     norm_impl: str = "xla"
 
 
@@ -774,7 +772,7 @@ def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
 
 
 FFN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-NORM_IMPLS = ("xla", "pallas", "auto", "pallas+add", "auto+add")
+NORM_IMPLS = ("xla", "pallas", "auto")
 
 
 def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:

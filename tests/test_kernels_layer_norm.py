@@ -238,33 +238,33 @@ def test_pallas_module_is_nnx_layer_norm():
 
 def test_auto_norm_is_pallas_on_gpu_only(monkeypatch):
     """impl="auto": the kernels on a GPU backend when the width fits, nnx.LayerNorm
-    elsewhere; the gem1b preset asks for it. "+add" marks the kernels' norms fuse_add."""
+    elsewhere; the gem1b preset asks for it; the residual-add forms are gone."""
     from gemjax.config import get_config
     from gemjax.layers import axes as axes_mod
     from gemjax.layers.axes import PallasLayerNorm, layer_norm as make_norm
     assert isinstance(make_norm(96, impl="auto", rngs=nnx.Rngs(0)), nnx.LayerNorm)
-    assert isinstance(make_norm(96, impl="auto+add", rngs=nnx.Rngs(0)), nnx.LayerNorm)
-    assert make_norm(96, impl="pallas+add", rngs=nnx.Rngs(0)).fuse_add
-    assert not make_norm(96, impl="pallas", rngs=nnx.Rngs(0)).fuse_add
+    for gone in ("pallas+add", "auto+add"):
+        with pytest.raises(ValueError, match="impl"):
+            make_norm(96, impl=gone, rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="model.norm_impl"):
+            get_config("tiny", f"model.norm_impl={gone}")
     monkeypatch.setattr(axes_mod.jax, "default_backend", lambda: "gpu")
     assert isinstance(make_norm(96, impl="auto", rngs=nnx.Rngs(0)), PallasLayerNorm)
-    assert make_norm(96, impl="auto+add", rngs=nnx.Rngs(0)).fuse_add
     assert isinstance(make_norm(2048, impl="auto", rngs=nnx.Rngs(0)), nnx.LayerNorm)
     assert get_config("gem1b").model.norm_impl == "auto"
     assert get_config("tiny", "model.norm_impl=auto").model.norm_impl == "auto"
 
 
 def test_teacher_with_pallas_norms_matches_xla():
-    """model.norm_impl=pallas and pallas+add: the tiny teacher's sequence-encoder norms run
-    the kernels (with +add, the residual adds inside them: 2 blocks, so block 1's attention
-    norm adds block 0's FFN output), with the same parameters and the same logits and
-    gradients as "xla"."""
+    """model.norm_impl=pallas: the tiny teacher's sequence-encoder norms run the kernels
+    (one forward kernel per norm in the traced step), with the same parameters and the same
+    logits and gradients as "xla". One trace per impl serves the count and the run."""
     from gemjax.config import get_config
     from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES, SyntheticStream
     from gemjax.layers.axes import PallasLayerNorm
     from gemjax.models.interformer import GEMTeacher
     results = {}
-    for impl in ("xla", "pallas", "pallas+add"):
+    for impl in ("xla", "pallas"):
         base = get_config("tiny", f"model.kind=teacher,model.norm_impl={impl}")
         model_cfg = dataclasses.replace(base.model, interformer_layers=1,
                                         pyramid_levels=((16, 2, 2),), num_experts=0)
@@ -274,7 +274,6 @@ def test_teacher_with_pallas_norms_matches_xla():
         norms = [m for _, m in nnx.iter_graph(model) if isinstance(m, PallasLayerNorm)]
         # per sequence two blocks (2 norms each) + the encoder's out_norm
         assert len(norms) == (0 if impl == "xla" else 5 * len(SEQUENCES))
-        assert all(n.fuse_add == impl.endswith("+add") for n in norms)
         out = SyntheticStream(cfg.data, seed=0).shard_batch(0)
         batch = out[0] if isinstance(out, tuple) else out
         rng = np.random.default_rng(1)
@@ -290,35 +289,28 @@ def test_teacher_with_pallas_norms_matches_xla():
             logits = nnx.merge(gd, params, rest)(acts, batch)
             return jnp.sum(jnp.sin(logits.astype(jnp.float32))), logits
         step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-        text = str(jax.make_jaxpr(step)(params, acts))
-        # the fused program, per sequence: every norm an add-norm (block 0's attention norm
-        # masks the input, the others add a residual)
-        fused, plain = text.count("name=add_layer_norm_fwd"), text.count("name=layer_norm_fwd")
-        if impl == "pallas+add":
-            assert (fused, plain) == (5 * len(SEQUENCES), 0), (fused, plain)
-        else:
-            assert fused == 0 and plain == (5 * len(SEQUENCES) if impl == "pallas" else 0)
-        (_, logits), grads = jax.jit(step)(params, acts)
+        traced = jax.jit(step).trace(params, acts)
+        plain = str(traced.jaxpr).count("name=layer_norm_fwd")
+        assert plain == (5 * len(SEQUENCES) if impl == "pallas" else 0), plain
+        (_, logits), grads = traced.lower().compile()(params, acts)
         results[impl] = (params, logits, grads)
-    p0, l0, g0 = results["xla"]
-    for impl in ("pallas", "pallas+add"):
-        p1, l1, g1 = results[impl]
-        assert jax.tree.structure(p0) == jax.tree.structure(p1)
-        for u, v in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
-            np.testing.assert_array_equal(u, v)
-        close(l1, l0, 1e-4, f"{impl} logits")
-        leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
-        assert len(leaves0) == len(leaves1)
-        top = max(float(jnp.abs(u).max()) for u in leaves0)
-        assert top > 0
-        for u, v in zip(leaves0, leaves1):  # float32 rounding, relative to the largest gradient
-            close(v, u, 1e-3, f"{impl} gradient", atol=1e-5 * top)
+    (p0, l0, g0), (p1, l1, g1) = results["xla"], results["pallas"]
+    assert jax.tree.structure(p0) == jax.tree.structure(p1)
+    for u, v in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+        np.testing.assert_array_equal(u, v)
+    close(l1, l0, 1e-4, "pallas logits")
+    leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
+    assert len(leaves0) == len(leaves1)
+    top = max(float(jnp.abs(u).max()) for u in leaves0)
+    assert top > 0
+    for u, v in zip(leaves0, leaves1):  # float32 rounding, relative to the largest gradient
+        close(v, u, 1e-3, "pallas gradient", atol=1e-5 * top)
 
 
 def test_bench_smoke(tmp_path):
     """benchmarks/bench_layer_norm.py --smoke runs (interpret mode): a row per impl (and
     sweep setting) and pass, the bytes of its docstring, the kernel's outputs close to
-    XLA's (the residual form's too)."""
+    XLA's."""
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_layer_norm", "--smoke",
@@ -328,11 +320,10 @@ def test_bench_smoke(tmp_path):
     res = json.load(open(out))
     rows = {(x["impl"], x["kind"]): x for x in res["rows"]}
     assert set(rows) == {(i, k) for i in ("xla", "pallas", "pallas_sweep")
-                         for k in ("fwd", "fwd_bwd", "add_fwd", "add_fwd_bwd")}
+                         for k in ("fwd", "fwd_bwd")}
     assert rows["pallas_sweep", "fwd"]["knobs"] == "block_rows=4:bwd_tiles=3:bwd_warps=2"
     t, d = res["rows_t"], res["d"]
-    plain = {"fwd": 2 * t * d * 2 + 8 * t, "fwd_bwd": 5 * t * d * 2 + 16 * t,
-             "add_fwd": 4 * t * d * 2 + 12 * t, "add_fwd_bwd": 8 * t * d * 2 + 24 * t}
+    plain = {"fwd": 2 * t * d * 2 + 8 * t, "fwd_bwd": 5 * t * d * 2 + 16 * t}
     for (impl, kind), x in rows.items():
         nbytes = plain[kind]
         assert x["GBps"] == pytest.approx(nbytes / (x["ms"] * 1e-3) / 1e9, rel=1e-9)

@@ -2,10 +2,9 @@
 
 Exports forward + backward of gdpa, jagged_attention (self, cross, PMA shapes; every
 FlashConfig.fused_bwd setting), block_attention, the Mosaic GPU forward and backward
-kernels, layer_norm / add_layer_norm (plain, residual + mask, mask alone) and the fused
-sparse update for
-platforms=["cuda"] (jax.export lowers the Pallas kernels without a GPU), strips source locations and prints a short
-hash per program. Equal hashes before and after a refactor mean the GPU runs the same
+kernels, layer_norm and the fused sparse update for platforms=["cuda"] (jax.export lowers
+the Pallas kernels without a GPU), strips source locations and prints a short hash per
+program. Equal hashes before and after a refactor mean the GPU runs the same
 kernels, so GPU test results and timings of the earlier code still stand.
 
     python3 -m tools.kernel_fingerprints --out=/tmp/after.json
@@ -100,27 +99,15 @@ def sparse_update_programs():
 
 
 def layer_norm_programs():
-    """kernels.layer_norm at [4096, 512] (bf16 throughout; the row mask keeps the first
-    4000 rows): the plain norm, the residual form with a mask, the mask alone."""
-    from kernels.layer_norm import add_layer_norm, layer_norm
+    """kernels.layer_norm at [4096, 512], bf16 throughout: forward and backward."""
+    from kernels.layer_norm import layer_norm
     t, d = 4096, 512
-    keep = jnp.arange(t) < 4000
 
     def plain(x, s, b, dy):
         y, vjp = jax.vjp(lambda x, s, b: layer_norm(x, s, b, impl="pallas"), x, s, b)
         return y, vjp(dy)
-
-    def add(residual):
-        def f(x, r, s, b, dy):
-            fn = lambda x, r, s, b: add_layer_norm(x, r if residual else None, s, b,  # noqa: E731
-                                                   row_mask=keep, impl="pallas")
-            out, vjp = jax.vjp(fn, x, r, s, b)
-            return out, vjp((dy, dy))
-        return f
     row, vec = (t, d), (d,)
-    return {"layer_norm": (plain, [row, vec, vec, row]),
-            "add_layer_norm-mask": (add(True), [row, row, vec, vec, row]),
-            "add_layer_norm-mask_only": (add(False), [row, row, vec, vec, row])}
+    return {"layer_norm": (plain, [row, vec, vec, row])}
 
 
 def mosaic_programs(qo, t):

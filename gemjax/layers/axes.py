@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels.layer_norm import MAX_DIM as _NORM_MAX_DIM
-from kernels.layer_norm import add_layer_norm as _add_layer_norm_op
 from kernels.layer_norm import layer_norm as _layer_norm_op
 
 
@@ -41,7 +40,7 @@ def linear(in_features: int, out_features: int, *, names=("embed", "mlp"), use_b
                       bias_metadata=axes(names[1]), dot_general=dot_general, rngs=rngs)
 
 
-NORM_IMPLS = ("xla", "pallas", "auto", "pallas+add", "auto+add")
+NORM_IMPLS = ("xla", "pallas", "auto")
 
 
 def layer_norm(dim: int, *, dtype=jnp.float32, impl: str = "xla", rngs: nnx.Rngs) -> nnx.Module:
@@ -49,18 +48,15 @@ def layer_norm(dim: int, *, dtype=jnp.float32, impl: str = "xla", rngs: nnx.Rngs
 
     impl: "xla" (nnx.LayerNorm), "pallas" (PallasLayerNorm: the same parameters, the
     Triton kernels of kernels.layer_norm), "auto" ("pallas" when the default backend is a
-    GPU and dim <= kernels.layer_norm.MAX_DIM, else "xla"). "pallas+add" / "auto+add": the
-    same, the PallasLayerNorm marked `fuse_add` (a SequenceEncoder whose norms all are
-    adds its residuals inside them: PallasLayerNorm.add). Every choice holds the same
+    GPU and dim <= kernels.layer_norm.MAX_DIM, else "xla"). Every choice holds the same
     parameter tree, so a checkpoint restores into any.
     """
     if impl not in NORM_IMPLS:
         raise ValueError(f"layer_norm: impl must be one of {NORM_IMPLS}, got {impl!r}")
-    base, fuse_add = impl.removesuffix("+add"), impl.endswith("+add")
-    if base == "auto":
-        base = "pallas" if jax.default_backend() == "gpu" and dim <= _NORM_MAX_DIM else "xla"
-    if base == "pallas":
-        return PallasLayerNorm(dim, dtype=dtype, fuse_add=fuse_add, rngs=rngs)
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" and dim <= _NORM_MAX_DIM else "xla"
+    if impl == "pallas":
+        return PallasLayerNorm(dim, dtype=dtype, rngs=rngs)
     return nnx.LayerNorm(dim, dtype=dtype, param_dtype=jnp.float32, scale_metadata=axes("norm"),
                          bias_metadata=axes("norm"), rngs=rngs)
 
@@ -74,11 +70,10 @@ class PallasLayerNorm(nnx.Module):
     bias are cast to dtype first; the leading axes are flattened into the kernel's T.
     The variance is the two-pass form (kernels.layer_norm: equal to float32 rounding
     where nnx.LayerNorm's E[x^2] - E[x]^2 does not lose it). Runs the Pallas kernels
-    (interpret mode off GPU): dim <= kernels.layer_norm.MAX_DIM. `add` is the residual
-    add before it in the same kernels; fuse_add marks the norm for callers that use it.
+    (interpret mode off GPU): dim <= kernels.layer_norm.MAX_DIM.
     """
 
-    def __init__(self, dim: int, *, dtype=jnp.float32, fuse_add: bool = False, rngs: nnx.Rngs):
+    def __init__(self, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         if not 1 <= dim <= _NORM_MAX_DIM:
             raise ValueError(f"layer_norm(impl='pallas'): dim must be in [1, {_NORM_MAX_DIM}] "
                              f"(one kernel tile per row), got {dim}")
@@ -86,7 +81,7 @@ class PallasLayerNorm(nnx.Module):
                                **axes("norm"))
         self.bias = nnx.Param(nnx.initializers.zeros_init()(rngs.params(), (dim,), jnp.float32),
                               **axes("norm"))
-        self.dim, self.dtype, self.epsilon, self.fuse_add = dim, dtype, 1e-6, fuse_add
+        self.dim, self.dtype, self.epsilon = dim, dtype, 1e-6
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[-1] != self.dim:
@@ -95,20 +90,6 @@ class PallasLayerNorm(nnx.Module):
         y = _layer_norm_op(x.astype(dtype).reshape(-1, self.dim), self.scale[...].astype(dtype),
                           self.bias[...].astype(dtype), eps=self.epsilon, impl="pallas")
         return y.reshape(x.shape)
-
-    def add(self, x: jax.Array, r: jax.Array | None,
-            row_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """x, r [T, dim] (r None: nothing added), row_mask [T] bool or None -> (s, y)
-        [T, dim] dtype: s = x + r (0 on the rows row_mask drops), y = this norm of s (0
-        there too); one kernel each way (kernels.layer_norm.add_layer_norm)."""
-        if x.ndim != 2 or x.shape[1] != self.dim or (r is not None and r.shape != x.shape):
-            raise ValueError(f"PallasLayerNorm.add: x, r must be [T, {self.dim}], got "
-                             f"{x.shape}, {None if r is None else r.shape}")
-        dtype = jnp.dtype(self.dtype)
-        r = None if r is None else r.astype(dtype)
-        return _add_layer_norm_op(x.astype(dtype), r, self.scale[...].astype(dtype),
-                                  self.bias[...].astype(dtype), row_mask=row_mask,
-                                  eps=self.epsilon, impl="pallas")
 
 
 def rms_norm(dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.RMSNorm:

@@ -106,13 +106,7 @@ class SequenceEncoder(nnx.Module):
         0 (default) builds no dropout module.
       dtype: compute dtype; params float32.
       norm_impl: the LayerNorms' implementation (gemjax.layers.axes.layer_norm: "xla",
-        "pallas", "auto", "pallas+add", "auto+add"). When every norm is a PallasLayerNorm
-        marked fuse_add, each residual add runs inside the norm that reads its sum
-        (PallasLayerNorm.add: block i's `x + attn` in its FFN norm, its `x + ffn` and the
-        padding mask in block i + 1's attention norm or the final norm, the input's
-        padding mask in block 0's attention norm): the same
-        output, up to float32 rounding; the norms' padding rows are 0 instead of their
-        bias (the attention of a sample never reads them).
+        "pallas", "auto").
 
     Padding rows of the output are 0; samples never see each other.
     """
@@ -142,8 +136,6 @@ class SequenceEncoder(nnx.Module):
         _check_x(x, jagged, "SequenceEncoder")
         if x.shape[1] != self.dim:
             raise ValueError(f"SequenceEncoder: x width {x.shape[1]} != dim {self.dim}")
-        if self._fuse_add():
-            return self._fused(x.astype(self.dtype), jagged)
         mask = jagged.mask[:, None]
         x = jnp.where(mask, x.astype(self.dtype), 0)
         for blk in self.blocks:
@@ -151,21 +143,3 @@ class SequenceEncoder(nnx.Module):
         if self.out_norm is not None:
             x = jnp.where(mask, self.out_norm(x), 0)
         return x.astype(self.dtype)
-
-    def _fuse_add(self) -> bool:
-        norms = [n for b in self.blocks for n in (b.attn_norm, b.ffn_norm)]
-        norms += [] if self.out_norm is None else [self.out_norm]
-        return all(getattr(n, "fuse_add", False) for n in norms)
-
-    def _fused(self, x: jax.Array, jagged: Jagged) -> jax.Array:
-        """The blocks with every residual add inside a norm (class docstring)."""
-        keep = jagged.mask
-        pending = None                      # the last block's FFN output, not yet added
-        for blk in self.blocks:
-            # block 0: the input's padding mask; later blocks: the last FFN's residual too
-            x, h = blk.attn_norm.add(x, pending, keep)
-            x, h = blk.ffn_norm.add(x, blk._drop(blk.attn(h, jagged)))
-            pending = blk._drop(blk.ffn(h))
-        if self.out_norm is not None:
-            return self.out_norm.add(x, pending, keep)[1].astype(self.dtype)
-        return jnp.where(keep[:, None], x + pending, 0).astype(self.dtype)

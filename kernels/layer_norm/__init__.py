@@ -4,8 +4,7 @@ The token norms of the sequence encoders (gemjax.layers.sequence) over the pyram
 packed tokens. XLA runs a LayerNorm as several passes over [T, D] (the stats reduce,
 the normalisation, and in the backward further reductions); the Pallas Triton kernels
 (kernel.py) read x once and write y once forward, read x and dy once and write dx
-once backward. `add_layer_norm` is the pre-LN block's residual add and the norm after it
-in the same single passes.
+once backward.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ import jax.numpy as jnp
 from kernels.common import check_impl
 from kernels.layer_norm.kernel import (KNOBS, MAX_DIM, check_knobs, layer_norm_bwd,
                                        layer_norm_fwd)
-from kernels.layer_norm.reference import add_layer_norm_reference, layer_norm_reference
+from kernels.layer_norm.reference import layer_norm_reference
 
-__all__ = ["KNOBS", "MAX_DIM", "add_layer_norm", "add_layer_norm_reference", "default_impl",
-           "layer_norm", "layer_norm_reference"]
+__all__ = ["KNOBS", "MAX_DIM", "default_impl", "layer_norm", "layer_norm_reference"]
 
 MAX_ELEMENTS = 2 ** 31 - 1      # the kernels index x with int32 offsets
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -60,41 +58,6 @@ def layer_norm(x, scale, bias=None, *, eps=1e-6, impl=None, out_dtype=None, **kn
     if impl == "reference" or x.shape[0] == 0:
         return layer_norm_reference(x, scale, bias, eps=eps, out_dtype=out_dtype)
     return _kernel(x, scale, bias, static)
-
-
-def add_layer_norm(x, r, scale, bias=None, *, row_mask=None, eps=1e-6, impl=None,
-                   out_dtype=None, **knobs):
-    """(s, y): the residual add and the LayerNorm after it, in one pass each way.
-
-    s = x + r  (x.dtype: the float32 sum rounded once, as a separate add stores it; r None:
-    s = x, for the mask alone),
-    y = layer_norm(s, scale, bias)  (out_dtype, default x.dtype);
-    with row_mask [T] (bool or int, nonzero = keep), s and y are 0 on the other rows
-    (a padded token buffer: `jnp.where(mask, x + r, 0)` before the norm, and the norm's
-    output masked). x [T, D], r [T, D] float (any float dtype) or None; scale, bias as
-    `layer_norm`. Differentiable in x, r, scale and bias: the backward takes the
-    cotangents of both outputs, dx = dr = ds + dLN(s)/ds (masked), in one pass.
-    impl / knobs as `layer_norm` ("reference": add_layer_norm_reference under JAX's
-    autodiff).
-    """
-    check_impl("add_layer_norm", impl)
-    _check_inputs(x, scale, bias, eps)
-    if r is not None and (getattr(r, "shape", None) != x.shape
-                          or not jnp.issubdtype(r.dtype, jnp.floating)):
-        raise ValueError(f"add_layer_norm: r must be a float array of x's shape {x.shape}, "
-                         f"got {getattr(r, 'dtype', None)} {getattr(r, 'shape', None)}")
-    if row_mask is not None:
-        if getattr(row_mask, "shape", None) != x.shape[:1]:
-            raise ValueError(f"add_layer_norm: row_mask must be [T={x.shape[0]}], got shape "
-                             f"{getattr(row_mask, 'shape', None)}")
-        row_mask = (row_mask != 0).astype(jnp.int32)
-    if r is None and row_mask is None:       # nothing to add or mask: s is x
-        return x, layer_norm(x, scale, bias, eps=eps, impl=impl, out_dtype=out_dtype, **knobs)
-    impl, out_dtype, static = _setup(x, out_dtype, impl, knobs, eps)
-    if impl == "reference" or x.shape[0] == 0:
-        return add_layer_norm_reference(x, r, scale, bias, row_mask=row_mask, eps=eps,
-                                        out_dtype=out_dtype)
-    return _add_kernel(x, r, scale, bias, row_mask, static)
 
 
 def _setup(x, out_dtype, impl, knobs, eps):
@@ -143,34 +106,6 @@ def _bwd(static, res, dy):
 
 
 _kernel.defvjp(_fwd, _bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _add_kernel(x, r, scale, bias, row_mask, static):
-    return _add_fwd(x, r, scale, bias, row_mask, static)[0]
-
-
-def _add_fwd(x, r, scale, bias, row_mask, static):
-    eps, out_dtype, interpret, knobs = static
-    y, s, mean, rstd = layer_norm_fwd(x, scale, bias, eps=eps, out_dtype=out_dtype,
-                                      interpret=interpret, knobs=dict(knobs), residual=r,
-                                      row_mask=row_mask)
-    # r_like [0]: r's dtype, no data
-    r_like = None if r is None else jnp.zeros((0,), r.dtype)
-    return (s, y), (s, r_like, scale, bias, row_mask, mean, rstd)
-
-
-def _add_bwd(static, res, cts):
-    _, _, interpret, knobs = static
-    s, r_like, scale, bias, row_mask, mean, rstd = res
-    ds_in, dy = cts
-    dx, dscale, dbias = layer_norm_bwd(s, dy, mean, rstd, scale, interpret=interpret,
-                                       knobs=dict(knobs), ds_in=ds_in, row_mask=row_mask)
-    return (dx, None if r_like is None else dx.astype(r_like.dtype), dscale.astype(scale.dtype),
-            None if bias is None else dbias.astype(bias.dtype), None)
-
-
-_add_kernel.defvjp(_add_fwd, _add_bwd)
 
 
 def _check_inputs(x, scale, bias, eps):

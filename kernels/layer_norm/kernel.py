@@ -20,14 +20,6 @@ Backward (`layer_norm_bwd`), grid cdiv(T, BB G), program p = G tiles of BB rows
   through its loop) go to row p of the partials dscale / dbias [P, D], which XLA
   sums after. No atomics: the same bits on every run.
 
-The residual form (`residual` and / or `row_mask`; `add_layer_norm` in __init__): the
-forward loads x (and r), forms s = x + r in float32, rounds it to x.dtype (the bits a
-separate add would store), zeroes the rows whose row_mask is 0, writes s and normalises
-it (the stats of the stored s), y zeroed on the masked rows too: one pass where an add
-(or a mask) and a norm take two. Its backward reads the cotangent of s (`ds_in`) with s
-and dy and writes ds_in + dLN / ds (float32 sum, one rounding), 0 on the masked rows,
-whose dy it takes as 0 (y is 0 there).
-
 Rows past T (the last tile) load zeros and store nothing. Interpret mode (off GPU)
 runs the same kernels on the CPU; there masked loads read clipped in-bounds indices
 and masked stores write the old value back at their indices, so the outputs carry a
@@ -88,29 +80,15 @@ def _grid2(rows, cols):
     return jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
-def _fwd_kernel(*refs, t, d, dp, br, eps, has_bias, has_res, has_mask, interpret):
+def _fwd_kernel(*refs, t, d, dp, br, eps, has_bias, interpret):
     refs = list(refs)
-    x_ref = refs.pop(0)
-    r_ref = refs.pop(0) if has_res else None
-    m_ref = refs.pop(0) if has_mask else None
-    w_ref = refs.pop(0)
+    x_ref, w_ref = refs.pop(0), refs.pop(0)
     b_ref = refs.pop(0) if has_bias else None
-    y_ref = refs.pop(0)
-    s_ref = refs.pop(0) if has_res or has_mask else None
-    mean_ref, rstd_ref = refs
+    y_ref, mean_ref, rstd_ref = refs
     row_ok, col_ok, lrows, lcols, srows = _tile(pl.program_id(0) * br, br, t, d, dp, interpret)
     mask = row_ok[:, None] & col_ok[None, :]
     cols = lax.broadcasted_iota(jnp.int32, (dp,), 0)
     x = plgpu.load(x_ref.at[_grid2(lrows, lcols)], mask=mask, other=0).astype(F32)
-    if has_res:
-        x = x + plgpu.load(r_ref.at[_grid2(lrows, lcols)], mask=mask, other=0).astype(F32)
-    if has_mask:
-        keep = plgpu.load(m_ref.at[lrows], mask=row_ok, other=0) != 0
-        x = jnp.where(keep[:, None], x, 0.0)
-    if s_ref is not None:     # the stats are those of s as stored
-        xs = x.astype(s_ref.dtype)
-        plgpu.store(s_ref.at[_grid2(srows, cols)], xs, mask=mask)
-        x = xs.astype(F32)
     mean = jnp.sum(x, axis=1) / d
     xc = jnp.where(col_ok[None, :], x - mean[:, None], 0.0)
     var = jnp.sum(xc * xc, axis=1) / d
@@ -119,19 +97,13 @@ def _fwd_kernel(*refs, t, d, dp, br, eps, has_bias, has_res, has_mask, interpret
     y = xc * (rstd[:, None] * scale[None, :])
     if has_bias:
         y = y + plgpu.load(b_ref.at[lcols], mask=col_ok, other=0).astype(F32)[None, :]
-    if has_mask:
-        y = jnp.where(keep[:, None], y, 0.0)
     plgpu.store(y_ref.at[_grid2(srows, cols)], y.astype(y_ref.dtype), mask=mask)
     plgpu.store(mean_ref.at[srows], mean, mask=row_ok)
     plgpu.store(rstd_ref.at[srows], rstd, mask=row_ok)
 
 
-def _bwd_kernel(*refs, t, d, dp, br, tiles, has_dres, has_mask, interpret):
-    refs = list(refs)
-    x_ref, dy_ref = refs.pop(0), refs.pop(0)
-    dres_ref = refs.pop(0) if has_dres else None
-    m_ref = refs.pop(0) if has_mask else None
-    mean_ref, rstd_ref, w_ref, dx_ref, ds_ref, db_ref = refs
+def _bwd_kernel(x_ref, dy_ref, mean_ref, rstd_ref, w_ref, dx_ref, ds_ref, db_ref, *, t, d, dp,
+                br, tiles, interpret):
     p = pl.program_id(0)
     cols = lax.broadcasted_iota(jnp.int32, (dp,), 0)
     col_ok = cols < d
@@ -144,9 +116,6 @@ def _bwd_kernel(*refs, t, d, dp, br, tiles, has_dres, has_mask, interpret):
         mask = row_ok[:, None] & col_ok[None, :]
         x = plgpu.load(x_ref.at[_grid2(lrows, lcols)], mask=mask, other=0).astype(F32)
         dy = plgpu.load(dy_ref.at[_grid2(lrows, lcols)], mask=mask, other=0).astype(F32)
-        if has_mask:
-            keep = plgpu.load(m_ref.at[lrows], mask=row_ok, other=0) != 0
-            dy = jnp.where(keep[:, None], dy, 0.0)
         mean = plgpu.load(mean_ref.at[lrows], mask=row_ok, other=0)
         rstd = plgpu.load(rstd_ref.at[lrows], mask=row_ok, other=0)
         xhat = jnp.where(col_ok[None, :], (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -154,11 +123,6 @@ def _bwd_kernel(*refs, t, d, dp, br, tiles, has_dres, has_mask, interpret):
         c1 = jnp.sum(g * xhat, axis=1) / d
         c2 = jnp.sum(g, axis=1) / d
         dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
-        if has_dres:
-            dx = dx + plgpu.load(dres_ref.at[_grid2(lrows, lcols)], mask=mask,
-                                 other=0).astype(F32)
-        if has_mask:
-            dx = jnp.where(keep[:, None], dx, 0.0)
         plgpu.store(dx_ref.at[_grid2(srows, cols)], dx.astype(dx_ref.dtype), mask=mask)
         return ds + jnp.sum(dy * xhat, axis=0), db + jnp.sum(dy, axis=0)
 
@@ -177,50 +141,38 @@ def _params(num_warps, num_stages=1):
 
 
 def layer_norm_fwd(x: Array, scale: Array, bias: Array | None, *, eps: float, out_dtype,
-                   interpret: bool, knobs: dict, residual: Array | None = None,
-                   row_mask: Array | None = None) -> tuple[Array, ...]:
-    """(y [T, D] out_dtype, mean [T] f32, rstd [T] f32); T >= 1, D <= MAX_DIM. With
-    `residual` r [T, D] and / or `row_mask` [T] int32 (0 = masked): (y, s, mean, rstd),
-    s = x (+ r) in x.dtype, masked (module docstring)."""
+                   interpret: bool, knobs: dict) -> tuple[Array, Array, Array]:
+    """(y [T, D] out_dtype, mean [T] f32, rstd [T] f32); T >= 1, D <= MAX_DIM."""
     t, d = x.shape
     dp, br = padded_dim(d), knobs["block_rows"]
     tp, dq = (t + 1, dp) if interpret else (t, d)
-    has_res, has_mask = residual is not None, row_mask is not None
-    ins = ((x,) + ((residual,) if has_res else ()) + ((row_mask,) if has_mask else ())
-           + (scale,) + (() if bias is None else (bias,)))
-    outs = [jax.ShapeDtypeStruct((tp, dq), out_dtype)]
-    outs += [jax.ShapeDtypeStruct((tp, dq), x.dtype)] if has_res or has_mask else []
-    outs += [jax.ShapeDtypeStruct((tp,), F32), jax.ShapeDtypeStruct((tp,), F32)]
+    ins = (x, scale) + (() if bias is None else (bias,))
+    outs = [jax.ShapeDtypeStruct((tp, dq), out_dtype),
+            jax.ShapeDtypeStruct((tp,), F32), jax.ShapeDtypeStruct((tp,), F32)]
     kernel = functools.partial(_fwd_kernel, t=t, d=d, dp=dp, br=br, eps=float(eps),
-                               has_bias=bias is not None, has_res=has_res, has_mask=has_mask,
-                               interpret=interpret)
+                               has_bias=bias is not None, interpret=interpret)
     res = pl.pallas_call(
         kernel, grid=(pl.cdiv(t, br),),
         in_specs=[_full(a.shape) for a in ins],
         out_specs=[_full(o.shape) for o in outs], out_shape=outs,
         compiler_params=_params(knobs["num_warps"]), interpret=interpret,
-        name="add_layer_norm_fwd" if has_res or has_mask else "layer_norm_fwd",
+        name="layer_norm_fwd",
     )(*ins)
-    res = [a[:t, :d] for a in res[:-2]] + [a[:t] for a in res[-2:]]
-    return tuple(res)
+    y, mean, rstd = res
+    return y[:t, :d], mean[:t], rstd[:t]
 
 
 def layer_norm_bwd(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, *,
-                   interpret: bool, knobs: dict, ds_in: Array | None = None,
-                   row_mask: Array | None = None) -> tuple[Array, Array, Array]:
-    """(dx [T, D] x.dtype, dscale [D] f32, dbias [D] f32) from the forward's mean / rstd.
-    x: the normalised input (s in the residual form); ds_in [T, D]: the cotangent of s,
-    added to dx; row_mask [T] int32: dx 0 and dy taken as 0 on the rows where it is 0."""
+                   interpret: bool, knobs: dict) -> tuple[Array, Array, Array]:
+    """(dx [T, D] x.dtype, dscale [D] f32, dbias [D] f32) from the forward's mean / rstd."""
     t, d = x.shape
     dp, br, tiles = padded_dim(d), knobs["bwd_rows"], knobs["bwd_tiles"]
     tiles = max(1, min(tiles, pl.cdiv(t, br)))      # no all-masked loop trips on small T
     nprog = pl.cdiv(t, br * tiles)
     tp, dq = (t + 1, dp) if interpret else (t, d)
-    has_dres, has_mask = ds_in is not None, row_mask is not None
-    ins = ((x, dy) + ((ds_in,) if has_dres else ()) + ((row_mask,) if has_mask else ())
-           + (mean, rstd, scale))
+    ins = (x, dy, mean, rstd, scale)
     kernel = functools.partial(_bwd_kernel, t=t, d=d, dp=dp, br=br, tiles=tiles,
-                               has_dres=has_dres, has_mask=has_mask, interpret=interpret)
+                               interpret=interpret)
     dx, ds, db = pl.pallas_call(
         kernel, grid=(nprog,),
         in_specs=[_full(a.shape) for a in ins],
@@ -228,7 +180,7 @@ def layer_norm_bwd(x: Array, dy: Array, mean: Array, rstd: Array, scale: Array, 
         out_shape=[jax.ShapeDtypeStruct((tp, dq), x.dtype),
                    jax.ShapeDtypeStruct((nprog, dq), F32), jax.ShapeDtypeStruct((nprog, dq), F32)],
         compiler_params=_params(knobs["bwd_warps"], knobs["bwd_stages"]), interpret=interpret,
-        name="add_layer_norm_bwd" if has_dres else "layer_norm_bwd",
+        name="layer_norm_bwd",
     )(*ins)
     return dx[:t, :d], jnp.sum(ds[:, :d], axis=0), jnp.sum(db[:, :d], axis=0)
 

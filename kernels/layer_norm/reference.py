@@ -21,15 +21,3 @@ def layer_norm_reference(x, scale, bias, *, eps=1e-6, out_dtype=None):
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype)
 
-
-def add_layer_norm_reference(x, r, scale, bias, *, row_mask=None, eps=1e-6, out_dtype=None):
-    """(s, y): s = x + r in x.dtype (x when r is None; zero on the rows where row_mask [T]
-    is 0), y = layer_norm_reference(s) (zero on those rows too)."""
-    s = x if r is None else (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(x.dtype)
-    keep = None if row_mask is None else (row_mask != 0)[:, None]
-    if keep is not None:
-        s = jnp.where(keep, s, 0).astype(x.dtype)
-    y = layer_norm_reference(s, scale, bias, eps=eps, out_dtype=out_dtype)
-    if keep is not None:
-        y = jnp.where(keep, y, 0).astype(y.dtype)
-    return s, y
