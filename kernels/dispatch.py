@@ -34,9 +34,9 @@ from kernels.mosaic.tuning import TUNING as MOSAIC_TUNING
 from kernels.mosaic.tuning import MosaicConfig, mosaic_config
 from kernels.triton.backward import run_backward as triton_backward
 from kernels.triton.backward import softmax_delta
-from kernels.triton.block import ENGINE, _block_attn, block_table, per_block_kernel_fits
+from kernels.triton.block import ENGINE, block_table, per_block_kernel_fits, run_block_attention
 from kernels.triton.forward import run_forward as triton_forward
-from kernels.triton.layout import _pad_rows, build_layout
+from kernels.triton.layout import build_layout, pad_rows
 from kernels.triton.tuning import (BLOCK_KNOBS, F32, PAD_MULTIPLE, FlashConfig, adapt_tiles,
                                    backward_knobs, fused_backward_side, tuning_of)
 
@@ -198,11 +198,11 @@ def jagged_flash(cfg, q, k, v, q_offsets, kv_offsets, rope_positions=None, rope_
     tqp = -(-tq // PAD_MULTIPLE) * PAD_MULTIPLE
     tkp = -(-tk // PAD_MULTIPLE) * PAD_MULTIPLE
     if rope_positions is not None:
-        rope_positions = _pad_rows(rope_positions, tqp)
+        rope_positions = pad_rows(rope_positions, tqp)
     lay = build_layout(cfg, q_offsets, kv_offsets, tqp, tkp, d // 2 * 2 if cfg.rope else d,
                        rope_positions, rope_theta)
     lay = {kk: vv for kk, vv in lay.items()}
-    out = _flash(cfg, _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp), lay)
+    out = _flash(cfg, pad_rows(q, tqp), pad_rows(k, tkp), pad_rows(v, tkp), lay)
     return out[:tq]
 
 
@@ -298,5 +298,5 @@ def block_attention_pallas(q, k, v, offsets, *, block=64, positions=None, rope_t
         q, k = pad_halves(q, dp), pad_halves(k, dp)
         v = pad_head_dim(v, dp)
     cfg = (block, {**BLOCK_KNOBS, **knobs}, interpret, float(sm_scale), cs)
-    out = _block_attn(cfg, pad(q), pad(k), pad(v), tab, rope)
+    out = run_block_attention(cfg, pad(q), pad(k), pad(v), tab, rope)
     return out[:t, :, :d]

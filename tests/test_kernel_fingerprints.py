@@ -4,7 +4,7 @@ code sits in its file and changes when the program does."""
 import jax.numpy as jnp
 import numpy as np
 
-from tools.kernel_fingerprints import _train, fingerprint
+from tools.kernel_fingerprints import forward_backward, fingerprint
 
 SRC = """
 from kernels.dispatch import gdpa_pallas
@@ -19,7 +19,7 @@ DIMS = [(128, 2, 64), (384, 2, 64), (384, 2, 64), (128, 2, 64)]
 def _op(fused_bwd, blank_lines):
     scope = dict(QO=QO, KO=KO, FB=fused_bwd)
     exec(compile("\n" * blank_lines + SRC, "<fingerprint test>", "exec"), scope)
-    return _train(scope["op"])
+    return forward_backward(scope["op"])
 
 
 def test_fingerprint_ignores_line_numbers_and_sees_program_changes():

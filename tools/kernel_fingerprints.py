@@ -48,7 +48,9 @@ def fingerprint(fn, *shapes):
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _train(op):
+def forward_backward(op):
+    """op(q, k, v) -> f(q, k, v, do) = (op's output, its VJP of do): both directions in
+    one program."""
     def f(q, k, v, do):
         o, vjp = jax.vjp(op, q, k, v)
         return o, vjp(do)
@@ -64,16 +66,17 @@ def programs():
         tq, tk = (-(-sum(x) // 128) * 128 for x in (ql, kl))
         dims = [(tq, 4, 128), (tk, 4, 128), (tk, 4, 128), (tq, 4, 128)]
         for fb in FUSED_BWD:
-            out[f"gdpa-{shape}-{fb}"] = (_train(lambda q, k, v, qo=qo, ko=ko, fb=fb: gdpa_pallas(
-                q, k, v, qo, ko, activation="silu", scale=0.1, fused_bwd=fb)), dims)
-            out[f"softmax-{shape}-{fb}"] = (_train(
+            out[f"gdpa-{shape}-{fb}"] = (forward_backward(
+                lambda q, k, v, qo=qo, ko=ko, fb=fb: gdpa_pallas(
+                    q, k, v, qo, ko, activation="silu", scale=0.1, fused_bwd=fb)), dims)
+            out[f"softmax-{shape}-{fb}"] = (forward_backward(
                 lambda q, k, v, qo=qo, ko=ko, fb=fb: jagged_attention_pallas(
                     q, k, v, qo, ko, fused_bwd=fb)), dims)
     qo = off(SHAPES["self"][0])
     t = -(-sum(SHAPES["self"][0]) // 128) * 128
-    out["block-self"] = (_train(lambda q, k, v: block_attention_pallas(q, k, v, qo)),
-                         [(t, 4, 128)] * 4)
-    out["block-self-rope_chunks4"] = (_train(lambda q, k, v: block_attention_pallas(
+    out["block-self"] = (forward_backward(
+        lambda q, k, v: block_attention_pallas(q, k, v, qo)), [(t, 4, 128)] * 4)
+    out["block-self-rope_chunks4"] = (forward_backward(lambda q, k, v: block_attention_pallas(
         q, k, v, qo, rope_chunks=4, rope_chunks_bwd=4)), [(t, 4, 128)] * 4)
     out.update(mosaic_programs(off(SHAPES["self"][0]), t))
     out.update(layer_norm_programs())

@@ -10,10 +10,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.mosaic.layout import tile_table
-from kernels.mosaic.pipeline import (_for_items, _items, _item_tiles, _load_stationary, _produce,
-                                     _run_walk, _scores_nt, _tile_mask, _walk_ranges,
-                                     activation_grad_times_scale, activation_times_scale,
-                                     mma_from)
+from kernels.mosaic.pipeline import (activation_grad_times_scale, activation_times_scale,
+                                     for_items, item_tiles, load_stationary, mma_from, produce,
+                                     run_walk, scores_nt, tile_mask, walk_ranges, work_items)
 from kernels.mosaic.tuning import F32, LOG2E, NUM_CONSUMERS
 
 
@@ -51,21 +50,21 @@ def _grad_tiles(cfg, s, dp, stat, delta, valid, transposed):
 def _backward_roles(cfg, make_item, stream):
     """The backward kernels' warpgroups: each consumer wg runs make_item(wg) (its
     one_item(row, head, g0) -> g0') over this CTA's items and waits for its stores; the
-    producer streams `stream` (_produce's table, two gmem refs, their rings, loaded and
+    producer streams `stream` (produce's table, two gmem refs, their rings, loaded and
     free barriers)."""
     wg = lax.axis_index("wg")
-    count, item = _items()
+    count, item = work_items()
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(cfg.consumer_registers, action="increase")
-        _for_items(count, item, make_item(wg))
+        for_items(count, item, make_item(wg))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-        _produce(*stream, tile=cfg.block_kv, stages=cfg.num_stages, count=count, item=item)
+        produce(*stream, tile=cfg.block_kv, stages=cfg.num_stages, count=count, item=item)
 
 
 def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -90,12 +89,12 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
         stage = None if ds_smem is None else ds_smem.at[wg]
 
         def one_item(row, head, g0):
-            c_lo, c_hi, ranges, row0, base = _item_tiles(table_ref, row, wg, cfg)
+            c_lo, c_hi, ranges, row0, base = item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
             copies = [(q_ref.at[rows, head], qs), (do_ref.at[rows, head], dos)]
             if fused:
                 copies.append((delta_ref.at[rows, head], o_smem.at[wg]))
-            wait = _load_stationary(copies, q_bar, wg)
+            wait = load_stationary(copies, q_bar, wg)
             load = lambda ref: plgpu.load(ref, layout=row_layout, optimized=False)  # noqa: E731
             start, end = load(start_ref.at[rows]), load(end_ref.at[rows])
             lse = delta = None
@@ -115,9 +114,9 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 if kind != "skip":
-                    s = _scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
-                    dp = _scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
-                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
+                    s = scores_nt(qs, k_smem.at[slot], bq, bk)       # Q K^T
+                    dp = scores_nt(dos, v_smem.at[slot], bq, bk)     # dO V^T
+                    valid = (tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
                              else None)
                     _, ds = _grad_tiles(cfg, s, dp, lse, delta, valid, False)
                     mma_from(acc_ref, ds.astype(dtype), stage, k_smem.at[slot])   # dS K
@@ -127,7 +126,7 @@ def _dq_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                 plgpu.barrier_arrive(v_free.at[slot])
 
             def walk(acc_ref):
-                _run_walk(_walk_ranges(c_lo, c_hi, ranges, False),
+                run_walk(walk_ranges(c_lo, c_hi, ranges, False),
                           functools.partial(step, acc_ref=acc_ref), None)
                 return acc_ref[...]
 
@@ -189,9 +188,9 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
         ds_stage = None if ds_smem is None else ds_smem.at[wg]
 
         def one_item(row, head, g0):
-            c_lo, c_hi, ranges, row0, base = _item_tiles(table_ref, row, wg, cfg)
+            c_lo, c_hi, ranges, row0, base = item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
-            wait = _load_stationary(((k_ref.at[rows, head], ks), (v_ref.at[rows, head], vs)),
+            wait = load_stationary(((k_ref.at[rows, head], ks), (v_ref.at[rows, head], vs)),
                                     kv_bar, wg)
             start = plgpu.load(start_ref.at[rows], layout=row_layout, optimized=False)
             end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
@@ -210,9 +209,9 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 plgpu.barrier_wait(q_bar.at[slot])
                 plgpu.barrier_wait(do_bar.at[slot])
                 if kind != "skip":
-                    st = _scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
-                    dpt = _scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
-                    valid = (_tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
+                    st = scores_nt(ks, q_smem.at[slot], bq, bk)      # (Q K^T)^T
+                    dpt = scores_nt(vs, do_smem.at[slot], bq, bk)    # (dO V^T)^T
+                    valid = (tile_mask(start, end, base + j * bk, bq, bk) if kind == "masked"
                              else None)
                     pt, dst = _grad_tiles(cfg, st, dpt, lse, delta, valid, True)
                     mma_from(dv_ref_acc, pt.astype(dtype), p_stage, do_smem.at[slot])   # P^T dO
@@ -253,7 +252,7 @@ def _dkv_kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 plgpu.barrier_arrive(do_free.at[slot])
 
             def walk(dk_acc, dv_acc):
-                _run_walk(_walk_ranges(c_lo, c_hi, ranges, False),
+                run_walk(walk_ranges(c_lo, c_hi, ranges, False),
                           functools.partial(step, dk_ref_acc=dk_acc, dv_ref_acc=dv_acc), None)
                 return dk_acc[...], dv_acc[...]
 

@@ -11,9 +11,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.common import check_attention_inputs
 from kernels.mosaic.layout import build_layout
-from kernels.mosaic.pipeline import (_for_items, _items, _item_tiles, _load_stationary,
-                                     _produce, _run_walk, _tile_mask, _walk_ranges,
-                                     activation_times_scale, mma_from)
+from kernels.mosaic.pipeline import (activation_times_scale, for_items, item_tiles,
+                                     load_stationary, mma_from, produce, run_walk, tile_mask,
+                                     walk_ranges, work_items)
 from kernels.mosaic.tuning import F32, LOG2E, NEG, NUM_CONSUMERS, mosaic_config
 
 
@@ -32,7 +32,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, defe
     d = q_ref.shape[-1]
     dtype = q_ref.dtype
     wg = lax.axis_index("wg")
-    count, item = _items()
+    count, item = work_items()
 
     # The K/V ring is indexed by the CTA's global key step g (over all its items), so
     # slot g % stages and every barrier phase follow one sequence in all three threads.
@@ -48,9 +48,9 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, defe
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def one_item(row, head, g0):
-            c_lo, c_hi, ranges, row0, base = _item_tiles(table_ref, row, wg, cfg)
+            c_lo, c_hi, ranges, row0, base = item_tiles(table_ref, row, wg, cfg)
             rows = pl.ds(row0, bq)
-            wait = _load_stationary(((q_ref.at[rows, head], q_smem),), q_bar, wg)
+            wait = load_stationary(((q_ref.at[rows, head], q_smem),), q_bar, wg)
             start = plgpu.load(start_ref.at[rows], layout=row_layout, optimized=False)
             end = plgpu.load(end_ref.at[rows], layout=row_layout, optimized=False)
             wait()
@@ -86,7 +86,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, defe
                 if deferred:   # S's wait also waited for the last P V: release its V
                     pend = carry[-1]
                     pl.when(pend >= 0)(lambda: plgpu.barrier_arrive(v_free.at[pend]))
-                valid = None if kind == "plain" else _tile_mask(start, end, base + j * bk, bq, w)
+                valid = None if kind == "plain" else tile_mask(start, end, base + j * bk, bq, w)
 
                 def pv(acc_ref, p16, slot):   # P from registers (FA3), or staged
                     stage = None if p_smem is None else (
@@ -141,7 +141,7 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, defe
                 plgpu.barrier_arrive(v_free.at[slot])
                 return (acc, m_new, l) if softmax else carry
 
-            ranges = _walk_ranges(c_lo, c_hi, ranges, cfg.narrow)
+            ranges = walk_ranges(c_lo, c_hi, ranges, cfg.narrow)
             release = (lambda slot: plgpu.barrier_arrive(v_free.at[slot])) if deferred else None
 
             carry = None
@@ -155,13 +155,13 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, defe
                 carry = (*(carry or ()), jnp.int32(-1))
 
             def walk(acc_ref):
-                out = _run_walk(ranges, functools.partial(step, acc_ref=acc_ref), carry,
+                out = run_walk(ranges, functools.partial(step, acc_ref=acc_ref), carry,
                                 release)
                 return acc_ref[...], out
             if in_ref:
                 acc, carry = pl.run_scoped(walk, plgpu.ACC((bq, d), F32))   # zero-initialised
             else:
-                acc, *carry = _run_walk(ranges, step, carry)
+                acc, *carry = run_walk(ranges, step, carry)
             if softmax:
                 m, l = carry[:2]
                 has = l > 0.0
@@ -178,14 +178,14 @@ def _kernel(table_ref, start_ref, end_ref, q_ref, k_ref, v_ref, *refs, cfg, defe
             return g0 + (c_hi - c_lo)
 
         pl.when(wg == 1)(sched)   # consumer 1 runs one schedule phase ahead
-        _for_items(count, item, one_item)
+        for_items(count, item, one_item)
         pl.when(wg == 0)(sched)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(cfg.producer_registers, action="decrease")
-        _produce(table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free,
+        produce(table_ref, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free,
                  tile=bk, stages=stages, count=count, item=item)
 
 

@@ -74,21 +74,21 @@ def activation_grad_times_scale(s, activation, scale):
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def _items():
+def work_items():
     """This CTA's work items as (count, item(i) -> (table row, head)): one, the grid's
     (tile, head); the table lists the tiles heaviest-first."""
     row, head = lax.axis_index("tile"), lax.axis_index("head")
     return 1, lambda i: (row, head)
 
 
-def _for_items(count, item, body):
+def for_items(count, item, body):
     """carry = body(row, head, carry) over the items, from carry 0 (the global key step)."""
     if isinstance(count, int) and count == 1:
         return body(*item(0), jnp.int32(0))
     return pl.loop(0, count, init_carry=jnp.int32(0))(lambda i, g0: body(*item(i), g0))
 
 
-def _produce(table_ref, a_ref, b_ref, a_smem, b_smem, a_bar, b_bar, a_free, b_free, *, tile,
+def produce(table_ref, a_ref, b_ref, a_smem, b_smem, a_bar, b_bar, a_free, b_free, *, tile,
              stages, count, item):
     """The producer warpgroup: per work item, tiles [c_lo, c_hi) of a_ref and b_ref
     ([T, H, D], `tile` rows each) into the slot ring, slot = global step % stages."""
@@ -109,7 +109,7 @@ def _produce(table_ref, a_ref, b_ref, a_smem, b_smem, a_bar, b_bar, a_free, b_fr
             plgpu.copy_gmem_to_smem(b_ref.at[rows, head], b_smem.at[slot], b_bar.at[slot])
         return g0 + (c_hi - c_lo)
 
-    total = _for_items(count, item, one_item)
+    total = for_items(count, item, one_item)
 
     # Observe the last releases too: harmless on the GPU, and the interpreter wants
     # every phase of a barrier a thread waits on to be seen by that thread.
@@ -119,7 +119,7 @@ def _produce(table_ref, a_ref, b_ref, a_smem, b_smem, a_bar, b_bar, a_free, b_fr
         plgpu.barrier_wait(b_free.at[lax.rem(g, jnp.int32(stages))])
 
 
-def _item_tiles(table_ref, row, wg, cfg):
+def item_tiles(table_ref, row, wg, cfg):
     """Consumer wg's part of CTA table row `row`: (c_lo, c_hi, (lo, flo, fhi, hn, hi),
     row0, base), row0 its first stationary row, base the first streamed row of tile 0."""
     ranges = tuple(table_ref[row, 3 + WG_COLS * wg + c] for c in range(WG_COLS))
@@ -128,7 +128,7 @@ def _item_tiles(table_ref, row, wg, cfg):
             pl.multiple_of(table_ref[row, BASE_COL], 8))
 
 
-def _load_stationary(copies, bar, wg):
+def load_stationary(copies, bar, wg):
     """TMA each (gmem, smem) of `copies` on its own barrier (bar.at[i * NUM_CONSUMERS + wg]:
     a copy arrives once) after the last output store has left shared memory; returns the
     wait for all of them."""
@@ -142,9 +142,9 @@ def _load_stationary(copies, bar, wg):
     return wait
 
 
-def _walk_ranges(c_lo, c_hi, ranges, narrow):
+def walk_ranges(c_lo, c_hi, ranges, narrow):
     """A consumer's loops over its CTA's tiles [c_lo, c_hi) (module docstring), ranges =
-    (lo, flo, fhi, hn, hi) from _item_tiles: (first, last, kind) with kind "skip"
+    (lo, flo, fhi, hn, hi) from item_tiles: (first, last, kind) with kind "skip"
     (barriers only), "masked", "plain" or, where `narrow` (cfg.narrow in the forward;
     else hn = hi), "narrow" (masked, the tile's first half only)."""
     lo, flo, fhi, hn, hi = ranges
@@ -153,8 +153,8 @@ def _walk_ranges(c_lo, c_hi, ranges, narrow):
             (hi, c_hi, "skip"))
 
 
-def _run_walk(spans, step, carry, release=None):
-    """carry = step(j, kind, carry) over the spans of _walk_ranges (carry None: no carry).
+def run_walk(spans, step, carry, release=None):
+    """carry = step(j, kind, carry) over the spans of walk_ranges (carry None: no carry).
     With `release` (deferred wgmma waits) carry[-1] is the slot whose last wgmmas are
     still in flight (-1: none); after the last compute span they are awaited and
     release(slot) frees the slot, before the trailing skip steps wait on later slots
@@ -175,7 +175,7 @@ def _run_walk(spans, step, carry, release=None):
     return loop(spans[-1], carry)
 
 
-def _scores_nt(a_smem, b_smem, rows, cols):
+def scores_nt(a_smem, b_smem, rows, cols):
     """a_smem [rows, D] @ b_smem [cols, D]^T as a float32 register tile (wgmma, waited)."""
     def f(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
@@ -183,7 +183,7 @@ def _scores_nt(a_smem, b_smem, rows, cols):
     return pl.run_scoped(f, plgpu.ACC((rows, cols), F32))
 
 
-def _tile_mask(start, end, col0, rows, cols):
+def tile_mask(start, end, col0, rows, cols):
     """valid [rows, cols]: column col0 + c lies in its row's [start, end)."""
     col = plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=plgpu.Layout.WGMMA)
     a = lax.broadcast_in_dim(start - col0, (rows, cols), [0])

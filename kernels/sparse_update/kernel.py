@@ -334,9 +334,11 @@ def row_wise_adagrad_fused(weights: Array, accum: Array, rows: Array, seg: Array
     _check(weights, accum, rows, seg, index, g)
     unknown = set(knobs) - set(KNOBS)
     if unknown:
-        raise ValueError(f"row_wise_adagrad_fused: unknown knobs {sorted(unknown)} (have {sorted(KNOBS)})")
+        raise ValueError(f"row_wise_adagrad_fused: unknown knobs {sorted(unknown)} "
+                         f"(have {sorted(KNOBS)})")
     knobs = {**KNOBS, **knobs}
-    c, split, short, r = knobs["block_ids"], knobs["split"], knobs["short"], knobs["rows_per_program"]
+    c, split = knobs["block_ids"], knobs["split"]
+    short, r = knobs["short"], knobs["rows_per_program"]
     if not pow2_at_least(c, 16):
         raise ValueError(f"block_ids must be a power of two >= 16, got {c}")
     if split < c:

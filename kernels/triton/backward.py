@@ -8,20 +8,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.triton.launch import _adapt, _full, _inputs, _params, _specs, _stat_spec, _x_spec
+from kernels.triton.launch import (compiler_params, full_spec, head_spec, in_specs,
+                                   layout_inputs, ordered_refs, stat_spec)
 from kernels.triton.layout import row_owners
-from kernels.triton.tile import (F32, LOG2E, _act_grad, _dot_nn, _dot_nt, _dot_tn, _load_cs,
-                                 _load_parts, _mask, _scores, _store_parts, _three_loops, _where)
+from kernels.triton.tile import (F32, LOG2E, dot_nn, dot_nt, dot_tn, load_cos_sin, load_parts,
+                                 scores, store_parts, three_loops, tile_act_grad, tile_mask,
+                                 where_masked)
 
 
 def _probs_and_dscores(cfg, s, m, lse, delta, dp):
     """(P, dS) of one tile; dS is the gradient w.r.t. the raw scores Q K^T."""
     if cfg.mode == "gdpa":
-        a, da = _act_grad(s, cfg)
-        p = _where(m, a * cfg.scale, 0.0)
-        ds = _where(m, dp * da * cfg.scale, 0.0)
+        a, da = tile_act_grad(s, cfg)
+        p = where_masked(m, a * cfg.scale, 0.0)
+        ds = where_masked(m, dp * da * cfg.scale, 0.0)
         return p, ds
-    p = _where(m, jnp.exp2(s * (cfg.scale * LOG2E) - lse[:, None]), 0.0)  # lse in base 2
+    p = where_masked(m, jnp.exp2(s * (cfg.scale * LOG2E) - lse[:, None]), 0.0)  # lse in base 2
     return p, p * (dp - delta[:, None]) * cfg.scale
 
 
@@ -41,30 +43,30 @@ def _dq_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref
 
     def compute():
         qs, qpos = qs_ref[qrows], qp_ref[qrows]
-        cs_q = _load_cs(cq_ref, sq_ref, qrows, cfg)
-        qparts = _load_parts(q_ref, qrows, cs_q, cfg)
+        cs_q = load_cos_sin(cq_ref, sq_ref, qrows, cfg)
+        qparts = load_parts(q_ref, qrows, cs_q, cfg)
         do = do_ref[qrows, :]
         lse = lse_ref[qrows] if lse_ref is not None else None
         delta = delta_ref[qrows] if delta_ref is not None else None
 
         def body(j, acc, masked):
             rows = pl.ds(j * bk, bk)
-            kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
-            m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
-            s = _scores(qparts, kparts)
-            dp = _dot_nt(do, v_ref[rows, :])
+            kparts = load_parts(k_ref, rows, load_cos_sin(ck_ref, sk_ref, rows, cfg), cfg)
+            m = tile_mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
+            s = scores(qparts, kparts)
+            dp = dot_nt(do, v_ref[rows, :])
             p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
             ds = ds.astype(kparts[0].dtype)
             if dk_ref is not None:
                 mine = other_own[rows] == i
-                _store_rows(dv_ref, rows, _dot_tn(p.astype(do.dtype), do), mine)
-                _store_rows(dk_ref, rows, _dot_tn(ds, qparts[0]), mine)
-            return tuple(a + _dot_nn(ds, kp) for a, kp in zip(acc, kparts))
+                _store_rows(dv_ref, rows, dot_tn(p.astype(do.dtype), do), mine)
+                _store_rows(dk_ref, rows, dot_tn(ds, qparts[0]), mine)
+            return tuple(a + dot_nn(ds, kp) for a, kp in zip(acc, kparts))
 
         init = tuple(jnp.zeros(p.shape, F32) for p in qparts)
-        acc = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, init, cfg)
+        acc = three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, init, cfg)
         if own is None:
-            _store_parts(dq_ref, qrows, acc, cs_q, cfg)
+            store_parts(dq_ref, qrows, acc, cs_q, cfg)
         else:
             _store_rows(dq_ref, qrows, acc[0], own[qrows] == -1)
 
@@ -129,32 +131,32 @@ def _dkv_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
 
     def compute():
         ks, kpos = ks_ref[krows], kp_ref[krows]
-        cs_k = _load_cs(ck_ref, sk_ref, krows, cfg)
-        kparts = _load_parts(k_ref, krows, cs_k, cfg)
+        cs_k = load_cos_sin(ck_ref, sk_ref, krows, cfg)
+        kparts = load_parts(k_ref, krows, cs_k, cfg)
         v = v_ref[krows, :]
 
         def body(i, carry, masked):
             dks, dv = carry
             rows = pl.ds(i * bq, bq)
-            qparts = _load_parts(q_ref, rows, _load_cs(cq_ref, sq_ref, rows, cfg), cfg)
-            m = _mask(cfg, qs_ref[rows], qp_ref[rows], ks, kpos, masked)
-            s = _scores(qparts, kparts)
+            qparts = load_parts(q_ref, rows, load_cos_sin(cq_ref, sq_ref, rows, cfg), cfg)
+            m = tile_mask(cfg, qs_ref[rows], qp_ref[rows], ks, kpos, masked)
+            s = scores(qparts, kparts)
             do = do_ref[rows, :]
-            dp = _dot_nt(do, v)
+            dp = dot_nt(do, v)
             lse = lse_ref[rows] if lse_ref is not None else None
             delta = delta_ref[rows] if delta_ref is not None else None
             p, ds = _probs_and_dscores(cfg, s, m, lse, delta, dp)
-            dv = dv + _dot_tn(p.astype(do.dtype), do)
+            dv = dv + dot_tn(p.astype(do.dtype), do)
             ds = ds.astype(qparts[0].dtype)
             if dq_ref is not None:
-                _store_rows(dq_ref, rows, _dot_nn(ds, kparts[0]), other_own[rows] == j)
-            return tuple(a + _dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
+                _store_rows(dq_ref, rows, dot_nn(ds, kparts[0]), other_own[rows] == j)
+            return tuple(a + dot_tn(ds, qp) for a, qp in zip(dks, qparts)), dv
 
         init = (tuple(jnp.zeros(p.shape, F32) for p in kparts), jnp.zeros(v.shape, F32))
-        dks, dv = _three_loops(*query_range(), body, init, cfg)
+        dks, dv = three_loops(*query_range(), body, init, cfg)
 
         def store(dk_out, dv_out, rows):
-            _store_parts(dk_out, rows, dks, cs_k, cfg)
+            store_parts(dk_out, rows, dks, cs_k, cfg)
             dv_out[rows, :] = dv.astype(dv_out.dtype)
         if top:     # a split tile's chunk c: partial slot c * top + s; the rest direct
             pl.when(in_top)(lambda: store(*partial_refs, pl.ds((c * top + s) * bk, bk)))
@@ -197,14 +199,14 @@ def _dkv_outputs(k, split, top, bk):
     (_sum_partials); with top > 0 (dkv_split_tiles) dK, dV and the split tiles'
     partials [split * top * bk, H, D] (_merge_top)."""
     tk, h, d = k.shape
-    direct = (jax.ShapeDtypeStruct(k.shape, k.dtype), _x_spec(tk, d))
+    direct = (jax.ShapeDtypeStruct(k.shape, k.dtype), head_spec(tk, d))
     if split == 1:
         outs = [direct] * 2
     elif top:
         rows = split * top * bk
-        outs = [direct] * 2 + [(jax.ShapeDtypeStruct((rows, h, d), F32), _x_spec(rows, d))] * 2
+        outs = [direct] * 2 + [(jax.ShapeDtypeStruct((rows, h, d), F32), head_spec(rows, d))] * 2
     else:
-        outs = [(jax.ShapeDtypeStruct((split * tk, h, d), F32), _x_spec(split * tk, d))] * 2
+        outs = [(jax.ShapeDtypeStruct((split * tk, h, d), F32), head_spec(split * tk, d))] * 2
     return [o[0] for o in outs], [o[1] for o in outs]
 
 
@@ -245,18 +247,18 @@ def run_backward(cfg, q, k, v, lay, o, lse, do):
     stats, stat_specs = [], []
     if softmax:
         delta = softmax_delta(o, do)
-        stats, stat_specs = [lse, delta], [_stat_spec(tq)] * 2
+        stats, stat_specs = [lse, delta], [stat_spec(tq)] * 2
     if cfg.fused_bwd in ("q_rows", "k_rows"):
         return _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs)
 
     nq = tq // cfg.bq
     dq = pl.pallas_call(
-        _adapt(_dq_kernel, cfg, 1, softmax, 1), grid=(nq, h),
-        in_specs=_specs(cfg, tq, tk, d, nq) + [_x_spec(tq, d)] + stat_specs,
-        out_specs=_x_spec(tq, d), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        ordered_refs(_dq_kernel, cfg, 1, softmax, 1), grid=(nq, h),
+        in_specs=in_specs(cfg, tq, tk, d, nq) + [head_spec(tq, d)] + stat_specs,
+        out_specs=head_spec(tq, d), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=compiler_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_dq_{cfg.mode}",
-    )(*_inputs(lay, q, k, v, True), do, *stats)
+    )(*layout_inputs(lay, q, k, v, True), do, *stats)
 
     nk = tk // cfg.bk_dkv
     split = _dkv_split(cfg)
@@ -267,12 +269,12 @@ def run_backward(cfg, q, k, v, lay, o, lse, do):
         n = len(refs) - len(shapes) + 2
         _dkv_kernel(*refs[:n], cfg=cfg, partial_refs=refs[n:] or None)
     outs = pl.pallas_call(
-        _adapt(dkv_kernel, cfg, 1, softmax, len(shapes)), grid=(_dkv_grid(cfg, split, nk), h),
-        in_specs=_specs(cfg, tq, tk, d, nk) + [_x_spec(tq, d)] + stat_specs,
+        ordered_refs(dkv_kernel, cfg, 1, softmax, len(shapes)), grid=(_dkv_grid(cfg, split, nk), h),
+        in_specs=in_specs(cfg, tq, tk, d, nk) + [head_spec(tq, d)] + stat_specs,
         out_specs=specs, out_shape=shapes,
-        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_dkv_{cfg.mode}",
-    )(*_inputs(lay, q, k, v, False), do, *stats)
+    )(*layout_inputs(lay, q, k, v, False), do, *stats)
     return (dq,) + _dkv_results(outs, k, split, top, lay["k_perm"], cfg.bk_dkv)
 
 
@@ -317,13 +319,13 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
         lax.fori_loop(0, group, body, 0)
 
     partial = pl.pallas_call(
-        _adapt(b_kernel, cfg, 3, softmax, nb_out), grid=(-(-n_b // group), h),
-        in_specs=(_specs(cfg, tq, tk, d, n_b) + [_x_spec(tq, d), _full((t_b,)), _full((n_b,))]
-                  + stat_specs),
-        out_specs=[_x_spec(t_b, d)] * nb_out, out_shape=b_outs,
-        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        ordered_refs(b_kernel, cfg, 3, softmax, nb_out), grid=(-(-n_b // group), h),
+        in_specs=(in_specs(cfg, tq, tk, d, n_b)
+                  + [head_spec(tq, d), full_spec((t_b,)), full_spec((n_b,))] + stat_specs),
+        out_specs=[head_spec(t_b, d)] * nb_out, out_shape=b_outs,
+        compiler_params=compiler_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_bwd_{'dq' if k_rows else 'dkv'}_rest_{cfg.mode}",
-    )(*_inputs(lay, q, k, v, k_rows), do, own, need, *stats)
+    )(*layout_inputs(lay, q, k, v, k_rows), do, own, need, *stats)
 
     def a_kernel(*refs, cfg):   # 16; do, other_own, the partial buffers (unread), lse, delta;
         n = 18 + nb_out         # outs (k_rows: dK, dV, dQ, then the split tiles' partials)
@@ -331,25 +333,26 @@ def _backward_rows(cfg, q, k, v, lay, do, stats, stat_specs):
         parts = dict(partial_refs=outs[3:] or None) if k_rows else {}   # _dkv_kernel's
         a_base(*refs[:17], *refs[n:n + 2], *outs[:3], cfg=cfg, other_own=refs[17], **parts)
 
-    ins = _inputs(lay, q, k, v, not k_rows)
+    ins = layout_inputs(lay, q, k, v, not k_rows)
     n_a = tk // cfg.bk_dkv if k_rows else tq // cfg.bq
     split = _dkv_split(cfg) if k_rows else 1
     top = _dkv_top(cfg, split, n_a) if k_rows else 0
     if k_rows:    # outputs dK, dV, dQ (aliased to the dQ kernel's partial buffer), partials
         shapes, specs = _dkv_outputs(k, split, top, cfg.bk_dkv)
         a_shapes = shapes[:2] + [jax.ShapeDtypeStruct(q.shape, q.dtype)] + shapes[2:]
-        a_specs, alias = specs[:2] + [_x_spec(tq, d)] + specs[2:], {len(ins) + 2: 2}
+        a_specs, alias = specs[:2] + [head_spec(tq, d)] + specs[2:], {len(ins) + 2: 2}
     else:         # outputs dQ, dK, dV (dK, dV aliased to the dK/dV kernel's partial buffers)
         a_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                     jax.ShapeDtypeStruct(v.shape, v.dtype)]
-        a_specs, alias = [_x_spec(tq, d)] + [_x_spec(tk, d)] * 2, {len(ins) + 2: 1, len(ins) + 3: 2}
+        a_specs = [head_spec(tq, d)] + [head_spec(tk, d)] * 2
+        alias = {len(ins) + 2: 1, len(ins) + 3: 2}
     outs = pl.pallas_call(
-        _adapt(a_kernel, cfg, 2 + nb_out, softmax, len(a_shapes)),
+        ordered_refs(a_kernel, cfg, 2 + nb_out, softmax, len(a_shapes)),
         grid=(_dkv_grid(cfg, split, n_a) if k_rows else n_a, h),
-        in_specs=(_specs(cfg, tq, tk, d, n_a) + [_x_spec(tq, d), _full((t_b,))]
-                  + [_x_spec(t_b, d)] * nb_out + stat_specs),
+        in_specs=(in_specs(cfg, tq, tk, d, n_a) + [head_spec(tq, d), full_spec((t_b,))]
+                  + [head_spec(t_b, d)] * nb_out + stat_specs),
         out_specs=a_specs, out_shape=a_shapes, input_output_aliases=alias,
-        compiler_params=_params(cfg, True), interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg, True), interpret=cfg.interpret,
         name=f"jagged_flash_bwd_{cfg.fused_bwd}_{cfg.mode}",
     )(*ins, do, own, *partial, *stats)
     if k_rows:

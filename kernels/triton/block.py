@@ -357,3 +357,12 @@ def _block_attn_bwd(cfg, res, do):
 
 
 _block_attn.defvjp(_block_attn_fwd, _block_attn_bwd)
+
+
+def run_block_attention(cfg, q, k, v, tab, rope):
+    """The per-block kernels as a differentiable op (custom VJP: forward, then the one
+    backward kernel for dQ, dK, dV): q / k / v [T', H, DP] (halves padded as
+    kernels.dispatch.block_attention_pallas lays them out), tab = block_table(...)'s
+    arrays, rope = the frequency tables (positions first when given) -> [T', H, DP].
+    cfg = (block, knobs (BLOCK_KNOBS keys), interpret, sm_scale, cs), static."""
+    return _block_attn(cfg, q, k, v, tab, rope)

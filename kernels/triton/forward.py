@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels.triton.launch import _adapt, _inputs, _params, _specs, _stat_spec, _x_spec
-from kernels.triton.tile import (F32, LOG2E, _act, _dot_nn, _load_cs, _load_parts, _mask, _scores,
-                                 _three_loops, _where)
+from kernels.triton.launch import (compiler_params, head_spec, in_specs, layout_inputs,
+                                   ordered_refs, stat_spec)
+from kernels.triton.tile import (F32, LOG2E, dot_nn, load_cos_sin, load_parts, scores, three_loops,
+                                 tile_act, tile_mask, where_masked)
 
 
 def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_ref, fhi_ref,
@@ -17,22 +18,22 @@ def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
     bq, bk = cfg.bq, cfg.bk
     qrows = pl.ds(i * bq, bq)
     qs, qpos = qs_ref[qrows], qp_ref[qrows]
-    qparts = _load_parts(q_ref, qrows, _load_cs(cq_ref, sq_ref, qrows, cfg), cfg)
+    qparts = load_parts(q_ref, qrows, load_cos_sin(cq_ref, sq_ref, qrows, cfg), cfg)
     d = v_ref.shape[-1]
     ranges = lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i]
 
     def tile(j, masked):
         rows = pl.ds(j * bk, bk)
-        kparts = _load_parts(k_ref, rows, _load_cs(ck_ref, sk_ref, rows, cfg), cfg)
-        m = _mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
-        return _scores(qparts, kparts), m, v_ref[rows, :]
+        kparts = load_parts(k_ref, rows, load_cos_sin(ck_ref, sk_ref, rows, cfg), cfg)
+        m = tile_mask(cfg, qs, qpos, ks_ref[rows], kp_ref[rows], masked)
+        return scores(qparts, kparts), m, v_ref[rows, :]
 
     if cfg.mode == "gdpa":
         def body(j, acc, masked):
             s, m, v = tile(j, masked)
-            p = _where(m, _act(s, cfg) * cfg.scale, 0.0)
-            return acc + _dot_nn(p.astype(v.dtype), v)
-        acc = _three_loops(*ranges, body, jnp.zeros((bq, d), F32), cfg)
+            p = where_masked(m, tile_act(s, cfg) * cfg.scale, 0.0)
+            return acc + dot_nn(p.astype(v.dtype), v)
+        acc = three_loops(*ranges, body, jnp.zeros((bq, d), F32), cfg)
         o_ref[qrows, :] = acc.astype(o_ref.dtype)
         return
 
@@ -41,16 +42,16 @@ def _fwd_kernel(qs_ref, qp_ref, ks_ref, kp_ref, perm_ref, lo_ref, hi_ref, flo_re
     def body(j, carry, masked):
         acc, mx, l = carry
         s, m, v = tile(j, masked)
-        s = _where(m, s * scale2, -1e30)
+        s = where_masked(m, s * scale2, -1e30)
         mx_new = jnp.maximum(mx, jnp.max(s, axis=1))
-        p = _where(m, jnp.exp2(s - mx_new[:, None]), 0.0)
+        p = where_masked(m, jnp.exp2(s - mx_new[:, None]), 0.0)
         alpha = jnp.exp2(mx - mx_new)
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
         return acc, mx_new, l
 
     init = (jnp.zeros((bq, d), F32), jnp.full((bq,), -1e30, F32), jnp.zeros((bq,), F32))
-    acc, mx, l = _three_loops(*ranges, body, init, cfg)
+    acc, mx, l = three_loops(*ranges, body, init, cfg)
     safe = jnp.where(l > 0, l, 1.0)
     o_ref[qrows, :] = (acc / safe[:, None]).astype(o_ref.dtype)
     lse_ref[qrows] = jnp.where(l > 0, mx + jnp.log2(safe), 0.0)  # base-2 log-sum-exp
@@ -64,10 +65,10 @@ def run_forward(cfg, q, k, v, lay):
     nq = tq // cfg.bq
     softmax = cfg.mode == "softmax"
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [_x_spec(tq, d)]
+    out_specs = [head_spec(tq, d)]
     if softmax:
         out_shape.append(jax.ShapeDtypeStruct((h, tq), F32))
-        out_specs.append(_stat_spec(tq))
+        out_specs.append(stat_spec(tq))
 
     def kernel(*refs, cfg):
         refs = list(refs)
@@ -76,9 +77,9 @@ def run_forward(cfg, q, k, v, lay):
         _fwd_kernel(*refs, cfg=cfg)
 
     outs = pl.pallas_call(
-        _adapt(kernel, cfg, 0, None, len(out_shape)), grid=(nq, h),
-        in_specs=_specs(cfg, tq, tk, d, nq), out_specs=out_specs, out_shape=out_shape,
-        compiler_params=_params(cfg, False), interpret=cfg.interpret,
+        ordered_refs(kernel, cfg, 0, None, len(out_shape)), grid=(nq, h),
+        in_specs=in_specs(cfg, tq, tk, d, nq), out_specs=out_specs, out_shape=out_shape,
+        compiler_params=compiler_params(cfg, False), interpret=cfg.interpret,
         name=f"jagged_flash_fwd_{cfg.mode}",
-    )(*_inputs(lay, q, k, v, True))
+    )(*layout_inputs(lay, q, k, v, True))
     return outs[0], (outs[1] if softmax else None)

@@ -5,7 +5,7 @@ interior part of it), the launch order, RoPE tables, and the fused backwards' ro
 import jax.numpy as jnp
 
 from kernels.common import interior_ranges, key_layout, rope_tables, segment_layout, tile_ranges
-from kernels.triton.tuning import _is_short
+from kernels.triton.tuning import is_short
 
 
 _BIG = 1 << 30
@@ -65,8 +65,8 @@ def build_layout(cfg, q_offsets, kv_offsets, tq, tk, d, rope_positions=None, rop
                 qs=qs, qp=qp, ks=ks, kp=kp, q_start=qa, q_end=qb, k_start=ka, k_end=kb,
                 q_lo=q_lo, q_hi=q_hi, k_lo=k_lo, k_hi=k_hi,
                 q_flo=q_flo, q_fhi=q_fhi, k_flo=k_flo, k_fhi=k_fhi,
-                q_perm=_heaviest_first(q_lo, q_hi, cfg, short=_is_short(tk, b)),
-                k_perm=_heaviest_first(k_lo, k_hi, cfg, short=_is_short(tq, b)),
+                q_perm=_heaviest_first(q_lo, q_hi, cfg, short=is_short(tk, b)),
+                k_perm=_heaviest_first(k_lo, k_hi, cfg, short=is_short(tq, b)),
                 cos=cos, sin=sin)
 
 
@@ -89,5 +89,6 @@ def row_owners(start, end, t_own, tile):
     return own, need
 
 
-def _pad_rows(x, n):
+def pad_rows(x, n):
+    """x [T, ...] zero-padded to [n, ...] rows (x itself when T == n)."""
     return x if x.shape[0] == n else jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))

@@ -74,13 +74,15 @@ def fast_act_and_grad(s, activation, interpret, need_grad=True):
     return a, (da if need_grad else None)
 
 
-def _act_grad(s, cfg):
+def tile_act_grad(s, cfg):
+    """(act(s), act'(s)) of a GDPA score tile, through tanh.approx with cfg.fast_act."""
     if cfg.fast_act:
         return fast_act_and_grad(s, cfg.activation, cfg.interpret)
     return act_and_grad(s, cfg.activation)
 
 
-def _act(s, cfg):
+def tile_act(s, cfg):
+    """act(s) of a GDPA score tile (the forward's: no derivative)."""
     if cfg.fast_act:
         return fast_act_and_grad(s, cfg.activation, cfg.interpret, need_grad=False)[0]
     if cfg.activation == "silu":
@@ -97,19 +99,22 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, (dims, ((), ())), precision=prec, preferred_element_type=F32)
 
 
-def _dot_nt(a, b):  # [M,K] x [N,K] -> [M,N] f32
+def dot_nt(a, b):
+    """[M, K] x [N, K] -> [M, N] float32."""
     return _dot(a, b, ((1,), (1,)))
 
 
-def _dot_nn(a, b):  # [M,K] x [K,N] -> [M,N]
+def dot_nn(a, b):
+    """[M, K] x [K, N] -> [M, N] float32."""
     return _dot(a, b, ((1,), (0,)))
 
 
-def _dot_tn(a, b):  # [K,M] x [K,N] -> [M,N]
+def dot_tn(a, b):
+    """[K, M] x [K, N] -> [M, N] float32."""
     return _dot(a, b, ((0,), (0,)))
 
 
-def _mask(cfg, qs, qp, ks, kp, masked=True):
+def tile_mask(cfg, qs, qp, ks, kp, masked=True):
     """Pair mask of a tile, or None for an interior tile (every pair valid)."""
     if not masked:
         return None
@@ -127,7 +132,7 @@ def _mask(cfg, qs, qp, ks, kp, masked=True):
 
 # ---------------------------------------------------------------- tile loads (RoPE)
 
-def _load_parts(ref, rows, cs, cfg):
+def load_parts(ref, rows, cs, cfg):
     """Tile of `ref` ([T, D] view) at `rows` as a tuple of dot operands.
 
     Without rope: (x,). With rope: the rotated halves (x1 c - x2 s, x2 c + x1 s).
@@ -143,13 +148,14 @@ def _load_parts(ref, rows, cs, cfg):
     return ((x1 * c - x2 * s).astype(dt), (x2 * c + x1 * s).astype(dt))
 
 
-def _load_cs(cos_ref, sin_ref, rows, cfg):
+def load_cos_sin(cos_ref, sin_ref, rows, cfg):
+    """(cos, sin) [rows, D/2] of the RoPE tables at `rows`, or None without rope."""
     if not cfg.rope:
         return None
     return cos_ref[rows, :], sin_ref[rows, :]
 
 
-def _store_parts(ref, rows, parts, cs, cfg):
+def store_parts(ref, rows, parts, cs, cfg):
     """Store a gradient given w.r.t. the rotated halves, rotated back (RoPE^T)."""
     if not cfg.rope:
         ref[rows, :] = parts[0].astype(ref.dtype)
@@ -161,19 +167,21 @@ def _store_parts(ref, rows, parts, cs, cfg):
     ref[rows, pl.ds(half, half)] = (g2 * c - g1 * s).astype(ref.dtype)
 
 
-def _where(m, x, other):
+def where_masked(m, x, other):
+    """x where the mask m holds, else other; x itself for m None (an interior tile)."""
     return x if m is None else jnp.where(m, x, other)
 
 
-def _three_loops(lo, flo, fhi, hi, body, init, cfg):
+def three_loops(lo, flo, fhi, hi, body, init, cfg):
     """fori over [lo, hi) with body(j, carry, masked): tiles in [flo, fhi) are interior."""
     c = lax.fori_loop(lo, flo, functools.partial(body, masked=True), init)
     c = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), c)
     return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), c)
 
 
-def _scores(qp, kp):
-    s = _dot_nt(qp[0], kp[0])
+def scores(qp, kp):
+    """S = Q K^T [BQ, BK] float32 from load_parts' operands (the halves summed with rope)."""
+    s = dot_nt(qp[0], kp[0])
     for a, b in zip(qp[1:], kp[1:]):
-        s += _dot_nt(a, b)
+        s += dot_nt(a, b)
     return s

@@ -142,9 +142,9 @@ def fused_backward_side(cfg, tq, tk, b):
         return cfg.fused_bwd
     if cfg.rope:
         return "off"
-    if _is_short(tq, b):
+    if is_short(tq, b):
         return "q_rows"
-    return "k_rows" if _is_short(tk, b) else "off"
+    return "k_rows" if is_short(tk, b) else "off"
 
 
 def backward_knobs(cfg):
@@ -175,6 +175,6 @@ def _int_knob(name, value, least):
     return value
 
 
-def _is_short(capacity, b):
+def is_short(capacity, b):
     """Whether a side of `capacity` tokens over b samples is short (SHORT_SIDE per sample)."""
     return capacity <= SHORT_SIDE * max(b, 1)
