@@ -1,7 +1,8 @@
 """The kernels package's import graph, read from the source (every import statement,
 those inside functions included): no cycle; the engines (kernels.triton,
 kernels.mosaic) import neither each other nor anything above them (kernels.dispatch,
-the op packages); kernels.common imports no other kernels module."""
+the op packages); kernels.common imports no other kernels module; no module imports a
+private (_-prefixed) name of another (shared helpers are public names of their owner)."""
 
 import ast
 import os
@@ -83,3 +84,17 @@ def test_the_check_sees_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycle(graph) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _private_imports(source):
+    """[(module, name)] of the `from module import _name` statements in source."""
+    return [(node.module, a.name) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.module
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_no_private_name_crosses_a_file():
+    found = {m: _private_imports(open(p).read()) for m, p in _modules().items()}
+    assert not {m: f for m, f in found.items() if f}
+    assert _private_imports("from kernels.triton.tile import F32, _dot\nimport os") == [
+        ("kernels.triton.tile", "_dot")]
