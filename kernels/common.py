@@ -1,5 +1,5 @@
 """Shared pieces of the jagged attention ops and both engines: layout, tile ranges, masks,
-RoPE, input checks.
+RoPE, input checks, the part of a config (`config_part`).
 
 Layout (see gemjax/data/jagged.py): B samples packed end to end in a buffer of
 static capacity T; offsets [B+1] int32, offsets[0] = 0, non-decreasing,
@@ -11,6 +11,8 @@ they belong to the same sample and, with pos = index within the sample,
   window w:        pos_q - pos_k < w (causal) or |pos_q - pos_k| < w (non-causal)
   block b:         pos_q // b == pos_k // b   (block_attention only)
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -313,3 +315,9 @@ def check_mask_args(op, causal, window):
         raise ValueError(f"{op}: causal must be a bool, got {causal!r}")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{op}: window must be None or an int >= 1, got {window!r}")
+
+
+def config_part(config, part):
+    """The `part` dataclass (a spec or a tuning) of a config that holds its fields (an
+    engine's config subclasses both): part(**those fields of config)."""
+    return part(**{f.name: getattr(config, f.name) for f in dataclasses.fields(part)})

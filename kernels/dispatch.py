@@ -98,7 +98,8 @@ def mosaic_forward(flash_cfg, dtype, d, tq, tk):
     if min(flash_cfg.bq, flash_cfg.bk) < 64:
         return None
     try:
-        tuning = {**dataclasses.asdict(MOSAIC_TUNING["forward"]), **dict(flash_cfg.mosaic_fwd)}
+        tuning = {**dataclasses.asdict(MOSAIC_TUNING[_op_of(flash_cfg)].forward),
+                  **dict(flash_cfg.mosaic_fwd)}
         cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
                             scale=flash_cfg.scale, **tuning)
     except NotImplementedError:
@@ -113,12 +114,19 @@ def mosaic_backward(flash_cfg, dtype, d, tq, tk):
     padded capacities, or None where those kernels do not apply (mosaic_forward's list)."""
     if mosaic_forward(flash_cfg, dtype, d, tq, tk) is None:
         return None
-    tuning = {**dataclasses.asdict(MOSAIC_TUNING["backward"]), **dict(flash_cfg.mosaic_bwd)}
+    tuning = {**dataclasses.asdict(MOSAIC_TUNING[_op_of(flash_cfg)].backward),
+              **dict(flash_cfg.mosaic_bwd)}
     cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
                         scale=flash_cfg.scale, **tuning)
     if any(tq % t or tk % t for t in (cfg.cta_rows, cfg.block_kv)):
         return None
     return cfg
+
+
+def _op_of(flash_cfg):
+    """The op whose Mosaic tuning a FlashConfig runs with: gdpa, or jagged_attention
+    (softmax)."""
+    return "gdpa" if flash_cfg.mode == "gdpa" else "jagged_attention"
 
 
 def _forward(cfg, q, k, v, lay):

@@ -337,22 +337,24 @@ def test_narrow_steps_and_the_packed_activation_apply_where_the_kernel_can():
 
 
 def test_the_tuning_table_holds_what_runs(monkeypatch):
-    """gdpa(impl="mosaic") runs the forward with TUNING["forward"] and the backward with
-    TUNING["backward"] (BACKWARD_TUNING: the entries that differ)."""
+    """gdpa(impl="mosaic") runs the forward with TUNING["gdpa"].forward and the backward
+    with TUNING["gdpa"].backward (BACKWARD_TUNING: the entries that differ); the configs'
+    spec and tuning parts join back into the config."""
     from kernels.gdpa import gdpa
-    from kernels.mosaic import BACKWARD_TUNING, TUNING, MosaicTuning
+    from kernels.mosaic import BACKWARD_TUNING, TUNING, MosaicConfig
     assert BACKWARD_TUNING == dict(block_kv=64, consumer_registers=240, producer_registers=24)
+    assert TUNING["jagged_attention"] == TUNING["gdpa"]
     calls = _count_mosaic_calls(monkeypatch)
     q, k, v, qo, ko = make_case([100, 200], [100, 200], 512, 512, 1, 64, seed=1)
     jax.eval_shape(jax.grad(lambda q: gdpa(q, k, v, qo, ko, impl="mosaic").astype(
         jnp.float32).sum()), q)
-    tuning = lambda c: MosaicTuning(**{f: getattr(c, f) for f in  # noqa: E731
-                                       MosaicTuning.__dataclass_fields__})
     fwd = [c for c in calls if not isinstance(c, tuple)]
     bwd = [c[1] for c in calls if isinstance(c, tuple)]
     assert fwd and bwd
-    assert all(tuning(c) == TUNING["forward"] for c in fwd), fwd
-    assert all(tuning(c) == TUNING["backward"] for c in bwd), bwd
+    assert all(c.tuning == TUNING["gdpa"].forward for c in fwd), fwd
+    assert all(c.tuning == TUNING["gdpa"].backward for c in bwd), bwd
+    assert all(c.spec.mode == "gdpa" and c.spec.activation == "silu" for c in fwd + bwd)
+    assert all(MosaicConfig(**vars(c.spec), **vars(c.tuning)) == c for c in fwd + bwd)
 
 
 def test_no_samples_gives_zeros():

@@ -4,8 +4,9 @@ backward: TMA loads, one producer warpgroup, two consumer warpgroups issuing wgm
 (both ops' default on a Hopper GPU) run these kernels through kernels.dispatch
 (mosaic_forward, mosaic_backward), the Triton kernels where they do not apply.
 
-    tuning.py    MosaicTuning and TUNING, the values the forward and the backward run
-                 with; MosaicConfig = an op + its tuning; check_config
+    tuning.py    TUNING (per op a MosaicOpTuning: the MosaicTuning the forward and the
+                 backward run with), MosaicSpec (what an op computes), MosaicConfig =
+                 a spec + a tuning; check_config
     layout.py    per-row key intervals and the tile table, in XLA from the offsets
     pipeline.py  what both directions share: activations, the producer warpgroup, a
                  consumer's walk over its CTA's streamed tiles, masks, wgmma helpers
@@ -82,10 +83,11 @@ register accumulator."""
 from kernels.mosaic.backward import run_backward
 from kernels.mosaic.forward import gdpa_mosaic_forward, run_kernel, softmax_mosaic_forward
 from kernels.mosaic.layout import build_layout, row_key_intervals, tile_table
-from kernels.mosaic.tuning import (BACKWARD_TUNING, TUNING, MosaicConfig, MosaicTuning,
-                                   check_config, mosaic_config)
+from kernels.mosaic.tuning import (BACKWARD_TUNING, TUNING, MosaicConfig, MosaicOpTuning,
+                                   MosaicSpec, MosaicTuning, check_config, mosaic_config)
 
-__all__ = ["BACKWARD_TUNING", "MosaicConfig", "MosaicTuning", "TUNING", "build_layout",
+__all__ = ["BACKWARD_TUNING", "MosaicConfig", "MosaicOpTuning", "MosaicSpec", "MosaicTuning",
+           "TUNING", "build_layout",
            "check_config",
            "gdpa_mosaic_forward", "mosaic_config", "row_key_intervals", "run_backward",
            "run_kernel", "softmax_mosaic_forward", "tile_table"]

@@ -1,6 +1,8 @@
-"""The Mosaic GPU engine's configuration: one tuning table (MosaicTuning, TUNING: the
-values the forward and the backward kernels run with), MosaicConfig (an op and its
-tuning) and what the kernels take (check_config).
+"""The Mosaic GPU engine's configuration: one tuning record per op (TUNING[op], a
+MosaicOpTuning: the MosaicTuning its forward and its backward kernels run with), the
+op's spec apart from it (MosaicSpec: mode, activation, scale; the kernels take no masks),
+MosaicConfig (a spec and one direction's tuning: cfg.spec, cfg.tuning) and what the
+kernels take (check_config).
 
 Fixed by the kernels' design rather than tuned: two consumer warpgroups of BLOCK_Q = 64
 rows each (wgmma's M); softmax folds its scale into the exp2 FMA; the streamed tiles of
@@ -15,6 +17,8 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+
+from kernels.common import config_part
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -36,27 +40,55 @@ class MosaicTuning:
     schedule_barrier: bool = True  # forward: the two consumers ping-pong (FA3)
     heavy_first: bool = True       # CTAs with the longest streamed range launch first
     interior: bool = True          # an unmasked loop over tiles whose pairs are all valid
-    fused_dq: bool = False         # backward: one kernel forms dK, dV and dQ (dQ reduce-added
-                                   # in float32 through TMA, its summation order not fixed)
+    # backward: one kernel forms dK, dV and dQ (dQ reduce-added in float32 through TMA).
+    # Off: on one H200, W1 forward + backward GDPA 0.942 ms against 0.993 (4 of 4 rounds)
+    # but softmax 1.049 against 1.004 (0 of 4), and dQ's summation order (so its float32
+    # bits) varies run to run; kept for GDPA-only use and its A/B rows (bench_attention
+    # --mosaic_variants, tools.ab_attention).
+    fused_dq: bool = False
 
 
-# The values that run, by direction. The backward streams 64-row tiles: its dK / dV
-# consumers hold two [64, D] float32 accumulators beside S^T and dP^T, so wider score
-# tiles do not fit; its producer needs few registers, so the consumers take 240.
-TUNING = {"forward": MosaicTuning(),
-          "backward": MosaicTuning(block_kv=64, consumer_registers=240, producer_registers=24)}
+# The backward's tuning: it streams 64-row tiles (its dK / dV consumers hold two [64, D]
+# float32 accumulators beside S^T and dP^T, so wider score tiles do not fit); its producer
+# needs few registers, so the consumers take 240.
+_BACKWARD = MosaicTuning(block_kv=64, consumer_registers=240, producer_registers=24)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicOpTuning:
+    """An op's tuning on the Mosaic engine, one MosaicTuning per direction."""
+    forward: MosaicTuning = MosaicTuning()
+    backward: MosaicTuning = _BACKWARD
+
+
+# The values that run: one record per op (gdpa and jagged_attention run the same).
+TUNING = {"gdpa": MosaicOpTuning(), "jagged_attention": MosaicOpTuning()}
 # The backward's entries that differ from the forward's (mosaic_config(**BACKWARD_TUNING)).
-BACKWARD_TUNING = {f.name: getattr(TUNING["backward"], f.name)
-                   for f in dataclasses.fields(MosaicTuning)
-                   if getattr(TUNING["backward"], f.name) != getattr(TUNING["forward"], f.name)}
+BACKWARD_TUNING = {f.name: getattr(_BACKWARD, f.name) for f in dataclasses.fields(MosaicTuning)
+                   if getattr(_BACKWARD, f.name) != getattr(MosaicTuning(), f.name)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MosaicConfig(MosaicTuning):
-    """An op (mode, activation, scale) with its tuning."""
+class MosaicSpec:
+    """What a Mosaic kernel computes, apart from how it is tuned."""
     mode: str = "gdpa"            # "gdpa" | "softmax" (online, base 2; also returns lse)
     activation: str = "silu"      # gdpa
     scale: float = 1.0            # gdpa: after the activation; softmax: on the scores
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicConfig(MosaicSpec, MosaicTuning):
+    """An op's spec (MosaicSpec's fields) with one direction's tuning (MosaicTuning's)."""
+
+    @property
+    def spec(self):
+        """The MosaicSpec part."""
+        return config_part(self, MosaicSpec)
+
+    @property
+    def tuning(self):
+        """The MosaicTuning part."""
+        return config_part(self, MosaicTuning)
 
     @property
     def block_q(self):

@@ -3,8 +3,10 @@
 One engine serves the three public ops (kernels/gdpa, kernels/jagged_attention,
 kernels/block_attention), through kernels.dispatch.jagged_flash:
 
-    tuning.py    TritonTuning and TUNING, the values the kernels run with; FlashConfig
-                 (an op + its tuning); the rules that adapt a tuning to a call's shapes
+    tuning.py    TUNING (per op a TritonTuning, block_attention a BlockTuning), the
+                 values the kernels run with; AttentionSpec (what an op computes);
+                 FlashConfig (a spec + a tuning); the rules that adapt a tuning to a
+                 call's shapes
     layout.py    row intervals, tile ranges, launch order, RoPE tables (XLA, from offsets)
     tile.py      in-kernel pieces: activations, dots, masks, RoPE tile loads / stores
     launch.py    pallas_call plumbing (block specs, ref order, compiler params)
@@ -40,9 +42,10 @@ be a multiple of 16."""
 from kernels.triton.backward import run_backward, softmax_delta
 from kernels.triton.forward import run_forward
 from kernels.triton.layout import build_layout
-from kernels.triton.tuning import (BLOCK_KNOBS, FUSED_BWD, PAD_MULTIPLE, TUNING, FlashConfig,
-                                   TritonTuning, adapt_tiles, tuning_of)
+from kernels.triton.tuning import (BLOCK_KNOBS, FUSED_BWD, PAD_MULTIPLE, TUNING, AttentionSpec,
+                                   BlockTuning, FlashConfig, TritonTuning, adapt_tiles,
+                                   tuning_of)
 
-__all__ = ["BLOCK_KNOBS", "FUSED_BWD", "PAD_MULTIPLE", "TUNING", "FlashConfig", "TritonTuning",
-           "adapt_tiles", "build_layout", "run_backward", "run_forward", "softmax_delta",
-           "tuning_of"]
+__all__ = ["BLOCK_KNOBS", "FUSED_BWD", "PAD_MULTIPLE", "TUNING", "AttentionSpec", "BlockTuning",
+           "FlashConfig", "TritonTuning", "adapt_tiles", "build_layout", "run_backward",
+           "run_forward", "softmax_delta", "tuning_of"]

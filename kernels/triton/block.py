@@ -200,16 +200,16 @@ def _dscores(p, dp, scale, dtype):
     return (p * (dp - delta[:, None]) * scale).astype(dtype)
 
 
-def _each_block(group, tab_refs, fn, prefetch):
+def _each_block(group, tab_refs, fn):
     """Run fn(entry) for this program's `group` consecutive blocks, entry = the block's
-    (start, len, write_len). prefetch (group a power of two): the group's entries are
-    loaded up front as three vectors, so a block's q / k / v loads wait for no table load
-    of their own (one load latency per program instead of one per block)."""
+    (start, len, write_len). A group of a power of two blocks loads its entries up front
+    as three vectors, so a block's q / k / v loads wait for no table load of their own
+    (one load latency per program instead of one per block)."""
     first = pl.program_id(1) * group
     if group == 1:
         fn(tuple(r[first] for r in tab_refs))
         return
-    if prefetch and group & (group - 1) == 0:
+    if group & (group - 1) == 0:
         vecs = [r[pl.ds(first, group)] for r in tab_refs]
         lane = lax.broadcasted_iota(jnp.int32, (group,), 0)
         entry = lambda g: tuple(jnp.sum(jnp.where(lane == g, x, 0)) for x in vecs)  # noqa: E731
@@ -222,16 +222,16 @@ def _each_block(group, tab_refs, fn, prefetch):
     lax.fori_loop(0, group, body, 0)
 
 
-def _fwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, prefetch):
+def _fwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks):
     _each_block(group, refs[:3], lambda e: _fwd_block(
         e, *refs[3:], block=block, scale=scale, cs=cs, fast_trig=fast_trig,
-        rope_chunks=rope_chunks), prefetch)
+        rope_chunks=rope_chunks))
 
 
-def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, prefetch, early_loads):
+def _bwd_kernel(*refs, block, scale, cs, group, fast_trig, rope_chunks, early_loads):
     _each_block(group, refs[:3], lambda e: _bwd_block(
         e, *refs[3:], block=block, scale=scale, cs=cs, fast_trig=fast_trig,
-        rope_chunks=rope_chunks, early_loads=early_loads), prefetch)
+        rope_chunks=rope_chunks, early_loads=early_loads))
 
 
 def _fwd_block(entry, *refs, block, scale, cs, fast_trig, rope_chunks):
@@ -329,7 +329,7 @@ def _call(kernel, n_out, cfg, tab, rope, xs, bwd):
     out = pl.pallas_call(
         functools.partial(kernel, block=block, scale=scale, cs=cs, group=group,
                           fast_trig=fast_trig, rope_chunks=int(knobs["rope_chunks" + sfx]),
-                          prefetch=bool(knobs["prefetch_table"]), **extra),
+                          **extra),
         grid=(h, nb // group),
         in_specs=in_specs, out_specs=[x_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(xs[0].shape, xs[0].dtype)] * n_out,

@@ -1,7 +1,9 @@
-"""The Triton engine's configuration: one tuning table (TritonTuning, TUNING: the values
-the tiled kernels run with, per op; BLOCK_KNOBS: block_attention's per-block kernel),
-FlashConfig (an op with its tuning), and the rules that adapt a tuning to the shapes of
-a call. What varies, and where it is set:
+"""The Triton engine's configuration: one tuning record per op (TUNING: gdpa and
+jagged_attention a TritonTuning of the tiled kernels, block_attention a BlockTuning of
+its per-block kernel holding the TritonTuning of its tiled fallback), the op's spec apart
+from it (AttentionSpec: mode, activation, scale, masks, RoPE), FlashConfig (a spec, a
+tuning and the engine fields: cfg.spec, cfg.tuning), and the rules that adapt a tuning
+to the shapes of a call. What varies, and where it is set:
 
     op                  TUNING[op]: 64 x 64 tiles, 4 warps; 3 forward stages (2 for
                         block_attention's tiled form); backward 4 warps, 2 stages
@@ -15,12 +17,16 @@ a call. What varies, and where it is set:
 
 Fixed by the kernels' design rather than tuned: tiles launch heaviest-first (in order
 where the inner loop runs over a short side); tiles whose pairs are all valid skip the
-mask (the interior loop).
+mask (the interior loop); a per-block program whose group of blocks is a power of two
+loads the group's block-table entries up front (W4 forward 0.075 against 0.078 ms,
+forward + backward 0.223 against 0.226, 4 of 4 interleaved rounds on an H200).
 """
 
 import dataclasses
 
 import jax.numpy as jnp
+
+from kernels.common import config_part
 
 F32 = jnp.float32
 PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
@@ -58,34 +64,54 @@ class TritonTuning:
     rest_group: int | str = "auto"
 
 
-# The values that run, per op.
+@dataclasses.dataclass(frozen=True)
+class BlockTuning:
+    """Launch parameters of block_attention's per-block kernel (kernels/triton/block.py;
+    defaults: the values that run, TUNING["block_attention"]) and the TritonTuning of its
+    tiled fallback (`tiled`: block sizes the per-block kernel does not take)."""
+    num_warps: int = 4             # forward
+    num_stages: int = 2            # forward
+    group: int = 4                 # forward: blocks per program (a loop in the program)
+    num_warps_bwd: int = 4         # backward
+    num_stages_bwd: int = 1        # backward
+    # backward: blocks per program. On gem1b (one H200, its level-1 backward, 2 calls a
+    # step) group_bwd 1 / rope_chunks_bwd 2 took 10.3-10.9 ms against 12.5 for 2 / 1,
+    # which the G1 workload's sweep had ranked first (fwd+bwd 4.80 ms against 5.35):
+    # time a change on the model, not on G1 alone.
+    group_bwd: int = 1
+    # RoPE cos / sin through cos.approx / sin.approx for 16-bit inputs (float32 keeps
+    # libdevice cosf / sinf)
+    fast_trig: bool = True
+    # RoPE in a loop over this many column chunks of each half (fewer registers; capped to
+    # what D/2 splits into), forward / backward: W4 f+b 0.297 ms with rope_chunks_bwd 2
+    # against 0.347 with 1 (H200)
+    rope_chunks: int = 1
+    rope_chunks_bwd: int = 2
+    # the chunked backward loads dO and V before its score loop (a setting of the
+    # benchmarks' G1 / W4 sweep grid, benchmarks/attention_workloads.BLOCK_BWD_GRID)
+    early_loads_bwd: bool = False
+    tiled: TritonTuning = TritonTuning(num_stages=2)
+
+
+# The values that run: one record per op.
 TUNING = {"gdpa": TritonTuning(), "jagged_attention": TritonTuning(),
-          "block_attention": TritonTuning(num_stages=2)}
-# block_attention's per-block kernel (kernels/triton/block.py): warps / stages of its
-# forward and backward; group / group_bwd: blocks per program (a loop inside the
-# program); fast_trig: RoPE cos / sin through cos.approx / sin.approx for 16-bit inputs
-# (float32 keeps libdevice cosf / sinf); rope_chunks / rope_chunks_bwd: RoPE in a loop
-# over that many column chunks of each half (fewer registers; capped to what D/2
-# splits into); prefetch_table: a program's table entries loaded up front;
-# early_loads_bwd: the chunked backward loads dO and V before its score loop.
-# On gem1b (one H200, its level-1 backward, 2 calls a step) group_bwd 1 / rope_chunks_bwd
-# 2 took 10.3-10.9 ms against 12.5 for 2 / 1, which the G1 workload's sweep had ranked
-# first (fwd+bwd 4.80 ms against 5.35): time a change on the model, not on G1 alone.
-BLOCK_KNOBS = dict(num_warps=4, num_stages=2, group=4, num_warps_bwd=4, num_stages_bwd=1,
-                   group_bwd=1, fast_trig=True, rope_chunks=1, rope_chunks_bwd=2,
-                   prefetch_table=True, early_loads_bwd=False)
+          "block_attention": BlockTuning()}
+# The per-block kernel's knobs as keyword arguments (block_attention_pallas(**knobs)).
+BLOCK_KNOBS = {f.name: getattr(TUNING["block_attention"], f.name)
+               for f in dataclasses.fields(BlockTuning) if f.name != "tiled"}
 
 
 def tuning_of(op):
-    """TUNING[op] as keyword arguments (FlashConfig(**tuning_of(op), mode=...))."""
-    return dataclasses.asdict(TUNING[op])
+    """The TritonTuning of `op`'s tiled kernels as keyword arguments
+    (FlashConfig(**tuning_of(op), mode=...)); block_attention: its tiled fallback's."""
+    tuning = TUNING[op]
+    return dataclasses.asdict(tuning.tiled if isinstance(tuning, BlockTuning) else tuning)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FlashConfig(TritonTuning):
-    """An op on the tiled kernels: its mask and scale, its tuning (TritonTuning's fields),
-    and the engine of each direction (kernels.dispatch picks the Mosaic kernels where
-    they apply)."""
+class AttentionSpec:
+    """What an attention op computes, apart from how it is tuned: the score map, its scale,
+    the pair mask (kernels.common) and RoPE."""
     mode: str                      # "gdpa" | "softmax"
     activation: str = "identity"   # gdpa only
     scale: float = 1.0             # gdpa: after act; softmax: sm_scale on scores
@@ -93,6 +119,14 @@ class FlashConfig(TritonTuning):
     window: int | None = None
     block: int | None = None       # block_attention: same pos // block
     rope: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlashConfig(AttentionSpec, TritonTuning):
+    """An op on the tiled kernels: its spec (AttentionSpec's fields), its tuning
+    (TritonTuning's fields), and the engine of each direction (kernels.dispatch picks the
+    Mosaic kernels where they apply). cfg.spec / cfg.tuning give the two parts;
+    FlashConfig.of(spec, tuning, **engine) joins them."""
     fast_act: bool = False         # gdpa silu / gelu_tanh through tanh.approx (set by
                                    # kernels.dispatch.jagged_flash for 16-bit inputs)
     interpret: bool = False
@@ -100,6 +134,21 @@ class FlashConfig(TritonTuning):
     backward: str = "triton"       # either forward feeds either backward
     mosaic_fwd: tuple = ()         # MosaicTuning overrides ((knob, value), ...) of the
     mosaic_bwd: tuple = ()         # Mosaic forward / backward (benchmarks and tests)
+
+    @classmethod
+    def of(cls, spec, tuning, **engine):
+        """The FlashConfig of an AttentionSpec and a TritonTuning (engine: the other fields)."""
+        return cls(**vars(spec), **vars(tuning), **engine)
+
+    @property
+    def spec(self):
+        """The AttentionSpec part."""
+        return config_part(self, AttentionSpec)
+
+    @property
+    def tuning(self):
+        """The TritonTuning part."""
+        return config_part(self, TritonTuning)
 
 
 def _pow2_floor(x):
