@@ -110,8 +110,8 @@ def interformer_max_len(cfg: Config) -> int:
     level), summed over the sequences."""
     from gemjax.data.synthetic import SEQUENCES
     b = cfg.model.block
-    length = cfg.data.seq_cap
-    for block, pooled, _ in cfg.model.pyramid_levels or ((b, 4, 1), (b, None, 1)):
+    length = cfg.data.synthetic.seq_cap
+    for block, pooled, _ in cfg.model.teacher.pyramid_levels or ((b, 4, 1), (b, None, 1)):
         if pooled is not None:
             length = -(-length // block) * pooled
     return length * len(SEQUENCES)

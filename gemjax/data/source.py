@@ -245,7 +245,7 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
         raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")
     from gemjax.features import differences
     from gemjax.data.synthetic import SyntheticStream
-    if d.drift_every > 0:
+    if d.drift.every > 0:
         source = _drifting(cfg, stream, seed)
     else:
         source = SyntheticStream(d, seed, stream)
@@ -264,11 +264,11 @@ def _drifting(cfg, stream: str, seed: int):
     if stream == "valid":
         raise ValueError("data.drift_every > 0: the drifting stream has no validation rows "
                          "(data.valid_path must be empty)")
-    if d.new_id_rate:
-        raise ValueError(f"data.drift_every > 0 with data.new_id_rate={d.new_id_rate}: raw ids "
+    if d.drift.new_id_rate:
+        raise ValueError(f"data.drift.every > 0 with data.drift.new_id_rate={d.drift.new_id_rate}: raw ids "
                          f"past the tables need an id admission (gemjax.train.online); use "
                          f"data.new_id_rate=0")
     drifting = DriftingStream(d, seed, "train")
     if stream == "train":
-        return StreamFrom(drifting, d.drift_start)
-    return StreamFrom(drifting, d.drift_start + cfg.train.steps)
+        return StreamFrom(drifting, d.drift.start)
+    return StreamFrom(drifting, d.drift.start + cfg.train.steps)

@@ -86,10 +86,10 @@ class RetrievalTower(nnx.Module):
         m = cfg.model
         self.cfg = cfg
         self.sequence = retrieval_sequence(cfg)
-        if m.retrieval_encoder == "hstu":
+        if m.retrieval.encoder == "hstu":
             max_len = next(q.max_len for q in schema_of(cfg).sequences if q.name == self.sequence)
             self.max_len = max(int(max_len or 1), 1)
-            if m.hstu_rel_bias == "position+time":
+            if m.retrieval.hstu_rel_bias == "position+time":
                 raise ValueError(f"model.hstu_rel_bias=position+time needs per-event timestamps "
                                  f"in sequence {self.sequence!r}; the feature schema's sequences "
                                  f"hold id fields only: use model.hstu_rel_bias=position")
@@ -97,8 +97,8 @@ class RetrievalTower(nnx.Module):
                                                     minval=-1.0, maxval=1.0) * m.dim ** -0.5,
                                  None, "embed")
             self.encoder = HSTUEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
-                                       scale=1.0 / self.max_len, dropout=m.hstu_dropout,
-                                       rope=m.rope, rel_bias=m.hstu_rel_bias,
+                                       scale=1.0 / self.max_len, dropout=m.retrieval.hstu_dropout,
+                                       rope=m.rope, rel_bias=m.retrieval.hstu_rel_bias,
                                        max_len=self.max_len, dtype=jnp.dtype(m.dtype), rngs=rngs)
             return
         if m.attention == "block":
@@ -114,12 +114,12 @@ class RetrievalTower(nnx.Module):
         m = self.cfg.model
         x, jag = sequence_tokens(acts, batch.sequences, schema_of(self.cfg),
                                  names=(self.sequence,))[self.sequence]
-        hstu = m.retrieval_encoder == "hstu"
+        hstu = m.retrieval.encoder == "hstu"
         if hstu:
             lengths = jnp.concatenate([jag.lengths, jnp.zeros((1,), jag.lengths.dtype)])
             back = jnp.take(lengths, jag.segment_ids) - 1 - jag.positions     # 0: the newest
             x = x + jnp.take(self.recency[...], jnp.clip(back, 0, self.max_len - 1), axis=0)
-        rate = m.retrieval_dropout
+        rate = m.retrieval.dropout
         if dropout_key is not None and rate > 0:
             keep = jax.random.bernoulli(dropout_key, 1.0 - rate, x.shape)
             x = jnp.where(keep, x / (1.0 - rate), 0.0)
@@ -128,4 +128,4 @@ class RetrievalTower(nnx.Module):
             h = self.encoder(x, jag, block_key).astype(jnp.float32)
         else:
             h = self.encoder(x, jag).astype(jnp.float32)
-        return l2_normalize(h) if m.retrieval_l2norm else h
+        return l2_normalize(h) if m.retrieval.l2norm else h

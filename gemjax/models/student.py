@@ -57,14 +57,14 @@ def recent_mean(x: jax.Array, jagged, recent: int) -> jax.Array:
 
 def width(cfg: Config) -> int:
     """The student's token width w."""
-    return cfg.model.student_width or cfg.model.dim
+    return cfg.model.student.width or cfg.model.dim
 
 
 def num_tokens(cfg: Config) -> int:
     """n: sparse + dense + 2 per sequence + REPR_TOKENS with teacher features."""
     f, m = schema_of(cfg), cfg.model
     return (num_feature_tokens(f, m.dense_tokens) + 2 * len(f.sequence_names)
-            + (REPR_TOKENS if m.teacher_repr_dim else 0))
+            + (REPR_TOKENS if m.student.teacher_repr_dim else 0))
 
 
 class Student(nnx.Module):
@@ -80,10 +80,10 @@ class Student(nnx.Module):
                      if w != m.dim else None)
         self.dense_proj = (linear(f.num_dense, m.dense_tokens * w, dtype=dtype, rngs=rngs)
                            if f.num_dense else ConstantTokens(m.dense_tokens * w, dtype=dtype))
-        self.repr_proj = (linear(m.teacher_repr_dim, REPR_TOKENS * w, dtype=dtype, rngs=rngs)
-                          if m.teacher_repr_dim else None)
+        self.repr_proj = (linear(m.student.teacher_repr_dim, REPR_TOKENS * w, dtype=dtype, rngs=rngs)
+                          if m.student.teacher_repr_dim else None)
         out = f.num_surfaces * f.num_tasks
-        if m.student_arch == "wukong":
+        if m.student.arch == "wukong":
             self.wukong = Wukong(n, w, num_layers=m.wukong_layers, fmb_tokens=m.fmb_tokens,
                                  lcb_tokens=m.lcb_tokens, rank=m.fm_rank, mlp_hidden=m.wukong_mlp,
                                  dtype=dtype, rngs=rngs)
@@ -97,7 +97,7 @@ class Student(nnx.Module):
         """Per sequence, its two summary tokens [B, dim] (whole-history mean, recent mean)."""
         out = []
         for x, jag in sequence_tokens(acts, batch.sequences, schema_of(self.cfg)).values():
-            out += [mean_pool(x, jag), recent_mean(x, jag, self.cfg.model.student_recent)]
+            out += [mean_pool(x, jag), recent_mean(x, jag, self.cfg.model.student.recent)]
         return out
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
@@ -135,9 +135,9 @@ def forward_flops(cfg: Config) -> int:
     rows = num_sparse_tokens(f) + 2 * len(f.sequence_names)
     flops = 2 * rows * m.dim * w if w != m.dim else 0
     flops += 2 * f.num_dense * m.dense_tokens * w
-    flops += 2 * m.teacher_repr_dim * REPR_TOKENS * w
+    flops += 2 * m.student.teacher_repr_dim * REPR_TOKENS * w
     out = f.num_surfaces * f.num_tasks
-    if m.student_arch == "wukong":
+    if m.student.arch == "wukong":
         t = n
         o = m.fmb_tokens + m.lcb_tokens
         for _ in range(m.wukong_layers):

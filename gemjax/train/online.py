@@ -391,7 +391,7 @@ class OnlineRun:
         labelled step_at(w))."""
         if self.parquet:
             return self.stream.start_step(window)
-        return window * self.cfg.data.drift_every
+        return window * self.cfg.data.drift.every
 
     # -- checkpoints --------------------------------------------------------------
     def _targets(self, names) -> dict:
@@ -538,9 +538,9 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
             f"batch {cfg.data.batch_size}, admission min_count={spec.min_count} "
             f"buckets={spec.buckets} tables {list(spec.admit_tables)}, members {sorted(run.members)}")
     else:
-        log(f"[online] config={cfg.name} windows={spec.windows} x {cfg.data.drift_every} steps, "
-            f"batch {cfg.data.batch_size}, drift_strength={cfg.data.drift_strength}, "
-            f"new_id_rate={cfg.data.new_id_rate}, admission min_count={spec.min_count} "
+        log(f"[online] config={cfg.name} windows={spec.windows} x {cfg.data.drift.every} steps, "
+            f"batch {cfg.data.batch_size}, drift_strength={cfg.data.drift.strength}, "
+            f"new_id_rate={cfg.data.drift.new_id_rate}, admission min_count={spec.min_count} "
             f"buckets={spec.buckets}, members {sorted(run.members)}")
     for w in range(run.window, windows):
         row = run.run_window(w)
@@ -565,7 +565,7 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
     log(table)
     after = [r for r in rows if r["window"] > spec.warmup_windows]   # past the first drift after freezing
     summary = {"windows": windows,
-               "steps_per_window": None if run.parquet else cfg.data.drift_every,
+               "steps_per_window": None if run.parquet else cfg.data.drift.every,
                "rows": rows, "table": table,
                "fresh_ahead_after_drift": bool(after) and all(r["ne_fresh"] < r["ne_frozen"]
                                                               for r in after),

@@ -458,15 +458,15 @@ class Trainer:
         o_abs = jax.eval_shape(tx.init, abstract.to_pure_dict())
         o_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, o_abs, p_sh,
                                                 transform_non_params=lambda _: replicated)
-        xb = routing.DEFAULT_EXCHANGE_BUCKETS if cfg.train.sparse_exchange_buckets else ()
+        xb = routing.DEFAULT_EXCHANGE_BUCKETS if cfg.sparse.exchange_buckets else ()
         coll = EmbeddingCollection(optim.table_specs(cfg), table_plan, mesh=mesh,
                                    replica_axes=tuple(table_replica_axes), exchange_buckets=xb,
-                                   sync_buckets=cfg.train.sparse_sync_buckets,
+                                   sync_buckets=cfg.sparse.sync_buckets,
                                    update_impl=cfg.train.sparse_update_impl,
-                                   row_major=cfg.train.sparse_row_major,
-                                   segment_sum=cfg.train.sparse_segment_sum,
-                                   onehot_rows=cfg.train.sparse_onehot_rows,
-                                   act_dtype=(cfg.model.dtype if cfg.train.sparse_act_dtype == "model"
+                                   row_major=cfg.sparse.row_major,
+                                   segment_sum=cfg.sparse.segment_sum,
+                                   onehot_rows=cfg.sparse.onehot_rows,
+                                   act_dtype=(cfg.model.dtype if cfg.sparse.act_dtype == "model"
                                               else None), **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
 
@@ -493,7 +493,7 @@ class Trainer:
         """The keys of state["fp8_meta"]: the FP8 linears with delayed scaling (module
         docstring); [] when there are none (the state then has no "fp8_meta")."""
         m = self.cfg.model
-        if m.precision != "fp8" or m.fp8_scaling != "delayed":
+        if m.precision.format != "fp8" or m.precision.scaling != "delayed":
             return []
         dummy = jax.tree.map(lambda s: 0.0, self.param_shardings)
         return delayed_linears(nnx.merge(self.graphdef, dummy))
@@ -517,7 +517,7 @@ class Trainer:
                  "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
         keys = self.fp8_meta_keys()
         if keys:                          # empty amax histories (gemjax.precision.delayed)
-            zeros = np.zeros((3, self.cfg.model.fp8_amax_history), np.float32)
+            zeros = np.zeros((3, self.cfg.model.precision.amax_history), np.float32)
             state["fp8_meta"] = {k: jax.make_array_from_callback(
                 zeros.shape, NamedSharding(self.mesh, P()), lambda i: zeros[i]) for k in keys}
         return state
@@ -532,10 +532,10 @@ class Trainer:
         local_dims = jax.tree.map(lambda e: (0,) if e and ep_axes else (), is_expert)
         m = self.cfg.model
         fp8 = (fp8_weight_mask(self.graphdef, jax.tree.map(
-            lambda _: 0.0, p_specs, is_leaf=lambda s: isinstance(s, P)), m.fp8_gather == "always")
-            if m.precision == "fp8" and m.fp8_gather != "off" else None)
+            lambda _: 0.0, p_specs, is_leaf=lambda s: isinstance(s, P)), m.precision.gather == "always")
+            if m.precision.format == "fp8" and m.precision.gather != "off" else None)
         return StepContext(self.graphdef, self.mesh, self.tx, self.coll, self.id_fields,
-                           p_specs, local_dims, ep_axes, self.objective, fp8, m.fp8_margin)
+                           p_specs, local_dims, ep_axes, self.objective, fp8, m.precision.margin)
 
     def make_train_step(self) -> PlannedStep:
         """`train_step` as (state, batch[, next_batch]) -> (state, metrics), jitted; state
@@ -548,7 +548,7 @@ class Trainer:
         """PlannedStep `name` of `step` (state, batch) -> ..., traced with each sparse branch
         plan fixed and jitted with jit_kw."""
         return planned_jit(self.coll, self.id_fields, step, name,
-                           fixed=self.cfg.train.sparse_fixed_branches, **jit_kw)
+                           fixed=self.cfg.sparse.fixed_branches, **jit_kw)
 
     def make_eval_step(self) -> Callable:
         """`eval_step` as (state, batch) -> sigmoid probabilities [rows of this process's
