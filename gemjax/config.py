@@ -1031,21 +1031,22 @@ def _nest_legacy(d: dict) -> dict:
     """d (asdict's form) with every field at a path of ALIASES moved to the path it names
     now (a value that is already a sub-record's dict stays: that is the current form)."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    moved = []
     for section, fields in d.items():
         if not isinstance(fields, dict):
             continue
         for name, value in fields.items():
             new = ALIASES.get(f"{section}.{name}")
-            if new is None or isinstance(value, dict):
-                continue
-            del out[section][name]
-            *parents, leaf = new.split(".")
-            node = out
-            for p in parents:
-                child = node.get(p)
-                node[p] = child = dict(child) if isinstance(child, dict) else {}
-                node = child
-            node.setdefault(leaf, value)
+            if new is not None and not isinstance(value, dict):
+                del out[section][name]
+                moved.append((new, value))
+    for new, value in moved:
+        *parents, leaf = new.split(".")
+        node = out
+        for p in parents:
+            node[p] = dict(node.get(p) or {})
+            node = node[p]
+        node.setdefault(leaf, value)
     return out
 
 
