@@ -146,7 +146,7 @@ def test_admission_bad_arguments():
         FrequencyAdmission(4, 0, 1)
     with pytest.raises(ValueError, match="raw ids"):
         FrequencyAdmission(4, 1, 1).lookup(np.array([-1]))
-    with pytest.raises(ValueError, match="drift_every"):
+    with pytest.raises(ValueError, match="drift.every"):
         DriftingStream(get_config("tiny").data, 0)
-    with pytest.raises(ValueError, match="drift_strength"):
+    with pytest.raises(ValueError, match="drift.strength"):
         get_config("tiny", "data.drift_strength=1.5")

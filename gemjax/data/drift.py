@@ -18,9 +18,9 @@ stream is stationary; at each window start three things move:
                   Each item (candidate or event) is, with probability new_id_rate, a
                   fresh one: the fresh ranks opened so far ordered newest first, Zipf
                   over that order (the newest ids most popular, older ones fading).
-                  Raw ids reach beyond data.vocab_item; `gemjax.sparse.admission`
+                  Raw ids reach beyond data.synthetic.vocab_item; `gemjax.sparse.admission`
                   maps them to table rows. A fresh id's item bias is drawn once from
-                  (seed, its block) with the scale of data.item_bias and does not drift.
+                  (seed, its block) with the scale of data.synthetic.item_bias and does not drift.
 
 per_cat = vocab_item // num_categories. Every batch is a pure function of
 (seed, stream, step, shard, num_shards), as in the synthetic stream (the same
@@ -137,13 +137,13 @@ class _WindowStream(SyntheticStream):
 class DriftingStream:
     """Source protocol (`gemjax.data.source`) over the drifting stream (module doc).
 
-    Raw item ids exceed data.vocab_item once new_id_rate > 0 (fresh ids); feed the
+    Raw item ids exceed data.synthetic.vocab_item once new_id_rate > 0 (fresh ids); feed the
     batches through an id admission (`gemjax.sparse.admission`) before a model.
     """
 
     def __init__(self, cfg: DataConfig, seed: int, stream: str = "train"):
         if cfg.drift.every < 1:
-            raise ValueError(f"DriftingStream needs data.drift_every >= 1 (steps per window), "
+            raise ValueError(f"DriftingStream needs data.drift.every >= 1 (steps per window), "
                              f"got {cfg.drift.every}")
         self.cfg, self.seed, self.stream = cfg, seed, stream
         self._teachers: dict[int, PlantedTeacher] = {0: PlantedTeacher(cfg, seed)}

@@ -7,7 +7,7 @@ exactly rounded arithmetic (`portable_math` for exp / log / pow and for the dot
 products: no BLAS kernel or SIMD dispatch decides a bit). Shards are numbered globally (process_index * local_devices + d).
 
 Features of one sample (`gemjax.config.synthetic_schema(cfg)` is their FeatureSchema):
-  sparse   user (Zipf over data.vocab_user; no direct signal), segment (a hash of
+  sparse   user (Zipf over data.synthetic.vocab_user; no direct signal), segment (a hash of
            the user), context (Zipf), item (candidate, Zipf within its category),
            item_cat (= item % num_categories)
   dense    num_dense standard normals
@@ -168,7 +168,7 @@ class ShardInfo:
     """Side outputs of one shard's batch: true probabilities and fallback counters."""
 
     true_probs: np.ndarray          # [B, K]
-    seq_truncated_to_cap: int       # sequences longer than data.seq_cap (oldest events dropped)
+    seq_truncated_to_cap: int       # sequences longer than data.synthetic.seq_cap (oldest events dropped)
     seq_truncated_to_capacity: int  # sequences cut so a packed batch fits its capacity
 
 

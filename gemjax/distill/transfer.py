@@ -22,7 +22,7 @@ Methods (DistillConfig.methods, comma-separated; "" trains on the labels alone):
            before its step on the batch: one more forward), L2 penalty `adapter_l2`;
   repr     the teacher's sequence embedding of each sample (gemjax.distill.represent;
            a teacher without sequences: its user row) is a student input
-           (model.teacher_repr_dim); in training it is served from a per-user cache
+           (model.student.teacher_repr_dim); in training it is served from a per-user cache
            refreshed when older than `repr_window` steps (0: always the sample's own),
            in eval the sample's own; `repr_norm` "standardize" divides each feature's
            deviation from its mean by its std over the training rows served so far
@@ -93,7 +93,7 @@ class DistillConfig:
     repr_dropout: float = 0.0        # training: share of samples whose teacher features are zeroed
     share_accum: str = "teacher"     # tuned share: "teacher" (its Adagrad accumulators) | "fresh"
     share_freeze_steps: int = 0      # tuned share: steps the tables stay the teacher's first
-    share_lr_scale: float = 1.0      # tuned share: the student's train.sparse_lr times this
+    share_lr_scale: float = 1.0      # tuned share: the student's optim.sparse.lr times this
     share_dense: str = ""            # share: comma-separated dense param groups copied (tuned)
 
     @property

@@ -147,7 +147,7 @@ class TeacherArch:
 
 
 def teacher_arch(cfg) -> TeacherArch:
-    """cfg's TeacherArch. Pyramid levels: model.pyramid_levels, or by default two levels of
+    """cfg's TeacherArch. Pyramid levels: model.teacher.pyramid_levels, or by default two levels of
     model.block tokens (pool each block to 4, then encode only). FM-block tokens:
     model.fmb_tokens when < n, else n // 2."""
     f, m = schema_of(cfg), cfg.model
@@ -238,7 +238,7 @@ class GEMTeacher(nnx.Module):
     def inputs(self, acts: dict[str, jax.Array], dense: jax.Array, sequences: dict):
         """The ``inputs`` block: -> (x [B, n, D] feature tokens, {seq: (tokens [T, D], jagged)}),
         a sequence's tokens the sum of its field embeddings."""
-        # fields summed in float32 (bf16 rows, train.sparse_act_dtype=model, round once)
+        # fields summed in float32 (bf16 rows, sparse.act_dtype=model, round once)
         f = schema_of(self.cfg)
         x = feature_tokens(acts, dense, f, self.dense_proj, dense_tokens=self.dense_tokens,
                            width=self.dim, dtype=self.dtype)

@@ -1,19 +1,19 @@
 """Students: small vertical models on the teacher's feature schema (model.kind="student").
 
-Tokens per sample (each [w], w = model.student_width or model.dim; the features' tokens
+Tokens per sample (each [w], w = model.student.width or model.dim; the features' tokens
 from gemjax.layers.inputs):
   one per sparse feature (its looked-up row),
   `dense_tokens` from a projection of the dense features,
   per event sequence a short summary, no attention: the mean of the event embeddings
   (sum of the fields' rows) over the whole history and over the `student_recent`
   newest events (two tokens),
-  with model.teacher_repr_dim = E > 0: one token projected from the teacher features
+  with model.student.teacher_repr_dim = E > 0: one token projected from the teacher features
   the batch carries (DistillBatch.teacher_repr [B, E]; representation transfer).
 When student_width differs from model.dim, the looked-up rows (model.dim wide: tables
 shared with a teacher of that width) pass through one projection [dim, w] (after the
 sequence pooling, which commutes with it).
 
-Interaction (model.student_arch):
+Interaction (model.student.arch):
   "dlrm"    the pairwise dot products of the n tokens (upper triangle, n (n-1) / 2)
             next to the flattened tokens, then the head MLP;
   "wukong"  a Wukong stack (model.wukong_layers, fmb/lcb tokens, fm_rank, wukong_mlp),
@@ -69,7 +69,7 @@ def num_tokens(cfg: Config) -> int:
 
 class Student(nnx.Module):
     """acts {feature: [B, dim] or [T, dim]}, Batch (a DistillBatch with teacher
-    features when model.teacher_repr_dim > 0) -> logits [B, K] float32."""
+    features when model.student.teacher_repr_dim > 0) -> logits [B, K] float32."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         f, m = schema_of(cfg), cfg.model

@@ -56,7 +56,7 @@ def retrieval_forward_flops(cfg: Config, lengths) -> tuple[int, int]:
     elif kind == "hstu":
         per_token = 2 * d * HSTU_UVQK * d + 2 * d * d
     else:
-        raise ValueError(f"retrieval_forward_flops: unknown model.retrieval_encoder {kind!r}")
+        raise ValueError(f"retrieval_forward_flops: unknown model.retrieval.encoder {kind!r}")
     encoder = m.seq_layers * (per_token * t + 4 * d * causal_pairs(lengths))
     if m.retrieval.negatives > 0:
         scoring = 2 * t * d * (m.retrieval.negatives + 1)

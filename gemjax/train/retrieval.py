@@ -8,9 +8,9 @@ one the history tokens read (gemjax.train.retrieval_loss). The scored rows are l
 up through the EmbeddingCollection as one more feature of the item table
 (CANDIDATES), so its row-wise optimizer updates the rows they touch:
 
-  model.retrieval_negatives = 0   every item row is scored by every token: the full
+  model.retrieval.negatives = 0   every item row is scored by every token: the full
                                   softmax over the catalogue
-  model.retrieval_negatives = N   N rows drawn uniformly from [1, V) per device per
+  model.retrieval.negatives = N   N rows drawn uniformly from [1, V) per device per
                                   step, shared by that device's tokens (sampled
                                   softmax; a negative equal to the target is dropped)
 

@@ -5,9 +5,9 @@ jits them, on any mesh from gemjax.parallel.mesh.build_mesh.
 Train state (a plain pytree, checkpointed whole):
     {"step": int32 [], "params": nested dict of float32 arrays (the NNX params),
      "opt_state": optax state, "tables": {table: {"weights": [V, D], "accum": [V]}}}
-  plus, under model.precision=fp8 with model.fp8_scaling=delayed,
+  plus, under model.precision.format=fp8 with model.precision.scaling=delayed,
      "fp8_meta": {"/"-joined path of each FP8 linear: amax history float32 [3, H]}
-  (rows x, w, dy, newest first; H = model.fp8_amax_history; replicated): each step
+  (rows x, w, dy, newest first; H = model.precision.amax_history; replicated): each step
   scales its FP8 operands from it and writes the next one (gemjax.precision.delayed: the
   history's "gradient" is its update; it never enters the optimizer).
 
@@ -32,7 +32,7 @@ Layout, for a mesh such as replica=2,fsdp=2,expert=2:
            shard_map each parameter is all-gathered over its sharded axes, so the
            backward pass reduce-scatters its gradient back to the shard (and
            sums over the replica axes); params and optimizer state stay sharded.
-  fp8      with model.precision=fp8 and model.fp8_gather (default "exact": the tensor and
+  fp8      with model.precision.format=fp8 and model.precision.gather (default "exact": the tensor and
            blocked scalings; "always": rowwise too), the kernel of each FP8 linear
            sharded over one dim goes through gemjax.precision.fsdp.all_gather_fp8_weight
            instead: quantized once per step with the FP8 GEMM's own scales, gathered as
@@ -121,7 +121,7 @@ def gather_param(x: jax.Array, spec: P, local_dims: Sequence[int] = ()) -> jax.A
 class Fp8Weight:
     """A leaf of StepContext.fp8_weights: the kernel of an FP8 linear, its GEMM's recipe
     and input dtype (None: the kernel's own); rowwise: gathered as FP8 under the rowwise
-    scaling too (model.fp8_gather=always)."""
+    scaling too (model.precision.gather=always)."""
     recipe: Any
     dtype: str | None
     rowwise: bool = False
@@ -276,7 +276,7 @@ class StepContext:
     objective: Objective = BinaryTasks()
     # like params: Fp8Weight at the kernels gathered as FP8 (None: every param gathered as is)
     fp8_weights: Any = None
-    fp8_margin: int = 0      # model.fp8_margin: the delayed scales' headroom
+    fp8_margin: int = 0      # model.precision.margin: the delayed scales' headroom
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
