@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from gemjax.config import get_config
+from gemjax.config import field_paths, get_config
 from gemjax.models.gem import build_model
 from experiments import ablate
 
@@ -23,16 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {
     "full": {},
     "no_sequences": {"kind": "gem", "use_sequences": False},
-    "no_pma": {"pma_tokens": 0},
-    "no_cross_layer": {"cross_layer_attention": False},
-    "no_experts": {"num_experts": 0},
+    "no_pma": {"teacher.pma_tokens": 0},
+    "no_cross_layer": {"teacher.cross_layer_attention": False},
+    "no_experts": {"teacher.num_experts": 0},
     "softmax_attention": {"attention": "softmax"},
     "gdpa_attention": {"attention": "gdpa"},
 }
 
 
 def _model_diff(a, b):
-    da, db = dataclasses.asdict(a.model), dataclasses.asdict(b.model)
+    da, db = field_paths(a.model), field_paths(b.model)
     return {k: db[k] for k in da if da[k] != db[k]}
 
 
