@@ -132,7 +132,8 @@ def finished(cfg: Config, workdir: str) -> dict | None:
         return None
     with open(cfg_path) as f:
         saved = json.load(f)
-    if saved != _jsonable(cfg):
+    from gemjax.config import nest_flat_fields
+    if nest_flat_fields(saved) != _jsonable(cfg):       # a flat config.json reads as nested
         raise ValueError(f"{workdir} holds a run of another config ({cfg_path}); "
                          f"use a fresh --workdir or remove it")
     if os.path.exists(sum_path):

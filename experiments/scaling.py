@@ -364,7 +364,9 @@ def run_rung(cfg, workdir: str, log=print) -> dict:
     want = {"config": _jsonable(cfg)}
     spec = os.path.join(workdir, "rung.json")
     if os.path.exists(spec):
-        if json.load(open(spec)) != want:
+        from gemjax.config import nest_flat_fields
+        had = json.load(open(spec))
+        if {**had, "config": nest_flat_fields(had.get("config") or {})} != want:
             raise ValueError(f"{workdir} holds a run of another config ({spec}); give another "
                              f"--out or remove it")
     else:

@@ -1027,9 +1027,11 @@ def _from_json(value: Any, typ: Any, path: str):
     raise ValueError(f"config field {path}: unsupported field type {typ}")
 
 
-def _nest_legacy(d: dict) -> dict:
-    """d (asdict's form) with every field at a path of ALIASES moved to the path it names
-    now (a value that is already a sub-record's dict stays: that is the current form)."""
+def nest_flat_fields(d: dict) -> dict:
+    """d (asdict's form of a Config, e.g. a run's config.json) with every field at a path
+    of ALIASES moved to the path it names now (a value that is already a sub-record's dict
+    stays: that is the current form). A flat file's dict comes out equal to
+    dataclasses.asdict of the Config it holds."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
     moved = []
     for section, fields in d.items():
@@ -1080,7 +1082,7 @@ def config_from_dict(d: dict) -> Config:
     if unknown:
         raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, "
                          f"{', '.join(SECTIONS)}, features")
-    d = _nest_legacy(d)
+    d = nest_flat_fields(d)
     kw: dict[str, Any] = {}
     if "name" in d:
         kw["name"] = _from_json(d["name"], str, "name")

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from gemjax.config import (ALIASES, PRESETS, SECTIONS, apply_overrides, config_from_dict,
-                           field_paths, get_config)
+                           field_paths, get_config, nest_flat_fields)
 from gemjax.train.guards import ResumeMismatch, check_resume, run_fields
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -51,6 +51,7 @@ def test_old_config_json_loads_to_the_equal_nested_config():
     old = _load("config_flat_presets.json")
     for name, cfg in PRESETS.items():
         assert config_from_dict(old[name]) == cfg, name
+        assert nest_flat_fields(old[name]) == json.loads(json.dumps(dataclasses.asdict(cfg))), name
     run = _load("config_flat_tiny_run.json")
     assert config_from_dict(run) == apply_overrides(get_config("tiny"), "train.steps=50")
     # the nested form round-trips, and a flat file with moved fields set reads them back
@@ -119,3 +120,15 @@ def test_resume_reads_a_flat_checkpoints_run_fields():
     check_resume(meta, cfg, 10, "w")
     with pytest.raises(ResumeMismatch, match="data.synthetic.vocab_item is 401, the checkpoint's is 400"):
         check_resume(meta, apply_overrides(cfg, "data.vocab_item=401"), 10, "w")
+
+
+def test_an_old_run_directory_is_the_same_run(tmp_path):
+    """experiments/ablate.py reuses a workdir only for the config it holds: a flat
+    config.json is the same config, a changed moved field is another."""
+    from experiments import ablate
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(_load("config_flat_tiny_run.json"), f)
+    cfg = apply_overrides(get_config("tiny"), "train.steps=50")
+    assert ablate.finished(cfg, str(tmp_path)) is None          # the same run, not finished
+    with pytest.raises(ValueError, match="another config"):
+        ablate.finished(apply_overrides(cfg, "model.precision.format=fp8"), str(tmp_path))
