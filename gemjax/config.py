@@ -92,7 +92,8 @@ class DataConfig:
     # parquet: resume although the train files differ from WORKDIR/train_files.json (the
     # files the run started with); the change is logged and recorded there
     accept_changed_files: bool = False
-    recent: int = 32                 # recency window over sequences (the gem model's and the synthetic teacher's)
+    # recency window over sequences (the gem model's recent pooling, the synthetic teacher's)
+    recent: int = 32
     capacity_slack: float = 1.3      # packed capacity = slack * expected tokens per batch
     eval_batches: int = 16       # eval batches (0: the whole eval data once)
     host_workers: int = 1            # Feeder threads: each builds, checks and device_puts (step, shard) pieces

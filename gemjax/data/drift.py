@@ -69,8 +69,9 @@ class _ItemBias:
         with self._lock:
             if b not in self._blocks:
                 rng = np.random.default_rng([self.seed, 7919, 1, b])
-                self._blocks[b] = rng.normal(0, 1.0, new_block(self.cfg) * self.cfg.synthetic.num_categories) \
-                    * self.cfg.synthetic.item_bias
+                s = self.cfg.synthetic
+                self._blocks[b] = rng.normal(0, 1.0, new_block(self.cfg) * s.num_categories) \
+                    * s.item_bias
             return self._blocks[b]
 
     def __getitem__(self, item) -> np.ndarray:
@@ -96,15 +97,16 @@ def _noise(cfg: DataConfig, seed: int, window: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([seed, 7919, 0, window])
     r = 4
     f = 1 / math.sqrt(math.sqrt(r))
-    return {"w_seg": rng.normal(0, cfg.synthetic.first_order, cfg.synthetic.vocab_segment),
-            "w_ctx": rng.normal(0, cfg.synthetic.first_order, cfg.synthetic.vocab_context),
-            "w_item": rng.normal(0, 1.0, cfg.synthetic.vocab_item) * cfg.synthetic.item_bias,
-            "u_seg": rng.normal(0, f, (cfg.synthetic.vocab_segment, r)),
-            "c_ctx": rng.normal(0, f, (cfg.synthetic.vocab_context, r)),
-            "g_cat": rng.normal(0, f, (cfg.synthetic.num_categories, r)),
-            "h_ctx": rng.normal(0, f, (cfg.synthetic.vocab_context, r)),
-            "w_dense": rng.normal(0, cfg.synthetic.dense_signal / math.sqrt(max(cfg.synthetic.num_dense, 1)),
-                                  cfg.synthetic.num_dense)}
+    s = cfg.synthetic
+    return {"w_seg": rng.normal(0, s.first_order, s.vocab_segment),
+            "w_ctx": rng.normal(0, s.first_order, s.vocab_context),
+            "w_item": rng.normal(0, 1.0, s.vocab_item) * s.item_bias,
+            "u_seg": rng.normal(0, f, (s.vocab_segment, r)),
+            "c_ctx": rng.normal(0, f, (s.vocab_context, r)),
+            "g_cat": rng.normal(0, f, (s.num_categories, r)),
+            "h_ctx": rng.normal(0, f, (s.vocab_context, r)),
+            "w_dense": rng.normal(0, s.dense_signal / math.sqrt(max(s.num_dense, 1)),
+                                  s.num_dense)}
 
 
 class _WindowStream(SyntheticStream):

@@ -133,33 +133,33 @@ class PlantedTeacher:
     seed: int
 
     def __post_init__(self):
-        c = self.cfg
+        c = self.cfg.synthetic
         rng = np.random.default_rng([self.seed, 7919])
         r = 4
-        self.w_seg = rng.normal(0, c.synthetic.first_order, c.synthetic.vocab_segment)
-        self.w_ctx = rng.normal(0, c.synthetic.first_order, c.synthetic.vocab_context)
-        self.w_item = rng.normal(0, 1.0, c.synthetic.vocab_item) * c.synthetic.item_bias
-        self.u_seg = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.synthetic.vocab_segment, r))
-        self.c_ctx = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.synthetic.vocab_context, r))
-        self.g_cat = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.synthetic.num_categories, r))
-        self.h_ctx = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.synthetic.vocab_context, r))
-        self.w_dense = rng.normal(0, c.synthetic.dense_signal / math.sqrt(max(c.synthetic.num_dense, 1)), c.synthetic.num_dense)
-        self.q_cat = rng.choice([-1.0, 1.0], c.synthetic.num_categories)
+        self.w_seg = rng.normal(0, c.first_order, c.vocab_segment)
+        self.w_ctx = rng.normal(0, c.first_order, c.vocab_context)
+        self.w_item = rng.normal(0, 1.0, c.vocab_item) * c.item_bias
+        self.u_seg = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.vocab_segment, r))
+        self.c_ctx = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.vocab_context, r))
+        self.g_cat = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.num_categories, r))
+        self.h_ctx = rng.normal(0, 1 / math.sqrt(math.sqrt(r)), (c.vocab_context, r))
+        self.w_dense = rng.normal(0, c.dense_signal / math.sqrt(max(c.num_dense, 1)), c.num_dense)
+        self.q_cat = rng.choice([-1.0, 1.0], c.num_categories)
         base = np.array([-0.8, -1.6, -0.4, -1.2, -1.0, -2.0])
-        self.base = np.resize(base, c.synthetic.num_surfaces * c.synthetic.num_tasks).reshape(c.synthetic.num_surfaces, c.synthetic.num_tasks)
-        self.alpha = rng.uniform(0.7, 1.3, (c.synthetic.num_surfaces, c.synthetic.num_tasks))
+        self.base = np.resize(base, c.num_surfaces * c.num_tasks).reshape(c.num_surfaces, c.num_tasks)
+        self.alpha = rng.uniform(0.7, 1.3, (c.num_surfaces, c.num_tasks))
 
     def logits(self, segment, context, item, item_cat, dense, clicks_frac, views_q, surface):
         """[B, K] true logits."""
-        c = self.cfg
+        c = self.cfg.synthetic
         z = self.w_seg[segment] + self.w_ctx[context] + self.w_item[item]
         pair = np.zeros_like(z)
         for u, v in ((self.u_seg[segment], self.c_ctx[context]),
                      (self.g_cat[item_cat], self.h_ctx[context])):
             pair += portable_math.dot(u * v, np.ones(u.shape[1]))
-        z = z + c.synthetic.fm * pair
+        z = z + c.fm * pair
         z = z + portable_math.dot(dense, self.w_dense)
-        z = z + c.synthetic.clicks_signal * clicks_frac + c.synthetic.views_signal * views_q * self.q_cat[item_cat]
+        z = z + c.clicks_signal * clicks_frac + c.views_signal * views_q * self.q_cat[item_cat]
         return self.base[surface] + self.alpha[surface] * z[:, None]
 
 
@@ -206,10 +206,10 @@ class SyntheticStream:
     def _items_of(self, rng, cats: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Item ids: category + num_categories * Zipf rank within the category (int64, or
         written into the integer array `out`)."""
-        c = self.cfg
-        per_cat = c.synthetic.vocab_item // c.synthetic.num_categories
-        items = zipf_ranks(rng, per_cat, c.synthetic.zipf, cats.shape, out=out)
-        items *= c.synthetic.num_categories
+        c = self.cfg.synthetic
+        per_cat = c.vocab_item // c.num_categories
+        items = zipf_ranks(rng, per_cat, c.zipf, cats.shape, out=out)
+        items *= c.num_categories
         items += cats
         return items
 
@@ -222,13 +222,13 @@ class SyntheticStream:
         token order. The random draws (their order and sizes) define the stream;
         everything else is vectorised numpy on int32 where the values allow.
         """
-        c = self.cfg
+        c = self.cfg.synthetic
         b = fav.shape[0]
-        raw = portable_math.exp(rng.normal(float(portable_math.log(c.synthetic.seq_median)), c.synthetic.seq_sigma, b))
+        raw = portable_math.exp(rng.normal(float(portable_math.log(c.seq_median)), c.seq_sigma, b))
         lengths = np.maximum(np.rint(raw).astype(np.int64), 1)
         lengths[rng.random(b) < 0.05] = 0                 # new users: empty histories
-        over_cap = int((lengths > c.synthetic.seq_cap).sum())
-        lengths = np.minimum(lengths, c.synthetic.seq_cap)          # keep the most recent seq_cap events
+        over_cap = int((lengths > c.seq_cap).sum())
+        lengths = np.minimum(lengths, c.seq_cap)          # keep the most recent seq_cap events
         total = int(lengths.sum())
         fits = total <= capacity
         if fits:                                          # the usual case: the layout is final
@@ -239,15 +239,15 @@ class SyntheticStream:
         use_fav = rng.random(total) < _FAV_PROB[name]
         fav_slot = rng.integers(0, _NUM_FAV, total, dtype=np.int32)   # index into fav.ravel()
         fav_slot += seg * _NUM_FAV
-        cats = rng.integers(0, c.synthetic.num_categories, total, dtype=np.int32)
+        cats = rng.integers(0, c.num_categories, total, dtype=np.int32)
         np.copyto(cats, fav.ravel().astype(np.int32).take(fav_slot), where=use_fav)
         del fav_slot, use_fav
         item_buf = np.zeros(capacity, np.int32) if fits else np.empty(total, np.int32)
         self._items_of(rng, cats, out=item_buf[:total])   # written in place when the batch fits
-        events = rng.integers(0, c.synthetic.num_event_types, total, dtype=np.int32)
+        events = rng.integers(0, c.num_event_types, total, dtype=np.int32)
         ends = np.cumsum(lengths)                         # offsets[1:] of the uncut sequence
         # the teacher's recency window: tokens [end - min(L, recent), end) of each sample
-        n_recent = np.minimum(lengths, c.recent)
+        n_recent = np.minimum(lengths, self.cfg.recent)
         r_total = int(n_recent.sum())
         seg_r = np.repeat(np.arange(b, dtype=np.int32), n_recent)
         r_start = np.zeros(b, np.int64)
@@ -279,21 +279,21 @@ class SyntheticStream:
 
     def shard_batch(self, step: int, shard: int = 0, num_shards: int = 1):
         """(Batch of numpy arrays, ShardInfo) for one shard of global step `step`."""
-        c = self.cfg
+        c = self.cfg.synthetic
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range for {num_shards} shards")
         b = self.local_batch_size(num_shards)
         cap = self.sequence_capacity(num_shards)
         rng = np.random.default_rng([self.seed, _STREAMS[self.stream], step, shard])
-        user = (zipf_ranks(rng, c.synthetic.vocab_user, c.synthetic.zipf, b) * self._user_mult) % c.synthetic.vocab_user
-        segment = (user * 40503 + 17) % c.synthetic.vocab_segment
-        context = zipf_ranks(rng, c.synthetic.vocab_context, c.synthetic.zipf, b)
+        user = (zipf_ranks(rng, c.vocab_user, c.zipf, b) * self._user_mult) % c.vocab_user
+        segment = (user * 40503 + 17) % c.vocab_segment
+        context = zipf_ranks(rng, c.vocab_context, c.zipf, b)
         fav = self._favourites(user)
         cand_cat = np.where(rng.random(b) < 0.5, fav[np.arange(b), rng.integers(0, _NUM_FAV, b)],
-                            rng.integers(0, c.synthetic.num_categories, b))
+                            rng.integers(0, c.num_categories, b))
         item = self._items_of(rng, cand_cat)
-        dense = rng.normal(size=(b, c.synthetic.num_dense)).astype(np.float32)
-        surface = rng.integers(0, c.synthetic.num_surfaces, b)
+        dense = rng.normal(size=(b, c.num_dense)).astype(np.float32)
+        surface = rng.integers(0, c.num_surfaces, b)
         seqs, stats = {}, [0, 0]
         signal = {}
         for name in SEQUENCES:
@@ -313,8 +313,8 @@ class SyntheticStream:
         probs = 1.0 / (1.0 + portable_math.exp(-logits))
         labels = (rng.random(probs.shape) < probs).astype(np.float32)
         label_mask = np.ones_like(labels)
-        if c.synthetic.num_tasks > 1:
-            label_mask[:, 1:] = (rng.random((b, c.synthetic.num_tasks - 1)) < 0.8)
+        if c.num_tasks > 1:
+            label_mask[:, 1:] = (rng.random((b, c.num_tasks - 1)) < 0.8)
         i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
         batch = Batch(
             sparse={"user": i32(user), "segment": i32(segment), "context": i32(context),
