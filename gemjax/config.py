@@ -669,6 +669,10 @@ def _replace(obj: Any, typ: Any, names: list[str], depth: int, value: str, path:
     else:
         raise ValueError(f"override {path!r}: {here} is {obj!r}, which has no fields")
     if depth + 1 == len(names):
+        if dataclasses.is_dataclass(old):
+            known = ", ".join(f.name for f in dataclasses.fields(old))
+            raise ValueError(f"override {path!r}: {path} is a record of fields ({known}); "
+                             f"set {path}.<field>=value")
         new = _coerce(value, sub_typ, path)
     else:
         new = _replace(old, sub_typ, names, depth + 1, value, path)

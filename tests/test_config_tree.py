@@ -45,6 +45,8 @@ def test_alias_table_is_one_to_one_onto_leaf_fields():
     assert set(ALIASES.values()) <= leaves and len(set(ALIASES.values())) == len(ALIASES)
     assert not set(ALIASES) & leaves           # no old path is a field path now
     assert set(SECTIONS) == set(FLAT_SECTIONS) | {"sparse"}
+    with pytest.raises(ValueError, match="model.teacher is a record of fields"):
+        get_config("tiny", "model.teacher=3")
 
 
 def test_old_config_json_loads_to_the_equal_nested_config():
