@@ -3,6 +3,14 @@
     cfg = get_config("small", overrides="data.batch_size=512,model.dim=32")
     cfg = config_from_dict(json.load(open("runs/x/config.json")))   # a run's config back
 
+The tree: Config.{data, model, train, parallel, optim, sparse}, with sub-records
+data.synthetic (the synthetic stream's shape), data.drift (the drifting stream),
+model.teacher / model.retrieval / model.student (each model kind's own fields),
+model.precision (FP8 GEMMs), optim.dense / optim.sparse (each optimizer with its
+learning rate). An override path names a leaf ("model.teacher.num_experts=4");
+ALIASES maps each path of the flat tree the sub-records replaced ("model.num_experts",
+"train.dense_lr", ...) to its path now, for overrides and old config.json files alike.
+
 The named presets are defined in gemjax.presets, which fills PRESETS here on import
 (gemjax/__init__.py imports it); this module imports only gemjax.features.
 """
