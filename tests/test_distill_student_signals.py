@@ -176,7 +176,7 @@ def test_drift_student_resumes_after_signals_and_exports(tmp_path):
     wd = _check(args, "drift", "repr_s0", tmp_path,
                 [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
     cfg = json.load(open(os.path.join(wd, "config.json")))
-    assert cfg["data"]["drift_start"] == 4 and cfg["data"]["eval_batches"] == 2
+    assert cfg["data"]["drift"]["start"] == 4 and cfg["data"]["eval_batches"] == 2
     manifest = json.load(open(os.path.join(tmp_path, "export", "manifest.json")))
     assert any(k.startswith("teacher/") for k in manifest["inputs"]["tables"])
 
