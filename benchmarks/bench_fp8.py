@@ -125,9 +125,10 @@ def step_gemms(cfg) -> dict[tuple[int, int, int], int]:
     from gemjax.train.step import Trainer
 
     d = cfg.data
-    small = dataclasses.replace(cfg, data=dataclasses.replace(
-        d, vocab_user=min(d.vocab_user, 1_000), vocab_item=min(d.vocab_item, max(1_000, d.num_categories))),
-        model=dataclasses.replace(cfg.model, precision="bf16"))
+    s = d.synthetic
+    small = dataclasses.replace(cfg, data=dataclasses.replace(d, synthetic=dataclasses.replace(
+        s, vocab_user=min(s.vocab_user, 1_000), vocab_item=min(s.vocab_item, max(1_000, s.num_categories)))),
+        model=dataclasses.replace(cfg.model, precision=dataclasses.replace(cfg.model.precision, format="bf16")))
     trainer = Trainer.create(small)
     state = trainer.init_state(0)
     feeder = Feeder(SyntheticStream(small.data, 0).shard_batch, trainer.mesh)

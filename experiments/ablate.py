@@ -110,8 +110,8 @@ def interformer_max_len(cfg: Config) -> int:
     level), summed over the sequences."""
     from gemjax.data.synthetic import SEQUENCES
     b = cfg.model.block
-    length = cfg.data.seq_cap
-    for block, pooled, _ in cfg.model.pyramid_levels or ((b, 4, 1), (b, None, 1)):
+    length = cfg.data.synthetic.seq_cap
+    for block, pooled, _ in cfg.model.teacher.pyramid_levels or ((b, 4, 1), (b, None, 1)):
         if pooled is not None:
             length = -(-length // block) * pooled
     return length * len(SEQUENCES)
@@ -132,7 +132,8 @@ def finished(cfg: Config, workdir: str) -> dict | None:
         return None
     with open(cfg_path) as f:
         saved = json.load(f)
-    if saved != _jsonable(cfg):
+    from gemjax.config import nest_flat_fields
+    if nest_flat_fields(saved) != _jsonable(cfg):       # a flat config.json reads as nested
         raise ValueError(f"{workdir} holds a run of another config ({cfg_path}); "
                          f"use a fresh --workdir or remove it")
     if os.path.exists(sum_path):

@@ -196,15 +196,15 @@ class DriftWindows:
     def __init__(self, cfg, teacher_steps: int, student_steps: int):
         from gemjax.data.drift import DriftingStream
         d = cfg.data
-        if d.drift_every < 1:
-            raise ValueError(f"--dataset=drift needs data.drift_every >= 1, got {d.drift_every}")
+        if d.drift.every < 1:
+            raise ValueError(f"--dataset=drift needs data.drift.every >= 1, got {d.drift.every}")
         for flag, n in (("--teacher_steps", teacher_steps), ("--student_steps", student_steps)):
-            if n < 1 or n % d.drift_every:
+            if n < 1 or n % d.drift.every:
                 raise ValueError(f"--dataset=drift: {flag}={n} must be a positive multiple of "
-                                 f"data.drift_every={d.drift_every} (whole windows)")
-        if d.new_id_rate:
+                                 f"data.drift.every={d.drift.every} (whole windows)")
+        if d.drift.new_id_rate:
             raise ValueError(f"--dataset=drift needs data.new_id_rate=0 (fresh raw ids need an id "
-                             f"admission: experiments/online.py), got {d.new_id_rate}")
+                             f"admission: experiments/online.py), got {d.drift.new_id_rate}")
         self.stream = DriftingStream(d, cfg.train.seed)
         self.teacher = range(0, teacher_steps)
         self.student = range(teacher_steps, teacher_steps + student_steps)
@@ -244,7 +244,7 @@ class DriftWindows:
         from gemjax.serve.restore import read_config
         cfg = read_config(workdir)
         seen = self.consumed.setdefault(model, {"train": set(), "eval": set()})
-        start, stop = cfg.data.drift_start, cfg.data.drift_start + cfg.train.steps
+        start, stop = cfg.data.drift.start, cfg.data.drift.start + cfg.train.steps
         steps = {"train": range(start, stop), "eval": range(stop, stop + cfg.data.eval_batches)}
         for u in use:
             seen[u].update(steps[u])
@@ -260,7 +260,7 @@ def drift_config(cfg, start: int, teacher_lr: str = "decay"):
     data.drift_every); teacher_lr "constant": optim.schedule=warmup_constant (the lr of
     gemjax.train.online.online_trainer)."""
     from gemjax.config import apply_overrides
-    over = f"data.drift_start={start},data.eval_batches={cfg.data.drift_every}"
+    over = f"data.drift_start={start},data.eval_batches={cfg.data.drift.every}"
     return apply_overrides(cfg, over + (",optim.schedule=warmup_constant"
                                         if teacher_lr == "constant" else ""))
 
@@ -325,9 +325,9 @@ def latency_ms(cfg, batch_size: int, mesh) -> float:
     feeder = Feeder(make_source(cfg, "eval").shard_batch, mesh, prefetch=0)
     host, _, _ = feeder.host_batch(0)
     batch = feeder.to_device(host)
-    if cfg.model.teacher_repr_dim:
+    if cfg.model.student.teacher_repr_dim:
         batch = with_teacher(batch, np.zeros(host.labels.shape, np.float32),
-                             np.ones((batch_size, cfg.model.teacher_repr_dim), np.float32), mesh)
+                             np.ones((batch_size, cfg.model.student.teacher_repr_dim), np.float32), mesh)
     step = tr.make_eval_step()
     jax.block_until_ready(step(state, batch))
     times = []
@@ -353,7 +353,7 @@ def budget_rows(base, args, tcfg, mesh) -> list[dict]:
             cfg = student_config(model_config(base, args.student_override, 1, 0), tcfg,
                                  DistillConfig(methods=methods, share=args.share))
         tables = sum(s.vocab * s.dim * 4 for s in table_specs(cfg))
-        row = {"model": name, "arch": cfg.model.student_arch,
+        row = {"model": name, "arch": cfg.model.student.arch,
                "flops_per_sample": student_lib.forward_flops(cfg),
                "table_bytes": tables,
                "own_table_bytes": 0 if methods == "share" else tables,
@@ -515,7 +515,7 @@ def main(argv):
     t_steps = (f"{args.teacher_steps} steps" if args.teacher_mode == "offline"
                else f"trained with each student, {args.student_steps} steps")
     if drift:
-        w = base.data.drift_every
+        w = base.data.drift.every
         t_steps += (f", windows 0-{args.teacher_steps // w - 1} of {w} steps; students on the "
                     f"next {args.student_steps // w}, every row evaluated on the window after")
     text = (f"dataset {args.dataset}, teacher {args.teacher_mode} ({t_steps}), "

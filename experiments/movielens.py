@@ -145,7 +145,7 @@ def build_config(retrieval_dir: str, epochs: int, eval_epochs: int, seed: int, o
     every = max(1, min(eval_epochs, epochs)) * per_epoch
     sched = {"train.steps": str(epochs * per_epoch), "train.eval_every": str(every),
              "train.checkpoint_every": str(every), "train.log_every": str(per_epoch),
-             "train.warmup_steps": str(min(per_epoch, cfg.train.warmup_steps))}
+             "train.warmup_steps": str(min(per_epoch, cfg.optim.dense.warmup_steps))}
     if valid:
         sched["train.valid_every"] = str(every)
     return apply_overrides(cfg, sched)

@@ -246,8 +246,9 @@ def train_one(cfg, workdir: str, log=print) -> dict:
     path = os.path.join(workdir, RUN_CONFIG)
     want = _jsonable(cfg)
     if os.path.exists(path):
+        from gemjax.config import nest_flat_fields
         with open(path) as f:
-            had = json.load(f)
+            had = nest_flat_fields(json.load(f))       # a flat config reads as nested
         if had != want:
             diff = sorted(f"{s}.{k}" for s in want if isinstance(want[s], dict)
                           for k in want[s] if had.get(s, {}).get(k) != want[s][k])

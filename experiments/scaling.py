@@ -97,8 +97,8 @@ def _ranking_shape(d: int, layers: int) -> dict:
 
 def _needs_hstu() -> str | None:
     from gemjax.config import PRESETS, ModelConfig
-    if "movielens_hstu_large" not in PRESETS or not hasattr(ModelConfig(), "retrieval_encoder"):
-        return "needs the HSTU tower (preset movielens_hstu_large, model.retrieval_encoder)"
+    if "movielens_hstu_large" not in PRESETS or not hasattr(ModelConfig().retrieval, "encoder"):
+        return "needs the HSTU tower (preset movielens_hstu_large, model.retrieval.encoder)"
     return None
 
 
@@ -343,7 +343,7 @@ def run_config(base, rung: Rung, *, rows: int, epochs: int, valid_epochs: float,
         "train.valid_every": str(every), "train.eval_every": str(every),
         "train.checkpoint_every": str(every), "train.steps": str(steps),
         "train.log_every": str(max(1, min(per_epoch, every))),
-        "train.warmup_steps": str(min(per_epoch, cfg.train.warmup_steps)),
+        "train.warmup_steps": str(min(per_epoch, cfg.optim.dense.warmup_steps)),
         "train.seed": str(seed)})
 
 
@@ -364,7 +364,9 @@ def run_rung(cfg, workdir: str, log=print) -> dict:
     want = {"config": _jsonable(cfg)}
     spec = os.path.join(workdir, "rung.json")
     if os.path.exists(spec):
-        if json.load(open(spec)) != want:
+        from gemjax.config import nest_flat_fields
+        had = json.load(open(spec))
+        if {**had, "config": nest_flat_fields(had.get("config") or {})} != want:
             raise ValueError(f"{workdir} holds a run of another config ({spec}); give another "
                              f"--out or remove it")
     else:

@@ -202,7 +202,7 @@ def main(argv):
     from gemjax.train import runtime
     try:   # CUDA graphs on GPU, before the backend starts (GEMJAX_GPU_GRAPHS=0: off)
         runtime.enable_gpu_graphs()
-        runtime.enable_fp8_gemm_flags(cfg.model.precision)   # FP8 on GPU: cuBLAS GEMMs
+        runtime.enable_fp8_gemm_flags(cfg.model.precision.format)   # FP8 on GPU: cuBLAS GEMMs
     except ValueError as e:
         raise app.UsageError(str(e))
     import jax

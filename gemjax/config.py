@@ -3,6 +3,14 @@
     cfg = get_config("small", overrides="data.batch_size=512,model.dim=32")
     cfg = config_from_dict(json.load(open("runs/x/config.json")))   # a run's config back
 
+The tree: Config.{data, model, train, parallel, optim, sparse}, with sub-records
+data.synthetic (the synthetic stream's shape), data.drift (the drifting stream),
+model.teacher / model.retrieval / model.student (each model kind's own fields),
+model.precision (FP8 GEMMs), optim.dense / optim.sparse (each optimizer with its
+learning rate). An override path names a leaf ("model.teacher.num_experts=4");
+ALIASES maps each path of the flat tree the sub-records replaced ("model.num_experts",
+"train.dense_lr", ...) to its path now, for overrides and old config.json files alike.
+
 The named presets are defined in gemjax.presets, which fills PRESETS here on import
 (gemjax/__init__.py imports it); this module imports only gemjax.features.
 """
@@ -21,11 +29,49 @@ from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFe
 
 
 @dataclasses.dataclass(frozen=True)
+class SyntheticConfig:
+    """The synthetic stream's shape and planted strengths (gemjax.data.synthetic; its
+    feature schema is synthetic_schema of these fields)."""
+
+    num_surfaces: int = 2        # surfaces (e.g. feed, video), each with its own head
+    num_tasks: int = 2           # tasks (labels) per sample, e.g. click and conversion
+    vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
+    vocab_segment: int = 200         # user segment: first-order + FM signal
+    vocab_context: int = 50          # context: first-order + FM signal
+    vocab_item: int = 4_000          # items (candidate and events); category = item % num_categories
+    num_categories: int = 8      # item categories
+    num_event_types: int = 4     # event types of the sequences
+    num_dense: int = 4           # dense features
+    zipf: float = 1.05           # Zipf exponent of id popularity
+    seq_median: float = 32.0         # log-normal sequence lengths
+    seq_sigma: float = 0.8       # log-sigma of the sequence lengths
+    seq_cap: int = 256               # longer sequences keep their most recent events (counted)
+    # planted teacher strengths (logit units)
+    first_order: float = 0.4         # segment and context biases
+    item_bias: float = 0.0           # per-item biases (many rare ids: slow to learn)
+    fm: float = 0.8              # strength of the pairwise (FM) signal
+    dense_signal: float = 0.4    # strength of the dense features
+    clicks_signal: float = 3.0   # strength of the clicks sequence
+    views_signal: float = 1.5    # strength of the views sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class DriftConfig:
+    """The drifting online stream (gemjax.data.drift; experiments/online.py); every=0: off."""
+
+    every: int = 0             # steps per window; the planted model moves at each window start
+    strength: float = 0.0      # share of fresh parameters per window: p' = sqrt(1-s^2) p + s n
+    popularity_shift: int = 0        # within-category item popularity ranks rotate this far per window
+    new_id_rate: float = 0.0         # share of items drawn from the window's block of never-seen ids
+    start: int = 0             # make_source with drift.every > 0: run step 0 is this stream step
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The data source (gemjax.data.source.make_source) and its settings.
 
     source "synthetic": the planted-teacher stream (gemjax.data.synthetic), shaped by
-    the fields below from num_surfaces on. source "parquet": the user's files
+    data.synthetic. source "parquet": the user's files
     (gemjax.data.parquet), laid out by Config.features (required); train_path and
     eval_path are each a file, a directory (its *.parquet files) or a glob; the train
     stream reads in `order` ("shuffle": seeded row-group permutation plus an in-memory
@@ -54,20 +100,8 @@ class DataConfig:
     # parquet: resume although the train files differ from WORKDIR/train_files.json (the
     # files the run started with); the change is logged and recorded there
     accept_changed_files: bool = False
-    num_surfaces: int = 2        # synthetic: surfaces (e.g. feed, video), each with its own head
-    num_tasks: int = 2           # synthetic: tasks (labels) per sample, e.g. click and conversion
-    vocab_user: int = 100_000        # user ids: Zipf, no direct signal (too many to learn)
-    vocab_segment: int = 200         # user segment: first-order + FM signal
-    vocab_context: int = 50          # context: first-order + FM signal
-    vocab_item: int = 4_000          # items (candidate and events); category = item % num_categories
-    num_categories: int = 8      # synthetic: item categories
-    num_event_types: int = 4     # synthetic: event types of the sequences
-    num_dense: int = 4           # synthetic: dense features
-    zipf: float = 1.05           # synthetic: Zipf exponent of id popularity
-    seq_median: float = 32.0         # log-normal sequence lengths
-    seq_sigma: float = 0.8       # log-sigma of the sequence lengths
-    seq_cap: int = 256               # longer sequences keep their most recent events (counted)
-    recent: int = 32                 # the teacher's recency window over sequences
+    # recency window over sequences (the gem model's recent pooling, the synthetic teacher's)
+    recent: int = 32
     capacity_slack: float = 1.3      # packed capacity = slack * expected tokens per batch
     eval_batches: int = 16       # eval batches (0: the whole eval data once)
     host_workers: int = 1            # Feeder threads: each builds, checks and device_puts (step, shard) pieces
@@ -78,19 +112,6 @@ class DataConfig:
     negatives: int = 0
     # sampler file of data.negatives ("": negatives.npz beside the train file)
     negatives_path: str = ""
-    # planted teacher strengths (logit units)
-    first_order: float = 0.4         # segment and context biases
-    item_bias: float = 0.0           # per-item biases (many rare ids: slow to learn)
-    fm: float = 0.8              # synthetic: strength of the pairwise (FM) signal
-    dense_signal: float = 0.4    # synthetic: strength of the dense features
-    clicks_signal: float = 3.0   # synthetic: strength of the clicks sequence
-    views_signal: float = 1.5    # synthetic: strength of the views sequence
-    # drifting online stream (gemjax.data.drift; experiments/online.py); drift_every=0: off
-    drift_every: int = 0             # steps per window; the planted model moves at each window start
-    drift_strength: float = 0.0      # share of fresh parameters per window: p' = sqrt(1-s^2) p + s n
-    popularity_shift: int = 0        # within-category item popularity ranks rotate this far per window
-    new_id_rate: float = 0.0         # share of items drawn from the window's block of never-seen ids
-    drift_start: int = 0             # make_source with drift_every > 0: run step 0 is this stream step
     # parquet online training (gemjax.train.online, experiments/online.py): the column of event
     # times (integer or float seconds, or a Parquet timestamp) the time-ordered train rows are
     # sorted by; no nulls, never decreasing across the files in path order
@@ -103,13 +124,116 @@ class DataConfig:
     # every device; parquet: over each process's devices)
     bbs: bool = False
     bbs_sub_batch: int = 8       # samples per BBS sub-batch (divides data.batch_size)
+    # the synthetic stream's shape and planted strengths
+    synthetic: SyntheticConfig = SyntheticConfig()
+    # the drifting online stream (drift.every=0: off)
+    drift: DriftConfig = DriftConfig()
 
     @property
     def sequence_capacity(self) -> int:
         """Static packed capacity per sequence per batch (multiple of 128)."""
-        mean_len = min(self.seq_median * math.exp(self.seq_sigma ** 2 / 2), self.seq_cap)
+        s = self.synthetic
+        mean_len = min(s.seq_median * math.exp(s.seq_sigma ** 2 / 2), s.seq_cap)
         need = self.capacity_slack * self.batch_size * mean_len
         return max(128, int(math.ceil(need / 128)) * 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """The full GEM teacher's own fields (model.kind="teacher", gemjax.models.interformer).
+
+    Its InterFormer Sequence Arch self-attention is model.attention (one knob for the
+    sequence self-attention of either model kind): "block" = 64-token-style BlockAttention
+    (size model.block) with RoPE, "softmax" = full softmax attention, "gdpa" = full GDPA
+    (SiLU). The pyramid levels always use block attention; PMA and the personalized FFN
+    are always GDPA.
+    """
+
+    interformer_layers: int = 2      # InterFormer layers
+    summary_tokens: int = 4          # m: x_sum tokens
+    cls_tokens: int = 4              # c, p, r: s_sum = [CLS | PMA | most recent] tokens;
+    pma_tokens: int = 2              #   each may be 0 (that component removed), c + p + r > 0
+    recent_tokens: int = 2       # r: most recent sequence tokens in s_sum
+    # Pyramid levels per sequence, (block, pooled tokens per block, block-attention
+    # layers); pooled None ("none") only on the last level. None: ((block, 4, 1),
+    # (block, None, 1)) with block = model.block. Override form: levels separated
+    # by "/", fields by ":", e.g. model.teacher.pyramid_levels=32:4:1/32:none:1 ("none" = default).
+    pyramid_levels: tuple[tuple[int, int | None, int], ...] | None = None
+    num_experts: int = 0             # > 0: the Interaction Arch is a mixture of Wukong experts
+    top_k: int = 1                   # experts per sample (<= num_experts)
+    capacity_factor: float | None = None   # None: no drops ("none" in overrides)
+    lb_coef: float = 0.01            # weight of the experts' load-balancing loss
+    cross_layer_attention: bool = True   # Wukong layer inputs attend over earlier layers' outputs
+    head_towers: str = "per_surface"     # multi-domain head: "per_surface" or "shared"
+    # the transformer FFN activation (pyramid and InterFormer Sequence Arch):
+    # "gelu" (exact, erf), "gelu_tanh" (the tanh approximation: 12% less time than exact
+    # GELU for a [659072, 512] -> 1024 -> 512 FFN's forward + backward on an H200, whose
+    # erf XLA expands into a long f32 polynomial), "relu" or "silu"
+    ffn_activation: str = "gelu"
+    # biases of the pyramid's per-token Linears (block-attention projections, FFNs, pooling
+    # attention): XLA adds each bias in a pass of its own over the [tokens, width] output
+    # and reduces it again for the gradient (cuBLASLt's bias epilogue is not used)
+    token_bias: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalConfig:
+    """Next-item retrieval (model.kind="retrieval": gemjax.models.retrieval,
+    gemjax.train.retrieval)."""
+
+    negatives: int = 0     # 0: full softmax over the item table; N: N uniform rows per device per step
+    temperature: float = 1.0   # logits = user . item / temperature
+    l2norm: bool = False   # l2-normalise user and item vectors (cosine logits)
+    dropout: float = 0.2   # dropout on the input tokens while training
+    # user tower: "softmax": SequenceEncoder (model.attention, causal); "hstu": HSTU blocks
+    # (gemjax.layers.hstu; GDPA SiLU, gated)
+    encoder: str = "softmax"
+    hstu_dropout: float = 0.2        # "hstu": dropout on each block's gated attention output
+    # "hstu": relative attention bias added to the logits before the SiLU: "none" (position
+    # from model.rope and the recency embedding only; the GDPA kernel), "position" (a learned
+    # logit per head and distance i - j), "position+time" (plus one per log-bucketed time
+    # gap; needs per-event timestamps, which no schema sequence carries yet)
+    hstu_rel_bias: str = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentConfig:
+    """Distillation students (model.kind="student": gemjax.models.student)."""
+
+    arch: str = "dlrm"       # "dlrm" (pairwise dots + MLP) or "wukong" (small Wukong + MLP)
+    width: int = 0           # token width; 0: model.dim (else looked-up rows are projected)
+    recent: int = 8          # newest events of each sequence's short summary
+    teacher_repr_dim: int = 0        # E of the teacher features the batch carries (0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """FP8 GEMMs per region (gemjax.precision.policy; region names separated by "+").
+
+    gem1b's step on one H200: 189.7 ms BF16, 270.6 ms FP8 (the quantize passes outweigh
+    the faster GEMMs; 203.1 ms with regions=wukong+interformer; docs/precision.md).
+    """
+
+    format: str = "bf16"          # "bf16": every GEMM in model.dtype; "fp8": the regions' linears in FP8
+    # format=fp8: the regions whose linears run in FP8
+    regions: str = "wukong+interformer+attn_proj+sequence"
+    exclude: str = "heads+last"  # regions (or "last": the last layer) kept in model.dtype
+    # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales), or "delayed": per-tensor
+    # scales from the amaxes of the last amax_history steps (gemjax.precision.delayed; the
+    # histories live in the train state's "fp8_meta")
+    scaling: str = "rowwise"
+    amax_history: int = 16       # scaling=delayed: steps of amax history per operand
+    margin: int = 0              # scaling=delayed: scales get 2**margin headroom
+    grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
+    wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
+    fast_accum: str = "none"     # "forward": the forward GEMMs in FP8 fast accumulation
+    # format=fp8 with FSDP-sharded kernels: which FP8 linears' kernels the train step
+    # gathers as FP8 bits (quantized once per step with the GEMM's scales) instead of float32
+    # (gemjax.precision.fsdp.all_gather_fp8_weight; docs/precision.md). "exact": under the
+    # tensor and blocked scalings (one quantization of w serves forward and dgrad, so the step
+    # is unchanged); "always": rowwise too (its dgrad re-quantizes the gathered weight per row);
+    # "off": every kernel gathered in float32
+    gather: str = "exact"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,113 +255,31 @@ class ModelConfig:
     # head MLP widths
     head_mlp: tuple[int, ...] = (64,)
     dtype: str = "float32"           # compute dtype; parameters are float32
-    # --- the full GEM teacher (kind="teacher", gemjax.models.interformer) ---
-    # Its InterFormer Sequence Arch self-attention is `attention` above (one knob for
-    # the sequence self-attention of either model kind; there is no separate
-    # seq_attention field): "block" = 64-token-style BlockAttention (size `block`)
-    # with RoPE, "softmax" = full softmax attention, "gdpa" = full GDPA (SiLU). The
-    # pyramid levels always use block attention; PMA and the personalized FFN are
-    # always GDPA.
-    interformer_layers: int = 2
-    summary_tokens: int = 4          # m: x_sum tokens
-    cls_tokens: int = 4              # c, p, r: s_sum = [CLS | PMA | most recent] tokens;
-    pma_tokens: int = 2              #   each may be 0 (that component removed), c + p + r > 0
-    recent_tokens: int = 2       # r: most recent sequence tokens in s_sum
-    # Pyramid levels per sequence, (block, pooled tokens per block, block-attention
-    # layers); pooled None ("none") only on the last level. None: ((block, 4, 1),
-    # (block, None, 1)) with block = model.block. Override form: levels separated
-    # by "/", fields by ":", e.g. model.pyramid_levels=32:4:1/32:none:1 ("none" = default).
-    pyramid_levels: tuple[tuple[int, int | None, int], ...] | None = None
-    num_experts: int = 0             # > 0: the Interaction Arch is a mixture of Wukong experts
-    top_k: int = 1                   # experts per sample (<= num_experts)
-    capacity_factor: float | None = None   # None: no drops ("none" in overrides)
-    lb_coef: float = 0.01            # weight of the experts' load-balancing loss
-    cross_layer_attention: bool = True   # Wukong layer inputs attend over earlier layers' outputs
     qk_norm: bool = True         # LayerNorm on queries and keys of the sequence attention
     rope: bool = True                # RoPE on sequence self-attention ("block" always rotates)
-    head_towers: str = "per_surface"     # multi-domain head: "per_surface" or "shared"
-    # --- next-item retrieval (kind="retrieval": gemjax.models.retrieval, gemjax.train.retrieval) ---
-    retrieval_negatives: int = 0     # 0: full softmax over the item table; N: N uniform rows per device per step
-    retrieval_temperature: float = 1.0   # logits = user . item / temperature
-    retrieval_l2norm: bool = False   # l2-normalise user and item vectors (cosine logits)
-    retrieval_dropout: float = 0.2   # dropout on the input tokens while training
-    retrieval_encoder: str = "softmax"   # "softmax": SequenceEncoder (model.attention, causal);
-                                         # "hstu": HSTU blocks (gemjax.layers.hstu; GDPA SiLU, gated)
-    hstu_dropout: float = 0.2        # "hstu": dropout on each block's gated attention output
-    # "hstu": relative attention bias added to the logits before the SiLU: "none" (position
-    # from model.rope and the recency embedding only; the GDPA kernel), "position" (a learned
-    # logit per head and distance i - j), "position+time" (plus one per log-bucketed time
-    # gap; needs per-event timestamps, which no schema sequence carries yet)
-    hstu_rel_bias: str = "none"
-    # --- distillation students (kind="student": gemjax.models.student) ---
-    student_arch: str = "dlrm"       # "dlrm" (pairwise dots + MLP) or "wukong" (small Wukong + MLP)
-    student_width: int = 0           # token width; 0: model.dim (else looked-up rows are projected)
-    student_recent: int = 8          # newest events of each sequence's short summary
-    teacher_repr_dim: int = 0        # E of the teacher features the batch carries (0: none)
-    # --- FP8 GEMMs per region (gemjax.precision.policy; names separated by "+") ---
-    # gem1b's step on one H200: 189.7 ms BF16, 270.6 ms FP8 (the quantize passes outweigh
-    # the faster GEMMs; 203.1 ms with fp8_regions=wukong+interformer; docs/precision.md)
-    precision: str = "bf16"          # "bf16": every GEMM in `dtype`; "fp8": fp8_regions' linears in FP8
-    # model.precision=fp8: the regions whose linears run in FP8
-    fp8_regions: str = "wukong+interformer+attn_proj+sequence"
-    fp8_exclude: str = "heads+last"  # regions (or "last": the last layer) kept in `dtype`
-    fp8_scaling: str = "rowwise"     # "rowwise", "tensor" or "blocked" (1x128 / 128x128 scales),
-    # or "delayed": per-tensor scales from the amaxes of the last fp8_amax_history steps
-    # (gemjax.precision.delayed; the histories live in the train state's "fp8_meta")
-    fp8_amax_history: int = 16       # fp8_scaling=delayed: steps of amax history per operand
-    fp8_margin: int = 0              # fp8_scaling=delayed: scales get 2**fp8_margin headroom
-    fp8_grad_fmt: str = "e5m2"       # dy's format in dgrad / wgrad: "e5m2" or "e4m3"
-    wgrad_dtype: str = "fp8"         # weight-gradient GEMM: "fp8", "bf16" or "f32"
-    fp8_fast_accum: str = "none"     # "forward": the forward GEMMs in FP8 fast accumulation
-    # model.precision=fp8 with FSDP-sharded kernels: which FP8 linears' kernels the train step
-    # gathers as FP8 bits (quantized once per step with the GEMM's scales) instead of float32
-    # (gemjax.precision.fsdp.all_gather_fp8_weight; docs/precision.md). "exact": under the
-    # tensor and blocked scalings (one quantization of w serves forward and dgrad, so the step
-    # is unchanged); "always": rowwise too (its dgrad re-quantizes the gathered weight per row);
-    # "off": every kernel gathered in float32
-    fp8_gather: str = "exact"
-    # --- the teacher's transformer FFN activation (pyramid and InterFormer Sequence Arch) ---
-    # "gelu" (exact, erf), "gelu_tanh" (the tanh approximation: 12% less time than exact
-    # GELU for a [659072, 512] -> 1024 -> 512 FFN's forward + backward on an H200, whose
-    # erf XLA expands into a long f32 polynomial), "relu" or "silu"
-    ffn_activation: str = "gelu"
-    # biases of the pyramid's per-token Linears (block-attention projections, FFNs, pooling
-    # attention): XLA adds each bias in a pass of its own over the [tokens, width] output
-    # and reduces it again for the gradient (cuBLASLt's bias epilogue is not used)
-    token_bias: bool = True
     # the sequence encoders' LayerNorms (gemjax.layers.sequence): "xla" (nnx.LayerNorm),
     # "pallas" (kernels.layer_norm's Triton kernels, one pass each way; interpret mode off GPU)
     # or "auto" (pallas on a GPU, xla elsewhere). The same parameters each way
     norm_impl: str = "xla"
+    # the full GEM teacher's own fields (kind="teacher")
+    teacher: TeacherConfig = TeacherConfig()
+    # next-item retrieval (kind="retrieval")
+    retrieval: RetrievalConfig = RetrievalConfig()
+    # distillation students (kind="student")
+    student: StudentConfig = StudentConfig()
+    # FP8 GEMMs per region
+    precision: PrecisionConfig = PrecisionConfig()
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1_000           # train steps of the run
     seed: int = 0                # seed of the data order, the parameters and dropout
-    dense_lr: float = 4e-3       # peak learning rate of the dense optimizer (optim.dense)
-    sparse_lr: float = 0.5       # learning rate of the embedding tables' optimizer (optim.sparse)
-    # sparse all_to_all capacity picked per step from the unique ids (EmbeddingCollection
-    # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS), and replicas of a local table
-    # copy all-gathering unique rows only (sync_buckets). On in the h200 preset (its
-    # 1-GPU step: 132 ms with both, 159 ms without); off here so small CPU runs keep
-    # one compiled step (the branches are fixed per batch, PlannedStep)
-    sparse_exchange_buckets: bool = False
-    # replicas of a local table copy all-gather unique rows only
-    sparse_sync_buckets: bool = False
-    # their branches fixed per batch before the step (PlannedStep) instead of a lax.switch
-    # around collectives inside it, which XLA:GPU runs as a host-synced conditional
-    sparse_fixed_branches: bool = True
     # duplicate sum + row-wise Adagrad of the touched rows: "xla", or "pallas" (one fused
     # kernel: 1.20 vs 1.93 ms per lookup + update step on one H200, benchmarks/bench_sparse.py;
     # inside the h200 teacher's step on one H200 128.2 vs 128.9 ms, so "xla",
     # which runs everywhere, stays the default; interpret mode, slow, off GPU)
     sparse_update_impl: str = "xla"
-    # pin sparse activations and their gradients to row-major (EmbeddingCollection
-    # row_major): else XLA:GPU may lay a sequence stack out feature-major and transpose
-    # every per-id gradient (15 ms of the 2-GPU h200 step); false for A/B runs
-    sparse_row_major: bool = True
-    warmup_steps: int = 100      # linear warm-up of the dense learning rate
     log_every: int = 100         # steps between metrics rows
     # steps between evaluations (test rows; none on a schedule when selecting)
     eval_every: int = 500
@@ -276,35 +318,73 @@ class TrainConfig:
     # or "auto": the planner picks the plan for memory_budget_gb at start
     remat: str = "none"
     memory_budget_gb: float = 0.0    # device memory budget of remat=auto (GiB of the train step)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    """The embedding tables' performance knobs (gemjax.sparse; the same function each way)."""
+
+    # sparse all_to_all capacity picked per step from the unique ids (EmbeddingCollection
+    # exchange_buckets = routing.DEFAULT_EXCHANGE_BUCKETS), and replicas of a local table
+    # copy all-gathering unique rows only (sync_buckets). On in the h200 preset (its
+    # 1-GPU step: 132 ms with both, 159 ms without); off here so small CPU runs keep
+    # one compiled step (the branches are fixed per batch, PlannedStep)
+    exchange_buckets: bool = False
+    # replicas of a local table copy all-gather unique rows only
+    sync_buckets: bool = False
+    # their branches fixed per batch before the step (PlannedStep) instead of a lax.switch
+    # around collectives inside it, which XLA:GPU runs as a host-synced conditional
+    fixed_branches: bool = True
+    # pin sparse activations and their gradients to row-major (EmbeddingCollection
+    # row_major): else XLA:GPU may lay a sequence stack out feature-major and transpose
+    # every per-id gradient (15 ms of the 2-GPU h200 step); false for A/B runs
+    row_major: bool = True
     # sorted duplicate sum of the sparse grads (routing.sum_duplicates): auto (the Pallas
     # kernel kernels.segment_sum on GPU, XLA's segment_sum elsewhere), xla or pallas
-    sparse_segment_sum: str = "auto"
+    segment_sum: str = "auto"
     # one-hot duplicate sums (routing.onehot_sums; 0 = off): an unpooled local table whose
     # unique bucket holds <= this many rows sums its per-id grads as
     # one_hot(row's unique index)^T @ grads, read in their own order (no row gather)
-    sparse_onehot_rows: int = 0
+    onehot_rows: int = 0
     # dtype of the looked-up rows per id (sequence tokens, single ids) the model reads:
     # "table" (the table's float32) or "model" (model.dtype: a bfloat16 model then gets
     # bfloat16 gradients per id, half the bytes through the duplicate sum and its concat)
-    sparse_act_dtype: str = "table"
+    act_dtype: str = "table"
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseOptimConfig:
+    """The dense params' optimizer and learning-rate schedule (gemjax.train.optim)."""
+
+    # any optax optimizer taking a learning_rate (adam, adamw, adagrad, sgd, lamb, lion,
+    # ...), after clipping the global gradient norm to clip_norm (0: no clip)
+    name: str = "adam"
+    lr: float = 4e-3             # peak learning rate
+    # "warmup_cosine" (to lr * final_lr_scale at train.steps), "warmup_constant"
+    # or "constant"
+    schedule: str = "warmup_cosine"
+    warmup_steps: int = 100      # linear warm-up of the learning rate
+    final_lr_scale: float = 0.05  # warmup_cosine ends at lr times this
+    clip_norm: float = 10.0      # global gradient-norm clip (0: none)
+    weight_decay: float = 0.0        # for optimizers that take one (adamw, lamb, lion)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseOptimConfig:
+    """The embedding tables' optimizer (gemjax.train.optim.SPARSE_OPTIMIZERS)."""
+
+    # "rowwise_adagrad", "adagrad", "sgd" or "lazy_adam"
+    name: str = "rowwise_adagrad"
+    lr: float = 0.5              # learning rate
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """The optimizers (gemjax.train.optim builds them; learning rates and warm-up are
-    train.dense_lr, train.sparse_lr and train.warmup_steps)."""
+    """The optimizers (gemjax.train.optim builds them)."""
 
-    # dense params: any optax optimizer taking a learning_rate (adam, adamw, adagrad, sgd,
-    # lamb, lion, ...), after clipping the global gradient norm to clip_norm (0: no clip)
-    dense: str = "adam"
-    # "warmup_cosine" (to dense_lr * final_lr_scale at train.steps), "warmup_constant"
-    # or "constant"
-    schedule: str = "warmup_cosine"
-    final_lr_scale: float = 0.05  # warmup_cosine ends at dense_lr times this
-    clip_norm: float = 10.0      # global gradient-norm clip of the dense params (0: none)
-    weight_decay: float = 0.0        # for optimizers that take one (adamw, lamb, lion)
-    # embedding tables: "rowwise_adagrad", "adagrad", "sgd" or "lazy_adam"
-    sparse: str = "rowwise_adagrad"
+    dense: DenseOptimConfig = DenseOptimConfig()      # dense params
+    sparse: SparseOptimConfig = SparseOptimConfig()   # embedding tables
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +406,7 @@ class ParallelConfig:
     table_plan: str = ""
 
 
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str = "small"
@@ -334,6 +415,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     optim: OptimConfig = OptimConfig()
+    sparse: SparseConfig = SparseConfig()
     # the features the models are built for (schema_of); None: the default source's, the
     # synthetic stream's schema of `data`
     features: FeatureSchema | None = None
@@ -352,10 +434,11 @@ SYNTHETIC_SPARSE_TABLES = {"user": "user", "segment": "segment", "context": "con
 @functools.lru_cache(maxsize=64)
 def synthetic_schema(d: DataConfig) -> FeatureSchema:
     """The synthetic stream's FeatureSchema: tables user, segment, context, item, category,
-    event (vocabularies from d, width model.dim, strict bounds); sparse features
-    SPARSE_FEATURES (item_cat reads table category); d.num_dense dense features;
+    event (vocabularies from d.synthetic, width model.dim, strict bounds); sparse features
+    SPARSE_FEATURES (item_cat reads table category); num_dense dense features;
     sequences SEQUENCES, each of SEQUENCE_FIELDS (item, cat -> category, event), capped
-    at d.seq_cap; d.num_surfaces x d.num_tasks logits."""
+    at seq_cap; num_surfaces x num_tasks logits."""
+    d = d.synthetic
     vocab = {"user": d.vocab_user, "segment": d.vocab_segment, "context": d.vocab_context,
              "item": d.vocab_item, "category": d.num_categories, "event": d.num_event_types}
     fields = tuple(EventField(f, SYNTHETIC_FIELD_TABLES[f]) for f in SEQUENCE_FIELDS)
@@ -363,7 +446,7 @@ def synthetic_schema(d: DataConfig) -> FeatureSchema:
         tables=tuple(Table(name, v) for name, v in vocab.items()),
         sparse=tuple(SparseFeature(f, SYNTHETIC_SPARSE_TABLES[f]) for f in SPARSE_FEATURES),
         dense=tuple(f"dense{i}" for i in range(d.num_dense)),
-        sequences=tuple(SequenceFeature(s, fields, d.seq_cap) for s in SEQUENCES),
+        sequences=tuple(SequenceFeature(q, fields, d.seq_cap) for q in SEQUENCES),
         surfaces=tuple(f"surface{i}" for i in range(d.num_surfaces)),
         tasks=tuple(f"task{k}" for k in range(d.num_tasks)),
         surface_column="surface")
@@ -391,7 +474,88 @@ PRESETS: dict[str, Config] = {}
 
 
 # The sections of a Config that hold fields ("section.field=value" overrides).
-SECTIONS = ("data", "model", "train", "parallel", "optim")
+SECTIONS = ("data", "model", "train", "parallel", "optim", "sparse")
+
+# Field paths of the flat config (the one section level a run's config.json held before the
+# sub-records) -> the field's path now. apply_overrides and config_from_dict read each old
+# path as its new one; --helpconfig lists them.
+ALIASES: dict[str, str] = {
+    "data.num_surfaces":             "data.synthetic.num_surfaces",
+    "data.num_tasks":                "data.synthetic.num_tasks",
+    "data.vocab_user":               "data.synthetic.vocab_user",
+    "data.vocab_segment":            "data.synthetic.vocab_segment",
+    "data.vocab_context":            "data.synthetic.vocab_context",
+    "data.vocab_item":               "data.synthetic.vocab_item",
+    "data.num_categories":           "data.synthetic.num_categories",
+    "data.num_event_types":          "data.synthetic.num_event_types",
+    "data.num_dense":                "data.synthetic.num_dense",
+    "data.zipf":                     "data.synthetic.zipf",
+    "data.seq_median":               "data.synthetic.seq_median",
+    "data.seq_sigma":                "data.synthetic.seq_sigma",
+    "data.seq_cap":                  "data.synthetic.seq_cap",
+    "data.first_order":              "data.synthetic.first_order",
+    "data.item_bias":                "data.synthetic.item_bias",
+    "data.fm":                       "data.synthetic.fm",
+    "data.dense_signal":             "data.synthetic.dense_signal",
+    "data.clicks_signal":            "data.synthetic.clicks_signal",
+    "data.views_signal":             "data.synthetic.views_signal",
+    "data.drift_every":              "data.drift.every",
+    "data.drift_strength":           "data.drift.strength",
+    "data.popularity_shift":         "data.drift.popularity_shift",
+    "data.new_id_rate":              "data.drift.new_id_rate",
+    "data.drift_start":              "data.drift.start",
+    "model.interformer_layers":      "model.teacher.interformer_layers",
+    "model.summary_tokens":          "model.teacher.summary_tokens",
+    "model.cls_tokens":              "model.teacher.cls_tokens",
+    "model.pma_tokens":              "model.teacher.pma_tokens",
+    "model.recent_tokens":           "model.teacher.recent_tokens",
+    "model.pyramid_levels":          "model.teacher.pyramid_levels",
+    "model.num_experts":             "model.teacher.num_experts",
+    "model.top_k":                   "model.teacher.top_k",
+    "model.capacity_factor":         "model.teacher.capacity_factor",
+    "model.lb_coef":                 "model.teacher.lb_coef",
+    "model.cross_layer_attention":   "model.teacher.cross_layer_attention",
+    "model.head_towers":             "model.teacher.head_towers",
+    "model.ffn_activation":          "model.teacher.ffn_activation",
+    "model.token_bias":              "model.teacher.token_bias",
+    "model.retrieval_negatives":     "model.retrieval.negatives",
+    "model.retrieval_temperature":   "model.retrieval.temperature",
+    "model.retrieval_l2norm":        "model.retrieval.l2norm",
+    "model.retrieval_dropout":       "model.retrieval.dropout",
+    "model.retrieval_encoder":       "model.retrieval.encoder",
+    "model.hstu_dropout":            "model.retrieval.hstu_dropout",
+    "model.hstu_rel_bias":           "model.retrieval.hstu_rel_bias",
+    "model.student_arch":            "model.student.arch",
+    "model.student_width":           "model.student.width",
+    "model.student_recent":          "model.student.recent",
+    "model.teacher_repr_dim":        "model.student.teacher_repr_dim",
+    "model.precision":               "model.precision.format",
+    "model.fp8_regions":             "model.precision.regions",
+    "model.fp8_exclude":             "model.precision.exclude",
+    "model.fp8_scaling":             "model.precision.scaling",
+    "model.fp8_amax_history":        "model.precision.amax_history",
+    "model.fp8_margin":              "model.precision.margin",
+    "model.fp8_grad_fmt":            "model.precision.grad_fmt",
+    "model.wgrad_dtype":             "model.precision.wgrad_dtype",
+    "model.fp8_fast_accum":          "model.precision.fast_accum",
+    "model.fp8_gather":              "model.precision.gather",
+    "train.sparse_exchange_buckets": "sparse.exchange_buckets",
+    "train.sparse_sync_buckets":     "sparse.sync_buckets",
+    "train.sparse_fixed_branches":   "sparse.fixed_branches",
+    "train.sparse_row_major":        "sparse.row_major",
+    "train.sparse_segment_sum":      "sparse.segment_sum",
+    "train.sparse_onehot_rows":      "sparse.onehot_rows",
+    "train.sparse_act_dtype":        "sparse.act_dtype",
+    "train.dense_lr":                "optim.dense.lr",
+    "train.warmup_steps":            "optim.dense.warmup_steps",
+    "train.sparse_lr":               "optim.sparse.lr",
+    "optim.dense":                   "optim.dense.name",
+    "optim.schedule":                "optim.dense.schedule",
+    "optim.final_lr_scale":          "optim.dense.final_lr_scale",
+    "optim.clip_norm":               "optim.dense.clip_norm",
+    "optim.weight_decay":            "optim.dense.weight_decay",
+    "optim.sparse":                  "optim.sparse.name",
+}
 
 
 def _is_none(value: str) -> bool:
@@ -456,12 +620,14 @@ def apply_overrides(cfg: Config, overrides: str | dict[str, str] | None) -> Conf
     """Apply "section.field=value,..." overrides (tuples as 64:64, tuples of tuples as
     32:4:1/32:none:1, optional fields as none). A path reaches any depth (replace_path):
     "features.sequences.history.max_len=100" sets a field of an explicit schema's
-    sequence. Unknown fields are errors."""
+    sequence. A path of ALIASES (the flat config's) sets the field it names now. Unknown
+    fields are errors."""
     if not overrides:
         return cfg
     if isinstance(overrides, str):
         overrides = parse_overrides(overrides)
     for path, value in overrides.items():
+        path = ALIASES.get(path, path)
         section, _, field = path.partition(".")
         if section not in (*SECTIONS, "features") or not field:
             raise ValueError(f"override {path!r}: expected <section>.<field> with a section of "
@@ -509,6 +675,10 @@ def _replace(obj: Any, typ: Any, names: list[str], depth: int, value: str, path:
     else:
         raise ValueError(f"override {path!r}: {here} is {obj!r}, which has no fields")
     if depth + 1 == len(names):
+        if dataclasses.is_dataclass(old):
+            known = ", ".join(f.name for f in dataclasses.fields(old))
+            raise ValueError(f"override {path!r}: {path} is a record of fields ({known}); "
+                             f"set {path}.<field>=value")
         new = _coerce(value, sub_typ, path)
     else:
         new = _replace(old, sub_typ, names, depth + 1, value, path)
@@ -531,31 +701,34 @@ def _entry_index(entries: tuple, name: str) -> int | None:
 def validate(cfg: Config) -> None:
     """ValueError naming the first field out of its range (called by get_config,
     apply_overrides and train)."""
-    d, m = cfg.data, cfg.model
+    d, m, s, dr = cfg.data, cfg.model, cfg.data.synthetic, cfg.data.drift
     checks = [
         *_source_checks(d, cfg.features),
         *_negatives_checks(d),
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
-        (d.num_surfaces >= 1 and d.num_tasks >= 1, "data.num_surfaces and data.num_tasks must be >= 1"),
-        (10 <= d.vocab_user <= 10**9, f"data.vocab_user must be in [10, 1e9], got {d.vocab_user}"),
-        (d.vocab_item >= d.num_categories, "data.vocab_item must be >= data.num_categories"),
-        (min(d.vocab_segment, d.vocab_context) >= 2, "data.vocab_segment and data.vocab_context must be >= 2"),
-        (1 <= d.seq_cap <= 16_384, f"data.seq_cap must be in [1, 16384], got {d.seq_cap}"),
-        (d.seq_median > 0 and d.seq_sigma >= 0, "data.seq_median must be > 0 and data.seq_sigma >= 0"),
+        (s.num_surfaces >= 1 and s.num_tasks >= 1,
+         "data.synthetic.num_surfaces and data.synthetic.num_tasks must be >= 1"),
+        (10 <= s.vocab_user <= 10**9, f"data.synthetic.vocab_user must be in [10, 1e9], got {s.vocab_user}"),
+        (s.vocab_item >= s.num_categories, "data.synthetic.vocab_item must be >= data.synthetic.num_categories"),
+        (min(s.vocab_segment, s.vocab_context) >= 2,
+         "data.synthetic.vocab_segment and data.synthetic.vocab_context must be >= 2"),
+        (1 <= s.seq_cap <= 16_384, f"data.synthetic.seq_cap must be in [1, 16384], got {s.seq_cap}"),
+        (s.seq_median > 0 and s.seq_sigma >= 0,
+         "data.synthetic.seq_median must be > 0 and data.synthetic.seq_sigma >= 0"),
         (d.recent >= 1, "data.recent must be >= 1"),
-        (d.drift_every >= 0, f"data.drift_every must be >= 0, got {d.drift_every}"),
-        (d.drift_start >= 0, f"data.drift_start must be >= 0, got {d.drift_start}"),
-        (0.0 <= d.drift_strength <= 1.0, f"data.drift_strength must be in [0, 1], got {d.drift_strength}"),
-        (d.popularity_shift >= 0, f"data.popularity_shift must be >= 0, got {d.popularity_shift}"),
-        (0.0 <= d.new_id_rate <= 1.0, f"data.new_id_rate must be in [0, 1], got {d.new_id_rate}"),
+        (dr.every >= 0, f"data.drift.every must be >= 0, got {dr.every}"),
+        (dr.start >= 0, f"data.drift.start must be >= 0, got {dr.start}"),
+        (0.0 <= dr.strength <= 1.0, f"data.drift.strength must be in [0, 1], got {dr.strength}"),
+        (dr.popularity_shift >= 0, f"data.drift.popularity_shift must be >= 0, got {dr.popularity_shift}"),
+        (0.0 <= dr.new_id_rate <= 1.0, f"data.drift.new_id_rate must be in [0, 1], got {dr.new_id_rate}"),
         (m.kind in ("gem", "teacher", "lr", "retrieval", "student"),
          f"model.kind must be gem, teacher, lr, retrieval or student, got {m.kind!r}"),
         *_student_checks(m),
-        *_retrieval_checks(m, cfg.train),
+        *_retrieval_checks(m, cfg.sparse),
         (m.attention in ("block", "softmax", "gdpa"), f"model.attention must be block, softmax or gdpa, got {m.attention!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {m.dtype!r}"),
-        (m.fp8_gather in ("exact", "always", "off"),
-         f"model.fp8_gather must be exact, always or off, got {m.fp8_gather!r}"),
+        (m.precision.gather in ("exact", "always", "off"),
+         f"model.precision.gather must be exact, always or off, got {m.precision.gather!r}"),
         (m.block >= 1, f"model.block must be >= 1, got {m.block}"),
         (m.dim >= 1 and m.dim % max(m.seq_heads, 1) == 0, f"model.dim ({m.dim}) must be divisible by model.seq_heads ({m.seq_heads})"),
         (d.eval_batches >= (0 if d.source == "parquet" else 1),
@@ -569,17 +742,17 @@ def validate(cfg: Config) -> None:
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (cfg.train.sparse_update_impl in ("xla", "pallas"),
          f"train.sparse_update_impl must be xla or pallas, got {cfg.train.sparse_update_impl!r}"),
-        (cfg.train.sparse_act_dtype in ("table", "model"),
-         f"train.sparse_act_dtype must be table or model, got {cfg.train.sparse_act_dtype!r}"),
-        (cfg.train.sparse_segment_sum in ("auto", "xla", "pallas"),
-         f"train.sparse_segment_sum must be auto, xla or pallas, got {cfg.train.sparse_segment_sum!r}"),
-        (cfg.train.sparse_onehot_rows >= 0,
-         f"train.sparse_onehot_rows must be >= 0 (0 = off), got {cfg.train.sparse_onehot_rows}"),
-        *_train_checks(cfg.train),
+        (cfg.sparse.act_dtype in ("table", "model"),
+         f"sparse.act_dtype must be table or model, got {cfg.sparse.act_dtype!r}"),
+        (cfg.sparse.segment_sum in ("auto", "xla", "pallas"),
+         f"sparse.segment_sum must be auto, xla or pallas, got {cfg.sparse.segment_sum!r}"),
+        (cfg.sparse.onehot_rows >= 0,
+         f"sparse.onehot_rows must be >= 0 (0 = off), got {cfg.sparse.onehot_rows}"),
+        *_train_checks(cfg.train, cfg.optim),
         *_optim_checks(cfg.optim),
         *_selection_checks(cfg),
         *_steps_per_call_checks(cfg),
-        *_teacher_checks(m),
+        *_teacher_checks(m.teacher, m.norm_impl),
         *_feature_checks(cfg),
         *_remat_checks(cfg),
     ]
@@ -591,33 +764,36 @@ def validate(cfg: Config) -> None:
 MAX_LR = 100.0     # larger learning rates are typos (1e30), not settings
 
 
-def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+def _train_checks(t: TrainConfig, o: OptimConfig) -> list[tuple[bool, str]]:
     """Intervals >= 1 (0 would divide by zero after compile); learning rates finite in
     [0, MAX_LR] (NaN fails every comparison)."""
     out = [(getattr(t, f) >= 1, f"train.{f} must be >= 1, got {getattr(t, f)}")
            for f in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints")]
-    out.append((t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}"))
-    out += [(0.0 <= getattr(t, f) <= MAX_LR,
-             f"train.{f} must be a finite number in [0, {MAX_LR:g}], got {getattr(t, f)}")
-            for f in ("dense_lr", "sparse_lr")]
+    out.append((o.dense.warmup_steps >= 0,
+                f"optim.dense.warmup_steps must be >= 0, got {o.dense.warmup_steps}"))
+    out += [(0.0 <= lr <= MAX_LR,
+             f"optim.{f}.lr must be a finite number in [0, {MAX_LR:g}], got {lr}")
+            for f, lr in (("dense", o.dense.lr), ("sparse", o.sparse.lr))]
     return out
 
 
 def _optim_checks(o: OptimConfig) -> list[tuple[bool, str]]:
     """Names the optimizers know; clip and decay finite and >= 0 (the dense name is
     checked against optax by gemjax.train.optim when the Trainer is built)."""
+    dn, sp = o.dense, o.sparse
     return [
-        (o.schedule in ("warmup_cosine", "warmup_constant", "constant"),
-         f"optim.schedule must be warmup_cosine, warmup_constant or constant, got {o.schedule!r}"),
-        (o.sparse in ("rowwise_adagrad", "adagrad", "sgd", "lazy_adam"),
-         f"optim.sparse must be rowwise_adagrad, adagrad, sgd or lazy_adam, got {o.sparse!r}"),
-        (bool(o.dense) and o.dense.isidentifier(),
-         f"optim.dense must name an optax optimizer (adam, adamw, ...), got {o.dense!r}"),
-        (0.0 <= o.clip_norm < math.inf, f"optim.clip_norm must be finite and >= 0, got {o.clip_norm}"),
-        (0.0 <= o.weight_decay < math.inf,
-         f"optim.weight_decay must be finite and >= 0, got {o.weight_decay}"),
-        (0.0 <= o.final_lr_scale <= 1.0,
-         f"optim.final_lr_scale must be in [0, 1], got {o.final_lr_scale}"),
+        (dn.schedule in ("warmup_cosine", "warmup_constant", "constant"),
+         f"optim.dense.schedule must be warmup_cosine, warmup_constant or constant, got {dn.schedule!r}"),
+        (sp.name in ("rowwise_adagrad", "adagrad", "sgd", "lazy_adam"),
+         f"optim.sparse.name must be rowwise_adagrad, adagrad, sgd or lazy_adam, got {sp.name!r}"),
+        (bool(dn.name) and dn.name.isidentifier(),
+         f"optim.dense.name must name an optax optimizer (adam, adamw, ...), got {dn.name!r}"),
+        (0.0 <= dn.clip_norm < math.inf,
+         f"optim.dense.clip_norm must be finite and >= 0, got {dn.clip_norm}"),
+        (0.0 <= dn.weight_decay < math.inf,
+         f"optim.dense.weight_decay must be finite and >= 0, got {dn.weight_decay}"),
+        (0.0 <= dn.final_lr_scale <= 1.0,
+         f"optim.dense.final_lr_scale must be in [0, 1], got {dn.final_lr_scale}"),
     ]
 
 
@@ -728,79 +904,83 @@ def _feature_checks(cfg: Config) -> list[tuple[bool, str]]:
     f, d = cfg.features, cfg.data
     if f is None or d.source != "synthetic":
         return []
-    return [(f.num_surfaces == d.num_surfaces and f.num_tasks == d.num_tasks,
-             f"features has {f.num_surfaces} surfaces x {f.num_tasks} tasks, data.num_surfaces x "
-             f"data.num_tasks is {d.num_surfaces} x {d.num_tasks} (the evaluator counts those)")]
+    s = d.synthetic
+    return [(f.num_surfaces == s.num_surfaces and f.num_tasks == s.num_tasks,
+             f"features has {f.num_surfaces} surfaces x {f.num_tasks} tasks, data.synthetic."
+             f"num_surfaces x num_tasks is {s.num_surfaces} x {s.num_tasks} (the evaluator counts "
+             f"those)")]
 
 
 def _student_checks(m: ModelConfig) -> list[tuple[bool, str]]:
-    return [(m.student_arch in ("dlrm", "wukong"),
-             f"model.student_arch must be dlrm or wukong, got {m.student_arch!r}"),
-            (m.student_width >= 0, f"model.student_width must be >= 0, got {m.student_width}"),
-            (m.student_recent >= 1, f"model.student_recent must be >= 1, got {m.student_recent}"),
-            (m.teacher_repr_dim >= 0,
-             f"model.teacher_repr_dim must be >= 0, got {m.teacher_repr_dim}")]
+    st = m.student
+    return [(st.arch in ("dlrm", "wukong"),
+             f"model.student.arch must be dlrm or wukong, got {st.arch!r}"),
+            (st.width >= 0, f"model.student.width must be >= 0, got {st.width}"),
+            (st.recent >= 1, f"model.student.recent must be >= 1, got {st.recent}"),
+            (st.teacher_repr_dim >= 0,
+             f"model.student.teacher_repr_dim must be >= 0, got {st.teacher_repr_dim}")]
 
 
-def _retrieval_checks(m: ModelConfig, t: TrainConfig) -> list[tuple[bool, str]]:
-    on = m.kind == "retrieval"
-    return [(m.retrieval_negatives >= 0,
-             f"model.retrieval_negatives must be >= 0, got {m.retrieval_negatives}"),
-            (m.retrieval_temperature > 0,
-             f"model.retrieval_temperature must be > 0, got {m.retrieval_temperature}"),
-            (0.0 <= m.retrieval_dropout < 1.0,
-             f"model.retrieval_dropout must be in [0, 1), got {m.retrieval_dropout}"),
-            (m.retrieval_encoder in ("softmax", "hstu"),
-             f"model.retrieval_encoder must be softmax or hstu, got {m.retrieval_encoder!r}"),
-            (0.0 <= m.hstu_dropout < 1.0,
-             f"model.hstu_dropout must be in [0, 1), got {m.hstu_dropout}"),
-            (m.hstu_rel_bias in ("none", "position", "position+time"),
-             f"model.hstu_rel_bias must be none, position or position+time, got "
-             f"{m.hstu_rel_bias!r}"),
-            (not on or m.retrieval_encoder == "hstu" or m.hstu_rel_bias == "none",
-             f"model.hstu_rel_bias={m.hstu_rel_bias} needs model.retrieval_encoder=hstu, got "
-             f"{m.retrieval_encoder!r}"),
-            (not on or m.retrieval_encoder == "hstu" or m.attention in ("softmax", "gdpa"),
+def _retrieval_checks(m: ModelConfig, sp: SparseConfig) -> list[tuple[bool, str]]:
+    on, r = m.kind == "retrieval", m.retrieval
+    return [(r.negatives >= 0,
+             f"model.retrieval.negatives must be >= 0, got {r.negatives}"),
+            (r.temperature > 0,
+             f"model.retrieval.temperature must be > 0, got {r.temperature}"),
+            (0.0 <= r.dropout < 1.0,
+             f"model.retrieval.dropout must be in [0, 1), got {r.dropout}"),
+            (r.encoder in ("softmax", "hstu"),
+             f"model.retrieval.encoder must be softmax or hstu, got {r.encoder!r}"),
+            (0.0 <= r.hstu_dropout < 1.0,
+             f"model.retrieval.hstu_dropout must be in [0, 1), got {r.hstu_dropout}"),
+            (r.hstu_rel_bias in ("none", "position", "position+time"),
+             f"model.retrieval.hstu_rel_bias must be none, position or position+time, got "
+             f"{r.hstu_rel_bias!r}"),
+            (not on or r.encoder == "hstu" or r.hstu_rel_bias == "none",
+             f"model.retrieval.hstu_rel_bias={r.hstu_rel_bias} needs model.retrieval.encoder=hstu, "
+             f"got {r.encoder!r}"),
+            (not on or r.encoder == "hstu" or m.attention in ("softmax", "gdpa"),
              f"model.kind=retrieval needs causal attention: model.attention softmax or gdpa, "
              f"got {m.attention!r}"),
             (not on or m.use_sequences,
              "model.kind=retrieval reads the event sequence: model.use_sequences must be true"),
             # the scored item rows are ids of no batch, so no per-batch sparse branch plan
-            (not on or not (t.sparse_exchange_buckets or t.sparse_sync_buckets),
-             "model.kind=retrieval runs with train.sparse_exchange_buckets and "
-             "train.sparse_sync_buckets off")]
+            (not on or not (sp.exchange_buckets or sp.sync_buckets),
+             "model.kind=retrieval runs with sparse.exchange_buckets and "
+             "sparse.sync_buckets off")]
 
 
 FFN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 NORM_IMPLS = ("xla", "pallas", "auto")
 
 
-def _teacher_checks(m: ModelConfig) -> list[tuple[bool, str]]:
+def _teacher_checks(m: TeacherConfig, norm_impl: str) -> list[tuple[bool, str]]:
     levels = m.pyramid_levels or ()
     return [
-        (m.interformer_layers >= 1, f"model.interformer_layers must be >= 1, got {m.interformer_layers}"),
-        (m.summary_tokens >= 1, f"model.summary_tokens must be >= 1, got {m.summary_tokens}"),
+        (m.interformer_layers >= 1,
+         f"model.teacher.interformer_layers must be >= 1, got {m.interformer_layers}"),
+        (m.summary_tokens >= 1, f"model.teacher.summary_tokens must be >= 1, got {m.summary_tokens}"),
         (min(m.cls_tokens, m.pma_tokens, m.recent_tokens) >= 0
          and m.cls_tokens + m.pma_tokens + m.recent_tokens > 0,
-         f"model.cls_tokens ({m.cls_tokens}), model.pma_tokens ({m.pma_tokens}) and "
-         f"model.recent_tokens ({m.recent_tokens}) must be >= 0 with a positive sum"),
-        (m.num_experts >= 0, f"model.num_experts must be >= 0, got {m.num_experts}"),
+         f"model.teacher.cls_tokens ({m.cls_tokens}), model.teacher.pma_tokens ({m.pma_tokens}) "
+         f"and model.teacher.recent_tokens ({m.recent_tokens}) must be >= 0 with a positive sum"),
+        (m.num_experts >= 0, f"model.teacher.num_experts must be >= 0, got {m.num_experts}"),
         (m.num_experts == 0 or 1 <= m.top_k <= m.num_experts,
-         f"model.top_k ({m.top_k}) must be in [1, model.num_experts={m.num_experts}]"),
+         f"model.teacher.top_k ({m.top_k}) must be in [1, model.teacher.num_experts={m.num_experts}]"),
         (m.capacity_factor is None or m.capacity_factor > 0,
-         f"model.capacity_factor must be > 0 or none, got {m.capacity_factor}"),
-        (m.lb_coef >= 0, f"model.lb_coef must be >= 0, got {m.lb_coef}"),
+         f"model.teacher.capacity_factor must be > 0 or none, got {m.capacity_factor}"),
+        (m.lb_coef >= 0, f"model.teacher.lb_coef must be >= 0, got {m.lb_coef}"),
         (m.ffn_activation in FFN_ACTIVATIONS,
-         f"model.ffn_activation must be one of {FFN_ACTIVATIONS}, got {m.ffn_activation!r}"),
-        (m.norm_impl in NORM_IMPLS,
-         f"model.norm_impl must be one of {NORM_IMPLS}, got {m.norm_impl!r}"),
+         f"model.teacher.ffn_activation must be one of {FFN_ACTIVATIONS}, got {m.ffn_activation!r}"),
+        (norm_impl in NORM_IMPLS,
+         f"model.norm_impl must be one of {NORM_IMPLS}, got {norm_impl!r}"),
         (m.head_towers in ("per_surface", "shared"),
-         f"model.head_towers must be per_surface or shared, got {m.head_towers!r}"),
+         f"model.teacher.head_towers must be per_surface or shared, got {m.head_towers!r}"),
         (m.pyramid_levels is None or (
             len(levels) >= 1 and all(len(lv) == 3 for lv in levels)
             and all(b >= 1 and n >= 0 and (p is None or p >= 1) for b, p, n in levels)
             and all(p is not None for _, p, _ in levels[:-1])),
-         f"model.pyramid_levels must be none or (block>=1, pooled>=1 or None, layers>=0) "
+         f"model.teacher.pyramid_levels must be none or (block>=1, pooled>=1 or None, layers>=0) "
          f"levels with pooled None only on the last, got {m.pyramid_levels}"),
     ]
 
@@ -858,11 +1038,53 @@ def _from_json(value: Any, typ: Any, path: str):
     raise ValueError(f"config field {path}: unsupported field type {typ}")
 
 
+def nest_flat_fields(d: dict) -> dict:
+    """d (asdict's form of a Config, e.g. a run's config.json) with every field at a path
+    of ALIASES moved to the path it names now (a value that is already a sub-record's dict
+    stays: that is the current form). A flat file's dict comes out equal to
+    dataclasses.asdict of the Config it holds."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    moved = []
+    for section, fields in d.items():
+        if not isinstance(fields, dict):
+            continue
+        for name, value in fields.items():
+            new = ALIASES.get(f"{section}.{name}")
+            if new is not None and not isinstance(value, dict):
+                del out[section][name]
+                moved.append((new, value))
+    for new, value in moved:
+        *parents, leaf = new.split(".")
+        node = out
+        for p in parents:
+            node[p] = dict(node.get(p) or {})
+            node = node[p]
+        node.setdefault(leaf, value)
+    return out
+
+
+def _record_from_json(cls: type, d: Any, path: str):
+    """The dataclass `cls` from its asdict form `d`, sub-records recursively; fields missing
+    take their defaults; ValueError naming an unknown field or a value of the wrong type."""
+    if not isinstance(d, dict):
+        raise ValueError(f"config: {path} must be an object of fields, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    bad = set(d) - fields
+    if bad:
+        raise ValueError(f"config: {path} has no fields {sorted(bad)}; "
+                         f"known: {', '.join(sorted(fields))}")
+    return cls(**{k: (_record_from_json(hints[k], v, f"{path}.{k}") if dataclasses.is_dataclass(hints[k])
+                      else _from_json(v, hints[k], f"{path}.{k}")) for k, v in d.items()})
+
+
 def config_from_dict(d: dict) -> Config:
     """The Config that `dataclasses.asdict(cfg)` (a run's WORKDIR/config.json) came from.
 
     Fields missing from `d` take their defaults; an unknown section or field, or a
     value of the wrong type, is a ValueError naming it. The result is validated.
+    A field at a path of ALIASES (the flat config.json of earlier runs) is read at the
+    path it names now, so such a file gives the same Config.
     A "features" schema equal to the synthetic stream's for `data` (what train() records
     for a synthetic config without one) comes back as features=None, so it keeps
     following `data`.
@@ -871,22 +1093,15 @@ def config_from_dict(d: dict) -> Config:
     if unknown:
         raise ValueError(f"config: unknown sections {sorted(unknown)}; known: name, "
                          f"{', '.join(SECTIONS)}, features")
+    d = nest_flat_fields(d)
     kw: dict[str, Any] = {}
     if "name" in d:
         kw["name"] = _from_json(d["name"], str, "name")
     if d.get("features") is not None:
         kw["features"] = FeatureSchema.from_dict(d["features"])
     for section in SECTIONS:
-        if section not in d:
-            continue
-        cls = type(getattr(Config(), section))
-        hints = typing.get_type_hints(cls)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        bad = set(d[section]) - fields
-        if bad:
-            raise ValueError(f"config: {section} has no fields {sorted(bad)}; "
-                             f"known: {', '.join(sorted(fields))}")
-        kw[section] = cls(**{k: _from_json(v, hints[k], f"{section}.{k}") for k, v in d[section].items()})
+        if section in d:
+            kw[section] = _record_from_json(type(getattr(Config(), section)), d[section], section)
     cfg = Config(**kw)
     if (cfg.features is not None and cfg.data.source == "synthetic"
             and cfg.features == schema_of(dataclasses.replace(cfg, features=None))):
@@ -895,8 +1110,40 @@ def config_from_dict(d: dict) -> Config:
     return cfg
 
 
+def _record_paths() -> dict[type, str]:
+    """{record class: its path} for every dataclass of the config tree below Config
+    ("data", "data.synthetic", "model.teacher", ...)."""
+    out: dict[type, str] = {}
+
+    def walk(cls: type, path: str) -> None:
+        out[cls] = path
+        for name, typ in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(typ):
+                walk(typ, f"{path}.{name}")
+
+    for section in SECTIONS:
+        walk(type(getattr(Config(), section)), section)
+    return out
+
+
+def field_paths(record: Any = None, prefix: str = "") -> dict[str, Any]:
+    """{"section.field" or "section.record.field": value} for every leaf field of the
+    config tree of `record` (a Config, or a sub-record under `prefix`; default Config())."""
+    record = Config() if record is None else record
+    out: dict[str, Any] = {}
+    names = SECTIONS if isinstance(record, Config) else [f.name for f in dataclasses.fields(record)]
+    for name in names:
+        value = getattr(record, name)
+        path = f"{prefix}{name}"
+        if dataclasses.is_dataclass(value):
+            out.update(field_paths(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
 def field_help() -> dict[str, str]:
-    """{"section.field": help} for every field of the config sections: the comment on
+    """{"path": help} for every leaf field of the config tree (field_paths): the comment on
     the field's line and the comment lines right above it in this module's source (the
     text a reader of the dataclass sees), "" for a field with neither."""
     import ast
@@ -909,33 +1156,39 @@ def field_help() -> dict[str, str]:
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
     lines = source.splitlines()
-    classes = {type(getattr(Config(), s)).__name__: s for s in SECTIONS}
+    classes = {cls.__name__: (cls, path) for cls, path in _record_paths().items()}
     out = {}
     for node in ast.parse(source).body:
         if not (isinstance(node, ast.ClassDef) and node.name in classes):
             continue
+        cls, path = classes[node.name]
+        hints = typing.get_type_hints(cls)
         for item in node.body:
             if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
                 continue
+            if dataclasses.is_dataclass(hints[item.target.id]):
+                continue          # a sub-record: its fields have their own help
             above, n = [], item.lineno - 1
             while n in comments and lines[n - 1].lstrip().startswith("#"):
                 above.insert(0, comments[n].strip("- "))
                 n -= 1
             parts = [p for p in (*above, comments.get(item.lineno, "")) if p]
-            out[f"{classes[node.name]}.{item.target.id}"] = " ".join(parts)
+            out[f"{path}.{item.target.id}"] = " ".join(parts)
     return out
 
 
 def describe_fields(cfg: Config) -> str:
-    """Every field of cfg's sections, one per line: `section.field = value  (type) help`,
-    for --helpconfig."""
+    """Every leaf field of cfg's tree, one per line: `path = value  (type) help`, then the
+    ALIASES (old path -> path), for --helpconfig."""
     helps = field_help()
+    hints = {path: typing.get_type_hints(cls) for cls, path in _record_paths().items()}
     rows = []
-    for section in SECTIONS:
-        sub = getattr(cfg, section)
-        hints = typing.get_type_hints(type(sub))
-        for f in dataclasses.fields(sub):
-            typ = getattr(hints[f.name], "__name__", str(hints[f.name]))
-            rows.append(f"{section}.{f.name} = {getattr(sub, f.name)!r}  ({typ})  "
-                        f"{helps.get(f'{section}.{f.name}', '')}".rstrip())
+    for path, value in field_paths(cfg).items():
+        record, _, name = path.rpartition(".")
+        typ = hints[record][name]
+        typ = getattr(typ, "__name__", str(typ))
+        rows.append(f"{path} = {value!r}  ({typ})  {helps.get(path, '')}".rstrip())
+    rows.append("")
+    rows.append("aliases (the flat config's paths, accepted in overrides and config.json):")
+    rows += [f"{old} -> {new}" for old, new in ALIASES.items()]
     return "\n".join(rows)

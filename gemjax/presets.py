@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from gemjax.config import PRESETS, Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from gemjax.config import (PRESETS, Config, DataConfig, DenseOptimConfig, ModelConfig, OptimConfig,
+                           RetrievalConfig, SparseConfig, SparseOptimConfig,
+                           SyntheticConfig, TeacherConfig, TrainConfig)
 from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 
 # Frappe CTR as experiments/convert_frappe.py writes it (its frappe_schema on the real
@@ -50,12 +52,14 @@ ML1M_SCHEMA = FeatureSchema(
 PRESETS.update({
     "tiny": Config(
         name="tiny",
-        data=DataConfig(batch_size=64, vocab_user=1_000, vocab_item=400, seq_median=8, seq_cap=32,
-                        recent=8, eval_batches=2),
+        data=DataConfig(batch_size=64, recent=8, eval_batches=2,
+                        synthetic=SyntheticConfig(vocab_user=1_000, vocab_item=400, seq_median=8,
+                                                  seq_cap=32)),
         model=ModelConfig(dim=8, wukong_layers=1, fmb_tokens=4, lcb_tokens=4, fm_rank=4,
                           wukong_mlp=(16,), head_mlp=(16,)),
-        train=TrainConfig(steps=20, log_every=5, eval_every=10, checkpoint_every=10, warmup_steps=5,
-                          dense_lr=2e-3, sparse_lr=0.1, baselines=False)),
+        train=TrainConfig(steps=20, log_every=5, eval_every=10, checkpoint_every=10, baselines=False),
+        optim=OptimConfig(dense=DenseOptimConfig(lr=2e-3, warmup_steps=5),
+                          sparse=SparseOptimConfig(lr=0.1))),
     "small": Config(name="small"),
     # MovieLens-1M ranking (experiments/convert_movielens.py --tasks=ranking; docs/results.md):
     # run with --features=<out>/ranking/schema.json and data.source=parquet,
@@ -71,18 +75,21 @@ PRESETS.update({
         data=DataConfig(batch_size=512, shuffle_window=1 << 20, recent=8, valid_path="valid.parquet"),
         model=ModelConfig(kind="teacher", dim=32, wukong_layers=1, fmb_tokens=4, lcb_tokens=4,
                           fm_rank=4, wukong_mlp=(64,), head_mlp=(64,)),
-        train=TrainConfig(steps=295, warmup_steps=20, log_every=50, eval_every=295,
-                          checkpoint_every=295, dense_lr=1e-2, sparse_lr=0.5, baselines=False,
-                          valid_every=50, select_metric="auc", patience=3)),
+        train=TrainConfig(steps=295, log_every=50, eval_every=295, checkpoint_every=295,
+                          baselines=False, valid_every=50, select_metric="auc", patience=3),
+        optim=OptimConfig(dense=DenseOptimConfig(lr=1e-2, warmup_steps=20),
+                          sparse=SparseOptimConfig(lr=0.5))),
     "h200": Config(
         name="h200",
-        data=DataConfig(batch_size=4096, vocab_user=10_000_000, vocab_item=1_000_000, num_categories=64,
-                        seq_median=256, seq_cap=4096, recent=64, eval_batches=8, host_workers=8),
+        data=DataConfig(batch_size=4096, recent=64, eval_batches=8, host_workers=8,
+                        synthetic=SyntheticConfig(vocab_user=10_000_000, vocab_item=1_000_000,
+                                                  num_categories=64, seq_median=256, seq_cap=4096)),
         model=ModelConfig(dim=128, block=64, seq_layers=2, seq_heads=4, dense_tokens=4, wukong_layers=4,
                           fmb_tokens=32, lcb_tokens=32, fm_rank=32, wukong_mlp=(1024,),
                           head_mlp=(512,), dtype="bfloat16"),
-        train=TrainConfig(steps=2_000, log_every=50, eval_every=500, dense_lr=1e-3, sparse_lr=0.1,
-                          baselines=False, sparse_exchange_buckets=True, sparse_sync_buckets=True)),
+        train=TrainConfig(steps=2_000, log_every=50, eval_every=500, baselines=False),
+        optim=OptimConfig(dense=DenseOptimConfig(lr=1e-3), sparse=SparseOptimConfig(lr=0.1)),
+        sparse=SparseConfig(exchange_buckets=True, sync_buckets=True)),
     # GEM-shaped teacher for one H200 (issue: GEM scale). 1,253M dense parameters (965M in
     # the 8 Wukong experts, 288M outside), width 512 (4 heads of 128), two event sequences of
     # log-normal lengths (median 1,024, sigma 0.6, cap 8,192; about 2,330 events per sample),
@@ -96,17 +103,21 @@ PRESETS.update({
     # category (64 rows) and event (4) tables sum their per-id grads as one-hot matmuls.
     "gem1b": Config(
         name="gem1b",
-        data=DataConfig(batch_size=1024, vocab_user=2_000_000, vocab_item=1_000_000,
-                        num_categories=64, seq_median=1024, seq_sigma=0.6, seq_cap=8192, recent=64,
-                        capacity_slack=1.05, eval_batches=4, host_workers=12),
+        data=DataConfig(batch_size=1024, recent=64, capacity_slack=1.05, eval_batches=4,
+                        host_workers=12,
+                        synthetic=SyntheticConfig(vocab_user=2_000_000, vocab_item=1_000_000,
+                                                  num_categories=64, seq_median=1024,
+                                                  seq_sigma=0.6, seq_cap=8192)),
         model=ModelConfig(kind="teacher", dim=512, block=64, seq_heads=4, dense_tokens=8,
                           wukong_layers=2, fmb_tokens=16, lcb_tokens=16, fm_rank=32,
-                          wukong_mlp=(8192,), head_mlp=(4096,), num_experts=8, top_k=2,
-                          capacity_factor=1.25, dtype="bfloat16", ffn_activation="gelu_tanh",
-                          token_bias=False, norm_impl="auto"),
-        train=TrainConfig(steps=300, warmup_steps=50, log_every=20, eval_every=300,
-                          checkpoint_every=1_000_000, dense_lr=3e-4, sparse_lr=0.05,
-                          baselines=False, sparse_act_dtype="model", sparse_onehot_rows=128)),
+                          wukong_mlp=(8192,), head_mlp=(4096,), dtype="bfloat16", norm_impl="auto",
+                          teacher=TeacherConfig(num_experts=8, top_k=2, capacity_factor=1.25,
+                                                ffn_activation="gelu_tanh", token_bias=False)),
+        train=TrainConfig(steps=300, log_every=20, eval_every=300, checkpoint_every=1_000_000,
+                          baselines=False),
+        optim=OptimConfig(dense=DenseOptimConfig(lr=3e-4, warmup_steps=50),
+                          sparse=SparseOptimConfig(lr=0.05)),
+        sparse=SparseConfig(act_dtype="model", onehot_rows=128)),
     # MovieLens-1M next-item retrieval (gemjax.train.retrieval; experiments/movielens.py
     # runs it): the recipe of the standalone script's defaults that reached HR@10 0.3061
     # (docs/results.md): item dim 64, 2 causal softmax blocks of 2 heads
@@ -125,10 +136,11 @@ PRESETS.update({
                         eval_path=f"{ML1M_DIR}/retrieval/test.parquet", eval_batches=0,
                         valid_path="valid.parquet", shuffle_window=1 << 20, capacity_slack=1.5),
         model=ModelConfig(kind="retrieval", dim=64, seq_layers=2, seq_heads=2, attention="softmax",
-                          rope=True, qk_norm=True, retrieval_negatives=0, retrieval_dropout=0.2),
-        train=TrainConfig(steps=4_800, warmup_steps=48, dense_lr=1e-3, sparse_lr=0.05,
-                          log_every=48, eval_every=480, checkpoint_every=480, baselines=False,
-                          select_metric="hr@10", patience=3),
+                          rope=True, qk_norm=True, retrieval=RetrievalConfig(negatives=0, dropout=0.2)),
+        train=TrainConfig(steps=4_800, log_every=48, eval_every=480, checkpoint_every=480,
+                          baselines=False, select_metric="hr@10", patience=3),
+        optim=OptimConfig(dense=DenseOptimConfig(lr=1e-3, warmup_steps=48),
+                          sparse=SparseOptimConfig(lr=0.05)),
         features=ML1M_SCHEMA),
     # Frappe CTR, GEM v0 (Wukong over the 10 field tokens: dim 16, 3 layers, FMB 6 + LCB 4
     # tokens, rank 4, MLPs of 64; experiments/frappe.py runs it over seeds). Trained on train.parquet, scored on every row of test.parquet. The step
@@ -144,9 +156,10 @@ PRESETS.update({
                         eval_batches=0),
         model=ModelConfig(kind="gem", dim=16, wukong_layers=3, fmb_tokens=6, lcb_tokens=4,
                           fm_rank=4, wukong_mlp=(64,), head_mlp=(64,)),
-        train=TrainConfig(steps=180, warmup_steps=45, dense_lr=1e-3, sparse_lr=0.2, log_every=45,
-                          eval_every=180, checkpoint_every=180, baselines=False,
-                          valid_every=45, select_metric="auc", patience=2),
+        train=TrainConfig(steps=180, log_every=45, eval_every=180, checkpoint_every=180,
+                          baselines=False, valid_every=45, select_metric="auc", patience=2),
+        optim=OptimConfig(dense=DenseOptimConfig(lr=1e-3, warmup_steps=45),
+                          sparse=SparseOptimConfig(lr=0.2)),
         features=FRAPPE_SCHEMA),
 })
 
@@ -155,27 +168,30 @@ PRESETS.update({
 # item dim 50, dropout 0.2 on the input and on each block's gated output, batch 128 users,
 # max length 200, Adam 1e-3 without warmup or weight decay), trained as measured best on
 # the validation rows (docs/results.md): a full softmax over the item table at temperature
-# 1 without l2-normalisation, and a constant learning rate (optim.schedule), so a run that
-# stops early on validation and its refit see the same rate. HSTU's own sampled softmax
-# (128 negatives, l2-normalised vectors, temperature 0.05: model.retrieval_negatives=128,
-# retrieval_l2norm=true, retrieval_temperature=0.05) learned about 10x slower here, where
+# 1 without l2-normalisation, and a constant learning rate (optim.dense.schedule), so a run
+# that stops early on validation and its refit see the same rate. HSTU's own sampled softmax
+# (128 negatives, l2-normalised vectors, temperature 0.05: model.retrieval.negatives=128,
+# l2norm=true, temperature=0.05) learned about 10x slower here, where
 # the negatives are shared by a device's tokens. Position by RoPE on Q / K plus a learned
 # recency embedding on the input (HSTU: learned absolute positions and a bucketed relative
 # position / time bias), attention scale 1/200; the item table trains with row-wise Adagrad
-# (sparse_lr). The data and selection settings are movielens_retrieval's.
+# (optim.sparse.lr). The data and selection settings are movielens_retrieval's.
 PRESETS["movielens_hstu_large"] = dataclasses.replace(
     PRESETS["movielens_retrieval"], name="movielens_hstu_large",
-    model=ModelConfig(kind="retrieval", retrieval_encoder="hstu", dim=50, seq_layers=8,
-                      seq_heads=2, attention="gdpa", rope=True, qk_norm=False,
-                      retrieval_negatives=0, retrieval_temperature=1.0, retrieval_l2norm=False,
-                      retrieval_dropout=0.2, hstu_dropout=0.2),
-    train=dataclasses.replace(PRESETS["movielens_retrieval"].train, steps=9_600, warmup_steps=0),
-    optim=OptimConfig(schedule="constant"))
+    model=ModelConfig(kind="retrieval", dim=50, seq_layers=8, seq_heads=2, attention="gdpa",
+                      rope=True, qk_norm=False,
+                      retrieval=RetrievalConfig(encoder="hstu", negatives=0, temperature=1.0,
+                                                l2norm=False, dropout=0.2, hstu_dropout=0.2)),
+    train=dataclasses.replace(PRESETS["movielens_retrieval"].train, steps=9_600),
+    optim=OptimConfig(dense=DenseOptimConfig(lr=1e-3, warmup_steps=0, schedule="constant"),
+                      sparse=SparseOptimConfig(lr=0.05)))
 # movielens_hstu_large with HSTU's relative attention bias in place of RoPE: each block
 # learns a logit per head and relative position i - j (0..199), added before the SiLU
-# (model.hstu_rel_bias=position; the attention runs densely on the histories padded to
+# (model.retrieval.hstu_rel_bias=position; the attention runs densely on the histories padded to
 # 200). ML-1M's files carry no timestamps, so the time-gap part of HSTU's bias is off.
 PRESETS["movielens_hstu_large_rab"] = dataclasses.replace(
     PRESETS["movielens_hstu_large"], name="movielens_hstu_large_rab",
     model=dataclasses.replace(PRESETS["movielens_hstu_large"].model, rope=False,
-                              hstu_rel_bias="position"))
+                              retrieval=dataclasses.replace(
+                                  PRESETS["movielens_hstu_large"].model.retrieval,
+                                  hstu_rel_bias="position")))

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from gemjax.config import get_config
+from gemjax.config import field_paths, get_config
 from gemjax.models.gem import build_model
 from experiments import ablate
 
@@ -23,16 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {
     "full": {},
     "no_sequences": {"kind": "gem", "use_sequences": False},
-    "no_pma": {"pma_tokens": 0},
-    "no_cross_layer": {"cross_layer_attention": False},
-    "no_experts": {"num_experts": 0},
+    "no_pma": {"teacher.pma_tokens": 0},
+    "no_cross_layer": {"teacher.cross_layer_attention": False},
+    "no_experts": {"teacher.num_experts": 0},
     "softmax_attention": {"attention": "softmax"},
     "gdpa_attention": {"attention": "gdpa"},
 }
 
 
 def _model_diff(a, b):
-    da, db = dataclasses.asdict(a.model), dataclasses.asdict(b.model)
+    da, db = field_paths(a.model), field_paths(b.model)
     return {k: db[k] for k in da if da[k] != db[k]}
 
 
@@ -40,8 +40,8 @@ def _model_diff(a, b):
 def test_every_variant_changes_exactly_its_component(preset):
     assert set(ablate.VARIANTS) == set(EXPECTED)
     full = ablate.full_config(preset)
-    assert (full.model.kind, full.model.num_experts, full.model.attention) == ("teacher", 4, "block")
-    assert full.model.use_sequences and full.model.pma_tokens > 0 and full.model.cross_layer_attention
+    assert (full.model.kind, full.model.teacher.num_experts, full.model.attention) == ("teacher", 4, "block")
+    assert full.model.use_sequences and full.model.teacher.pma_tokens > 0 and full.model.teacher.cross_layer_attention
     for name in ablate.VARIANTS:
         cfg = ablate.variant_config(full, name, seed=3, steps=7)
         assert _model_diff(full, cfg) == EXPECTED[name], name
@@ -62,7 +62,8 @@ def test_variant_configs_build_the_intended_models():
     assert layer("full").interaction.num_experts == 4
     assert len(layer("no_experts").interaction.cross_layer) == full.model.wukong_layers - 1 > 0
     no_cl = ablate.variant_config(full, "no_experts", 0)
-    no_cl = dataclasses.replace(no_cl, model=dataclasses.replace(no_cl.model, cross_layer_attention=False))
+    no_cl = dataclasses.replace(no_cl, model=dataclasses.replace(no_cl.model, teacher=dataclasses.replace(
+        no_cl.model.teacher, cross_layer_attention=False)))
     assert len(nnx.eval_shape(lambda: build_model(no_cl, nnx.Rngs(0))).interformer.layers[0]
                .interaction.cross_layer) == 0
     assert {n: layer(n).self_attn.attention for n in ("full", "softmax_attention", "gdpa_attention")} == \
@@ -73,7 +74,7 @@ def test_override_string_reaches_the_teacher():
     cfg = get_config("tiny", "model.kind=teacher,model.num_experts=3,model.top_k=2,"
                              "model.pyramid_levels=16:2:1/8:2:0/16:none:1,model.capacity_factor=1.5,"
                              "model.interformer_layers=1,model.cls_tokens=0,model.head_towers=shared")
-    m = cfg.model
+    m = cfg.model.teacher
     assert m.pyramid_levels == ((16, 2, 1), (8, 2, 0), (16, None, 1))
     assert (m.num_experts, m.top_k, m.capacity_factor, m.cls_tokens) == (3, 2, 1.5, 0)
     model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
@@ -89,12 +90,12 @@ def test_override_string_reaches_the_teacher():
 
 @pytest.mark.parametrize("bad, needle", [
     ("model.pyramid_levels=16:2", "3 ':'-separated fields"),
-    ("model.pyramid_levels=16:none:1/16:none:1", "model.pyramid_levels"),
-    ("model.pyramid_levels=16:x:1", "model.pyramid_levels"),
-    ("model.num_experts=2,model.top_k=3", "model.top_k"),
-    ("model.cls_tokens=0,model.pma_tokens=0,model.recent_tokens=0", "model.pma_tokens"),
-    ("model.capacity_factor=0", "model.capacity_factor"),
-    ("model.head_towers=per_task", "model.head_towers"),
+    ("model.pyramid_levels=16:none:1/16:none:1", "model.teacher.pyramid_levels"),
+    ("model.pyramid_levels=16:x:1", "model.teacher.pyramid_levels"),
+    ("model.num_experts=2,model.top_k=3", "model.teacher.top_k"),
+    ("model.cls_tokens=0,model.pma_tokens=0,model.recent_tokens=0", "model.teacher.pma_tokens"),
+    ("model.capacity_factor=0", "model.teacher.capacity_factor"),
+    ("model.head_towers=per_task", "model.teacher.head_towers"),
     ("model.seq_attention=gdpa", "no field 'seq_attention'"),
 ])
 def test_bad_teacher_overrides_name_the_field(bad, needle):

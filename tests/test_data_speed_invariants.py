@@ -34,8 +34,9 @@ def _digest(batch, info) -> str:
     return h.hexdigest()[:16]
 
 
-_TIGHT = dataclasses.replace(get_config("small").data, batch_size=64, seq_median=300.0, seq_cap=512,
-                             capacity_slack=0.4)       # both truncation paths fire
+_SMALL = get_config("small").data
+_TIGHT = dataclasses.replace(_SMALL, batch_size=64, capacity_slack=0.4, synthetic=dataclasses.replace(
+    _SMALL.synthetic, seq_median=300.0, seq_cap=512))       # both truncation paths fire
 # (config, seed, stream, (step, shard, num_shards)) -> digest
 PINNED = [
     ("tiny", 0, "train", (0, 0, 1), "c2e9c350507b7b58"),
@@ -121,7 +122,7 @@ def test_recency_window_matches_a_per_sample_slice():
     s = SyntheticStream(cfg, 5)
     rng = np.random.default_rng(11)
     b = 64
-    fav = rng.integers(0, cfg.num_categories, (b, 3))
+    fav = rng.integers(0, cfg.synthetic.num_categories, (b, 3))
     jag, (seg_r, cats_r), _, n_cut = s._sequence(rng, "clicks", fav, capacity=4096)
     assert n_cut == 0
     off, cat = np.asarray(jag.offsets), np.asarray(jag.values["cat"])

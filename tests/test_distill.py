@@ -247,7 +247,7 @@ def test_student_flops_match_its_jaxpr(over):
     stream = make_source(cfg, "train")
     batch, _ = stream.shard_batch(0, 0, 1)
     b = batch.labels.shape[0]
-    rep = np.ones((b, cfg.model.teacher_repr_dim), np.float32)
+    rep = np.ones((b, cfg.model.student.teacher_repr_dim), np.float32)
     batch = with_teacher(batch, np.zeros(batch.labels.shape, np.float32), rep)
     from gemjax.data.batch import id_features
     acts = {n: jnp.ones(np.shape(ids) + (cfg.model.dim,))
@@ -281,7 +281,7 @@ def test_distill_step_frozen_share_and_kd_loss(teacher_and_feed):
                          adapter_refresh=1, repr_window=2)
     scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4,train.steps=4"),
                           tcfg, dcfg)
-    assert scfg.train.sparse_lr == 0.0 and scfg.model.dim == tcfg.model.dim
+    assert scfg.optim.sparse.lr == 0.0 and scfg.model.dim == tcfg.model.dim
     d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
     state = d.init_state(1)
     # the train step's loss is the KD formula on the student's logits (same train_step)

@@ -46,7 +46,7 @@ def test_make_source_reads_the_drifting_stream_from_drift_start():
     assert not np.array_equal(first.dense, make_source(cfg, "train").shard_batch(0, 1, 2)[0].dense)
     with pytest.raises(ValueError, match="new_id_rate"):
         make_source(apply_overrides(cfg, "data.new_id_rate=0.1"), "train")
-    with pytest.raises(ValueError, match="data.drift_start must be >= 0"):
+    with pytest.raises(ValueError, match="data.drift.start must be >= 0"):
         get_config("tiny", "data.drift_start=-1")
 
 
@@ -118,9 +118,9 @@ def eval_batches(cfg):
     """The eval rows of a student's run, one-shard batches: drift, DriftingStream steps
     from data.drift_start + train.steps (data.eval_batches of them); else every batch of
     the eval files (make_source, OneEpoch)."""
-    if cfg.data.drift_every:
+    if cfg.data.drift.every:
         from gemjax.data.drift import DriftingStream
-        stream, start = DriftingStream(cfg.data, cfg.train.seed), cfg.data.drift_start + cfg.train.steps
+        stream, start = DriftingStream(cfg.data, cfg.train.seed), cfg.data.drift.start + cfg.train.steps
         return [stream.shard_batch(start + i)[0] for i in range(cfg.data.eval_batches)]
     from gemjax.data.source import eval_steps, make_source
     src = make_source(cfg, "eval")
@@ -176,7 +176,7 @@ def test_drift_student_resumes_after_signals_and_exports(tmp_path):
     wd = _check(args, "drift", "repr_s0", tmp_path,
                 [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
     cfg = json.load(open(os.path.join(wd, "config.json")))
-    assert cfg["data"]["drift_start"] == 4 and cfg["data"]["eval_batches"] == 2
+    assert cfg["data"]["drift"]["start"] == 4 and cfg["data"]["eval_batches"] == 2
     manifest = json.load(open(os.path.join(tmp_path, "export", "manifest.json")))
     assert any(k.startswith("teacher/") for k in manifest["inputs"]["tables"])
 

@@ -370,7 +370,7 @@ def test_resume_that_does_not_fit_is_refused(reference):
     assert msg.startswith(f"cannot resume {reference} at step 8: ")
     for part in ("train.steps (--steps) is 4, below the checkpoint's step 8",
                  "data.batch_size is 32, the checkpoint's is 64",
-                 "data.vocab_user is 2000, the checkpoint's is 1000"):
+                 "data.synthetic.vocab_user is 2000, the checkpoint's is 1000"):
         assert part in msg, msg
     assert {n: open(os.path.join(reference, n)).read() for n in before} == before
     # what may change: more steps (extends the run), eval batches, learning rates
@@ -448,11 +448,11 @@ def test_bad_config_values_are_named_before_anything_runs(tmp_path):
     for override, says in [("train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
                            ("train.log_every=0", "train.log_every must be >= 1, got 0"),
                            ("train.eval_every=-1", "train.eval_every must be >= 1, got -1"),
-                           ("train.dense_lr=nan", "train.dense_lr must be a finite number in "
+                           ("train.dense_lr=nan", "optim.dense.lr must be a finite number in "
                                                   "[0, 100], got nan"),
-                           ("train.sparse_lr=1e30", "train.sparse_lr must be a finite number in "
+                           ("train.sparse_lr=1e30", "optim.sparse.lr must be a finite number in "
                                                     "[0, 100], got 1e+30"),
-                           ("train.dense_lr=-0.1", "train.dense_lr must be a finite number"),
+                           ("train.dense_lr=-0.1", "optim.dense.lr must be a finite number"),
                            ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1")]:
         with pytest.raises(ValueError, match=f"config 'tiny': {__import__('re').escape(says)}"):
             get_config("tiny", override)

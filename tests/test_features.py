@@ -140,7 +140,7 @@ _LAYOUT = [("user", "vocab_user", ("user",), ()), ("segment", "vocab_segment", (
                                        "model.kind=lr,model.use_sequences=false,data.num_surfaces=3"])
 def test_synthetic_schema_gives_the_models_table_layout(overrides):
     cfg = apply_overrides(get_config("tiny"), overrides)
-    d, m = cfg.data, cfg.model
+    d, m = cfg.data.synthetic, cfg.model
     want = []
     for name, vocab, plain, fields in _LAYOUT:
         feats = plain + (tuple(f"{s}.{f}" for s in ("clicks", "views") for f in fields)
@@ -148,7 +148,7 @@ def test_synthetic_schema_gives_the_models_table_layout(overrides):
         if feats:
             dim = d.num_surfaces * d.num_tasks if m.kind == "lr" else m.dim
             want.append((name, getattr(d, vocab), dim, feats, None, "strict",
-                         0.0 if m.kind == "lr" else None, cfg.train.sparse_lr))
+                         0.0 if m.kind == "lr" else None, cfg.optim.sparse.lr))
     got = [(s.name, s.vocab, s.dim, s.features, s.pooling, s.bounds, s.init_scale, s.optimizer.lr)
            for s in table_specs(cfg)]
     assert got == want

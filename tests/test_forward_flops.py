@@ -36,7 +36,7 @@ def test_forward_flops_match_the_compiled_forward(case, monkeypatch):
     graph, state = nnx.split(build_model(cfg, nnx.Rngs(0)))
     acts = L.random_acts(cfg, dev, jax.random.key(1))
     if cfg.model.kind == "lr":                 # LR's tables hold S K weights per id
-        sk = cfg.data.num_surfaces * cfg.data.num_tasks
+        sk = cfg.data.synthetic.num_surfaces * cfg.data.synthetic.num_tasks
         acts = {k: v[:, :sk] for k, v in acts.items()}
     fn = jax.jit(lambda st, a, b: nnx.merge(graph, st)(a, b))
     compiled = fn.lower(state, acts, dev).compile()

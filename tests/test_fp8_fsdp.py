@@ -222,5 +222,5 @@ def test_train_step_equals_the_unsharded_step(fp8_step):
 
 def test_fp8_gather_flag_named():
     from gemjax.config import get_config
-    with pytest.raises(ValueError, match="model.fp8_gather must be exact, always or off"):
+    with pytest.raises(ValueError, match="model.precision.gather must be exact, always or off"):
         get_config("tiny", "model.fp8_gather=yes")

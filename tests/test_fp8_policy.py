@@ -48,17 +48,19 @@ def test_regions_and_default_exclusions():
 
 def test_bad_names_rejected():
     m = get_config("tiny").model
-    for field, value, msg in [("precision", "fp16", "model.precision"),
-                              ("fp8_regions", "wukong+mlp", "model.fp8_regions: unknown names \\['mlp'\\]"),
-                              ("fp8_exclude", "heads+first", "model.fp8_exclude"),
-                              ("fp8_scaling", "mx", "model.fp8_scaling"),
-                              ("wgrad_dtype", "fp16", "model.wgrad_dtype"),
-                              ("fp8_fast_accum", "all", "model.fp8_fast_accum"),
-                              ("fp8_amax_history", 0, "model.fp8_amax_history"),
-                              ("fp8_margin", -1, "model.fp8_margin")]:
+    for field, value, msg in [("format", "fp16", "model.precision.format"),
+                              ("regions", "wukong+mlp", "model.precision.regions: unknown names \\['mlp'\\]"),
+                              ("exclude", "heads+first", "model.precision.exclude"),
+                              ("scaling", "mx", "model.precision.scaling"),
+                              ("wgrad_dtype", "fp16", "model.precision.wgrad_dtype"),
+                              ("fast_accum", "all", "model.precision.fast_accum"),
+                              ("amax_history", 0, "model.precision.amax_history"),
+                              ("margin", -1, "model.precision.margin")]:
         with pytest.raises(ValueError, match=msg):
-            Policy.from_model_config(dataclasses.replace(m, **{field: value}))
-    fast = dataclasses.replace(m, precision="fp8", fp8_fast_accum="forward")
+            Policy.from_model_config(dataclasses.replace(
+                m, precision=dataclasses.replace(m.precision, **{field: value})))
+    fast = dataclasses.replace(m, precision=dataclasses.replace(m.precision, format="fp8",
+                                                                fast_accum="forward"))
     assert Policy.from_model_config(fast).recipe.fast_accum == "forward"
 
 

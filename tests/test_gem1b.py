@@ -19,13 +19,13 @@ PINNED_STEP_FLOPS = 51_893_929_390_080
 
 def test_gem1b_shape_requirements():
     cfg = get_config("gem1b")
-    d, m = cfg.data, cfg.model
+    d, m, s, t = cfg.data, cfg.model, cfg.data.synthetic, cfg.model.teacher
     assert m.kind == "teacher" and m.dtype == "bfloat16" and m.dim >= 512
-    assert m.num_experts >= 2 and m.cls_tokens and m.pma_tokens and m.recent_tokens
-    assert len(SEQUENCES) >= 2 and d.seq_median >= 1024 and d.seq_cap >= 8192
+    assert t.num_experts >= 2 and t.cls_tokens and t.pma_tokens and t.recent_tokens
+    assert len(SEQUENCES) >= 2 and s.seq_median >= 1024 and s.seq_cap >= 8192
     assert d.batch_size >= 1024
     # the packed capacity holds the expected tokens (5% of histories are empty) with slack
-    mean_len = d.seq_median * np.exp(d.seq_sigma ** 2 / 2)
+    mean_len = s.seq_median * np.exp(s.seq_sigma ** 2 / 2)
     assert 1.0 < d.sequence_capacity / (0.95 * mean_len * d.batch_size) < 1.3
 
 

@@ -125,7 +125,9 @@ def test_sparse_list_flows_through_every_model(sparse_list_kind, kind):
     """A model built on a schema with the new kind: logits [B, 1] that depend on each
     sample's own tag ids (changing sample 0's tags moves only its logit), and the loss
     sends a gradient to the tag rows (what the sparse update applies)."""
-    small = dict(interformer_layers=1, pyramid_levels=((32, None, 1),)) if kind == "teacher" else {}
+    small = (dict(teacher=dataclasses.replace(PRESETS["tiny"].model.teacher, interformer_layers=1,
+                                              pyramid_levels=((32, None, 1),)))
+             if kind == "teacher" else {})
     cfg = _cfg(_schema(), kind=kind, **small)
     model = build_model(cfg, nnx.Rngs(0))
     graphdef, params = nnx.split(model)

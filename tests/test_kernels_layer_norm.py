@@ -266,8 +266,8 @@ def test_teacher_with_pallas_norms_matches_xla():
     results = {}
     for impl in ("xla", "pallas"):
         base = get_config("tiny", f"model.kind=teacher,model.norm_impl={impl}")
-        model_cfg = dataclasses.replace(base.model, interformer_layers=1,
-                                        pyramid_levels=((16, 2, 2),), num_experts=0)
+        model_cfg = dataclasses.replace(base.model, teacher=dataclasses.replace(
+            base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 2),), num_experts=0))
         cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=8),
                                     model=model_cfg)
         model = GEMTeacher(cfg, rngs=nnx.Rngs(0))

@@ -32,8 +32,8 @@ def test_teacher_logits_depend_on_sequences_and_surface():
     base = get_config("tiny")
     # A smaller teacher than the defaults (one InterFormer layer, one pyramid level): the
     # composition is what is tested here, and compile time is CPU test budget.
-    model_cfg = dataclasses.replace(base.model, interformer_layers=1,
-                                    pyramid_levels=((16, 2, 1),), num_experts=0)
+    model_cfg = dataclasses.replace(base.model, teacher=dataclasses.replace(
+        base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=0))
     cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=16),
                                 model=model_cfg)
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
@@ -47,7 +47,7 @@ def test_teacher_logits_depend_on_sequences_and_surface():
         for f in SEQUENCE_FIELDS:
             acts[f"{s}.{f}"] = jnp.asarray(rng.normal(size=(t, dim)), jnp.float32)
     logits = nnx.jit(lambda m, a, bt: m(a, bt))(model, acts, batch)
-    assert logits.shape == (b, cfg.data.num_tasks) and np.isfinite(np.asarray(logits)).all()
+    assert logits.shape == (b, cfg.data.synthetic.num_tasks) and np.isfinite(np.asarray(logits)).all()
     # Per-block gradient flow is tested with each layer; here: the sequence side and the
     # surface reach the logits (a composition that dropped either would pass the shape check).
     acts2 = dict(acts)
@@ -56,7 +56,7 @@ def test_teacher_logits_depend_on_sequences_and_surface():
     has_clicks = np.asarray(batch.sequences["clicks"].lengths) > 0
     moved = np.abs(np.asarray(logits2) - np.asarray(logits)).max(-1) > 1e-6
     np.testing.assert_array_equal(moved, has_clicks)
-    flipped = batch.replace(surface=(batch.surface + 1) % cfg.data.num_surfaces)
+    flipped = batch.replace(surface=(batch.surface + 1) % cfg.data.synthetic.num_surfaces)
     logits3 = nnx.jit(lambda m, a, bt: m(a, bt))(model, acts, flipped)
     assert np.abs(np.asarray(logits3) - np.asarray(logits)).max() > 1e-4
 
@@ -67,9 +67,9 @@ def test_ffn_activation_reaches_every_teacher_ffn():
     import pytest
     from gemjax.config import apply_overrides, validate
     base = get_config("tiny")
-    model_cfg = dataclasses.replace(base.model, interformer_layers=1,
-                                    pyramid_levels=((16, 2, 1),), num_experts=0,
-                                    ffn_activation="gelu_tanh")
+    model_cfg = dataclasses.replace(base.model, teacher=dataclasses.replace(
+        base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=0,
+        ffn_activation="gelu_tanh"))
     cfg = types.SimpleNamespace(data=base.data, model=model_cfg)
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
     ffns = [model.interformer.layers[0].ffn] + [
@@ -82,7 +82,7 @@ def test_ffn_activation_reaches_every_teacher_ffn():
         exact = l1(jax.nn.gelu(l0(x), approximate=False))
         np.testing.assert_allclose(np.asarray(ffn(x)), np.asarray(want), rtol=1e-6, atol=1e-6)
         assert float(jnp.max(jnp.abs(want - exact))) > 1e-6      # the two forms do differ
-    with pytest.raises(ValueError, match="model.ffn_activation"):
+    with pytest.raises(ValueError, match="model.teacher.ffn_activation"):
         validate(apply_overrides(get_config("tiny"), "model.kind=teacher,model.ffn_activation=gelu2"))
 
 
@@ -91,8 +91,9 @@ def test_token_bias_false_drops_the_pyramid_biases_only():
     pooling attention; the InterFormer and the heads keep theirs."""
     base = get_config("tiny")
     cfgs = [types.SimpleNamespace(data=base.data, model=dataclasses.replace(
-        base.model, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=0,
-        token_bias=tb)) for tb in (True, False)]
+        base.model, teacher=dataclasses.replace(
+            base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=0,
+            token_bias=tb))) for tb in (True, False)]
     with_b, without = (GEMTeacher(c, rngs=nnx.Rngs(0)) for c in cfgs)
     level = next(iter(without.pyramid.pyramids.values())).levels[0]
     linears = [level.encoder.blocks[0].attn.q_proj, level.encoder.blocks[0].attn.out_proj,

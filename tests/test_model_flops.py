@@ -188,7 +188,7 @@ def test_blocks_match_xla(variant, monkeypatch):
     model = F.teacher_block_flops(cfg, lens)
     assert all(model[n] <= want[n].total for n in want)
     assert model["pyramid"] < want["pyramid"].total
-    if cfg.model.num_experts:      # 2 of 4 experts per sample vs 4 x 48 slots for 64 samples
+    if cfg.model.teacher.num_experts:      # 2 of 4 experts per sample vs 4 x 48 slots for 64 samples
         inter = want["interformer0.interaction"].matmul
         assert model["interformer0.interaction"] < 0.75 * inter
 
@@ -220,7 +220,7 @@ def test_step_is_three_forwards_and_linear_in_the_batch(variant):
     step = F.teacher_step_flops(cfg, a)
     assert step == 3 * sum(blocks.values()) > 0
     assert list(blocks) == ["inputs", "pyramid"] + [
-        f"interformer{i}.{p}" for i in range(cfg.model.interformer_layers)
+        f"interformer{i}.{p}" for i in range(cfg.model.teacher.interformer_layers)
         for p in ("cross", "interaction", "sequence")] + ["final_cross", "head"]
     # doubling the batch (every sample twice) doubles every block; two batches add up
     doubled = {s: np.concatenate([a[s], a[s]]) for s in SEQUENCES}

@@ -54,7 +54,7 @@ def test_deterministic_and_popularity_moves():
         np.testing.assert_array_equal(xi.true_probs, yi.true_probs)
     assert not np.array_equal(_stream(seed=1).shard_batch(7, 1, 2)[0].labels, x.labels)
     cfg = get_config("tiny", DRIFT).data
-    s, C = _stream(), cfg.num_categories
+    s, C = _stream(), cfg.synthetic.num_categories
 
     def top_rank(window):
         ranks = np.concatenate([s.shard_batch(t, 0, 1)[0].sparse["item"] // C
@@ -67,8 +67,8 @@ def test_deterministic_and_popularity_moves():
 def test_new_ids_keep_appearing_and_are_counted():
     s = _stream()
     cfg = s.cfg
-    base = per_category(cfg) * cfg.num_categories
-    adm = FrequencyAdmission(rows=cfg.vocab_item, min_count=2, buckets=4)
+    base = per_category(cfg) * cfg.synthetic.num_categories
+    adm = FrequencyAdmission(rows=cfg.synthetic.vocab_item, min_count=2, buckets=4)
     new_per_window, seen = [], set()
     for w in range(4):
         ids = []
@@ -80,7 +80,7 @@ def test_new_ids_keep_appearing_and_are_counted():
                 seq = b.sequences[name]
                 ids.append(seq.values["item"][:int(seq.offsets[-1])].astype(np.int64))
         ids = np.concatenate(ids)
-        fresh_rank = ids[ids >= base] // cfg.num_categories - per_category(cfg)
+        fresh_rank = ids[ids >= base] // cfg.synthetic.num_categories - per_category(cfg)
         # fresh ids come from the blocks opened so far, window w's the most common
         assert fresh_rank.max() < (w + 1) * new_block(cfg)
         blocks = np.bincount(fresh_rank // new_block(cfg), minlength=w + 1)
@@ -146,7 +146,7 @@ def test_admission_bad_arguments():
         FrequencyAdmission(4, 0, 1)
     with pytest.raises(ValueError, match="raw ids"):
         FrequencyAdmission(4, 1, 1).lookup(np.array([-1]))
-    with pytest.raises(ValueError, match="drift_every"):
+    with pytest.raises(ValueError, match="drift.every"):
         DriftingStream(get_config("tiny").data, 0)
-    with pytest.raises(ValueError, match="drift_strength"):
+    with pytest.raises(ValueError, match="drift.strength"):
         get_config("tiny", "data.drift_strength=1.5")

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from gemjax.config import apply_overrides, config_from_dict, get_config
+from gemjax.config import OptimConfig, apply_overrides, config_from_dict, get_config
 from gemjax.sparse import Adagrad, LazyAdam, RowWiseAdagrad
 from gemjax.train import optim
 from gemjax.train.loop import train
@@ -30,17 +30,19 @@ def _one_step(overrides, tmp_path):
 
 @pytest.mark.parametrize("name", ["adamw", "adagrad"])
 def test_dense_optimizer_is_one_override(name, tmp_path):
-    cfg = _tiny(f"optim.dense={name}")
+    cfg = _tiny(f"optim.dense.name={name}")
+    assert cfg == _tiny(f"optim.dense={name}")          # the flat path is an alias of it
+    assert cfg.optim.dense.name == name
     tx = Trainer.create(cfg).tx
     params = {"w": jnp.ones((3,)), "b": jnp.zeros((2,))}
     grads = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array([1.0, -1.0])}
-    ref = optax.chain(optax.clip_by_global_norm(cfg.optim.clip_norm),
+    ref = optax.chain(optax.clip_by_global_norm(cfg.optim.dense.clip_norm),
                       getattr(optax, name)(optim.lr_schedule(cfg)))
     got, _ = tx.update(grads, tx.init(params), params)
     want, _ = ref.update(grads, ref.init(params), params)
     for k in params:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
-    _one_step(f"optim.dense={name}", tmp_path)
+    _one_step(f"optim.dense.name={name},optim.dense.lr=3e-3,optim.sparse.name=adagrad", tmp_path)
 
 
 def test_schedules_against_formulas():
@@ -48,7 +50,7 @@ def test_schedules_against_formulas():
     cosine = optim.lr_schedule(cfg)
     assert float(cosine(0)) == 0.0
     np.testing.assert_allclose(float(cosine(10)), 0.01, rtol=1e-6)
-    np.testing.assert_allclose(float(cosine(100)), 0.01 * cfg.optim.final_lr_scale, rtol=1e-5)
+    np.testing.assert_allclose(float(cosine(100)), 0.01 * cfg.optim.dense.final_lr_scale, rtol=1e-5)
     const = optim.lr_schedule(cfg, "warmup_constant")
     np.testing.assert_allclose([float(const(s)) for s in (5, 10, 90)], [0.005, 0.01, 0.01],
                                rtol=1e-6)
@@ -82,8 +84,8 @@ def test_sparse_adagrad_trains_one_step(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("optim.dense=nosuch", "optim.dense='nosuch'"),
-    ("optim.dense=global_norm", "optim.dense='global_norm'"),
+    ("optim.dense=nosuch", "optim.dense.name='nosuch'"),
+    ("optim.dense=global_norm", "optim.dense.name='global_norm'"),
     ("optim.dense=adam,optim.weight_decay=0.1", "takes no weight_decay"),
 ])
 def test_bad_dense_optimizer_named(override, needle):
@@ -91,10 +93,10 @@ def test_bad_dense_optimizer_named(override, needle):
         optim.dense_transform(_tiny(override))
 
 
-@pytest.mark.parametrize("override,field", [("optim.schedule=linear", "optim.schedule"),
-                                            ("optim.sparse=adam", "optim.sparse"),
-                                            ("optim.clip_norm=-1", "optim.clip_norm"),
-                                            ("optim.final_lr_scale=2", "optim.final_lr_scale")])
+@pytest.mark.parametrize("override,field", [("optim.schedule=linear", "optim.dense.schedule"),
+                                            ("optim.sparse=adam", "optim.sparse.name"),
+                                            ("optim.clip_norm=-1", "optim.dense.clip_norm"),
+                                            ("optim.final_lr_scale=2", "optim.dense.final_lr_scale")])
 def test_config_refuses_bad_optim_fields(override, field):
     with pytest.raises(ValueError, match=field):
         _tiny(override)
@@ -109,24 +111,37 @@ def test_optim_section_round_trips_through_config_json():
 
 
 def optim_default():
-    return get_config("tiny").optim
+    return OptimConfig()
 
 
 def test_helpconfig_lists_every_field_with_its_comment():
     import subprocess
     import sys
-    from gemjax.config import SECTIONS, field_help
+    from gemjax.config import ALIASES, SECTIONS, field_help
     helps = field_help()
     cfg = get_config("tiny")
-    names = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))]
-    assert sorted(helps) == sorted(names)
+
+    def leaves(record, prefix):       # every leaf field path, walked here independently
+        out = []
+        for f in dataclasses.fields(record):
+            v = getattr(record, f.name)
+            out += (leaves(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v)
+                    else [f"{prefix}{f.name}"])
+        return out
+
+    names = [p for s in SECTIONS for p in leaves(getattr(cfg, s), f"{s}.")]
+    assert sorted(helps) == sorted(names) and all(helps.values())
+    assert {"optim.dense.name", "model.teacher.pyramid_levels", "data.synthetic.vocab_user",
+            "model.precision.format", "sparse.act_dtype", "data.drift.every"} <= set(names)
     # comments read from the source: the trailing one and the block above a field
     assert helps["data.batch_size"] == "global samples per step"
-    assert helps["optim.weight_decay"].startswith("for optimizers that take one")
-    assert "any optax optimizer taking a learning_rate" in helps["optim.dense"]
+    assert helps["optim.dense.weight_decay"].startswith("for optimizers that take one")
+    assert "any optax optimizer taking a learning_rate" in helps["optim.dense.name"]
     out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=tiny",
                           "--override=optim.dense=adamw", "--helpconfig"],
                          capture_output=True, text=True, check=True, timeout=120).stdout
     lines = out.strip().splitlines()
-    assert len(lines) == len(names)
-    assert "optim.dense = 'adamw'  (str)  dense params: any optax optimizer" in out
+    fields = [ln for ln in lines if " = " in ln]
+    assert [ln.split(" = ")[0] for ln in fields] == names
+    assert "optim.dense.name = 'adamw'  (str)  any optax optimizer" in out
+    assert all(f"{old} -> {new}" in lines for old, new in ALIASES.items())

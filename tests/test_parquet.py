@@ -472,11 +472,11 @@ def test_parquet_rows_of_a_synthetic_batch_train_like_the_synthetic_batch(tmp_pa
     cols = ParquetColumns(
         sparse=SPARSE_FEATURES, dense=tuple(f"dense_{k}" for k in range(ref.dense.shape[1])),
         sequences=tuple(SequenceColumns(s, tuple((f, f"{s}_{f}") for f in SEQUENCE_FIELDS),
-                                        cap=cfg.data.seq_cap) for s in SEQUENCES),
+                                        cap=cfg.data.synthetic.seq_cap) for s in SEQUENCES),
         labels=tuple(f"label_{k}" for k in range(ref.labels.shape[1])), surface="surface",
         vocab=tuple((c, vocab[c]) for c in SPARSE_FEATURES)
         + tuple((f"{s}_{f}", vocab[f"{s}.{f}"]) for s in SEQUENCES for f in SEQUENCE_FIELDS)
-        + (("surface", cfg.data.num_surfaces),))
+        + (("surface", cfg.data.synthetic.num_surfaces),))
     src = ParquetSource(str(tmp_path), cols, batch_size=b, order="time",
                         capacity_tokens={s: cfg.data.sequence_capacity for s in SEQUENCES})
     got, info = src.shard_batch(0, 0, 1)

@@ -72,8 +72,8 @@ def _teacher_grads(plan: str):
     """(jaxpr text, gradient leaves) of a squared-logits loss of a tiny teacher with two
     experts, w.r.t. params and looked-up activations, under train.remat=plan."""
     base = get_config("tiny")
-    model_cfg = dataclasses.replace(base.model, kind="teacher", interformer_layers=1,
-                                    pyramid_levels=((16, 2, 1),), num_experts=2)
+    model_cfg = dataclasses.replace(base.model, kind="teacher", teacher=dataclasses.replace(
+        base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=2))
     cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=16), model=model_cfg,
                                 train=dataclasses.replace(base.train, remat=plan))
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))

@@ -238,10 +238,10 @@ def test_hstu_rel_bias_flag_is_checked_and_time_needs_timestamps():
     is refused when the tower is built (the schema's sequences carry no timestamps)."""
     from gemjax.models.retrieval import RetrievalTower
     cfg = get_config("movielens_hstu_large")
-    assert cfg.model.hstu_rel_bias == "none" and cfg.model.rope            # the default path
-    with pytest.raises(ValueError, match="model.hstu_rel_bias must be"):
+    assert cfg.model.retrieval.hstu_rel_bias == "none" and cfg.model.rope            # the default path
+    with pytest.raises(ValueError, match="model.retrieval.hstu_rel_bias must be"):
         apply_overrides(cfg, {"model.hstu_rel_bias": "time"})
-    with pytest.raises(ValueError, match="needs model.retrieval_encoder=hstu"):
+    with pytest.raises(ValueError, match="needs model.retrieval.encoder=hstu"):
         apply_overrides(get_config("movielens_retrieval"), {"model.hstu_rel_bias": "position"})
     small = apply_overrides(cfg, {"model.dim": "8", "model.seq_layers": "1",
                                   "model.hstu_rel_bias": "position+time"})

@@ -21,7 +21,7 @@ from gemjax.perf.retrieval_flops import retrieval_forward_flops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ML1M = os.path.join(REPO, "..", "shared", "datasets", "ml-1m")
-HAS_HSTU = hasattr(ModelConfig(), "retrieval_encoder")
+HAS_HSTU = hasattr(ModelConfig().retrieval, "encoder")
 
 # history lengths of two fake batches (ML-1M-like: many capped at 200)
 LENGTHS = (np.array([200, 17, 96, 3, 200, 150, 1, 64]), np.array([5, 200, 120, 33, 8, 200, 77, 2]))

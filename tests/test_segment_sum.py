@@ -271,7 +271,7 @@ def test_collection_segment_sum_pallas_equals_xla(devices):
         from gemjax.train.step import Trainer
         cfg = get_config("tiny", "train.sparse_segment_sum=pallas")
         assert Trainer.create(cfg).coll.segment_sum == "pallas"
-        with pytest.raises(ValueError, match="sparse_segment_sum"):
+        with pytest.raises(ValueError, match="sparse.segment_sum"):
             get_config("tiny", "train.sparse_segment_sum=triton")
 
 

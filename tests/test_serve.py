@@ -92,10 +92,10 @@ def test_predictions_reproduce_the_runs_eval(run):
     workdir, evals = run
     predict = gemjax.load_for_inference(workdir)
     assert predict.step == 6 and predict.cfg == CFG
-    acc = EvalAccumulator(CFG.data.num_surfaces, CFG.data.num_tasks)
+    acc = EvalAccumulator(CFG.data.synthetic.num_surfaces, CFG.data.synthetic.num_tasks)
     for (b,) in _eval_batches(CFG, 1):
         probs = predict(b)
-        assert probs.shape == (CFG.data.batch_size, CFG.data.num_tasks)
+        assert probs.shape == (CFG.data.batch_size, CFG.data.synthetic.num_tasks)
         acc.add(probs, b.labels, b.label_mask, b.surface, b.weights)
     res = acc.result()
     _same_metrics({"loss": res["log_loss"], **flat(res), "bayes_ne": evals[6]["bayes_ne"]}, evals[6])
@@ -193,7 +193,7 @@ def test_config_from_dict_round_trips():
     for cfg in cfgs:
         back = config_from_dict(json.loads(json.dumps(dataclasses.asdict(cfg))))
         assert back == cfg and type(back.model.wukong_mlp) is tuple
-    assert cfgs[-1].model.pyramid_levels == ((32, 4, 1), (32, None, 1))
+    assert cfgs[-1].model.teacher.pyramid_levels == ((32, 4, 1), (32, None, 1))
     with pytest.raises(ValueError, match="data has no fields \\['bogus'\\]"):
         config_from_dict({"data": {"bogus": 1}})
 

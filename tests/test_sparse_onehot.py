@@ -142,9 +142,9 @@ def test_onehot_rows_must_be_a_non_negative_int():
             routing.check_onehot_rows(bad)
     with pytest.raises(ValueError, match="onehot_rows"):
         EmbeddingCollection([TableSpec("a", 8, 4, features=("a",))], onehot_rows=-3)
-    with pytest.raises(ValueError, match="train.sparse_onehot_rows"):
+    with pytest.raises(ValueError, match="sparse.onehot_rows"):
         get_config("tiny", "train.sparse_onehot_rows=-1")
-    assert get_config("tiny").train.sparse_onehot_rows == 0                # off by default
+    assert get_config("tiny").sparse.onehot_rows == 0                # off by default
 
 
 def test_collection_onehot_equals_sorted_and_skips_pooled_tables():

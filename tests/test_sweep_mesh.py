@@ -79,7 +79,7 @@ def test_cost_model_expert_tokens_follow_the_built_experts():
     cfg = get_config("tiny", "model.kind=teacher,model.num_experts=4,model.top_k=2,"
                      "model.capacity_factor=1.5")
     experts = build_model(cfg, nnx.Rngs(0)).interformer.layers[0].interaction
-    b, m = 64, cfg.model
+    b, m = 64, cfg.model.teacher
     work = workload_for(cfg, dense_params=10, expert_params=10, local_batch=b, seq_tokens_per_sample=5.0,
                         forward_flops_per_sample=1.0)
     slots = m.num_experts * expert_capacity(b, m.num_experts, m.top_k, m.capacity_factor)

@@ -44,7 +44,8 @@ def test_zipf_ranks_follow_the_power_law():
 
 @pytest.mark.parametrize("vocab", [10, 10**8])
 def test_cardinalities_from_10_to_1e8(vocab):
-    cfg = dataclasses.replace(CFG, vocab_user=vocab, batch_size=256)
+    cfg = dataclasses.replace(CFG, batch_size=256,
+                              synthetic=dataclasses.replace(CFG.synthetic, vocab_user=vocab))
     batch, _ = SyntheticStream(cfg, 0).shard_batch(0)
     u = batch.sparse["user"]
     assert u.min() >= 0 and u.max() < vocab
@@ -53,8 +54,8 @@ def test_cardinalities_from_10_to_1e8(vocab):
 
 
 def test_long_sequences_are_capped_and_counted():
-    cfg = dataclasses.replace(CFG, batch_size=16, seq_median=6000.0, seq_sigma=0.5, seq_cap=16_384,
-                              capacity_slack=0.5)
+    cfg = dataclasses.replace(CFG, batch_size=16, capacity_slack=0.5, synthetic=dataclasses.replace(
+        CFG.synthetic, seq_median=6000.0, seq_sigma=0.5, seq_cap=16_384))
     batch, info = SyntheticStream(cfg, 0).shard_batch(0)
     for seq in batch.sequences.values():
         lengths = np.diff(seq.offsets)
@@ -71,9 +72,9 @@ def _teacher_probs_by_hand(stream, batch):
         seg, ctx = batch.sparse["segment"][i], batch.sparse["context"][i]
         item, cat = batch.sparse["item"][i], batch.sparse["item_cat"][i]
         z = t.w_seg[seg] + t.w_ctx[ctx] + t.w_item[item]
-        z += c.fm * (t.u_seg[seg] @ t.c_ctx[ctx] + t.g_cat[cat] @ t.h_ctx[ctx])
+        z += c.synthetic.fm * (t.u_seg[seg] @ t.c_ctx[ctx] + t.g_cat[cat] @ t.h_ctx[ctx])
         z += batch.dense[i].astype(np.float64) @ t.w_dense
-        for name, strength in (("clicks", c.clicks_signal), ("views", c.views_signal)):
+        for name, strength in (("clicks", c.synthetic.clicks_signal), ("views", c.synthetic.views_signal)):
             seq = batch.sequences[name]
             cats = seq.values["cat"][seq.offsets[i]:seq.offsets[i + 1]][-c.recent:]
             if len(cats) == 0:
@@ -97,8 +98,8 @@ def test_labels_come_from_the_planted_model():
 
 
 def item_categories_match(batch, cfg):
-    return (np.all(batch.sparse["item"] % cfg.num_categories == batch.sparse["item_cat"])
-            and all(np.all(s.values["item"] % cfg.num_categories == s.values["cat"])
+    return (np.all(batch.sparse["item"] % cfg.synthetic.num_categories == batch.sparse["item_cat"])
+            and all(np.all(s.values["item"] % cfg.synthetic.num_categories == s.values["cat"])
                     for s in batch.sequences.values()))
 
 
@@ -106,7 +107,8 @@ def test_sequences_and_interactions_both_carry_signal():
     """The planted model without its sequence terms, or without its pairwise terms, is
     clearly worse than the full one on the same labels (> 5% NE)."""
     stream = SyntheticStream(CFG, 0)
-    no_fm = PlantedTeacher(dataclasses.replace(CFG, fm=0.0), 0)     # same draws, fm off
+    no_fm = PlantedTeacher(dataclasses.replace(
+        CFG, synthetic=dataclasses.replace(CFG.synthetic, fm=0.0)), 0)     # same draws, fm off
     y, p = [], {"full": [], "no_sequences": [], "no_interactions": []}
     for step in range(6):
         batch, info = stream.shard_batch(step)

@@ -122,7 +122,7 @@ def test_bad_input_is_named():
     seqs = dict(batch.sequences)
     seqs["clicks"] = seqs["clicks"].replace(values=dict(seqs["clicks"].values))
     seqs["clicks"].values["item"] = seqs["clicks"].values["item"].copy()
-    seqs["clicks"].values["item"][0] = TINY.data.vocab_item + 5
+    seqs["clicks"].values["item"][0] = TINY.data.synthetic.vocab_item + 5
     with pytest.raises(ValueError, match="feature 'clicks.item'"):
         validate_batch(batch.replace(sequences=seqs), trainer.coll.check_ids, trainer.id_fields)
     labels = batch.labels.copy()
@@ -142,7 +142,7 @@ def test_config_errors():
         get_config("tiny", "data.seq_cap=20000")
     cfg = get_config("tiny", "model.head_mlp=32:16,model.use_sequences=false,data.vocab_user=1e6")
     assert cfg.model.head_mlp == (32, 16) and not cfg.model.use_sequences
-    assert cfg.data.vocab_user == 10**6
+    assert cfg.data.synthetic.vocab_user == 10**6
 
 
 def test_cli_rejects_unknown_preset_with_a_clear_message():

@@ -1,7 +1,7 @@
 """A time-ordered synthetic stream whose planted model drifts (online training).
 
 The stream is `gemjax.data.synthetic`'s planted-teacher stream cut into windows of
-cfg.drift_every steps; window(step) = step // drift_every. Within a window the
+cfg.drift.every steps; window(step) = step // drift.every. Within a window the
 stream is stationary; at each window start three things move:
 
   label function  the teacher's first-order weights (segment, context, item), FM
@@ -18,9 +18,9 @@ stream is stationary; at each window start three things move:
                   Each item (candidate or event) is, with probability new_id_rate, a
                   fresh one: the fresh ranks opened so far ordered newest first, Zipf
                   over that order (the newest ids most popular, older ones fading).
-                  Raw ids reach beyond data.vocab_item; `gemjax.sparse.admission`
+                  Raw ids reach beyond data.synthetic.vocab_item; `gemjax.sparse.admission`
                   maps them to table rows. A fresh id's item bias is drawn once from
-                  (seed, its block) with the scale of data.item_bias and does not drift.
+                  (seed, its block) with the scale of data.synthetic.item_bias and does not drift.
 
 per_cat = vocab_item // num_categories. Every batch is a pure function of
 (seed, stream, step, shard, num_shards), as in the synthetic stream (the same
@@ -48,7 +48,7 @@ DRIFTING = ("w_seg", "w_ctx", "w_item", "u_seg", "c_ctx", "g_cat", "h_ctx", "w_d
 
 def per_category(cfg: DataConfig) -> int:
     """Base item ranks per category (vocab_item // num_categories)."""
-    return cfg.vocab_item // cfg.num_categories
+    return cfg.synthetic.vocab_item // cfg.synthetic.num_categories
 
 
 def new_block(cfg: DataConfig) -> int:
@@ -69,13 +69,14 @@ class _ItemBias:
         with self._lock:
             if b not in self._blocks:
                 rng = np.random.default_rng([self.seed, 7919, 1, b])
-                self._blocks[b] = rng.normal(0, 1.0, new_block(self.cfg) * self.cfg.num_categories) \
-                    * self.cfg.item_bias
+                s = self.cfg.synthetic
+                self._blocks[b] = rng.normal(0, 1.0, new_block(self.cfg) * s.num_categories) \
+                    * s.item_bias
             return self._blocks[b]
 
     def __getitem__(self, item) -> np.ndarray:
         item = np.asarray(item, np.int64)
-        c = self.cfg.num_categories
+        c = self.cfg.synthetic.num_categories
         base_ids = per_category(self.cfg) * c
         out = self.base[np.minimum(item, base_ids - 1)]
         fresh = item >= base_ids
@@ -96,15 +97,16 @@ def _noise(cfg: DataConfig, seed: int, window: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([seed, 7919, 0, window])
     r = 4
     f = 1 / math.sqrt(math.sqrt(r))
-    return {"w_seg": rng.normal(0, cfg.first_order, cfg.vocab_segment),
-            "w_ctx": rng.normal(0, cfg.first_order, cfg.vocab_context),
-            "w_item": rng.normal(0, 1.0, cfg.vocab_item) * cfg.item_bias,
-            "u_seg": rng.normal(0, f, (cfg.vocab_segment, r)),
-            "c_ctx": rng.normal(0, f, (cfg.vocab_context, r)),
-            "g_cat": rng.normal(0, f, (cfg.num_categories, r)),
-            "h_ctx": rng.normal(0, f, (cfg.vocab_context, r)),
-            "w_dense": rng.normal(0, cfg.dense_signal / math.sqrt(max(cfg.num_dense, 1)),
-                                  cfg.num_dense)}
+    s = cfg.synthetic
+    return {"w_seg": rng.normal(0, s.first_order, s.vocab_segment),
+            "w_ctx": rng.normal(0, s.first_order, s.vocab_context),
+            "w_item": rng.normal(0, 1.0, s.vocab_item) * s.item_bias,
+            "u_seg": rng.normal(0, f, (s.vocab_segment, r)),
+            "c_ctx": rng.normal(0, f, (s.vocab_context, r)),
+            "g_cat": rng.normal(0, f, (s.num_categories, r)),
+            "h_ctx": rng.normal(0, f, (s.vocab_context, r)),
+            "w_dense": rng.normal(0, s.dense_signal / math.sqrt(max(s.num_dense, 1)),
+                                  s.num_dense)}
 
 
 class _WindowStream(SyntheticStream):
@@ -118,16 +120,16 @@ class _WindowStream(SyntheticStream):
     def _items_of(self, rng, cats: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         c = self.cfg
         per_cat = per_category(c)
-        ranks = zipf_ranks(rng, per_cat, c.zipf, cats.shape)
-        if c.popularity_shift:
-            ranks += self.window * c.popularity_shift
+        ranks = zipf_ranks(rng, per_cat, c.synthetic.zipf, cats.shape)
+        if c.drift.popularity_shift:
+            ranks += self.window * c.drift.popularity_shift
             ranks %= per_cat
-        if c.new_id_rate > 0:
-            fresh = rng.random(cats.shape) < c.new_id_rate
+        if c.drift.new_id_rate > 0:
+            fresh = rng.random(cats.shape) < c.drift.new_id_rate
             opened = (self.window + 1) * new_block(c)          # fresh ranks opened so far
-            age = zipf_ranks(rng, opened, c.zipf, cats.shape)  # 0: the newest fresh rank
+            age = zipf_ranks(rng, opened, c.synthetic.zipf, cats.shape)  # 0: the newest fresh rank
             ranks = np.where(fresh, per_cat + opened - 1 - age, ranks)
-        items = ranks * c.num_categories + cats
+        items = ranks * c.synthetic.num_categories + cats
         if out is None:
             return items
         np.copyto(out, items, casting="unsafe")
@@ -137,14 +139,14 @@ class _WindowStream(SyntheticStream):
 class DriftingStream:
     """Source protocol (`gemjax.data.source`) over the drifting stream (module doc).
 
-    Raw item ids exceed data.vocab_item once new_id_rate > 0 (fresh ids); feed the
+    Raw item ids exceed data.synthetic.vocab_item once new_id_rate > 0 (fresh ids); feed the
     batches through an id admission (`gemjax.sparse.admission`) before a model.
     """
 
     def __init__(self, cfg: DataConfig, seed: int, stream: str = "train"):
-        if cfg.drift_every < 1:
-            raise ValueError(f"DriftingStream needs data.drift_every >= 1 (steps per window), "
-                             f"got {cfg.drift_every}")
+        if cfg.drift.every < 1:
+            raise ValueError(f"DriftingStream needs data.drift.every >= 1 (steps per window), "
+                             f"got {cfg.drift.every}")
         self.cfg, self.seed, self.stream = cfg, seed, stream
         self._teachers: dict[int, PlantedTeacher] = {0: PlantedTeacher(cfg, seed)}
         self._streams: dict[tuple[int, int], _WindowStream] = {}
@@ -153,18 +155,18 @@ class DriftingStream:
 
     def window(self, step: int) -> int:
         """The window of global step `step`."""
-        return step // self.cfg.drift_every
+        return step // self.cfg.drift.every
 
     def window_steps(self, window: int) -> range:
         """The global steps of `window`."""
-        return range(window * self.cfg.drift_every, (window + 1) * self.cfg.drift_every)
+        return range(window * self.cfg.drift.every, (window + 1) * self.cfg.drift.every)
 
     def teacher(self, window: int) -> PlantedTeacher:
         """The planted teacher of `window` (computed once, from window 0 on)."""
         with self._lock:
             w = max(self._teachers)
             while w < window:
-                prev, s = self._teachers[w], self.cfg.drift_strength
+                prev, s = self._teachers[w], self.cfg.drift.strength
                 keep = math.sqrt(1.0 - s * s)
                 t = PlantedTeacher.__new__(PlantedTeacher)
                 t.__dict__.update(prev.__dict__)

@@ -31,13 +31,13 @@ summed key by key, `rows` concatenated).
 the evaluator, the equivalence runs and the export take theirs from it), by
 cfg.data.source:
   "synthetic"  the planted-teacher stream, whose `schema` (gemjax.features)
-               must be the config's; with data.drift_every > 0 the drifting stream
+               must be the config's; with data.drift.every > 0 the drifting stream
                (gemjax.data.drift, stream "train" of seed train.seed) instead, in
-               time order: "train" reads its steps from data.drift_start on (run
+               time order: "train" reads its steps from data.drift.start on (run
                step i is stream step drift_start + i), "eval" its data.eval_batches
                steps after the run's training, from drift_start + train.steps (the
                future the run never trained on), "valid" is refused, and so is
-               data.new_id_rate > 0 (raw ids past the tables need an id admission:
+               data.drift.new_id_rate > 0 (raw ids past the tables need an id admission:
                gemjax.train.online);
   "parquet"    a `gemjax.data.parquet.ParquetSource` over the files of
                data.train_path (order data.order) or data.eval_path (file order),
@@ -245,7 +245,7 @@ def make_source(cfg, stream: str = "train", *, seed: int | None = None):
         raise ValueError(f"data.source must be synthetic or parquet, got {d.source!r}")
     from gemjax.features import differences
     from gemjax.data.synthetic import SyntheticStream
-    if d.drift_every > 0:
+    if d.drift.every > 0:
         source = _drifting(cfg, stream, seed)
     else:
         source = SyntheticStream(d, seed, stream)
@@ -262,13 +262,13 @@ def _drifting(cfg, stream: str, seed: int):
     from gemjax.data.drift import DriftingStream, StreamFrom
     d = cfg.data
     if stream == "valid":
-        raise ValueError("data.drift_every > 0: the drifting stream has no validation rows "
+        raise ValueError("data.drift.every > 0: the drifting stream has no validation rows "
                          "(data.valid_path must be empty)")
-    if d.new_id_rate:
-        raise ValueError(f"data.drift_every > 0 with data.new_id_rate={d.new_id_rate}: raw ids "
+    if d.drift.new_id_rate:
+        raise ValueError(f"data.drift.every > 0 with data.drift.new_id_rate={d.drift.new_id_rate}: raw ids "
                          f"past the tables need an id admission (gemjax.train.online); use "
-                         f"data.new_id_rate=0")
+                         f"data.drift.new_id_rate=0")
     drifting = DriftingStream(d, seed, "train")
     if stream == "train":
-        return StreamFrom(drifting, d.drift_start)
-    return StreamFrom(drifting, d.drift_start + cfg.train.steps)
+        return StreamFrom(drifting, d.drift.start)
+    return StreamFrom(drifting, d.drift.start + cfg.train.steps)

@@ -7,7 +7,7 @@ exactly rounded arithmetic (`portable_math` for exp / log / pow and for the dot
 products: no BLAS kernel or SIMD dispatch decides a bit). Shards are numbered globally (process_index * local_devices + d).
 
 Features of one sample (`gemjax.config.synthetic_schema(cfg)` is their FeatureSchema):
-  sparse   user (Zipf over data.vocab_user; no direct signal), segment (a hash of
+  sparse   user (Zipf over data.synthetic.vocab_user; no direct signal), segment (a hash of
            the user), context (Zipf), item (candidate, Zipf within its category),
            item_cat (= item % num_categories)
   dense    num_dense standard normals
@@ -133,7 +133,7 @@ class PlantedTeacher:
     seed: int
 
     def __post_init__(self):
-        c = self.cfg
+        c = self.cfg.synthetic
         rng = np.random.default_rng([self.seed, 7919])
         r = 4
         self.w_seg = rng.normal(0, c.first_order, c.vocab_segment)
@@ -151,7 +151,7 @@ class PlantedTeacher:
 
     def logits(self, segment, context, item, item_cat, dense, clicks_frac, views_q, surface):
         """[B, K] true logits."""
-        c = self.cfg
+        c = self.cfg.synthetic
         z = self.w_seg[segment] + self.w_ctx[context] + self.w_item[item]
         pair = np.zeros_like(z)
         for u, v in ((self.u_seg[segment], self.c_ctx[context]),
@@ -168,7 +168,7 @@ class ShardInfo:
     """Side outputs of one shard's batch: true probabilities and fallback counters."""
 
     true_probs: np.ndarray          # [B, K]
-    seq_truncated_to_cap: int       # sequences longer than data.seq_cap (oldest events dropped)
+    seq_truncated_to_cap: int       # sequences longer than data.synthetic.seq_cap (oldest events dropped)
     seq_truncated_to_capacity: int  # sequences cut so a packed batch fits its capacity
 
 
@@ -180,7 +180,7 @@ class SyntheticStream:
             raise ValueError(f"stream must be one of {sorted(_STREAMS)}, got {stream!r}")
         self.cfg, self.seed, self.stream = cfg, seed, stream
         self.teacher = PlantedTeacher(cfg, seed)
-        self._user_mult = _multiplier(cfg.vocab_user)
+        self._user_mult = _multiplier(cfg.synthetic.vocab_user)
 
     @property
     def schema(self) -> FeatureSchema:
@@ -199,14 +199,14 @@ class SyntheticStream:
 
     def _favourites(self, user: np.ndarray) -> np.ndarray:
         """[B, 3] favourite categories, a hash of the user id."""
-        c = self.cfg.num_categories
+        c = self.cfg.synthetic.num_categories
         ks = np.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D], np.int64)
         return ((user[:, None] * ks[None, :] + (user[:, None] >> 7)) % 2_147_483_647) % c
 
     def _items_of(self, rng, cats: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Item ids: category + num_categories * Zipf rank within the category (int64, or
         written into the integer array `out`)."""
-        c = self.cfg
+        c = self.cfg.synthetic
         per_cat = c.vocab_item // c.num_categories
         items = zipf_ranks(rng, per_cat, c.zipf, cats.shape, out=out)
         items *= c.num_categories
@@ -222,7 +222,7 @@ class SyntheticStream:
         token order. The random draws (their order and sizes) define the stream;
         everything else is vectorised numpy on int32 where the values allow.
         """
-        c = self.cfg
+        c = self.cfg.synthetic
         b = fav.shape[0]
         raw = portable_math.exp(rng.normal(float(portable_math.log(c.seq_median)), c.seq_sigma, b))
         lengths = np.maximum(np.rint(raw).astype(np.int64), 1)
@@ -247,7 +247,7 @@ class SyntheticStream:
         events = rng.integers(0, c.num_event_types, total, dtype=np.int32)
         ends = np.cumsum(lengths)                         # offsets[1:] of the uncut sequence
         # the teacher's recency window: tokens [end - min(L, recent), end) of each sample
-        n_recent = np.minimum(lengths, c.recent)
+        n_recent = np.minimum(lengths, self.cfg.recent)
         r_total = int(n_recent.sum())
         seg_r = np.repeat(np.arange(b, dtype=np.int32), n_recent)
         r_start = np.zeros(b, np.int64)
@@ -279,7 +279,7 @@ class SyntheticStream:
 
     def shard_batch(self, step: int, shard: int = 0, num_shards: int = 1):
         """(Batch of numpy arrays, ShardInfo) for one shard of global step `step`."""
-        c = self.cfg
+        c = self.cfg.synthetic
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range for {num_shards} shards")
         b = self.local_batch_size(num_shards)

@@ -275,7 +275,7 @@ def evaluate_student(workdir: str, step: int | None = None, mesh=None, **kw) -> 
     """serve.evaluate.evaluate_checkpoint of a student run (kw: its trainer_kw,
     overrides, log): the eval row, also written to WORKDIR/eval/step_N.json; a repr
     student's features recomputed from its teacher."""
-    if not read_config(workdir).model.teacher_repr_dim:
+    if not read_config(workdir).model.student.teacher_repr_dim:
         return evaluate_checkpoint(workdir, step, mesh, **kw)
     return evaluate_checkpoint(workdir, step, mesh, **kw, wrap=lambda run: StudentTrainer(
         _distiller(workdir, run.trainer, run.meta)))
@@ -285,7 +285,7 @@ def load_student(workdir: str, step: int | None = None, mesh=None) -> Predictor:
     """serve.inference.load_for_inference of a student run; for a repr student the
     Predictor's eval step takes the teacher's features first (Distiller.predict)."""
     pred = load_for_inference(workdir, step, mesh, teacher_features=True)
-    if pred.cfg.model.teacher_repr_dim:
+    if pred.cfg.model.student.teacher_repr_dim:
         pred.eval_step = _distiller(workdir, pred.trainer, pred.meta).predict
     return pred
 
@@ -306,13 +306,13 @@ def export_student(workdir: str, out: str | None = None, step: int | None = None
 
     The manifest names the teacher run and step ("teacher") and the features
     ("teacher_repr": dim E, repr_norm)."""
-    if not read_config(workdir).model.teacher_repr_dim:
+    if not read_config(workdir).model.student.teacher_repr_dim:
         return export_model(workdir, out, step, batch=batch, platforms=platforms, log=log)
 
     def extend(pred, params, batch, flat_params, tables):
         d = _distiller(workdir, pred.trainer, pred.meta)
         teacher, cfg = d.teacher, pred.cfg
-        e = cfg.model.teacher_repr_dim
+        e = cfg.model.student.teacher_repr_dim
         b, k = np.shape(batch.labels)
         mean, std = ((np.zeros(e), np.ones(e)) if d.norm is None else d.norm.statistics(e))
         student = serving_forward(cfg, pred.trainer.graphdef, params, with_teacher(

@@ -22,7 +22,7 @@ Methods (DistillConfig.methods, comma-separated; "" trains on the labels alone):
            before its step on the batch: one more forward), L2 penalty `adapter_l2`;
   repr     the teacher's sequence embedding of each sample (gemjax.distill.represent;
            a teacher without sequences: its user row) is a student input
-           (model.teacher_repr_dim); in training it is served from a per-user cache
+           (model.student.teacher_repr_dim); in training it is served from a per-user cache
            refreshed when older than `repr_window` steps (0: always the sample's own),
            in eval the sample's own; `repr_norm` "standardize" divides each feature's
            deviation from its mean by its std over the training rows served so far
@@ -93,7 +93,7 @@ class DistillConfig:
     repr_dropout: float = 0.0        # training: share of samples whose teacher features are zeroed
     share_accum: str = "teacher"     # tuned share: "teacher" (its Adagrad accumulators) | "fresh"
     share_freeze_steps: int = 0      # tuned share: steps the tables stay the teacher's first
-    share_lr_scale: float = 1.0      # tuned share: the student's train.sparse_lr times this
+    share_lr_scale: float = 1.0      # tuned share: the student's optim.sparse.lr times this
     share_dense: str = ""            # share: comma-separated dense param groups copied (tuned)
 
     @property
@@ -146,25 +146,28 @@ class DistillConfig:
 
 
 def student_config(student: Config, teacher: Config, dcfg: DistillConfig) -> Config:
-    """The student's Config for these methods: repr sets model.teacher_repr_dim to the
-    teacher's feature width; share makes the student's tables the teacher's width
-    (model.dim = the teacher's, model.student_width = the student's own width) and,
-    frozen, sets train.sparse_lr = 0 (tuned: times share_lr_scale)."""
+    """The student's Config for these methods: repr sets model.student.teacher_repr_dim to
+    the teacher's feature width; share makes the student's tables the teacher's width
+    (model.dim = the teacher's, model.student.width = the student's own width) and,
+    frozen, sets optim.sparse.lr = 0 (tuned: times share_lr_scale)."""
     dcfg.validate()
-    m, t = student.model, student.train
+    m, sp = student.model, student.optim.sparse
     methods = dcfg.method_set
     if m.kind != "student" and methods & {"repr", "share"}:
         raise ValueError(f"distill methods repr / share need a model.kind=student student, got "
                          f"{m.kind!r}")
     if "repr" in methods:
-        m = dataclasses.replace(m, teacher_repr_dim=repr_dim(teacher))
+        m = dataclasses.replace(m, student=dataclasses.replace(m.student,
+                                                               teacher_repr_dim=repr_dim(teacher)))
     if "share" in methods:
-        m = dataclasses.replace(m, dim=teacher.model.dim, student_width=m.student_width or m.dim)
+        m = dataclasses.replace(m, dim=teacher.model.dim, student=dataclasses.replace(
+            m.student, width=m.student.width or m.dim))
         if dcfg.share == "frozen":
-            t = dataclasses.replace(t, sparse_lr=0.0)
+            sp = dataclasses.replace(sp, lr=0.0)
         else:
-            t = dataclasses.replace(t, sparse_lr=t.sparse_lr * dcfg.share_lr_scale)
-    return dataclasses.replace(student, model=m, train=t)
+            sp = dataclasses.replace(sp, lr=sp.lr * dcfg.share_lr_scale)
+    return dataclasses.replace(student, model=m,
+                               optim=dataclasses.replace(student.optim, sparse=sp))
 
 
 def _local_outputs(ctx, params, acts, batch):

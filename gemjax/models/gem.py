@@ -170,5 +170,5 @@ def build_model(cfg: Config, rngs: nnx.Rngs) -> nnx.Module:
         model = Student(cfg, rngs=rngs)
     else:
         model = GEMv0(cfg, rngs=rngs)
-    # model.precision="fp8": the policy's linears get FP8 GEMMs (bf16: untouched)
+    # model.precision.format="fp8": the policy's linears get FP8 GEMMs (bf16: untouched)
     return apply_policy(model, Policy.from_model_config(cfg.model))

@@ -50,7 +50,8 @@ from gemjax.layers.inputs import feature_tokens, num_feature_tokens, sequence_to
 from gemjax.layers.interformer import InterFormer
 from gemjax.layers.pyramid import ParallelPyramid
 
-# Teacher hyper-parameters: config.ModelConfig fields (defaults documented there).
+# Teacher hyper-parameters: config.TeacherConfig fields, model.teacher.<name> (qk_norm and
+# rope: model.<name>; defaults documented there).
 TEACHER_FIELDS = ("interformer_layers", "summary_tokens", "cls_tokens", "pma_tokens",
                   "recent_tokens", "pyramid_levels", "num_experts", "top_k", "capacity_factor",
                   "cross_layer_attention", "qk_norm", "rope", "lb_coef", "head_towers")
@@ -60,9 +61,14 @@ TEACHER_FIELDS = ("interformer_layers", "summary_tokens", "cls_tokens", "pma_tok
 FFN_MULT = 2
 
 
-def _hp(cfg, name):
-    """cfg.model.<name>; duck-typed configs without the field get ModelConfig's default."""
-    return getattr(cfg.model, name, getattr(ModelConfig, name))
+def _hp(cfg, path):
+    """cfg.model.<path> (dotted: "teacher.top_k"); duck-typed configs without the field get
+    ModelConfig's default."""
+    value, default = cfg.model, ModelConfig()
+    for name in path.split("."):
+        default = getattr(default, name)
+        value = getattr(value, name, default)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +147,7 @@ class TeacherArch:
 
 
 def teacher_arch(cfg) -> TeacherArch:
-    """cfg's TeacherArch. Pyramid levels: model.pyramid_levels, or by default two levels of
+    """cfg's TeacherArch. Pyramid levels: model.teacher.pyramid_levels, or by default two levels of
     model.block tokens (pool each block to 4, then encode only). FM-block tokens:
     model.fmb_tokens when < n, else n // 2."""
     f, m = schema_of(cfg), cfg.model
@@ -150,18 +156,21 @@ def teacher_arch(cfg) -> TeacherArch:
     return TeacherArch(
         dim=m.dim, heads=m.seq_heads, dtype=m.dtype, num_dense=f.num_dense,
         dense_tokens=m.dense_tokens, sequences=tuple(f.sequence_names),
-        levels=tuple(_hp(cfg, "pyramid_levels") or ((block, 4, 1), (block, None, 1))),
-        attention=m.attention, block=block, layers=_hp(cfg, "interformer_layers"), tokens=n,
-        fmb=m.fmb_tokens if m.fmb_tokens < n else n // 2, summary=_hp(cfg, "summary_tokens"),
-        cls=_hp(cfg, "cls_tokens"), pma=_hp(cfg, "pma_tokens"), recent=_hp(cfg, "recent_tokens"),
+        levels=tuple(_hp(cfg, "teacher.pyramid_levels") or ((block, 4, 1), (block, None, 1))),
+        attention=m.attention, block=block, layers=_hp(cfg, "teacher.interformer_layers"),
+        tokens=n, fmb=m.fmb_tokens if m.fmb_tokens < n else n // 2,
+        summary=_hp(cfg, "teacher.summary_tokens"),
+        cls=_hp(cfg, "teacher.cls_tokens"), pma=_hp(cfg, "teacher.pma_tokens"),
+        recent=_hp(cfg, "teacher.recent_tokens"),
         wukong_layers=m.wukong_layers, wukong_mlp=tuple(m.wukong_mlp), rank=m.fm_rank,
-        experts=_hp(cfg, "num_experts"), top_k=_hp(cfg, "top_k"),
-        capacity_factor=_hp(cfg, "capacity_factor"),
-        cross_layer_attention=_hp(cfg, "cross_layer_attention"), rope=_hp(cfg, "rope"),
-        qk_norm=_hp(cfg, "qk_norm"), head_mlp=tuple(m.head_mlp), head_towers=_hp(cfg, "head_towers"),
-        surfaces=f.num_surfaces, tasks=f.num_tasks, lb_coef=float(_hp(cfg, "lb_coef")),
-        ffn_activation=getattr(m, "ffn_activation", "gelu"),
-        token_bias=bool(getattr(m, "token_bias", True)),
+        experts=_hp(cfg, "teacher.num_experts"), top_k=_hp(cfg, "teacher.top_k"),
+        capacity_factor=_hp(cfg, "teacher.capacity_factor"),
+        cross_layer_attention=_hp(cfg, "teacher.cross_layer_attention"), rope=_hp(cfg, "rope"),
+        qk_norm=_hp(cfg, "qk_norm"), head_mlp=tuple(m.head_mlp),
+        head_towers=_hp(cfg, "teacher.head_towers"),
+        surfaces=f.num_surfaces, tasks=f.num_tasks, lb_coef=float(_hp(cfg, "teacher.lb_coef")),
+        ffn_activation=_hp(cfg, "teacher.ffn_activation"),
+        token_bias=bool(_hp(cfg, "teacher.token_bias")),
         norm_impl=getattr(m, "norm_impl", "xla"))
 
 
@@ -229,7 +238,7 @@ class GEMTeacher(nnx.Module):
     def inputs(self, acts: dict[str, jax.Array], dense: jax.Array, sequences: dict):
         """The ``inputs`` block: -> (x [B, n, D] feature tokens, {seq: (tokens [T, D], jagged)}),
         a sequence's tokens the sum of its field embeddings."""
-        # fields summed in float32 (bf16 rows, train.sparse_act_dtype=model, round once)
+        # fields summed in float32 (bf16 rows, sparse.act_dtype=model, round once)
         f = schema_of(self.cfg)
         x = feature_tokens(acts, dense, f, self.dense_proj, dense_tokens=self.dense_tokens,
                            width=self.dim, dtype=self.dtype)

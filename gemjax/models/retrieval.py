@@ -3,11 +3,11 @@
 The event sequence of the schema (its first sequence, e.g. MovieLens "history" with the
 fields item and genre) is read as jagged tokens, the sum of its fields' embeddings
 (looked up outside the model by the EmbeddingCollection, as for GEM v0); input dropout;
-a causal encoder; optionally l2-normalised. model.retrieval_encoder picks the encoder:
+a causal encoder; optionally l2-normalised. model.retrieval.encoder picks the encoder:
 "softmax" a SequenceEncoder (model.attention, RoPE, QK-norm, final LayerNorm), "hstu"
 HSTU blocks (gemjax.layers.hstu: SiLU pointwise attention through kernels.gdpa, gated
 by U, RoPE (model.rope) and / or a learned relative attention bias per distance
-(model.hstu_rel_bias=position), attention scale 1 / the sequence's max_len) after a
+(model.retrieval.hstu_rel_bias=position), attention scale 1 / the sequence's max_len) after a
 learned recency embedding is added to each token (row min(n - 1 - i, max_len - 1) for
 token i of n).
 Token t's vector scores the item that follows it: items are the rows of the same
@@ -78,7 +78,7 @@ class RetrievalTower(nnx.Module):
 
     model.dim, seq_layers, seq_heads, rope and dtype shape the encoder (module
     docstring; "softmax" also attention (softmax or gdpa; causal) and qk_norm, "hstu"
-    hstu_dropout and hstu_rel_bias); model.retrieval_dropout is the rate of the dropout
+    hstu_dropout and hstu_rel_bias); model.retrieval.dropout is the rate of the dropout
     on the input tokens. Dropout runs only when a key is given (training).
     """
 
@@ -86,19 +86,19 @@ class RetrievalTower(nnx.Module):
         m = cfg.model
         self.cfg = cfg
         self.sequence = retrieval_sequence(cfg)
-        if m.retrieval_encoder == "hstu":
+        if m.retrieval.encoder == "hstu":
             max_len = next(q.max_len for q in schema_of(cfg).sequences if q.name == self.sequence)
             self.max_len = max(int(max_len or 1), 1)
-            if m.hstu_rel_bias == "position+time":
-                raise ValueError(f"model.hstu_rel_bias=position+time needs per-event timestamps "
+            if m.retrieval.hstu_rel_bias == "position+time":
+                raise ValueError(f"model.retrieval.hstu_rel_bias=position+time needs per-event timestamps "
                                  f"in sequence {self.sequence!r}; the feature schema's sequences "
-                                 f"hold id fields only: use model.hstu_rel_bias=position")
+                                 f"hold id fields only: use model.retrieval.hstu_rel_bias=position")
             self.recency = param(jax.random.uniform(rngs.params(), (self.max_len, m.dim),
                                                     minval=-1.0, maxval=1.0) * m.dim ** -0.5,
                                  None, "embed")
             self.encoder = HSTUEncoder(m.dim, num_layers=m.seq_layers, num_heads=m.seq_heads,
-                                       scale=1.0 / self.max_len, dropout=m.hstu_dropout,
-                                       rope=m.rope, rel_bias=m.hstu_rel_bias,
+                                       scale=1.0 / self.max_len, dropout=m.retrieval.hstu_dropout,
+                                       rope=m.rope, rel_bias=m.retrieval.hstu_rel_bias,
                                        max_len=self.max_len, dtype=jnp.dtype(m.dtype), rngs=rngs)
             return
         if m.attention == "block":
@@ -114,12 +114,12 @@ class RetrievalTower(nnx.Module):
         m = self.cfg.model
         x, jag = sequence_tokens(acts, batch.sequences, schema_of(self.cfg),
                                  names=(self.sequence,))[self.sequence]
-        hstu = m.retrieval_encoder == "hstu"
+        hstu = m.retrieval.encoder == "hstu"
         if hstu:
             lengths = jnp.concatenate([jag.lengths, jnp.zeros((1,), jag.lengths.dtype)])
             back = jnp.take(lengths, jag.segment_ids) - 1 - jag.positions     # 0: the newest
             x = x + jnp.take(self.recency[...], jnp.clip(back, 0, self.max_len - 1), axis=0)
-        rate = m.retrieval_dropout
+        rate = m.retrieval.dropout
         if dropout_key is not None and rate > 0:
             keep = jax.random.bernoulli(dropout_key, 1.0 - rate, x.shape)
             x = jnp.where(keep, x / (1.0 - rate), 0.0)
@@ -128,4 +128,4 @@ class RetrievalTower(nnx.Module):
             h = self.encoder(x, jag, block_key).astype(jnp.float32)
         else:
             h = self.encoder(x, jag).astype(jnp.float32)
-        return l2_normalize(h) if m.retrieval_l2norm else h
+        return l2_normalize(h) if m.retrieval.l2norm else h

@@ -1,19 +1,19 @@
 """Students: small vertical models on the teacher's feature schema (model.kind="student").
 
-Tokens per sample (each [w], w = model.student_width or model.dim; the features' tokens
+Tokens per sample (each [w], w = model.student.width or model.dim; the features' tokens
 from gemjax.layers.inputs):
   one per sparse feature (its looked-up row),
   `dense_tokens` from a projection of the dense features,
   per event sequence a short summary, no attention: the mean of the event embeddings
   (sum of the fields' rows) over the whole history and over the `student_recent`
   newest events (two tokens),
-  with model.teacher_repr_dim = E > 0: one token projected from the teacher features
+  with model.student.teacher_repr_dim = E > 0: one token projected from the teacher features
   the batch carries (DistillBatch.teacher_repr [B, E]; representation transfer).
 When student_width differs from model.dim, the looked-up rows (model.dim wide: tables
 shared with a teacher of that width) pass through one projection [dim, w] (after the
 sequence pooling, which commutes with it).
 
-Interaction (model.student_arch):
+Interaction (model.student.arch):
   "dlrm"    the pairwise dot products of the n tokens (upper triangle, n (n-1) / 2)
             next to the flattened tokens, then the head MLP;
   "wukong"  a Wukong stack (model.wukong_layers, fmb/lcb tokens, fm_rank, wukong_mlp),
@@ -57,19 +57,19 @@ def recent_mean(x: jax.Array, jagged, recent: int) -> jax.Array:
 
 def width(cfg: Config) -> int:
     """The student's token width w."""
-    return cfg.model.student_width or cfg.model.dim
+    return cfg.model.student.width or cfg.model.dim
 
 
 def num_tokens(cfg: Config) -> int:
     """n: sparse + dense + 2 per sequence + REPR_TOKENS with teacher features."""
     f, m = schema_of(cfg), cfg.model
     return (num_feature_tokens(f, m.dense_tokens) + 2 * len(f.sequence_names)
-            + (REPR_TOKENS if m.teacher_repr_dim else 0))
+            + (REPR_TOKENS if m.student.teacher_repr_dim else 0))
 
 
 class Student(nnx.Module):
     """acts {feature: [B, dim] or [T, dim]}, Batch (a DistillBatch with teacher
-    features when model.teacher_repr_dim > 0) -> logits [B, K] float32."""
+    features when model.student.teacher_repr_dim > 0) -> logits [B, K] float32."""
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         f, m = schema_of(cfg), cfg.model
@@ -80,10 +80,10 @@ class Student(nnx.Module):
                      if w != m.dim else None)
         self.dense_proj = (linear(f.num_dense, m.dense_tokens * w, dtype=dtype, rngs=rngs)
                            if f.num_dense else ConstantTokens(m.dense_tokens * w, dtype=dtype))
-        self.repr_proj = (linear(m.teacher_repr_dim, REPR_TOKENS * w, dtype=dtype, rngs=rngs)
-                          if m.teacher_repr_dim else None)
+        self.repr_proj = (linear(m.student.teacher_repr_dim, REPR_TOKENS * w, dtype=dtype, rngs=rngs)
+                          if m.student.teacher_repr_dim else None)
         out = f.num_surfaces * f.num_tasks
-        if m.student_arch == "wukong":
+        if m.student.arch == "wukong":
             self.wukong = Wukong(n, w, num_layers=m.wukong_layers, fmb_tokens=m.fmb_tokens,
                                  lcb_tokens=m.lcb_tokens, rank=m.fm_rank, mlp_hidden=m.wukong_mlp,
                                  dtype=dtype, rngs=rngs)
@@ -97,7 +97,7 @@ class Student(nnx.Module):
         """Per sequence, its two summary tokens [B, dim] (whole-history mean, recent mean)."""
         out = []
         for x, jag in sequence_tokens(acts, batch.sequences, schema_of(self.cfg)).values():
-            out += [mean_pool(x, jag), recent_mean(x, jag, self.cfg.model.student_recent)]
+            out += [mean_pool(x, jag), recent_mean(x, jag, self.cfg.model.student.recent)]
         return out
 
     def __call__(self, acts: dict[str, jax.Array], batch: Batch) -> jax.Array:
@@ -135,9 +135,9 @@ def forward_flops(cfg: Config) -> int:
     rows = num_sparse_tokens(f) + 2 * len(f.sequence_names)
     flops = 2 * rows * m.dim * w if w != m.dim else 0
     flops += 2 * f.num_dense * m.dense_tokens * w
-    flops += 2 * m.teacher_repr_dim * REPR_TOKENS * w
+    flops += 2 * m.student.teacher_repr_dim * REPR_TOKENS * w
     out = f.num_surfaces * f.num_tasks
-    if m.student_arch == "wukong":
+    if m.student.arch == "wukong":
         t = n
         o = m.fmb_tokens + m.lcb_tokens
         for _ in range(m.wukong_layers):

@@ -63,7 +63,7 @@ of the sequence buffer the block reads; every "proj" is d -> d):
                 (m + c + p + r) d
 
     PYTHONPATH=. python -m gemjax.perf.model_flops --config=h200 \\
-        --override=model.kind=teacher,model.num_experts=4,model.top_k=2
+        --override=model.kind=teacher,model.teacher.num_experts=4,model.teacher.top_k=2
 
 prints the per-block forward GFLOP and the step total for one batch of the config's source.
 """

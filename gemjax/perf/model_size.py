@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{cfg.name}: dense parameters {p.dense:,} = {p.dense / 1e6:,.1f}M ({p.experts / 1e6:,.1f}M "
           f"in experts, {p.outside_experts / 1e6:,.1f}M outside), embedding {p.embedding:,} = "
           f"{p.embedding / 1e6:,.1f}M")
-    print(f"data: batch {d.batch_size}, sequences log-normal median {d.seq_median:g} sigma "
-          f"{d.seq_sigma:g} cap {d.seq_cap}, packed capacity {d.sequence_capacity:,} tokens per "
+    print(f"data: batch {d.batch_size}, sequences log-normal median {d.synthetic.seq_median:g} sigma "
+          f"{d.synthetic.seq_sigma:g} cap {d.synthetic.seq_cap}, packed capacity {d.sequence_capacity:,} tokens per "
           f"sequence per step")
     if cfg.model.kind == "teacher":
         f = step_flops_per_sample(cfg)

@@ -32,8 +32,8 @@ HSTU_UVQK = 4           # HSTUBlock's W_1 output width multiple (U, V, Q, K)
 
 
 def encoder_kind(cfg: Config) -> str:
-    """The tower's encoder: model.retrieval_encoder where the config has it, else "softmax"."""
-    return getattr(cfg.model, "retrieval_encoder", "softmax")
+    """The tower's encoder: model.retrieval.encoder where the config has it, else "softmax"."""
+    return getattr(getattr(cfg.model, "retrieval", None), "encoder", "softmax")
 
 
 def causal_pairs(lengths: np.ndarray) -> int:
@@ -56,10 +56,10 @@ def retrieval_forward_flops(cfg: Config, lengths) -> tuple[int, int]:
     elif kind == "hstu":
         per_token = 2 * d * HSTU_UVQK * d + 2 * d * d
     else:
-        raise ValueError(f"retrieval_forward_flops: unknown model.retrieval_encoder {kind!r}")
+        raise ValueError(f"retrieval_forward_flops: unknown model.retrieval.encoder {kind!r}")
     encoder = m.seq_layers * (per_token * t + 4 * d * causal_pairs(lengths))
-    if m.retrieval_negatives > 0:
-        scoring = 2 * t * d * (m.retrieval_negatives + 1)
+    if m.retrieval.negatives > 0:
+        scoring = 2 * t * d * (m.retrieval.negatives + 1)
     else:
         from gemjax.models.retrieval import item_table
         scoring = 2 * t * d * schema_of(cfg).table(item_table(cfg)).vocab

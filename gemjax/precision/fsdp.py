@@ -15,7 +15,7 @@ The FP8 values travel as their uint8 bits (the same bytes; XLA:CPU has no FP8 co
 and would widen an FP8 all-gather to f16). all_gather_bytes(hlo_text, n) sums the operand
 bytes of every all-gather of a compiled HLO module, the figure the test compares.
 
-In the train step (gemjax.train.step, model.fp8_gather) a sharded kernel of an FP8 linear
+In the train step (gemjax.train.step, model.precision.gather) a sharded kernel of an FP8 linear
 goes through `all_gather_fp8_weight` instead, called inside the step's shard_map:
 
     w_full = all_gather_fp8_weight(w_shard, WeightGather(axes, dim, block, fmt, dtype))

@@ -72,27 +72,27 @@ class Policy:
     @classmethod
     def from_model_config(cls, m) -> Policy:
         """From ModelConfig's precision fields; ValueError naming a bad field."""
-        if m.precision not in PRECISIONS:
-            raise ValueError(f"model.precision must be one of {PRECISIONS}, got {m.precision!r}")
-        if m.fp8_scaling not in SCALINGS:
-            raise ValueError(f"model.fp8_scaling must be one of {SCALINGS}, got {m.fp8_scaling!r}")
-        if m.fp8_grad_fmt not in ("e4m3", "e5m2"):
-            raise ValueError(f"model.fp8_grad_fmt must be e4m3 or e5m2, got {m.fp8_grad_fmt!r}")
-        if m.wgrad_dtype not in WGRADS:
-            raise ValueError(f"model.wgrad_dtype must be one of {WGRADS}, got {m.wgrad_dtype!r}")
-        if m.fp8_fast_accum not in FAST_ACCUMS:
-            raise ValueError(f"model.fp8_fast_accum must be one of {FAST_ACCUMS}, "
-                             f"got {m.fp8_fast_accum!r}")
-        if m.fp8_amax_history < 1:
-            raise ValueError(f"model.fp8_amax_history must be >= 1, got {m.fp8_amax_history}")
-        if not 0 <= m.fp8_margin <= 16:
-            raise ValueError(f"model.fp8_margin must be in [0, 16], got {m.fp8_margin}")
-        return cls(precision=m.precision,
-                   regions=_names(m.fp8_regions, REGIONS, "fp8_regions"),
-                   exclude=_names(m.fp8_exclude, EXCLUDES, "fp8_exclude"),
-                   recipe=Recipe(scaling=m.fp8_scaling, grad_fmt=m.fp8_grad_fmt,
-                                 wgrad=m.wgrad_dtype, fast_accum=m.fp8_fast_accum),
-                   amax_history=m.fp8_amax_history, margin=m.fp8_margin)
+        if m.precision.format not in PRECISIONS:
+            raise ValueError(f"model.precision.format must be one of {PRECISIONS}, got {m.precision.format!r}")
+        if m.precision.scaling not in SCALINGS:
+            raise ValueError(f"model.precision.scaling must be one of {SCALINGS}, got {m.precision.scaling!r}")
+        if m.precision.grad_fmt not in ("e4m3", "e5m2"):
+            raise ValueError(f"model.precision.grad_fmt must be e4m3 or e5m2, got {m.precision.grad_fmt!r}")
+        if m.precision.wgrad_dtype not in WGRADS:
+            raise ValueError(f"model.precision.wgrad_dtype must be one of {WGRADS}, got {m.precision.wgrad_dtype!r}")
+        if m.precision.fast_accum not in FAST_ACCUMS:
+            raise ValueError(f"model.precision.fast_accum must be one of {FAST_ACCUMS}, "
+                             f"got {m.precision.fast_accum!r}")
+        if m.precision.amax_history < 1:
+            raise ValueError(f"model.precision.amax_history must be >= 1, got {m.precision.amax_history}")
+        if not 0 <= m.precision.margin <= 16:
+            raise ValueError(f"model.precision.margin must be in [0, 16], got {m.precision.margin}")
+        return cls(precision=m.precision.format,
+                   regions=_names(m.precision.regions, REGIONS, "precision.regions"),
+                   exclude=_names(m.precision.exclude, EXCLUDES, "precision.exclude"),
+                   recipe=Recipe(scaling=m.precision.scaling, grad_fmt=m.precision.grad_fmt,
+                                 wgrad=m.precision.wgrad_dtype, fast_accum=m.precision.fast_accum),
+                   amax_history=m.precision.amax_history, margin=m.precision.margin)
 
     def is_fp8(self, region: str, last: bool) -> bool:
         return (self.precision == "fp8" and region in self.regions

@@ -189,7 +189,7 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
     extend: (predictor, params tree, batch, flat_params, tables) -> (forward, flat_params,
     tables, extra features, extra manifest) replaces the forward and its arguments (a
     student reading its teacher's features: gemjax.distill.runs.export_student); without
-    it, a model reading teacher features (model.teacher_repr_dim) is refused.
+    it, a model reading teacher features (model.student.teacher_repr_dim) is refused.
     Single-process only.
     """
     if jax.process_count() > 1:
@@ -229,7 +229,7 @@ def export_model(workdir: str, out: str | None = None, step: int | str | None = 
                    "tables": {k: _spec(v) for k, v in tables.items()},
                    "batch": {k: _spec(v) for k, v in flat_batch.items()}},
         "output": {"shape": [int(d) for d in exp.out_avals[0].shape], "dtype": str(exp.out_avals[0].dtype),
-                   "what": "sigmoid probabilities [B, K]: K = data.num_tasks, each sample's own surface"},
+                   "what": "sigmoid probabilities [B, K]: K = data.synthetic.num_tasks, each sample's own surface"},
         "features": {**feature_inputs(cfg), **extra_features},
         "config": dataclasses.asdict(cfg), **extra_manifest,
     }

@@ -79,11 +79,11 @@ class Predictor:
 
 
 def check_self_contained(cfg, workdir: str) -> None:
-    """ValueError for a run whose model reads its teacher's features (model.teacher_repr_dim
+    """ValueError for a run whose model reads its teacher's features (model.student.teacher_repr_dim
     > 0, a distilled student's representation transfer): its eval step needs the teacher."""
-    if cfg.model.teacher_repr_dim:
-        raise ValueError(f"{workdir}: the model reads its teacher's features (model.teacher_repr_dim="
-                         f"{cfg.model.teacher_repr_dim}): evaluate, predict and export it with "
+    if cfg.model.student.teacher_repr_dim:
+        raise ValueError(f"{workdir}: the model reads its teacher's features (model.student.teacher_repr_dim="
+                         f"{cfg.model.student.teacher_repr_dim}): evaluate, predict and export it with "
                          f"gemjax.distill.runs (evaluate_student, load_student, export_student)")
 
 

@@ -66,13 +66,13 @@ unique count over the mesh (a pmax, then one lax.switch branch per capacity;
 the backward reuses the forward's branch). Same rows, updates and overflow as
 () = off (tests/test_sparse_exchange_buckets.py); the traffic follows the
 unique ids instead of C. Default () (the trainer turns it on with
-train.sparse_exchange_buckets, on in the h200 preset).
+sparse.exchange_buckets, on in the h200 preset).
 sync_buckets (with unique_buckets): local copies kept in sync over replicas
 (replicated, or 2d with a one-device model group) all-gather only the smallest
 unique bucket of rows and their summed grads, sized by the largest unique count
 over the replicas (`routing.sync_update_bucketed`), instead of all N per-id
 slots; same updates (tests/test_sparse_sync_buckets.py). Default off (the
-trainer turns it on with train.sparse_sync_buckets, on in the h200 preset).
+trainer turns it on with sparse.sync_buckets, on in the h200 preset).
 Both switches hold collectives; `branch_needs` + `branch_plan` + `fixed_branches`
 (gemjax.sparse.branches) fix their branches per batch before the step, which the
 trainer does (gemjax.train.planned.PlannedStep;

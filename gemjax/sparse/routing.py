@@ -36,7 +36,7 @@ The sort path's sum, `segment_sum=`: "xla" (XLA's sorted segment_sum, an atomic
 scatter-add: on one H200 its gem1b calls, N = 2.6M, D = 512, took ~25 ms each),
 "pallas" (kernels.segment_sum, a Pallas Triton kernel that writes each row once)
 or "auto" (default: pallas on GPU, xla elsewhere); train.sparse_segment_sum.
-Small segment counts, `onehot_rows=` (opt-in, 0 = off; train.sparse_onehot_rows):
+Small segment counts, `onehot_rows=` (opt-in, 0 = off; sparse.onehot_rows):
 where K <= onehot_rows and every source row is read by one position (unpooled
 features), the sum is one_hot(segment of each source row, K)^T @ g over the rows
 in their own order (`onehot_sums`): a sequential read of g instead of a row

@@ -39,7 +39,6 @@ real run at a known place ("commit": gemjax.train.checkpoint).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import fcntl
 import json
@@ -51,13 +50,15 @@ import threading
 import time
 from typing import Callable
 
-from gemjax.config import schema_of
+from gemjax.config import ALIASES, field_paths, schema_of
 from gemjax.features import FeatureSchema, differences
 
 LOCK_FILE = "train.lock"
-# DataConfig fields a resumed run may change (they change neither the stream nor the state)
+# DataConfig fields a resumed run may change (they change neither the stream nor the state;
+# paths below data.)
 FREE_DATA_FIELDS = ("eval_batches", "host_workers", "accept_changed_files")
-# model fields that choose an implementation of the same function (free on resume)
+# model fields that choose an implementation of the same function (free on resume; paths
+# below model.)
 FREE_MODEL_FIELDS = ("norm_impl",)
 
 
@@ -186,12 +187,12 @@ def pause_for_test(point: str, step: int, stop: StopSignals, log: Callable[[str]
 
 
 def run_fields(cfg) -> dict:
-    """{"data.<field>": value, "model.<field>": value, "train.seed": seed}: what a resume
-    must keep (JSON values)."""
-    out = {f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items()
-           if k not in FREE_DATA_FIELDS}
-    out.update({f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()
-                if k not in FREE_MODEL_FIELDS})
+    """{"data.<path>": value, "model.<path>": value, "train.seed": seed} over the leaf
+    fields of data and model (gemjax.config.field_paths): what a resume must keep (JSON
+    values)."""
+    free = {f"data.{k}" for k in FREE_DATA_FIELDS} | {f"model.{k}" for k in FREE_MODEL_FIELDS}
+    out = {k: v for k, v in {**field_paths(cfg.data, "data."),
+                             **field_paths(cfg.model, "model.")}.items() if k not in free}
     out["train.seed"] = cfg.train.seed
     return json.loads(json.dumps(out))
 
@@ -203,7 +204,8 @@ def check_resume(meta: dict, cfg, step: int, where: str) -> None:
     if cfg.train.steps < step:
         problems.append(f"train.steps (--steps) is {cfg.train.steps}, below the checkpoint's "
                         f"step {step} (pass --steps >= {step}; more steps extend the run)")
-    saved = meta.get("run") or {}
+    # a checkpoint of the flat config names its fields by their old paths (ALIASES)
+    saved = {ALIASES.get(k, k): v for k, v in (meta.get("run") or {}).items()}
     for field, value in run_fields(cfg).items():
         if field in saved and saved[field] != value:
             problems.append(f"{field} is {value!r}, the checkpoint's is {saved[field]!r}")

@@ -233,7 +233,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] = print,
     """
     validate(cfg)
     runtime.enable_gpu_graphs(log)   # CUDA graphs on GPU if no device was used yet (runtime)
-    runtime.enable_fp8_gemm_flags(cfg.model.precision, log)   # FP8: cuBLAS GEMMs (runtime)
+    runtime.enable_fp8_gemm_flags(cfg.model.precision.format, log)   # FP8: cuBLAS GEMMs (runtime)
     os.makedirs(workdir, exist_ok=True)
     with lock_workdir(workdir, enabled=jax.process_index() == 0), StopSignals() as stop, \
             runtime.short_gil_switch():   # the loop's thread gets the GIL back sooner (runtime)

@@ -175,7 +175,7 @@ class MultiStep(PlannedStep):
         scanned = functools.partial(scan_steps, functools.partial(train_step, trainer.context()))
         super().__init__(trainer.coll, trainer.id_fields,
                          jit_per_plan(trainer.coll, scanned, donate_argnums=(0,), out_shardings=out),
-                         fixed=trainer.cfg.train.sparse_fixed_branches,
+                         fixed=trainer.cfg.sparse.fixed_branches,
                          name=f"train step x{k}")
         self._max_needs = jax.jit(self.max_needs)
 

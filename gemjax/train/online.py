@@ -3,7 +3,7 @@
     result = run_online(cfg, workdir, OnlineSpec(windows=8))
 
 The stream is, with data.source="synthetic", `gemjax.data.drift.DriftingStream(cfg.data,
-cfg.train.seed)` cut into windows of W = data.drift_every steps; with
+cfg.train.seed)` cut into windows of W = data.drift.every steps; with
 data.source="parquet" (data.order="time"), the rows of data.train_path (columns from
 cfg.features) cut into windows of data.window_seconds of data.time_column
 (`gemjax.data.time_windows.TimeWindows`: window w is ceil(rows_w / B) batches, the last
@@ -28,7 +28,7 @@ Per window w:
      Bayes-optimal NE (the stream's true probabilities);
   2. each trained member trains on the window's W batches in order (its own
      Trainer's jitted train step; the dense learning rate warms up over
-     train.warmup_steps and then stays at train.dense_lr: an endless stream has no
+     optim.dense.warmup_steps and then stays at optim.dense.lr: an endless stream has no
      decay horizon), and after each step its admission observes that step's raw ids;
   3. one metrics.jsonl row {"kind": "window", "step": (w + 1) * W, "window": w,
      "bayes_ne", "ne_<member>", "loss_<member>", "<table>_new_ids" (distinct raw ids
@@ -172,8 +172,8 @@ class Member:
 
 
 def online_trainer(cfg: Config, mesh=None) -> Trainer:
-    """A Trainer for cfg whose dense optimizer keeps a constant train.dense_lr after a
-    linear warm-up of train.warmup_steps (optim.dense_transform's "warmup_constant": an
+    """A Trainer for cfg whose dense optimizer keeps a constant optim.dense.lr after a
+    linear warm-up of optim.dense.warmup_steps (optim.dense_transform's "warmup_constant": an
     endless stream has no end to decay towards; the same optimizer-state structure as
     the batch trainer's, so its shardings apply)."""
     trainer = Trainer.create(cfg, mesh)
@@ -391,7 +391,7 @@ class OnlineRun:
         labelled step_at(w))."""
         if self.parquet:
             return self.stream.start_step(window)
-        return window * self.cfg.data.drift_every
+        return window * self.cfg.data.drift.every
 
     # -- checkpoints --------------------------------------------------------------
     def _targets(self, names) -> dict:
@@ -538,9 +538,9 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
             f"batch {cfg.data.batch_size}, admission min_count={spec.min_count} "
             f"buckets={spec.buckets} tables {list(spec.admit_tables)}, members {sorted(run.members)}")
     else:
-        log(f"[online] config={cfg.name} windows={spec.windows} x {cfg.data.drift_every} steps, "
-            f"batch {cfg.data.batch_size}, drift_strength={cfg.data.drift_strength}, "
-            f"new_id_rate={cfg.data.new_id_rate}, admission min_count={spec.min_count} "
+        log(f"[online] config={cfg.name} windows={spec.windows} x {cfg.data.drift.every} steps, "
+            f"batch {cfg.data.batch_size}, drift_strength={cfg.data.drift.strength}, "
+            f"new_id_rate={cfg.data.drift.new_id_rate}, admission min_count={spec.min_count} "
             f"buckets={spec.buckets}, members {sorted(run.members)}")
     for w in range(run.window, windows):
         row = run.run_window(w)
@@ -565,7 +565,7 @@ def _run(run: OnlineRun, stop: StopSignals) -> dict:
     log(table)
     after = [r for r in rows if r["window"] > spec.warmup_windows]   # past the first drift after freezing
     summary = {"windows": windows,
-               "steps_per_window": None if run.parquet else cfg.data.drift_every,
+               "steps_per_window": None if run.parquet else cfg.data.drift.every,
                "rows": rows, "table": table,
                "fresh_ahead_after_drift": bool(after) and all(r["ne_fresh"] < r["ne_frozen"]
                                                               for r in after),

@@ -41,8 +41,8 @@ class PlannedStep:
     """A jitted step (the train step, the eval step), one program per sparse branch plan.
 
     Tables whose bucketed exchange or replica sync hold collectives inside a
-    lax.switch (EmbeddingCollection.has_switches: train.sparse_exchange_buckets on
-    model-parallel tables, train.sparse_sync_buckets on replicated ones) would make
+    lax.switch (EmbeddingCollection.has_switches: sparse.exchange_buckets on
+    model-parallel tables, sparse.sync_buckets on replicated ones) would make
     XLA:GPU stop the host at that conditional until the device reaches it, so the
     host could not queue the next step while this one runs (2 H200s: 20-30 ms of
     idle device per step). Instead the step is traced with the branches fixed
@@ -52,7 +52,7 @@ class PlannedStep:
     stays one step ahead. A plan at least as large as the batch needs in every
     table that is compiled already is reused (same results, fewer compiles);
     `plans` lists the compiled ones. Without switched tables, or with fixed=False
-    (train.sparse_fixed_branches: the switches stay in the step): one program.
+    (sparse.fixed_branches: the switches stay in the step): one program.
 
     build: plan -> the jitted step for that plan (`planned_jit` builds one).
     """

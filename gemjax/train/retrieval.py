@@ -8,9 +8,9 @@ one the history tokens read (gemjax.train.retrieval_loss). The scored rows are l
 up through the EmbeddingCollection as one more feature of the item table
 (CANDIDATES), so its row-wise optimizer updates the rows they touch:
 
-  model.retrieval_negatives = 0   every item row is scored by every token: the full
+  model.retrieval.negatives = 0   every item row is scored by every token: the full
                                   softmax over the catalogue
-  model.retrieval_negatives = N   N rows drawn uniformly from [1, V) per device per
+  model.retrieval.negatives = N   N rows drawn uniformly from [1, V) per device per
                                   step, shared by that device's tokens (sampled
                                   softmax; a negative equal to the target is dropped)
 
@@ -86,7 +86,7 @@ class NextItemSoftmax:
         """[num_shards * N] int32 ids, shard i's N rows on device i (P(batch axes)): every
         item row (eval, or retrieval_negatives 0), else N uniform rows in [1, V) drawn
         from (train.seed, step)."""
-        s, n = ctx.mesh.size, self.cfg.model.retrieval_negatives
+        s, n = ctx.mesh.size, self.cfg.model.retrieval.negatives
         if not train or n == 0:
             ids = jnp.tile(jnp.arange(self.vocab, dtype=jnp.int32), s)
         else:
@@ -99,7 +99,7 @@ class NextItemSoftmax:
         return {CANDIDATES: self.candidate_ids(ctx, step, train)}
 
     def _items(self, e: jax.Array) -> jax.Array:
-        return l2_normalize(e) if self.cfg.model.retrieval_l2norm else e.astype(jnp.float32)
+        return l2_normalize(e) if self.cfg.model.retrieval.l2norm else e.astype(jnp.float32)
 
     def loss_sums(self, model, acts: dict, batch: Batch, shard: Shard) -> dict[str, jax.Array]:
         cfg, seq, tgt_feat = self.cfg, retrieval_sequence(self.cfg), target_feature(self.cfg)
@@ -111,7 +111,7 @@ class NextItemSoftmax:
                                   self._items(acts[tgt_feat]))
         tgt_ids = next_item_targets(jag, jag.values[ITEM_FIELD], batch.sparse[tgt_feat])
         ce = sampled_softmax(h, tgt_e, tgt_ids, self._items(acts[CANDIDATES]),
-                             shard.ids[CANDIDATES], cfg.model.retrieval_temperature)
+                             shard.ids[CANDIDATES], cfg.model.retrieval.temperature)
         seg = jnp.minimum(jag.segment_ids, jag.num_samples - 1)
         w = jnp.where(jag.mask, jnp.take(batch.weights, seg), 0.0)
         return {"loss_sum": jnp.sum(ce * w)[None], "weight_sum": jnp.sum(w)[None]}
@@ -122,7 +122,7 @@ class NextItemSoftmax:
         jag = batch.sequences[seq]
         last = jnp.maximum(jag.offsets[1:] - 1, 0)
         scores = ((jnp.take(h, last, axis=0) @ self._items(acts[CANDIDATES]).T)
-                  / self.cfg.model.retrieval_temperature)                        # [B, V]
+                  / self.cfg.model.retrieval.temperature)                        # [B, V]
         b, v = scores.shape
         catalog = np.ones(self.vocab, bool) if self.catalog is None else self.catalog
         not_item = jnp.broadcast_to(~jnp.asarray(catalog) | (jnp.arange(v) == 0), (b, v))

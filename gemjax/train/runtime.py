@@ -19,7 +19,7 @@ fusion over Triton tilings (20-27 candidate kernels each, compiled one by one) a
 cuBLAS. gem1b's FP8 step, 186 FP8 GEMMs around their quantize fusions, was still compiling
 after 570 s on one H200; with Triton GEMMs off it compiles in 58.5 s and runs at 270.6 ms
 a step. The BF16 step: 37.9 s and 190.9 ms with them off, 59.3 s and 189.7 ms on. So runs
-with model.precision=fp8 add FP8_GEMM_FLAGS on GPU (experiments/train.py, the train
+with model.precision.format=fp8 add FP8_GEMM_FLAGS on GPU (experiments/train.py, the train
 loop's entry; benchmarks/bench_fp8.py for both of its precisions), unless $XLA_FLAGS sets
 the key.
 

@@ -5,9 +5,9 @@ jits them, on any mesh from gemjax.parallel.mesh.build_mesh.
 Train state (a plain pytree, checkpointed whole):
     {"step": int32 [], "params": nested dict of float32 arrays (the NNX params),
      "opt_state": optax state, "tables": {table: {"weights": [V, D], "accum": [V]}}}
-  plus, under model.precision=fp8 with model.fp8_scaling=delayed,
+  plus, under model.precision.format=fp8 with model.precision.scaling=delayed,
      "fp8_meta": {"/"-joined path of each FP8 linear: amax history float32 [3, H]}
-  (rows x, w, dy, newest first; H = model.fp8_amax_history; replicated): each step
+  (rows x, w, dy, newest first; H = model.precision.amax_history; replicated): each step
   scales its FP8 operands from it and writes the next one (gemjax.precision.delayed: the
   history's "gradient" is its update; it never enters the optimizer).
 
@@ -32,7 +32,7 @@ Layout, for a mesh such as replica=2,fsdp=2,expert=2:
            shard_map each parameter is all-gathered over its sharded axes, so the
            backward pass reduce-scatters its gradient back to the shard (and
            sums over the replica axes); params and optimizer state stay sharded.
-  fp8      with model.precision=fp8 and model.fp8_gather (default "exact": the tensor and
+  fp8      with model.precision.format=fp8 and model.precision.gather (default "exact": the tensor and
            blocked scalings; "always": rowwise too), the kernel of each FP8 linear
            sharded over one dim goes through gemjax.precision.fsdp.all_gather_fp8_weight
            instead: quantized once per step with the FP8 GEMM's own scales, gathered as
@@ -121,7 +121,7 @@ def gather_param(x: jax.Array, spec: P, local_dims: Sequence[int] = ()) -> jax.A
 class Fp8Weight:
     """A leaf of StepContext.fp8_weights: the kernel of an FP8 linear, its GEMM's recipe
     and input dtype (None: the kernel's own); rowwise: gathered as FP8 under the rowwise
-    scaling too (model.fp8_gather=always)."""
+    scaling too (model.precision.gather=always)."""
     recipe: Any
     dtype: str | None
     rowwise: bool = False
@@ -276,7 +276,7 @@ class StepContext:
     objective: Objective = BinaryTasks()
     # like params: Fp8Weight at the kernels gathered as FP8 (None: every param gathered as is)
     fp8_weights: Any = None
-    fp8_margin: int = 0      # model.fp8_margin: the delayed scales' headroom
+    fp8_margin: int = 0      # model.precision.margin: the delayed scales' headroom
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -458,15 +458,15 @@ class Trainer:
         o_abs = jax.eval_shape(tx.init, abstract.to_pure_dict())
         o_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, o_abs, p_sh,
                                                 transform_non_params=lambda _: replicated)
-        xb = routing.DEFAULT_EXCHANGE_BUCKETS if cfg.train.sparse_exchange_buckets else ()
+        xb = routing.DEFAULT_EXCHANGE_BUCKETS if cfg.sparse.exchange_buckets else ()
         coll = EmbeddingCollection(optim.table_specs(cfg), table_plan, mesh=mesh,
                                    replica_axes=tuple(table_replica_axes), exchange_buckets=xb,
-                                   sync_buckets=cfg.train.sparse_sync_buckets,
+                                   sync_buckets=cfg.sparse.sync_buckets,
                                    update_impl=cfg.train.sparse_update_impl,
-                                   row_major=cfg.train.sparse_row_major,
-                                   segment_sum=cfg.train.sparse_segment_sum,
-                                   onehot_rows=cfg.train.sparse_onehot_rows,
-                                   act_dtype=(cfg.model.dtype if cfg.train.sparse_act_dtype == "model"
+                                   row_major=cfg.sparse.row_major,
+                                   segment_sum=cfg.sparse.segment_sum,
+                                   onehot_rows=cfg.sparse.onehot_rows,
+                                   act_dtype=(cfg.model.dtype if cfg.sparse.act_dtype == "model"
                                               else None), **planner_kw)
         return cls(cfg, mesh, graphdef, tx, coll, sequence_id_fields(cfg), p_sh, o_sh)
 
@@ -493,7 +493,7 @@ class Trainer:
         """The keys of state["fp8_meta"]: the FP8 linears with delayed scaling (module
         docstring); [] when there are none (the state then has no "fp8_meta")."""
         m = self.cfg.model
-        if m.precision != "fp8" or m.fp8_scaling != "delayed":
+        if m.precision.format != "fp8" or m.precision.scaling != "delayed":
             return []
         dummy = jax.tree.map(lambda s: 0.0, self.param_shardings)
         return delayed_linears(nnx.merge(self.graphdef, dummy))
@@ -517,7 +517,7 @@ class Trainer:
                  "tables": self.coll.init(jax.random.fold_in(key, 1))}  # sharded per plan
         keys = self.fp8_meta_keys()
         if keys:                          # empty amax histories (gemjax.precision.delayed)
-            zeros = np.zeros((3, self.cfg.model.fp8_amax_history), np.float32)
+            zeros = np.zeros((3, self.cfg.model.precision.amax_history), np.float32)
             state["fp8_meta"] = {k: jax.make_array_from_callback(
                 zeros.shape, NamedSharding(self.mesh, P()), lambda i: zeros[i]) for k in keys}
         return state
@@ -532,10 +532,10 @@ class Trainer:
         local_dims = jax.tree.map(lambda e: (0,) if e and ep_axes else (), is_expert)
         m = self.cfg.model
         fp8 = (fp8_weight_mask(self.graphdef, jax.tree.map(
-            lambda _: 0.0, p_specs, is_leaf=lambda s: isinstance(s, P)), m.fp8_gather == "always")
-            if m.precision == "fp8" and m.fp8_gather != "off" else None)
+            lambda _: 0.0, p_specs, is_leaf=lambda s: isinstance(s, P)), m.precision.gather == "always")
+            if m.precision.format == "fp8" and m.precision.gather != "off" else None)
         return StepContext(self.graphdef, self.mesh, self.tx, self.coll, self.id_fields,
-                           p_specs, local_dims, ep_axes, self.objective, fp8, m.fp8_margin)
+                           p_specs, local_dims, ep_axes, self.objective, fp8, m.precision.margin)
 
     def make_train_step(self) -> PlannedStep:
         """`train_step` as (state, batch[, next_batch]) -> (state, metrics), jitted; state
@@ -548,7 +548,7 @@ class Trainer:
         """PlannedStep `name` of `step` (state, batch) -> ..., traced with each sparse branch
         plan fixed and jitted with jit_kw."""
         return planned_jit(self.coll, self.id_fields, step, name,
-                           fixed=self.cfg.train.sparse_fixed_branches, **jit_kw)
+                           fixed=self.cfg.sparse.fixed_branches, **jit_kw)
 
     def make_eval_step(self) -> Callable:
         """`eval_step` as (state, batch) -> sigmoid probabilities [rows of this process's
