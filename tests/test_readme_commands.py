@@ -27,10 +27,10 @@ README = os.path.join(ROOT, "README.md")
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 PERFORMANCE = os.path.join(ROOT, "docs", "performance.md")     # holds the FLOPS command's figure
 COMMAND_STARTS = ("./run", "python ", "python3 ", ".venv/bin/python", "srun ", "mpirun ", "bash ", "for ")
-GPU_TEACHER = "--override=model.kind=teacher,model.num_experts=4,model.top_k=2"
+GPU_TEACHER = "--override=model.kind=teacher,model.teacher.num_experts=4,model.teacher.top_k=2"
 
 TINY = "./run train --config=tiny --workdir=runs/tiny --steps=50"
-FLOPS = "python -m gemjax.perf.model_flops --config=h200 --override=model.num_experts=4,model.top_k=2"
+FLOPS = "python -m gemjax.perf.model_flops --config=h200 --override=model.teacher.num_experts=4,model.teacher.top_k=2"
 REHEARSE_SLURM = ("for i in 0 1; do SLURM_JOB_ID=4242 SLURM_NTASKS=2 SLURM_PROCID=$i SLURM_LOCALID=$i "
                   "SLURM_STEP_NODELIST=localhost .venv/bin/python -m gemjax.parallel.multihost --cpu_devices=2 & "
                   "done; wait")
@@ -45,7 +45,7 @@ AFTER_TINY = ("./run train --mode=eval --workdir=runs/tiny",
 OWN_DATA = ("./run train --config=tiny --workdir=runs/own --steps=200 --eval_every=100 "
             "--features=data/own/schema.json --override=data.source=parquet,"
             "data.train_path=data/own/train.parquet,data.eval_path=data/own/eval.parquet,"
-            "data.batch_size=32,data.eval_batches=0,train.dense_lr=0.01,train.sparse_lr=0.5")
+            "data.batch_size=32,data.eval_batches=0,optim.dense.lr=0.01,optim.sparse.lr=0.5")
 # the layout section's example of running a program of experiments/, benchmarks/, tools/
 TOOL_HELP = "python -m tools.profile_summary --help"
 RUN = {TINY, FLOPS, REHEARSE_SLURM, REHEARSE_FLAGS, "./run env", OWN_DATA, TOOL_HELP, *AFTER_TINY}
@@ -212,7 +212,7 @@ SKIP = {
     "train.select_metric=auc,train.valid_every=10,train.patience=2":
         "tests/test_validation.py trains the same selection on the tiny preset",
     "python -m experiments.sweep --config=tiny --workdir=runs/sweep --trials=8 "
-    "--space='train.dense_lr=loguniform(1e-4,3e-2);model.dim=choice(8,16)'":
+    "--space='optim.dense.lr=loguniform(1e-4,3e-2);model.dim=choice(8,16)'":
         "8 trials of training; tests/test_sweep.py runs sweeps of the tiny preset (and a fake trainer)",
     "python -m experiments.sweep": "the program named in prose",
     "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0,1,2 "

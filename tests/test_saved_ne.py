@@ -45,7 +45,7 @@ def test_plan_overrides_parse_and_bad_plans_fail_before_training():
     env = with_suite_cache(dict(os.environ, JAX_PLATFORMS="cpu"))
     code = ("import json; from benchmarks.bench_saved_ne import plan_overrides as p; "
             "print(json.dumps([p('all:quantize'), "
-            "p('none@model.precision=fp8@model.norm_impl=auto+add')]))")
+            "p('none@model.precision=fp8@model.norm_impl=auto')]))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
