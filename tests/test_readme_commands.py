@@ -99,6 +99,10 @@ SKIP = {
     "python -m experiments.online --workdir=runs/online_ml_rated "
     "--movielens=/tmp/gemjax-data/ml-1m-rated --window_seconds=2592000 --models=teacher,student "
     "--admit_tables=user,item": "needs the converted ratings.dat above",
+    "python -m experiments.sweep --config=frappe --workdir=runs/frappe_sweep --trials=10 --seeds=0,1,2 "
+    "--seed=2 --metric=ne --space='train.dense_lr=loguniform(5e-4,6e-3);train.sparse_lr=loguniform(0.1,0.4);"
+    "model.wukong_mlp=choice(128,128:128);train.steps=choice(180,360)' --override=model.dim=32,model.wukong_layers=3":
+        "30 CPU-minutes on the converted Frappe; tests/test_sweep.py runs a sweep through the trainer",
     "python -m experiments.frappe --models=gem,lr --seeds=0,1,2":
         "Frappe (not in CI); tests/test_frappe_trainer.py runs the script on fake Frappe files",
     "python -m experiments.frappe --models=gem":
