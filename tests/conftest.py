@@ -24,3 +24,11 @@ import jax  # noqa: E402  (after the environment: JAX reads it at import and bac
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding a test marked `slow` first (in collection order otherwise): pytest-xdist
+    hands out whole files (`./run test`: --dist loadfile, --no-loadscope-reorder), so the long
+    ones start early and the short ones fill the workers' ends."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

@@ -39,6 +39,7 @@ class Brier:
         return model(acts, batch)
 
 
+@pytest.mark.slow
 def test_a_custom_objective_is_what_the_step_trains_and_evaluates():
     cfg = apply_overrides(get_config("tiny"), "data.batch_size=16")
     trainer = Trainer.create(cfg, Mesh(np.array(jax.devices()[:1]), ("batch",)))

@@ -90,6 +90,7 @@ def test_real_train_step_two_processes_match_one():
         assert max_rel_diff(res["tables"], one["tables"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_fixed_sparse_branches_two_processes_match_one():
     """Exchange + sync buckets on 2d tables (replica crossing the processes): every
     process reads the same replicated branch needs, so both compile the same plan,

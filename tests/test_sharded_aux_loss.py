@@ -113,6 +113,7 @@ TEACHER = EP_TEACHER.replace("model.lb_coef=0,", "model.lb_coef=0.05,")
 assert TEACHER != EP_TEACHER
 
 
+@pytest.mark.slow
 def test_trainer_with_load_balancing_loss_matches_one_device():
     """3 train steps with lb_coef > 0 on replica=2,fsdp=2,expert=2 (EP on: the trainer's
     default there) and fsdp=8 equal one device: losses, the global parameter scale and
