@@ -1,12 +1,35 @@
 """Test setup: 8 simulated CPU devices so mesh tests run anywhere (GPU runs unaffected), and a
-persistent compilation cache so the many small programs the suite builds compile once."""
+persistent compilation cache so the many small programs the suite builds compile once.
+
+The cache settings and XLA's CPU code generation level go into the environment too, so every
+process a test starts (`python -m experiments.train ...`, multi-process jobs) reads and fills
+the same cache and compiles the same way. Every program is stored, however fast it compiled:
+the processes and workers of a run build many of the same small ones. The suite's programs
+are tiny: compiling them costs far more than running them, so XLA's CPU backend generates
+code at LLVM -O0 (float semantics are the same at every level; only the machine code's speed
+differs). A level the caller's $XLA_FLAGS sets is kept.
+"""
 
 import os
 import tempfile
 
-import jax
+CACHE = os.environ.get("GEMJAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "gemjax-jax-cache"))
+os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        f for f in (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0") if f)
+
+import jax  # noqa: E402  (after the environment: JAX reads it at import and backend start)
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("GEMJAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "gemjax-jax-cache")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding a test marked `slow` first (in collection order otherwise): pytest-xdist
+    hands out whole files (`./run test`: --dist loadfile, --no-loadscope-reorder), so the long
+    ones start early and the short ones fill the workers' ends."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

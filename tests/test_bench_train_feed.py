@@ -107,8 +107,8 @@ def test_bench_train_feed_measures_each_case_and_records_a_failing_one(tmp_path)
     # the table is printed last: its rows are the JSON's figures
     lines = r.stdout.strip().splitlines()
     assert lines[-5].startswith("train loop vs step alone, 1 x cpu")
-    assert lines[-4] == ("feed packed: True; steps per call: 2; GIL switch: 500 us; "
-                         "XLA_FLAGS: (none)")                        # CPU: no graph flags
+    assert lines[-4] == ("feed packed: True; steps per call: 2; GIL switch: 500 us; "   # CPU: no
+                         f"XLA_FLAGS: {os.environ.get('XLA_FLAGS') or '(none)'}")  # graph flags added
     assert lines[-3].split()[:4] == ["case", "model", "batch", "train/s"]
     row = lines[-2].split()
     assert row[:3] == ["movielens_rank", "lr", "64"]

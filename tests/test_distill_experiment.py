@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,6 +21,7 @@ def _run(args, tmp_path):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_distill_experiment_table(tmp_path):
     p = _run([f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
               "--share=frozen",

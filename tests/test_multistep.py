@@ -93,6 +93,7 @@ def test_stacked_feed_is_the_per_step_feed(pack):
         next(stacked.batches(2, 9))
 
 
+@pytest.mark.slow
 def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
     """experiments/train.py at K=4 (one CPU device): kill -9 after checkpoint 4 is on disk
     and step 8 ran, resume, SIGTERM after step 12, resume to 16. The eval rows, the train

@@ -35,6 +35,7 @@ def _rows(workdir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     ref_dir, dir_ = str(tmp_path / "reference"), str(tmp_path / "interrupted")
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))

@@ -69,7 +69,7 @@ def test_launch_reports_child_failure():
 # test_train_sharded's, so the 1-process compile is shared through the cache)
 REAL_MESH = "replica=2,fsdp=2,expert=2"
 REAL_KW = dict(steps=3, table_replica_axes=["replica", "expert"], replicate_below_bytes=0,
-               capacity_factor=None, device_budget_bytes=0)
+               capacity_factor=None, device_budget_bytes=0, evaluate=False)   # train steps only
 
 
 def test_real_train_step_two_processes_match_one():
@@ -90,13 +90,14 @@ def test_real_train_step_two_processes_match_one():
         assert max_rel_diff(res["tables"], one["tables"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_fixed_sparse_branches_two_processes_match_one():
     """Exchange + sync buckets on 2d tables (replica crossing the processes): every
     process reads the same replicated branch needs, so both compile the same plan,
     and the run equals one process."""
     from gemjax.train.equivalence import KEY_BIAS, max_rel_diff, train_steps
     kw = dict(steps=3, table_replica_axes=["replica"], replicate_below_bytes=0, capacity_factor=None,
-              device_budget_bytes=1 << 40,
+              device_budget_bytes=1 << 40, evaluate=False,
               overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true")
     one = train_steps("replica=2,fsdp=4", **kw)
     assert set(one["plans"].values()) == {"2d"} and one["branch_plans"]

@@ -113,6 +113,7 @@ TEACHER = EP_TEACHER.replace("model.lb_coef=0,", "model.lb_coef=0.05,")
 assert TEACHER != EP_TEACHER
 
 
+@pytest.mark.slow
 def test_trainer_with_load_balancing_loss_matches_one_device():
     """3 train steps with lb_coef > 0 on replica=2,fsdp=2,expert=2 (EP on: the trainer's
     default there) and fsdp=8 equal one device: losses, the global parameter scale and
@@ -120,14 +121,21 @@ def test_trainer_with_load_balancing_loss_matches_one_device():
     biases after Adam carry float32 reduction-order noise of the sharded sums (measured
     up to 2.5e-5 here with lb_coef 0.05 and 1.2e-5 with lb_coef 0, on a pyramid bias
     the router does not touch; key biases, true gradient 0, see equivalence.KEY_BIAS).
-    Before the global aux (per-shard loss, attached N times) router leaves differed O(1)."""
+    Before the global aux (per-shard loss, attached N times) router leaves differed O(1).
+    On the EP mesh (test_expert_parallel's trainer checks) the expert weights are placed
+    over `expert`, the compiled step all_to_alls over `expert` and never all-gathers the
+    expert weights over it (tables are replicated here, so no other collective touches
+    that axis), while FSDP still gathers."""
     from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, train_steps
+    from test_expert_parallel import collective_axes, expert_weight_gathers
 
-    single = train_steps(None, 3, overrides=TEACHER)
+    single = train_steps(None, 3, overrides=TEACHER, evaluate=False)
     assert max_rel_diff(single["init_params"], single["params"]) > 1e-3   # the steps do train
     moe = lambda t: t["interformer"]["layers"][0]["interaction"]         # noqa: E731
     for spec in ("replica=2,fsdp=2,expert=2", "fsdp=8"):
-        res = train_steps(spec, 3, overrides=TEACHER, tables0=single["init_tables"])
+        ep = "expert" in spec
+        res = train_steps(spec, 3, overrides=TEACHER, tables0=single["init_tables"], hlo=ep,
+                          evaluate=False)
         np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
         assert max_rel_diff(moe(res["params"]), moe(single["params"])) < 1e-5, spec
         keep = lambda t: [v for k, v in jax.tree_util.tree_leaves_with_path(t)   # noqa: E731
@@ -135,3 +143,16 @@ def test_trainer_with_load_balancing_loss_matches_one_device():
         assert global_rel_diff(keep(res["params"]), keep(single["params"])) < 1e-5, spec
         assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 5e-5, spec
         assert max_rel_diff(res["tables"], single["tables"]) < 1e-5, spec
+        if not ep:
+            continue
+        assert set(res["plans"].values()) == {"replicated"}
+        specs = moe(res["shardings"]["params"])["experts"]
+        assert all(s.startswith("P('expert'") for s in jax.tree.leaves(specs)), specs
+        text = res["hlo"]
+        a2a = collective_axes(text, "all-to-all")
+        assert len([a for a, _ in a2a if a == {"expert"}]) >= 4, a2a   # dispatch + combine, fwd + bwd
+        # (the replicated tables' sparse update gathers ids and [32, 8] activation grads over
+        # every axis, `expert` included; those are not expert weights)
+        assert not expert_weight_gathers(text)
+        gathers = collective_axes(text, "all-gather")
+        assert [a for a, s in gathers if a == {"fsdp"} and s.startswith("f32[")]  # FSDP gathers

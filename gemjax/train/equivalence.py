@@ -32,7 +32,8 @@ KEY_BIAS = ("['k_proj']['bias']",)
 
 def train_steps(mesh_spec: str | None, steps: int = 3, *, config: str = "tiny", overrides: str = "",
                 table_replica_axes: Sequence[str] = (), source_shards: int = 8, seed: int = 0,
-                tables0: dict | None = None, hlo: bool = False, **planner_kw) -> dict[str, Any]:
+                tables0: dict | None = None, hlo: bool = False, evaluate: bool = True,
+                **planner_kw) -> dict[str, Any]:
     """{"losses" [steps], "ids_overflow", "params", "init_params", "tables", "init_tables",
     "devices", "processes"}; tables in logical row order ({table: {name: [V, ...]}}).
 
@@ -42,7 +43,8 @@ def train_steps(mesh_spec: str | None, steps: int = 3, *, config: str = "tiny", 
     init is drawn in storage order, which depends on the shard count).
     hlo: also return the compiled step's HLO text ("hlo"), the compiled eval step's
     ("eval_hlo") and the state's shardings ("shardings", PartitionSpec strings).
-    "eval_probs": the eval step's probabilities on the first batch after training.
+    "eval_probs": the eval step's probabilities on the first batch after training
+    (evaluate False: no eval step is built, neither "eval_probs" nor "eval_hlo").
     """
     cfg = get_config(config, overrides)
     mesh = default_mesh(jax.devices()[:1]) if mesh_spec is None else build_mesh(mesh_spec)
@@ -65,10 +67,11 @@ def train_steps(mesh_spec: str | None, steps: int = 3, *, config: str = "tiny", 
         state, m = step(state, batch, next_batch=batches[i + 1] if i + 1 < steps else None)
         losses.append(float(np.asarray(m["loss"])))
         overflow += int(np.asarray(m["ids_overflow"]))
-    evaluate = trainer.make_eval_step()
-    if hlo:
-        extra["eval_hlo"] = evaluate.lower(state, batches[0]).compile().as_text()
-    extra["eval_probs"] = np.asarray(evaluate(state, batches[0]))
+    if evaluate:
+        eval_step = trainer.make_eval_step()
+        if hlo:
+            extra["eval_hlo"] = eval_step.lower(state, batches[0]).compile().as_text()
+        extra["eval_probs"] = np.asarray(eval_step(state, batches[0]))
     return {"losses": losses, "ids_overflow": overflow,
             "params": multihost.to_host(state["params"]), "init_params": init_params,
             "tables": trainer.coll.to_logical(multihost.to_host(state["tables"])),
