@@ -545,6 +545,7 @@ def run(argv):
     once) in exit 130, a refused run (busy workdir, resume mismatch) in exit 2."""
     import signal
     import sys
+    from gemjax.train.checkpoint import join_background_threads
     from gemjax.train.guards import Interrupted, RunRefused
 
     def between_runs(signum, frame):     # train() installs its own handlers while it runs
@@ -556,9 +557,11 @@ def run(argv):
         main(argv)
     except Interrupted as e:
         print(f"[distill] {e}", flush=True)
+        join_background_threads()
         sys.exit(128 + e.signum)
     except KeyboardInterrupt as e:
         print(f"[distill] {e or 'interrupted'}", flush=True)
+        join_background_threads()
         sys.exit(130)
     except RunRefused as e:
         print(f"[distill] refused: {e}", file=sys.stderr, flush=True)

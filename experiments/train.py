@@ -303,6 +303,8 @@ def run(argv):
         main(argv)
     except Interrupted as e:
         print(f"[gemjax] {e}", flush=True)
+        from gemjax.train.checkpoint import join_background_threads
+        join_background_threads()      # Orbax writes still in flight end before the exit
         sys.exit(128 + e.signum)
     except RunRefused as e:
         print(f"[gemjax] refused: {e}", file=sys.stderr, flush=True)

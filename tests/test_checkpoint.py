@@ -268,3 +268,21 @@ def test_nnx_state_with_optimizer_and_rngs_round_trips(tmp_path):
     _, got, _ = Checkpointer(tmp_path).restore(build(9))
     assert type(got["model"]).__name__ == "State"
     assert_tree_equal(got, build(0))
+
+
+def test_join_background_threads_waits_for_writers_not_daemons():
+    """A command exiting on a signal first lets non-daemon threads (Orbax's writes)
+    finish, and does not wait on daemon threads."""
+    import threading
+    import time
+
+    from gemjax.train.checkpoint import join_background_threads
+    done = []
+    writer = threading.Thread(target=lambda: (time.sleep(0.3), done.append(1)))
+    writer.start()
+    join_background_threads(5)
+    assert done == [1]
+    threading.Thread(target=lambda: time.sleep(30), daemon=True).start()
+    t0 = time.time()
+    join_background_threads(5)
+    assert time.time() - t0 < 2

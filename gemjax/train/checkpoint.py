@@ -100,6 +100,20 @@ UNVERIFIED = checksums.NO_SUMS
 _COMMIT_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
+
+def join_background_threads(timeout_s: float = 60.0) -> None:
+    """Wait (up to timeout_s each) for the process's other non-daemon threads, such as
+    Orbax's background metadata and commit writes, before a command exits on a signal.
+
+    Python 3.12 refuses to start threads once interpreter shutdown has begun, so an Orbax
+    write still running at sys.exit would end in a RuntimeError traceback instead of
+    finishing; joined here, while the interpreter still runs, it finishes normally."""
+    import threading
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon and t.is_alive():
+            t.join(timeout_s)
+
+
 class CheckpointDamaged(OSError):
     """A checkpoint step whose files do not match its checksums (or cannot be read)."""
 
