@@ -321,3 +321,21 @@ def config_part(config, part):
     """The `part` dataclass (a spec or a tuning) of a config that holds its fields (an
     engine's config subclasses both): part(**those fields of config)."""
     return part(**{f.name: getattr(config, f.name) for f in dataclasses.fields(part)})
+
+
+class SpecTuningParts:
+    """Mixin of an engine's config, a dataclass subclassing an op's spec record (class
+    attribute SPEC) and a tuning record (TUNING): cfg.spec and cfg.tuning give the two."""
+
+    SPEC: type
+    TUNING: type
+
+    @property
+    def spec(self):
+        """The spec part (SPEC's fields)."""
+        return config_part(self, type(self).SPEC)
+
+    @property
+    def tuning(self):
+        """The tuning part (TUNING's fields)."""
+        return config_part(self, type(self).TUNING)

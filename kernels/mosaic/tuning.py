@@ -18,7 +18,7 @@ import math
 
 import jax.numpy as jnp
 
-from kernels.common import config_part
+from kernels.common import SpecTuningParts
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -77,18 +77,12 @@ class MosaicSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MosaicConfig(MosaicSpec, MosaicTuning):
-    """An op's spec (MosaicSpec's fields) with one direction's tuning (MosaicTuning's)."""
+class MosaicConfig(SpecTuningParts, MosaicSpec, MosaicTuning):
+    """An op's spec (MosaicSpec's fields) with one direction's tuning (MosaicTuning's);
+    cfg.spec / cfg.tuning give the two parts."""
 
-    @property
-    def spec(self):
-        """The MosaicSpec part."""
-        return config_part(self, MosaicSpec)
-
-    @property
-    def tuning(self):
-        """The MosaicTuning part."""
-        return config_part(self, MosaicTuning)
+    SPEC = MosaicSpec
+    TUNING = MosaicTuning
 
     @property
     def block_q(self):

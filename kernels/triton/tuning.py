@@ -26,7 +26,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kernels.common import config_part
+from kernels.common import SpecTuningParts
 
 F32 = jnp.float32
 PAD_MULTIPLE = 128  # token capacities are padded to this (all tiles divide it)
@@ -125,11 +125,14 @@ class AttentionSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FlashConfig(AttentionSpec, TritonTuning):
+class FlashConfig(SpecTuningParts, AttentionSpec, TritonTuning):
     """An op on the tiled kernels: its spec (AttentionSpec's fields), its tuning
     (TritonTuning's fields), and the engine of each direction (kernels.dispatch picks the
     Mosaic kernels where they apply). cfg.spec / cfg.tuning give the two parts;
     FlashConfig.of(spec, tuning, **engine) joins them."""
+
+    SPEC = AttentionSpec
+    TUNING = TritonTuning
     fast_act: bool = False         # gdpa silu / gelu_tanh through tanh.approx (set by
                                    # kernels.dispatch.jagged_flash for 16-bit inputs)
     interpret: bool = False
@@ -142,16 +145,6 @@ class FlashConfig(AttentionSpec, TritonTuning):
     def of(cls, spec, tuning, **engine):
         """The FlashConfig of an AttentionSpec and a TritonTuning (engine: the other fields)."""
         return cls(**vars(spec), **vars(tuning), **engine)
-
-    @property
-    def spec(self):
-        """The AttentionSpec part."""
-        return config_part(self, AttentionSpec)
-
-    @property
-    def tuning(self):
-        """The TritonTuning part."""
-        return config_part(self, TritonTuning)
 
 
 def _pow2_floor(x):
