@@ -117,7 +117,7 @@ def mosaic_backward(flash_cfg, dtype, d, tq, tk):
     tuning = {**dataclasses.asdict(MOSAIC_TUNING[_op_of(flash_cfg)].backward),
               **dict(flash_cfg.mosaic_bwd)}
     cfg = mosaic_config(d, dtype, mode=flash_cfg.mode, activation=flash_cfg.activation,
-                        scale=flash_cfg.scale, **tuning)
+                        scale=flash_cfg.scale, forward=False, **tuning)
     if any(tq % t or tk % t for t in (cfg.cta_rows, cfg.block_kv)):
         return None
     return cfg

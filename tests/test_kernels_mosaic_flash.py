@@ -107,9 +107,24 @@ def test_exports_sweep_knobs(tuning):
     assert "mosaic_gpu" in _export(128, tuning)
 
 
-def test_shared_memory_overflow_is_caught_at_export():
-    with pytest.raises(ValueError, match="shared memory"):
+def test_shared_memory_overflow_is_refused_before_lowering():
+    """A forward whose buffers exceed a CTA's shared memory is refused by its config
+    (NotImplementedError: callers fall back) rather than by the GPU lowering; the estimate
+    gives the bytes an H100 lowering asked for the softmax bk128 s3 D128 kernel."""
+    from kernels.mosaic import mosaic_config
+    from kernels.mosaic.tuning import SMEM_BYTES, forward_smem_bytes
+    with pytest.raises(NotImplementedError, match="block_kv=256 num_stages=3 needs"):
         _export(128, dict(block_kv=256, num_stages=3))
+    with pytest.raises(NotImplementedError, match="mode=softmax D=128 block_kv=128"):
+        softmax_mosaic_forward(*make_case([100], [100], 128, 128, 1, 128, seed=0),
+                               block_kv=128, num_stages=3)
+    cfg = lambda mode: mosaic_config(128, jnp.bfloat16, mode=mode, block_kv=128,  # noqa: E731
+                                     num_stages=3, forward=False)
+    assert forward_smem_bytes(cfg("softmax"), 128) == 232568 > SMEM_BYTES
+    assert forward_smem_bytes(cfg("gdpa"), 128) <= SMEM_BYTES      # exports (test above)
+    # forward=False (the backward's kernels hold other buffers): not the forward's bound
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        mosaic_config(128, jnp.bfloat16, mode="softmax", block_kv=128, num_stages=3)
 
 
 # ------------------------------------------------------ CPU: tile table (pure XLA)
@@ -641,6 +656,10 @@ def test_gpu_softmax_realistic_lengths(name):
     lens = _lognormal_lengths(rng, 12, 300, 1500)
     lens[:3] = [0, 1, 64]
     t = int(-(-lens.sum() // 128) * 128 + 128)
+    if name == "bk128_s3":   # softmax's lse buffers leave no room for a third 128-row stage
+        with pytest.raises(NotImplementedError, match="shared memory"):
+            check_softmax(lens, lens, t, t, h=3, d=128, interpret=False, **tuning)
+        tuning = dict(block_kv=128, num_stages=2)
     check_softmax(lens, lens, t, t, h=3, d=128, interpret=False, **tuning)
 
 

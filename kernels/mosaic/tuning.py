@@ -26,6 +26,11 @@ NEG = -1e30              # softmax: the score of a masked pair
 BIG = 1 << 30            # start of an empty key interval (padding query rows)
 NUM_CONSUMERS = 2        # consumer warpgroups per CTA; the producer is warpgroup 2
 BLOCK_Q = 64             # rows per consumer warpgroup (wgmma M)
+SMEM_BYTES = 227 * 1024  # shared memory a CTA may opt into (H100, H200)
+# Shared memory the lowering takes beside the forward's own buffers: a softmax CTA of
+# block_kv 128, 3 stages, D 128 asked 232,568 bytes on an H100, its buffers (1 KiB
+# aligned) and barriers 230,520.
+SMEM_LOWERING_BYTES = 2048
 # Activations the kernels form (the names of kernels.gdpa.reference.ACTIVATIONS).
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "identity")
 
@@ -104,8 +109,21 @@ class MosaicConfig(SpecTuningParts, MosaicSpec, MosaicTuning):
         return self.block_kv % 128 == 0
 
 
-def check_config(cfg, d, dtype):
-    """NotImplementedError (callers fall back) for what the kernel does not take."""
+def forward_smem_bytes(cfg, d, itemsize=2):
+    """Shared memory the forward kernel asks for: Q per consumer, the K / V ring, softmax's
+    lse per consumer (each 1 KiB aligned), 8 bytes per barrier, and the lowering's own."""
+    align = lambda n: -(-n // 1024) * 1024  # noqa: E731
+    buffers = align(NUM_CONSUMERS * BLOCK_Q * d * itemsize)
+    buffers += 2 * align(cfg.num_stages * cfg.block_kv * d * itemsize)
+    if cfg.mode == "softmax":
+        buffers += align(NUM_CONSUMERS * BLOCK_Q * 4)
+    barriers = NUM_CONSUMERS + 4 * cfg.num_stages + 1
+    return buffers + 8 * barriers + SMEM_LOWERING_BYTES
+
+
+def check_config(cfg, d, dtype, forward=True):
+    """NotImplementedError (callers fall back) for what the kernel does not take; forward:
+    the forward kernel's shared memory too."""
     if cfg.mode not in ("gdpa", "softmax"):
         raise ValueError(f"gdpa_mosaic: mode must be gdpa or softmax, got {cfg.mode!r}")
     if cfg.activation not in ACTIVATIONS:
@@ -125,9 +143,16 @@ def check_config(cfg, d, dtype):
             NUM_CONSUMERS * regs[0] + regs[1]) * 128 > 65536:
         raise NotImplementedError(f"gdpa_mosaic: registers {regs} must be multiples of 8 in "
                                   "[24, 256] and fit 64K per SM")
+    smem = forward_smem_bytes(cfg, d, jnp.dtype(dtype).itemsize)
+    if forward and smem > SMEM_BYTES:
+        raise NotImplementedError(
+            f"gdpa_mosaic: mode={cfg.mode} D={d} block_kv={cfg.block_kv} num_stages="
+            f"{cfg.num_stages} needs {smem} bytes of shared memory, more than the "
+            f"{SMEM_BYTES} a CTA has; lower num_stages or block_kv")
 
 
-def mosaic_config(d, dtype, *, mode="gdpa", activation="silu", scale=1.0, **tuning):
+def mosaic_config(d, dtype, *, mode="gdpa", activation="silu", scale=1.0, forward=True,
+                  **tuning):
     """MosaicConfig from the tuning knobs (MosaicTuning fields; default the forward's),
     checked (TypeError for an unknown knob, NotImplementedError for what the kernel
     does not take)."""
@@ -135,5 +160,5 @@ def mosaic_config(d, dtype, *, mode="gdpa", activation="silu", scale=1.0, **tuni
     if unknown:
         raise TypeError(f"gdpa_mosaic: unknown tuning knobs {sorted(unknown)}")
     cfg = MosaicConfig(mode=mode, activation=activation, scale=float(scale), **tuning)
-    check_config(cfg, d, dtype)
+    check_config(cfg, d, dtype, forward)
     return cfg
