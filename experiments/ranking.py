@@ -24,7 +24,9 @@ Protocol (docs/ranking.md):
             over the --max_epochs epochs of train.steps (an early stop ends part-way).
    then the model's overrides (MODELS), then its hyperparameters from --hparams, then
    --override. A workdir with summary.json is read back, not trained again; another is
-   resumed by train() (a rerun continues where a killed one stopped). A workdir whose
+   resumed by train() (a rerun continues where a killed one stopped; a SIGINT / SIGTERM
+   to this command is passed on to the run, which saves, then the command exits 130;
+   each run's output: WORKDIR/<model>_s<seed>/train.log). A workdir whose
    recorded config differs from the one asked for is refused (pick another --workdir).
 3. Results: WORKDIR/results.json (every run) and a table per model: test AUC and NE
    (mean ± population std over seeds), forward GFLOP per sample
@@ -46,11 +48,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
 from absl import app, flags, logging
+
+from experiments.child import STOP_CODES, Stopped, log_tail, run_process, train_here
 
 # model -> overrides on the movielens_rank preset (before --hparams and --override)
 MODELS = {
@@ -240,8 +243,10 @@ def _jsonable(cfg) -> dict:
 
 
 def train_one(cfg, workdir: str, log=print) -> dict:
-    """One run in a subprocess (`--run_one=workdir`): its summary.json (read back when
-    the run finished before). ValueError when workdir was asked another config."""
+    """One run in a subprocess (`--run_one=workdir`, its output in workdir/train.log): its
+    summary.json (read back when the run finished before). ValueError when workdir was
+    asked another config; Stopped when a SIGINT / SIGTERM (passed on to the subprocess)
+    stopped it after its save; RuntimeError (with the log's tail) when it failed."""
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, RUN_CONFIG)
     want = _jsonable(cfg)
@@ -264,13 +269,14 @@ def train_one(cfg, workdir: str, log=print) -> dict:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "experiments.ranking",
-                               f"--run_one={workdir}"], cwd=root, env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{workdir}: the run failed (exit {proc.returncode}); rerun to "
-                               f"resume. Its last output:\n{proc.stderr[-3000:]}")
+        t0, train_log = time.time(), os.path.join(workdir, "train.log")
+        code = run_process([sys.executable, "-m", "experiments.ranking", f"--run_one={workdir}"],
+                           workdir, train_log, cwd=root, env=env)
+        if code in STOP_CODES:
+            raise Stopped(f"{workdir}: stopped by signal {abs(code) % 128} after saving")
+        if code != 0:
+            raise RuntimeError(f"{workdir}: the run failed (exit {code}); rerun to resume. The "
+                               f"end of its train.log:\n{log_tail(train_log)}")
         log(f"{workdir}: trained in {time.time() - t0:.0f} s")
     with open(done) as f:
         return json.load(f)
@@ -279,10 +285,9 @@ def train_one(cfg, workdir: str, log=print) -> dict:
 def run_one(workdir: str) -> None:
     """The subprocess: train() on WORKDIR/ranking_config.json's config."""
     from gemjax.config import config_from_dict
-    from gemjax.train.loop import train
     with open(os.path.join(workdir, RUN_CONFIG)) as f:
         cfg = config_from_dict(json.load(f))
-    train(cfg, workdir, log=lambda s: print(s, flush=True))
+    train_here(cfg, workdir, "ranking")
 
 
 def result(model: str, seed: int, cfg, summary: dict, workdir: str) -> dict:
@@ -384,7 +389,14 @@ def main(argv):
         wd = os.path.join(f.workdir, f"{model}_s{seed}")
         if f.table_only and not os.path.exists(os.path.join(wd, "summary.json")):
             continue
-        r = result(model, seed, cfg, train_one(cfg, wd), wd)
+        try:
+            summary = train_one(cfg, wd)
+        except Stopped as e:
+            print(f"[ranking] {e}; rerun the same command to continue", flush=True)
+            sys.exit(130)
+        except RuntimeError as e:
+            sys.exit(f"[ranking] {e}")
+        r = result(model, seed, cfg, summary, wd)
         print(f"{model} seed {seed}: test AUC {r['test_auc']:.4f} NE {r['test_ne']:.4f} "
               f"(best epoch {r['best_epoch']:.1f})", flush=True)
         results.append(r)

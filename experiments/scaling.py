@@ -56,11 +56,12 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from typing import Callable
 
 import numpy as np
+
+from experiments.child import STOP_CODES, Stopped, log_tail, run_process, train_here
 
 MIN_SPAN = 16.0          # the teacher rungs' dense FLOPs per sample: largest / smallest
 MATCH_TOL = 0.10         # a comparison rung's dense FLOPs within 10% of its teacher rung's
@@ -357,8 +358,9 @@ def _jsonable(cfg) -> dict:
 def run_rung(cfg, workdir: str, log=print) -> dict:
     """summary.json of cfg trained in `workdir` by a subprocess (its output in
     workdir/train.log); a finished run's summary is read back, not rerun. ValueError
-    when workdir holds a run of another config; RuntimeError (with the log's tail) when
-    the subprocess fails."""
+    when workdir holds a run of another config; Stopped when a SIGINT / SIGTERM (passed
+    on to the subprocess) stopped it after its save; RuntimeError (with the log's tail)
+    when the subprocess fails."""
     workdir = os.path.abspath(workdir)                 # the subprocess runs in REPO
     os.makedirs(workdir, exist_ok=True)
     want = {"config": _jsonable(cfg)}
@@ -380,15 +382,15 @@ def run_rung(cfg, workdir: str, log=print) -> dict:
     log(f"[scaling] {workdir}: training {cfg.train.steps} steps")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    with open(os.path.join(workdir, "train.log"), "a") as out:
-        rc = subprocess.call([sys.executable, "-m", "experiments.scaling",
-                              f"--run_rung={workdir}"], stdout=out, stderr=subprocess.STDOUT,
-                             cwd=REPO, env=env)
+    train_log = os.path.join(workdir, "train.log")
+    rc = run_process([sys.executable, "-m", "experiments.scaling", f"--run_rung={workdir}"],
+                     workdir, train_log, cwd=REPO, env=env)
+    if rc in STOP_CODES:
+        raise Stopped(f"{workdir}: stopped by signal {abs(rc) % 128} after saving")
     summary = _read_summary(workdir)
     if rc != 0 or summary is None:
-        tail = open(os.path.join(workdir, "train.log")).read()[-3000:]
         raise RuntimeError(f"{workdir}: training exited with {rc}; the end of its train.log:\n"
-                           f"{tail}")
+                           f"{log_tail(train_log)}")
     return summary
 
 
@@ -403,9 +405,8 @@ def _read_summary(workdir: str) -> dict | None:
 def train_rung(workdir: str) -> None:
     """The subprocess' side of run_rung: train workdir/rung.json's config in workdir."""
     from gemjax.config import config_from_dict
-    from gemjax.train.loop import train
     cfg = config_from_dict(json.load(open(os.path.join(workdir, "rung.json")))["config"])
-    train(cfg, workdir, log=lambda s: print(s, flush=True))
+    train_here(cfg, workdir, "scaling")
 
 
 def rung_result(rung: Rung, seed: int, cfg, summary: dict, metric: str) -> dict:
@@ -635,7 +636,12 @@ def main(argv):
                                  valid_epochs=valid_epochs, patience=f.patience, metric=metric,
                                  seed=seed)
                 wd = os.path.join(f.out, fam.name, f"r{i}_s{seed}")
-                summary = run_rung(cfg, wd, log)
+                try:
+                    summary = run_rung(cfg, wd, log)
+                except Stopped as e:
+                    write_report(report, f.out)
+                    print(f"[scaling] {e}; rerun the same command to continue", flush=True)
+                    sys.exit(130)
                 entry["seeds"].append(rung_result(rung, seed, cfg, summary, metric))
                 write_report(report, f.out)       # after every run: partial curves survive
     report = write_report(report, f.out)

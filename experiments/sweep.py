@@ -48,15 +48,14 @@ import math
 import os
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Sequence
 
 from absl import app, flags
 
+from experiments.child import STOP_CODES, Stopped, run_process
 from experiments.seeds import parse_seeds
 from gemjax.config import PRESETS, Config, apply_overrides, get_config, parse_overrides
 
@@ -88,16 +87,10 @@ MINIMIZE = ("ne", "loss", "log_loss")
 RESERVED = ("train.seed", "train.select_metric", "data.eval_path")
 KINDS = {"loguniform": 2, "uniform": 2, "int": (2, 3), "logint": 2, "choice": None}
 SPEC_FILE, JOURNAL, RESULT = "spec.json", "study.journal", "result.json"
-# a run that saved and stopped on a signal (128 + signum), or died of one before its handler
-STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
 
 
 class SweepError(ValueError):
     """A sweep that cannot run as asked (the message names the flag or file)."""
-
-
-class Stopped(Exception):
-    """A trial run stopped on a signal; the sweep stops and a rerun continues it."""
 
 
 # --------------------------------------------------------------------------- search space
@@ -207,63 +200,6 @@ def direction(metric: str) -> str:
 
 
 # --------------------------------------------------------------------------- runs
-
-def pdeathsig() -> None:      # in the child before exec: SIGTERM when the sweep dies (kill -9)
-    with contextlib.suppress(Exception):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-
-
-def wait_unlocked(workdir: str, timeout: float = 600.0) -> None:
-    """Wait until no process holds WORKDIR's training lock (a run of an earlier sweep
-    process still saving after a stop); RuntimeError after `timeout` seconds."""
-    from gemjax.train.guards import LOCK_FILE      # no jax import
-    path = os.path.join(workdir, LOCK_FILE)
-    if not os.path.exists(path):
-        return
-    deadline, said = time.monotonic() + timeout, False
-    with open(path, "a") as fh:
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fh, fcntl.LOCK_UN)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{workdir} is still held by another run after {timeout:.0f} s")
-                if not said:
-                    print(f"[sweep] waiting for the run still holding {path}", flush=True)
-                    said = True
-                time.sleep(1.0)
-
-
-def run_process(argv: Sequence[str], workdir: str, log_path: str) -> int:
-    """Run `argv` with stdout and stderr appended to `log_path`; its exit code. A
-    SIGINT / SIGTERM to the sweep is passed on (the run saves and exits 128 + signal;
-    128 + signal is returned whenever a passed-on signal ended it); the run gets SIGTERM
-    if the sweep dies."""
-    wait_unlocked(workdir)
-    with open(log_path, "ab") as log:
-        log.write(f"\n$ {shlex.join(argv)}\n".encode())
-        log.flush()
-        # its own process group: a terminal's Ctrl-C reaches the sweep, which passes it on
-        # once (a second signal would stop the run without its save)
-        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=pdeathsig, process_group=0)
-        passed: list[int] = []
-
-        def forward(signum, _frame):
-            passed.append(signum)
-            proc.send_signal(signum)
-
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            code = proc.wait()
-            return 128 + passed[0] if passed and code != 0 else code
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
 
 Runner = Callable[[Sequence[str], str, str], int]
 # (argv, run workdir, log path) -> exit code; tests replace it

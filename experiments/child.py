@@ -1,0 +1,106 @@
+"""A training run in a child process, as the experiment drivers (sweep, ranking, scaling)
+start it: its output appended to a log file, a SIGINT / SIGTERM to the driver passed on
+once (the run saves its state and exits 128 + signal; the driver waits for that save),
+the child sent SIGTERM when the driver dies (kill -9), and a run still saving after an
+earlier driver's stop waited for (its workdir's training lock)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shlex
+import signal
+import subprocess
+import time
+from typing import Sequence
+
+# a run that saved and stopped on a signal (128 + signum), or died of one before its handler
+STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+
+
+class Stopped(Exception):
+    """A child run stopped on a signal after saving; rerunning the driver continues it."""
+
+
+def pdeathsig() -> None:      # in the child before exec: SIGTERM when the driver dies (kill -9)
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def wait_unlocked(workdir: str, timeout: float = 600.0, who: str = "run") -> None:
+    """Wait until no process holds WORKDIR's training lock (a run of an earlier driver
+    process still saving after a stop); RuntimeError after `timeout` seconds."""
+    from gemjax.train.guards import LOCK_FILE      # no jax import
+    path = os.path.join(workdir, LOCK_FILE)
+    if not os.path.exists(path):
+        return
+    deadline, said = time.monotonic() + timeout, False
+    with open(path, "a") as fh:
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fh, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{workdir} is still held by another run after {timeout:.0f} s")
+                if not said:
+                    print(f"[{who}] waiting for the run still holding {path}", flush=True)
+                    said = True
+                time.sleep(1.0)
+
+
+def run_process(argv: Sequence[str], workdir: str, log_path: str, *, cwd: str | None = None,
+                env: dict | None = None) -> int:
+    """Run `argv` with stdout and stderr appended to `log_path`; its exit code. A
+    SIGINT / SIGTERM to this process is passed on (the run saves and exits 128 + signal;
+    128 + signal is returned whenever a passed-on signal ended it); the run gets SIGTERM
+    if this process dies."""
+    wait_unlocked(workdir)
+    with open(log_path, "ab") as log:
+        log.write(f"\n$ {shlex.join(argv)}\n".encode())
+        log.flush()
+        # its own process group: a terminal's Ctrl-C reaches the driver, which passes it on
+        # once (a second signal would stop the run without its save)
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                stdin=subprocess.DEVNULL, preexec_fn=pdeathsig, process_group=0)
+        passed: list[int] = []
+
+        def forward(signum, _frame):
+            passed.append(signum)
+            proc.send_signal(signum)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = proc.wait()
+            return 128 + passed[0] if passed and code != 0 else code
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def log_tail(log_path: str, chars: int = 3000) -> str:
+    """The last `chars` characters of a run's log ('' when it has none)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return f.read()[-chars:]
+    except FileNotFoundError:
+        return ""
+
+
+def train_here(cfg, workdir: str, who: str) -> None:
+    """The child's side: train(cfg) in workdir, its log lines on stdout; a stop by SIGINT /
+    SIGTERM (after its checkpoint) ends in one line and exit 128 + signal."""
+    import sys
+
+    from gemjax.train.checkpoint import join_background_threads
+    from gemjax.train.guards import Interrupted
+    from gemjax.train.loop import train
+    try:
+        train(cfg, workdir, log=lambda s: print(s, flush=True))
+    except Interrupted as e:
+        print(f"[{who}] {e}", flush=True)
+        join_background_threads()      # Orbax writes still in flight end before the exit
+        sys.exit(128 + e.signum)
