@@ -400,7 +400,9 @@ def main(argv):
     import numpy as np
     from gemjax.train import runtime
     try:
-        runtime.enable_compile_cache(args.compile_cache, min_compile_s=0.5, log=lambda s: None)
+        # programs compiling in >= 0.5 s are stored, unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says
+        min_s = None if os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS") else 0.5
+        runtime.enable_compile_cache(args.compile_cache, min_compile_s=min_s, log=lambda s: None)
     except ValueError as e:
         raise app.UsageError(f"--compile_cache: {e}")
     from gemjax.distill.runs import COTRAINED, restore_student
