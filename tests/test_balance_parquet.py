@@ -113,13 +113,19 @@ def _two_steps(trainer, train_step, src):
     return out, jax.device_get({"params": state["params"], "tables": state["tables"]}), first
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_the_balanced_step_equals_the_plain_step(files, trainer4, processes):
-    trainer, train_step = trainer4
+@pytest.fixture(scope="module")
+def plain_steps(files, trainer4):
+    """The plain source and _two_steps on it: the reference of every balanced step."""
     plain = make_source(_config(files, False), "train")
+    return plain, _two_steps(*trainer4, plain)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_balanced_step_equals_the_plain_step(files, trainer4, plain_steps, processes):
+    trainer, train_step = trainer4
+    plain, (want, want_state, infos) = plain_steps
     src = balance.train_source(_config(files, True), processes=processes)
     assert src.sequence_capacity(4) == plain.sequence_capacity(4)     # one compiled step for both
-    want, want_state, infos = _two_steps(trainer, train_step, plain)
     got, got_state, bbs_infos = _two_steps(trainer, train_step, src)
     # the step really moved rows between devices, and dropped no event
     assert [i.rows.tolist() for i in bbs_infos] != [i.rows.tolist() for i in infos]
@@ -137,7 +143,7 @@ def test_the_balanced_step_equals_the_plain_step(files, trainer4, processes):
 
 def test_a_bbs_run_on_parquet_trains_and_resumes_exactly(files, tmp_path):
     cfg = _config(files, True)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("batch",))    # trainer4's mesh: the same compiled step
     whole, resumed, a, b = whole_and_resumed(cfg, tmp_path, mesh, stop_after=2)
     assert [(r["step"], r["kind"]) for r in a] == [(2, "train"), (2, "eval"), (4, "train"), (4, "eval")]
     assert a == b                                  # every loss, NE, load ratio and counter, bit for bit

@@ -79,9 +79,20 @@ def test_fp8_linears_lower_to_fp8_gemms():
     from gemjax.data.synthetic import SyntheticStream
     from gemjax.train.step import Trainer
 
+    import jax
+    import jax.numpy as jnp
+
     cfg = get_config("tiny", "model.kind=teacher,model.dtype=bfloat16,model.precision=fp8")
     tr = Trainer.create(cfg)
-    state = tr.init_state(0)
+    assert not tr.fp8_meta_keys()         # current scaling: no amax histories in the state
+    # init_state's shapes, dtypes and shardings: lowering reads no values, and drawing the
+    # teacher's params eagerly costs more than the lowering
+    params = nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))), nnx.Param)[1].to_pure_dict()
+    shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
+              "opt_state": jax.eval_shape(tr.tx.init, params),
+              "tables": jax.eval_shape(tr.coll.init, jax.random.key(1))}
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                         tr.state_shardings())
     feeder = Feeder(SyntheticStream(cfg.data, 0).shard_batch, tr.mesh)
     batch = feeder.to_device(feeder.host_batch(0)[0])
     text = tr.make_train_step().lower(state, batch).as_text()

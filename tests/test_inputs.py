@@ -131,7 +131,13 @@ def test_sparse_list_flows_through_every_model(sparse_list_kind, kind):
     cfg = _cfg(_schema(), kind=kind, **small)
     model = build_model(cfg, nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    forward = jax.jit(lambda a, b: nnx.merge(graphdef, params)(a, b))
+
+    def total(a, b):
+        y = nnx.merge(graphdef, params)(a, b)
+        return y.sum(), y
+
+    # one program for both batches: the logits and the loss's gradient wrt the acts
+    forward_grad = jax.jit(jax.grad(total, has_aux=True))
     batch = _batch()
     other = dict(batch.sparse, tags=batch.sparse["tags"].copy())
     other["tags"][0] = (other["tags"][0] + 1) % 10
@@ -142,12 +148,12 @@ def test_sparse_list_flows_through_every_model(sparse_list_kind, kind):
         acts = dict(acts, tags=acts["tags"] + jnp.arange(L, dtype=jnp.float32)[None, :, None])
         acts2 = dict(acts2, tags=acts2["tags"] + jnp.arange(L, dtype=jnp.float32)[None, :, None]
                      + (jnp.arange(B) == 0)[:, None, None])
-    y1, y2 = np.asarray(forward(acts, batch)), np.asarray(forward(acts2, batch2))
+    (g, y1), (_, y2) = forward_grad(acts, batch), forward_grad(acts2, batch2)
+    y1, y2 = np.asarray(y1), np.asarray(y2)
     assert y1.shape == (B, 1) and np.isfinite(y1).all()
     assert not np.allclose(y1[0], y2[0])
     np.testing.assert_array_equal(y1[1:], y2[1:])
 
-    g = jax.jit(jax.grad(lambda a, b: forward(a, b).sum()))(acts, batch)
     assert g["tags"].shape == acts["tags"].shape
     assert np.abs(np.asarray(g["tags"])).sum(axis=-1).min() > 0
 

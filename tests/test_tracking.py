@@ -37,16 +37,21 @@ TINY = apply_overrides(get_config("tiny"), "train.steps=8,train.log_every=2,trai
 def run(tmp_path_factory):
     """A tiny run that "crashes" after writing step 6's rows but before its checkpoint
     (stop at 6, then delete checkpoint 6), and resumes from step 4 to 8 with a profile
-    of steps 5..6. Returns (workdir, summary of the resumed run, rows before the crash)."""
+    of steps 5..6. Returns (workdir, summary of the resumed run, rows before the crash,
+    log lines of the first run, whose compile heartbeat beats every 0.02 s)."""
     wd = str(tmp_path_factory.mktemp("tracking") / "run")
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    go = functools.partial(train, TINY, wd, log=lambda s: None, mesh=mesh)
-    go(stop_after=6)
+    go = functools.partial(train, TINY, wd, mesh=mesh)
+    first_log = []
+    from gemjax.train import loop
+    with pytest.MonkeyPatch.context() as mp:      # the first step traces for longer than this
+        mp.setattr(loop, "COMPILE_HEARTBEAT_S", 0.02)
+        go(stop_after=6, log=first_log.append)
     with open(os.path.join(wd, "metrics.jsonl")) as f:
         before = [json.loads(line) for line in f]
     shutil.rmtree(os.path.join(wd, "checkpoints", "6"))
-    summary = go(profile_steps=(5, 7))
-    return wd, summary, before
+    summary = go(profile_steps=(5, 7), log=lambda s: None)
+    return wd, summary, before, first_log
 
 
 def _rows(wd):
@@ -92,7 +97,7 @@ def _tensorboard_view(logdir):
 
 
 def test_tensorboard_scalars_equal_metrics_rows_across_a_resume(run):
-    wd, summary, before = run
+    wd, summary, before, _ = run
     rows = _rows(wd)
     assert [r["step"] for r in before if r["kind"] == "train"] == [2, 4, 6]
     assert [(r["step"], r["kind"]) for r in rows] == [(2, "train"), (4, "train"), (4, "eval"),
@@ -117,7 +122,7 @@ def test_tensorboard_scalars_equal_metrics_rows_across_a_resume(run):
 
 
 def test_summary_records_timing_devices_versions_and_git(run):
-    wd, summary, _ = run
+    wd, summary, _, _ = run
     with open(os.path.join(wd, "summary.json")) as f:
         on_disk = json.load(f)
     assert on_disk == json.loads(json.dumps(summary))
@@ -217,7 +222,7 @@ def test_a_resume_after_a_run_without_tensorboard_backfills_its_rows(tmp_path):
 
 
 def test_profile_steps_write_an_xplane_and_a_perfetto_trace(run):
-    wd, _, _ = run
+    wd, _, _, _ = run
     traces = glob.glob(os.path.join(wd, "profile", "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
     # the file tools/profile_summary.py reads (host-only on CPU: it says so)
@@ -238,7 +243,7 @@ def test_profile_steps_flag_errors(value, message, tmp_path):
 
 
 def test_plot_metrics_reads_rows_and_draws_a_png(run, tmp_path):
-    wd, _, _ = run
+    wd, _, _, _ = run
     P = plot_metrics
     curves = P.read_curves(wd)
     rows = _rows(wd)
@@ -314,12 +319,8 @@ def test_heartbeat_logs_while_its_block_runs_and_stops_after():
     assert quick == [] and off == []
 
 
-def test_the_first_step_of_a_run_has_a_heartbeat(tmp_path, monkeypatch):
-    from gemjax.train import loop
-    monkeypatch.setattr(loop, "COMPILE_HEARTBEAT_S", 0.02)   # the first step traces for longer
-    lines = []
-    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    train(TINY, str(tmp_path / "run"), log=lines.append, mesh=mesh, stop_after=2)
+def test_the_first_step_of_a_run_has_a_heartbeat(run):
+    lines = run[3]                 # the fixture's first run, from an empty workdir
     beats = [line for line in lines if line.startswith("[gemjax] the first step (compiling): ")]
     assert beats, lines
 
