@@ -1,5 +1,10 @@
 """2 processes x 4 CPU devices (gloo) train the toy sharded step exactly like 1 process x 8 devices,
-and both match a float64 numpy implementation of the same SGD-momentum run."""
+and both match a float64 numpy implementation of the same SGD-momentum run.
+
+The 2-process runs (the toy on every mesh, the real train step on fs2d tables, the
+fixed sparse branches on 2d tables) are one launch: its 2 processes start once and
+run the three jobs in turn (tests/job_list.py); each test checks its own job.
+"""
 
 import numpy as np
 import pytest
@@ -35,6 +40,34 @@ def single():
     return train_toy(SPECS, **KW)
 
 
+# ---------------------------------------------------------------- the real train step
+# replica crosses the 2 processes, fsdp / expert inside; fs2d tables (the same run as
+# test_train_sharded's, so the 1-process compile is shared through the cache)
+REAL_MESH = "replica=2,fsdp=2,expert=2"
+REAL_KW = dict(steps=3, table_replica_axes=["replica", "expert"], replicate_below_bytes=0,
+               capacity_factor=None, device_budget_bytes=0, evaluate=False)   # train steps only
+# exchange + sync buckets on 2d tables, replica crossing the processes
+FIXED_MESH = "replica=2,fsdp=4"
+FIXED_KW = dict(steps=3, table_replica_axes=["replica"], replicate_below_bytes=0, capacity_factor=None,
+                device_budget_bytes=1 << 40, evaluate=False,
+                overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true")
+
+
+@pytest.fixture(scope="module")
+def two():
+    """Each process's results of the three 2-process jobs: {"toy", "real", "fixed"}: [2 dicts]."""
+    import jax
+    cache = {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"} if jax.config.jax_compilation_cache_dir else {}
+    jobs = [["tests.toy_step:train_toy", dict(mesh_specs=SPECS, **KW)],
+            ["gemjax.train.equivalence:train_steps", dict(mesh_spec=REAL_MESH, **REAL_KW)],
+            ["gemjax.train.equivalence:train_steps", dict(mesh_spec=FIXED_MESH, **FIXED_KW)]]
+    results = launch.launch("tests.job_list:run_jobs", 2, cpu_devices=4, kwargs=dict(jobs=jobs),
+                            timeout_s=900, env=cache)
+    assert len(results) == 2
+    return {name: [res[i] for res in results] for i, name in enumerate(("toy", "real", "fixed"))}
+
+
 def test_single_process_matches_numpy(single):
     ref_losses, ref_params = numpy_reference(**KW)
     assert ref_losses[-1] < ref_losses[0]  # the run learns, so a frozen step would fail
@@ -45,11 +78,8 @@ def test_single_process_matches_numpy(single):
     assert single["replica=2,fsdp=4"]["specs"]["w1"] == "P(None, 'fsdp')"  # FSDP really applied
 
 
-def test_two_processes_match_one(single):
-    results = launch.launch("tests.toy_step:train_toy", 2, cpu_devices=4,
-                            kwargs=dict(mesh_specs=SPECS, **KW), timeout_s=240)
-    assert len(results) == 2
-    for res in results:
+def test_two_processes_match_one(single, two):
+    for res in two["toy"]:
         for spec in SPECS:
             assert res[spec]["processes"] == 2
             np.testing.assert_allclose(res[spec]["losses"], single[spec]["losses"], rtol=1e-5)
@@ -64,25 +94,12 @@ def test_launch_reports_child_failure():
         launch.launch("tests.toy_step:train_toy", 0)
 
 
-# ---------------------------------------------------------------- the real train step
-# replica crosses the 2 processes, fsdp / expert inside; fs2d tables (the same run as
-# test_train_sharded's, so the 1-process compile is shared through the cache)
-REAL_MESH = "replica=2,fsdp=2,expert=2"
-REAL_KW = dict(steps=3, table_replica_axes=["replica", "expert"], replicate_below_bytes=0,
-               capacity_factor=None, device_budget_bytes=0, evaluate=False)   # train steps only
-
-
-def test_real_train_step_two_processes_match_one():
+def test_real_train_step_two_processes_match_one(two):
     from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
     one = train_steps(REAL_MESH, **REAL_KW)
     assert one["processes"] == 1 and one["devices"] == 8 and set(one["plans"].values()) == {"fs2d"}
     assert max_rel_diff(one["init_params"], one["params"]) > 1e-3   # the steps do update
-    import jax
-    cache = {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"} if jax.config.jax_compilation_cache_dir else {}
-    results = launch.launch("gemjax.train.equivalence:train_steps", 2, cpu_devices=4,
-                            kwargs=dict(mesh_spec=REAL_MESH, **REAL_KW), timeout_s=400, env=cache)
-    for res in results:
+    for res in two["real"]:
         assert res["processes"] == 2 and res["devices"] == 8 and res["ids_overflow"] == 0
         np.testing.assert_allclose(res["losses"], one["losses"], rtol=1e-5)
         assert max_rel_diff(res["params"], one["params"], skip=KEY_BIAS) < 1e-5
@@ -91,22 +108,14 @@ def test_real_train_step_two_processes_match_one():
 
 
 @pytest.mark.slow
-def test_fixed_sparse_branches_two_processes_match_one():
+def test_fixed_sparse_branches_two_processes_match_one(two):
     """Exchange + sync buckets on 2d tables (replica crossing the processes): every
     process reads the same replicated branch needs, so both compile the same plan,
     and the run equals one process."""
     from gemjax.train.equivalence import KEY_BIAS, max_rel_diff, train_steps
-    kw = dict(steps=3, table_replica_axes=["replica"], replicate_below_bytes=0, capacity_factor=None,
-              device_budget_bytes=1 << 40, evaluate=False,
-              overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true")
-    one = train_steps("replica=2,fsdp=4", **kw)
+    one = train_steps(FIXED_MESH, **FIXED_KW)
     assert set(one["plans"].values()) == {"2d"} and one["branch_plans"]
-    import jax
-    cache = {"JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"} if jax.config.jax_compilation_cache_dir else {}
-    results = launch.launch("gemjax.train.equivalence:train_steps", 2, cpu_devices=4,
-                            kwargs=dict(mesh_spec="replica=2,fsdp=4", **kw), timeout_s=400, env=cache)
-    for res in results:
+    for res in two["fixed"]:
         assert res["processes"] == 2 and res["ids_overflow"] == 0
         assert res["branch_plans"] == one["branch_plans"]
         np.testing.assert_allclose(res["losses"], one["losses"], rtol=1e-5)

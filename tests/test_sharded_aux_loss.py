@@ -73,17 +73,21 @@ def test_global_router_aux_and_its_gradient_equal_the_whole_batch_formula(spec, 
     smap = lambda f, out: jax.shard_map(f, mesh=mesh, in_specs=P(axes), out_specs=out,  # noqa
                                         check_vma=check_vma)
     x = jax.device_put(logits, NamedSharding(mesh, P(axes)))
-    got = jax.jit(smap(aux_of, P()))(x)
+
+    def figures(x):           # one program: the aux figures, d aux / d logits, the injected grad
+        return (smap(aux_of, P())(x),
+                jax.grad(lambda x: smap(aux_of, P())(x)["load_balance_loss"])(x),
+                jax.grad(smap(injected, P()))(x))
+
+    got, g_out, g_inj = jax.jit(figures)(x)
     for name, v in want.items():
         np.testing.assert_allclose(np.asarray(got[name]), v, rtol=2e-6, atol=1e-7, err_msg=name)
     if cap is not None:
         assert want["dropped_fraction"] > 0        # the capacity really drops here
     assert want["load_balance_loss"] > 1.05        # not the balanced value 1.0
     # d aux / d logits through the shard_map output: psum's transpose routes it per shard
-    g_out = jax.jit(jax.grad(lambda x: smap(aux_of, P())(x)["load_balance_loss"]))(x)
     assert max_rel_diff(g_out, grad_lb) < 1e-5
     # the injected gradient: w + COEF * d lb once (not N times, not a per-shard lb)
-    g_inj = jax.jit(jax.grad(smap(injected, P())))(x)
     w64 = np.asarray(w, np.float64)
     assert max_rel_diff(g_inj, w64 + COEF * grad_lb) < 1e-5
     assert max_rel_diff(w64 + n * COEF * grad_lb, w64 + COEF * grad_lb) > 0.1   # N-fold would fail
