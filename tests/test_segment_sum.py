@@ -39,6 +39,14 @@ def _case(seed, n, d, k, kind, dtype, m=None, integer=True):
     return g, idx, jnp.asarray(_seg(rng, n, kind), jnp.int32)
 
 
+def _kernel_and_reference(g, idx, seg, k, **knobs):
+    """(kernel's, reference's) sums, both in one jitted program (one compile, where eager
+    calls compile each op of the kernel's glue on its own)."""
+    return jax.jit(lambda g, idx, seg: (
+        sorted_segment_sum(g, idx, seg, k, impl="pallas", **knobs),
+        sorted_segment_sum_reference(g, idx, seg, k)))(g, idx, seg)
+
+
 def _float64_sums(g, idx, seg, k):
     out = np.zeros((k, g.shape[1]))
     x = np.asarray(g.astype(jnp.float32), np.float64)[np.asarray(idx)]
@@ -58,8 +66,7 @@ def _float64_sums(g, idx, seg, k):
 def test_integer_sums_equal_reference(kind, n, d, k, dtype, knobs):
     # integer values: every summation order gives the same float32 bits
     g, idx, seg = _case(0, n, d, k, kind, dtype)
-    out = sorted_segment_sum(g, idx, seg, k, impl="pallas", **knobs)
-    ref = sorted_segment_sum_reference(g, idx, seg, k)
+    out, ref = _kernel_and_reference(g, idx, seg, k, **knobs)
     assert out.shape == (k, d) and out.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(out), _float64_sums(g, idx, seg, k))
@@ -68,7 +75,8 @@ def test_integer_sums_equal_reference(kind, n, d, k, dtype, knobs):
 def test_float32_sums_are_close_to_float64():
     # values over 40 binades: the three bf16 parts must carry every float32 bit
     g, idx, seg = _case(1, 400, 16, 420, "spanning", jnp.float32, integer=False)
-    out = np.asarray(sorted_segment_sum(g, idx, seg, 420, impl="pallas", **SMALL), np.float64)
+    out = np.asarray(jax.jit(lambda g, idx, seg: sorted_segment_sum(
+        g, idx, seg, 420, impl="pallas", **SMALL))(g, idx, seg), np.float64)
     exact = _float64_sums(g, idx, seg, 420)
     scale = _float64_sums(jnp.abs(g), idx, seg, 420)
     assert np.all(np.abs(out - exact) <= 4e-7 * scale)
@@ -79,8 +87,7 @@ def test_non_finite_stays_in_its_segment():
     idx = jnp.arange(64, dtype=jnp.int32)
     g = g.at[3, 0].set(jnp.nan).at[20, 1].set(jnp.inf).at[40, 2].set(jnp.inf)
     g = g.at[41, 2].set(-jnp.inf).at[50, 3].set(-jnp.inf)
-    out = sorted_segment_sum(g, idx, seg, 70, impl="pallas", **SMALL)
-    ref = sorted_segment_sum_reference(g, idx, seg, 70)
+    out, ref = _kernel_and_reference(g, idx, seg, 70, **SMALL)
     assert int(np.sum(~np.isfinite(np.asarray(ref)))) >= 3
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))   # NaN where ref has NaN
 
@@ -121,12 +128,13 @@ def test_sources_sum_as_their_concatenation(dtype):
     gs = _split(g, [37, 150, 150, 301])
     assert [x.shape[0] for x in gs] == [37, 113, 0, 151, 1]
     knobs = {**SMALL, "direct_partials": 4}
-    out = sorted_segment_sum(gs, idx, seg, 320, impl="pallas", **knobs)
-    one = sorted_segment_sum(g, idx, seg, 320, impl="pallas", **knobs)
+    out, one, ref, ref_one = jax.jit(lambda gs, g, idx, seg: (
+        sorted_segment_sum(gs, idx, seg, 320, impl="pallas", **knobs),
+        sorted_segment_sum(g, idx, seg, 320, impl="pallas", **knobs),
+        sorted_segment_sum_reference(gs, idx, seg, 320),
+        sorted_segment_sum_reference(g, idx, seg, 320)))(gs, g, idx, seg)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(one))
-    ref = sorted_segment_sum_reference(gs, idx, seg, 320)
-    np.testing.assert_array_equal(np.asarray(ref), np.asarray(
-        sorted_segment_sum_reference(g, idx, seg, 320)))
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(ref_one))
     if dtype == jnp.bfloat16:   # integer values: every order gives the reference's bits
         np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
@@ -229,8 +237,9 @@ def test_sum_duplicates_pallas_equals_xla():
     uniq, res = routing.dedup_ids(ids, "sort")
     src = jnp.asarray(rng.integers(-4, 5, size=(31, 24)), jnp.bfloat16)
     src_index = jnp.asarray(rng.integers(0, 31, size=150), jnp.int32)
-    xla = routing.sum_duplicates(src, res, 150, src_index, segment_sum="xla")
-    out = routing.sum_duplicates(src, res, 150, src_index, segment_sum="pallas")
+    xla, out = jax.jit(lambda src: tuple(routing.sum_duplicates(src, res, 150, src_index,
+                                                                segment_sum=impl)
+                                         for impl in ("xla", "pallas")))(src)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(xla))
     auto = jax.make_jaxpr(lambda s: routing.sum_duplicates(s, res, 150, src_index))(src)
     assert "pallas_call" not in str(auto)

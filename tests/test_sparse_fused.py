@@ -176,8 +176,9 @@ def test_row_wise_adagrad_picks_the_impl():
     c = _case(6, vocab=200, dim=16, n=300, n_src=40, invalid=3)
     u = int(np.sum(c["uniq"] != routing.INVALID))
     args = [jnp.asarray(x) for x in (c["w"], c["a"], *_fused_args(c, u + 4), c["g"])]
-    for impl in (None, "reference", "pallas"):
-        _assert_matches(c, *row_wise_adagrad(*args, lr=LR, eps=EPS, impl=impl))
+    for impl in (None, "reference", "pallas"):   # one compiled program each, not op by op
+        _assert_matches(c, *jax.jit(lambda *a: row_wise_adagrad(*a, lr=LR, eps=EPS,
+                                                                impl=impl))(*args))
     with pytest.raises(ValueError, match="impl"):
         row_wise_adagrad(*args, lr=LR, eps=EPS, impl="mosaic")
     with pytest.raises(ValueError, match="split"):
