@@ -21,15 +21,26 @@ def _run(args, tmp_path):
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
-def test_distill_experiment_table(tmp_path):
+DATA = "--data_overrides=data.eval_batches=1,data.batch_size=32"
+
+
+@pytest.fixture(scope="module")
+def table_run(tmp_path_factory):
+    """The table command (every row, the hierarchical one too): (its --out, the process)."""
+    tmp_path = tmp_path_factory.mktemp("table")
     p = _run([f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
               "--share=frozen",
               "--rows=none,kd,kd+adapter,+repr,+share,all", "--adapter_refresh=1",
-              "--latency_batch=16", "--data_overrides=data.eval_batches=1,data.batch_size=32"],
+              "--latency_batch=16", DATA],
              tmp_path)
+    return tmp_path, p
+
+
+@pytest.mark.slow
+def test_distill_experiment_table(table_run, tmp_path):
+    root, p = table_run
     assert p.returncode == 0, p.stderr[-3000:]
-    out = os.path.join(tmp_path, "synthetic")
+    out = os.path.join(root, "synthetic")
     res = json.load(open(os.path.join(out, "results.json")))
     rows = ["none", "kd", "kd+adapter", "+repr", "+share", "all", "hier"]
     assert sorted({r["row"] for r in res["runs"]}) == sorted(rows)
@@ -144,14 +155,17 @@ def test_distill_cotrain_students_are_runs(tmp_path):
     assert res["summary"]["teacher_ne"] == [ne]
 
 
-def test_distill_stop_is_one_line_and_exit_143(tmp_path):
+def test_distill_stop_is_one_line_and_exit_143(table_run, tmp_path):
     """SIGTERM once a student's run has started: the command ends with one line and exit
-    143, no traceback (the exact resume: tests/test_distill_runs.py)."""
+    143, no traceback (the exact resume: tests/test_distill_runs.py). The teacher is the
+    table command's finished run (the same teacher flags: reused, not retrained)."""
+    import shutil
     import signal
     import time
-    args = [f"--out={tmp_path}", "--seeds=0", "--teacher_steps=2", "--student_steps=400",
-            "--rows=kd", "--nohierarchical", "--latency_batch=0",
-            "--data_overrides=data.eval_batches=1,data.batch_size=32"]
+    shutil.copytree(os.path.join(table_run[0], "synthetic", "teacher_s0"),
+                    os.path.join(tmp_path, "synthetic", "teacher_s0"))
+    args = [f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=400",
+            "--rows=kd", "--nohierarchical", "--latency_batch=0", DATA]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     p = subprocess.Popen([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

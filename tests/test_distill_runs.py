@@ -57,12 +57,13 @@ def _eval_rows(wd):
         return [r for r in map(json.loads, f) if r["kind"] == "eval"]
 
 
-def test_stopped_and_resumed_student_equals_uninterrupted(teacher_dir, tmp_path):
-    teacher, scfg = _teacher(teacher_dir), _cfg(distill_exp.STUDENT, 6)
-    whole = train_student(scfg, str(tmp_path / "whole"), teacher, REPR, log=lambda s: None)
+def test_stopped_and_resumed_student_equals_uninterrupted(teacher_dir, repr_student, tmp_path):
+    # the uninterrupted run: the module's repr student (REPR, 4 steps)
+    teacher, scfg = _teacher(teacher_dir), _cfg(distill_exp.STUDENT, 4)
+    whole = repr_student[1]
     part = str(tmp_path / "part")
-    got = train_student(scfg, part, teacher, REPR, log=lambda s: None, stop_after=3)
-    assert got == {"steps": 3, "stopped_early": True}
+    got = train_student(scfg, part, teacher, REPR, log=lambda s: None, stop_after=2)
+    assert got == {"steps": 2, "stopped_early": True}
     lost = str(tmp_path / "lost")
     shutil.copytree(part, lost)
     resumed = train_student(scfg, part, _teacher(teacher_dir), REPR, log=lambda s: None)
