@@ -5,9 +5,10 @@ is stopped by a real SIGTERM in the student's training (exit 143, one line, no
 traceback), then, on the drift stream, by SIGINT in the resumed training (exit 130),
 then rerun to the end: the student's checkpointed params and its eval rows equal those
 of an uninterrupted command's. The finished student is exported and reloaded in a fresh
-process (load_exported), whose predictions on the eval rows, built there without the
-run's source (drift: DriftingStream steps T + S on), equal load_student's to 1e-6 and
-give the run's eval NE to 1e-6. make_source's drifting stream is checked step by step
+process (load_exported, before that process runs the uninterrupted command), whose
+predictions on the eval rows, built there without the run's source (drift:
+DriftingStream steps T + S on), equal load_student's to 1e-6 and give the run's eval NE
+to 1e-6. make_source's drifting stream is checked step by step
 against DriftingStream."""
 
 import json
@@ -110,7 +111,11 @@ for b in eval_batches(cfg):
     preds.append(p)
     acc.add(p, b.labels, b.label_mask, b.surface, b.weights)
 np.save(sys.argv[2], np.concatenate(preds))
-print("NE", repr(acc.result()["ne"]))
+print("export NE", repr(acc.result()["ne"]), flush=True)
+# then, in this process, the command of argv[4:] (experiments/distill.py)
+import runpy
+sys.argv = ["experiments/distill.py", *sys.argv[4:]]
+runpy.run_module("experiments.distill", run_name="__main__", alter_sys=True)
 """
 
 
@@ -138,12 +143,22 @@ def _check(args, out, student, tmp_path, signals):
         name = signal.Signals(sig).name
         assert stdout.strip().splitlines()[-1].startswith(f"[distill] stopped by {name}"), stdout
         assert not os.path.exists(os.path.join(wd, "summary.json"))     # stopped mid-run
-    # the uninterrupted command from the same finished teacher run (copied: not retrained)
+    p = subprocess.run(_cmd([*args, f"--out={part}"]), cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=600)                         # the stopped one to the end
+    assert p.returncode == 0, p.stderr[-3000:]
+    from gemjax.distill.runs import export_student, load_student
+    exported = export_student(wd, str(tmp_path / "export"), log=lambda s: None)
+    # one fresh process reloads the export (its predictions and NE: checked below), nothing
+    # else built there yet; then it runs the uninterrupted command from the same finished
+    # teacher run (copied: not retrained)
     shutil.copytree(os.path.join(part, out, "teacher_s0"), os.path.join(whole, out, "teacher_s0"))
-    for o in (part, whole):
-        p = subprocess.run(_cmd([*args, f"--out={o}"]), cwd=ROOT, env=_env(), capture_output=True,
-                           text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
+    saved = str(tmp_path / "preds.npy")
+    p = subprocess.run([sys.executable, "-c", _FRESH, exported, saved, ROOT, *args,
+                        f"--out={whole}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    export_ne = float(next(line for line in p.stdout.splitlines()
+                           if line.startswith("export NE ")).split()[-1])
     ref = os.path.join(whole, out, "students", student)
     (step, got), (ref_step, want) = _params(wd), _params(ref)
     assert step == ref_step and len(got) == len(want)
@@ -153,15 +168,9 @@ def _check(args, out, student, tmp_path, signals):
     res = [json.load(open(os.path.join(o, out, "results.json")))["runs"] for o in (part, whole)]
     assert [r["ne"] for r in res[0]] == [r["ne"] for r in res[1]]
 
-    # export, reload in a fresh process: its predictions and NE are the run's
-    from gemjax.distill.runs import export_student, load_student
-    exported = export_student(wd, str(tmp_path / "export"), log=lambda s: None)
-    saved = str(tmp_path / "preds.npy")
-    p = subprocess.run([sys.executable, "-c", _FRESH, exported, saved, ROOT], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    # the export reloaded in the fresh process: its predictions and NE are the run's
     summary = json.load(open(os.path.join(wd, "summary.json")))
-    assert abs(float(p.stdout.split()[-1]) - summary["eval_ne"]) <= 1e-6
+    assert abs(export_ne - summary["eval_ne"]) <= 1e-6
     pred = load_student(wd)
     mine = np.concatenate([np.asarray(pred(b)) for b in eval_batches(pred.cfg)])
     np.testing.assert_allclose(np.load(saved), mine, atol=1e-6, rtol=0)
@@ -170,7 +179,7 @@ def _check(args, out, student, tmp_path, signals):
 
 @pytest.mark.slow
 def test_drift_student_resumes_after_signals_and_exports(tmp_path):
-    args = ["--dataset=drift", "--seeds=0", "--teacher_steps=4", "--student_steps=40",
+    args = ["--dataset=drift", "--seeds=0", "--teacher_steps=4", "--student_steps=12",
             "--rows=+repr", "--nohierarchical", "--latency_batch=0", "--adapter_refresh=5",
             "--repr_norm=standardize", f"--data_overrides={DRIFT}"]
     wd = _check(args, "drift", "repr_s0", tmp_path,
@@ -192,6 +201,6 @@ def test_frappe_style_student_resumes_after_sigterm_and_exports(tmp_path):
     write_frappe(raw, n_valid=300, n_test=120)
     convert_frappe.convert(str(raw), conv)
     args = ["--dataset=frappe", f"--frappe_dir={conv}", "--seeds=0", "--teacher_steps=4",
-            "--student_steps=40", "--rows=kd+adapter", "--nohierarchical", "--latency_batch=0",
+            "--student_steps=12", "--rows=kd+adapter", "--nohierarchical", "--latency_batch=0",
             "--data_overrides=data.batch_size=16"]
     _check(args, "frappe", "kd_adapter_s0", tmp_path, [(signal.SIGTERM, 143)])

@@ -7,6 +7,7 @@ The references are independent: the files of the earlier export byte for byte, a
 the arrays of checkpoint 3 read straight from a Checkpointer of the intact copy.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -51,8 +52,10 @@ def _files(d):
     return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
 
 
+@functools.cache
 def _params_of(workdir, step):
-    """The dense params of checkpoint `step`, read without the serve code."""
+    """The dense params of checkpoint `step`, read without the serve code (once per step of
+    the intact run: the tests read them, never write)."""
     from gemjax.train.step import Trainer
     trainer = Trainer.create(CFG, Mesh(np.array(jax.devices()[:1]), ("batch",)))
     with Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:

@@ -30,6 +30,7 @@ from gemjax.train.checkpoint import CheckpointDamaged, CheckpointMismatch, Check
 from gemjax.train.guards import ResumeMismatch, WorkdirBusy, check_resume
 from gemjax.train.loop import _resume, restore_train_state, train
 from gemjax.train.step import Trainer
+from suite_cache import with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = "train.log_every=2,train.eval_every=4,train.checkpoint_every=3,data.eval_batches=1"
@@ -39,12 +40,11 @@ CFG = apply_overrides(get_config("tiny"), OVERRIDES + ",train.steps=8")
 
 class Run:
     """`python -m module` (experiments/train.py by default) on `workdir` in a subprocess;
-    its output collected by a thread."""
+    its output collected by a thread. It shares the suite's compilation cache, every program
+    stored: the later runs of a test (resumes, references) read back the first one's."""
 
     def __init__(self, workdir, pause=None, args=ARGS, module="experiments.train"):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-                   JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+        env = with_suite_cache(dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"))
         env.pop("GEMJAX_TEST_PAUSE", None)
         if pause:
             env["GEMJAX_TEST_PAUSE"] = pause
@@ -212,7 +212,8 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
     trained by experiments/train.py: kill -9 after checkpoint 4 is on disk and step 5
     ran, resume, SIGTERM after step 7 (not a save point), resume to the end. The eval
     rows, the train rows up to the kill and the final checkpoint equal an uninterrupted
-    run's (train() in this process on one device, as the subprocesses run)."""
+    run's (the same command, run first: the others read its programs from the compilation
+    cache)."""
     from test_own_data import SCHEMA, _write_log
     data = tmp_path / "data"
     data.mkdir()
@@ -228,6 +229,8 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
                           over + ",train.steps=8")
     reference, workdir = str(tmp_path / "whole"), str(tmp_path / "cut")
     checkpoints = os.path.join(workdir, "checkpoints")
+    run = Run(reference, args=args)
+    assert run.finish() == 0, run.out[-3000:]
 
     run = Run(workdir, pause="step:5", args=args)
     run.wait_for("test pause at step 5")
@@ -235,7 +238,6 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
     assert steps_in(checkpoints) == [2, 4]
 
     run = Run(workdir, pause="step:7", args=args)
-    train(cfg, reference, log=lambda s: None, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
     sigterm_at_pause(run, 7, 4)
 
     run = Run(workdir, args=args)

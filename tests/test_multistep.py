@@ -62,14 +62,20 @@ def test_k_steps_per_call_train_what_one_step_per_call_trains(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def feed_trainer():
+    """The K=3 config and its Trainer on 8 devices (built once for both feeds)."""
+    cfg = tiny(3, steps=12, extra="data.batch_size=32,train.log_every=3,train.eval_every=12,"
+                                  "train.checkpoint_every=12")
+    return cfg, Trainer.create(cfg)
+
+
 @pytest.mark.parametrize("pack", [True, False])
-def test_stacked_feed_is_the_per_step_feed(pack):
+def test_stacked_feed_is_the_per_step_feed(pack, feed_trainer):
     """StackedFeeder items on 8 devices: [K, B, ...] arrays, sharded over the batch axis on
     their second dim, holding steps first .. first + K - 1 of the plain Feeder; the infos
     and tokens of those steps, step by step."""
-    cfg = tiny(3, steps=12, extra="data.batch_size=32,train.log_every=3,train.eval_every=12,"
-                                  "train.checkpoint_every=12")
-    trainer = Trainer.create(cfg)
+    cfg, trainer = feed_trainer
     source = make_source(cfg, "train")
     kw = dict(check_ids=trainer.coll.check_ids, id_fields=trainer.id_fields, pack=pack)
     plain = Feeder(source.shard_batch, trainer.mesh, **kw)
@@ -97,11 +103,14 @@ def test_stacked_feed_is_the_per_step_feed(pack):
 def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
     """experiments/train.py at K=4 (one CPU device): kill -9 after checkpoint 4 is on disk
     and step 8 ran, resume, SIGTERM after step 12, resume to 16. The eval rows, the train
-    rows and the final checkpoint equal an uninterrupted K=4 run's, bit for bit."""
+    rows and the final checkpoint equal an uninterrupted K=4 run's (the same command, run
+    first: the interrupted runs read its programs from the compilation cache), bit for bit."""
     args = ["--config=tiny", "--steps=16",
             f"--override={OVERRIDES},train.steps_per_call=4"]
     reference, workdir = str(tmp_path / "whole"), str(tmp_path / "cut")
     checkpoints = os.path.join(workdir, "checkpoints")
+    run = Run(reference, args=args)
+    assert run.finish() == 0, run.out[-3000:]
 
     run = Run(workdir, pause="step:8", args=args)
     run.wait_for("test pause at step 8")
@@ -109,7 +118,6 @@ def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
     assert steps_in(checkpoints) == [4]
 
     run = Run(workdir, pause="step:12", args=args)
-    train(tiny(4), reference, log=lambda s: None, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
     sigterm_at_pause(run, 12, 4)
 
     run = Run(workdir, args=args)

@@ -1,8 +1,8 @@
 """Online training (gemjax.train.online): a run stopped by SIGTERM, resumed, killed with
 kill -9, and resumed again ends with the metrics rows and member states of an
-uninterrupted run. The interrupted runs are `experiments/online.py` subprocesses on one
-CPU device; the reference runs in this process on a one-device mesh with the same
-config."""
+uninterrupted run. The runs are `experiments/online.py` subprocesses on one CPU device,
+the uninterrupted one first (the others read its programs from the compilation cache);
+runs in this process use a one-device mesh and the same config."""
 
 import json
 import os
@@ -39,7 +39,10 @@ def _rows(workdir):
 def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     ref_dir, dir_ = str(tmp_path / "reference"), str(tmp_path / "interrupted")
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    ref = run_online(_cfg(), ref_dir, SPEC, mesh=mesh, log=lambda s: None)
+    run = Run(ref_dir, args=ARGS, module="experiments.online")                   # uninterrupted, first:
+    assert run.finish() == 0, run.out[-3000:]                                   # its programs cached
+    with open(os.path.join(ref_dir, "summary.json")) as f:
+        ref = json.load(f)
 
     run = Run(dir_, args=ARGS, module="experiments.online")                      # SIGTERM during window 1: stops after its checkpoint
     run.wait_for("[online] window 0:")
@@ -87,7 +90,7 @@ def test_students_and_snapshot_resume_exactly(tmp_path):
     from gemjax.distill.transfer import DistillConfig
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    cfg = apply_overrides(get_config("tiny"), STREAM + ",data.drift_every=2,data.batch_size=32")
+    cfg = _cfg()          # the teachers' programs are those of the test above
 
     def spec(windows):
         return OnlineSpec(windows=windows, min_count=2, buckets=16, table_rows=(("item", 1024),),
@@ -108,10 +111,9 @@ def test_students_and_snapshot_resume_exactly(tmp_path):
     # id map it reads: the snapshot's for student_fresh
     from gemjax.serve.restore import restore
     from gemjax.train.online import member_dir, state_digest
+    got = {n: restore(member_dir(str(tmp_path / "whole"), n), log=lambda s: None)
+           for n in whole["digests"]}
     for n in whole["digests"]:
-        got = restore(member_dir(str(tmp_path / "whole"), n), log=lambda s: None)
-        assert state_digest(got.state, got.trainer) == whole["digests"][n], n
-        if n == "student_fresh":
-            assert got.cfg.model.kind == "student"
-            assert got.meta["admission"] == restore(member_dir(str(tmp_path / "whole"), "snapshot"),
-                                                    log=lambda s: None).meta["admission"]
+        assert state_digest(got[n].state, got[n].trainer) == whole["digests"][n], n
+    assert got["student_fresh"].cfg.model.kind == "student"
+    assert got["student_fresh"].meta["admission"] == got["snapshot"].meta["admission"]
