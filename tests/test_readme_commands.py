@@ -70,7 +70,7 @@ SKIP = {
     "python -m benchmarks.bench_fp8 --config=gem1b --override= --limit --gemm_share=0.41 --iters=10 "
     "--compile_cache=/tmp/gemjax_cc --out=fp8_limit.json":
         "gem1b on a GPU; tests/test_fp8_bench.py runs the same flags at smoke size",
-    "python -m experiments.ranking --models=teacher --seeds=0 --positives=512 --max_epochs=50 "
+    "python -m experiments.ranking --models=teacher --seeds=0 --positives=512 --patience=2 "
     "--override=train.dense_lr=3e-3,model.pyramid_levels=32:none:1 --workdir=runs/tdiag/nopool_lr3":
         "ML-1M (not in CI), GPU minutes; tests/test_ranking.py runs the script on a fake MovieLens",
     "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0 --positives=512 "
