@@ -15,6 +15,8 @@ import subprocess
 import time
 from typing import Sequence
 
+# the repository root: the drivers' children run there, with it first on PYTHONPATH
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a run that saved and stopped on a signal (128 + signum), or died of one before its handler
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
 
@@ -29,7 +31,7 @@ def pdeathsig() -> None:      # in the child before exec: SIGTERM when the drive
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
-def wait_unlocked(workdir: str, timeout: float = 600.0, who: str = "run") -> None:
+def wait_unlocked(workdir: str, timeout: float = 600.0) -> None:
     """Wait until no process holds WORKDIR's training lock (a run of an earlier driver
     process still saving after a stop); RuntimeError after `timeout` seconds."""
     from gemjax.train.guards import LOCK_FILE      # no jax import
@@ -47,7 +49,7 @@ def wait_unlocked(workdir: str, timeout: float = 600.0, who: str = "run") -> Non
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{workdir} is still held by another run after {timeout:.0f} s")
                 if not said:
-                    print(f"[{who}] waiting for the run still holding {path}", flush=True)
+                    print(f"[gemjax] waiting for the run still holding {path}", flush=True)
                     said = True
                 time.sleep(1.0)
 
@@ -79,6 +81,12 @@ def run_process(argv: Sequence[str], workdir: str, log_path: str, *, cwd: str | 
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+
+
+def repo_env() -> dict:
+    """This process's environment with REPO first on PYTHONPATH (a child's env)."""
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO] + rest)}
 
 
 def log_tail(log_path: str, chars: int = 3000) -> str:

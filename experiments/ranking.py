@@ -53,7 +53,8 @@ import time
 
 from absl import app, flags, logging
 
-from experiments.child import STOP_CODES, Stopped, log_tail, run_process, train_here
+from experiments.child import (REPO, STOP_CODES, Stopped, log_tail, repo_env, run_process,
+                               train_here)
 
 # model -> overrides on the movielens_rank preset (before --hparams and --override)
 MODELS = {
@@ -266,12 +267,9 @@ def train_one(cfg, workdir: str, log=print) -> dict:
         os.replace(tmp, path)
     done = os.path.join(workdir, "summary.json")
     if not os.path.exists(done):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
         t0, train_log = time.time(), os.path.join(workdir, "train.log")
         code = run_process([sys.executable, "-m", "experiments.ranking", f"--run_one={workdir}"],
-                           workdir, train_log, cwd=root, env=env)
+                           workdir, train_log, cwd=REPO, env=repo_env())
         if code in STOP_CODES:
             raise Stopped(f"{workdir}: stopped by signal {abs(code) % 128} after saving")
         if code != 0:

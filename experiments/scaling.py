@@ -61,11 +61,11 @@ from typing import Callable
 
 import numpy as np
 
-from experiments.child import STOP_CODES, Stopped, log_tail, run_process, train_here
+from experiments.child import (REPO, STOP_CODES, Stopped, log_tail, repo_env, run_process,
+                               train_here)
 
 MIN_SPAN = 16.0          # the teacher rungs' dense FLOPs per sample: largest / smallest
 MATCH_TOL = 0.10         # a comparison rung's dense FLOPs within 10% of its teacher rung's
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,11 +380,9 @@ def run_rung(cfg, workdir: str, log=print) -> dict:
         log(f"[scaling] {workdir}: finished, reusing its summary.json")
         return summary
     log(f"[scaling] {workdir}: training {cfg.train.steps} steps")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     train_log = os.path.join(workdir, "train.log")
     rc = run_process([sys.executable, "-m", "experiments.scaling", f"--run_rung={workdir}"],
-                     workdir, train_log, cwd=REPO, env=env)
+                     workdir, train_log, cwd=REPO, env=repo_env())
     if rc in STOP_CODES:
         raise Stopped(f"{workdir}: stopped by signal {abs(rc) % 128} after saving")
     summary = _read_summary(workdir)

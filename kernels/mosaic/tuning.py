@@ -143,8 +143,8 @@ def check_config(cfg, d, dtype, forward=True):
             NUM_CONSUMERS * regs[0] + regs[1]) * 128 > 65536:
         raise NotImplementedError(f"gdpa_mosaic: registers {regs} must be multiples of 8 in "
                                   "[24, 256] and fit 64K per SM")
-    smem = forward_smem_bytes(cfg, d, jnp.dtype(dtype).itemsize)
-    if forward and smem > SMEM_BYTES:
+    smem = forward_smem_bytes(cfg, d, jnp.dtype(dtype).itemsize) if forward else 0
+    if smem > SMEM_BYTES:
         raise NotImplementedError(
             f"gdpa_mosaic: mode={cfg.mode} D={d} block_kv={cfg.block_kv} num_stages="
             f"{cfg.num_stages} needs {smem} bytes of shared memory, more than the "
