@@ -1,5 +1,6 @@
 """Checkpointer: round trips (1 and 8 devices, resharded onto 4), keep-N, crash safety, errors."""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -106,6 +107,23 @@ def test_sharded_8_devices_restore_onto_4_devices_other_layout(tmp_path):
     assert got["tables"]["t"]["weights"].sharding == NamedSharding(mesh4, P(None, "x"))
     assert got["rng"].sharding.mesh == mesh4
     assert {d.id for d in got["params"]["w"].sharding.device_set} == {4, 5, 6, 7}
+
+
+def test_steps_listed_include_a_save_still_in_flight(tmp_path, monkeypatch):
+    """all_steps / latest_step wait for an async save whose commit is slow (a NaN error
+    names the checkpoints kept: the one being written is among them)."""
+    from orbax.checkpoint._src.path import atomicity
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def slow(self, *a, **k):
+        await asyncio.sleep(0.5)
+        return await finalize(self, *a, **k)
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", slow)
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(3)})
+        assert ckpt.all_steps() == [1]
+        ckpt.save(2, {"w": jnp.ones(3)})
+        assert ckpt.latest_step() == 2
 
 
 def test_keep_n_deletes_old_steps_and_skips_old_saves(tmp_path):

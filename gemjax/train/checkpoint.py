@@ -385,10 +385,15 @@ class Checkpointer:
 
     # -- restoring ------------------------------------------------------------
     def latest_step(self) -> int | None:
+        """The newest step on disk, after the saves in flight finish."""
+        self._finish()
         self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """Every step on disk, saves still in flight included (it waits for them first;
+        CheckpointWriteFailed if one was refused)."""
+        self._finish()
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
