@@ -255,4 +255,7 @@ def run_parquet(a, p) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from gemjax.train.checkpoint import join_background_threads
+    join_background_threads()      # Orbax writes still in flight end before the exit
+    sys.exit(code)
