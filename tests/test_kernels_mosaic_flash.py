@@ -20,7 +20,8 @@ CPU (default suite):
 GPU (`-m gpu`, one H200): the same cases compiled, plus realistic lengths and the
 knob variants the benchmark sweeps, and a W1 comparison with the Triton forward.
 
-The interpreter runs a covering subset of each case list (its `CPU_*` indices): every
+The interpreter runs the self cases on SELF_CPU (the same length classes in fewer CTAs)
+and a covering subset of each case list (its `CPU_*` indices): every
 activation, mode, head dim (64, 128), head count (1, 2), self / cross layout, knob
 (interior, heavy_first, num_stages, block_kv, schedule_barrier, fused_dq) and length
 class runs at least once on CPU; every case runs compiled in its GPU twin. The cases
@@ -64,6 +65,10 @@ from kernels.mosaic.tuning import BIG
 # empty, 1, tile - 1 / tile / tile + 1; 580 tokens in capacity 768: a 188-row
 # all-padding tail, the last 128-row CTA entirely padding.
 SELF = [0, 1, 63, 64, 65, 127, 128, 129, 3]
+# The interpreter's self lengths (its time grows with the CTAs and tiles): the same classes
+# in 325 tokens of capacity 512 (64 / 128-key tiles: 63, 64, 65 and 129 = one full tile +
+# 1; a sample across a CTA edge; the last CTA entirely padding). The compiled runs keep SELF.
+SELF_CPU = [0, 1, 63, 64, 65, 129, 3]
 # Cross: q and kv lengths differ, samples without keys (1, 3, 6) and without queries (1).
 CROSS_Q = [5, 0, 300, 2, 64, 1, 40]
 CROSS_KV = [1, 7, 64, 0, 200, 129, 0]
@@ -72,6 +77,14 @@ TOL = 2e-2  # bf16
 
 def offsets_of(lengths):
     return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def interpreted(q_lens, kv_lens, tq, tk):
+    """A case's lengths and capacities in the interpreter: SELF in 768 runs as SELF_CPU
+    in 512."""
+    if q_lens is SELF:
+        return SELF_CPU, SELF_CPU, 512, 512
+    return q_lens, kv_lens, tq, tk
 
 
 def make_case(q_lens, kv_lens, tq, tk, h, d, seed=0, dtype=jnp.bfloat16):
@@ -83,6 +96,8 @@ def make_case(q_lens, kv_lens, tq, tk, h, d, seed=0, dtype=jnp.bfloat16):
 
 
 def check(q_lens, kv_lens, tq, tk, *, h, d, activation, scale, interpret, seed=0, **tuning):
+    if interpret:
+        q_lens, kv_lens, tq, tk = interpreted(q_lens, kv_lens, tq, tk)
     q, k, v, qo, ko = make_case(q_lens, kv_lens, tq, tk, h, d, seed)
     got = jax.jit(lambda q, k, v, qo, ko: gdpa_mosaic_forward(
         q, k, v, qo, ko, activation=activation, scale=scale, interpret=interpret,
@@ -318,7 +333,7 @@ def test_interpreter_finds_no_races(tuning, interpreter_guard):
 
 
 def test_interpreter_float16(interpreter_guard):
-    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=4, dtype=jnp.float16)
+    q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=4, dtype=jnp.float16)
     got = gdpa_mosaic_forward(q, k, v, qo, ko, activation="gelu_tanh", interpret=True)
     want = gdpa_reference(q, k, v, qo, ko, activation="gelu_tanh")
     assert got.dtype == jnp.float16
@@ -328,10 +343,10 @@ def test_interpreter_float16(interpreter_guard):
 
 def test_interpreter_isolates_samples(interpreter_guard):
     """Changing one sample's q, k, v changes only that sample's rows."""
-    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=3)
+    q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=3)
     f = jax.jit(lambda q, k, v: gdpa_mosaic_forward(q, k, v, qo, ko, interpret=True))
     a = np.asarray(f(q, k, v), np.float32)
-    lo, hi = int(qo[6]), int(qo[7])           # the 128-token sample
+    lo, hi = int(qo[5]), int(qo[6])           # the 129-token sample, across a CTA edge
     bump = lambda x: x.at[lo:hi].set(x[lo:hi] * -1.5)
     b = np.asarray(f(bump(q), bump(k), bump(v)), np.float32)
     changed = np.any(a != b, axis=(1, 2))
@@ -524,7 +539,7 @@ def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkey
     three gradients of gdpa(impl="mosaic") (the interpreter's forward and backward)
     against the jnp reference; the Mosaic forward and backward really ran."""
     calls = _count_mosaic_calls(monkeypatch)
-    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=3)
+    q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=3)
     w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=0.3)
     want = _loss_and_grads("reference", q, k, v, qo, ko, w, scale=0.3)
@@ -600,6 +615,8 @@ def lse_reference(q, k, qo, ko, sm_scale):
 
 
 def check_softmax(q_lens, kv_lens, tq, tk, *, h, d, interpret, seed=0, sm_scale=None, **tuning):
+    if interpret:
+        q_lens, kv_lens, tq, tk = interpreted(q_lens, kv_lens, tq, tk)
     q, k, v, qo, ko = make_case(q_lens, kv_lens, tq, tk, h, d, seed)
     out, lse = jax.jit(lambda *a: softmax_mosaic_forward(*a, sm_scale=sm_scale,
                                                           interpret=interpret, **tuning))(
@@ -655,7 +672,7 @@ def test_softmax_impl_mosaic_forward_and_grads_match_reference(interpreter_guard
     backward (interpreter); value and dQ, dK, dV against the jnp reference."""
     from kernels.jagged_attention import jagged_attention
     calls = _count_mosaic_calls(monkeypatch)
-    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, 64, seed=6)
+    q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=6)
     w = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
     got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
     want = _loss_and_grads("reference", q, k, v, qo, ko, w, op=jagged_attention)
@@ -839,6 +856,8 @@ def _backward_inputs(i):
     knob variants share it)."""
     if i not in _REFERENCE:
         mode, kw, ql, kl, tq, tk, h, d = BACKWARD_CASES[i]
+        if jax.default_backend() != "gpu":
+            ql, kl, tq, tk = interpreted(ql, kl, tq, tk)
         q, k, v, qo, ko = make_case(ql, kl, tq, tk, h, d, seed=8)
         w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
         _REFERENCE[i] = (q, k, v, qo, ko, w), _engines_grads(mode, q, k, v, qo, ko, w, None, **kw)
@@ -956,12 +975,12 @@ def test_backward_fused_dq_finds_no_races(d, interpreter_guard, interpreter_redu
     from kernels.gdpa import gdpa_reference
     from kernels.triton import FlashConfig, build_layout
     from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
-    q, k, v, qo, ko = make_case(SELF, SELF, 768, 768, 1, d, seed=5)
+    q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, d, seed=5)
     do = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), q.dtype)
     cfg = mosaic_config(d, q.dtype, mode="gdpa", activation="silu", scale=0.3,
                         **{**BACKWARD_TUNING, "fused_dq": True})
-    lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 768, 768, d)
-    zeros = jnp.zeros((1, 768), jnp.float32)
+    lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 512, 512, d)
+    zeros = jnp.zeros((1, 512), jnp.float32)
     got = run_backward(cfg, lay, q, k, v, do, zeros, zeros,
                        interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not interpreter_guard.get_races().races_found
