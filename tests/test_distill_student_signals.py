@@ -1,19 +1,21 @@
 """Students of experiments/distill.py as runs, end to end through the command: on the
 drifting stream (a +repr student, its teacher folded into the export) and on Frappe-
-style converted files (a tiny stand-in written here; a kd+adapter student). The command
+style converted files (a tiny stand-in written here; a kd+adapter student). An
+uninterrupted command runs first; its finished student is exported and reloaded in a
+fresh process (load_exported, before that process builds anything else), whose
+predictions on the eval rows, built there without the run's source (drift:
+DriftingStream steps T + S on), equal load_student's to 1e-6 and give the run's eval NE
+to 1e-6. A second command from the same finished teacher run (copied: not retrained)
 is stopped by a real SIGTERM in the student's training (exit 143, one line, no
 traceback), then, on the drift stream, by SIGINT in the resumed training (exit 130),
 then rerun to the end: the student's checkpointed params and its eval rows equal those
-of an uninterrupted command's. The finished student is exported and reloaded in a fresh
-process (load_exported, before that process runs the uninterrupted command), whose
-predictions on the eval rows, built there without the run's source (drift:
-DriftingStream steps T + S on), equal load_student's to 1e-6 and give the run's eval NE
-to 1e-6. make_source's drifting stream is checked step by step
-against DriftingStream."""
+of the uninterrupted command's. The commands run in child processes (`_CHILD`), a few
+one after another in one process (the uninterrupted one, then the first stopped one; the
+reload, then the last rerun), each with the flags of its own command line.
+make_source's drifting stream is checked step by step against DriftingStream."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -51,13 +53,18 @@ def test_make_source_reads_the_drifting_stream_from_drift_start():
         get_config("tiny", "data.drift_start=-1")
 
 
-def _cmd(args):
-    return [sys.executable, "-m", "experiments.distill", *args]
+def _child(spec):
+    """The command line of a child process running `_CHILD` on `spec`."""
+    return [sys.executable, "-c", _CHILD, json.dumps(spec)]
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    return with_suite_cache({**env, "JAX_PLATFORMS": "cpu"})   # the children share programs
+    # the suite's XLA flags (tests/conftest.py), compilation cache and CPU device count: the
+    # children share programs with each other and with this process (the cache keys a
+    # program by the device count too)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(len(jax.devices("cpu"))))
+    env.pop("GEMJAX_TEST_PAUSE", None)
+    return with_suite_cache(env)
 
 
 def _holder(lock):
@@ -68,10 +75,10 @@ def _holder(lock):
         return None
 
 
-def _stopped(args, student_wd, sig):
-    """Run the command, send `sig` once its student run holds its workdir (train.lock
-    names this process); returns (rc, stdout, stderr)."""
-    p = subprocess.Popen(_cmd(args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+def _stopped(spec, student_wd, sig):
+    """Run the child of `spec`, send `sig` once a student run holds `student_wd` (its
+    train.lock names this process); returns (rc, stdout, stderr)."""
+    p = subprocess.Popen(_child(spec), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     lock, deadline = os.path.join(student_wd, "train.lock"), time.time() + 500
     while _holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
@@ -94,28 +101,41 @@ def _eval_rows(wd):
                 for r in map(json.loads, f) if r["kind"] == "eval"]
 
 
-_FRESH = """
+_CHILD = """
+import json
+import shutil
 import sys
-import numpy as np
-from gemjax.config import schema_of
-from gemjax.serve.export import load_exported
-from gemjax.train.metrics import EvalAccumulator
-sys.path.insert(0, sys.argv[3] + "/tests")
-from test_distill_student_signals import eval_batches
-model = load_exported(sys.argv[1])
-cfg = model.config
-acc = EvalAccumulator(schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks)
-preds = []
-for b in eval_batches(cfg):
-    p = np.asarray(model(b))
-    preds.append(p)
-    acc.add(p, b.labels, b.label_mask, b.surface, b.weights)
-np.save(sys.argv[2], np.concatenate(preds))
-print("export NE", repr(acc.result()["ne"]), flush=True)
-# then, in this process, the command of argv[4:] (experiments/distill.py)
-import runpy
-sys.argv = ["experiments/distill.py", *sys.argv[4:]]
-runpy.run_module("experiments.distill", run_name="__main__", alter_sys=True)
+spec = json.loads(sys.argv[1])
+if spec.get("export"):
+    # first: the export reloaded where nothing else was built yet
+    import numpy as np
+    from gemjax.config import schema_of
+    from gemjax.serve.export import load_exported
+    from gemjax.train.metrics import EvalAccumulator
+    sys.path.insert(0, spec["root"] + "/tests")
+    from test_distill_student_signals import eval_batches
+    model = load_exported(spec["export"])
+    cfg = model.config
+    acc = EvalAccumulator(schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks)
+    preds = []
+    for b in eval_batches(cfg):
+        p = np.asarray(model(b))
+        preds.append(p)
+        acc.add(p, b.labels, b.label_mask, b.surface, b.weights)
+    np.save(spec["preds"], np.concatenate(preds))
+    print("export NE", repr(acc.result()["ne"]), flush=True)
+# then, in order: a directory copied ("copy": [src, dst]), or experiments/distill.py run
+# on a command line ("command": its flags; exit 128 + signal when a signal stops it)
+from absl import flags
+from experiments import distill
+distill.define_flags()
+for step in spec["steps"]:
+    if "copy" in step:
+        shutil.copytree(*step["copy"])
+        continue
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["experiments/distill.py", *step["command"]])
+    distill.run(["experiments/distill.py"])
 """
 
 
@@ -134,32 +154,36 @@ def eval_batches(cfg):
 
 def _check(args, out, student, tmp_path, signals):
     """The scenario of the module docstring for the command `args` (without --out)."""
+    from gemjax.distill.runs import export_student, load_student
     whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
     wd = os.path.join(part, out, "students", student)
-    for sig, rc in signals:
-        got, stdout, stderr = _stopped([*args, f"--out={part}"], wd, sig)
+    ref = os.path.join(whole, out, "students", student)
+    exported, saved = str(tmp_path / "export"), str(tmp_path / "preds.npy")
+    command = [*args, f"--out={part}"]
+    for i, (sig, rc) in enumerate(signals):
+        steps = [{"command": command}]
+        if i == 0:   # the uninterrupted command first, then the stopped one from its teacher
+            steps = [{"command": [*args, f"--out={whole}"]},
+                     {"copy": [os.path.join(whole, out, "teacher_s0"),
+                               os.path.join(part, out, "teacher_s0")]}] + steps
+        got, stdout, stderr = _stopped({"steps": steps}, wd, sig)
         assert got == rc, stderr[-3000:]
         assert "Traceback" not in stderr + stdout
         name = signal.Signals(sig).name
         assert stdout.strip().splitlines()[-1].startswith(f"[distill] stopped by {name}"), stdout
         assert not os.path.exists(os.path.join(wd, "summary.json"))     # stopped mid-run
-    p = subprocess.run(_cmd([*args, f"--out={part}"]), cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=600)                         # the stopped one to the end
-    assert p.returncode == 0, p.stderr[-3000:]
-    from gemjax.distill.runs import export_student, load_student
-    exported = export_student(wd, str(tmp_path / "export"), log=lambda s: None)
+        if i == 0:
+            assert os.path.exists(os.path.join(whole, out, "results.json")), stdout
+            export_student(ref, exported, log=lambda s: None)
     # one fresh process reloads the export (its predictions and NE: checked below), nothing
-    # else built there yet; then it runs the uninterrupted command from the same finished
-    # teacher run (copied: not retrained)
-    shutil.copytree(os.path.join(part, out, "teacher_s0"), os.path.join(whole, out, "teacher_s0"))
-    saved = str(tmp_path / "preds.npy")
-    p = subprocess.run([sys.executable, "-c", _FRESH, exported, saved, ROOT, *args,
-                        f"--out={whole}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    # else built there yet; then it reruns the stopped command to the end
+    spec = {"export": exported, "preds": saved, "root": ROOT, "steps": [{"command": command}]}
+    p = subprocess.run(_child(spec), cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout
     export_ne = float(next(line for line in p.stdout.splitlines()
                            if line.startswith("export NE ")).split()[-1])
-    ref = os.path.join(whole, out, "students", student)
     (step, got), (ref_step, want) = _params(wd), _params(ref)
     assert step == ref_step and len(got) == len(want)
     for a, b in zip(got, want):
@@ -168,9 +192,10 @@ def _check(args, out, student, tmp_path, signals):
     res = [json.load(open(os.path.join(o, out, "results.json")))["runs"] for o in (part, whole)]
     assert [r["ne"] for r in res[0]] == [r["ne"] for r in res[1]]
 
-    # the export reloaded in the fresh process: its predictions and NE are the run's
-    summary = json.load(open(os.path.join(wd, "summary.json")))
-    assert abs(export_ne - summary["eval_ne"]) <= 1e-6
+    # the export reloaded in the fresh process: its predictions and NE are the runs'
+    for run in (wd, ref):
+        summary = json.load(open(os.path.join(run, "summary.json")))
+        assert abs(export_ne - summary["eval_ne"]) <= 1e-6, run
     pred = load_student(wd)
     mine = np.concatenate([np.asarray(pred(b)) for b in eval_batches(pred.cfg)])
     np.testing.assert_allclose(np.load(saved), mine, atol=1e-6, rtol=0)

@@ -4,9 +4,10 @@ state, a second run on the workdir, resumes that do not fit, bad config values.
 The signal tests drive `experiments/train.py` subprocesses (tiny preset, one CPU
 device); GEMJAX_TEST_PAUSE (gemjax.train.guards, gemjax.train.checkpoint) holds a run
 at a known point and prints a line, and the test signals it once that line appears.
-The reference for "nothing lost" is an uninterrupted run of the same command: the
-resumed run's final checkpoint must equal it array for array, its eval rows digit
-for digit.
+The reference for "nothing lost" is an uninterrupted run of the same command (for
+the synthetic stream: train() in this process with the command's layout on one CPU
+device, `train_here`, which also finishes the interrupted runs there): the resumed
+run's final checkpoint must equal it array for array, its eval rows digit for digit.
 """
 
 import dataclasses
@@ -28,6 +29,7 @@ from jax.sharding import Mesh
 from gemjax.config import apply_overrides, get_config
 from gemjax.train.checkpoint import CheckpointDamaged, CheckpointMismatch, Checkpointer
 from gemjax.train.guards import ResumeMismatch, WorkdirBusy, check_resume
+from gemjax.train import layout
 from gemjax.train.loop import _resume, restore_train_state, train
 from gemjax.train.step import Trainer
 from suite_cache import with_suite_cache   # tests/suite_cache.py
@@ -75,6 +77,16 @@ class Run:
         rc = self.proc.wait(timeout)
         self._reader.join(30)
         return rc
+
+
+def train_here(cfg, workdir, log=lambda s: None) -> dict:
+    """train() of cfg in this process as experiments/train.py runs it in a child: the
+    layout of cfg.parallel (gemjax.train.layout.build) over one CPU device. The same
+    programs as this process's other one-device runs of CFG: the compilation cache keys a
+    program by the device count of its process too, so a child (one device) does not
+    read them back, but the in-process tests below do."""
+    mesh, trainer_kw = layout.build(cfg, jax.devices()[:1])
+    return train(cfg, workdir, log=log, mesh=mesh, trainer_kw=trainer_kw)
 
 
 def one_device_trainer(cfg=CFG):
@@ -145,10 +157,9 @@ def damage_chunk(step_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted run: its workdir (checkpoints 3, 6, 8)."""
+    """An uninterrupted run of ARGS' config (train_here): its workdir (checkpoints 3, 6, 8)."""
     workdir = str(tmp_path_factory.mktemp("reference"))
-    run = Run(workdir)
-    assert run.finish() == 0, run.out[-3000:]
+    train_here(CFG, workdir)
     assert steps_in(os.path.join(workdir, "checkpoints")) == [3, 6, 8]
     return workdir
 
@@ -188,12 +199,13 @@ def test_signals_kill_and_a_damaged_checkpoint_resume_exactly(reference, tmp_pat
     assert steps_in(checkpoints) == [3, 4, 5]
 
     # 4. random bytes in a data chunk of the newest checkpoint (5): found by its
-    #    checksums, set aside, the run resumes from 4 and finishes
+    #    checksums, set aside, the run (train_here) resumes from 4 and finishes
     damage_chunk(os.path.join(checkpoints, "5"))
-    run = Run(workdir)
-    assert run.finish() == 0, run.out[-3000:]
-    assert "checkpoint step 5 is damaged (file state/" in run.out
-    assert "does not match its checksum" in run.out and "resumed from step 4" in run.out
+    logged = []
+    train_here(CFG, workdir, log=logged.append)
+    out = "\n".join(logged)
+    assert "checkpoint step 5 is damaged (file state/" in out
+    assert "does not match its checksum" in out and "resumed from step 4" in out
     assert os.path.isdir(os.path.join(workdir, "checkpoints-damaged", "5"))
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         last_train = [r for r in map(json.loads, f) if r["kind"] == "train"][-1]
@@ -415,7 +427,7 @@ def test_nan_state_is_never_saved(tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match=r"train state at step 6 holds NaN or inf in "
                                                  r"\d+ arrays \(\[.*\]\): not saved; "
                                                  r"the checkpoints kept \(\[2, 4\]\)"):
-        train(cfg, workdir, log=lambda s: None, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
+        train_here(cfg, workdir)
     assert steps_in(os.path.join(workdir, "checkpoints")) == [2, 4]
     trainer = one_device_trainer(cfg)
     _, state, _ = restored(trainer, os.path.join(workdir, "checkpoints"))
@@ -438,7 +450,7 @@ def test_keyboard_interrupt_inside_an_eval_saves_the_step_the_state_holds(tmp_pa
     workdir = str(tmp_path / "ki")
     logged = []
     with pytest.raises(KeyboardInterrupt):
-        train(CFG, workdir, log=logged.append, mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
+        train_here(CFG, workdir, log=logged.append)
     assert "[gemjax] interrupted: saved step 4" in logged
     checkpoints = os.path.join(workdir, "checkpoints")
     assert steps_in(checkpoints) == [3, 4]

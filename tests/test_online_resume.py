@@ -1,8 +1,10 @@
 """Online training (gemjax.train.online): a run stopped by SIGTERM, resumed, killed with
 kill -9, and resumed again ends with the metrics rows and member states of an
-uninterrupted run. The runs are `experiments/online.py` subprocesses on one CPU device,
-the uninterrupted one first (the others read its programs from the compilation cache);
-runs in this process use a one-device mesh and the same config."""
+uninterrupted run. The interrupted runs are `experiments/online.py` subprocesses on one CPU
+device (the second reads the first's programs from the compilation cache); the
+uninterrupted run and the last resume run_online in this process as the command does (its
+config and OnlineSpec), on a one-device mesh like every run in this process (the same
+programs: the cache keys a program by the device count of its process too)."""
 
 import json
 import os
@@ -39,8 +41,7 @@ def _rows(workdir):
 def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     ref_dir, dir_ = str(tmp_path / "reference"), str(tmp_path / "interrupted")
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    run = Run(ref_dir, args=ARGS, module="experiments.online")                   # uninterrupted, first:
-    assert run.finish() == 0, run.out[-3000:]                                   # its programs cached
+    run_online(_cfg(), ref_dir, SPEC, mesh=mesh, log=lambda s: None)            # uninterrupted
     with open(os.path.join(ref_dir, "summary.json")) as f:
         ref = json.load(f)
 
@@ -58,9 +59,9 @@ def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     assert run.finish() == -signal.SIGKILL
     assert f"resumed at window {stopped_at + 1}" in run.out
 
-    run = Run(dir_, args=ARGS, module="experiments.online")                      # resume to the end
-    assert run.finish() == 0, run.out[-3000:]
-    assert "resumed at window" in run.out
+    logged = []                                                                 # resume to the end
+    run_online(_cfg(), dir_, SPEC, mesh=mesh, log=logged.append)
+    assert any("resumed at window" in line for line in logged), logged
 
     assert _rows(dir_) == _rows(ref_dir)
     with open(os.path.join(dir_, "summary.json")) as f:
