@@ -61,26 +61,38 @@ def run_process(argv: Sequence[str], workdir: str, log_path: str, *, cwd: str | 
     128 + signal is returned whenever a passed-on signal ended it); the run gets SIGTERM
     if this process dies."""
     wait_unlocked(workdir)
-    with open(log_path, "ab") as log:
-        log.write(f"\n$ {shlex.join(argv)}\n".encode())
-        log.flush()
-        # its own process group: a terminal's Ctrl-C reaches the driver, which passes it on
-        # once (a second signal would stop the run without its save)
-        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                                stdin=subprocess.DEVNULL, preexec_fn=pdeathsig, process_group=0)
-        passed: list[int] = []
+    passed: list[int] = []      # the signals this process got, in order
+    started: list = []          # the child, once it exists
+    sent = [0]                  # how many of `passed` the child has been sent
 
-        def forward(signum, _frame):
-            passed.append(signum)
-            proc.send_signal(signum)
+    def pass_on() -> None:
+        while started and sent[0] < len(passed):
+            sent[0] += 1
+            started[0].send_signal(passed[sent[0] - 1])
 
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            code = proc.wait()
+    def forward(signum, _frame):
+        passed.append(signum)
+        pass_on()
+
+    # the handlers go in before the child starts: a signal that arrives while it starts is
+    # passed on once it exists (never lost), and the child starts with the default actions
+    # (a caught signal is reset at exec, where an ignored one would stay ignored)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with open(log_path, "ab") as log:
+            log.write(f"\n$ {shlex.join(argv)}\n".encode())
+            log.flush()
+            # its own process group: a terminal's Ctrl-C reaches the driver, which passes it
+            # on once (a second signal would stop the run without its save)
+            started.append(subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
+                                            cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                            preexec_fn=pdeathsig, process_group=0))
+            pass_on()
+            code = started[0].wait()
             return 128 + passed[0] if passed and code != 0 else code
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def repo_env() -> dict:

@@ -387,6 +387,22 @@ def test_a_run_ended_by_a_passed_on_signal_is_a_stop(tmp_path):
     assert 128 + signal.SIGINT in sweep.STOP_CODES
 
 
+def test_a_signal_while_the_run_starts_is_passed_on(tmp_path):
+    """SIGINT reaches the driver inside Popen, before the run exists, in a driver that
+    started with SIGINT ignored (as a test worker): the run still gets it once it
+    exists, and the driver reports the stop."""
+    bare = "import time; time.sleep(60)"
+    parent = (f"import os, signal, subprocess, sys; sys.path.insert(0, {REPO!r}); "
+              f"signal.signal(signal.SIGINT, signal.SIG_IGN); from experiments import child; "
+              f"real = subprocess.Popen\n"
+              f"def early(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*a, **k)\n"
+              f"subprocess.Popen = early\n"
+              f"print('code', child.run_process([sys.executable, '-c', {bare!r}], {str(tmp_path)!r}, "
+              f"{str(tmp_path / 'run.log')!r}), flush=True)")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=30)
+    assert out.stdout.split() == ["code", str(128 + signal.SIGINT)], out.stderr[-2000:]
+
+
 def test_a_run_gets_sigterm_when_its_sweep_is_killed(tmp_path):
     proc, log, child, _ = start_parent(tmp_path)
     proc.kill()
