@@ -25,6 +25,12 @@ class Stopped(Exception):
     """A child run stopped on a signal after saving; rerunning the driver continues it."""
 
 
+def check_stopped(code: int, what: str) -> None:
+    """Raise Stopped ("<what> stopped by signal N") when exit code `code` is a stop."""
+    if code in STOP_CODES:
+        raise Stopped(f"{what} stopped by signal {abs(code) % 128}")
+
+
 def pdeathsig() -> None:      # in the child before exec: SIGTERM when the driver dies (kill -9)
     with contextlib.suppress(Exception):
         import ctypes

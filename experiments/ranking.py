@@ -53,7 +53,7 @@ import time
 
 from absl import app, flags, logging
 
-from experiments.child import (REPO, STOP_CODES, Stopped, log_tail, repo_env, run_process,
+from experiments.child import (REPO, Stopped, check_stopped, log_tail, repo_env, run_process,
                                train_here)
 
 # model -> overrides on the movielens_rank preset (before --hparams and --override)
@@ -270,8 +270,7 @@ def train_one(cfg, workdir: str, log=print) -> dict:
         t0, train_log = time.time(), os.path.join(workdir, "train.log")
         code = run_process([sys.executable, "-m", "experiments.ranking", f"--run_one={workdir}"],
                            workdir, train_log, cwd=REPO, env=repo_env())
-        if code in STOP_CODES:
-            raise Stopped(f"{workdir}: stopped by signal {abs(code) % 128} after saving")
+        check_stopped(code, f"{workdir}:")
         if code != 0:
             raise RuntimeError(f"{workdir}: the run failed (exit {code}); rerun to resume. The "
                                f"end of its train.log:\n{log_tail(train_log)}")

@@ -61,7 +61,7 @@ from typing import Callable
 
 import numpy as np
 
-from experiments.child import (REPO, STOP_CODES, Stopped, log_tail, repo_env, run_process,
+from experiments.child import (REPO, Stopped, check_stopped, log_tail, repo_env, run_process,
                                train_here)
 
 MIN_SPAN = 16.0          # the teacher rungs' dense FLOPs per sample: largest / smallest
@@ -383,8 +383,7 @@ def run_rung(cfg, workdir: str, log=print) -> dict:
     train_log = os.path.join(workdir, "train.log")
     rc = run_process([sys.executable, "-m", "experiments.scaling", f"--run_rung={workdir}"],
                      workdir, train_log, cwd=REPO, env=repo_env())
-    if rc in STOP_CODES:
-        raise Stopped(f"{workdir}: stopped by signal {abs(rc) % 128} after saving")
+    check_stopped(rc, f"{workdir}:")
     summary = _read_summary(workdir)
     if rc != 0 or summary is None:
         raise RuntimeError(f"{workdir}: training exited with {rc}; the end of its train.log:\n"

@@ -55,7 +55,8 @@ from typing import Callable, Sequence
 
 from absl import app, flags
 
-from experiments.child import STOP_CODES, Stopped, run_process
+# STOP_CODES: the exit codes a stopped trial ends with (named here for the sweep's readers)
+from experiments.child import STOP_CODES, Stopped, check_stopped, run_process  # noqa: F401
 from experiments.seeds import parse_seeds
 from gemjax.config import PRESETS, Config, apply_overrides, get_config, parse_overrides
 
@@ -291,8 +292,7 @@ def run_trial(sweep: Sweep, number: int, params: dict, runner: Runner) -> dict:
         if value is None:
             log = os.path.join(sweep.trial_dir(number), f"seed_{seed}.log")
             code = runner(sweep.train_argv(number, seed, params), run_dir, log)
-            if code in STOP_CODES:
-                raise Stopped(f"trial {number} seed {seed} stopped by signal {abs(code) % 128}")
+            check_stopped(code, f"trial {number} seed {seed}")
             value = selection_value(sweep, run_dir)
             if code != 0 or value is None:
                 error = (f"seed {seed}: exit {code}" + ("" if code else ", no selection in summary.json")
@@ -326,8 +326,7 @@ def read_test(sweep: Sweep, number: int, runner: Runner) -> dict:
                      .get("selection", {}).get("best_step"))
         log = os.path.join(sweep.trial_dir(number), f"seed_{seed}.test.log")
         code = runner(sweep.eval_argv(number, seed), run_dir, log)
-        if code in STOP_CODES:
-            raise Stopped(f"test read of trial {number} seed {seed} stopped by signal {abs(code) % 128}")
+        check_stopped(code, f"test read of trial {number} seed {seed}")
         row = read_json(os.path.join(run_dir, "eval", f"step_{best_step}.json"))
         if code != 0 or row is None or sweep.metric not in row:
             raise SweepError(f"test read of trial {number} seed {seed}: exit {code}, no "
