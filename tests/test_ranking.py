@@ -103,3 +103,15 @@ def test_smoke_two_models_one_seed(ml, tmp_path):
     other = R.run_config(data, "lr", 1, {}, tiny, **bench)
     with pytest.raises(ValueError, match="another config"):
         R.train_one(other, str(tmp_path / "runs" / "lr_s0"))
+
+
+def test_the_default_hparams_are_the_chosen_settings():
+    """The default --hparams file names every model, and each setting resolves on the preset:
+    the teacher without pyramid pooling, each model's chosen dense learning rate."""
+    from gemjax.config import PRESETS, apply_overrides
+    h = R.load_hparams(R.HPARAMS)
+    assert set(h) == set(R.MODELS)
+    cfgs = {m: apply_overrides(PRESETS[R.PRESET], {**R.MODELS[m], **h[m]}) for m in R.MODELS}
+    assert cfgs["teacher"].model.teacher.pyramid_levels == ((32, None, 1),)
+    assert {m: c.optim.dense.lr for m, c in cfgs.items()} == {
+        "teacher": 3e-3, "gem": 1e-2, "wukong": 1e-2, "dlrm": 3e-3, "lr": 1e-2}

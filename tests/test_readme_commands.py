@@ -73,8 +73,8 @@ SKIP = {
     "python -m experiments.ranking --models=teacher --seeds=0 --positives=512 --patience=2 "
     "--override=train.dense_lr=3e-3,model.pyramid_levels=32:none:1 --workdir=runs/tdiag/nopool_lr3":
         "ML-1M (not in CI), GPU minutes; tests/test_ranking.py runs the script on a fake MovieLens",
-    "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0 --positives=512 "
-    "--patience=2 --override=train.dense_lr=3e-3 --workdir=runs/ranking_lr3e-3":
+    "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0 --hparams= "
+    "--override=train.dense_lr=3e-3 --workdir=runs/ranking_lr3e-3":
         "ML-1M (not in CI), GPU minutes; tests/test_ranking.py runs the script on a fake MovieLens",
     "python -m experiments.distill --dataset=synthetic --seeds=0 --rows=all --nohierarchical":
         "minutes on CPU; tests/test_distill_experiment.py runs the script at a smaller size",
@@ -220,9 +220,9 @@ SKIP = {
         "8 trials of training; tests/test_sweep.py runs sweeps of the tiny preset (and a fake trainer)",
     "python -m experiments.sweep": "the program named in prose",
     "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0,1,2 "
-    "--hparams=best.json --workdir=runs/ranking": "hours on CPU (a GPU run); tests/test_ranking.py smokes it",
+    "--workdir=runs/ranking": "hours on CPU (a GPU run); tests/test_ranking.py smokes it",
     "python -m experiments.ranking --models=teacher,gem,wukong,dlrm,lr --seeds=0,1,2 "
-    "--hparams=best.json --workdir=runs/ranking --table_only": "reads the GPU run's results",
+    "--workdir=runs/ranking --table_only": "reads the GPU run's results",
     "python -m experiments.ranking --data_out=/tmp/gemjax-data/ml-1m-200 --max_users=200 "
     "--models=lr,wukong --seeds=0 --max_epochs=2 --workdir=/tmp/ranking-quick":
         "needs ../shared/datasets/ml-1m; tests/test_ranking.py runs the same path on fake data",
