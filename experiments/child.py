@@ -68,13 +68,14 @@ def run_process(argv: Sequence[str], workdir: str, log_path: str, *, cwd: str | 
     if this process dies."""
     wait_unlocked(workdir)
     passed: list[int] = []      # the signals this process got, in order
-    started: list = []          # the child, once it exists
-    sent = [0]                  # how many of `passed` the child has been sent
+    proc = None                 # the child, once it exists
+    sent = 0                    # how many of `passed` the child has been sent
 
     def pass_on() -> None:
-        while started and sent[0] < len(passed):
-            sent[0] += 1
-            started[0].send_signal(passed[sent[0] - 1])
+        nonlocal sent
+        while proc is not None and sent < len(passed):
+            sent += 1
+            proc.send_signal(passed[sent - 1])
 
     def forward(signum, _frame):
         passed.append(signum)
@@ -90,11 +91,11 @@ def run_process(argv: Sequence[str], workdir: str, log_path: str, *, cwd: str | 
             log.flush()
             # its own process group: a terminal's Ctrl-C reaches the driver, which passes it
             # on once (a second signal would stop the run without its save)
-            started.append(subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
-                                            cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                            preexec_fn=pdeathsig, process_group=0))
+            proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                    env=env, stdin=subprocess.DEVNULL, preexec_fn=pdeathsig,
+                                    process_group=0)
             pass_on()
-            code = started[0].wait()
+            code = proc.wait()
             return 128 + passed[0] if passed and code != 0 else code
     finally:
         for s, h in old.items():
