@@ -18,6 +18,8 @@ comparison sized to it):
   ranking    teacher    the GEM teacher (preset movielens_rank, model.kind=teacher)
              gem        Wukong + sequence encoder (model.kind=gem on the same preset);
                         its FLOPs need gemjax.perf.forward_flops
+                        both with the ranking benchmark's model overrides and the settings
+                        its validation chose (experiments.ranking.MODELS, ranking_hparams.json)
 
 A retrieval tower reads one event sequence and nothing else, so there is no
 interaction arch (Wukong) to compare on retrieval: the retrieval curve compares two
@@ -61,6 +63,7 @@ from typing import Callable
 
 import numpy as np
 
+from experiments import ranking
 from experiments.child import (REPO, Stopped, check_stopped, log_tail, repo_env, run_process,
                                train_here)
 
@@ -109,14 +112,21 @@ def _needs_gem_flops() -> str | None:
     return None
 
 
+def _ranking_base(model: str) -> dict:
+    """The ranking benchmark's overrides for `model` (experiments.ranking.MODELS) and the
+    settings its validation chose (experiments/ranking_hparams.json)."""
+    return {**ranking.MODELS[model], **ranking.load_hparams(ranking.HPARAMS).get(model, {})}
+
+
 FAMILIES: dict[str, tuple[Family, Family]] = {
     "retrieval": (
         Family("gem_tower", "GEM sequence-block tower", "movielens_retrieval", {}, _tower_shape),
         Family("hstu", "HSTU tower", "movielens_hstu_large", {}, _tower_shape,
                requires=_needs_hstu)),
     "ranking": (
-        Family("teacher", "GEM teacher", "movielens_rank", {}, _ranking_shape),
-        Family("gem", "Wukong + sequence encoder", "movielens_rank", {"model.kind": "gem"},
+        Family("teacher", "GEM teacher", "movielens_rank", _ranking_base("teacher"),
+               _ranking_shape),
+        Family("gem", "Wukong + sequence encoder", "movielens_rank", _ranking_base("gem"),
                _ranking_shape, requires=_needs_gem_flops)),
 }
 # the teacher family's (width, depth) rungs

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import scaling
+from experiments import ranking, scaling
 from gemjax.config import ModelConfig, get_config, schema_of
 from gemjax.perf.retrieval_flops import retrieval_forward_flops
 
@@ -88,12 +88,25 @@ def test_default_retrieval_ladder_spans_16x():
 
 def test_default_ranking_ladder_spans_16x():
     fam = scaling.FAMILIES["ranking"][0]
-    base = get_config(fam.preset, "data.batch_size=32")       # the preset's synthetic stream
+    base = get_config(fam.preset, {**fam.base, "data.batch_size": "32"})   # synthetic stream
     batches = scaling.flops_batches(base, 1)
     rungs = [scaling.make_rung(base, fam, i, w, d, batches, count_params=False)
              for i, (w, d) in enumerate(scaling.LADDERS["ranking"])]
     assert max(r.dense_flops for r in rungs) / min(r.dense_flops for r in rungs) >= 16
     scaling.check_span(rungs)
+
+
+def test_ranking_families_use_the_benchmarks_chosen_settings():
+    """The ranking curve trains each family as the ranking benchmark does: its model
+    overrides, then the settings that benchmark's validation chose."""
+    chosen = ranking.load_hparams(ranking.HPARAMS)
+    for fam, model in zip(scaling.FAMILIES["ranking"], ("teacher", "gem")):
+        cfg = get_config(fam.preset, fam.base)
+        want = get_config(fam.preset, {**ranking.MODELS[model], **chosen[model]})
+        assert cfg == want and cfg.model.kind == model
+    teacher = scaling.FAMILIES["ranking"][0]          # its chosen settings are not the preset's
+    assert get_config(teacher.preset, teacher.base) != get_config(teacher.preset,
+                                                                  ranking.MODELS["teacher"])
 
 
 def test_narrow_or_short_ladders_are_refused():
