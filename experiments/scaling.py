@@ -595,6 +595,14 @@ def _pick_families(task: str, names: list[str], log) -> tuple[Family, ...]:
     return tuple(chosen)
 
 
+def ladder_families(task: str, picked: tuple[Family, ...]) -> tuple[Family, ...]:
+    """The families the ladder is built on: the task's teacher family, whose rungs are
+    --ladder, then each picked comparison family matched to it. A comparison family
+    trained alone (--families=hstu) so keeps the widths it has beside the teacher."""
+    first = FAMILIES[task][0]
+    return (first, *(f for f in picked if f.name != first.name))
+
+
 def main(argv):
     from absl import app, flags
     if len(argv) > 1:
@@ -614,11 +622,12 @@ def main(argv):
         if why and not f.dry_run:
             raise ValueError(why)
         fams = _pick_families(task, f.families, log)
+        every = ladder_families(task, fams)
         ladder = parse_ladder(f.ladder) if f.ladder else LADDERS[task]
         data = prepare_data(task, f.data_dir or DEFAULT_DIR, f.data_out, f.max_users, log)
-        bases = {fam.name: base_config(fam, data, f.override) for fam in fams}
-        batches = flops_batches(bases[fams[0].name], f.flops_batches)
-        rungs = build_ladder(bases, fams, ladder, batches, log)
+        bases = {fam.name: base_config(fam, data, f.override) for fam in every}
+        batches = flops_batches(bases[every[0].name], f.flops_batches)
+        rungs = build_ladder(bases, every, ladder, batches, log)
         pick = [int(i) for i in f.rungs] if f.rungs else list(range(len(ladder)))
         if any(not 0 <= i < len(ladder) for i in pick):
             raise ValueError(f"--rungs={','.join(f.rungs)}: indices in [0, {len(ladder)})")

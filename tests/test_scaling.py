@@ -223,21 +223,35 @@ def test_smoke_two_rungs_end_to_end(tmp_path):
         pytest.skip(why)
     if not os.path.exists(os.path.join(ML1M, "train.csv.zip")):
         pytest.skip(f"MovieLens-1M not at {ML1M}")
+    """The comparison family trained alone: its rungs keep the widths matched to the
+    teacher family's ladder, train, select on validation, test once, and rerun as reused."""
+    fam = scaling.FAMILIES["retrieval"][1]
+    if fam.requires():
+        pytest.skip(fam.requires())
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.scaling", "--task=retrieval",
            f"--data_dir={ML1M}", f"--data_out={tmp_path / 'data'}", "--max_users=16",
-           f"--out={out}", "--families=gem_tower", "--ladder=8x1,16x1,32x2,64x4",
+           f"--out={out}", f"--families={fam.name}", "--ladder=16x1,32x1,48x2,64x4",
            "--rungs=0,1", "--epochs=1", "--valid_epochs=1", "--override=data.batch_size=16"]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    printed = {}                     # the ladder table: (family, rung) -> (width, GFLOP)
+    for line in run.stdout.splitlines():
+        cols = line.split()
+        if len(cols) == 7 and cols[0] in ("gem_tower", fam.name) and cols[1].isdigit():
+            printed[cols[0], int(cols[1])] = (int(cols[2]), float(cols[5]))
+    assert [printed["gem_tower", i][0] for i in range(4)] == [16, 32, 48, 64]
+    for i in range(4):
+        assert printed[fam.name, i][1] == pytest.approx(printed["gem_tower", i][1],
+                                                        rel=scaling.MATCH_TOL, abs=1e-4)
     report = json.loads((out / "scaling.json").read_text())
-    assert [(r["family"], r["index"]) for r in report["rungs"]] == [("gem_tower", 0),
-                                                                    ("gem_tower", 1)]
+    assert [(r["family"], r["index"]) for r in report["rungs"]] == [(fam.name, 0), (fam.name, 1)]
     for r in report["rungs"]:
+        assert r["width"] == printed[fam.name, r["index"]][0]
         (s,) = r["seeds"]
         assert s["test"] is not None and 0.0 <= s["test"] <= 1.0
         assert s["train_pflop"] == pytest.approx(3 * r["dense_flops"] * 16 * s["best_step"] / 1e15)
-        wd = out / "gem_tower" / f"r{r['index']}_s0"
+        wd = out / fam.name / f"r{r['index']}_s0"
         assert (wd / "best").is_dir()
         rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
         assert any(row.get("split") == "valid" for row in rows)
