@@ -1,8 +1,10 @@
-"""experiments/distill.py end to end at a toy size (one subprocess): the offline teacher
-trained and read back from its checkpoint, every row of the table including the
-hierarchical one, gains recomputed from the per-run NEs, frozen shared tables
-unchanged, the FLOP column equal to forward_flops; and --dataset=frappe without the
-converted files says so and exits 0."""
+"""experiments/distill.py end to end at a toy size: the offline teacher trained and read
+back from its checkpoint, every row of the table including the hierarchical one, gains
+recomputed from the per-run NEs, frozen shared tables unchanged, the FLOP column equal to
+forward_flops; and --dataset=frappe without the converted files says so and exits 0.
+The commands that finish (the table, --dataset=drift, --teacher_mode=cotrain, the absent
+Frappe files) run one after another in one child process (`_CHILD`), each with the flags
+of its own command line; the refused and the stopped commands run as commands."""
 
 import json
 import os
@@ -24,20 +26,69 @@ def _run(args, tmp_path):
 DATA = "--data_overrides=data.eval_batches=1,data.batch_size=32"
 
 
-@pytest.fixture(scope="module")
-def table_run(tmp_path_factory):
-    """The table command (every row, the hierarchical one too): (its --out, the process)."""
-    tmp_path = tmp_path_factory.mktemp("table")
-    p = _run([f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
-              "--share=frozen",
+DRIFT = "--data_overrides=data.drift_every=2,data.batch_size=32"
+COMMANDS = {   # name -> the command's flags but --out
+    # every row, the hierarchical one too
+    "table": ["--seeds=0", "--teacher_steps=4", "--student_steps=2", "--share=frozen",
               "--rows=none,kd,kd+adapter,+repr,+share,all", "--adapter_refresh=1",
               "--latency_batch=16", DATA],
-             tmp_path)
-    return tmp_path, p
+    "drift": ["--dataset=drift", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
+              "--rows=none,kd+adapter,all", "--latency_batch=0", "--adapter=features",
+              "--adapter_features=dense,student", DRIFT],
+    "cotrain": ["--seeds=0", "--teacher_steps=4", "--student_steps=2", "--teacher_mode=cotrain",
+                "--rows=none,kd", "--latency_batch=0",
+                "--data_overrides=data.eval_batches=1,data.batch_size=32"],
+    "frappe": ["--dataset=frappe"],     # --frappe_dir: a directory that is not there
+}
+
+_CHILD = """
+import json
+import sys
+from absl import flags
+from experiments import distill
+distill.define_flags()
+for name, command in json.loads(sys.argv[1]):
+    print(f"[test] command {name}", flush=True)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["experiments/distill.py", *command])
+    distill.run(["experiments/distill.py"])
+"""
+
+
+class Command:
+    """One command of the shared child: its --out, the child's exit code and stderr, and
+    the command's own stdout."""
+
+    def __init__(self, out, returncode, stdout, stderr):
+        self.out, self.returncode, self.stdout, self.stderr = out, returncode, stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """{name: Command} of COMMANDS, run in order in one child process."""
+    root = tmp_path_factory.mktemp("commands")
+    outs = {name: str(root / name) for name in COMMANDS}
+    extra = {"frappe": [f"--frappe_dir={root}/absent"]}
+    spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])]]
+            for name, flags in COMMANDS.items()]
+    p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=900)
+    parts = p.stdout.split("[test] command ")
+    said = {part.split("\n", 1)[0]: part for part in parts[1:]}
+    return {name: Command(outs[name], p.returncode, said.get(name, ""), p.stderr)
+            for name in COMMANDS}
+
+
+@pytest.fixture(scope="module")
+def table_run(commands):
+    """The table command: (its --out, the process)."""
+    c = commands["table"]
+    return c.out, c
 
 
 @pytest.mark.slow
-def test_distill_experiment_table(table_run, tmp_path):
+def test_distill_experiment_table(table_run, commands):
     root, p = table_run
     assert p.returncode == 0, p.stderr[-3000:]
     out = os.path.join(root, "synthetic")
@@ -77,24 +128,20 @@ def test_distill_experiment_table(table_run, tmp_path):
     table = open(os.path.join(out, "table.md")).read()
     assert "| student all |" in table and "combined gain / KD gain" in table
 
-    p = _run([f"--out={tmp_path}", "--dataset=frappe", f"--frappe_dir={tmp_path}/absent"], tmp_path)
+    p = commands["frappe"]
     assert p.returncode == 0 and "no converted Frappe" in p.stdout
 
 
-def test_distill_drift_evaluates_on_an_unseen_window(tmp_path):
+def test_distill_drift_evaluates_on_an_unseen_window(commands, tmp_path):
     """--dataset=drift (windows of 2 steps, the features Student Adapter): the teacher
     reads steps 0-3, every student (and the domain model) 4-5, and every row, the
     teacher included, is evaluated on window 3 (steps 6-7) only, as recorded by the
     source each model read; the Bayes NE it reports is that of window 3's planted
     model, recomputed here from the stream; steps that are not whole windows are
     refused naming the flag."""
-    over = "--data_overrides=data.drift_every=2,data.batch_size=32"
-    p = _run([f"--out={tmp_path}", "--dataset=drift", "--seeds=0", "--teacher_steps=4",
-              "--student_steps=2", "--rows=none,kd+adapter,all", "--latency_batch=0",
-              "--adapter=features", "--adapter_features=dense,student", over],
-             tmp_path)
+    p = commands["drift"]
     assert p.returncode == 0, p.stderr[-3000:]
-    res = json.load(open(os.path.join(tmp_path, "drift", "results.json")))
+    res = json.load(open(os.path.join(p.out, "drift", "results.json")))
     steps = res["drift_steps"]["0"]
     assert steps["eval_window"] == 3 and steps["eval"] == [6, 8]
     models = steps["models"]
@@ -125,19 +172,17 @@ def test_distill_drift_evaluates_on_an_unseen_window(tmp_path):
         acc.add(info.true_probs, b.labels, b.label_mask, b.surface, b.weights)
     np.testing.assert_allclose(res["summary"]["bayes_ne"], [acc.result()["ne"]], rtol=1e-6)
 
-    p = _run([f"--out={tmp_path}", "--dataset=drift", "--teacher_steps=3", over], tmp_path)
+    p = _run([f"--out={tmp_path}", "--dataset=drift", "--teacher_steps=3", DRIFT], tmp_path)
     assert p.returncode != 0 and "--teacher_steps=3 must be a positive multiple" in p.stderr
 
 
-def test_distill_cotrain_students_are_runs(tmp_path):
+def test_distill_cotrain_students_are_runs(commands):
     """--teacher_mode=cotrain: each student is a run whose co-trained teacher is a run
     inside it (WORKDIR/teacher, checkpointed at the student's steps); the table's teacher
     NE is the first row's teacher read back from there."""
-    p = _run([f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
-              "--teacher_mode=cotrain", "--rows=none,kd", "--latency_batch=0",
-              "--data_overrides=data.eval_batches=1,data.batch_size=32"], tmp_path)
+    p = commands["cotrain"]
     assert p.returncode == 0, p.stderr[-3000:]
-    out = os.path.join(tmp_path, "synthetic")
+    out = os.path.join(p.out, "synthetic")
     res = json.load(open(os.path.join(out, "results.json")))
     assert {r["row"] for r in res["runs"]} == {"none", "kd"}
     for name in ("none", "kd"):

@@ -1,7 +1,8 @@
 """python -m experiments.movielens, the MovieLens-1M retrieval wrapper over the trainer, on the
 fake MovieLens of tests/test_converters.py: conversion reused only when it holds the
 same data, the step count from the epochs, and one whole run (convert, train, table)
-whose printed figures are the run's summary.json."""
+whose printed figures are the run's summary.json. The script's commands run one after
+another in one child process (`_CHILD`), each with the flags of its own command line."""
 
 import json
 import os
@@ -36,16 +37,59 @@ def test_conversion_is_reused_only_for_the_same_users_and_steps_follow_epochs(tm
     assert cfg.data.train_path == os.path.join(d, "train.parquet")
 
 
-def test_movielens_script_converts_trains_and_prints_the_summary_figures(tmp_path):
-    src = tmp_path / "ml-1m"
-    src.mkdir()
-    write_ml(src)
-    wd = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "experiments.movielens",
-                        f"--data_dir={src}", f"--data_out={tmp_path / 'conv'}", f"--workdir={wd}",
-                        "--epochs=2", "--eval_epochs=1", "--novalid",
-                        "--override=data.batch_size=4,model.dim=8,train.tensorboard=false"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+COMMANDS = {   # name -> the command's flags but --data_dir, --data_out and --workdir
+    "novalid": ["--epochs=2", "--eval_epochs=1", "--novalid",
+                "--override=data.batch_size=4,model.dim=8,train.tensorboard=false"],
+    "seeds": ["--epochs=2", "--eval_epochs=1", "--seeds=0,1", "--patience=2", "--refit",
+              "--preset=movielens_hstu_large",
+              "--override=data.batch_size=4,model.dim=8,model.seq_layers=1,"
+              "model.retrieval_negatives=8,train.tensorboard=false"],
+}
+
+_CHILD = """
+import json
+import sys
+from absl import flags
+from experiments import movielens
+movielens.define_flags()
+for name, argv in json.loads(sys.argv[1]):
+    print(f"[test] command {name}", flush=True)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["experiments/movielens.py", *argv])
+    movielens.main(["experiments/movielens.py"])
+"""
+
+
+class Command:
+    """One command of the shared child: its temporary directory, the child's exit code and
+    stderr, and the command's own stdout."""
+
+    def __init__(self, tmp_path, returncode, stdout, stderr):
+        self.tmp_path, self.returncode, self.stdout, self.stderr = tmp_path, returncode, stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """{name: Command} of COMMANDS (the last only where the trainer selects), run in order
+    in one child process, each on its own fake MovieLens (TMP/ml-1m) into TMP/conv, TMP/run."""
+    names = [n for n in COMMANDS if n != "seeds" or mlx.has_selection()]
+    tmp, spec = {}, []
+    for name in names:
+        tmp[name] = tmp_path_factory.mktemp(name)
+        src = tmp[name] / "ml-1m"
+        src.mkdir()
+        write_ml(src)
+        spec.append([name, [f"--data_dir={src}", f"--data_out={tmp[name] / 'conv'}",
+                            f"--workdir={tmp[name] / 'run'}", *COMMANDS[name]]])
+    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True,
+                       text=True, timeout=900, cwd=ROOT)
+    said = {part.split("\n", 1)[0]: part for part in r.stdout.split("[test] command ")[1:]}
+    return {name: Command(tmp[name], r.returncode, said.get(name, ""), r.stderr) for name in names}
+
+
+def test_movielens_script_converts_trains_and_prints_the_summary_figures(commands):
+    r = commands["novalid"]
+    wd = r.tmp_path / "run"
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.load(open(wd / "summary.json"))
     evals = [json.loads(ln) for ln in open(wd / "metrics.jsonl") if '"eval"' in ln]
@@ -61,22 +105,13 @@ def test_movielens_script_converts_trains_and_prints_the_summary_figures(tmp_pat
 
 
 @pytest.mark.skipif(not mlx.has_selection(), reason="the trainer has no model selection yet")
-def test_movielens_selects_on_validation_over_two_seeds_and_refits(tmp_path):
+def test_movielens_selects_on_validation_over_two_seeds_and_refits(commands):
     """--valid (the default): valid.parquet written, validation rows every epoch, the test
     figures of each seed's best step, mean +- std over --seeds, and the refit run."""
-    src = tmp_path / "ml-1m"
-    src.mkdir()
-    write_ml(src)
-    wd = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "experiments.movielens", f"--data_dir={src}",
-                        f"--data_out={tmp_path / 'conv'}", f"--workdir={wd}", "--epochs=2",
-                        "--eval_epochs=1", "--seeds=0,1", "--patience=2", "--refit",
-                        "--preset=movielens_hstu_large",
-                        "--override=data.batch_size=4,model.dim=8,model.seq_layers=1,"
-                        "model.retrieval_negatives=8,train.tensorboard=false"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = commands["seeds"]
+    wd = r.tmp_path / "run"
     assert r.returncode == 0, r.stderr[-3000:]
-    assert os.path.exists(tmp_path / "conv" / "retrieval" / "valid.parquet")
+    assert os.path.exists(r.tmp_path / "conv" / "retrieval" / "valid.parquet")
     for s in (0, 1):
         summary = json.load(open(wd / f"seed{s}" / "summary.json"))
         sel = summary["selection"]

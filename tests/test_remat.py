@@ -89,9 +89,8 @@ def _teacher_grads(plan: str):
 
     def loss(p, a):
         return jnp.sum(nnx.merge(graphdef, p)(a, batch) ** 2)
-    grad = jax.grad(loss, argnums=(0, 1))
-    text = str(jax.make_jaxpr(grad)(params, acts))
-    return text, jax.tree.leaves(jax.jit(grad)(params, acts))
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, acts)   # one trace: jaxpr + program
+    return str(traced.jaxpr), jax.tree.leaves(traced.lower().compile()(params, acts))
 
 
 @pytest.mark.slow
