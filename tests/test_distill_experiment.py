@@ -3,8 +3,9 @@ back from its checkpoint, every row of the table including the hierarchical one,
 recomputed from the per-run NEs, frozen shared tables unchanged, the FLOP column equal to
 forward_flops; and --dataset=frappe without the converted files says so and exits 0.
 The commands that finish (the table, --dataset=drift, --teacher_mode=cotrain, the absent
-Frappe files) run one after another in one child process (`_CHILD`), each with the flags
-of its own command line; the refused and the stopped commands run as commands."""
+Frappe files) run one after another in one child process (tests/script_commands.py), each
+with the flags of its own command line; the refused and the stopped commands run as
+commands."""
 
 import json
 import os
@@ -13,6 +14,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from tests.script_commands import run_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,20 +44,6 @@ COMMANDS = {   # name -> the command's flags but --out
     "frappe": ["--dataset=frappe"],     # --frappe_dir: a directory that is not there
 }
 
-_CHILD = """
-import json
-import sys
-from absl import flags
-from experiments import distill
-distill.define_flags()
-for name, command in json.loads(sys.argv[1]):
-    print(f"[test] command {name}", flush=True)
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["experiments/distill.py", *command])
-    distill.run(["experiments/distill.py"])
-"""
-
-
 class Command:
     """One command of the shared child: its --out, the child's exit code and stderr, and
     the command's own stdout."""
@@ -71,13 +60,9 @@ def commands(tmp_path_factory):
     extra = {"frappe": [f"--frappe_dir={root}/absent"]}
     spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])]]
             for name, flags in COMMANDS.items()]
-    p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], cwd=ROOT,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                       timeout=900)
-    parts = p.stdout.split("[test] command ")
-    said = {part.split("\n", 1)[0]: part for part in parts[1:]}
-    return {name: Command(outs[name], p.returncode, said.get(name, ""), p.stderr)
-            for name in COMMANDS}
+    code, said, stderr = run_commands("distill", "run", spec, cwd=ROOT,
+                                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    return {name: Command(outs[name], code, said.get(name, ""), stderr) for name in COMMANDS}
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,15 @@
 fake MovieLens of tests/test_converters.py: conversion reused only when it holds the
 same data, the step count from the epochs, and one whole run (convert, train, table)
 whose printed figures are the run's summary.json. The script's commands run one after
-another in one child process (`_CHILD`), each with the flags of its own command line."""
+another in one child process (tests/script_commands.py), each with the flags of its own
+command line."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.script_commands import run_commands
 from tests.test_converters import write_ml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,26 +46,13 @@ COMMANDS = {   # name -> the command's flags but --data_dir, --data_out and --wo
               "model.retrieval_negatives=8,train.tensorboard=false"],
 }
 
-_CHILD = """
-import json
-import sys
-from absl import flags
-from experiments import movielens
-movielens.define_flags()
-for name, argv in json.loads(sys.argv[1]):
-    print(f"[test] command {name}", flush=True)
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["experiments/movielens.py", *argv])
-    movielens.main(["experiments/movielens.py"])
-"""
-
-
 class Command:
     """One command of the shared child: its temporary directory, the child's exit code and
     stderr, and the command's own stdout."""
 
     def __init__(self, tmp_path, returncode, stdout, stderr):
-        self.tmp_path, self.returncode, self.stdout, self.stderr = tmp_path, returncode, stdout, stderr
+        self.tmp_path, self.returncode = tmp_path, returncode
+        self.stdout, self.stderr = stdout, stderr
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +68,8 @@ def commands(tmp_path_factory):
         write_ml(src)
         spec.append([name, [f"--data_dir={src}", f"--data_out={tmp[name] / 'conv'}",
                             f"--workdir={tmp[name] / 'run'}", *COMMANDS[name]]])
-    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True,
-                       text=True, timeout=900, cwd=ROOT)
-    said = {part.split("\n", 1)[0]: part for part in r.stdout.split("[test] command ")[1:]}
-    return {name: Command(tmp[name], r.returncode, said.get(name, ""), r.stderr) for name in names}
+    code, said, stderr = run_commands("movielens", "main", spec, cwd=ROOT)
+    return {name: Command(tmp[name], code, said.get(name, ""), stderr) for name in names}
 
 
 def test_movielens_script_converts_trains_and_prints_the_summary_figures(commands):

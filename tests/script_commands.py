@@ -1,0 +1,40 @@
+"""Several command lines of one absl experiment script, run one after another in one child
+process: the imports, the eager programs and the compiled steps are paid once, and each
+command parses its own flags (the flags reset between commands).
+
+    code, said, stderr = run_commands("movielens", "main", [["a", [...flags]], ...], cwd=ROOT)
+
+said: {command name: the stdout that command printed}.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+_CHILD = """
+import json
+import sys
+from absl import flags
+from experiments import {module}
+{module}.define_flags()
+for name, argv in json.loads(sys.argv[1]):
+    print(f"[test] command {{name}}", flush=True)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["experiments/{module}.py", *argv])
+    {module}.{entry}(["experiments/{module}.py"])
+"""
+
+
+def run_commands(module: str, entry: str, spec: list, *, cwd: str, env: dict | None = None,
+                 timeout: float = 900) -> tuple[int, dict[str, str], str]:
+    """experiments.<module>'s commands [[name, argv], ...] in order in one child (the module
+    defines its flags in define_flags() and runs through <entry>(argv)): (the child's exit
+    code, {name: that command's stdout}, the child's stderr). The child stops at the first
+    command that raises or exits; the commands after it have no stdout entry."""
+    r = subprocess.run([sys.executable, "-c", _CHILD.format(module=module, entry=entry),
+                        json.dumps(spec)], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    said = {part.split("\n", 1)[0]: part for part in r.stdout.split("[test] command ")[1:]}
+    return r.returncode, said, r.stderr
