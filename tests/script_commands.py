@@ -4,7 +4,8 @@ command parses its own flags (the flags reset between commands).
 
     code, said, stderr = run_commands("movielens", "main", [["a", [...flags]], ...], cwd=ROOT)
 
-said: {command name: the stdout that command printed}.
+said: {command name: the stdout that command printed}. child_argv gives the same child's
+command line for a caller that starts the process itself (to signal it or read it live).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import sys
 from absl import flags
 from experiments import {module}
-{module}.define_flags()
+getattr({module}, "define_flags", lambda: None)()      # else its flags are defined on import
 for name, argv in json.loads(sys.argv[1]):
     print(f"[test] command {{name}}", flush=True)
     flags.FLAGS.unparse_flags()
@@ -27,14 +28,20 @@ for name, argv in json.loads(sys.argv[1]):
 """
 
 
+def child_argv(module: str, entry: str, spec: list) -> list[str]:
+    """The command line of one child running experiments.<module>'s commands
+    [[name, argv], ...] in order through <entry>(argv); each prints "[test] command NAME"
+    before its own output."""
+    return [sys.executable, "-c", _CHILD.format(module=module, entry=entry), json.dumps(spec)]
+
+
 def run_commands(module: str, entry: str, spec: list, *, cwd: str, env: dict | None = None,
                  timeout: float = 900) -> tuple[int, dict[str, str], str]:
     """experiments.<module>'s commands [[name, argv], ...] in order in one child (the module
     defines its flags in define_flags() and runs through <entry>(argv)): (the child's exit
     code, {name: that command's stdout}, the child's stderr). The child stops at the first
     command that raises or exits; the commands after it have no stdout entry."""
-    r = subprocess.run([sys.executable, "-c", _CHILD.format(module=module, entry=entry),
-                        json.dumps(spec)], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(child_argv(module, entry, spec), cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=timeout)
     said = {part.split("\n", 1)[0]: part for part in r.stdout.split("[test] command ")[1:]}
     return r.returncode, said, r.stderr

@@ -32,26 +32,13 @@ from gemjax.train.guards import ResumeMismatch, WorkdirBusy, check_resume
 from gemjax.train import layout
 from gemjax.train.loop import _resume, restore_train_state, train
 from gemjax.train.step import Trainer
+from script_commands import child_argv      # tests/script_commands.py
 from suite_cache import with_suite_cache   # tests/suite_cache.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = "train.log_every=2,train.eval_every=4,train.checkpoint_every=3,data.eval_batches=1"
 ARGS = ["--config=tiny", "--steps=8", f"--override={OVERRIDES}"]
 CFG = apply_overrides(get_config("tiny"), OVERRIDES + ",train.steps=8")
-
-
-# experiments/train.py's command on each workdir in turn, in one process (absl flags reset
-# between them, as `python -m experiments.train` parses them)
-_COMMANDS = """
-import json
-import sys
-from absl import flags
-from experiments import train
-for argv in json.loads(sys.argv[1]):
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["experiments/train.py", *argv])
-    train.run(["experiments/train.py"])
-"""
 
 
 class Run:
@@ -70,8 +57,8 @@ class Run:
         cmd = [sys.executable, "-m", module, *args, f"--workdir={workdir}"]
         if then:
             assert module == "experiments.train" and not pause, (module, pause)
-            cmd = [sys.executable, "-c", _COMMANDS,
-                   json.dumps([[*args, f"--workdir={wd}"] for wd in (workdir, *then)])]
+            cmd = child_argv("train", "run", [[wd, [*args, f"--workdir={wd}"]]
+                                              for wd in (workdir, *then)])
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines = []
