@@ -1,6 +1,6 @@
-"""Several command lines of one absl experiment script, run one after another in one child
-process: the imports, the eager programs and the compiled steps are paid once, and each
-command parses its own flags (the flags reset between commands).
+"""Several command lines of one absl script (experiments/, or another package's), run one
+after another in one child process: the imports, the eager programs and the compiled steps
+are paid once, and each command parses its own flags (the flags reset between commands).
 
     code, said, stderr = run_commands("movielens", "main", [["a", [...flags]], ...], cwd=ROOT)
 
@@ -18,30 +18,32 @@ _CHILD = """
 import json
 import sys
 from absl import flags
-from experiments import {module}
+from {package} import {module}
 getattr({module}, "define_flags", lambda: None)()      # else its flags are defined on import
 for name, argv in json.loads(sys.argv[1]):
     print(f"[test] command {{name}}", flush=True)
     flags.FLAGS.unparse_flags()
-    flags.FLAGS(["experiments/{module}.py", *argv])
-    {module}.{entry}(["experiments/{module}.py"])
+    flags.FLAGS(["{package}/{module}.py", *argv])
+    {module}.{entry}(["{package}/{module}.py"])
 """
 
 
-def child_argv(module: str, entry: str, spec: list) -> list[str]:
-    """The command line of one child running experiments.<module>'s commands
+def child_argv(module: str, entry: str, spec: list, package: str = "experiments") -> list[str]:
+    """The command line of one child running <package>.<module>'s commands
     [[name, argv], ...] in order through <entry>(argv); each prints "[test] command NAME"
     before its own output."""
-    return [sys.executable, "-c", _CHILD.format(module=module, entry=entry), json.dumps(spec)]
+    return [sys.executable, "-c", _CHILD.format(package=package, module=module, entry=entry),
+            json.dumps(spec)]
 
 
 def run_commands(module: str, entry: str, spec: list, *, cwd: str, env: dict | None = None,
-                 timeout: float = 900) -> tuple[int, dict[str, str], str]:
-    """experiments.<module>'s commands [[name, argv], ...] in order in one child (the module
-    defines its flags in define_flags() and runs through <entry>(argv)): (the child's exit
-    code, {name: that command's stdout}, the child's stderr). The child stops at the first
-    command that raises or exits; the commands after it have no stdout entry."""
-    r = subprocess.run(child_argv(module, entry, spec), cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=timeout)
+                 timeout: float = 900,
+                 package: str = "experiments") -> tuple[int, dict[str, str], str]:
+    """<package>.<module>'s commands [[name, argv], ...] in order in one child (the module
+    defines its flags in define_flags() or on import, and runs through <entry>(argv)): (the
+    child's exit code, {name: that command's stdout}, the child's stderr). The child stops at
+    the first command that raises or exits; the commands after it have no stdout entry."""
+    r = subprocess.run(child_argv(module, entry, spec, package), cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=timeout)
     said = {part.split("\n", 1)[0]: part for part in r.stdout.split("[test] command ")[1:]}
     return r.returncode, said, r.stderr

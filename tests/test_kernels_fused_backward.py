@@ -72,15 +72,29 @@ def test_rows_backward_matches_float64(mode, fused, lens, monkeypatch):
     assert _check(mode, lens, fused, monkeypatch) == [fused]
 
 
+_LAYOUTS = {}
+
+
+def _cross_layout():
+    """kernels.triton.layout.build_layout of CROSS (64-row query / 32-row key tiles), one
+    jitted program (eager, each of its ops compiles alone), built once for the tests
+    that read it."""
+    if not _LAYOUTS:
+        from kernels.triton.layout import build_layout
+        cfg = FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32)
+        _LAYOUTS["cross"] = jax.jit(lambda qo, ko: build_layout(cfg, qo, ko, 384, 256, 32))(
+            *(jnp.asarray(offsets_of(x)) for x in CROSS))
+    return _LAYOUTS["cross"]
+
+
 def test_row_owners_split_the_rows():
     """CROSS's query rows (k_rows over 32-key tiles): owned rows, straddling rows (keys
     31 + 33 across a tile edge) and empty rows; tiles that need the dQ kernel and
     tiles that do not."""
-    from kernels.triton.layout import build_layout, row_owners
-    ql, kl = CROSS
-    lay = build_layout(FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32),
-                       jnp.asarray(offsets_of(ql)), jnp.asarray(offsets_of(kl)), 384, 256, 32)
-    own, need = (np.asarray(x) for x in row_owners(lay["q_start"], lay["q_end"], 32, 64))
+    from kernels.triton.layout import row_owners
+    lay = _cross_layout()
+    own, need = (np.asarray(x) for x in jax.jit(row_owners, static_argnums=(2, 3))(
+        lay["q_start"], lay["q_end"], 32, 64))
     start, end = np.asarray(lay["q_start"]), np.asarray(lay["q_end"])
     span = (start < end) & (own < 0)
     assert (own >= 0).any() and span.any() and ((start >= end) & (own < 0)).any()
@@ -294,10 +308,7 @@ def _gpu_case(shape, mode, fused, monkeypatch, want_path=None, **tiles):
 def test_tiles_over_a_short_side_launch_in_order():
     """The launch order skips its sort where the inner loop runs over a short side (one
     or two tiles each); the other side stays heaviest-first."""
-    from kernels.triton.layout import build_layout
-    ql, kl = CROSS
-    cfg = FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32)
-    lay = build_layout(cfg, jnp.asarray(offsets_of(ql)), jnp.asarray(offsets_of(kl)), 384, 256, 32)
+    lay = _cross_layout()
     np.testing.assert_array_equal(lay["q_perm"], np.arange(384 // 64))     # keys: 32 each
     work = np.asarray(lay["k_hi"] - lay["k_lo"])[np.asarray(lay["k_perm"])]
     assert np.all(np.diff(work) <= 0) and work[0] > work[-1]                # queries: long

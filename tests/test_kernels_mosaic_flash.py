@@ -490,14 +490,17 @@ def test_gpu_matches_triton_path_on_w1_lengths():
 
 # ------------------------- gdpa(impl="mosaic"): Mosaic forward + Mosaic backward
 
-def _loss_and_grads(impl, q, k, v, qo, ko, w, op=None, **kw):
-    """Value and (dQ, dK, dV) of sum(op(...) * w) for op (default kernels.gdpa.gdpa)."""
+def _loss_and_grads(impl, q, k, v, qo, ko, w, op=None, with_out=False, **kw):
+    """Value and (dQ, dK, dV) of sum(op(...) * w) for op (default kernels.gdpa.gdpa); with_out:
+    the value is (value, op's output), from the same program."""
     if op is None:
         from kernels.gdpa import gdpa as op
 
     def loss(q, k, v):
-        return jnp.sum(op(q, k, v, qo, ko, impl=impl, **kw).astype(jnp.float32) * w)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        out = op(q, k, v, qo, ko, impl=impl, **kw)
+        value = jnp.sum(out.astype(jnp.float32) * w)
+        return (value, out) if with_out else value
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=with_out))(q, k, v)
 
 
 def _rel(a, b):
@@ -541,15 +544,13 @@ def test_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkey
     calls = _count_mosaic_calls(monkeypatch)
     q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=3)
     w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
-    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, scale=0.3)
-    want = _loss_and_grads("reference", q, k, v, qo, ko, w, scale=0.3)
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, with_out=True, scale=0.3)
+    want = _loss_and_grads("reference", q, k, v, qo, ko, w, with_out=True, scale=0.3)
     assert calls and calls[0].block_q == 64, calls
     assert any(isinstance(c, tuple) and c[1].mode == "gdpa" for c in calls), calls
     # the value through the output itself: the loss, a sum of +-terms, cancels to ~1/600
     # of its terms' magnitude, so its relative error says little
-    from kernels.gdpa import gdpa
-    out = gdpa(q, k, v, qo, ko, impl="mosaic", scale=0.3)
-    assert _rel(out, gdpa(q, k, v, qo, ko, impl="reference", scale=0.3)) < TOL
+    assert _rel(got[0][1], want[0][1]) < TOL
     _assert_grads_close(got, want)
     for name, g in zip("qkv", got[1]):   # rows past the last offset get no gradient
         assert not np.any(np.asarray(g, np.float32)[int(qo[-1]):]), name
@@ -751,35 +752,49 @@ def test_gpu_impl_mosaic_forward_and_grads_on_w1_lengths(monkeypatch):
 
 # ------------------------------------------------ CPU: tools/bench_gdpa_mosaic.py
 
-def _bench(args, tmp_path, platforms="cpu"):
+# the bench's sample clipped to 200 tokens: 2 tiles of 128 a side, the last one partial
+_MAX_LEN = 200
+
+
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory):
+    """tools/bench_gdpa_mosaic.py's command lines in one child (tests/script_commands.py):
+    the GDPA and the softmax smoke runs in interpret mode, then one without --interpret,
+    which exits (no GPU) and ends the child. (exit code, {command: stdout}, stderr, dir of
+    the JSON outputs)."""
     import os
-    import subprocess
-    import sys
+    from script_commands import run_commands
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS=platforms)
-    return subprocess.run([sys.executable, "-m", "tools.bench_gdpa_mosaic", f"--out={tmp_path / 'bench.json'}", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    out = tmp_path_factory.mktemp("bench")
+    # 1 sample clipped to _MAX_LEN, 1 head, interpreter, each row timed on one call (the
+    # interpreter's calls cost seconds and their times mean nothing); no sweep deadline
+    # (the child's clock starts at its import, before the first command)
+    smoke = ["--interpret", "--max_samples=1", f"--max_len={_MAX_LEN}", "--heads=1", "--iters=0",
+             "--sweep", "--sweep_deadline_s=3600"]
+    code, said, stderr = run_commands("bench_gdpa_mosaic", "main", [
+        ["gdpa", [*smoke, f"--out={out / 'gdpa.json'}",
+                  "--configs=block_kv=64+num_stages=3,bogus"]],
+        ["softmax", [*smoke, "--mode=softmax", f"--out={out / 'softmax.json'}",
+                     "--configs=block_kv=64"]],
+        ["no_gpu", [f"--out={out / 'no_gpu.json'}"]]],
+        cwd=root, env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"), timeout=600,
+        package="tools")
+    return code, said, stderr, out
 
 
-def test_bench_without_gpu_exits_with_a_message(tmp_path):
-    r = _bench([], tmp_path)
-    assert r.returncode != 0
-    assert "no GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+def test_bench_without_gpu_exits_with_a_message(bench_runs):
+    code, said, stderr, _ = bench_runs
+    assert "no_gpu" in said, stderr[-3000:]
+    assert code != 0
+    assert "no GPU" in stderr and "Traceback" not in stderr, stderr[-2000:]
 
 
-# the bench's sample clipped to 300 tokens: 3 tiles of 128 a side, the last one partial
-_MAX_LEN = 300
-
-
-def test_bench_smoke_in_interpret_mode(tmp_path):
-    """The script end to end on CPU (1 sample clipped to _MAX_LEN, 1 head, interpreter, each
-    row timed on one call: the interpreter's calls cost seconds and their times mean
-    nothing): rows, knobs, JSON."""
+def test_bench_smoke_in_interpret_mode(bench_runs):
+    """The script end to end on CPU: rows, knobs, JSON."""
     import json
-    r = _bench(["--interpret", "--max_samples=1", f"--max_len={_MAX_LEN}", "--heads=1", "--iters=0",
-                "--sweep", "--configs=block_kv=64+num_stages=3,bogus"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.load(open(tmp_path / "bench.json"))
+    code, said, stderr, out = bench_runs
+    assert "softmax" in said, stderr[-3000:]      # the GDPA command returned
+    res = json.load(open(out / "gdpa.json"))
     rows = {x["impl"]: x for x in res["rows"]}
     assert set(rows) == {"triton_gdpa_fwd", "mosaic_gdpa_fwd", "mosaic_gdpa_fwd_kernel_only",
                          "mosaic[block_kv=64+num_stages=3]", "mosaic[bogus]"}
@@ -791,25 +806,24 @@ def test_bench_smoke_in_interpret_mode(tmp_path):
         assert rows[name]["ms"] > 0 and rows[name]["tflops"] > 0
     meta = res["meta"]
     n = min(int(w1_lengths(np.random.default_rng(0))[0]), _MAX_LEN)
-    assert meta["valid_pairs"] == n ** 2 and meta["capacity_q"] == 384
+    assert meta["valid_pairs"] == n ** 2 and meta["capacity_q"] == 256
     assert meta["fwd_gflop"] == pytest.approx(4 * 1 * 128 * n ** 2 / 1e9)
 
 
-def test_bench_smoke_softmax_mode(tmp_path):
+def test_bench_smoke_softmax_mode(bench_runs):
     """--mode=softmax: the softmax rows (Triton jagged_attention vs the Mosaic softmax
     forward), matching each other, scale 1 / sqrt(D)."""
     import json
-    r = _bench(["--interpret", "--mode=softmax", "--max_samples=1", f"--max_len={_MAX_LEN}",
-                "--heads=1", "--iters=0", "--sweep", "--configs=block_kv=64"], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.load(open(tmp_path / "bench.json"))
+    code, said, stderr, out = bench_runs
+    assert "no_gpu" in said, stderr[-3000:]       # the softmax command returned
+    res = json.load(open(out / "softmax.json"))
     rows = {x["impl"]: x for x in res["rows"]}
     assert set(rows) == {"triton_softmax_fwd", "mosaic_softmax_fwd",
                          "mosaic_softmax_fwd_kernel_only", "mosaic[block_kv=64]"}
     for name in set(rows) - {"triton_softmax_fwd"}:
         assert rows[name]["rel_diff_vs_triton"] < TOL, rows[name]
     assert res["meta"]["mode"] == "softmax" and res["meta"]["scale"] == pytest.approx(128 ** -0.5)
-    assert "target" not in r.stdout.split("best correct Mosaic")[-1]
+    assert "target" not in said["softmax"].split("best correct Mosaic")[-1]
 
 
 # ------------------------------------- the Mosaic backward (run_backward, dQ and dK / dV)
