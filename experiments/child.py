@@ -13,7 +13,7 @@ import shlex
 import signal
 import subprocess
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 # the repository root: the drivers' children run there, with it first on PYTHONPATH
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,38 +66,75 @@ def run_process(argv: Sequence[str], workdir: str, log_path: str, *, cwd: str | 
     SIGINT / SIGTERM to this process is passed on (the run saves and exits 128 + signal;
     128 + signal is returned whenever a passed-on signal ended it); the run gets SIGTERM
     if this process dies."""
-    wait_unlocked(workdir)
+    return run_processes([(argv, workdir, log_path)], 1, cwd=cwd, env=env)[0]
+
+
+def run_processes(runs: Sequence[tuple[Sequence[str], str, str]], jobs: int = 1, *,
+                  cwd: str | None = None, env: dict | None = None,
+                  done: Callable[[int, int], None] | None = None) -> list[int]:
+    """Run each (argv, workdir, log_path) of `runs` as run_process runs one, up to `jobs`
+    side by side (one GPU holds several small runs); their exit codes, in order.
+
+    A SIGINT / SIGTERM to this process is passed on once to every run in progress, and no
+    further run starts: a run the signal ended, or one never started, gets 128 + signal.
+    done(i, code) is called in this process as run i ends (never for a run not started); it
+    must not raise, since the other runs go on."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     passed: list[int] = []      # the signals this process got, in order
-    proc = None                 # the child, once it exists
-    sent = 0                    # how many of `passed` the child has been sent
+    running: dict[int, list] = {}   # run index -> [child, signals sent to it, its log]
+    codes: list[int | None] = [None] * len(runs)
 
     def pass_on() -> None:
-        nonlocal sent
-        while proc is not None and sent < len(passed):
-            sent += 1
-            proc.send_signal(passed[sent - 1])
+        for state in list(running.values()):
+            while state[0] is not None and state[1] < len(passed):
+                state[1] += 1
+                state[0].send_signal(passed[state[1] - 1])
 
     def forward(signum, _frame):
         passed.append(signum)
         pass_on()
 
-    # the handlers go in before the child starts: a signal that arrives while it starts is
+    # the handlers go in before a child starts: a signal that arrives while it starts is
     # passed on once it exists (never lost), and the child starts with the default actions
     # (a caught signal is reset at exec, where an ignored one would stay ignored)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with open(log_path, "ab") as log:
-            log.write(f"\n$ {shlex.join(argv)}\n".encode())
-            log.flush()
-            # its own process group: a terminal's Ctrl-C reaches the driver, which passes it
-            # on once (a second signal would stop the run without its save)
-            proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                    env=env, stdin=subprocess.DEVNULL, preexec_fn=pdeathsig,
-                                    process_group=0)
-            pass_on()
-            code = proc.wait()
-            return 128 + passed[0] if passed and code != 0 else code
+        nxt = 0
+        while nxt < len(runs) or running:
+            while not passed and nxt < len(runs) and len(running) < jobs:
+                argv, workdir, log_path = runs[nxt]
+                wait_unlocked(workdir)
+                log = open(log_path, "ab")
+                log.write(f"\n$ {shlex.join(argv)}\n".encode())
+                log.flush()
+                running[nxt] = [None, 0, log]
+                # its own process group: a terminal's Ctrl-C reaches the driver, which passes
+                # it on once (a second signal would stop the run without its save)
+                running[nxt][0] = subprocess.Popen(
+                    list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                    stdin=subprocess.DEVNULL, preexec_fn=pdeathsig, process_group=0)
+                nxt += 1
+                pass_on()
+            if passed:
+                for i in range(nxt, len(runs)):
+                    codes[i] = 128 + passed[0]
+                nxt = len(runs)
+            for i, (proc, _, log) in list(running.items()):
+                code = proc.poll() if len(running) > 1 or nxt < len(runs) else proc.wait()
+                if code is None:
+                    continue
+                del running[i]
+                log.close()
+                codes[i] = 128 + passed[0] if passed and code != 0 else code
+                if done is not None:
+                    done(i, codes[i])
+            if running:
+                time.sleep(0.05)
+        return codes
     finally:
+        for state in running.values():
+            state[2].close()
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -1,7 +1,7 @@
 """Scaling curves on MovieLens-1M: test metric against training compute, two families.
 
-    python -m experiments.scaling --task=retrieval --out=runs/scaling_retrieval   # train
-    python -m experiments.scaling --task=ranking --out=runs/scaling_ranking
+    python -m experiments.scaling --task=retrieval --out=runs/scaling_retrieval --jobs=10
+    python -m experiments.scaling --task=ranking --out=runs/scaling_ranking --jobs=10
     python -m experiments.scaling --task=retrieval --dry_run      # the ladder and its FLOPs
     python -m experiments.scaling --task=retrieval --out=/tmp/scale_smoke --max_users=16 \\
         --families=gem_tower --ladder=8x1,16x1,32x2,64x4 --rungs=0,1 --epochs=1 \\
@@ -41,14 +41,14 @@ the "scoring", is a column of its own and not in the dense count); training comp
 3 x dense forward FLOPs per sample x samples seen up to the selected (best) step.
 
 Protocol per rung and seed: trained through gemjax.train.loop.train in a subprocess of
-its own, in OUT/<family>/r<rung>_s<seed> (rerunning resumes; a finished rung, one with
-its summary.json, is not rerun; a workdir holding another config is refused), for
---epochs epochs with model selection on the validation split (the converter's
-valid.parquet: each user's last train item; train.select_metric = --metric, evaluated
-every --valid_epochs epochs, --patience evals without improvement stop the run); the
-test split is read once, on the best checkpoint. Outputs: OUT/scaling.json (every rung
-and seed), OUT/scaling.md (the table) and OUT/scaling.png (test metric vs training
-PFLOP, log x, one line per family).
+its own (--jobs of them side by side), in OUT/<family>/r<rung>_s<seed> (rerunning
+resumes; a finished rung, one with its summary.json, is not rerun; a workdir holding
+another config is refused), for --epochs epochs with model selection on the validation
+split (the converter's valid.parquet: each user's last train item; train.select_metric =
+--metric, evaluated every --valid_epochs epochs, --patience evals without improvement
+stop the run); the test split is read once, on the best checkpoint. Outputs:
+OUT/scaling.json (every rung and seed), OUT/scaling.md (the table) and OUT/scaling.png
+(test metric vs training PFLOP, log x, one line per family).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ import numpy as np
 
 from experiments import ranking
 from experiments.child import (REPO, Stopped, check_stopped, log_tail, repo_env, run_process,
-                               train_here)
+                               run_processes, train_here)
 
 MIN_SPAN = 16.0          # the teacher rungs' dense FLOPs per sample: largest / smallest
 MATCH_TOL = 0.10         # a comparison rung's dense FLOPs within 10% of its teacher rung's
@@ -365,12 +365,10 @@ def _jsonable(cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def run_rung(cfg, workdir: str, log=print) -> dict:
-    """summary.json of cfg trained in `workdir` by a subprocess (its output in
-    workdir/train.log); a finished run's summary is read back, not rerun. ValueError
-    when workdir holds a run of another config; Stopped when a SIGINT / SIGTERM (passed
-    on to the subprocess) stopped it after its save; RuntimeError (with the log's tail)
-    when the subprocess fails."""
+def prepare_rung(cfg, workdir: str, log=print) -> dict | None:
+    """The summary.json of cfg's finished run in `workdir`, read back; None when the run is
+    still to train (its rung.json written). ValueError when workdir holds a run of another
+    config."""
     workdir = os.path.abspath(workdir)                 # the subprocess runs in REPO
     os.makedirs(workdir, exist_ok=True)
     want = {"config": _jsonable(cfg)}
@@ -390,15 +388,38 @@ def run_rung(cfg, workdir: str, log=print) -> dict:
         log(f"[scaling] {workdir}: finished, reusing its summary.json")
         return summary
     log(f"[scaling] {workdir}: training {cfg.train.steps} steps")
-    train_log = os.path.join(workdir, "train.log")
-    rc = run_process([sys.executable, "-m", "experiments.scaling", f"--run_rung={workdir}"],
-                     workdir, train_log, cwd=REPO, env=repo_env())
+    return None
+
+
+def rung_process(workdir: str) -> tuple[list[str], str, str]:
+    """(argv, workdir, log path) of the subprocess that trains workdir/rung.json (its
+    output in workdir/train.log)."""
+    workdir = os.path.abspath(workdir)
+    return ([sys.executable, "-m", "experiments.scaling", f"--run_rung={workdir}"], workdir,
+            os.path.join(workdir, "train.log"))
+
+
+def rung_outcome(workdir: str, rc: int) -> dict:
+    """The summary.json the subprocess that exited with rc wrote in workdir. Stopped when a
+    SIGINT / SIGTERM (passed on to the subprocess) stopped it after its save; RuntimeError
+    (with the log's tail) when it failed."""
+    workdir = os.path.abspath(workdir)
     check_stopped(rc, f"{workdir}:")
     summary = _read_summary(workdir)
     if rc != 0 or summary is None:
         raise RuntimeError(f"{workdir}: training exited with {rc}; the end of its train.log:\n"
-                           f"{log_tail(train_log)}")
+                           f"{log_tail(os.path.join(workdir, 'train.log'))}")
     return summary
+
+
+def run_rung(cfg, workdir: str, log=print) -> dict:
+    """summary.json of cfg trained in `workdir` by a subprocess (prepare_rung, then
+    rung_process run through run_process, then rung_outcome)."""
+    summary = prepare_rung(cfg, workdir, log)
+    if summary is not None:
+        return summary
+    argv, workdir, train_log = rung_process(workdir)
+    return rung_outcome(workdir, run_process(argv, workdir, train_log, cwd=REPO, env=repo_env()))
 
 
 def _read_summary(workdir: str) -> dict | None:
@@ -563,6 +584,8 @@ def define_flags() -> None:
     flags.DEFINE_list("rungs", [], "rung indices to train (default all; the span is checked "
                                    "on the whole ladder)")
     flags.DEFINE_integer("seeds", 1, "seeds per rung (train.seed 0 .. seeds-1)")
+    flags.DEFINE_integer("jobs", 1, "runs (rung x seed) trained side by side, each in a process "
+                                    "of its own (one GPU holds several small ones)")
     flags.DEFINE_integer("epochs", 0, "epochs per rung (0: TASKS[task]['epochs'])")
     flags.DEFINE_float("valid_epochs", 0.0, "epochs between validation evals (0: the task's)")
     flags.DEFINE_integer("patience", 3, "validation evals without improvement before stopping")
@@ -642,6 +665,11 @@ def main(argv):
                             "seen to the best validation step",
               "families": [{"name": fam.name, "label": fam.label, "preset": fam.preset}
                            for fam in fams], "rungs": []}
+    pending = []          # (entry, rung, seed, cfg, workdir) of the runs still to train
+
+    def add(entry: dict, result: dict) -> None:
+        entry["seeds"] = sorted(entry["seeds"] + [result], key=lambda r: r["seed"])
+
     for fam in fams:
         for i in pick:
             rung = rungs[fam.name][i]
@@ -652,14 +680,33 @@ def main(argv):
                                  valid_epochs=valid_epochs, patience=f.patience, metric=metric,
                                  seed=seed)
                 wd = os.path.join(f.out, fam.name, f"r{i}_s{seed}")
-                try:
-                    summary = run_rung(cfg, wd, log)
-                except Stopped as e:
-                    write_report(report, f.out)
-                    print(f"[scaling] {e}; rerun the same command to continue", flush=True)
-                    sys.exit(130)
-                entry["seeds"].append(rung_result(rung, seed, cfg, summary, metric))
-                write_report(report, f.out)       # after every run: partial curves survive
+                summary = prepare_rung(cfg, wd, log)
+                if summary is None:
+                    pending.append((entry, rung, seed, cfg, wd))
+                else:
+                    add(entry, rung_result(rung, seed, cfg, summary, metric))
+    write_report(report, f.out)
+
+    def ended(k: int, code: int) -> None:      # after every run: partial curves survive
+        entry, rung, seed, cfg, wd = pending[k]
+        summary = _read_summary(os.path.abspath(wd))
+        if code == 0 and summary is not None:
+            add(entry, rung_result(rung, seed, cfg, summary, metric))
+            write_report(report, f.out)
+
+    codes = run_processes([rung_process(p[-1]) for p in pending], f.jobs, cwd=REPO,
+                          env=repo_env(), done=ended)
+    failed = []
+    for (*_, wd), code in zip(pending, codes):
+        try:
+            rung_outcome(wd, code)
+        except Stopped as e:
+            print(f"[scaling] {e}; rerun the same command to continue", flush=True)
+            sys.exit(130)
+        except RuntimeError as e:
+            failed.append(str(e))
+    if failed:
+        raise RuntimeError("\n\n".join(failed))
     report = write_report(report, f.out)
     print(table(report))
     print(report["verdict"])

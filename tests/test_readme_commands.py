@@ -226,8 +226,9 @@ SKIP = {
     "python -m experiments.ranking --data_out=/tmp/gemjax-data/ml-1m-200 --max_users=200 "
     "--models=lr,wukong --seeds=0 --max_epochs=2 --workdir=/tmp/ranking-quick":
         "needs ../shared/datasets/ml-1m; tests/test_ranking.py runs the same path on fake data",
-    "python -m experiments.scaling --task=retrieval --out=runs/scaling_retrieval": "a GPU run",
-    "python -m experiments.scaling --task=ranking --out=runs/scaling_ranking": "a GPU run",
+    "python -m experiments.scaling --task=retrieval --out=runs/scaling_retrieval --jobs=10":
+        "a GPU run",
+    "python -m experiments.scaling --task=ranking --out=runs/scaling_ranking --jobs=10": "a GPU run",
     "python -m experiments.scaling --task=retrieval --seeds=3 --epochs=60 "
     "--ladder=32x1,64x2,96x3,128x4,192x6": "a GPU run",
     "python -m experiments.scaling --task=retrieval --dry_run":
