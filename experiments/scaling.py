@@ -654,6 +654,8 @@ def main(argv):
         pick = [int(i) for i in f.rungs] if f.rungs else list(range(len(ladder)))
         if any(not 0 <= i < len(ladder) for i in pick):
             raise ValueError(f"--rungs={','.join(f.rungs)}: indices in [0, {len(ladder)})")
+        if f.jobs < 1:
+            raise ValueError(f"--jobs={f.jobs}: at least 1")
     except (ValueError, FileNotFoundError) as e:
         raise app.UsageError(str(e))
     if f.dry_run:
@@ -680,7 +682,10 @@ def main(argv):
                                  valid_epochs=valid_epochs, patience=f.patience, metric=metric,
                                  seed=seed)
                 wd = os.path.join(f.out, fam.name, f"r{i}_s{seed}")
-                summary = prepare_rung(cfg, wd, log)
+                try:
+                    summary = prepare_rung(cfg, wd, log)
+                except ValueError as e:            # the workdir holds another config
+                    raise app.UsageError(str(e))
                 if summary is None:
                     pending.append((entry, rung, seed, cfg, wd))
                 else:
