@@ -4,6 +4,7 @@ kernel doing the rest ("k_rows", "q_rows"; "auto" picks them for short key / que
 sides). Against the float64 per-sample formula, forward and gradients."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,19 +73,15 @@ def test_rows_backward_matches_float64(mode, fused, lens, monkeypatch):
     assert _check(mode, lens, fused, monkeypatch) == [fused]
 
 
-_LAYOUTS = {}
-
-
+@functools.cache
 def _cross_layout():
     """kernels.triton.layout.build_layout of CROSS (64-row query / 32-row key tiles), one
     jitted program (eager, each of its ops compiles alone), built once for the tests
     that read it."""
-    if not _LAYOUTS:
-        from kernels.triton.layout import build_layout
-        cfg = FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32)
-        _LAYOUTS["cross"] = jax.jit(lambda qo, ko: build_layout(cfg, qo, ko, 384, 256, 32))(
-            *(jnp.asarray(offsets_of(x)) for x in CROSS))
-    return _LAYOUTS["cross"]
+    from kernels.triton.layout import build_layout
+    cfg = FlashConfig(mode="gdpa", bq=64, bk=32, bq_dkv=64, bk_dkv=32)
+    return jax.jit(lambda qo, ko: build_layout(cfg, qo, ko, 384, 256, 32))(
+        *(jnp.asarray(offsets_of(x)) for x in CROSS))
 
 
 def test_row_owners_split_the_rows():
