@@ -80,6 +80,9 @@ def define_flags() -> None:
     flags.DEFINE_string("seeds", "", "comma-separated seeds: one run each in WORKDIR/seed<N>, "
                         "then mean +- std")
     flags.DEFINE_string("override", "", "preset overrides, section.field=value,...")
+    flags.DEFINE_integer("steps_per_call", 1, "train steps per jitted call (train.steps_per_call; "
+                         "must divide an epoch's steps; 0: one epoch per call); the same "
+                         "numbers as one step per call, with one launch per call")
 
 
 def _converter():
@@ -115,10 +118,11 @@ def has_selection() -> bool:
 
 def build_config(retrieval_dir: str, epochs: int, eval_epochs: int, seed: int, override: str,
                  preset: str = "movielens_retrieval", valid: bool = False,
-                 select_metric: str = "ndcg@10", patience: int = 5):
+                 select_metric: str = "ndcg@10", patience: int = 5, steps_per_call: int = 1):
     """`preset` on retrieval_dir's files and schema, train.steps = epochs * steps per
     epoch, evals (validation with `valid`, else test) and checkpoints every eval_epochs
-    epochs. valid: data.valid_path = valid.parquet, train.select_metric / patience /
+    epochs, steps_per_call steps per jitted call (0: an epoch's; ValueError unless it
+    divides an epoch's steps). valid: data.valid_path = valid.parquet, train.select_metric / patience /
     valid_every set (ValueError if the trainer has no selection); else no selection."""
     from gemjax.config import apply_overrides, get_config
     from gemjax.features import FeatureSchema
@@ -143,7 +147,11 @@ def build_config(retrieval_dir: str, epochs: int, eval_epochs: int, seed: int, o
     cfg = apply_overrides(cfg, override)
     per_epoch = math.ceil(counts["splits"]["train"]["rows"] / cfg.data.batch_size)
     every = max(1, min(eval_epochs, epochs)) * per_epoch
-    sched = {"train.steps": str(epochs * per_epoch), "train.eval_every": str(every),
+    k = steps_per_call or per_epoch
+    if k < 1 or per_epoch % k:
+        raise ValueError(f"--steps_per_call={steps_per_call} must divide the {per_epoch} steps "
+                         f"of an epoch (or be 0: one epoch per call)")
+    sched = {"train.steps_per_call": str(k),"train.steps": str(epochs * per_epoch), "train.eval_every": str(every),
              "train.checkpoint_every": str(every), "train.log_every": str(per_epoch),
              "train.warmup_steps": str(min(per_epoch, cfg.optim.dense.warmup_steps))}
     if valid:
@@ -213,7 +221,7 @@ def main(argv):
     try:
         d = ensure_converted(f.data_dir or DEFAULT_DIR, f.data_out, f.max_users, valid=f.valid)
         cfgs = {s: build_config(d, f.epochs, f.eval_epochs, s, f.override, f.preset, f.valid,
-                                f.select_metric, f.patience) for s in seeds}
+                                f.select_metric, f.patience, f.steps_per_call) for s in seeds}
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise app.UsageError(str(e))
     results = {}

@@ -847,7 +847,7 @@ def _selection_checks(cfg: Config) -> list[tuple[bool, str]]:
 
 def _steps_per_call_checks(cfg: Config) -> list[tuple[bool, str]]:
     """K >= 1; train.steps and the log / eval / checkpoint intervals multiples of K (every
-    boundary falls between two calls); retrieval trains one step per call."""
+    boundary falls between two calls)."""
     k = cfg.train.steps_per_call
     if k < 1:
         return [(False, f"train.steps_per_call must be >= 1, got {k}")]
@@ -855,8 +855,6 @@ def _steps_per_call_checks(cfg: Config) -> list[tuple[bool, str]]:
             f"train.{f} ({getattr(cfg.train, f)}) must be a multiple of train.steps_per_call "
             f"({k}): the loop logs, evaluates, checkpoints and stops between calls of {k} steps")
            for f in ("steps", "log_every", "eval_every", "checkpoint_every", "valid_every")]
-    out.append((k == 1 or cfg.model.kind != "retrieval",
-                f"model.kind=retrieval runs with train.steps_per_call=1, got {k}"))
     return out
 
 

@@ -35,12 +35,21 @@ def test_conversion_is_reused_only_for_the_same_users_and_steps_follow_epochs(tm
         (5 * per_epoch, 2 * per_epoch, per_epoch, 4)
     assert cfg.model.kind == "retrieval" and cfg.model.dim == 8
     assert cfg.data.train_path == os.path.join(d, "train.parquet")
+    assert cfg.train.steps_per_call == 1
+    one_epoch = mlx.build_config(d, epochs=5, eval_epochs=2, seed=4, steps_per_call=0,
+                                 override="data.batch_size=2,model.dim=8")
+    assert one_epoch.train.steps_per_call == per_epoch
+    with pytest.raises(ValueError, match=rf"--steps_per_call={per_epoch + 1} must divide the "
+                                         rf"{per_epoch} steps of an epoch"):
+        mlx.build_config(d, epochs=5, eval_epochs=2, seed=4, steps_per_call=per_epoch + 1,
+                         override="data.batch_size=2,model.dim=8")
 
 
 COMMANDS = {   # name -> the command's flags but --data_dir, --data_out and --workdir
     "novalid": ["--epochs=2", "--eval_epochs=1", "--novalid",
                 "--override=data.batch_size=4,model.dim=8,train.tensorboard=false"],
     "seeds": ["--epochs=2", "--eval_epochs=1", "--seeds=0,1", "--patience=2", "--refit",
+              "--steps_per_call=0",
               "--preset=movielens_hstu_large",
               "--override=data.batch_size=4,model.dim=8,model.seq_layers=1,"
               "model.retrieval_negatives=8,train.tensorboard=false"],

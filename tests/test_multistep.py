@@ -137,9 +137,6 @@ def test_what_k_steps_per_call_cannot_do_is_refused_by_name(tmp_path):
             tiny(4, extra=over)
     with pytest.raises(ValueError, match=r"train.steps_per_call must be >= 1, got 0"):
         tiny(0)
-    with pytest.raises(ValueError, match=r"model.kind=retrieval runs with train.steps_per_call=1"):
-        apply_overrides(get_config("movielens_retrieval"), "train.steps_per_call=2,train.steps=4800,"
-                        "train.log_every=2,train.eval_every=2,train.checkpoint_every=2")
     # a stop or resume between two calls of 4 steps
     with pytest.raises(ValueError, match=r"train.steps_per_call=4: the last step \(stop_after\) "
                                          r"is 6, not a multiple of 4"):

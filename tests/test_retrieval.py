@@ -177,6 +177,37 @@ def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tm
         "hr@10", "ndcg@10", "hr@50", "hr@10_unmasked", "mrr", "rows"))
 
 
+def test_k_steps_per_call_train_what_one_step_per_call_trains(fake_retrieval, tmp_path):
+    """movielens_hstu_large (dropout 0.2, sampled negatives drawn per step) with selection
+    on validation HR@10: 4 steps per jitted call write the one-step run's metrics.jsonl
+    rows (losses, validation and test figures, to float32 rounding) and select its step."""
+    from gemjax.train.loop import train
+    base, d = fake_retrieval
+    cfg = dataclasses.replace(get_config("movielens_hstu_large"), features=base.features)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    got = {}
+    for k in (1, 4):
+        run = apply_overrides(cfg, {
+            "data.train_path": str(d / "train.parquet"), "data.eval_path": str(d / "test.parquet"),
+            "data.valid_path": str(d / "valid.parquet"), "train.select_metric": "hr@10",
+            "data.batch_size": "2", "model.dim": "8", "model.seq_layers": "1",
+            "model.retrieval_negatives": "6", "train.steps": "8", "train.log_every": "4",
+            "train.eval_every": "4", "train.valid_every": "4", "train.checkpoint_every": "4",
+            "train.tensorboard": "false", "train.steps_per_call": str(k)})
+        summary = train(run, str(tmp_path / f"k{k}"), log=lambda s: None, mesh=mesh)
+        got[k] = (summary, [json.loads(ln) for ln in open(tmp_path / f"k{k}" / "metrics.jsonl")])
+    (one, rows1), (four, rows4) = got[1], got[4]
+    assert [(r["kind"], r["step"]) for r in rows1] == [(r["kind"], r["step"]) for r in rows4]
+    assert [r["kind"] for r in rows1].count("train") == 2
+    assert [r["kind"] for r in rows1].count("valid") == 2
+    for a, b in zip(rows1, rows4):
+        for key in ("loss", "grad_norm", "hr@10", "ndcg@10", "hr@50", "mrr"):
+            if a.get(key) is not None:
+                np.testing.assert_allclose(b[key], a[key], rtol=2e-6, err_msg=f"{a['kind']} {key}")
+    assert one["selection"]["best_step"] == four["selection"]["best_step"]
+    np.testing.assert_allclose(four["eval_ndcg@10"], one["eval_ndcg@10"], rtol=2e-6)
+
+
 def test_ranking_summary_hr200_ndcg_mrr_match_a_brute_force_sort():
     """The evaluator's figures: HR@k / NDCG@k / MRR from target_ranks + ranking_summary equal a per-row sort of the
     catalogue (ties ordered with the target first) for k = 10, 50, 200."""
