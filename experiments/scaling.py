@@ -340,9 +340,11 @@ def base_config(family: Family, data: str, override: str = ""):
 
 
 def run_config(base, rung: Rung, *, rows: int, epochs: int, valid_epochs: float, patience: int,
-               metric: str, seed: int):
+               metric: str, seed: int, steps_per_call: int = 1):
     """The rung's training config: `epochs` epochs of `rows` train rows, selection on
-    valid.parquet every valid_epochs epochs by `metric`, test once on the best state."""
+    valid.parquet every valid_epochs epochs by `metric`, test once on the best state;
+    steps_per_call train steps per jitted call (0: the largest count dividing an epoch's
+    steps and the validation interval)."""
     from gemjax.config import apply_overrides
     cfg = apply_overrides(base, rung.overrides)
     per_epoch = math.ceil(rows / cfg.data.batch_size)
@@ -350,6 +352,7 @@ def run_config(base, rung: Rung, *, rows: int, epochs: int, valid_epochs: float,
     steps = max(every, epochs * per_epoch)
     valid = os.path.join(os.path.dirname(cfg.data.train_path), "valid.parquet")
     return apply_overrides(cfg, {
+        "train.steps_per_call": str(steps_per_call or math.gcd(per_epoch, every)),
         "data.valid_path": valid, "train.select_metric": metric, "train.patience": str(patience),
         "train.valid_every": str(every), "train.eval_every": str(every),
         "train.checkpoint_every": str(every), "train.steps": str(steps),
@@ -588,6 +591,9 @@ def define_flags() -> None:
                                     "of its own (one GPU holds several small ones)")
     flags.DEFINE_integer("epochs", 0, "epochs per rung (0: TASKS[task]['epochs'])")
     flags.DEFINE_float("valid_epochs", 0.0, "epochs between validation evals (0: the task's)")
+    flags.DEFINE_integer("steps_per_call", 1, "train steps per jitted call (train.steps_per_call; "
+                         "0: the largest dividing an epoch and the validation interval); the "
+                         "same numbers as one step per call, with one launch per call")
     flags.DEFINE_integer("patience", 3, "validation evals without improvement before stopping")
     flags.DEFINE_string("metric", "", "selection and test metric (default: hr@10 / auc)")
     flags.DEFINE_string("override", "", "overrides for every rung, section.field=value,...")
@@ -680,7 +686,7 @@ def main(argv):
             for seed in range(f.seeds):
                 cfg = run_config(bases[fam.name], rung, rows=rows, epochs=epochs,
                                  valid_epochs=valid_epochs, patience=f.patience, metric=metric,
-                                 seed=seed)
+                                 seed=seed, steps_per_call=f.steps_per_call)
                 wd = os.path.join(f.out, fam.name, f"r{i}_s{seed}")
                 try:
                     summary = prepare_rung(cfg, wd, log)

@@ -224,8 +224,8 @@ def test_smoke_two_rungs_end_to_end(tmp_path):
     if not os.path.exists(os.path.join(ML1M, "train.csv.zip")):
         pytest.skip(f"MovieLens-1M not at {ML1M}")
     """The comparison family trained alone: its rungs keep the widths matched to the
-    teacher family's ladder, train side by side (--jobs=2), select on validation, test
-    once, and rerun as reused."""
+    teacher family's ladder, train side by side (--jobs=2) an epoch per jitted call,
+    select on validation, test once, and rerun as reused."""
     fam = scaling.FAMILIES["retrieval"][1]
     if fam.requires():
         pytest.skip(fam.requires())
@@ -233,8 +233,8 @@ def test_smoke_two_rungs_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "experiments.scaling", "--task=retrieval",
            f"--data_dir={ML1M}", f"--data_out={tmp_path / 'data'}", "--max_users=16",
            f"--out={out}", f"--families={fam.name}", "--ladder=16x1,32x1,48x2,64x4",
-           "--rungs=0,1", "--epochs=1", "--valid_epochs=1", "--override=data.batch_size=16",
-           "--jobs=2"]
+           "--rungs=0,1", "--epochs=1", "--valid_epochs=1", "--override=data.batch_size=4",
+           "--jobs=2", "--steps_per_call=0"]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     printed = {}                     # the ladder table: (family, rung) -> (width, GFLOP)
@@ -252,8 +252,10 @@ def test_smoke_two_rungs_end_to_end(tmp_path):
         assert r["width"] == printed[fam.name, r["index"]][0]
         (s,) = r["seeds"]
         assert s["test"] is not None and 0.0 <= s["test"] <= 1.0
-        assert s["train_pflop"] == pytest.approx(3 * r["dense_flops"] * 16 * s["best_step"] / 1e15)
+        assert s["train_pflop"] == pytest.approx(3 * r["dense_flops"] * 4 * s["best_step"] / 1e15)
         wd = out / fam.name / f"r{r['index']}_s0"
+        # 16 users, 4 a step: the epoch and the validation interval are 4 steps, one call
+        assert json.loads((wd / "config.json").read_text())["train"]["steps_per_call"] == 4
         assert (wd / "best").is_dir()
         rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
         assert any(row.get("split") == "valid" for row in rows)
