@@ -212,6 +212,10 @@ SKIP = {
     "python -m experiments.movielens --preset=movielens_hstu_large --seeds=0,1,2 --epochs=200 "
     "--eval_epochs=4 --patience=4 --refit --workdir=runs/ml_hstu":
         "minutes a seed on a GPU; tests/test_movielens.py runs the script on a fake MovieLens",
+    "python -m experiments.movielens --preset=movielens_hstu_large --seeds=0,1,2 --epochs=200 "
+    "--eval_epochs=2 --patience=8 --select_metric=hr@10 --steps_per_call=0 "
+    "--override=model.dim=64 --workdir=runs/ml_hstu_d64":
+        "minutes a seed on a GPU; tests/test_movielens.py runs the script on a fake MovieLens",
     "./run train --config=tiny --workdir=runs/sel --override=data.valid_path=synthetic,"
     "train.select_metric=auc,train.valid_every=10,train.patience=2":
         "tests/test_validation.py trains the same selection on the tiny preset",
