@@ -8,63 +8,85 @@ import pytest
 from kernels import block_attention
 from kernels.block_attention import block_attention_reference, block_attention_reference_dense
 from test_kernels_common import (assert_only_slice_changes, check_against, np_attention,
-                                 offsets_of, random_qkv, run_vjp)
+                                 offsets_of, random_qkv, vjp_outputs)
 
 LENS = [0, 1, 63, 64, 65, 130, 3]  # 326 tokens in capacity 384
 
 
-def _check(impl, lens, t, *, dtype=jnp.float32, h=2, d=32, block=64, theta=10_000.0,
-           positions=None, seed=0, knobs=None):
-    rng = np.random.default_rng(seed)
-    q, k, v, do = random_qkv(rng, t, t, h, d, dtype, scale=1.0)
-    off = offsets_of(lens)
-    pos = None if positions is None else jnp.asarray(positions, jnp.int32)
-    kw = dict(block=block, positions=pos, rope_theta=theta)
-    if impl == "dense":
-        fn = lambda q, k, v: block_attention_reference_dense(q, k, v, jnp.asarray(off), **kw)
-    elif impl == "reference":
-        fn = lambda q, k, v: block_attention_reference(q, k, v, jnp.asarray(off), **kw)
-    elif knobs:
-        from kernels.dispatch import block_attention_pallas
-        fn = lambda q, k, v: block_attention_pallas(q, k, v, jnp.asarray(off), **kw, **knobs)
-    else:
-        fn = lambda q, k, v: block_attention(q, k, v, jnp.asarray(off), impl=impl, **kw)
-    got = run_vjp(jax.jit(fn), q, k, v, do)
-    want = np_attention(q, k, v, do, off, off, mode="softmax", scale=d ** -0.5, block=block,
-                        rope_theta=theta, positions=positions)
-    check_against(got, want, dtype, f"block_attention[{impl}] block={block}", q_end=off[-1])
+def _check(impl, lens, t, **kw):
+    _check_all([dict(impl=impl, lens=lens, t=t, **kw)])
 
 
-@pytest.mark.parametrize("impl", ["reference", "dense", "pallas"])
-def test_block64(impl):
-    _check(impl, LENS, 384)
+def _check_all(cases):
+    """Each case (dict: impl, lens, t, optional dtype, h, d, block, theta, positions, seed,
+    knobs) against the float64 formula, out and all gradients; every case in one jitted
+    program (its kernels compile together)."""
+    runs, args = [], []
+    for c in cases:
+        impl, lens, t = c["impl"], c["lens"], c["t"]
+        dtype, h, d, block = (c.get("dtype", jnp.float32), c.get("h", 2), c.get("d", 32),
+                              c.get("block", 64))
+        theta, positions, knobs = c.get("theta", 10_000.0), c.get("positions"), c.get("knobs")
+        rng = np.random.default_rng(c.get("seed", 0))
+        args.append(random_qkv(rng, t, t, h, d, dtype, scale=1.0))
+        off = offsets_of(lens)
+        pos = None if positions is None else jnp.asarray(positions, jnp.int32)
+        kw = dict(block=block, positions=pos, rope_theta=theta)
+        o = jnp.asarray(off)
+        if impl == "dense":
+            fn = lambda q, k, v, o=o, kw=kw: block_attention_reference_dense(q, k, v, o, **kw)
+        elif impl == "reference":
+            fn = lambda q, k, v, o=o, kw=kw: block_attention_reference(q, k, v, o, **kw)
+        elif knobs:
+            from kernels.dispatch import block_attention_pallas
+            fn = lambda q, k, v, o=o, kw=kw, knobs=knobs: block_attention_pallas(
+                q, k, v, o, **kw, **knobs)
+        else:
+            fn = lambda q, k, v, o=o, kw=kw, impl=impl: block_attention(q, k, v, o, impl=impl,
+                                                                        **kw)
+        runs.append((impl, dtype, d, block, theta, positions, off, knobs, fn))
+    got = jax.jit(lambda args: [vjp_outputs(r[-1], *a) for r, a in zip(runs, args)])(args)
+    for (impl, dtype, d, block, theta, positions, off, knobs, _), a, g in zip(runs, args, got):
+        want = np_attention(*a, off, off, mode="softmax", scale=d ** -0.5, block=block,
+                            rope_theta=theta, positions=positions)
+        check_against(g, want, dtype, f"block_attention[{impl}] block={block} d={d} {knobs}",
+                      q_end=off[-1])
 
 
-@pytest.mark.parametrize("block,lens,t,knobs", [
-    (32, [31, 32, 33, 0, 1, 100], 197, None),       # per-block kernel, no tail (T = sum)
-    (16, [0, 15, 16, 17, 40, 2], 160, dict(group=3, group_bwd=2)),  # tails; 3 / 2 per program
-    (48, [0, 1, 47, 48, 49, 100], 384, None),       # other block sizes: tiled engine
-])
-def test_pallas_block_sizes_and_tails(block, lens, t, knobs):
-    _check("pallas", lens, t, block=block, h=1, d=32, seed=2, knobs=knobs)
+def test_references():
+    """Both references on blocks of 64; the chunked one on blocks of 16, theta 500,
+    custom positions."""
+    pos = np.random.default_rng(5).integers(0, 5000, size=256)
+    _check_all([dict(impl="reference", lens=LENS, t=384), dict(impl="dense", lens=LENS, t=384),
+                dict(impl="reference", lens=[0, 15, 16, 17, 40, 1, 100], t=256, block=16,
+                     theta=500.0, positions=pos)])
 
 
-def test_pallas_engines_agree_and_bad_engine_is_named():
-    _check("pallas", LENS, 384, seed=3, knobs=dict(engine="tiled"))
-    _check("pallas", LENS, 384, seed=3, knobs=dict(engine="per_block", fast_trig=False))
+def test_pallas_block_sizes_engines_and_padded_halves():
+    """block 64 (default engine); other block sizes: 32 through the per-block kernel, no
+    tail (T = sum); 16 with tails, 3 / 2 blocks per program; 48 through the tiled engine;
+    both engines on block 64 (the per-block one with libdevice trig); each RoPE half
+    zero-padded to a power of two (zero frequencies on the zero lanes; the real D's
+    frequencies and scale), custom positions."""
+    pos = np.random.default_rng(9).integers(0, 3000, size=384)
+    _check_all([dict(impl="pallas", lens=LENS, t=384)] + [
+        dict(impl="pallas", lens=lens, t=t, block=block, h=1, d=32, seed=2, knobs=knobs)
+        for block, lens, t, knobs in [
+            (32, [31, 32, 33, 0, 1, 100], 197, None),
+            (16, [0, 15, 16, 17, 40, 2], 160, dict(group=3, group_bwd=2)),
+            (48, [0, 1, 47, 48, 49, 100], 384, None)]] + [
+        dict(impl="pallas", lens=LENS, t=384, seed=3, knobs=dict(engine="tiled")),
+        dict(impl="pallas", lens=LENS, t=384, seed=3,
+             knobs=dict(engine="per_block", fast_trig=False))] + [
+        dict(impl="pallas", lens=LENS, t=384, d=d, block=block, positions=pos, seed=4)
+        for d, block in [(8, 64), (48, 16)]])
+
+
+def test_bad_engine_is_named():
     from kernels.dispatch import block_attention_pallas
     q = jnp.zeros((64, 1, 32), jnp.float32)
     with pytest.raises(ValueError, match="engine"):
         block_attention_pallas(q, q, q, jnp.array([0, 64], jnp.int32), engine="mosaic")
-
-
-@pytest.mark.parametrize("d,block", [(8, 64), (24, 32), (48, 16)])
-def test_pallas_pads_rope_halves(d, block):
-    """Each RoPE half zero-padded to a power of two (zero frequencies on the zero
-    lanes), the real D's frequencies and scale; custom positions."""
-    rng = np.random.default_rng(9)
-    pos = rng.integers(0, 3000, size=384)
-    _check("pallas", LENS, 384, d=d, block=block, positions=pos, seed=4)
 
 
 def test_padded_head_dims_only_through_the_per_block_kernel():
@@ -77,24 +99,15 @@ def test_padded_head_dims_only_through_the_per_block_kernel():
         block_attention_pallas(q, q, q, off, block=48)
 
 
-def test_reference_block16_custom_positions():
-    rng = np.random.default_rng(5)
-    pos = rng.integers(0, 5000, size=256)
-    _check("reference", [0, 15, 16, 17, 40, 1, 100], 256, block=16, theta=500.0, positions=pos)
-
-
-def test_pallas_custom_positions_bf16_d64():
-    rng = np.random.default_rng(6)
-    pos = rng.integers(0, 5000, size=384)
-    _check("pallas", LENS, 384, dtype=jnp.bfloat16, d=64, h=1, positions=pos)
-
-
-@pytest.mark.parametrize("block", [64, 128])
-def test_pallas_bf16_default_positions(block):
-    """16-bit inputs with the default positions: the kernels rotate by each token's offset
-    in its block with unreduced angles (kernels/triton/block.py, _trig)."""
-    _check("pallas", LENS + [128, 129], 640, dtype=jnp.bfloat16, d=64, h=1, block=block,
-           seed=7)
+def test_pallas_bf16_custom_and_default_positions():
+    """16-bit inputs, D = 64: custom positions; the default positions, where the kernels
+    rotate by each token's offset in its block with unreduced angles
+    (kernels/triton/block.py, _trig), on blocks of 64 and 128."""
+    pos = np.random.default_rng(6).integers(0, 5000, size=384)
+    _check_all([dict(impl="pallas", lens=LENS, t=384, dtype=jnp.bfloat16, d=64, h=1,
+                     positions=pos)] + [
+        dict(impl="pallas", lens=LENS + [128, 129], t=640, dtype=jnp.bfloat16, d=64, h=1,
+             block=block, seed=7) for block in (64, 128)])
 
 
 def test_rope_changes_the_result():
@@ -102,8 +115,9 @@ def test_rope_changes_the_result():
     rng = np.random.default_rng(7)
     q, k, v, _ = random_qkv(rng, 128, 128, 1, 32, jnp.float32, scale=1.0)
     off = jnp.asarray(offsets_of([100]))
-    a = block_attention(q, k, v, off, rope_theta=10_000.0, impl="reference")
-    b = block_attention(q, k, v, off, rope_theta=10.0, impl="reference")
+    a, b = jax.jit(lambda q, k, v: [block_attention(q, k, v, off, rope_theta=theta,
+                                                    impl="reference")
+                                    for theta in (10_000.0, 10.0)])(q, k, v)
     assert not np.allclose(a, b, atol=1e-3)
 
 
@@ -134,18 +148,19 @@ def test_bad_inputs_name_the_input():
         block_attention(q300, q300, q300, off, impl="pallas")
 
 
-@pytest.mark.parametrize("d,chunks,chunks_bwd,kw", [
-    (64, 1, 2, {}), (64, 2, 1, {}), (128, 4, 4, dict(group=3, group_bwd=2)),  # 16-column chunks
-    (64, 2, 2, dict(positions="random")), (96, 2, 4, {}),     # custom positions; padded halves
-    (64, 1, 2, dict(early_loads_bwd=True, group_bwd=2)),     # dO / V loaded before the scores
-])
-def test_pallas_rope_chunks(d, chunks, chunks_bwd, kw):
+def test_pallas_rope_chunks():
     """RoPE in column chunks (rope_chunks, rope_chunks_bwd): out and all gradients
-    against the float64 formula on the tile-edge lengths."""
-    pos = (np.random.default_rng(3).integers(0, 5000, size=384)
-           if kw.pop("positions", None) else None)
-    _check("pallas", LENS, 384, d=d, h=1, seed=5, positions=pos,
-           knobs=dict(rope_chunks=chunks, rope_chunks_bwd=chunks_bwd, **kw))
+    against the float64 formula on the tile-edge lengths: forward 2 / backward 1 chunks;
+    16-column chunks (D = 128, 4 / 4, 3 / 2 blocks per program); 2 / 2 with custom
+    positions; padded halves (D = 96, 2 / 4); 1 / 2 with dO / V loaded before the scores
+    (early_loads_bwd)."""
+    pos = np.random.default_rng(3).integers(0, 5000, size=384)
+    _check_all([dict(impl="pallas", lens=LENS, t=384, d=d, h=1, seed=5, positions=p,
+                     knobs=dict(rope_chunks=chunks, rope_chunks_bwd=chunks_bwd, **kw))
+                for d, chunks, chunks_bwd, p, kw in [
+                    (64, 2, 1, None, {}), (128, 4, 4, None, dict(group=3, group_bwd=2)),
+                    (64, 2, 2, pos, {}), (96, 2, 4, None, {}),
+                    (64, 1, 2, None, dict(early_loads_bwd=True, group_bwd=2))]])
 
 
 def test_rope_chunks_must_leave_16_columns():

@@ -143,10 +143,16 @@ def np_attention(q, k, v, do, q_off, kv_off, *, mode, activation="silu", scale=1
     return o, dq, dk, dv
 
 
-def run_vjp(fn, q, k, v, do):
-    """(o, dq, dk, dv) of fn(q, k, v) with cotangent do."""
+def vjp_outputs(fn, q, k, v, do):
+    """(o, dq, dk, dv) of fn(q, k, v) with cotangent do, traced (for use inside a jit)."""
     o, vjp = jax.vjp(fn, q, k, v)
     return (o,) + tuple(vjp(do))
+
+
+def run_vjp(fn, q, k, v, do):
+    """(o, dq, dk, dv) of fn(q, k, v) with cotangent do: forward and backward in one jitted
+    program (one compilation, not a forward and a backward one)."""
+    return jax.jit(lambda q, k, v, do: vjp_outputs(fn, q, k, v, do))(q, k, v, do)
 
 
 def assert_only_slice_changes(f, q, k, v, sl, rng):

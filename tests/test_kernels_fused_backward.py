@@ -15,7 +15,8 @@ from kernels.triton import backward as triton_backward
 from kernels.dispatch import gdpa_pallas
 from kernels.dispatch import jagged_attention_pallas
 from kernels.triton.tuning import FlashConfig, backward_knobs, fused_backward_side
-from test_kernels_common import check_against, np_attention, offsets_of, random_qkv, run_vjp
+from test_kernels_common import (check_against, np_attention, offsets_of, random_qkv, run_vjp,
+                                 vjp_outputs)
 
 # short sides at the 16 / 32-token tiles: 0, 1, tile - 1, tile, tile + 1; a sample with
 # no keys (cross) or no queries (PMA); long sides across the 64-token tiles. Capacities
@@ -46,31 +47,78 @@ def _count_fused(monkeypatch):
 
 
 def _check(mode, lens, fused_bwd, monkeypatch, dtype=jnp.float32, seed=0, tiles=None, **kw):
-    """kw: masks (kernel and reference); tiles: FlashConfig overrides (kernel only)."""
-    ql, kl = (np.asarray(x) for x in lens)
-    tq, tk = (int(-(-x.sum() // 128) * 128) for x in (ql, kl))
-    q, k, v, do = random_qkv(np.random.default_rng(seed), tq, tk, 2, 32, dtype)
-    qo, ko = offsets_of(ql), offsets_of(kl)
+    """kw: masks (kernel and reference); tiles: FlashConfig overrides (kernel only). The
+    fused paths the backward took."""
+    return _check_all([dict(mode=mode, lens=lens, fused=fused_bwd, dtype=dtype, seed=seed,
+                            tiles=tiles, **kw)], monkeypatch)[0]
+
+
+def _check_all(cases, monkeypatch, on_case=None):
+    """Each case (dict: mode, lens, fused, dtype, seed, tiles, masks) against the float64
+    formula, out and all gradients, every case in one jitted program (the kernels compile
+    once, together). The fused paths each case's backward took, in order; on_case(i), if
+    given, is called while case i traces."""
     calls = _count_fused(monkeypatch)
-    got = run_vjp(jax.jit(_fn(mode, qo, ko, fused_bwd, **kw, **(tiles or {}))), q, k, v, do)
-    want = np_attention(q, k, v, do, qo, ko, mode=mode,
-                        **(dict(activation="silu", scale=0.3) if mode == "gdpa" else
-                           dict(scale=32 ** -0.5)), **kw)
-    check_against(got, want, dtype, f"{mode} fused_bwd={fused_bwd}", q_end=qo[-1])
-    return calls
+    runs, args = [], []
+    for c in cases:
+        c = dict(c)
+        mode, fused = c.pop("mode"), c.pop("fused")
+        ql, kl = (np.asarray(x) for x in c.pop("lens"))
+        dtype, tiles = c.pop("dtype", jnp.float32), c.pop("tiles", None) or {}
+        tq, tk = (int(-(-x.sum() // 128) * 128) for x in (ql, kl))
+        args.append(random_qkv(np.random.default_rng(c.pop("seed", 0)), tq, tk, 2, 32, dtype))
+        qo, ko = offsets_of(ql), offsets_of(kl)
+        runs.append((mode, fused, dtype, qo, ko, c, _fn(mode, qo, ko, fused, **c, **tiles)))
+    paths = []
+
+    def all_cases(args):
+        outs = []
+        for i, (run, a) in enumerate(zip(runs, args)):
+            n = len(calls)
+            if on_case is not None:
+                on_case(i)
+            outs.append(vjp_outputs(run[-1], *a))
+            paths.append(calls[n:])
+        return outs
+    got = jax.jit(all_cases)(args)
+    for (mode, fused, dtype, qo, ko, kw, _), a, g in zip(runs, args, got):
+        want = np_attention(*a, qo, ko, mode=mode,
+                            **(dict(activation="silu", scale=0.3) if mode == "gdpa" else
+                               dict(scale=32 ** -0.5)), **kw)
+        check_against(g, want, dtype, f"{mode} fused_bwd={fused} {kw}", q_end=qo[-1])
+    return paths
+
+
+def _case(mode, lens, fused, **kw):
+    return dict(mode=mode, lens=lens, fused=fused, **kw)
+
+
+# (case, the fused path it takes); each mode: both sides picked by "auto", an aligned
+# short side, a mismatched side (the fused path on the long side), "off"; bf16 inputs
+# (float32 accumulators, cast once); a causal window on both shapes. (gdpa's "auto" on
+# the 32-key side: test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides;
+# bf16 "k_rows": test_dkv_split_matches_float64.)
+ROWS = {
+    "gdpa": [(_case("gdpa", PMA, "auto", seed=1, dtype=jnp.bfloat16), "q_rows"),
+             (_case("gdpa", CROSS_ALIGNED, "k_rows"), "k_rows"),
+             (_case("gdpa", CROSS, "q_rows"), "q_rows"), (_case("gdpa", PMA, "off", seed=2), None)],
+    "softmax": [(_case("softmax", CROSS, "auto", causal=True, window=9), "k_rows"),
+                (_case("softmax", PMA, "auto", seed=1, causal=True, window=9), "q_rows"),
+                (_case("softmax", PMA_ALIGNED, "q_rows"), "q_rows"),
+                (_case("softmax", PMA, "k_rows"), "k_rows"),
+                (_case("softmax", CROSS, "off", seed=3), None)],
+}
 
 
 @pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-@pytest.mark.parametrize("fused,lens", [
-    ("k_rows", CROSS), ("k_rows", CROSS_ALIGNED), ("q_rows", PMA), ("q_rows", PMA_ALIGNED),
-    ("k_rows", PMA), ("q_rows", CROSS)], ids=["k_rows-cross", "k_rows-cross_aligned",
-                                              "q_rows-pma", "q_rows-pma_aligned",
-                                              "k_rows-pma", "q_rows-cross"])
-def test_rows_backward_matches_float64(mode, fused, lens, monkeypatch):
+def test_rows_backward_matches_float64(mode, monkeypatch):
     """No atomics: rows owned by one tile of the other side come from that tile's program,
     the rest (straddling, empty) from their own kernel, whose tiles without such rows
-    skip their loop; aligned, ragged and mismatched shapes; the path really ran."""
-    assert _check(mode, lens, fused, monkeypatch) == [fused]
+    skip their loop; aligned, ragged and mismatched shapes; "auto" fuses the short side
+    (32 keys: "k_rows", 16 queries: "q_rows"), "off" fuses nothing; bf16; causal windows;
+    the path really ran."""
+    paths = _check_all([c for c, _ in ROWS[mode]], monkeypatch)
+    assert paths == [[] if p is None else [p] for _, p in ROWS[mode]]
 
 
 @functools.cache
@@ -101,84 +149,57 @@ def test_row_owners_split_the_rows():
     assert need.any() and not need.all()
 
 
-@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-def test_auto_fuses_short_sides_and_off_does_not(mode, monkeypatch):
-    assert _check(mode, PMA, "auto", monkeypatch, seed=1) == ["q_rows"]
-    assert _check(mode, CROSS, "auto", monkeypatch) == ["k_rows"]
-    assert _check(mode, PMA, "off", monkeypatch, seed=2) == []
-    assert _check(mode, CROSS, "off", monkeypatch, seed=3) == []
-
-
-def test_fused_backward_bf16_and_masks(monkeypatch):
-    """bf16 inputs (float32 accumulators, cast once), a causal window on both shapes."""
-    assert _check("gdpa", CROSS, "k_rows", monkeypatch, dtype=jnp.bfloat16) == ["k_rows"]
-    assert _check("gdpa", PMA, "q_rows", monkeypatch, dtype=jnp.bfloat16) == ["q_rows"]
-    assert _check("softmax", PMA, "q_rows", monkeypatch, causal=True, window=9) == ["q_rows"]
-    assert _check("softmax", CROSS, "k_rows", monkeypatch, causal=True, window=9) == ["k_rows"]
-
-
 # long samples across many 32-query dK/dV steps (float32 tiles), so chunks split them
 LONG_CROSS = ([300, 0, 5, 190, 33, 64, 1, 3], [32, 32, 0, 31, 33, 1, 17, 0])
 LONG_SELF = ([300, 0, 1, 190, 33, 64], [300, 0, 1, 190, 33, 64])
 
 
-@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-@pytest.mark.parametrize("fused,lens,split", [
-    ("off", LONG_CROSS, 2), ("k_rows", LONG_CROSS, 3), ("k_rows", CROSS_ALIGNED, 4),
-    ("off", LONG_SELF, 3), ("q_rows", PMA, 2)],
-    ids=["off-cross-2", "k_rows-cross-3", "k_rows-aligned-4", "off-self-3", "q_rows-pma-2"])
-def test_dkv_split_matches_float64(mode, fused, lens, split, monkeypatch):
+def test_dkv_split_matches_float64(monkeypatch):
     """dkv_split: each key tile's query loop in `split` programs, their partial dK / dV
     summed after the kernel; chunks that are empty, that start or end inside the masked
-    edge tiles, samples without keys or queries ("q_rows" keeps one program per tile)."""
-    calls = _check(mode, lens, fused, monkeypatch, tiles=dict(dkv_split=split))
-    assert calls == ([] if fused == "off" else [fused])
+    edge tiles, samples without keys or queries ("q_rows" keeps one program per tile).
+    Each mode runs the unfused and a fused backward split; a causal window; bf16."""
+    cases = [  # (mode, lens, fused, split, extra)
+        ("gdpa", LONG_CROSS, "off", 2, {}), ("gdpa", CROSS_ALIGNED, "k_rows", 4, {}),
+        ("gdpa", LONG_SELF, "off", 3, {}), ("softmax", LONG_CROSS, "k_rows", 3, {}),
+        ("softmax", PMA, "q_rows", 2, {}),
+        ("softmax", LONG_SELF, "off", 3, dict(causal=True, window=40)),
+        ("gdpa", LONG_CROSS, "k_rows", 2, dict(dtype=jnp.bfloat16))]
+    paths = _check_all([_case(m, lens, f, tiles=dict(dkv_split=s), **x)
+                        for m, lens, f, s, x in cases], monkeypatch)
+    assert paths == [[] if f == "off" else [f] for _, _, f, _, _ in cases]
 
 
-@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-@pytest.mark.parametrize("fused,lens,split,top", [
-    ("k_rows", LONG_CROSS, 2, 2), ("k_rows", LONG_CROSS, 3, 1), ("k_rows", CROSS_ALIGNED, 2, 99),
-    ("off", LONG_SELF, 3, 2), ("off", LONG_CROSS, 4, 3)],
-    ids=["k_rows-2-top2", "k_rows-3-top1", "k_rows-aligned-all", "off-self-3-top2",
-         "off-cross-4-top3"])
-def test_dkv_split_tiles_matches_float64(mode, fused, lens, split, top, monkeypatch):
+def test_dkv_split_tiles_matches_float64(monkeypatch):
     """dkv_split_tiles: only the first `top` tiles of the launch order split (their
     partials summed and scattered into dK / dV), the others stored whole; top past the
-    tile count splits every tile through the same path."""
-    calls = _check(mode, lens, fused, monkeypatch, seed=9,
-                   tiles=dict(dkv_split=split, dkv_split_tiles=top))
-    assert calls == ([] if fused == "off" else [fused])
-
-
-def test_dkv_split_tiles_partials_hold_only_the_split_tiles(monkeypatch):
-    """With 1 split tile the partial buffer holds 2 chunks of one 32-row tile (float32
-    tiles), not 2 x Tk rows, for dK and for dV."""
-    seen = []
+    tile count splits every tile through the same path; each mode fused and unfused. With
+    1 split tile the partial buffer holds 2 chunks of one 32-row tile (float32 tiles),
+    not 2 x Tk rows, for dK and for dV."""
+    cases = [  # (mode, fused, lens, split, top)
+        ("gdpa", "k_rows", LONG_CROSS, 2, 1), ("gdpa", "k_rows", CROSS_ALIGNED, 2, 99),
+        ("gdpa", "off", LONG_CROSS, 4, 3), ("softmax", "k_rows", LONG_CROSS, 3, 2),
+        ("softmax", "off", LONG_SELF, 3, 2)]
+    seen, case = [], []
     real = triton_backward._merge_top
     monkeypatch.setattr(triton_backward, "_merge_top", lambda direct, partial, perm, split, top, bk: (
-        seen.append((partial.shape[0], direct.shape[0], top)) or
+        seen.append((case[-1], partial.shape[0], direct.shape[0], top)) or
         real(direct, partial, perm, split, top, bk)))
-    _check("gdpa", LONG_CROSS, "k_rows", monkeypatch, tiles=dict(dkv_split=2, dkv_split_tiles=1))
-    assert seen == [(2 * 32, 256, 1)] * 2
+    paths = _check_all([_case(m, lens, f, seed=9, tiles=dict(dkv_split=s, dkv_split_tiles=t))
+                        for m, f, lens, s, t in cases], monkeypatch, on_case=case.append)
+    assert paths == [[] if c[1] == "off" else [c[1]] for c in cases]
+    assert [x[1:] for x in seen if x[0] == 0] == [(2 * 32, 256, 1)] * 2
 
 
-def test_dkv_split_with_causal_window_and_bf16(monkeypatch):
-    _check("softmax", LONG_SELF, "off", monkeypatch, causal=True, window=40,
-           tiles=dict(dkv_split=3))
-    _check("gdpa", LONG_CROSS, "k_rows", monkeypatch, dtype=jnp.bfloat16,
-           tiles=dict(dkv_split=2))
-
-
-@pytest.mark.parametrize("mode", ["gdpa", "softmax"])
-@pytest.mark.parametrize("fused,lens,group", [
-    ("k_rows", CROSS, 3), ("k_rows", CROSS_ALIGNED, 2), ("q_rows", PMA, 3),
-    ("q_rows", PMA_ALIGNED, 4)],
-    ids=["k_rows-cross-3", "k_rows-aligned-2", "q_rows-pma-3", "q_rows-pma_aligned-4"])
-def test_rest_group_matches_float64(mode, fused, lens, group, monkeypatch):
+def test_rest_group_matches_float64(monkeypatch):
     """rest_group: the kernel of the rows no other tile owns loops over `group` tiles per
     program (the last program's tail idle: 3 does not divide the tile counts here),
-    with straddling rows (CROSS, PMA) and with none (aligned)."""
-    assert _check(mode, lens, fused, monkeypatch, seed=8, tiles=dict(rest_group=group)) == [fused]
+    with straddling rows (CROSS, PMA) and with none (aligned); each side in each mode."""
+    cases = [("gdpa", "k_rows", CROSS, 3), ("gdpa", "q_rows", PMA_ALIGNED, 4),
+             ("softmax", "k_rows", CROSS_ALIGNED, 2), ("softmax", "q_rows", PMA, 3)]
+    paths = _check_all([_case(m, lens, f, seed=8, tiles=dict(rest_group=g))
+                        for m, f, lens, g in cases], monkeypatch)
+    assert paths == [[f] for _, f, _, _ in cases]
 
 
 def test_rest_group_must_be_a_positive_int():
@@ -208,7 +229,8 @@ def test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides(mon
     got = backward_knobs(dataclasses.replace(cfg, fused_bwd="k_rows", dkv_split=3,
                                              dkv_split_tiles=0, rest_group=2))
     assert (got.dkv_split, got.dkv_split_tiles, got.rest_group) == (3, 0, 2)
-    # end to end: the backward that ran on CROSS (auto: "k_rows") split its key tiles in 4
+    # end to end: the backward that ran on LONG_CROSS (CROSS's keys; auto: "k_rows") split
+    # its key tiles in 4
     splits = []
     real = triton_backward._dkv_outputs
     monkeypatch.setattr(triton_backward, "_dkv_outputs",

@@ -8,7 +8,7 @@ import pytest
 from kernels import gdpa
 from kernels.gdpa import gdpa_reference, gdpa_reference_dense
 from test_kernels_common import (assert_only_slice_changes, check_against, np_attention,
-                                 offsets_of, random_qkv, run_vjp)
+                                 offsets_of, random_qkv, vjp_outputs)
 
 # lengths around the 64-token tile: 0, 1, block-1, block, block+1; all-padding tail
 SELF = [0, 1, 63, 64, 65, 3]             # 196 tokens in capacity 256
@@ -22,77 +22,93 @@ def _case(rng, q_lens, kv_lens, tq, tk, h, d, dtype):
 
 
 def _check(impl, q_lens, kv_lens, tq, tk, *, dtype=jnp.float32, h=2, d=32, seed=0, **kw):
-    q, k, v, do, qo, ko = _case(np.random.default_rng(seed), q_lens, kv_lens, tq, tk, h, d, dtype)
-    if impl == "reference-chunked":
-        fn = lambda q, k, v: gdpa_reference(q, k, v, jnp.asarray(qo), jnp.asarray(ko), chunk=48, **kw)
-    elif impl == "dense":
-        fn = lambda q, k, v: gdpa_reference_dense(q, k, v, jnp.asarray(qo), jnp.asarray(ko), **kw)
-    else:
-        fn = lambda q, k, v: gdpa(q, k, v, jnp.asarray(qo), jnp.asarray(ko), impl=impl, **kw)
-    got = run_vjp(jax.jit(fn), q, k, v, do)
-    want = np_attention(q, k, v, do, qo, ko, mode="gdpa", **kw)
-    for g in got:
-        assert g.dtype == dtype
-    check_against(got, want, dtype, f"gdpa[{impl}] {kw}", q_end=qo[-1])
+    _check_all([dict(impl=impl, q_lens=q_lens, kv_lens=kv_lens, tq=tq, tk=tk, dtype=dtype, h=h,
+                     d=d, seed=seed, **kw)])
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu", "identity"])
+def _check_all(cases):
+    """Each case (dict: impl, q_lens, kv_lens, tq, tk, optional dtype, h, d, seed, gdpa
+    keywords) against the float64 formula, out and all gradients; every case in one
+    jitted program (its kernels compile together)."""
+    runs, args = [], []
+    for c in cases:
+        c = dict(c)
+        impl, ql, kl, tq, tk = (c.pop(x) for x in ("impl", "q_lens", "kv_lens", "tq", "tk"))
+        dtype, h, d, seed = (c.pop("dtype", jnp.float32), c.pop("h", 2), c.pop("d", 32),
+                             c.pop("seed", 0))
+        q, k, v, do, qo, ko = _case(np.random.default_rng(seed), ql, kl, tq, tk, h, d, dtype)
+        qo_, ko_ = jnp.asarray(qo), jnp.asarray(ko)
+        if impl == "reference-chunked":
+            fn = lambda q, k, v, qo_=qo_, ko_=ko_, c=c: gdpa_reference(q, k, v, qo_, ko_,
+                                                                        chunk=48, **c)
+        elif impl == "dense":
+            fn = lambda q, k, v, qo_=qo_, ko_=ko_, c=c: gdpa_reference_dense(q, k, v, qo_, ko_, **c)
+        elif impl == "interior":   # 16-token tiles: most tiles of long samples interior
+            from kernels.dispatch import gdpa_pallas
+            fn = lambda q, k, v, qo_=qo_, ko_=ko_, c=c: gdpa_pallas(
+                q, k, v, qo_, ko_, bq=16, bk=16, bq_dkv=16, bk_dkv=32, **c)
+        else:
+            fn = lambda q, k, v, qo_=qo_, ko_=ko_, c=c, impl=impl: gdpa(q, k, v, qo_, ko_,
+                                                                         impl=impl, **c)
+        runs.append((impl, dtype, qo, ko, c, fn))
+        args.append((q, k, v, do))
+    got = jax.jit(lambda args: [vjp_outputs(r[-1], *a) for r, a in zip(runs, args)])(args)
+    for (impl, dtype, qo, ko, kw, _), a, g in zip(runs, args, got):
+        want = np_attention(*a, qo, ko, mode="gdpa", **kw)
+        for x in g:
+            assert x.dtype == dtype
+        check_against(g, want, dtype, f"gdpa[{impl}] {kw}", q_end=qo[-1])
+
+
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "relu", "identity"]
+
+
 @pytest.mark.parametrize("impl", ["reference-chunked", "dense"])
-def test_reference_self(impl, activation):
-    _check(impl, SELF, SELF, 256, 256, activation=activation, scale=0.3)
+def test_reference_self(impl):
+    """Every activation, self layout (one program)."""
+    _check_all([dict(impl=impl, q_lens=SELF, kv_lens=SELF, tq=256, tk=256, activation=a,
+                     scale=0.3) for a in ACTIVATIONS])
 
 
-@pytest.mark.parametrize("causal,window", [(True, None), (False, 7), (True, 9)])
-def test_reference_masks(causal, window):
-    _check("reference-chunked", SELF, SELF, 256, 256, causal=causal, window=window)
+def test_reference_masks_cross_and_pma():
+    """The chunked reference: causal, window, both; cross (short K/V) and PMA (short Q)."""
+    _check_all([dict(impl="reference-chunked", q_lens=SELF, kv_lens=SELF, tq=256, tk=256,
+                     causal=c, window=w) for c, w in [(True, None), (False, 7), (True, 9)]] + [
+        dict(impl="reference-chunked", q_lens=SELF, kv_lens=CROSS_KV, tq=256, tk=128,
+             activation="gelu"),
+        dict(impl="reference-chunked", q_lens=PMA_Q, kv_lens=SELF, tq=128, tk=256,
+             activation="silu", causal=True)])
 
 
-def test_reference_cross_and_pma():
-    _check("reference-chunked", SELF, CROSS_KV, 256, 128, activation="gelu")
-    _check("reference-chunked", PMA_Q, SELF, 128, 256, activation="silu", causal=True)
+# Pallas in interpret mode on CPU (compiled on GPU): tiny shapes, interpret is slow. Each
+# activation and each mask runs once (silu: the cross and bf16 cases; gelu_tanh: PMA and
+# the interior tiles; identity: a padded head dim).
+def test_pallas_matches_float64():
+    """Self (masks: causal, window, both), cross with short K/V (a sample without keys),
+    PMA (short Q, D = 64, one head), bf16 (16-bit: the tanh.approx form, jnp.tanh in
+    interpret mode); head dims the tiles do not take, zero-padded to a power of two
+    (kernels.common.padded_head_dim: 8 -> 32, 48 -> 64) and sliced back."""
+    _check_all([dict(impl="pallas", q_lens=SELF, kv_lens=SELF, tq=256, tk=256,
+                     activation=a, causal=c, window=w, scale=0.25)
+                for a, c, w in [("gelu", True, None), ("gelu_tanh", False, 5), ("relu", True, 9)]] + [
+        dict(impl="pallas", q_lens=SELF, kv_lens=CROSS_KV, tq=256, tk=128, activation="silu"),
+        dict(impl="pallas", q_lens=PMA_Q, kv_lens=SELF, tq=128, tk=256,
+             activation="gelu_tanh", d=64, h=1),
+        dict(impl="pallas", q_lens=SELF, kv_lens=CROSS_KV, tq=256, tk=128, d=8,
+             activation="gelu", scale=0.2),
+        dict(impl="pallas", q_lens=SELF, kv_lens=CROSS_KV, tq=256, tk=128, d=48,
+             activation="identity", scale=0.2),
+        dict(impl="pallas", q_lens=SELF, kv_lens=SELF, tq=256, tk=256, dtype=jnp.bfloat16,
+             activation="silu")])
 
 
-# Pallas in interpret mode on CPU (compiled on GPU): tiny shapes, interpret is slow.
-@pytest.mark.parametrize("activation,causal,window", [
-    ("silu", False, None), ("gelu", True, None), ("gelu_tanh", False, 5),
-    ("relu", True, 9), ("identity", False, None)])
-def test_pallas_self(activation, causal, window):
-    _check("pallas", SELF, SELF, 256, 256, activation=activation, causal=causal, window=window,
-           scale=0.25)
-
-
-def test_pallas_cross_short_kv():
-    _check("pallas", SELF, CROSS_KV, 256, 128, activation="silu")
-
-
-def test_pallas_pma_short_q():
-    _check("pallas", PMA_Q, SELF, 128, 256, activation="gelu_tanh", d=64, h=1)
-
-
-@pytest.mark.parametrize("d", [8, 24, 48])
-def test_pallas_pads_head_dims_the_tiles_do_not_take(d):
-    """D zero-padded to a power of two (kernels.common.padded_head_dim), sliced back."""
-    _check("pallas", SELF, CROSS_KV, 256, 128, d=d, activation="gelu", scale=0.2)
-
-
-@pytest.mark.parametrize("activation", ["silu"])
-def test_pallas_bf16(activation):  # 16-bit: the tanh.approx form (jnp.tanh in interpret mode)
-    _check("pallas", SELF, SELF, 256, 256, dtype=jnp.bfloat16, activation=activation)
-
-
-@pytest.mark.parametrize("causal,window", [(False, None), (True, 40)])
-def test_pallas_interior_tiles(causal, window):
-    """16-token tiles over long samples: most tiles are interior (mask skipped), fwd and bwd."""
-    from kernels.dispatch import gdpa_pallas
+def test_pallas_interior_tiles():
+    """16-token tiles over long samples: most tiles are interior (mask skipped), fwd and
+    bwd, unmasked and with a causal window."""
     lens = [0, 100, 1, 63, 64, 65, 30]
-    q, k, v, do, qo, ko = _case(np.random.default_rng(3), lens, lens, 384, 384, 1, 32,
-                                jnp.float32)
-    tiles = dict(bq=16, bk=16, bq_dkv=16, bk_dkv=32)
-    kw = dict(activation="gelu_tanh", scale=0.2, causal=causal, window=window)
-    fn = lambda q, k, v: gdpa_pallas(q, k, v, jnp.asarray(qo), jnp.asarray(ko), **kw, **tiles)
-    got = run_vjp(jax.jit(fn), q, k, v, do)
-    check_against(got, np_attention(q, k, v, do, qo, ko, mode="gdpa", **kw), jnp.float32,
-                  f"gdpa interior {tiles} {kw}", q_end=qo[-1])
+    _check_all([dict(impl="interior", q_lens=lens, kv_lens=lens, tq=384, tk=384, h=1, d=32,
+                     seed=3, activation="gelu_tanh", scale=0.2, causal=c, window=w)
+                for c, w in [(False, None), (True, 40)]])
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"])

@@ -83,25 +83,35 @@ CASES = [("float32", 1, 8), ("bfloat16", 7, 96), ("float32", BR, 512), ("bfloat1
          ("float32", 300, 96), ("bfloat16", 300, 512)]
 
 
-@pytest.mark.parametrize("dtype,t,d", CASES)
-def test_kernel_matches_references(dtype, t, d):
-    dtype = jnp.dtype(dtype)
-    x, s, b, dy = inputs(t, d, dtype)
-    kernel = with_grads(op("pallas"), x, s, b, dy)
-    ref = with_grads(op("reference"), x, s, b, dy)
-    flax = with_grads(flax_layer_norm, x, s, b, dy)
-    # float64 of the numbers the op sees: x and dy as given, scale / bias rounded to dtype
-    exact = numpy_layer_norm(x.astype(jnp.float32), s.astype(dtype).astype(jnp.float32),
-                             b.astype(dtype).astype(jnp.float32), dy.astype(jnp.float32))
-    # outputs rounded to dtype: a few of its ulps; float32 sums: ~1e-5 of the largest
-    rel = 2.0 ** -6 if dtype == jnp.bfloat16 else 2e-5
-    for name, k, r, f, e in zip(NAMES, kernel, ref, flax, exact):
-        close(k, e, rel, f"{name} kernel vs float64")
-        close(r, e, rel, f"{name} reference vs float64")
-        close(k, f, rel, f"{name} kernel vs flax")
-        close(k, r, rel, f"{name} kernel vs reference")
-    assert kernel[0].shape == (t, d)
-    assert layer_norm(x, s, b, impl="pallas").dtype == dtype
+def test_kernel_matches_references():
+    """Every case of CASES: the kernel, the jnp reference and flax in one jitted program,
+    each against float64 and the kernel against the other two."""
+    ins = [inputs(t, d, jnp.dtype(dtype)) for dtype, t, d in CASES]
+
+    def all_cases(ins):
+        out = []
+        for x, s, b, dy in ins:
+            for fn in (op("pallas"), op("reference"), flax_layer_norm):
+                y, vjp = jax.vjp(fn, x, s, b)
+                out.append([a.astype(jnp.float32) for a in (y,) + vjp(dy)])
+        return out
+    got = jax.jit(all_cases)(ins)
+    for i, ((dtype, t, d), (x, s, b, dy)) in enumerate(zip(CASES, ins)):
+        dtype = jnp.dtype(dtype)
+        kernel, ref, flax = ([np.asarray(a) for a in got[3 * i + j]] for j in range(3))
+        # float64 of the numbers the op sees: x and dy as given, scale / bias rounded to dtype
+        exact = numpy_layer_norm(x.astype(jnp.float32), s.astype(dtype).astype(jnp.float32),
+                                 b.astype(dtype).astype(jnp.float32), dy.astype(jnp.float32))
+        # outputs rounded to dtype: a few of its ulps; float32 sums: ~1e-5 of the largest
+        rel = 2.0 ** -6 if dtype == jnp.bfloat16 else 2e-5
+        case = f"{dtype} T={t} D={d}"
+        for name, k, r, f, e in zip(NAMES, kernel, ref, flax, exact):
+            close(k, e, rel, f"{case} {name} kernel vs float64")
+            close(r, e, rel, f"{case} {name} reference vs float64")
+            close(k, f, rel, f"{case} {name} kernel vs flax")
+            close(k, r, rel, f"{case} {name} kernel vs reference")
+        assert kernel[0].shape == (t, d)
+        assert jax.eval_shape(lambda x: layer_norm(x, s, b, impl="pallas"), x).dtype == dtype
 
 
 def test_rows_of_zeros_large_offsets_and_non_finite():
@@ -134,17 +144,22 @@ def test_rows_of_zeros_large_offsets_and_non_finite():
 
 
 def test_knobs_and_bias_none():
-    """Other knobs and no bias give the same numbers (dbias absent)."""
+    """Other knobs and no bias give the same numbers (dbias absent); one jitted program."""
     x, s, b, dy = inputs(50, 96, jnp.float32, seed=2)
-    base = with_grads(op("pallas"), x, s, b, dy)
-    other = with_grads(op("pallas", block_rows=4, bwd_rows=2, bwd_tiles=3, num_warps=8,
-                               bwd_warps=2, bwd_stages=2), x, s, b, dy)
+
+    @jax.jit
+    def run(x, s, b, dy):
+        outs = []
+        for fn in (op("pallas"), op("pallas", block_rows=4, bwd_rows=2, bwd_tiles=3,
+                                     num_warps=8, bwd_warps=2, bwd_stages=2)):
+            y, vjp = jax.vjp(fn, x, s, b)
+            outs.append((y,) + vjp(dy))
+        y, vjp = jax.vjp(lambda x, s: layer_norm(x, s, None, impl="pallas"), x, s)
+        return outs, (y,) + vjp(dy), layer_norm_reference(x, s, None)
+    (base, other), (y, dx, ds), y0 = run(x, s, b, dy)
     for name, u, v in zip(NAMES, base, other):
         close(u, v, 2e-6, f"{name} knobs")
-    y, vjp = jax.vjp(lambda x, s: layer_norm(x, s, None, impl="pallas"), x, s)
-    y0 = layer_norm_reference(x, s, None)
     close(y, y0, 2e-6, "y without bias")
-    dx, ds = vjp(dy)
     close(dx, base[1], 2e-6, "dx without bias")
     close(ds, base[2], 2e-6, "dscale without bias")
 
