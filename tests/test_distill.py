@@ -23,6 +23,7 @@ from gemjax.distill.transfer import (DistillConfig, Distiller, ReprCache, Teache
                                      refresh_student, student_config)
 from gemjax.models import student as student_lib
 from gemjax.train.step import Trainer
+from tests.distill_teacher import CHEAP
 
 
 def _np_bce(p, q):
@@ -258,7 +259,7 @@ def test_student_flops_match_its_jaxpr(over):
 
 @pytest.fixture(scope="module")
 def teacher_and_feed():
-    tcfg = get_config("tiny", "train.steps=4")
+    tcfg = get_config("tiny", f"train.steps=4,{CHEAP}")    # tests/distill_teacher.py
     tt = Trainer.create(tcfg)
     teacher = Teacher(tt, tt.init_state(0))
     stream = make_source(tcfg, "train")

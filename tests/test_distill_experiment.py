@@ -15,15 +15,23 @@ import sys
 import numpy as np
 import pytest
 
+from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
 from tests.script_commands import run_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _env():
+    """The children's environment: the suite's (its XLA flags and compilation cache,
+    tests/conftest.py) and its CPU device count, so a program this process builds (the
+    cotrained teacher's eval) is the one a child compiled (the cache keys the device count)."""
+    import jax
+    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(len(jax.devices("cpu"))))
+
+
 def _run(args, tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=600)
 
 
 DATA = "--data_overrides=data.eval_batches=1,data.batch_size=32"
@@ -32,13 +40,16 @@ DATA = "--data_overrides=data.eval_batches=1,data.batch_size=32"
 DRIFT = "--data_overrides=data.drift_every=2,data.batch_size=32"
 COMMANDS = {   # name -> the command's flags but --out
     # every row, the hierarchical one too
-    "table": ["--seeds=0", "--teacher_steps=4", "--student_steps=2", "--share=frozen",
+    "table": ["--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
+              "--student_steps=2", "--share=frozen",
               "--rows=none,kd,kd+adapter,+repr,+share,all", "--adapter_refresh=1",
               "--latency_batch=16", DATA],
-    "drift": ["--dataset=drift", "--seeds=0", "--teacher_steps=4", "--student_steps=2",
+    "drift": ["--dataset=drift", "--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
+              "--student_steps=2",
               "--rows=none,kd+adapter,all", "--latency_batch=0", "--adapter=features",
               "--adapter_features=dense,student", DRIFT],
-    "cotrain": ["--seeds=0", "--teacher_steps=4", "--student_steps=2", "--teacher_mode=cotrain",
+    "cotrain": ["--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
+                "--student_steps=2", "--teacher_mode=cotrain",
                 "--rows=none,kd", "--latency_batch=0",
                 "--data_overrides=data.eval_batches=1,data.batch_size=32"],
     "frappe": ["--dataset=frappe"],     # --frappe_dir: a directory that is not there
@@ -60,8 +71,7 @@ def commands(tmp_path_factory):
     extra = {"frappe": [f"--frappe_dir={root}/absent"]}
     spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])]]
             for name, flags in COMMANDS.items()]
-    code, said, stderr = run_commands("distill", "run", spec, cwd=ROOT,
-                                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    code, said, stderr = run_commands("distill", "run", spec, cwd=ROOT, env=_env())
     return {name: Command(outs[name], code, said.get(name, ""), stderr) for name in COMMANDS}
 
 
@@ -194,10 +204,10 @@ def test_distill_stop_is_one_line_and_exit_143(table_run, tmp_path):
     import time
     shutil.copytree(os.path.join(table_run[0], "synthetic", "teacher_s0"),
                     os.path.join(tmp_path, "synthetic", "teacher_s0"))
-    args = [f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", "--student_steps=400",
+    args = [f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
+            "--student_steps=400",
             "--rows=kd", "--nohierarchical", "--latency_batch=0", DATA]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.Popen([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started = os.path.join(tmp_path, "synthetic", "students", "kd_s0", "config.json")
     deadline = time.time() + 500

@@ -25,6 +25,7 @@ from gemjax.serve.inference import load_for_inference
 from gemjax.train.guards import ResumeMismatch
 from gemjax.train.loop import train
 from gemjax.train.step import default_mesh
+from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = ("data.batch_size=32,data.eval_batches=2,train.tensorboard=false,"
@@ -44,7 +45,7 @@ def _cfg(override, steps, seed=0):
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     wd = str(tmp_path_factory.mktemp("teacher") / "teacher")
-    train(_cfg(distill_exp.TEACHER, 4), wd, log=lambda s: None, mesh=ONE)
+    train(_cfg(TEACHER, 4), wd, log=lambda s: None, mesh=ONE)
     return wd
 
 
@@ -107,7 +108,7 @@ def test_cotrained_student_run_resumes_with_its_teacher(tmp_path):
     import jax
     from gemjax.serve.restore import restore
     from gemjax.train.step import Trainer
-    tcfg, scfg = _cfg(distill_exp.TEACHER, 4), _cfg(distill_exp.STUDENT, 4)
+    tcfg, scfg = _cfg(TEACHER, 4), _cfg(distill_exp.STUDENT, 4)
     dcfg = DistillConfig(methods="kd,adapter,repr", adapter_refresh=1, adapter_window=64,
                          teacher_mode="cotrain")
 

@@ -27,6 +27,7 @@ import pytest
 
 from gemjax.config import apply_overrides, get_config
 from suite_cache import with_suite_cache   # tests/suite_cache.py
+from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIFT = "data.drift_every=2,data.batch_size=32"
@@ -204,7 +205,8 @@ def _check(args, out, student, tmp_path, signals):
 
 @pytest.mark.slow
 def test_drift_student_resumes_after_signals_and_exports(tmp_path):
-    args = ["--dataset=drift", "--seeds=0", "--teacher_steps=4", "--student_steps=12",
+    args = ["--dataset=drift", "--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
+            "--student_steps=12",
             "--rows=+repr", "--nohierarchical", "--latency_batch=0", "--adapter_refresh=5",
             "--repr_norm=standardize", f"--data_overrides={DRIFT}"]
     wd = _check(args, "drift", "repr_s0", tmp_path,
@@ -226,6 +228,7 @@ def test_frappe_style_student_resumes_after_sigterm_and_exports(tmp_path):
     write_frappe(raw, n_valid=300, n_test=120)
     convert_frappe.convert(str(raw), conv)
     args = ["--dataset=frappe", f"--frappe_dir={conv}", "--seeds=0", "--teacher_steps=4",
+            f"--teacher_override={TEACHER}",
             "--student_steps=12", "--rows=kd+adapter", "--nohierarchical", "--latency_batch=0",
             "--data_overrides=data.batch_size=16"]
     _check(args, "frappe", "kd_adapter_s0", tmp_path, [(signal.SIGTERM, 143)])
