@@ -1,13 +1,17 @@
 """Faults injected into real runs: signals, kill -9 mid-save, damaged checkpoints, a NaN
 state, a second run on the workdir, resumes that do not fit, bad config values.
 
-The signal tests drive `experiments/train.py` subprocesses (tiny preset, one CPU
-device); GEMJAX_TEST_PAUSE (gemjax.train.guards, gemjax.train.checkpoint) holds a run
-at a known point and prints a line, and the test signals it once that line appears.
-The reference for "nothing lost" is an uninterrupted run of the same command (for
-the synthetic stream: train() in this process with the command's layout on one CPU
-device, `train_here`, which also finishes the interrupted runs there): the resumed
-run's final checkpoint must equal it array for array, its eval rows digit for digit.
+The signal tests drive `experiments/train.py` subprocesses (tiny preset). Those of the
+synthetic stream have this process's CPU device count (JAX_NUM_CPU_DEVICES,
+`Run(..., devices=DEVICES)`), so a child and this process build the same programs on the
+default layout over every device, and the suite's compilation cache serves each of them
+to both (the cache keys a program by the device count of its process too); the Parquet
+test's children keep one device. GEMJAX_TEST_PAUSE (gemjax.train.guards,
+gemjax.train.checkpoint) holds a run at a known point and prints a line, and the test
+signals it once that line appears. The reference for "nothing lost" is an uninterrupted
+run of the same command (for the synthetic stream: train() in this process with the
+command's layout, `train_here`, which also finishes the interrupted runs there): the
+resumed run's final checkpoint must equal it array for array, its eval rows digit for digit.
 """
 
 import dataclasses
@@ -39,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = "train.log_every=2,train.eval_every=4,train.checkpoint_every=3,data.eval_batches=1"
 ARGS = ["--config=tiny", "--steps=8", f"--override={OVERRIDES}"]
 CFG = apply_overrides(get_config("tiny"), OVERRIDES + ",train.steps=8")
+DEVICES = jax.device_count()      # the children's CPU devices: this process's (module docstring)
 
 
 class Run:
@@ -47,18 +52,24 @@ class Run:
     stored: the later runs of a test (resumes, references) read back the first one's.
     then: more workdirs the same experiments/train.py command runs on after `workdir`, one
     after another in the same process (an uninterrupted reference after the last resume:
-    the imports and the programs already built are not paid again)."""
+    the imports and the programs already built are not paid again); an item
+    (workdir, args) runs that workdir with its own args instead.
+    devices: the child's CPU device count (JAX_NUM_CPU_DEVICES; None: JAX's default, one)."""
 
-    def __init__(self, workdir, pause=None, args=ARGS, module="experiments.train", then=()):
+    def __init__(self, workdir, pause=None, args=ARGS, module="experiments.train", then=(),
+                 devices=None):
         env = with_suite_cache(dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"))
         env.pop("GEMJAX_TEST_PAUSE", None)
+        env.pop("JAX_NUM_CPU_DEVICES", None)
+        if devices:
+            env["JAX_NUM_CPU_DEVICES"] = str(devices)
         if pause:
             env["GEMJAX_TEST_PAUSE"] = pause
         cmd = [sys.executable, "-m", module, *args, f"--workdir={workdir}"]
         if then:
             assert module == "experiments.train" and not pause, (module, pause)
-            cmd = child_argv("train", "run", [[wd, [*args, f"--workdir={wd}"]]
-                                              for wd in (workdir, *then)])
+            runs = [(wd, args) if isinstance(wd, str) else wd for wd in (workdir, *then)]
+            cmd = child_argv("train", "run", [[wd, [*a, f"--workdir={wd}"]] for wd, a in runs])
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines = []
@@ -87,17 +98,18 @@ class Run:
 
 
 def train_here(cfg, workdir, log=lambda s: None) -> dict:
-    """train() of cfg in this process as experiments/train.py runs it in a child: the
-    layout of cfg.parallel (gemjax.train.layout.build) over one CPU device. The same
-    programs as this process's other one-device runs of CFG: the compilation cache keys a
-    program by the device count of its process too, so a child (one device) does not
-    read them back, but the in-process tests below do."""
-    mesh, trainer_kw = layout.build(cfg, jax.devices()[:1])
+    """train() of cfg in this process as experiments/train.py runs it in a child of
+    `Run(..., devices=DEVICES)`: the layout of cfg.parallel (gemjax.train.layout.build)
+    over every device. The same programs as those children's and this process's other
+    runs of CFG: each is compiled once for the file."""
+    mesh, trainer_kw = layout.build(cfg)
     return train(cfg, workdir, log=log, mesh=mesh, trainer_kw=trainer_kw)
 
 
-def one_device_trainer(cfg=CFG):
-    return Trainer.create(cfg, Mesh(np.array(jax.devices()[:1]), ("batch",)))
+def run_trainer(cfg=CFG):
+    """The Trainer of cfg on the layout train_here and the children train on."""
+    mesh, trainer_kw = layout.build(cfg)
+    return Trainer.create(cfg, mesh, **trainer_kw)
 
 
 def restored(trainer, checkpoints, step=None):
@@ -179,7 +191,7 @@ def test_signals_kill_and_a_damaged_checkpoint_resume_exactly(reference, tmp_pat
 
     # 1. SIGINT while step 4's eval is pending (after the step ran): the checkpoint is
     #    labelled with the step the state holds (4; not a regular save point)
-    run = Run(workdir, pause="eval:4")
+    run = Run(workdir, pause="eval:4", devices=DEVICES)
     run.wait_for("test pause at eval 4")
     with pytest.raises(WorkdirBusy, match=rf"in use by another run \(pid {run.proc.pid} on host "):
         train(CFG, workdir, log=lambda s: None)           # a second run on the workdir
@@ -187,18 +199,18 @@ def test_signals_kill_and_a_damaged_checkpoint_resume_exactly(reference, tmp_pat
     assert run.finish() == 128 + signal.SIGINT, run.out[-3000:]
     assert "stopped by SIGINT after step 4: checkpoint step 4 saved" in run.out
     assert steps_in(checkpoints) == [3, 4]
-    trainer = one_device_trainer()
+    trainer = run_trainer()
     step, state, meta = restored(trainer, checkpoints)
     assert step == meta["data_step"] == int(state["step"]) == 4
 
     # 2. SIGTERM right after step 5 (neither a log nor a save point): saved, not lost
-    run = Run(workdir, pause="step:5")
+    run = Run(workdir, pause="step:5", devices=DEVICES)
     sigterm_at_pause(run, 5, 4)
     assert steps_in(checkpoints) == [3, 4, 5]
     assert [r["step"] for r in rows(workdir, "train")][-1] == 5       # its window logged
 
     # 3. kill -9 while step 6 is being saved (written, not yet committed)
-    run = Run(workdir, pause="commit:6")
+    run = Run(workdir, pause="commit:6", devices=DEVICES)
     run.wait_for("test pause at commit 6")
     run.proc.kill()
     assert run.finish() == -signal.SIGKILL
@@ -231,7 +243,9 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
     trained by experiments/train.py: kill -9 after checkpoint 4 is on disk and step 5
     ran, resume, SIGTERM after step 7 (not a save point), resume to the end. The eval
     rows, the train rows up to the kill and the final checkpoint equal an uninterrupted
-    run's (the same command, run after the last resume in its process)."""
+    run's (the same command, run after the last resume in its process). These children
+    keep JAX's one CPU device: no run in this process shares their programs, which
+    compile for one device at less cost than for eight."""
     from test_own_data import SCHEMA, _write_log
     data = tmp_path / "data"
     data.mkdir()
@@ -265,7 +279,7 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
     upto_6 = [r for r in rows(reference, "train") if r["step"] <= 6]
     assert [r for r in rows(workdir, "train") if r["step"] <= 6] == upto_6
     assert upto_6[-1]["ids_clamped"] >= 3                             # the source's counters too
-    trainer = one_device_trainer(cfg)
+    trainer = Trainer.create(cfg, Mesh(np.array(jax.devices()[:1]), ("batch",)))
     assert assert_same_checkpoint(trainer, checkpoints, reference, 8)["data_step"] == 8
 
 
@@ -311,7 +325,7 @@ DAMAGE = {
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tmp_path):
-    trainer = one_device_trainer()
+    trainer = run_trainer()
     want6 = host(restored(trainer, os.path.join(reference, "checkpoints"), 6)[1])
     for name, (damage, says) in DAMAGE.items():
         checkpoints = str(tmp_path / name / "checkpoints")
@@ -401,7 +415,7 @@ def test_resume_that_does_not_fit_is_refused(reference):
                                                  f"the checkpoint's is {CFG.model.rope!r}"):
             check_resume(meta, apply_overrides(CFG, f"model.rope={flipped}"), 8, "w")
         # restoring tables of another vocabulary is refused below the loop too
-        other = one_device_trainer(apply_overrides(CFG, "data.vocab_item=500"))
+        other = run_trainer(apply_overrides(CFG, "data.vocab_item=500"))
         with pytest.raises(CheckpointMismatch, match=r"another vocabulary \(item: checkpoint "
                                                      r"400, this model 500\)"):
             restore_train_state(ckpt, other.coll, other.init_state(0))
@@ -432,7 +446,7 @@ def test_nan_state_is_never_saved(tmp_path, monkeypatch):
                                                  r"the checkpoints kept \(\[2, 4\]\)"):
         train_here(cfg, workdir)
     assert steps_in(os.path.join(workdir, "checkpoints")) == [2, 4]
-    trainer = one_device_trainer(cfg)
+    trainer = run_trainer(cfg)
     _, state, _ = restored(trainer, os.path.join(workdir, "checkpoints"))
     assert all(np.isfinite(x).all() for x in host(state) if x.dtype.kind == "f")
 
@@ -457,7 +471,7 @@ def test_keyboard_interrupt_inside_an_eval_saves_the_step_the_state_holds(tmp_pa
     assert "[gemjax] interrupted: saved step 4" in logged
     checkpoints = os.path.join(workdir, "checkpoints")
     assert steps_in(checkpoints) == [3, 4]
-    step, state, meta = restored(one_device_trainer(), checkpoints)
+    step, state, meta = restored(run_trainer(), checkpoints)
     assert step == meta["data_step"] == int(state["step"]) == 4
 
 

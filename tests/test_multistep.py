@@ -35,18 +35,52 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-def test_k_steps_per_call_train_what_one_step_per_call_trains(tmp_path):
-    """2 devices, 8 steps: K=4 writes the K=1 run's metrics.jsonl rows (every train and
-    eval figure, the fallback counters) and ends in its state, to float32 rounding."""
-    mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
-    runs = {}
-    for k in (1, 4):
-        runs[k] = str(tmp_path / f"k{k}")
-        train(tiny(k, steps=8), runs[k], log=lambda s: None, mesh=mesh)
+K_DEVICES = 2       # the CPU devices of the experiments/train.py children (k_runs)
+
+
+def k_args(k):
+    """experiments/train.py's flags for tiny(k)."""
+    return ["--config=tiny", "--steps=16", f"--override={OVERRIDES},train.steps_per_call={k}"]
+
+
+@pytest.fixture(scope="module")
+def k_runs(tmp_path_factory):
+    """experiments/train.py at K=4 on K_DEVICES CPU devices (the default layout), 16 steps:
+    kill -9 after checkpoint 4 is on disk and step 8 ran, resume, SIGTERM after step 12,
+    then in one child: the resume to 16, an uninterrupted K=4 run and an uninterrupted
+    K=1 run of the same config (the imports and the K=4 programs paid once).
+    {"cut", "k4", "k1": workdir, "out": the last child's output}."""
+    root = tmp_path_factory.mktemp("k_runs")
+    dirs = {name: str(root / name) for name in ("cut", "k4", "k1")}
+    checkpoints = os.path.join(dirs["cut"], "checkpoints")
+    run = Run(dirs["cut"], pause="step:8", args=k_args(4), devices=K_DEVICES)
+    run.wait_for("test pause at step 8")
+    kill_once_saved(run, checkpoints, 4)
+    assert steps_in(checkpoints) == [4]
+
+    run = Run(dirs["cut"], pause="step:12", args=k_args(4), devices=K_DEVICES)
+    sigterm_at_pause(run, 12, 4)
+
+    run = Run(dirs["cut"], args=k_args(4), then=[dirs["k4"], (dirs["k1"], k_args(1))],
+              devices=K_DEVICES)                  # the resume, then the references
+    assert run.finish() == 0, run.out[-3000:]
+    return {**dirs, "out": run.out}
+
+
+def k_trainer(cfg):
+    """cfg's Trainer on K_DEVICES devices of this process (to restore k_runs' checkpoints)."""
+    return Trainer.create(cfg, Mesh(np.array(jax.devices()[:K_DEVICES]), ("batch",)))
+
+
+@pytest.mark.slow
+def test_k_steps_per_call_train_what_one_step_per_call_trains(k_runs):
+    """K_DEVICES devices, 16 steps (k_runs' uninterrupted runs): K=4 writes the K=1 run's
+    metrics.jsonl rows (every train and eval figure, the fallback counters) and ends in
+    its state, to float32 rounding."""
     for kind in ("train", "eval"):
-        one, four = rows(runs[1], kind), rows(runs[4], kind)
+        one, four = rows(k_runs["k1"], kind), rows(k_runs["k4"], kind)
         assert [r["step"] for r in one] == [r["step"] for r in four]
-        assert [r["step"] for r in one] == ([4, 8] if kind == "train" else [8])
+        assert [r["step"] for r in one] == ([4, 8, 12, 16] if kind == "train" else [8, 16])
         for a, b in zip(one, four):
             assert a.keys() == b.keys()
             for key in a:
@@ -54,10 +88,10 @@ def test_k_steps_per_call_train_what_one_step_per_call_trains(tmp_path):
                     np.testing.assert_allclose(b[key], a[key], rtol=2e-6, err_msg=f"{kind} {key}")
                 else:
                     assert a[key] == b[key], (kind, key)
-    trainer = Trainer.create(tiny(1, steps=8), mesh)
-    got = restored(trainer, os.path.join(runs[4], "checkpoints"), 8)
-    want = restored(trainer, os.path.join(runs[1], "checkpoints"), 8)
-    assert got[0] == want[0] == 8
+    trainer = k_trainer(tiny(1))
+    got = restored(trainer, os.path.join(k_runs["k4"], "checkpoints"), 16)
+    want = restored(trainer, os.path.join(k_runs["k1"], "checkpoints"), 16)
+    assert got[0] == want[0] == 16
     for a, b in zip(host(got[1]), host(want[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -100,31 +134,17 @@ def test_stacked_feed_is_the_per_step_feed(pack, feed_trainer):
 
 
 @pytest.mark.slow
-def test_kill_and_sigterm_at_k4_resume_exactly(tmp_path):
-    """experiments/train.py at K=4 (one CPU device): kill -9 after checkpoint 4 is on disk
-    and step 8 ran, resume, SIGTERM after step 12, resume to 16. The eval rows, the train
-    rows and the final checkpoint equal an uninterrupted K=4 run's (the same command, run
-    in the last resume's process after it), bit for bit."""
-    args = ["--config=tiny", "--steps=16",
-            f"--override={OVERRIDES},train.steps_per_call=4"]
-    reference, workdir = str(tmp_path / "whole"), str(tmp_path / "cut")
-    checkpoints = os.path.join(workdir, "checkpoints")
-    run = Run(workdir, pause="step:8", args=args)
-    run.wait_for("test pause at step 8")
-    kill_once_saved(run, checkpoints, 4)
-    assert steps_in(checkpoints) == [4]
-
-    run = Run(workdir, pause="step:12", args=args)
-    sigterm_at_pause(run, 12, 4)
-
-    run = Run(workdir, args=args, then=[reference])       # the resume, then the reference
-    assert run.finish() == 0, run.out[-3000:]
-    assert "resumed from step 12" in run.out
+def test_kill_and_sigterm_at_k4_resume_exactly(k_runs):
+    """k_runs' K=4 run killed (kill -9 after checkpoint 4, step 8 ran) and stopped
+    (SIGTERM after step 12), resumed to 16: the eval rows, the train rows and the final
+    checkpoint equal the uninterrupted K=4 run's (the same command, run in the last
+    resume's process after it), bit for bit."""
+    workdir, reference = k_runs["cut"], k_runs["k4"]
+    assert "resumed from step 12" in k_runs["out"]
     assert rows(workdir, "eval") == rows(reference, "eval")           # every digit
     assert rows(workdir, "train") == rows(reference, "train")
     assert [r["step"] for r in rows(reference, "train")] == [4, 8, 12, 16]
-    trainer = Trainer.create(tiny(4), Mesh(np.array(jax.devices()[:1]), ("batch",)))
-    assert_same_checkpoint(trainer, checkpoints, reference, 16)
+    assert_same_checkpoint(k_trainer(tiny(4)), os.path.join(workdir, "checkpoints"), reference, 16)
 
 
 def test_what_k_steps_per_call_cannot_do_is_refused_by_name(tmp_path):
