@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from gemjax.config import apply_overrides, config_from_dict, get_config
 from gemjax.features import EventField, FeatureSchema, SequenceFeature, SparseFeature, Table
 from gemjax.data.parquet import columns_from_schema, sequence_column
-from gemjax.data.source import OneEpoch, make_source
+from gemjax.data.source import OneEpoch, capacity_of, make_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Train on your own data"
@@ -203,10 +203,15 @@ def test_parquet_config_errors_name_the_field_or_file(tmp_path):
 @pytest.fixture(scope="module")
 def one_trainer(tmp_path_factory):
     """(cfg, Trainer, its train step, synthetic batch 0 written as a Parquet file of the
-    synthetic schema's columns, the step's loss on that synthetic batch)."""
+    synthetic schema's columns, the step's loss on that synthetic batch).
+
+    data.capacity_slack=1.05 gives every source the same packed buffers (384 tokens per
+    sequence: the synthetic stream's expected length, and the files' 7.9 / 11.0 mean
+    events per row, each above the 254 / 351 tokens batch 0 holds), so every source
+    runs the one compiled step."""
     from gemjax.data.synthetic import SyntheticStream, synthetic_schema
     from gemjax.train.step import Trainer
-    cfg = apply_overrides(get_config("tiny"), "data.batch_size=32")
+    cfg = apply_overrides(get_config("tiny"), "data.batch_size=32,data.capacity_slack=1.05")
     schema = synthetic_schema(cfg.data)
     ref, _ = SyntheticStream(cfg.data, cfg.train.seed).shard_batch(0, 0, 1)
     cols = columns_from_schema(schema)
@@ -272,6 +277,7 @@ def test_one_step_of_every_source_through_one_trainer(one_trainer, source):
                                "data.eval_path": files, "data.order": order or "shuffle",
                                "data.shuffle_window": "8", "data.eval_batches": "0"})
     src = make_source(cfg, stream)
+    assert [capacity_of(src, 1, s) for s in ("clicks", "views")] == [384, 384]   # one program
     assert type(src).__name__ == {"synthetic": "SyntheticStream", "train": "ParquetSource",
                                   "eval": "OneEpoch"}[stream if kind == "parquet" else kind]
     loss, infos = _first_loss(trainer, step, src)

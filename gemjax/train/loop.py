@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -93,11 +94,19 @@ def _window_ne(ms: list[dict]) -> float:
     return float(np.sum(per_task * w) / max(np.sum(w), 1e-12))
 
 
+@functools.lru_cache(maxsize=8)
+def _all_finite(mesh) -> Callable:
+    """The jitted [n_leaves] all-finite flags of a list of arrays, one per mesh: every
+    saver of a process (the run's, the selection's best, the next run's) calls the same
+    jitted function, so a state's program is compiled (or read from the cache) once."""
+    return jax.jit(lambda leaves: jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]),
+                   out_shardings=NamedSharding(mesh, P()))
+
+
 def _nonfinite_leaves(mesh) -> Callable[[dict], list[str]]:
     """state -> key paths of float params / optimizer state / table leaves holding a NaN
     or inf (one jitted all-finite reduction per leaf, one host read of [n_leaves] bools)."""
-    flags = jax.jit(lambda leaves: jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]),
-                    out_shardings=NamedSharding(mesh, P()))
+    flags = _all_finite(mesh)
 
     def check(state: dict) -> list[str]:
         with_path = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(
