@@ -77,6 +77,8 @@ flags.DEFINE_list("chain_rows", [], "with --chain: chain only the rows of these 
 flags.DEFINE_list("bwd_alts", [], "W2 / W3: time only these backward settings beside the "
                   "default (tags as in the row names, e.g. fused_bwd_off; empty: all)")
 flags.DEFINE_integer("max_samples", 0, "keep only the first N samples (smoke tests); 0 = all")
+flags.DEFINE_integer("max_len", 0, "clip every sample's query and key lengths to N (interpret "
+                     "smoke tests: the interpreter's time grows with the tokens); 0 = as drawn")
 flags.DEFINE_bool("sweep", False, "also try the knob grids below, report the best")
 flags.DEFINE_float("sweep_budget_s", 50.0, "per workload, split evenly over its (op, pass) "
                    "sweeps: a sweep starts no entry once its share is spent")
@@ -154,6 +156,8 @@ def run_workload(wname, rng):
     kind, ql, kl = workload(wname)
     if FLAGS.max_samples:
         ql, kl = ql[:FLAGS.max_samples], kl[:FLAGS.max_samples]
+    if FLAGS.max_len:
+        ql, kl = np.minimum(ql, FLAGS.max_len), np.minimum(kl, FLAGS.max_len)
     h, d, dt = FLAGS.heads, FLAGS.head_dim, jnp.bfloat16
     q, k, v, do, qo, ko = pack_arrays(ql, kl, h, d, dt, rng)
     pairs = valid_pairs(kind, ql, kl)

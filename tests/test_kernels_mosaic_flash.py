@@ -24,23 +24,34 @@ The interpreter runs the self cases on SELF_CPU (the same length classes in fewe
 and a covering subset of each case list (its `CPU_*` indices): every
 activation, mode, head dim (64, 128), head count (1, 2), self / cross layout, knob
 (interior, heavy_first, num_stages, block_kv, schedule_barrier, fused_dq) and length
-class runs at least once on CPU; every case runs compiled in its GPU twin. The cases
-only the GPU twins run, with the CPU test that covers each of their parts:
+class runs at least once on CPU; every case runs compiled in its GPU twin. interior and heavy_first change only the tile table (test_tile_table_covers_exactly_
+the_valid_pairs), not the kernels' code. The cases only the GPU twins run, with the CPU
+test that covers each of their parts:
   * INTERPRET_CASES (test_gpu_edge_cases): silu-d64-self-default (the forward of
     test_impl_mosaic_forward_and_grads_match_reference; h=2: test_interpreter_finds_no_races),
-    silu-d64-cross-block_kv64 and gelu-d64-cross-interiorFalse (cross:
-    gelu_tanh-d128-cross; block_kv 64: gelu-d128-self; interior: gelu_tanh-d64-self).
-  * SOFTMAX_CASES (test_gpu_softmax_edge_cases): d64-cross-block_kv64 with the default
-    scale, d128-self-interiorFalse, d64-cross-interiorFalse (cross and block_kv 64:
-    d64-cross scale -0.3; d128 and interior: d128-self-block_kv64_num_stages3).
-  * BACKWARD_CASES (test_gpu_backward_edge_cases): softmax-d64-self and gdpa-silu-d64-self
-    (D = 64, self, default knobs: the grads of test_softmax_impl_mosaic_forward_and_grads_
-    match_reference and test_impl_mosaic_forward_and_grads_match_reference, one head; two
-    heads: gdpa-gelu-d64-cross), softmax-d128-cross, gdpa-gelu-d64-cross and
-    gdpa-relu-d128-self (with interior=False / heavy_first=False / num_stages=3 in the
-    knob test).
-  * KNOB_CASES (test_gpu_backward_knobs): interior on softmax-d64-self (interior on
-    softmax-d128-cross runs).
+    relu-d64-self-heavy_firstFalse_block_kv64 (test_interpreter_finds_no_races runs its
+    config with two heads), silu-d64-cross-block_kv64 and gelu-d64-cross-interiorFalse
+    (cross: gelu_tanh-d128-cross; block_kv 64: gelu-d128-self; interior: gelu_tanh-d64-self).
+    The identity forward: test_interpreter_float16_isolates_samples.
+  * SOFTMAX_CASES (test_gpu_softmax_edge_cases): d64-self-default (default knobs, D = 64,
+    self, the default scale: the forward of test_softmax_impl_mosaic_forward_and_grads_match_
+    reference, its output checked; lse: d64-self-schedule_barrierFalse; h=2: d64-cross
+    scale -0.3), d64-cross-block_kv64 with the default scale, d128-self-interiorFalse,
+    d64-cross-interiorFalse (cross and block_kv 64: d64-cross scale -0.3; d128 and
+    interior: d128-self-block_kv64_num_stages3).
+  * BACKWARD_CASES (test_gpu_backward_edge_cases; on CPU in the knob and fused_dq tests):
+    softmax-d64-self and gdpa-silu-d64-self (D = 64, self, default knobs: the grads of
+    test_softmax_impl_mosaic_forward_and_grads_match_reference and
+    test_impl_mosaic_forward_and_grads_match_reference, one head; two heads:
+    gdpa-gelu-d64-cross), softmax-d128-cross (with fused_dq; the dQ and dK / dV kernels:
+    softmax in the softmax impl test, D = 128 on gdpa-relu-d128-self, cross on
+    gdpa-gelu-d64-cross), gdpa-identity-d64-self (the identity's forward:
+    test_interpreter_float16_isolates_samples; its backward:
+    test_backward_fused_dq_finds_no_races[64], in the kernel whose dK / dV step is the
+    dK / dV kernel's), gdpa-gelu-d64-cross and gdpa-relu-d128-self (with heavy_first=False /
+    num_stages=3 in the knob test).
+  * KNOB_CASES (test_gpu_backward_knobs): interior on softmax-d64-self and on
+    softmax-d128-cross (interior=False runs with fused_dq on softmax-d128-cross).
   * fused_dq (test_gpu_backward_fused_dq_edge_cases): softmax-d64-self, gdpa-silu-d64-self,
     gdpa-gelu-d64-cross, gdpa-relu-d128-self (softmax-d128-cross runs; GDPA D = 64 and
     128, dQ, dK and dV, in test_backward_fused_dq_finds_no_races).
@@ -124,17 +135,17 @@ def _export(d, tuning, activation="silu", h=4, tq=1024, b=8):
     return jax.export.export(f, platforms=["cuda"])(*sds).mlir_module()
 
 
-@pytest.mark.parametrize("tuning", [{}, dict(block_kv=64, num_stages=3)],
-                         ids=["bk128_s2", "bk64_s3"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_exports_for_cuda(d, tuning):
-    mlir = _export(d, tuning)
-    assert "mosaic_gpu" in mlir
+# (D, tuning, activation): both head dims with both tile sizes, every activation once
+# (the activation code does not depend on D or the tuning; silu and gelu_tanh are packed)
+EXPORT_CASES = [(64, {}, "silu"), (64, dict(block_kv=64, num_stages=3), "relu"),
+                (128, {}, "gelu_tanh"), (128, dict(block_kv=64, num_stages=3), "identity"),
+                (128, {}, "gelu")]
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "identity"])
-def test_exports_every_activation(activation):
-    assert "mosaic_gpu" in _export(128, {}, activation=activation)
+@pytest.mark.parametrize("d,tuning,activation", EXPORT_CASES,
+                         ids=[f"{d}-{'bk64_s3' if t else 'bk128_s2'}-{a}" for d, t, a in EXPORT_CASES])
+def test_exports_for_cuda(d, tuning, activation):
+    assert "mosaic_gpu" in _export(d, tuning, activation=activation)
 
 
 @pytest.mark.parametrize("tuning", [dict(block_kv=128, num_stages=3),
@@ -311,7 +322,8 @@ INTERPRET_CASES = [
 INTERPRET_IDS = [f"{c[6]}-d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
                  + ("_".join(f"{k}{v}" for k, v in c[8].items()) or "default")
                  for c in INTERPRET_CASES]
-CPU_INTERPRET = [1, 2, 3, 5]     # the others: GPU twin only (module docstring)
+CPU_INTERPRET = [1, 2, 5]        # 3: test_interpreter_finds_no_races; the others: GPU twin only
+#                                  (module docstring)
 
 
 @pytest.mark.parametrize("case", [INTERPRET_CASES[i] for i in CPU_INTERPRET],
@@ -321,34 +333,31 @@ def test_interpreter_matches_reference(case, interpreter_guard):
     check(ql, kl, tq, tk, h=h, d=d, activation=act, scale=scale, interpret=True, **tuning)
 
 
-@pytest.mark.parametrize("tuning", [dict(block_kv=64)], ids=["grid"])
-def test_interpreter_finds_no_races(tuning, interpreter_guard):
+def test_interpreter_finds_no_races(interpreter_guard):
     """Happens-before race detector over TMA copies / barriers / shared memory (three
-    warpgroups)."""
+    warpgroups), on INTERPRET_CASES[3] (relu, 64-key tiles, in-order launch) with two
+    heads; its output against the reference."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    ql, kl, tq, tk, _, d, act, scale, tuning = INTERPRET_CASES[3]
     params = plgpu.InterpretGPUParams(detect_races=True)
-    check(SELF, SELF, 768, 768, h=2, d=64, activation="silu", scale=0.3, interpret=params,
-          **tuning)
+    check(ql, kl, tq, tk, h=2, d=d, activation=act, scale=scale, interpret=params, **tuning)
     assert not interpreter_guard.get_races().races_found
 
 
-def test_interpreter_float16(interpreter_guard):
+def test_interpreter_float16_isolates_samples(interpreter_guard):
+    """float16 (the identity activation) against the reference; changing one sample's
+    q, k, v changes only that sample's rows."""
     q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=4, dtype=jnp.float16)
-    got = gdpa_mosaic_forward(q, k, v, qo, ko, activation="gelu_tanh", interpret=True)
-    want = gdpa_reference(q, k, v, qo, ko, activation="gelu_tanh")
+    f = jax.jit(lambda q, k, v: gdpa_mosaic_forward(q, k, v, qo, ko, activation="identity",
+                                                    scale=0.1, interpret=True))
+    got = f(q, k, v)
+    want = gdpa_reference(q, k, v, qo, ko, activation="identity", scale=0.1)
     assert got.dtype == jnp.float16
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < TOL
-
-
-def test_interpreter_isolates_samples(interpreter_guard):
-    """Changing one sample's q, k, v changes only that sample's rows."""
-    q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=3)
-    f = jax.jit(lambda q, k, v: gdpa_mosaic_forward(q, k, v, qo, ko, interpret=True))
-    a = np.asarray(f(q, k, v), np.float32)
+    a = np.asarray(got, np.float64)
+    assert _rel(a, want) < TOL and not a[int(qo[-1]):].any()
     lo, hi = int(qo[5]), int(qo[6])           # the 129-token sample, across a CTA edge
-    bump = lambda x: x.at[lo:hi].set(x[lo:hi] * -1.5)
-    b = np.asarray(f(bump(q), bump(k), bump(v)), np.float32)
+    bump = lambda x: x.at[lo:hi].set(x[lo:hi] * -1.5)  # noqa: E731
+    b = np.asarray(f(bump(q), bump(k), bump(v)), np.float64)
     changed = np.any(a != b, axis=(1, 2))
     assert changed[lo:hi].any() and not changed[:lo].any() and not changed[hi:].any()
 
@@ -646,7 +655,7 @@ SOFTMAX_CASES = [   # (q lens, kv lens, Tq, Tk, h, d, sm_scale, tuning)
 ]
 SOFTMAX_IDS = [f"d{c[5]}-{'self' if c[0] is SELF else 'cross'}-"
                + ("_".join(f"{k}{v}" for k, v in c[7].items()) or "default") for c in SOFTMAX_CASES]
-CPU_SOFTMAX = [0, 1, 3, 5]       # the others: GPU twin only (module docstring)
+CPU_SOFTMAX = [1, 3, 5]          # the others: GPU twin only (module docstring)
 
 
 @pytest.mark.parametrize("case", [SOFTMAX_CASES[i] for i in CPU_SOFTMAX],
@@ -670,15 +679,17 @@ def test_softmax_exports_for_cuda(tuning):
 
 def test_softmax_impl_mosaic_forward_and_grads_match_reference(interpreter_guard, monkeypatch):
     """jagged_attention(impl="mosaic"): the Mosaic forward's out and lse feed the Mosaic
-    backward (interpreter); value and dQ, dK, dV against the jnp reference."""
+    backward (interpreter); the output and dQ, dK, dV against the jnp reference."""
     from kernels.jagged_attention import jagged_attention
     calls = _count_mosaic_calls(monkeypatch)
     q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, 64, seed=6)
     w = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
-    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention)
-    want = _loss_and_grads("reference", q, k, v, qo, ko, w, op=jagged_attention)
+    got = _loss_and_grads("mosaic", q, k, v, qo, ko, w, op=jagged_attention, with_out=True)
+    want = _loss_and_grads("reference", q, k, v, qo, ko, w, op=jagged_attention, with_out=True)
     assert calls and calls[0].mode == "softmax", calls
     assert any(isinstance(c, tuple) and c[1].mode == "softmax" for c in calls), calls
+    assert _rel(got[0][1], want[0][1]) < TOL
+    assert not np.any(np.asarray(got[0][1], np.float32)[int(qo[-1]):])
     _assert_grads_close(got, want)
 
 
@@ -767,15 +778,14 @@ def bench_runs(tmp_path_factory):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path_factory.mktemp("bench")
     # 1 sample clipped to _MAX_LEN, 1 head, interpreter, each row timed on one call (the
-    # interpreter's calls cost seconds and their times mean nothing); no sweep deadline
-    # (the child's clock starts at its import, before the first command)
-    smoke = ["--interpret", "--max_samples=1", f"--max_len={_MAX_LEN}", "--heads=1", "--iters=0",
-             "--sweep", "--sweep_deadline_s=3600"]
+    # interpreter's calls cost seconds and their times mean nothing); the sweep in the GDPA
+    # command (the softmax one builds its rows through the same functions), no sweep
+    # deadline (the child's clock starts at its import, before the first command)
+    smoke = ["--interpret", "--max_samples=1", f"--max_len={_MAX_LEN}", "--heads=1", "--iters=0"]
     code, said, stderr = run_commands("bench_gdpa_mosaic", "main", [
-        ["gdpa", [*smoke, f"--out={out / 'gdpa.json'}",
+        ["gdpa", [*smoke, f"--out={out / 'gdpa.json'}", "--sweep", "--sweep_deadline_s=3600",
                   "--configs=block_kv=64+num_stages=3,bogus"]],
-        ["softmax", [*smoke, "--mode=softmax", f"--out={out / 'softmax.json'}",
-                     "--configs=block_kv=64"]],
+        ["softmax", [*smoke, "--mode=softmax", f"--out={out / 'softmax.json'}"]],
         ["no_gpu", [f"--out={out / 'no_gpu.json'}"]]],
         cwd=root, env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"), timeout=600,
         package="tools")
@@ -819,7 +829,7 @@ def test_bench_smoke_softmax_mode(bench_runs):
     res = json.load(open(out / "softmax.json"))
     rows = {x["impl"]: x for x in res["rows"]}
     assert set(rows) == {"triton_softmax_fwd", "mosaic_softmax_fwd",
-                         "mosaic_softmax_fwd_kernel_only", "mosaic[block_kv=64]"}
+                         "mosaic_softmax_fwd_kernel_only"}
     for name in set(rows) - {"triton_softmax_fwd"}:
         assert rows[name]["rel_diff_vs_triton"] < TOL, rows[name]
     assert res["meta"]["mode"] == "softmax" and res["meta"]["scale"] == pytest.approx(128 ** -0.5)
@@ -859,8 +869,6 @@ BACKWARD_CASES = [   # (mode, kwargs, q lens, kv lens, Tq, Tk, h, d)
 ]
 BACKWARD_IDS = [f"{c[0]}-{c[1].get('activation', '')}-d{c[7]}-{'self' if c[2] is SELF else 'cross'}"
                 for c in BACKWARD_CASES]
-# the interpreter's subsets (module docstring): base cases, (knobs, case) pairs, fused_dq cases
-CPU_BACKWARD = [5]
 _REFERENCE = {}
 
 
@@ -892,16 +900,16 @@ def _check_backward_case(i, monkeypatch):
     _assert_grads_close(got, want)
 
 
-@pytest.mark.parametrize("i", CPU_BACKWARD, ids=[BACKWARD_IDS[i] for i in CPU_BACKWARD])
-def test_backward_interpreter_matches_reference(i, interpreter_guard, monkeypatch):
-    """In the interpreter: tile-edge lengths, empty samples, samples without keys or
-    queries."""
-    _check_backward_case(i, monkeypatch)
+# both modes at both head dims; fused_dq at both head dims (its own code depends on D, not
+# on the mode: the mode's parts are the dK / dV kernel's, exported in both modes above).
+# interior=False has no export: it changes the tile table only, not the kernels' code.
+BACKWARD_EXPORTS = [("softmax", 64, {}), ("gdpa", 64, {}), ("softmax", 128, {}),
+                    ("gdpa", 128, {}), ("softmax", 128, dict(fused_dq=True)),
+                    ("gdpa", 64, dict(fused_dq=True))]
 
 
-@pytest.mark.parametrize("mode", ["softmax", "gdpa"])
-@pytest.mark.parametrize("d,tuning", [(64, {}), (128, {}), (128, dict(interior=False)),
-                                      (128, dict(fused_dq=True)), (64, dict(fused_dq=True))])
+@pytest.mark.parametrize("mode,d,tuning", BACKWARD_EXPORTS,
+                         ids=[f"{m}-{d}{'-fused_dq' if t else ''}" for m, d, t in BACKWARD_EXPORTS])
 def test_backward_exports_for_cuda(mode, d, tuning):
     """dQ and dK / dV with P^T and dS^T fed to wgmma from registers (GPU form) lower; the
     softmax dQ kernel computes delta from O (O's tile beside Q and dO, delta's TMA
@@ -925,14 +933,16 @@ def test_backward_exports_for_cuda(mode, d, tuning):
 KNOB_CASES = [(dict(interior=False), 0), (dict(interior=False), 1),
               (dict(heavy_first=False), 3), (dict(num_stages=3), 4)]
 KNOB_IDS = [f"{'+'.join(kn)}-{BACKWARD_IDS[i]}" for kn, i in KNOB_CASES]
-CPU_KNOBS = [1, 2, 3]
+# the interpreter's subsets (module docstring): (knobs, case) pairs, fused_dq cases (each
+# with interior=False: the tile table's every tile masked, the kernels' code unchanged)
+CPU_KNOBS = [2, 3]
 
 
 @pytest.mark.parametrize("knobs,i", [KNOB_CASES[j] for j in CPU_KNOBS],
                          ids=[KNOB_IDS[j] for j in CPU_KNOBS])
 def test_backward_knobs_interpreter_match_reference(knobs, i, interpreter_guard, monkeypatch):
-    """mosaic_bwd knobs (every tile masked, launch in tile order, three stages): the same
-    gradients as the reference; the kernels really ran with them."""
+    """mosaic_bwd knobs (launch in tile order, three stages; every tile masked: the fused_dq
+    test): the same gradients as the reference; the kernels really ran with them."""
     _check_backward_knobs(knobs, i, monkeypatch)
 
 
@@ -963,9 +973,10 @@ def test_backward_fused_dq_interpreter_matches_reference(i, interpreter_guard,
                                                          interpreter_reduce_add, monkeypatch):
     """fused_dq: one kernel forms dK, dV and dQ (dS shared between the consumers, dQ's
     halves reduce-added in float32); the same gradients as the reference, and only the
-    dK / dV kernel ran (GDPA D = 64, where the consumers take alternate steps' dQ, and
-    D = 128: test_backward_fused_dq_finds_no_races)."""
-    _check_fused_dq(i, monkeypatch)
+    dK / dV kernel ran, with the knobs (GDPA D = 64, where the consumers take alternate
+    steps' dQ, and D = 128: test_backward_fused_dq_finds_no_races). Here with
+    interior=False too (every tile masked)."""
+    _check_backward_knobs(dict(fused_dq=True, interior=False), i, monkeypatch, kernels=("dkv",))
 
 
 @pytest.mark.gpu
@@ -979,26 +990,27 @@ def _check_fused_dq(i, monkeypatch):
     _check_backward_knobs(dict(fused_dq=True), i, monkeypatch, kernels=("dkv",))
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_backward_fused_dq_finds_no_races(d, interpreter_guard, interpreter_reduce_add):
+@pytest.mark.parametrize("d,activation", [(64, "identity"), (128, "silu")])
+def test_backward_fused_dq_finds_no_races(d, activation, interpreter_guard,
+                                          interpreter_reduce_add):
     """The race detector over fused_dq's shared dS^T tiles (two buffers by step parity),
     its per-step barrier between the consumers, the float32 staging of the dQ partials
     and the final barrier before dK / dV overwrite the K tiles; dQ, dK and dV as the
-    reference's."""
+    reference's (identity: its backward in the interpreter)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from kernels.gdpa import gdpa_reference
     from kernels.triton import FlashConfig, build_layout
     from kernels.mosaic import BACKWARD_TUNING, mosaic_config, run_backward
     q, k, v, qo, ko = make_case(SELF_CPU, SELF_CPU, 512, 512, 1, d, seed=5)
     do = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), q.dtype)
-    cfg = mosaic_config(d, q.dtype, mode="gdpa", activation="silu", scale=0.3,
+    cfg = mosaic_config(d, q.dtype, mode="gdpa", activation=activation, scale=0.3,
                         **{**BACKWARD_TUNING, "fused_dq": True})
     lay = build_layout(FlashConfig(mode="gdpa"), qo, ko, 512, 512, d)
     zeros = jnp.zeros((1, 512), jnp.float32)
     got = run_backward(cfg, lay, q, k, v, do, zeros, zeros,
                        interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not interpreter_guard.get_races().races_found
-    _, vjp = jax.vjp(lambda q, k, v: gdpa_reference(q, k, v, qo, ko, activation="silu",
+    _, vjp = jax.vjp(lambda q, k, v: gdpa_reference(q, k, v, qo, ko, activation=activation,
                                                     scale=0.3), q, k, v)
     for name, g, r in zip("qkv", got, vjp(do)):
         assert g.shape == r.shape and _rel(g, r) < TOL, (name, _rel(g, r))
