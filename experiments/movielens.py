@@ -24,7 +24,8 @@ are ranked once, on the best state (train.select_metric / valid_every / patience
 data.valid_path). --refit then trains WORKDIR/refit on train + valid rows for the best
 run's step count and tests it (gemjax.train.refit). --novalid: the test rows every
 --eval_epochs epochs, the last state reported. --seeds=0,1,2: one run per seed in
-WORKDIR/seed<N>, then mean +- std (sample std over the seeds).
+WORKDIR/seed<N>, then mean +- std (sample std over the seeds). --steps_per_call=0 runs
+an epoch's steps per jitted call (train.steps_per_call: the same numbers, one launch).
 Step 3: the table (HR@10, NDCG@10, HR@50, NDCG@50, HR@200, NDCG@200, MRR, wall
 seconds, samples/s) beside the published figures; WORKDIR/summary.json and
 metrics.jsonl hold every eval.
@@ -122,8 +123,9 @@ def build_config(retrieval_dir: str, epochs: int, eval_epochs: int, seed: int, o
     """`preset` on retrieval_dir's files and schema, train.steps = epochs * steps per
     epoch, evals (validation with `valid`, else test) and checkpoints every eval_epochs
     epochs, steps_per_call steps per jitted call (0: an epoch's; ValueError unless it
-    divides an epoch's steps). valid: data.valid_path = valid.parquet, train.select_metric / patience /
-    valid_every set (ValueError if the trainer has no selection); else no selection."""
+    divides an epoch's steps). valid: data.valid_path = valid.parquet, train.select_metric
+    / patience / valid_every set (ValueError if the trainer has no selection); else no
+    selection."""
     from gemjax.config import apply_overrides, get_config
     from gemjax.features import FeatureSchema
     schema = FeatureSchema.from_dict(json.load(open(os.path.join(retrieval_dir, "schema.json"))))
@@ -151,8 +153,9 @@ def build_config(retrieval_dir: str, epochs: int, eval_epochs: int, seed: int, o
     if k < 1 or per_epoch % k:
         raise ValueError(f"--steps_per_call={steps_per_call} must divide the {per_epoch} steps "
                          f"of an epoch (or be 0: one epoch per call)")
-    sched = {"train.steps_per_call": str(k),"train.steps": str(epochs * per_epoch), "train.eval_every": str(every),
-             "train.checkpoint_every": str(every), "train.log_every": str(per_epoch),
+    sched = {"train.steps_per_call": str(k), "train.steps": str(epochs * per_epoch),
+             "train.eval_every": str(every), "train.checkpoint_every": str(every),
+             "train.log_every": str(per_epoch),
              "train.warmup_steps": str(min(per_epoch, cfg.optim.dense.warmup_steps))}
     if valid:
         sched["train.valid_every"] = str(every)
