@@ -118,18 +118,12 @@ def linear_gemms(hlo_text: str) -> dict[tuple[int, int, int], int]:
 def step_gemms(cfg) -> dict[tuple[int, int, int], int]:
     """linear_gemms of cfg's BF16 train step, lowered (not compiled) with tiny embedding
     tables: the dense GEMM shapes do not depend on the vocabularies. The state is abstract
-    (shapes, dtypes and shardings of Trainer.init_state's arrays): lowering needs no values,
+    (Trainer.abstract_state: shapes, dtypes and shardings): lowering needs no values,
     and drawing them eagerly costs more than the lowering."""
     import dataclasses
 
-    import jax
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     from gemjax.data.feeding import Feeder
     from gemjax.data.synthetic import SyntheticStream
-    from gemjax.models.gem import build_model
     from gemjax.train.step import Trainer
 
     d = cfg.data
@@ -138,15 +132,7 @@ def step_gemms(cfg) -> dict[tuple[int, int, int], int]:
         s, vocab_user=min(s.vocab_user, 1_000), vocab_item=min(s.vocab_item, max(1_000, s.num_categories)))),
         model=dataclasses.replace(cfg.model, precision=dataclasses.replace(cfg.model.precision, format="bf16")))
     trainer = Trainer.create(small)
-    sds = jax.ShapeDtypeStruct
-    model = nnx.eval_shape(lambda: build_model(small, nnx.Rngs(0)))
-    params = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s),
-                          nnx.split(model, nnx.Param)[1].to_pure_dict(), trainer.param_shardings)
-    state = {"step": sds((), np.int32, sharding=NamedSharding(trainer.mesh, P())), "params": params,
-             "opt_state": jax.eval_shape(jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings),
-                                         params),
-             "tables": jax.eval_shape(lambda: trainer.coll.init(jax.random.key(0)))}
-    assert not trainer.fp8_meta_keys()          # BF16: no amax histories
+    state = trainer.abstract_state()
     feeder = Feeder(SyntheticStream(small.data, 0).shard_batch, trainer.mesh)
     batch = feeder.to_device(feeder.host_batch(0)[0])
     return linear_gemms(trainer.make_train_step().lower(state, batch).as_text())
