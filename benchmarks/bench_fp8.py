@@ -117,7 +117,9 @@ def linear_gemms(hlo_text: str) -> dict[tuple[int, int, int], int]:
 
 def step_gemms(cfg) -> dict[tuple[int, int, int], int]:
     """linear_gemms of cfg's BF16 train step, lowered (not compiled) with tiny embedding
-    tables: the dense GEMM shapes do not depend on the vocabularies."""
+    tables: the dense GEMM shapes do not depend on the vocabularies. The state is abstract
+    (Trainer.abstract_state: shapes, dtypes and shardings): lowering needs no values,
+    and drawing them eagerly costs more than the lowering."""
     import dataclasses
 
     from gemjax.data.feeding import Feeder
@@ -130,7 +132,7 @@ def step_gemms(cfg) -> dict[tuple[int, int, int], int]:
         s, vocab_user=min(s.vocab_user, 1_000), vocab_item=min(s.vocab_item, max(1_000, s.num_categories)))),
         model=dataclasses.replace(cfg.model, precision=dataclasses.replace(cfg.model.precision, format="bf16")))
     trainer = Trainer.create(small)
-    state = trainer.init_state(0)
+    state = trainer.abstract_state()
     feeder = Feeder(SyntheticStream(small.data, 0).shard_batch, trainer.mesh)
     batch = feeder.to_device(feeder.host_batch(0)[0])
     return linear_gemms(trainer.make_train_step().lower(state, batch).as_text())

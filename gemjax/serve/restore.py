@@ -120,9 +120,8 @@ def restore(workdir: str, step: int | str | None = None, mesh=None, *,
                                                                           **(trainer_kw or {}))
     with Checkpointer(directory, read_only=True,   # a training may be saving
                       trust_unverified=cfg.train.trust_unverified_checkpoints) as ckpt:
-        # the (possibly large) initial state is built only for a step that checks
+        # the target is abstract (shapes, dtypes, shardings): nothing drawn to be overwritten
         got, (_, state, meta) = newest_intact(
-            ckpt, lambda s: restore_train_state(ckpt, trainer.coll,
-                                                trainer.init_state(cfg.train.seed), s),
+            ckpt, lambda s: restore_train_state(ckpt, trainer.coll, trainer.abstract_state(), s),
             step, log=log)
     return RestoredRun(cfg, trainer, got, state, meta, directory)

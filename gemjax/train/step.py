@@ -522,6 +522,21 @@ class Trainer:
                 zeros.shape, NamedSharding(self.mesh, P()), lambda i: zeros[i]) for k in keys}
         return state
 
+    def abstract_state(self) -> dict:
+        """init_state's tree as jax.ShapeDtypeStructs (shape, dtype, sharding), nothing
+        drawn or placed: a restore target (gemjax.train.checkpoint) or a lowering input."""
+        model = nnx.eval_shape(lambda: build_model(self.cfg, nnx.Rngs(0)))
+        params = nnx.split(model, nnx.Param)[1].to_pure_dict()
+        shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
+                  "opt_state": jax.eval_shape(self.tx.init, params),
+                  "tables": jax.eval_shape(lambda: self.coll.init(jax.random.key(0)))}
+        keys = self.fp8_meta_keys()
+        if keys:
+            shapes["fp8_meta"] = {k: jax.ShapeDtypeStruct(
+                (3, self.cfg.model.precision.amax_history), jnp.float32) for k in keys}
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            shapes, self.state_shardings())
+
     def context(self) -> StepContext:
         """The StepContext of this trainer (expert parallelism per `expert_parallel`)."""
         p_specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
