@@ -170,3 +170,22 @@ def test_restore_refuses_a_permuted_table_layout():
         check_table_layouts({"item": base}, {"item": four})
     rng = dict(base, split="range")
     check_table_layouts({"item": rng}, {"item": dict(rng, num_model=4, rows_per_shard=4)})
+
+
+@pytest.mark.parametrize("over,devices", [("", 1), ("", 2),
+                                          ("model.kind=teacher,model.precision.format=fp8,"
+                                           "model.precision.scaling=delayed", 2)])
+def test_abstract_state_is_init_states_tree_of_shapes(over, devices):
+    """Trainer.abstract_state (the restore target of gemjax.serve.restore, the lowering
+    input of bench_fp8) holds init_state's tree leaf for leaf: shape, dtype and sharding,
+    with the FP8 amax histories of an FP8 teacher; nothing in it is an array."""
+    cfg = apply_overrides(TINY, over) if over else TINY
+    trainer = Trainer.create(cfg, Mesh(np.array(jax.devices()[:devices]), ("batch",)))
+    abstract, real = trainer.abstract_state(), trainer.init_state(0)
+    assert jax.tree.structure(abstract) == jax.tree.structure(real)
+    assert ("fp8_meta" in real) == bool(over)
+    leaves = zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(real))
+    for (path, a), r in leaves:
+        assert isinstance(a, jax.ShapeDtypeStruct), path
+        assert (a.shape, a.dtype) == (r.shape, r.dtype), path
+        assert a.sharding.is_equivalent_to(r.sharding, r.ndim), path
