@@ -64,8 +64,8 @@ from typing import Callable
 import numpy as np
 
 from experiments import ranking
-from experiments.child import (REPO, Stopped, check_stopped, log_tail, repo_env, run_process,
-                               run_processes, train_here)
+from experiments.child import (REPO, Stopped, check_stopped, log_tail, repo_env, run_processes,
+                               train_here)
 
 MIN_SPAN = 16.0          # the teacher rungs' dense FLOPs per sample: largest / smallest
 MATCH_TOL = 0.10         # a comparison rung's dense FLOPs within 10% of its teacher rung's
@@ -415,16 +415,6 @@ def rung_outcome(workdir: str, rc: int) -> dict:
     return summary
 
 
-def run_rung(cfg, workdir: str, log=print) -> dict:
-    """summary.json of cfg trained in `workdir` by a subprocess (prepare_rung, then
-    rung_process run through run_process, then rung_outcome)."""
-    summary = prepare_rung(cfg, workdir, log)
-    if summary is not None:
-        return summary
-    argv, workdir, train_log = rung_process(workdir)
-    return rung_outcome(workdir, run_process(argv, workdir, train_log, cwd=REPO, env=repo_env()))
-
-
 def _read_summary(workdir: str) -> dict | None:
     try:
         with open(os.path.join(workdir, "summary.json")) as f:
@@ -434,7 +424,7 @@ def _read_summary(workdir: str) -> dict | None:
 
 
 def train_rung(workdir: str) -> None:
-    """The subprocess' side of run_rung: train workdir/rung.json's config in workdir."""
+    """The subprocess' side of rung_process: train workdir/rung.json's config in workdir."""
     from gemjax.config import config_from_dict
     cfg = config_from_dict(json.load(open(os.path.join(workdir, "rung.json")))["config"])
     train_here(cfg, workdir, "scaling")

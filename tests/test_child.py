@@ -26,15 +26,28 @@ def _fake(code, calls):
     return run
 
 
+def _scaling_rung(runner):
+    """One rung as experiments.scaling's main trains it, run by `runner` (run_process's
+    signature): prepare_rung, its rung_process in the repository root, then rung_outcome
+    of the exit code."""
+    def run(cfg, workdir, log):
+        assert scaling.prepare_rung(cfg, workdir, log) is None
+        argv, wd, train_log = scaling.rung_process(workdir)
+        return scaling.rung_outcome(wd, runner(argv, wd, train_log, cwd=scaling.REPO))
+    return run
+
+
 @pytest.mark.parametrize("driver", ["ranking", "scaling"])
 def test_a_stopped_or_failed_child_run_is_reported(driver, tmp_path, monkeypatch):
-    mod = {"ranking": ranking, "scaling": scaling}[driver]
-    run = {"ranking": ranking.train_one, "scaling": scaling.run_rung}[driver]
     cfg = get_config("tiny")
     for code, err in ((128 + signal.SIGTERM, child.Stopped), (-signal.SIGINT, child.Stopped),
                       (1, RuntimeError)):
         calls = []
-        monkeypatch.setattr(mod, "run_process", _fake(code, calls))
+        if driver == "ranking":
+            monkeypatch.setattr(ranking, "run_process", _fake(code, calls))
+            run = ranking.train_one
+        else:
+            run = _scaling_rung(_fake(code, calls))
         wd = str(tmp_path / f"{driver}_{code}")
         with pytest.raises(err) as e:
             run(cfg, wd, log=lambda s: None)

@@ -203,17 +203,17 @@ def test_write_report_json_table_plot(tmp_path):
     assert loss["verdict"].startswith("teacher scales better than gem")
 
 
-def test_run_rung_refuses_another_config(tmp_path):
+def test_prepare_rung_refuses_another_config(tmp_path):
     a, b = get_config("tiny"), get_config("tiny", "model.dim=16")
     wd = str(tmp_path / "r0")
     os.makedirs(wd)
     with open(os.path.join(wd, "rung.json"), "w") as f:
         json.dump({"config": scaling._jsonable(a)}, f)
     with pytest.raises(ValueError, match="another config"):
-        scaling.run_rung(b, wd, log=lambda s: None)
+        scaling.prepare_rung(b, wd, log=lambda s: None)
     with open(os.path.join(wd, "summary.json"), "w") as f:   # finished: read back, not rerun
         json.dump({"steps": 20}, f)
-    assert scaling.run_rung(a, wd, log=lambda s: None) == {"steps": 20}
+    assert scaling.prepare_rung(a, wd, log=lambda s: None) == {"steps": 20}
 
 
 @pytest.mark.slow
