@@ -21,8 +21,11 @@ ceil(train rows / batch) steps: 48 at batch 128). With --valid the validation ro
 ranked every --eval_epochs epochs; the best --select_metric step is kept
 (WORKDIR/best), the run stops after --patience evals without gain, and the test rows
 are ranked once, on the best state (train.select_metric / valid_every / patience,
-data.valid_path). --refit then trains WORKDIR/refit on train + valid rows for the best
-run's step count and tests it (gemjax.train.refit). --novalid: the test rows every
+data.valid_path). --refit then trains WORKDIR/refit for the best run's step count and
+tests it (gemjax.train.refit): on the valid rows alone by default (--refit_rows=valid; a
+valid row is the user's train row extended by item L-1, so they are the --novalid train
+rows, the split the published runs train on), or on train + valid rows appended
+(--refit_rows=train+valid: each history trained twice per epoch). --novalid: the test rows every
 --eval_epochs epochs, the last state reported. --seeds=0,1,2: one run per seed in
 WORKDIR/seed<N>, then mean +- std (sample std over the seeds). --steps_per_call=0 runs
 an epoch's steps per jitted call (train.steps_per_call: the same numbers, one launch).
@@ -74,8 +77,11 @@ def define_flags() -> None:
                       "--novalid: no validation, the last state tested")
     flags.DEFINE_string("select_metric", "ndcg@10", "validation metric of the selection")
     flags.DEFINE_integer("patience", 5, "validation evals without gain before stopping (0: never)")
-    flags.DEFINE_bool("refit", False, "after selection: train on train + valid rows for the "
-                      "best step count (WORKDIR/refit) and test that too")
+    flags.DEFINE_bool("refit", False, "after selection: train WORKDIR/refit for the best step "
+                      "count on --refit_rows and test that too")
+    flags.DEFINE_enum("refit_rows", "valid", ["valid", "train+valid"],
+                      "rows of the refit: valid (each user's train row extended by item L-1: the "
+                      "--novalid train rows) or train+valid (both row sets, appended)")
     flags.DEFINE_integer("max_users", 0, "convert only the first N users (0 = all; smoke runs)")
     flags.DEFINE_integer("seed", 0, "train.seed (one run)")
     flags.DEFINE_string("seeds", "", "comma-separated seeds: one run each in WORKDIR/seed<N>, "
@@ -198,15 +204,15 @@ def seeds_table(summaries: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def run_one(cfg, workdir: str, refit: bool, log=print) -> dict:
-    """Train (resuming) in workdir; with refit, also WORKDIR/refit (gemjax.train.refit).
-    Returns {"run": summary, "refit": summary or None}."""
+def run_one(cfg, workdir: str, refit: bool, log=print, refit_rows: str = "valid") -> dict:
+    """Train (resuming) in workdir; with refit, also WORKDIR/refit on refit_rows
+    (gemjax.train.refit). Returns {"run": summary, "refit": summary or None}."""
     from gemjax.train.loop import train
     summary = train(cfg, workdir, log=log)
     refit_summary = None
     if refit:
         from gemjax.train.refit import refit as refit_run
-        refit_summary = refit_run(workdir, log=log)
+        refit_summary = refit_run(workdir, rows=refit_rows, log=log)
     return {"run": summary, "refit": refit_summary}
 
 
@@ -234,7 +240,8 @@ def main(argv):
                if f.valid else "")
         print(f"[movielens] {cfg.name}, seed {s}: {f.epochs} epochs = {cfg.train.steps} steps "
               f"of {cfg.data.batch_size} users{sel}; workdir {wd}", flush=True)
-        results[s] = run_one(cfg, wd, f.refit, log=lambda x: print(x, flush=True))
+        results[s] = run_one(cfg, wd, f.refit, log=lambda x: print(x, flush=True),
+                             refit_rows=f.refit_rows)
         summary = results[s]["run"]
         chosen = summary.get("selection") or {}
         where = (f"best validation {chosen.get('metric')} {chosen.get('best_value'):.4f} at step "
@@ -244,7 +251,7 @@ def main(argv):
               f"{where}; {wd}/summary.json)")
         print(table(summary))
         if results[s]["refit"] is not None:
-            print(f"\nrefit on train + valid ({wd}/refit/summary.json)")
+            print(f"\nrefit on the {f.refit_rows} rows ({wd}/refit/summary.json)")
             print(table(results[s]["refit"]))
     if len(results) > 1:
         print("\nMovieLens-1M test over seeds (history excluded)")

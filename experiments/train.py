@@ -36,8 +36,9 @@ with student.json, through gemjax.distill.runs.evaluate_student):
 Model selection (docs/train.md): with train.select_metric and data.valid_path the run
 evaluates the validation rows every train.valid_every steps, keeps the best step in
 WORKDIR/best, stops after train.patience evals without improvement and tests the best
-state once; --refit then trains WORKDIR/refit on the train and validation rows for the
-best step count (gemjax.train.refit).
+state once; --refit then trains WORKDIR/refit for the best step count on the train and
+validation rows (--refit_rows=valid: the validation rows alone, for sequence rows that extend
+the train rows; gemjax.train.refit).
 
 Writes WORKDIR/metrics.jsonl and WORKDIR/summary.json; rerunning with the same
 workdir resumes. With train.baselines (default on for `small`), a logistic
@@ -98,6 +99,9 @@ flags.DEFINE_string("checkpoint", None, "--mode=eval: best, newest or a step num
 flags.DEFINE_bool("refit", False, "after a run with train.select_metric: train WORKDIR/refit on the "
                   "train and validation rows for the run's best step count, then test it once "
                   "(gemjax.train.refit)")
+flags.DEFINE_enum("refit_rows", "train+valid", ["train+valid", "valid"],
+                  "rows --refit trains on: train+valid, or valid alone (sequence rows whose "
+                  "validation row extends the train row by one event)")
 flags.DEFINE_string("features", "", "JSON file of the feature schema (FeatureSchema.to_dict's form): "
                     "the columns of data.source=parquet files")
 flags.DEFINE_string("compile_cache", None, "directory of the persistent compilation cache: a rerun "
@@ -255,7 +259,8 @@ def main(argv):
     if f.refit:
         from gemjax.train.refit import refit
         try:
-            refit_summary = refit(workdir, log=log, mesh=mesh, trainer_kw=trainer_kw)
+            refit_summary = refit(workdir, rows=f.refit_rows, log=log, mesh=mesh,
+                                  trainer_kw=trainer_kw)
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"[gemjax] --refit: {e}")
         if lead:

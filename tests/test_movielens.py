@@ -8,6 +8,7 @@ command line."""
 import json
 import os
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.script_commands import run_commands
@@ -101,7 +102,8 @@ def test_movielens_script_converts_trains_and_prints_the_summary_figures(command
 @pytest.mark.skipif(not mlx.has_selection(), reason="the trainer has no model selection yet")
 def test_movielens_selects_on_validation_over_two_seeds_and_refits(commands):
     """--valid (the default): valid.parquet written, validation rows every epoch, the test
-    figures of each seed's best step, mean +- std over --seeds, and the refit run."""
+    figures of each seed's best step, mean +- std over --seeds, and the refit run on the
+    valid rows."""
     r = commands["seeds"]
     wd = r.tmp_path / "run"
     assert r.returncode == 0, r.stderr[-3000:]
@@ -114,6 +116,13 @@ def test_movielens_selects_on_validation_over_two_seeds_and_refits(commands):
         valid = [x for x in rows if x.get("split") == "valid"]
         assert valid and max(x["ndcg@10"] for x in valid) == sel["best_value"]
         assert os.path.exists(wd / f"seed{s}" / "refit" / "summary.json")
+        # --refit_rows=valid (the default): the valid rows alone, which are the --novalid
+        # command's train rows (the same fake MovieLens): each train row extended by item L-1
+        refit_data = wd / f"seed{s}" / "refit" / "data"
+        assert os.listdir(refit_data) == ["valid-00000.parquet"]
+        novalid_train = commands["novalid"].tmp_path / "conv" / "retrieval" / "train.parquet"
+        assert pq.read_table(refit_data / "valid-00000.parquet").equals(
+            pq.read_table(novalid_train))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("gemjax mean +- std (2)")]
     assert len(lines) == 2 and "refit over seeds" in r.stdout          # the runs, the refits
     assert all(ln.count("+-") == 1 + len(mlx.COLUMNS) for ln in lines)

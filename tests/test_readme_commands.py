@@ -210,12 +210,17 @@ SKIP = {
     "python -m experiments.datasets --name=ml-1m --out=/tmp/gemjax-data":
         "downloads from the internet; tests/test_datasets.py runs the command on a loopback server",
     "python -m experiments.movielens --preset=movielens_hstu_large --seeds=0,1,2 --epochs=200 "
-    "--eval_epochs=4 --patience=4 --refit --workdir=runs/ml_hstu":
+    "--eval_epochs=4 --patience=4 --refit --refit_rows=train+valid --workdir=runs/ml_hstu":
         "minutes a seed on a GPU; tests/test_movielens.py runs the script on a fake MovieLens",
     "python -m experiments.movielens --preset=movielens_hstu_large --seeds=0,1,2 --epochs=200 "
     "--eval_epochs=2 --patience=8 --select_metric=hr@10 --steps_per_call=0 "
     "--override=model.dim=64 --workdir=runs/ml_hstu_d64":
         "minutes a seed on a GPU; tests/test_movielens.py runs the script on a fake MovieLens",
+    "python -m experiments.movielens --preset=movielens_hstu_large --seeds=0,1,2 --epochs=200 "
+    "--eval_epochs=2 --patience=8 --select_metric=hr@10 --steps_per_call=0 "
+    "--override=model.dim=96 --refit --workdir=runs/ml_hstu_d96":
+        "minutes a seed on a GPU; tests/test_movielens.py runs the script and its refit on a "
+        "fake MovieLens",
     "./run train --config=tiny --workdir=runs/sel --override=data.valid_path=synthetic,"
     "train.select_metric=auc,train.valid_every=10,train.patience=2":
         "tests/test_validation.py trains the same selection on the tiny preset",
@@ -233,6 +238,9 @@ SKIP = {
     "python -m experiments.scaling --task=retrieval --out=runs/scaling_retrieval --jobs=10":
         "a GPU run",
     "python -m experiments.scaling --task=ranking --out=runs/scaling_ranking --jobs=10": "a GPU run",
+    "python -m experiments.scaling --task=retrieval --seeds=3 --jobs=10 --steps_per_call=0 "
+    "--out=runs/scaling_retrieval": "a GPU run (tests/test_scaling.py smokes --jobs and "
+                                    "--steps_per_call)",
     "python -m experiments.scaling --task=retrieval --seeds=3 --epochs=60 "
     "--ladder=32x1,64x2,96x3,128x4,192x6": "a GPU run",
     "python -m experiments.scaling --task=retrieval --dry_run":

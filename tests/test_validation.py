@@ -8,6 +8,7 @@ refit trains on train + validation rows; config errors name their field."""
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -173,6 +174,24 @@ def test_refit_trains_best_step_steps_on_train_and_valid_rows(whole):
     assert src.num_rows == 256 + 96
     rows = _rows(os.path.join(wd, "refit"))
     assert [(r["step"], r["kind"]) for r in rows] == [(2, "train"), (2, "eval")]
+
+
+def test_refit_on_the_valid_rows_alone_links_only_them(whole, tmp_path):
+    from gemjax.train.refit import refit_config
+    wd, summary = whole
+    work = tmp_path / "w"
+    work.mkdir()
+    for name in ("config.json", "summary.json"):
+        shutil.copy(os.path.join(wd, name), work / name)
+    cfg = refit_config(str(work), rows="valid")
+    assert sorted(os.listdir(cfg.data.train_path)) == ["valid-00000.parquet"]
+    assert make_source(cfg, "train").num_rows == 96
+    assert cfg.train.steps == summary["selection"]["best_step"] and cfg.data.valid_path == ""
+    assert sorted(os.listdir(refit_config(str(work)).data.train_path)) == \
+        ["train-00000.parquet", "valid-00000.parquet"]          # relinked for train + valid
+    with pytest.raises(ValueError, match=r"refit rows='test': expected one of train\+valid, "
+                                         r"valid"):
+        refit_config(str(work), rows="test")
 
 
 def test_metric_direction():
