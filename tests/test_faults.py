@@ -80,11 +80,13 @@ class Run:
     the one a test signals: its exit code (main's sys.exit, 128 + signal) is printed as
     "[test] exit CODE" and the next command runs in the same process; any other command
     that exits ends the process with its code (the last one's is the process's).
-    devices: the child's CPU device count (JAX_NUM_CPU_DEVICES; None: JAX's default, one)."""
+    devices: the child's CPU device count (JAX_NUM_CPU_DEVICES; None: JAX's default, one).
+    cmd: the child's whole command line instead (workdir, args, module and then unused)."""
 
     def __init__(self, workdir, pause=None, args=ARGS, module="experiments.train", then=(),
-                 devices=None):
+                 devices=None, cmd=None):
         env = with_suite_cache(dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"))
+        given = cmd
         env.pop("GEMJAX_TEST_PAUSE", None)
         env.pop("JAX_NUM_CPU_DEVICES", None)
         if devices:
@@ -103,7 +105,7 @@ class Run:
                        json.dumps([[p, [*a, f"--workdir={wd}"]] for wd, a, p in runs])]
             else:
                 cmd = child_argv("train", "run", [[wd, [*a, f"--workdir={wd}"]] for wd, a, _ in runs])
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd if given is None else given, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -146,8 +148,10 @@ def run_trainer(cfg=CFG):
 
 
 def restored(trainer, checkpoints, step=None):
+    """(step, state, meta) of checkpoint `step` (None: the newest) restored onto trainer's
+    abstract state (its tree of shapes and shardings: nothing drawn)."""
     with Checkpointer(checkpoints) as ckpt:
-        return restore_train_state(ckpt, trainer.coll, trainer.init_state(1), step)
+        return restore_train_state(ckpt, trainer.coll, trainer.abstract_state(), step)
 
 
 def host(state):
@@ -367,6 +371,7 @@ DAMAGE = {
 
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tmp_path):
     trainer = run_trainer()
+    target = trainer.abstract_state()      # the restore target of every _resume below
     want6 = host(restored(trainer, os.path.join(reference, "checkpoints"), 6)[1])
     for name, (damage, says) in DAMAGE.items():
         checkpoints = str(tmp_path / name / "checkpoints")
@@ -374,7 +379,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
         damage(os.path.join(checkpoints, "8"))
         logged = []
         ckpt = Checkpointer(checkpoints)
-        step, state, damaged = _resume(ckpt, trainer.coll, trainer.init_state(1), CFG, True,
+        step, state, damaged = _resume(ckpt, trainer.coll, target, CFG, True,
                                        logged.append)
         ckpt.close()
         assert (step, damaged) == (6, 1), (name, logged)
@@ -392,12 +397,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
     os.remove(os.path.join(checkpoints, "8", "checksums.sha256"))
     logged = []
     step, _, damaged = _resume(Checkpointer(checkpoints, trust_unverified=True), trainer.coll,
-                               trainer.init_state(1), CFG, True, logged.append)
+                               target, CFG, True, logged.append)
     assert (step, damaged) == (8, 0) and "8/checksums.sha256 is missing; trusted" in logged[0]
     _truncate(_largest_chunk(os.path.join(checkpoints, "8")))
     logged = []
     step, _, damaged = _resume(Checkpointer(checkpoints, trust_unverified=True), trainer.coll,
-                               trainer.init_state(1), CFG, True, logged.append)
+                               target, CFG, True, logged.append)
     assert (step, damaged) == (6, 1) and any("step 8 is damaged (unreadable: " in s for s in logged)
 
     # no verified step left: refused, naming the step and the missing file
@@ -407,7 +412,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
         os.remove(os.path.join(checkpoints, str(s), "checksums.sha256"))
     with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*: step 8: .*/8/"
                                                 r"checksums.sha256 is missing.*; step 3: "):
-        _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1), CFG, True,
+        _resume(Checkpointer(checkpoints), trainer.coll, target, CFG, True,
                 lambda s: None)
     assert steps_in(checkpoints) == [3, 6, 8]
 
@@ -418,7 +423,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
         _empty(os.path.join(checkpoints, str(s)))
     with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*: step 8: empty step "
                                                 r"directory; step 6: .*; step 3: "):
-        _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1), CFG, True,
+        _resume(Checkpointer(checkpoints), trainer.coll, target, CFG, True,
                 lambda s: None)
     assert steps_in(checkpoints) == [3, 6, 8]
 
@@ -428,7 +433,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
     os.rename(os.path.join(checkpoints, "8"), os.path.join(checkpoints, "9"))
     with pytest.raises(CheckpointMismatch, match=r"checkpoint step 9 in .* holds a train state "
                                                  r"at step 8 \(state\['step'\]\)"):
-        _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1),
+        _resume(Checkpointer(checkpoints), trainer.coll, target,
                 dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, steps=9)), True,
                 lambda s: None)
 
