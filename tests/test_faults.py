@@ -46,6 +46,28 @@ CFG = apply_overrides(get_config("tiny"), OVERRIDES + ",train.steps=8")
 DEVICES = jax.device_count()      # the children's CPU devices: this process's (module docstring)
 
 
+# Run's child for experiments/train.py commands [[pause, argv], ...] in one process (Run, then=)
+_CHAIN = """
+import json, os, sys
+from absl import flags
+from experiments import train
+cmds = json.loads(sys.argv[1])
+for i, (pause, argv) in enumerate(cmds):
+    os.environ.pop("GEMJAX_TEST_PAUSE", None)
+    if pause:
+        os.environ["GEMJAX_TEST_PAUSE"] = pause
+    print(f"[test] command {i}", flush=True)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["experiments/train.py", *argv])
+    try:
+        train.run(["experiments/train.py"])
+    except SystemExit as e:
+        if not pause or i == len(cmds) - 1:
+            raise
+        print(f"[test] exit {e.code}", flush=True)
+"""
+
+
 class Run:
     """`python -m module` (experiments/train.py by default) on `workdir` in a subprocess;
     its output collected by a thread. It shares the suite's compilation cache, every program
@@ -53,12 +75,18 @@ class Run:
     then: more workdirs the same experiments/train.py command runs on after `workdir`, one
     after another in the same process (an uninterrupted reference after the last resume:
     the imports and the programs already built are not paid again); an item
-    (workdir, args) runs that workdir with its own args instead.
-    devices: the child's CPU device count (JAX_NUM_CPU_DEVICES; None: JAX's default, one)."""
+    (workdir, args) runs that workdir with its own args instead, (workdir, args, pause)
+    with GEMJAX_TEST_PAUSE=pause too. A command with a pause other than the last one is
+    the one a test signals: its exit code (main's sys.exit, 128 + signal) is printed as
+    "[test] exit CODE" and the next command runs in the same process; any other command
+    that exits ends the process with its code (the last one's is the process's).
+    devices: the child's CPU device count (JAX_NUM_CPU_DEVICES; None: JAX's default, one).
+    cmd: the child's whole command line instead (workdir, args, module and then unused)."""
 
     def __init__(self, workdir, pause=None, args=ARGS, module="experiments.train", then=(),
-                 devices=None):
+                 devices=None, cmd=None):
         env = with_suite_cache(dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"))
+        given = cmd
         env.pop("GEMJAX_TEST_PAUSE", None)
         env.pop("JAX_NUM_CPU_DEVICES", None)
         if devices:
@@ -67,10 +95,17 @@ class Run:
             env["GEMJAX_TEST_PAUSE"] = pause
         cmd = [sys.executable, "-m", module, *args, f"--workdir={workdir}"]
         if then:
-            assert module == "experiments.train" and not pause, (module, pause)
+            assert module == "experiments.train", module
             runs = [(wd, args) if isinstance(wd, str) else wd for wd in (workdir, *then)]
-            cmd = child_argv("train", "run", [[wd, [*a, f"--workdir={wd}"]] for wd, a in runs])
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            runs = [(*r, None) if len(r) == 2 else r for r in runs]
+            runs[0] = (*runs[0][:2], pause)
+            env.pop("GEMJAX_TEST_PAUSE", None)      # set per command by the child
+            if any(p for _, _, p in runs):
+                cmd = [sys.executable, "-c", _CHAIN,
+                       json.dumps([[p, [*a, f"--workdir={wd}"]] for wd, a, p in runs])]
+            else:
+                cmd = child_argv("train", "run", [[wd, [*a, f"--workdir={wd}"]] for wd, a, _ in runs])
+        self.proc = subprocess.Popen(cmd if given is None else given, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -113,8 +148,10 @@ def run_trainer(cfg=CFG):
 
 
 def restored(trainer, checkpoints, step=None):
+    """(step, state, meta) of checkpoint `step` (None: the newest) restored onto trainer's
+    abstract state (its tree of shapes and shardings: nothing drawn)."""
     with Checkpointer(checkpoints) as ckpt:
-        return restore_train_state(ckpt, trainer.coll, trainer.init_state(1), step)
+        return restore_train_state(ckpt, trainer.coll, trainer.abstract_state(), step)
 
 
 def host(state):
@@ -190,21 +227,24 @@ def test_signals_kill_and_a_damaged_checkpoint_resume_exactly(reference, tmp_pat
     checkpoints = os.path.join(workdir, "checkpoints")
 
     # 1. SIGINT while step 4's eval is pending (after the step ran): the checkpoint is
-    #    labelled with the step the state holds (4; not a regular save point)
-    run = Run(workdir, pause="eval:4", devices=DEVICES)
+    #    labelled with the step the state holds (4; not a regular save point). The
+    #    command ends with exit 128 + SIGINT (sys.exit's code, printed by Run's child,
+    #    whose next command is step 2's resume: one process for both signals)
+    run = Run(workdir, pause="eval:4", devices=DEVICES, then=[(workdir, ARGS, "step:5")])
     run.wait_for("test pause at eval 4")
     with pytest.raises(WorkdirBusy, match=rf"in use by another run \(pid {run.proc.pid} on host "):
         train(CFG, workdir, log=lambda s: None)           # a second run on the workdir
     run.proc.send_signal(signal.SIGINT)
-    assert run.finish() == 128 + signal.SIGINT, run.out[-3000:]
+    run.wait_for("[test] exit ")
+    assert f"[test] exit {128 + signal.SIGINT}\n" in run.lines, run.out[-3000:]
     assert "stopped by SIGINT after step 4: checkpoint step 4 saved" in run.out
-    assert steps_in(checkpoints) == [3, 4]
+    assert steps_in(checkpoints) == [3, 4]          # the next command saves nothing before 5
     trainer = run_trainer()
     step, state, meta = restored(trainer, checkpoints)
     assert step == meta["data_step"] == int(state["step"]) == 4
 
-    # 2. SIGTERM right after step 5 (neither a log nor a save point): saved, not lost
-    run = Run(workdir, pause="step:5", devices=DEVICES)
+    # 2. SIGTERM right after step 5 (neither a log nor a save point): saved, not lost; the
+    #    process exits with 128 + SIGTERM
     sigterm_at_pause(run, 5, 4)
     assert steps_in(checkpoints) == [3, 4, 5]
     assert [r["step"] for r in rows(workdir, "train")][-1] == 5       # its window logged
@@ -266,10 +306,15 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
     kill_once_saved(run, checkpoints, 4)
     assert steps_in(checkpoints) == [2, 4]
 
-    run = Run(workdir, pause="step:7", args=args)
-    sigterm_at_pause(run, 7, 4)
-
-    run = Run(workdir, args=args, then=[reference])       # the resume, then the reference
+    # SIGTERM, then the resume and the reference in the same process (Run's child prints
+    # the SIGTERM'd command's exit code and goes on)
+    run = Run(workdir, pause="step:7", args=args, then=[(workdir, args), reference])
+    run.wait_for("test pause at step 7")
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait_for("[test] exit ")
+    assert f"[test] exit {128 + signal.SIGTERM}\n" in run.lines, run.out[-3000:]
+    assert "resumed from step 4" in run.out
+    assert "stopped by SIGTERM after step 7: checkpoint step 7 saved" in run.out
     assert run.finish() == 0, run.out[-3000:]
     assert "resumed from step 7" in run.out
     assert [r["step"] for r in rows(reference, "eval")] == [4, 8]
@@ -326,6 +371,7 @@ DAMAGE = {
 
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tmp_path):
     trainer = run_trainer()
+    target = trainer.abstract_state()      # the restore target of every _resume below
     want6 = host(restored(trainer, os.path.join(reference, "checkpoints"), 6)[1])
     for name, (damage, says) in DAMAGE.items():
         checkpoints = str(tmp_path / name / "checkpoints")
@@ -333,7 +379,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
         damage(os.path.join(checkpoints, "8"))
         logged = []
         ckpt = Checkpointer(checkpoints)
-        step, state, damaged = _resume(ckpt, trainer.coll, trainer.init_state(1), CFG, True,
+        step, state, damaged = _resume(ckpt, trainer.coll, target, CFG, True,
                                        logged.append)
         ckpt.close()
         assert (step, damaged) == (6, 1), (name, logged)
@@ -351,12 +397,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
     os.remove(os.path.join(checkpoints, "8", "checksums.sha256"))
     logged = []
     step, _, damaged = _resume(Checkpointer(checkpoints, trust_unverified=True), trainer.coll,
-                               trainer.init_state(1), CFG, True, logged.append)
+                               target, CFG, True, logged.append)
     assert (step, damaged) == (8, 0) and "8/checksums.sha256 is missing; trusted" in logged[0]
     _truncate(_largest_chunk(os.path.join(checkpoints, "8")))
     logged = []
     step, _, damaged = _resume(Checkpointer(checkpoints, trust_unverified=True), trainer.coll,
-                               trainer.init_state(1), CFG, True, logged.append)
+                               target, CFG, True, logged.append)
     assert (step, damaged) == (6, 1) and any("step 8 is damaged (unreadable: " in s for s in logged)
 
     # no verified step left: refused, naming the step and the missing file
@@ -366,7 +412,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
         os.remove(os.path.join(checkpoints, str(s), "checksums.sha256"))
     with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*: step 8: .*/8/"
                                                 r"checksums.sha256 is missing.*; step 3: "):
-        _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1), CFG, True,
+        _resume(Checkpointer(checkpoints), trainer.coll, target, CFG, True,
                 lambda s: None)
     assert steps_in(checkpoints) == [3, 6, 8]
 
@@ -377,7 +423,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
         _empty(os.path.join(checkpoints, str(s)))
     with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint in .*: step 8: empty step "
                                                 r"directory; step 6: .*; step 3: "):
-        _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1), CFG, True,
+        _resume(Checkpointer(checkpoints), trainer.coll, target, CFG, True,
                 lambda s: None)
     assert steps_in(checkpoints) == [3, 6, 8]
 
@@ -387,7 +433,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact(reference, tm
     os.rename(os.path.join(checkpoints, "8"), os.path.join(checkpoints, "9"))
     with pytest.raises(CheckpointMismatch, match=r"checkpoint step 9 in .* holds a train state "
                                                  r"at step 8 \(state\['step'\]\)"):
-        _resume(Checkpointer(checkpoints), trainer.coll, trainer.init_state(1),
+        _resume(Checkpointer(checkpoints), trainer.coll, target,
                 dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, steps=9)), True,
                 lambda s: None)
 

@@ -1,14 +1,17 @@
 """Online training (gemjax.train.online): a run stopped by SIGTERM, resumed, killed with
 kill -9, and resumed again ends with the metrics rows and member states of an
-uninterrupted run. The interrupted runs are `experiments/online.py` subprocesses on one CPU
-device (the second reads the first's programs from the compilation cache); the
-uninterrupted run and the last resume run_online in this process as the command does (its
-config and OnlineSpec), on a one-device mesh like every run in this process (the same
-programs: the cache keys a program by the device count of its process too)."""
+uninterrupted run. The interrupted runs are two `experiments/online.py` commands run one
+after the other in one subprocess on one CPU device (the second reads the first's
+programs from the compilation cache, its imports already paid); the uninterrupted run
+and the last resume run_online in this process as the command does (its config and
+OnlineSpec), on a one-device mesh like every run in this process (the same programs: the
+cache keys a program by the device count of its process too)."""
 
 import json
 import os
+import re
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -26,6 +29,14 @@ WINDOWS = 4
 ARGS = ["--config=tiny", f"--windows={WINDOWS}", f"--override={OVERRIDE}", "--item_rows=1024", "--students=0",
         "--min_count=2", "--buckets=16"]
 SPEC = OnlineSpec(windows=WINDOWS, min_count=2, buckets=16, table_rows=(("item", 1024),))
+# the experiments/online.py commands [argv, ...] one after another in one process, each
+# followed by "[test] exit CODE" (main's return value)
+CHILD = """
+import json, sys
+from experiments import online
+for argv in json.loads(sys.argv[1]):
+    print(f"[test] exit {online.main(argv)}", flush=True)
+"""
 
 
 def _cfg():
@@ -45,19 +56,23 @@ def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     with open(os.path.join(ref_dir, "summary.json")) as f:
         ref = json.load(f)
 
-    run = Run(dir_, args=ARGS, module="experiments.online")                      # SIGTERM during window 1: stops after its checkpoint
+    # one child runs the command twice: SIGTERM during window 1 stops the first after its
+    # checkpoint (main returns 128 + SIGTERM, printed), the second resumes and is killed
+    # with kill -9 after the next window's checkpoint
+    argv = [*ARGS, f"--workdir={dir_}"]
+    run = Run(dir_, cmd=[sys.executable, "-c", CHILD, json.dumps([argv, argv])])
     run.wait_for("[online] window 0:")
     run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
-    assert "stopped by SIGTERM after window" in run.out
-    stopped_at = max(r["window"] for r in _rows(dir_))
+    run.wait_for("[test] exit ")
+    assert f"[test] exit {128 + signal.SIGTERM}\n" in run.lines, run.out[-3000:]
+    stopped_at = int(re.search(r"stopped by SIGTERM after window (\d+): checkpoint", run.out)[1])
     assert stopped_at < WINDOWS - 1
 
-    run = Run(dir_, args=ARGS, module="experiments.online")                      # resume, then kill -9 after the next window's checkpoint
     run.wait_for(f"[online] window {stopped_at + 1}:")
     run.proc.kill()
     assert run.finish() == -signal.SIGKILL
     assert f"resumed at window {stopped_at + 1}" in run.out
+    assert max(r["window"] for r in _rows(dir_)) >= stopped_at + 1
 
     logged = []                                                                 # resume to the end
     run_online(_cfg(), dir_, SPEC, mesh=mesh, log=logged.append)
