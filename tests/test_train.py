@@ -40,29 +40,44 @@ def _one_device_mesh():
     return Mesh(np.array(jax.devices()[:1]), ("batch",))
 
 
-def test_resume_equals_uninterrupted_run(tmp_path):
-    run = functools.partial(train, TINY, log=lambda s: None, mesh=_one_device_mesh())
-    full, parts = str(tmp_path / "full"), str(tmp_path / "parts")
-    run(full)
-    run(parts, stop_after=4)                              # interrupted after k = 4 steps
-    assert _rows(parts)[-1]["step"] == 4
-    summary = run(parts)                                  # resumed to 2k = 8 steps
+# one config for the run that trains toward the Bayes NE and the resume of it (the same
+# train and eval programs): 60 steps, evals and checkpoints at 20, 40 and 60
+RUN = apply_overrides(get_config("tiny"), "train.steps=60,train.eval_every=20,train.log_every=20,"
+                                          "train.checkpoint_every=20")
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """RUN trained uninterrupted on one device: (workdir, summary)."""
+    workdir = str(tmp_path_factory.mktemp("full"))
+    return workdir, train(RUN, workdir, log=lambda s: None, mesh=_one_device_mesh())
+
+
+def test_resume_equals_uninterrupted_run(full_run, tmp_path):
+    """RUN interrupted after 40 steps (evals at 20 and 40 before it), resumed to 60: the
+    metrics rows, the final checkpoint and its metadata equal the uninterrupted run's."""
+    full, _ = full_run
+    run = functools.partial(train, RUN, log=lambda s: None, mesh=_one_device_mesh())
+    parts = str(tmp_path / "parts")
+    run(parts, stop_after=40)                             # interrupted after k = 40 steps
+    assert _rows(parts)[-1]["step"] == 40
+    assert [r["step"] for r in _rows(parts) if r["kind"] == "eval"] == [20, 40]
+    summary = run(parts)                                  # resumed to 60 steps
     keys = ("step", "kind", "loss", "ne", "auc", "seq_truncated_to_capacity", "ids_out_of_range")
     strip = lambda rows: [{k: r.get(k) for k in keys} for r in rows]  # noqa: E731
     assert strip(_rows(parts)) == strip(_rows(full))
-    trainer = Trainer.create(TINY, _one_device_mesh())
+    trainer = Trainer.create(RUN, _one_device_mesh())
     step_a, state_a, meta_a = _final_state(trainer, full)
     step_b, state_b, meta_b = _final_state(trainer, parts)
-    assert step_a == step_b == 8 and meta_a == meta_b
-    assert meta_a["data_step"] == 8 and meta_a["config"] == "tiny" and "item" in meta_a["table_layouts"]
+    assert step_a == step_b == 60 and meta_a == meta_b
+    assert meta_a["data_step"] == 60 and meta_a["config"] == "tiny" and "item" in meta_a["table_layouts"]
     for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert summary["steps"] == 8 and np.isfinite(summary["eval_ne"]) and "bayes_ne" in summary
+    assert summary["steps"] == 60 and np.isfinite(summary["eval_ne"]) and "bayes_ne" in summary
 
 
-def test_training_moves_toward_bayes_ne(tmp_path):
-    cfg = apply_overrides(get_config("tiny"), "train.steps=60,train.eval_every=60,train.log_every=20")
-    s = train(cfg, str(tmp_path / "run"), log=lambda s: None, mesh=_one_device_mesh())
+def test_training_moves_toward_bayes_ne(full_run):
+    _, s = full_run
     first_eval_ne = 1.0                                   # an untrained model sits near NE 1
     assert s["bayes_ne"] < s["eval_ne"] < first_eval_ne
     assert s["samples_per_sec"] > 0
