@@ -18,6 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The first interpret-mode pallas_call lowering imports Pallas's interpreter modules, and
+# one of them defines a config option that is part of JAX's trace context: every jitted
+# function traced before that lowering (a train step whose update runs a kernel in
+# interpret mode, say) would be traced and lowered again at its next call. Importing them
+# with the kernels fixes the trace context before anything is traced (same programs).
+try:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _  # noqa: F401
+except ImportError:     # pragma: no cover  (JAX internals moved: only the retrace is back)
+    pass
+
 # Padding rows get this segment id on the key side so they never match a query
 # (queries' padding rows get B).
 KEY_PAD_SEGMENT = -1

@@ -64,8 +64,10 @@ CASES = [   # shape, names, plan, replica axes, collection options
 
 
 @pytest.mark.parametrize("shape,names,plan,replica_axes,kw", CASES)
-@pytest.mark.parametrize("narrow", [None, (1, 1)])
-def test_fixed_branches_equal_the_switch(shape, names, plan, replica_axes, kw, narrow):
+def test_fixed_branches_equal_the_switch(shape, names, plan, replica_axes, kw):
+    """Two steps, each with its own plan: a diverse batch, then a heavily duplicated one
+    (every id i -> i % 1: one id per table, the smallest bucket everywhere). The switch
+    programs serve both steps (same shapes); each plan traces and compiles its own."""
     mesh = tss.mesh_of(shape, names)
     coll, coll0 = make(mesh, plan, replica_axes, **kw), make(mesh, plan, replica_axes, **kw)
     assert coll.has_switches()
@@ -77,7 +79,7 @@ def test_fixed_branches_equal_the_switch(shape, names, plan, replica_axes, kw, n
     lookup0 = jax.jit(coll0.lookup)
     apply0 = jax.jit(coll0.apply_gradients, donate_argnums=0)
     plans = []
-    for _ in range(2):
+    for narrow in (None, (1, 1)):
         dev = tss.make_batch(rng, mesh.size)
         if narrow:
             dev = teb.narrowed(dev, *narrow)
@@ -86,11 +88,11 @@ def test_fixed_branches_equal_the_switch(shape, names, plan, replica_axes, kw, n
         plans.append(plan_)
         assert plan_ and all(x >= 0 or s >= 0 for _, x, s in plan_), plan_
         with coll.fixed_branches(plan_):
-            lookup = jax.jit(coll.lookup)
-            acts, res = lookup(state, feats)
-            jx = jax.make_jaxpr(coll.lookup)(state, feats)
-        assert collectives_in_conds(jx) == 0
-        assert collectives_in_conds(jax.make_jaxpr(coll0.lookup)(state0, feats)) > 0 or \
+            traced = jax.jit(coll.lookup).trace(state, feats)      # one trace: jaxpr and program
+            acts, res = traced.lower().compile()(state, feats)
+        assert collectives_in_conds(traced.jaxpr) == 0
+        traced0 = lookup0.trace(state0, feats)
+        assert collectives_in_conds(traced0.jaxpr) > 0 or \
             not any(coll0._switched(n)[0] for n in coll0.specs)
         acts0, res0 = lookup0(state0, feats)
         for f in acts0:
@@ -103,18 +105,20 @@ def test_fixed_branches_equal_the_switch(shape, names, plan, replica_axes, kw, n
         g = {f: jax.device_put(tss.quantized(rng, acts[f].shape, 8.0).astype(np.float32),
                                NamedSharding(mesh, P(axes))) for f in acts}
         with coll.fixed_branches(plan_):
-            ja = jax.make_jaxpr(coll.apply_gradients)(state, res, g)
-            state = jax.jit(coll.apply_gradients, donate_argnums=0)(state, res, g)
+            traced = jax.jit(coll.apply_gradients, donate_argnums=0).trace(state, res, g)
+            ja = traced.jaxpr
+            state = traced.lower().compile()(state, res, g)
         assert collectives_in_conds(ja) == 0
-        assert collectives_in_conds(jax.make_jaxpr(coll0.apply_gradients)(state0, res0, g)) > 0
+        assert collectives_in_conds(apply0.trace(state0, res0, g).jaxpr) > 0
         state0 = apply0(state0, res0, g)
     got, want = coll.to_logical(state), coll0.to_logical(state0)
     for n in want:
         for k in want[n]:
             np.testing.assert_array_equal(got[n][k], want[n][k], err_msg=f"{n}.{k}")
         assert not np.array_equal(want[n]["weights"], tables[n]["weights"]), n
-    if narrow:   # one id per table: the smallest bucket everywhere
-        assert all(x <= 0 and s <= 0 for p in plans for n, x, s in p), plans
+    assert plans[0] != plans[1], plans
+    # one id per table: the smallest bucket everywhere
+    assert all(x <= 0 and s <= 0 for n, x, s in plans[1]), plans
 
 
 @pytest.mark.parametrize("shape,names,plan,replica_axes,kw", [CASES[0], CASES[3]])
