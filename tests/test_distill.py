@@ -257,6 +257,15 @@ def test_student_flops_match_its_jaxpr(over):
     assert got == b * student_lib.forward_flops(cfg)
 
 
+# The students of the Distiller tests share their train-step programs: the adapter, the repr
+# cache and normaliser, the shared tables' start (share_accum, share_dense) and
+# share_freeze_steps are host-side, so a program depends on the student's config, the KD
+# objective and the teacher inputs (FROZEN: kd,adapter,repr,share frozen, alpha 0.6, T 2;
+# TUNED: kd with or without the adapter or tuned shared tables, alpha 0.5, T 1).
+FROZEN = "model.kind=student,model.student_width=4,train.steps=4"
+TUNED = "model.kind=student,train.warmup_steps=1"
+
+
 @pytest.fixture(scope="module")
 def teacher_and_feed():
     tcfg = get_config("tiny", f"train.steps=4,{CHEAP}")    # tests/distill_teacher.py
@@ -280,8 +289,7 @@ def test_distill_step_frozen_share_and_kd_loss(teacher_and_feed):
     before = jax.device_get(teacher.state)
     dcfg = DistillConfig(methods="kd,adapter,repr,share", alpha=0.6, temperature=2.0,
                          adapter_refresh=1, repr_window=2)
-    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4,train.steps=4"),
-                          tcfg, dcfg)
+    scfg = student_config(get_config("tiny", FROZEN), tcfg, dcfg)
     assert scfg.optim.sparse.lr == 0.0 and scfg.model.dim == tcfg.model.dim
     d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
     state = d.init_state(1)
@@ -316,7 +324,7 @@ def test_feature_adapter_in_the_distiller(teacher_and_feed):
     tcfg, teacher, batches = teacher_and_feed
     dcfg = DistillConfig(methods="kd,adapter", adapter_refresh=1, adapter_kind="features",
                          adapter_features="dense,repr,student", adapter_l2=0.05)
-    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
+    scfg = student_config(get_config("tiny", TUNED), tcfg, dcfg)
     d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
     state = d.init_state(1)
 
@@ -348,7 +356,7 @@ def test_feature_adapter_in_the_distiller(teacher_and_feed):
 def test_distill_tuned_share_updates_tables(teacher_and_feed):
     tcfg, teacher, batches = teacher_and_feed
     dcfg = DistillConfig(methods="kd,share", share="tuned")
-    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
+    scfg = student_config(get_config("tiny", TUNED), tcfg, dcfg)
     d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
     state = d.init_state(1)
     state, _ = d.step(state, batches[0], 0)
@@ -360,8 +368,9 @@ def test_cotrain_trains_the_teacher_and_frozen_share_follows_it(teacher_and_feed
     tcfg, teacher, batches = teacher_and_feed
     tt = teacher.trainer
     live = Teacher(tt, jax.tree.map(jnp.copy, teacher.state))
-    dcfg = DistillConfig(methods="kd,share", teacher_mode="cotrain")
-    scfg = student_config(get_config("tiny", "model.kind=student,model.student_width=4"), tcfg, dcfg)
+    dcfg = DistillConfig(methods="kd,adapter,repr,share", alpha=0.6, temperature=2.0,
+                         adapter_refresh=1, repr_window=2, teacher_mode="cotrain")
+    scfg = student_config(get_config("tiny", FROZEN), tcfg, dcfg)
     d = Distiller(Trainer.create(scfg, tt.mesh), live, dcfg)
     state = d.init_state(1)
     t0 = int(live.state["step"])
@@ -412,7 +421,7 @@ def test_repr_norm_and_dropout_in_the_distiller(teacher_and_feed):
     p = 0.5
     dcfg = DistillConfig(methods="kd,repr", repr_window=0, repr_norm="standardize",
                          repr_dropout=p)
-    scfg = student_config(get_config("tiny", "model.kind=student"), tcfg, dcfg)
+    scfg = student_config(get_config("tiny", FROZEN), tcfg, dcfg)
     d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
     state = d.init_state(3)
     draws = np.random.default_rng(3)
@@ -449,7 +458,7 @@ def test_share_fresh_accumulators_freeze_then_tune_and_dense_groups(teacher_and_
     before = jax.device_get(teacher.state)
     dcfg = DistillConfig(methods="kd,share", share="tuned", share_accum="fresh",
                          share_freeze_steps=2, share_dense="dense_proj")
-    scfg = student_config(get_config("tiny", "model.kind=student,train.warmup_steps=1"), tcfg, dcfg)
+    scfg = student_config(get_config("tiny", TUNED), tcfg, dcfg)
     d = Distiller(Trainer.create(scfg, teacher.trainer.mesh), teacher, dcfg)
     state = d.init_state(1)
     assert any(np.any(before["tables"][n]["accum"] > 0) for n in state["tables"])

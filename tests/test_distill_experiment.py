@@ -1,32 +1,33 @@
 """experiments/distill.py end to end at a toy size: the offline teacher trained and read
 back from its checkpoint, every row of the table including the hierarchical one, gains
 recomputed from the per-run NEs, frozen shared tables unchanged, the FLOP column equal to
-forward_flops; and --dataset=frappe without the converted files says so and exits 0.
-The commands that finish (the table, --dataset=drift, --teacher_mode=cotrain, the absent
-Frappe files) run one after another in one child process (tests/script_commands.py), each
-with the flags of its own command line; the refused and the stopped commands run as
-commands."""
+forward_flops; --dataset=frappe without the converted files says so and exits 0; a
+SIGTERM in a student's training ends the command with one line and exit 143.
+The commands (the table, --dataset=drift, --teacher_mode=cotrain, the absent Frappe
+files, then the stopped one) run one after another in one child process (`_CHILD`),
+each with the flags of its own command line; the refused command runs as a command."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
-from tests.script_commands import run_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env():
     """The children's environment: the suite's (its XLA flags and compilation cache,
-    tests/conftest.py) and its CPU device count, so a program this process builds (the
-    cotrained teacher's eval) is the one a child compiled (the cache keys the device count)."""
-    import jax
-    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(len(jax.devices("cpu"))))
+    tests/conftest.py) with one CPU device, so the offline teacher trains on the
+    one-device mesh the students and the co-trained teacher run on (one teacher
+    program for every command)."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
 
 
 def _run(args, tmp_path):
@@ -39,11 +40,12 @@ DATA = "--data_overrides=data.eval_batches=1,data.batch_size=32"
 
 DRIFT = "--data_overrides=data.drift_every=2,data.batch_size=32"
 COMMANDS = {   # name -> the command's flags but --out
-    # every row, the hierarchical one too
+    # every row, the hierarchical one too; the latency batch is the data's (the students'
+    # eval programs)
     "table": ["--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
               "--student_steps=2", "--share=frozen",
               "--rows=none,kd,kd+adapter,+repr,+share,all", "--adapter_refresh=1",
-              "--latency_batch=16", DATA],
+              "--latency_batch=32", DATA],
     "drift": ["--dataset=drift", "--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
               "--student_steps=2",
               "--rows=none,kd+adapter,all", "--latency_batch=0", "--adapter=features",
@@ -53,26 +55,74 @@ COMMANDS = {   # name -> the command's flags but --out
                 "--rows=none,kd", "--latency_batch=0",
                 "--data_overrides=data.eval_batches=1,data.batch_size=32"],
     "frappe": ["--dataset=frappe"],     # --frappe_dir: a directory that is not there
+    # from the table's finished teacher run (copied), the table's kd student; stopped by
+    # SIGTERM in its training (GEMJAX_TEST_PAUSE holds it after its first step until then)
+    "stop": ["--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
+             "--student_steps=2", "--rows=kd", "--nohierarchical", "--latency_batch=0", DATA],
 }
+STOPPED = os.path.join("synthetic", "students", "kd_s0")    # the stop command's student run
+
+_CHILD = """
+import json
+import os
+import shutil
+import sys
+from absl import flags
+from experiments import distill
+distill.define_flags()
+for name, argv, copy, env in json.loads(sys.argv[1]):
+    print(f"[test] command {name}", flush=True)
+    if copy:
+        shutil.copytree(*copy)
+    os.environ.update(env)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["experiments/distill.py", *argv])
+    distill.run(["experiments/distill.py"])     # exit 128 + signal when a signal stops it
+    print(f"[test] finished {name}", flush=True)
+"""
+
 
 class Command:
-    """One command of the shared child: its --out, the child's exit code and stderr, and
-    the command's own stdout."""
+    """One command of the shared child: its --out, its exit code (0 when it returned, else
+    the child's), the child's stderr and the command's own stdout."""
 
     def __init__(self, out, returncode, stdout, stderr):
         self.out, self.returncode, self.stdout, self.stderr = out, returncode, stdout, stderr
 
 
+def _holder(lock):
+    try:
+        with open(lock) as f:
+            return json.load(f).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory):
-    """{name: Command} of COMMANDS, run in order in one child process."""
+    """{name: Command} of COMMANDS, run in order in one child process; the last, "stop",
+    gets SIGTERM once its student's run holds its workdir."""
     root = tmp_path_factory.mktemp("commands")
     outs = {name: str(root / name) for name in COMMANDS}
     extra = {"frappe": [f"--frappe_dir={root}/absent"]}
-    spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])]]
-            for name, flags in COMMANDS.items()]
-    code, said, stderr = run_commands("distill", "run", spec, cwd=ROOT, env=_env())
-    return {name: Command(outs[name], code, said.get(name, ""), stderr) for name in COMMANDS}
+    teacher = os.path.join("synthetic", "teacher_s0")
+    copy = {"stop": [os.path.join(outs["table"], teacher), os.path.join(outs["stop"], teacher)]}
+    env = {"stop": {"GEMJAX_TEST_PAUSE": "step:1"}}
+    spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])], copy.get(name),
+             env.get(name, {})] for name, flags in COMMANDS.items()]
+    out, err = open(root / "stdout", "w+"), open(root / "stderr", "w+")
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(spec)], cwd=ROOT, env=_env(),
+                         stdout=out, stderr=err, text=True)
+    lock, deadline = os.path.join(outs["stop"], STOPPED, "train.lock"), time.time() + 900
+    while _holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=300)
+    stdout, stderr = (open(f.name).read() for f in (out, err))
+    said = {part.split("\n", 1)[0]: part for part in stdout.split("[test] command ")[1:]}
+    return {name: Command(outs[name], 0 if f"[test] finished {name}" in said.get(name, "")
+                          else p.returncode, said.get(name, ""), stderr)
+            for name in COMMANDS}
 
 
 @pytest.fixture(scope="module")
@@ -195,26 +245,16 @@ def test_distill_cotrain_students_are_runs(commands):
     assert res["summary"]["teacher_ne"] == [ne]
 
 
-def test_distill_stop_is_one_line_and_exit_143(table_run, tmp_path):
+def test_distill_stop_is_one_line_and_exit_143(commands):
     """SIGTERM once a student's run has started: the command ends with one line and exit
-    143, no traceback (the exact resume: tests/test_distill_runs.py). The teacher is the
-    table command's finished run (the same teacher flags: reused, not retrained)."""
-    import shutil
-    import signal
-    import time
-    shutil.copytree(os.path.join(table_run[0], "synthetic", "teacher_s0"),
-                    os.path.join(tmp_path, "synthetic", "teacher_s0"))
-    args = [f"--out={tmp_path}", "--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
-            "--student_steps=400",
-            "--rows=kd", "--nohierarchical", "--latency_batch=0", DATA]
-    p = subprocess.Popen([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    started = os.path.join(tmp_path, "synthetic", "students", "kd_s0", "config.json")
-    deadline = time.time() + 500
-    while not os.path.exists(started) and p.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 143, err[-3000:]
-    assert "Traceback" not in err and "Traceback" not in out
-    assert out.strip().splitlines()[-1].startswith("[distill] stopped by SIGTERM")
+    143, no traceback, the student's run stopped mid-training (the exact resume:
+    tests/test_distill_runs.py). The teacher is the table command's finished run (the
+    same teacher flags: reused, not retrained)."""
+    p = commands["stop"]
+    assert p.returncode == 143, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    assert p.stdout.strip().splitlines()[-1].startswith("[distill] stopped by SIGTERM")
+    wd = os.path.join(p.out, STOPPED)
+    assert os.path.exists(os.path.join(wd, "config.json"))
+    assert not os.path.exists(os.path.join(wd, "summary.json"))      # stopped mid-run
+    assert not os.path.exists(os.path.join(p.out, "synthetic", "results.json"))
