@@ -26,8 +26,8 @@ import numpy as np
 try:
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _  # noqa: F401
-except ImportError:     # pragma: no cover  (JAX internals moved: only the retrace is back)
-    pass
+except Exception:       # pragma: no cover  (JAX internals moved or fail to import here:
+    pass                # the kernels work as before, only the retrace is back)
 
 # Padding rows get this segment id on the key side so they never match a query
 # (queries' padding rows get B).
