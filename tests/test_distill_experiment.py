@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
+from tests.test_distill_student_signals import lock_holder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,14 +91,6 @@ class Command:
         self.out, self.returncode, self.stdout, self.stderr = out, returncode, stdout, stderr
 
 
-def _holder(lock):
-    try:
-        with open(lock) as f:
-            return json.load(f).get("pid")
-    except (OSError, ValueError):
-        return None
-
-
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory):
     """{name: Command} of COMMANDS, run in order in one child process; the last, "stop",
@@ -114,7 +107,7 @@ def commands(tmp_path_factory):
     p = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(spec)], cwd=ROOT, env=_env(),
                          stdout=out, stderr=err, text=True)
     lock, deadline = os.path.join(outs["stop"], STOPPED, "train.lock"), time.time() + 900
-    while _holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
+    while lock_holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=300)

@@ -68,7 +68,8 @@ def _env():
     return with_suite_cache(env)
 
 
-def _holder(lock):
+def lock_holder(lock):
+    """The pid WORKDIR/train.lock names (None while absent or half written)."""
     try:
         with open(lock) as f:
             return json.load(f).get("pid")
@@ -82,7 +83,7 @@ def _stopped(spec, student_wd, sig):
     p = subprocess.Popen(_child(spec), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     lock, deadline = os.path.join(student_wd, "train.lock"), time.time() + 500
-    while _holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
+    while lock_holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     p.send_signal(sig)
     out, err = p.communicate(timeout=500)
