@@ -25,8 +25,8 @@ data.valid_path). --refit then trains WORKDIR/refit for the best run's step coun
 tests it (gemjax.train.refit): on the valid rows alone by default (--refit_rows=valid; a
 valid row is the user's train row extended by item L-1, so they are the --novalid train
 rows, the split the published runs train on), or on train + valid rows appended
-(--refit_rows=train+valid: each history trained twice per epoch). --novalid: the test rows every
---eval_epochs epochs, the last state reported. --seeds=0,1,2: one run per seed in
+(--refit_rows=train+valid: each history trained twice per epoch). --novalid: the test
+rows every --eval_epochs epochs, the last state reported. --seeds=0,1,2: one run per seed in
 WORKDIR/seed<N>, then mean +- std (sample std over the seeds). --steps_per_call=0 runs
 an epoch's steps per jitted call (train.steps_per_call: the same numbers, one launch).
 Step 3: the table (HR@10, NDCG@10, HR@50, NDCG@50, HR@200, NDCG@200, MRR, wall

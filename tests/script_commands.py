@@ -6,6 +6,12 @@ are paid once, and each command parses its own flags (the flags reset between co
 
 said: {command name: the stdout that command printed}. child_argv gives the same child's
 command line for a caller that starts the process itself (to signal it or read it live).
+
+A command may carry a third item, {"env": {...}, "copy": [src, dst], "go_on": bool}: the
+environment variables set for that command alone, a directory copied (shutil.copytree)
+before it, and whether a SystemExit it raises (a signal's 128 + N) is printed as
+"[test] exit CODE" and the next command runs, instead of ending the child with that code.
+Each command that returns prints "[test] finished NAME".
 """
 
 from __future__ import annotations
@@ -16,22 +22,39 @@ import sys
 
 _CHILD = """
 import json
+import os
+import shutil
 import sys
 from absl import flags
 from {package} import {module}
 getattr({module}, "define_flags", lambda: None)()      # else its flags are defined on import
-for name, argv in json.loads(sys.argv[1]):
+own_env = []
+for name, argv, *more in json.loads(sys.argv[1]):
+    opts = more[0] if more else {{}}
     print(f"[test] command {{name}}", flush=True)
+    for key in own_env:                                # the previous command's variables
+        os.environ.pop(key, None)
+    own_env = list(opts.get("env", {{}}))
+    os.environ.update(opts.get("env", {{}}))
+    if opts.get("copy"):
+        shutil.copytree(*opts["copy"])
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["{package}/{module}.py", *argv])
-    {module}.{entry}(["{package}/{module}.py"])
+    try:
+        {module}.{entry}(["{package}/{module}.py"])
+    except SystemExit as e:
+        if not opts.get("go_on"):
+            raise
+        print(f"[test] exit {{e.code}}", flush=True)
+        continue
+    print(f"[test] finished {{name}}", flush=True)
 """
 
 
 def child_argv(module: str, entry: str, spec: list, package: str = "experiments") -> list[str]:
     """The command line of one child running <package>.<module>'s commands
-    [[name, argv], ...] in order through <entry>(argv); each prints "[test] command NAME"
-    before its own output."""
+    [[name, argv], ...] (or [name, argv, opts]: module docstring) in order through
+    <entry>(argv); each prints "[test] command NAME" before its own output."""
     return [sys.executable, "-c", _CHILD.format(package=package, module=module, entry=entry),
             json.dumps(spec)]
 

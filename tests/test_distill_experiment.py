@@ -4,8 +4,9 @@ recomputed from the per-run NEs, frozen shared tables unchanged, the FLOP column
 forward_flops; --dataset=frappe without the converted files says so and exits 0; a
 SIGTERM in a student's training ends the command with one line and exit 143.
 The commands (the table, --dataset=drift, --teacher_mode=cotrain, the absent Frappe
-files, then the stopped one) run one after another in one child process (`_CHILD`),
-each with the flags of its own command line; the refused command runs as a command."""
+files, then the stopped one) run one after another in one child process
+(tests/script_commands.py), each with the flags of its own command line; the refused
+command runs as a command."""
 
 import json
 import os
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
+from tests.script_commands import child_argv
 from tests.test_distill_student_signals import lock_holder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,26 +65,6 @@ COMMANDS = {   # name -> the command's flags but --out
 }
 STOPPED = os.path.join("synthetic", "students", "kd_s0")    # the stop command's student run
 
-_CHILD = """
-import json
-import os
-import shutil
-import sys
-from absl import flags
-from experiments import distill
-distill.define_flags()
-for name, argv, copy, env in json.loads(sys.argv[1]):
-    print(f"[test] command {name}", flush=True)
-    if copy:
-        shutil.copytree(*copy)
-    os.environ.update(env)
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["experiments/distill.py", *argv])
-    distill.run(["experiments/distill.py"])     # exit 128 + signal when a signal stops it
-    print(f"[test] finished {name}", flush=True)
-"""
-
-
 class Command:
     """One command of the shared child: its --out, its exit code (0 when it returned, else
     the child's), the child's stderr and the command's own stdout."""
@@ -101,10 +83,11 @@ def commands(tmp_path_factory):
     teacher = os.path.join("synthetic", "teacher_s0")
     copy = {"stop": [os.path.join(outs["table"], teacher), os.path.join(outs["stop"], teacher)]}
     env = {"stop": {"GEMJAX_TEST_PAUSE": "step:1"}}
-    spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])], copy.get(name),
-             env.get(name, {})] for name, flags in COMMANDS.items()]
+    spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])],
+             {"copy": copy.get(name), "env": env.get(name, {})}]
+            for name, flags in COMMANDS.items()]
     out, err = open(root / "stdout", "w+"), open(root / "stderr", "w+")
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(spec)], cwd=ROOT, env=_env(),
+    p = subprocess.Popen(child_argv("distill", "run", spec), cwd=ROOT, env=_env(),
                          stdout=out, stderr=err, text=True)
     lock, deadline = os.path.join(outs["stop"], STOPPED, "train.lock"), time.time() + 900
     while lock_holder(lock) != p.pid and p.poll() is None and time.time() < deadline:

@@ -46,28 +46,6 @@ CFG = apply_overrides(get_config("tiny"), OVERRIDES + ",train.steps=8")
 DEVICES = jax.device_count()      # the children's CPU devices: this process's (module docstring)
 
 
-# Run's child for experiments/train.py commands [[pause, argv], ...] in one process (Run, then=)
-_CHAIN = """
-import json, os, sys
-from absl import flags
-from experiments import train
-cmds = json.loads(sys.argv[1])
-for i, (pause, argv) in enumerate(cmds):
-    os.environ.pop("GEMJAX_TEST_PAUSE", None)
-    if pause:
-        os.environ["GEMJAX_TEST_PAUSE"] = pause
-    print(f"[test] command {i}", flush=True)
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["experiments/train.py", *argv])
-    try:
-        train.run(["experiments/train.py"])
-    except SystemExit as e:
-        if not pause or i == len(cmds) - 1:
-            raise
-        print(f"[test] exit {e.code}", flush=True)
-"""
-
-
 class Run:
     """`python -m module` (experiments/train.py by default) on `workdir` in a subprocess;
     its output collected by a thread. It shares the suite's compilation cache, every program
@@ -100,13 +78,12 @@ class Run:
             runs = [(*r, None) if len(r) == 2 else r for r in runs]
             runs[0] = (*runs[0][:2], pause)
             env.pop("GEMJAX_TEST_PAUSE", None)      # set per command by the child
-            if any(p for _, _, p in runs):
-                cmd = [sys.executable, "-c", _CHAIN,
-                       json.dumps([[p, [*a, f"--workdir={wd}"]] for wd, a, p in runs])]
-            else:
-                cmd = child_argv("train", "run", [[wd, [*a, f"--workdir={wd}"]] for wd, a, _ in runs])
-        self.proc = subprocess.Popen(cmd if given is None else given, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+            cmd = child_argv("train", "run", [
+                [wd, [*a, f"--workdir={wd}"], {"env": {"GEMJAX_TEST_PAUSE": p} if p else {},
+                                               "go_on": bool(p) and i < len(runs) - 1}]
+                for i, (wd, a, p) in enumerate(runs)])
+        self.proc = subprocess.Popen(cmd if given is None else given, cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
