@@ -33,3 +33,25 @@ def pytest_collection_modifyitems(config, items):
     ones start early and the short ones fill the workers' ends."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
+
+
+def _cached_programs() -> int:
+    try:
+        return sum(1 for name in os.listdir(CACHE) if not name.startswith("."))
+    except FileNotFoundError:
+        return 0
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):      # the run's main process (not an xdist worker)
+        config._gemjax_cache_at_start = _cached_programs()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line after the durations: how many compiled programs the cache held when the run
+    started (0: a cold-cache run, whose time is the suite's full cost) and at its end."""
+    start = getattr(config, "_gemjax_cache_at_start", None)
+    if start is not None:
+        terminalreporter.write_line(
+            f"compilation cache {CACHE}: {start} entries at start "
+            f"({'cold' if start == 0 else 'warm'}), {_cached_programs()} at the end")
