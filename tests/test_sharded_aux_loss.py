@@ -120,43 +120,77 @@ assert TEACHER != EP_TEACHER
 @pytest.mark.slow
 def test_trainer_with_load_balancing_loss_matches_one_device():
     """3 train steps with lb_coef > 0 on replica=2,fsdp=2,expert=2 (EP on: the trainer's
-    default there) and fsdp=8 equal one device: losses, the global parameter scale and
-    every router / expert leaf within 1e-5. Other leaves within 5e-5: zero-initialised
-    biases after Adam carry float32 reduction-order noise of the sharded sums (measured
-    up to 2.5e-5 here with lb_coef 0.05 and 1.2e-5 with lb_coef 0, on a pyramid bias
-    the router does not touch; key biases, true gradient 0, see equivalence.KEY_BIAS).
-    Before the global aux (per-shard loss, attached N times) router leaves differed O(1).
-    On the EP mesh (test_expert_parallel's trainer checks) the expert weights are placed
-    over `expert`, the compiled step all_to_alls over `expert` and never all-gathers the
+    default there; the batch, and so the global aux, over all 3 axes) equal one device:
+    losses, the global parameter scale and every router / expert leaf within 1e-5. Other
+    leaves within 5e-5: zero-initialised biases after Adam carry float32 reduction-order
+    noise of the sharded sums (measured up to 2.5e-5 here with lb_coef 0.05 and 1.2e-5
+    with lb_coef 0, on a pyramid bias the router does not touch; key biases, true
+    gradient 0, see equivalence.KEY_BIAS). Before the global aux (per-shard loss,
+    attached N times) router leaves differed O(1). The expert weights are placed over
+    `expert`, the compiled step all_to_alls over `expert` and never all-gathers the
     expert weights over it (tables are replicated here, so no other collective touches
-    that axis), while FSDP still gathers."""
+    that axis), while FSDP still gathers. The global aux over fsdp=8's batch axis: the
+    formula test above; the experts a mesh without `expert` gathers whole:
+    test_gathered_experts_match_one_device below."""
     from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, train_steps
     from test_expert_parallel import collective_axes, expert_weight_gathers
 
+    spec = "replica=2,fsdp=2,expert=2"
     single = train_steps(None, 3, overrides=TEACHER, evaluate=False)
     assert max_rel_diff(single["init_params"], single["params"]) > 1e-3   # the steps do train
     moe = lambda t: t["interformer"]["layers"][0]["interaction"]         # noqa: E731
-    for spec in ("replica=2,fsdp=2,expert=2", "fsdp=8"):
-        ep = "expert" in spec
-        res = train_steps(spec, 3, overrides=TEACHER, tables0=single["init_tables"], hlo=ep,
-                          evaluate=False)
-        np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
-        assert max_rel_diff(moe(res["params"]), moe(single["params"])) < 1e-5, spec
-        keep = lambda t: [v for k, v in jax.tree_util.tree_leaves_with_path(t)   # noqa: E731
-                          if not any(b in jax.tree_util.keystr(k) for b in KEY_BIAS)]
-        assert global_rel_diff(keep(res["params"]), keep(single["params"])) < 1e-5, spec
-        assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 5e-5, spec
-        assert max_rel_diff(res["tables"], single["tables"]) < 1e-5, spec
-        if not ep:
-            continue
-        assert set(res["plans"].values()) == {"replicated"}
-        specs = moe(res["shardings"]["params"])["experts"]
-        assert all(s.startswith("P('expert'") for s in jax.tree.leaves(specs)), specs
-        text = res["hlo"]
-        a2a = collective_axes(text, "all-to-all")
-        assert len([a for a, _ in a2a if a == {"expert"}]) >= 4, a2a   # dispatch + combine, fwd + bwd
-        # (the replicated tables' sparse update gathers ids and [32, 8] activation grads over
-        # every axis, `expert` included; those are not expert weights)
-        assert not expert_weight_gathers(text)
-        gathers = collective_axes(text, "all-gather")
-        assert [a for a, s in gathers if a == {"fsdp"} and s.startswith("f32[")]  # FSDP gathers
+    res = train_steps(spec, 3, overrides=TEACHER, tables0=single["init_tables"], hlo=True,
+                      evaluate=False)
+    np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
+    assert max_rel_diff(moe(res["params"]), moe(single["params"])) < 1e-5
+    keep = lambda t: [v for k, v in jax.tree_util.tree_leaves_with_path(t)   # noqa: E731
+                      if not any(b in jax.tree_util.keystr(k) for b in KEY_BIAS)]
+    assert global_rel_diff(keep(res["params"]), keep(single["params"])) < 1e-5
+    assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 5e-5
+    assert max_rel_diff(res["tables"], single["tables"]) < 1e-5
+    assert set(res["plans"].values()) == {"replicated"}
+    specs = moe(res["shardings"]["params"])["experts"]
+    assert all(s.startswith("P('expert'") for s in jax.tree.leaves(specs)), specs
+    text = res["hlo"]
+    a2a = collective_axes(text, "all-to-all")
+    assert len([a for a, _ in a2a if a == {"expert"}]) >= 4, a2a   # dispatch + combine, fwd + bwd
+    # (the replicated tables' sparse update gathers ids and [32, 8] activation grads over
+    # every axis, `expert` included; those are not expert weights)
+    assert not expert_weight_gathers(text)
+    gathers = collective_axes(text, "all-gather")
+    assert [a for a, s in gathers if a == {"fsdp"} and s.startswith("f32[")]  # FSDP gathers
+
+
+def test_gathered_experts_match_one_device():
+    """On a mesh without `expert` (fsdp=8) the trainer's rule finds no EP axes, so each
+    shard gathers the whole [E, ...] expert weights (sharded over fsdp) and routes its
+    own samples: the layer's output and its gradients w.r.t. every param and the input
+    equal the one-device layer's (test_expert_parallel.sharded_layer runs it the way the
+    trainer does)."""
+    from test_expert_parallel import B as EB, D as ED, N as EN, make, sharded_layer
+    mesh = build_mesh("fsdp=8")
+    graphdef, state = make(top_k=2)
+    params = state.to_pure_dict()
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(EB, EN, ED)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(EB, EN, ED)), jnp.float32)   # a generic cotangent for y
+    fn, placed, ep_axes, x_sh = sharded_layer(graphdef, state, mesh)
+    assert ep_axes is None
+    assert any("fsdp" in str(a.sharding.spec) for a in jax.tree.leaves(placed["experts"]))
+
+    def loss_and_y(apply):
+        def loss(p, x):
+            y = apply(p, x)
+            return jnp.sum(y * w), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+    (l1, y1), g1 = loss_and_y(lambda p, x: nnx.merge(graphdef, p)(x)[0])(params, x)
+    (l, y), g = loss_and_y(lambda p, x: fn(p, x)[0])(placed, jax.device_put(x, x_sh))
+    assert max_rel_diff(y, y1) < 1e-5 and abs(float(l) - float(l1)) <= 1e-5 * abs(float(l1))
+    assert max_rel_diff(g[1], g1[1]) < 1e-5                                       # d loss / d x
+    n_expert = 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g[0]), jax.tree.leaves(g1[0])):
+        assert np.max(np.abs(np.asarray(b))) > 0, jax.tree_util.keystr(path)   # a real gradient
+        assert max_rel_diff(a, b) < 1e-5, (jax.tree_util.keystr(path), max_rel_diff(a, b))
+        n_expert += "experts" in jax.tree_util.keystr(path)
+    assert n_expert > 0 and len(jax.tree.leaves(g[0])) > n_expert       # experts and router

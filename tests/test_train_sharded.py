@@ -7,6 +7,7 @@ within 1e-5 relative, while the params / Adam state really are FSDP-sharded and
 the compiled step really all-gathers, reduce-scatters and exchanges ids.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -18,16 +19,24 @@ from gemjax.data.feeding import merge_shards
 from gemjax.data.synthetic import SyntheticStream
 from gemjax.train.equivalence import KEY_BIAS, global_rel_diff, max_rel_diff, train_steps
 from gemjax.parallel.mesh import build_mesh
+from gemjax.sparse import plans as plans_lib
+from gemjax.train import optim
 from gemjax.train.step import Trainer
 
 CFG = get_config("tiny")
 # tiny tables would be replicated by the planner: force sharded plans, never drop ids
 SPARSE = dict(replicate_below_bytes=0, capacity_factor=None)
-MESHES = {  # mesh spec -> (table replica axes, device budget, expected table plan)
+PLANNER = {  # mesh spec -> (table replica axes, device budget, the plan the planner picks)
     "fsdp=8": ((), 1 << 40, "row_wise"),
     "replica=2,fsdp=4": (("replica",), 1 << 40, "2d"),
     "replica=2,fsdp=2,expert=2": (("replica", "expert"), 0, "fs2d"),
 }
+# one mesh holding every sharded plan: row_wise mod over all 8 devices, 2d and fs2d over
+# the fsdp (model) axis with two replica axes; each plan has a sequence table (event,
+# category, item) and every table a sequence or a plain feature
+MIXED_MESH, MIXED_REPLICA = "replica=2,fsdp=2,expert=2", ("replica", "expert")
+MIXED = {"user": "row_wise", "event": "row_wise", "segment": "2d", "category": "2d",
+         "item": "fs2d", "context": "fs2d"}
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +44,24 @@ def single():
     return train_steps(None, 3, **SPARSE)
 
 
-@pytest.mark.parametrize("spec", list(MESHES))
-def test_mesh_matches_one_device(single, spec):
-    replica_axes, budget, plan = MESHES[spec]
-    hlo = spec == "replica=2,fsdp=4"
-    res = train_steps(spec, 3, table_replica_axes=replica_axes, device_budget_bytes=budget,
-                      tables0=single["init_tables"], hlo=hlo, evaluate=False, **SPARSE)
-    assert res["devices"] == 8 and set(res["plans"].values()) == {plan}
+@pytest.mark.parametrize("spec", list(PLANNER))
+def test_planner_picks_the_sharded_plans(spec):
+    """The trainer's planner (what train_steps uses without a plan) on each mesh."""
+    replica_axes, budget, plan = PLANNER[spec]
+    trainer = Trainer.create(CFG, build_mesh(spec), table_replica_axes=replica_axes,
+                             device_budget_bytes=budget, **SPARSE)
+    assert {p.kind for p in trainer.coll.plans.values()} == {plan}
+    assert all(p.capacity_factor is None for p in trainer.coll.plans.values())
+
+
+def test_mesh_matches_one_device(single):
+    """Every sharded table plan on one 3-axis mesh, FSDP dense params: trains as one device."""
+    mesh = build_mesh(MIXED_MESH)
+    plans = {n: dataclasses.replace(p, capacity_factor=None) for n, p in plans_lib.resolve(
+        MIXED, optim.table_specs(CFG), mesh, MIXED_REPLICA).items()}
+    res = train_steps(MIXED_MESH, 3, table_replica_axes=MIXED_REPLICA, table_plan=plans,
+                      tables0=single["init_tables"], hlo=True, evaluate=False)
+    assert res["devices"] == 8 and res["plans"] == MIXED
     assert res["ids_overflow"] == 0 and single["ids_overflow"] == 0
     # the steps change params and tables, so a frozen or skipped update would fail below
     assert max_rel_diff(single["init_params"], single["params"]) > 1e-3
@@ -50,16 +70,16 @@ def test_mesh_matches_one_device(single, spec):
     np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
     assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 1e-5
     assert global_rel_diff(res["params"], single["params"]) < 1e-5
-    assert max_rel_diff(res["tables"], single["tables"]) < 1e-5
-    if hlo:
-        text = res["hlo"]
-        for op in ("all-gather", "reduce-scatter", "all-to-all"):   # FSDP in, FSDP grads out, ids
-            assert re.search(rf"{op}(-start)?\(", text), op
-        sh = res["shardings"]
-        assert "fsdp" in sh["params"]["head"]["linears"][0]["kernel"]
-        adam = sh["opt_state"][1][0]   # chain(clip, adam): adam's (count, mu, nu)
-        same = jax.tree.map(lambda p, m, v: p == m == v, sh["params"], adam.mu, adam.nu)
-        assert all(jax.tree.leaves(same))   # moments sharded exactly like their params
+    for name in MIXED:     # every table, so every plan
+        assert max_rel_diff(res["tables"][name], single["tables"][name]) < 1e-5, name
+    text = res["hlo"]
+    for op in ("all-gather", "reduce-scatter", "all-to-all"):   # FSDP in, FSDP grads out, ids
+        assert re.search(rf"{op}(-start)?\(", text), op
+    sh = res["shardings"]
+    assert "fsdp" in sh["params"]["head"]["linears"][0]["kernel"]
+    adam = sh["opt_state"][1][0]   # chain(clip, adam): adam's (count, mu, nu)
+    same = jax.tree.map(lambda p, m, v: p == m == v, sh["params"], adam.mu, adam.nu)
+    assert all(jax.tree.leaves(same))   # moments sharded exactly like their params
 
 
 def test_init_state_is_placed_on_its_shardings():
