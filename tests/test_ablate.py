@@ -148,8 +148,9 @@ def test_table_pairs_deltas_by_seed():
 
 def test_one_variant_trains_two_steps_and_reruns_reuse(tmp_path):
     # A trimmed teacher (one InterFormer layer, one pyramid level without layers, no
-    # experts): compile time is CPU budget.
-    full = ablate.full_config("tiny", "model.interformer_layers=1,model.pyramid_levels=16:none:0")
+    # experts, s_sum of one recent token only): compile time is CPU budget.
+    full = ablate.full_config("tiny", "model.interformer_layers=1,model.pyramid_levels=16:none:0,"
+                                      "model.cls_tokens=0,model.pma_tokens=0,model.recent_tokens=1")
     cfg = ablate.variant_config(full, "no_experts", seed=1, steps=2)
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
     wd, lines = str(tmp_path / "no_experts"), []
