@@ -196,7 +196,7 @@ def test_blocks_match_xla(variant, monkeypatch):
 def test_model_count_on_a_batch_without_padding(monkeypatch):
     """No padding anywhere (tight buffers, no pooling, every expert runs): the model
     count equals the padded program's, and XLA's."""
-    cfg = get_config("tiny", _BASE + ",model.dim=32,model.interformer_layers=1,model.num_experts=2,"
+    cfg = get_config("tiny", _BASE + ",model.interformer_layers=1,model.num_experts=2,"
                      "model.top_k=2,model.pyramid_levels=8:none:1,model.wukong_layers=2")
     batch = _tight(SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)[0])
     lens = {s: np.diff(batch.sequences[s].offsets) for s in SEQUENCES}
