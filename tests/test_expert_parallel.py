@@ -188,7 +188,7 @@ def test_ep_bad_use_fails_with_a_clear_error():
 
 # The smallest full teacher with a mixture of 4 experts (top-2, no capacity drops), load-
 # balancing loss off. tests/test_sharded_aux_loss.py trains it with that loss on, on the EP
-# mesh and fsdp=8, against one device, and checks the EP step's collectives (HLO detectors above).
+# mesh, against one device, and checks the EP step's collectives (HLO detectors above).
 TEACHER = ("model.kind=teacher,model.num_experts=4,model.top_k=2,model.lb_coef=0,"
            "model.interformer_layers=1,model.pyramid_levels=16:none:1,model.attention=softmax,"
            "model.head_towers=shared,model.cls_tokens=1,model.pma_tokens=0,model.recent_tokens=1,"

@@ -41,8 +41,8 @@ def single():
 
 
 # ---------------------------------------------------------------- the real train step
-# replica crosses the 2 processes, fsdp / expert inside; fs2d tables (the same run as
-# test_train_sharded's, so the 1-process compile is shared through the cache)
+# replica crosses the 2 processes, fsdp / expert inside; fs2d tables (test_train_sharded's
+# mesh and replica axes; its one-process run mixes the three plans)
 REAL_MESH = "replica=2,fsdp=2,expert=2"
 REAL_KW = dict(steps=3, table_replica_axes=["replica", "expert"], replicate_below_bytes=0,
                capacity_factor=None, device_budget_bytes=0, evaluate=False)   # train steps only
