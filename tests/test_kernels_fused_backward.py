@@ -93,19 +93,25 @@ def _case(mode, lens, fused, **kw):
     return dict(mode=mode, lens=lens, fused=fused, **kw)
 
 
-# (case, the fused path it takes); each mode: both sides picked by "auto", an aligned
-# short side, a mismatched side (the fused path on the long side), "off"; bf16 inputs
-# (float32 accumulators, cast once); a causal window on both shapes. (gdpa's "auto" on
-# the 32-key side: test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides;
-# bf16 "k_rows": test_dkv_split_matches_float64.)
+# (case, the fused path it takes); each mode: both sides picked by "auto" (their default
+# knobs: rest_group 8), an aligned short side, a mismatched side (the fused path on the
+# long side), "off"; bf16 inputs (float32 accumulators, cast once); a causal window on
+# both shapes. The aligned and mismatched cases set rest_group (the kernel of the rows no
+# other tile owns loops over `group` tiles per program; 3 does not divide the tile counts
+# here, so the last program's tail idles): straddling rows (mismatched) and none
+# (aligned), each side in each mode; dkv_split on the aligned "q_rows" (ignored: one
+# program per key tile). (gdpa's "auto" on the 32-key side:
+# test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides, in bf16.)
 ROWS = {
     "gdpa": [(_case("gdpa", PMA, "auto", seed=1, dtype=jnp.bfloat16), "q_rows"),
-             (_case("gdpa", CROSS_ALIGNED, "k_rows"), "k_rows"),
-             (_case("gdpa", CROSS, "q_rows"), "q_rows"), (_case("gdpa", PMA, "off", seed=2), None)],
+             (_case("gdpa", CROSS_ALIGNED, "k_rows", tiles=dict(rest_group=2)), "k_rows"),
+             (_case("gdpa", CROSS, "q_rows", tiles=dict(rest_group=3)), "q_rows"),
+             (_case("gdpa", PMA, "off", seed=2), None)],
     "softmax": [(_case("softmax", CROSS, "auto", causal=True, window=9), "k_rows"),
                 (_case("softmax", PMA, "auto", seed=1, causal=True, window=9), "q_rows"),
-                (_case("softmax", PMA_ALIGNED, "q_rows"), "q_rows"),
-                (_case("softmax", PMA, "k_rows"), "k_rows"),
+                (_case("softmax", PMA_ALIGNED, "q_rows", tiles=dict(rest_group=4, dkv_split=2)),
+                 "q_rows"),
+                (_case("softmax", PMA, "k_rows", tiles=dict(rest_group=3)), "k_rows"),
                 (_case("softmax", CROSS, "off", seed=3), None)],
 }
 
@@ -116,7 +122,7 @@ def test_rows_backward_matches_float64(mode, monkeypatch):
     the rest (straddling, empty) from their own kernel, whose tiles without such rows
     skip their loop; aligned, ragged and mismatched shapes; "auto" fuses the short side
     (32 keys: "k_rows", 16 queries: "q_rows"), "off" fuses nothing; bf16; causal windows;
-    the path really ran."""
+    rest_group (ROWS); the path really ran."""
     paths = _check_all([c for c, _ in ROWS[mode]], monkeypatch)
     assert paths == [[] if p is None else [p] for _, p in ROWS[mode]]
 
@@ -157,14 +163,16 @@ LONG_SELF = ([300, 0, 1, 190, 33, 64], [300, 0, 1, 190, 33, 64])
 def test_dkv_split_matches_float64(monkeypatch):
     """dkv_split: each key tile's query loop in `split` programs, their partial dK / dV
     summed after the kernel; chunks that are empty, that start or end inside the masked
-    edge tiles, samples without keys or queries ("q_rows" keeps one program per tile).
-    Each mode runs the unfused and a fused backward split; a causal window; bf16."""
+    edge tiles, samples without keys or queries; cross and self layouts ("q_rows", which
+    keeps one program per tile: test_rows_backward_matches_float64). Each mode runs the
+    unfused backward split here; the fused one ("k_rows", whose split tiles merge through
+    dkv_split_tiles' path) in test_dkv_split_tiles_matches_float64 in each mode, and in
+    bf16 in test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides; a
+    causal window. The split itself does not depend on the mode (its query loop is the
+    dK / dV kernel's)."""
     cases = [  # (mode, lens, fused, split, extra)
-        ("gdpa", LONG_CROSS, "off", 2, {}), ("gdpa", CROSS_ALIGNED, "k_rows", 4, {}),
-        ("gdpa", LONG_SELF, "off", 3, {}), ("softmax", LONG_CROSS, "k_rows", 3, {}),
-        ("softmax", PMA, "q_rows", 2, {}),
-        ("softmax", LONG_SELF, "off", 3, dict(causal=True, window=40)),
-        ("gdpa", LONG_CROSS, "k_rows", 2, dict(dtype=jnp.bfloat16))]
+        ("gdpa", LONG_CROSS, "off", 2, {}),
+        ("softmax", LONG_SELF, "off", 3, dict(causal=True, window=40))]
     paths = _check_all([_case(m, lens, f, tiles=dict(dkv_split=s), **x)
                         for m, lens, f, s, x in cases], monkeypatch)
     assert paths == [[] if f == "off" else [f] for _, _, f, _, _ in cases]
@@ -173,11 +181,11 @@ def test_dkv_split_matches_float64(monkeypatch):
 def test_dkv_split_tiles_matches_float64(monkeypatch):
     """dkv_split_tiles: only the first `top` tiles of the launch order split (their
     partials summed and scattered into dK / dV), the others stored whole; top past the
-    tile count splits every tile through the same path; each mode fused and unfused. With
-    1 split tile the partial buffer holds 2 chunks of one 32-row tile (float32 tiles),
-    not 2 x Tk rows, for dK and for dV."""
+    tile count splits every tile through the same path (aligned keys, split in 4); each
+    mode fused and unfused. With 1 split tile the partial buffer holds 2 chunks of one
+    32-row tile (float32 tiles), not 2 x Tk rows, for dK and for dV."""
     cases = [  # (mode, fused, lens, split, top)
-        ("gdpa", "k_rows", LONG_CROSS, 2, 1), ("gdpa", "k_rows", CROSS_ALIGNED, 2, 99),
+        ("gdpa", "k_rows", LONG_CROSS, 2, 1), ("gdpa", "k_rows", CROSS_ALIGNED, 4, 99),
         ("gdpa", "off", LONG_CROSS, 4, 3), ("softmax", "k_rows", LONG_CROSS, 3, 2),
         ("softmax", "off", LONG_SELF, 3, 2)]
     seen, case = [], []
@@ -189,17 +197,6 @@ def test_dkv_split_tiles_matches_float64(monkeypatch):
                         for m, f, lens, s, t in cases], monkeypatch, on_case=case.append)
     assert paths == [[] if c[1] == "off" else [c[1]] for c in cases]
     assert [x[1:] for x in seen if x[0] == 0] == [(2 * 32, 256, 1)] * 2
-
-
-def test_rest_group_matches_float64(monkeypatch):
-    """rest_group: the kernel of the rows no other tile owns loops over `group` tiles per
-    program (the last program's tail idle: 3 does not divide the tile counts here),
-    with straddling rows (CROSS, PMA) and with none (aligned); each side in each mode."""
-    cases = [("gdpa", "k_rows", CROSS, 3), ("gdpa", "q_rows", PMA_ALIGNED, 4),
-             ("softmax", "k_rows", CROSS_ALIGNED, 2), ("softmax", "q_rows", PMA, 3)]
-    paths = _check_all([_case(m, lens, f, seed=8, tiles=dict(rest_group=g))
-                        for m, f, lens, g in cases], monkeypatch)
-    assert paths == [[f] for _, f, _, _ in cases]
 
 
 def test_rest_group_must_be_a_positive_int():
@@ -230,12 +227,12 @@ def test_backward_knobs_auto_split_the_heaviest_key_tiles_of_short_key_sides(mon
                                              dkv_split_tiles=0, rest_group=2))
     assert (got.dkv_split, got.dkv_split_tiles, got.rest_group) == (3, 0, 2)
     # end to end: the backward that ran on LONG_CROSS (CROSS's keys; auto: "k_rows") split
-    # its key tiles in 4
+    # its key tiles in 4; bf16 inputs
     splits = []
     real = triton_backward._dkv_outputs
     monkeypatch.setattr(triton_backward, "_dkv_outputs",
                         lambda k, split, *a: splits.append(split) or real(k, split, *a))
-    assert _check("gdpa", LONG_CROSS, "auto", monkeypatch, seed=4) == ["k_rows"]
+    assert _check("gdpa", LONG_CROSS, "auto", monkeypatch, seed=4, dtype=jnp.bfloat16) == ["k_rows"]
     assert splits == [4]
 
 

@@ -95,46 +95,97 @@ def _run(c, k, interpret, **knobs):
 
 # ----------------------------------------------------------------------------- CPU (interpret)
 
-@pytest.mark.parametrize("dim", [16, 64, 128])
-def test_fused_matches_float64(dim):
-    # duplicates (n > vocab / 2), ids 0 and V-1, invalid tail, unused programs past U
-    c = _case(0, vocab=300, dim=dim, n=400, n_src=64, invalid=5)
-    u = int(np.sum(c["uniq"] != routing.INVALID))
-    _assert_matches(c, *_run(c, u + 40, interpret=True))
-
-
-def test_hot_row_split_into_items():
+def _hot_case():
     # one row 5,000 times: > split, so it goes through the partials pass (5 items)
-    c = _case(1, vocab=400, dim=64, n=5600, hot=5000, n_src=128)
-    u = int(np.sum(c["uniq"] != routing.INVALID))
-    rows, _, _ = _fused_args(c, u)
+    return _case(1, vocab=400, dim=64, n=5600, hot=5000, n_src=128)
+
+
+def _tiers_case():
+    # run lengths 1..~600 (Zipf ids) plus a 2,000-id hot row
+    return _case(4, vocab=5000, dim=32, n=6000, hot=2000, n_src=300, invalid=7, zipf=1.3)
+
+
+def _k_n_case():
+    return _case(5, vocab=3000, dim=16, n=4000, n_src=200, invalid=3, zipf=1.2)
+
+
+def _unique(c):
+    return int(np.sum(c["uniq"] != routing.INVALID))
+
+
+TIER_KNOBS = {"one_row_per_program": dict(short=0), "three_tiers": dict(short=4, split=32),
+              "short_is_split": dict(short=32, split=32, rows_per_program=32),
+              "looped_3_programs": dict(short=4, split=32, short_programs=3),
+              "looped_more_programs_than_groups": dict(short=16, short_programs=1000)}
+
+
+def _interpret_runs():
+    """{name: (case, K, knobs)}: every interpret-mode kernel run of the tests below."""
+    runs = {}
+    for dim in (16, 64, 128):
+        # duplicates (n > vocab / 2), ids 0 and V-1, invalid tail, unused programs past U
+        c = _case(0, vocab=300, dim=dim, n=400, n_src=64, invalid=5)
+        runs[f"dim{dim}"] = (c, _unique(c) + 40, {})
+    c = _hot_case()
+    runs["hot"] = (c, _unique(c) + 3, dict(split=1024))
+    c = _tiers_case()
+    for name, knobs in TIER_KNOBS.items():
+        runs[name] = (c, _unique(c) + 5, knobs)
+    c = _k_n_case()
+    for p in (1, 7):
+        runs[f"k_n_{p}"] = (c, c["ids"].size, dict(short_programs=p))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """{name: (case, (weights, accum))}: the runs of _interpret_runs, all in one jitted
+    program (each kernel variant traced once; one XLA compile for all of them, not one
+    per test: compiling dominates, the interpreter's run is cheap)."""
+    runs = _interpret_runs()
+    names = list(runs)
+    tables = [(jnp.asarray(runs[n][0]["w"]), jnp.asarray(runs[n][0]["a"])) for n in names]
+    args = [(*(jnp.asarray(x) for x in _fused_args(runs[n][0], runs[n][1])),
+             jnp.asarray(runs[n][0]["g"])) for n in names]
+
+    def all_runs(tables, args):
+        return [row_wise_adagrad_fused(*t, *a, lr=LR, eps=EPS, interpret=True, **runs[n][2])
+                for n, t, a in zip(names, tables, args)]
+    outs = jax.jit(all_runs, donate_argnums=0)(tables, args)   # the tables, as _run
+    return {n: (runs[n][0], o) for n, o in zip(names, outs)}
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_fused_matches_float64(dim, interpreted):
+    # duplicates (n > vocab / 2), ids 0 and V-1, invalid tail, unused programs past U
+    c, out = interpreted[f"dim{dim}"]
+    _assert_matches(c, *out)
+
+
+def test_hot_row_split_into_items(interpreted):
+    # one row 5,000 times: > split, so it goes through the partials pass (5 items)
+    c, out = interpreted["hot"]
     assert np.sum(c["ids"] == 400 // 3) >= 5000
-    _assert_matches(c, *_run(c, u + 3, interpret=True, split=1024))
+    _assert_matches(c, *out)
 
 
-@pytest.mark.parametrize("knobs", [dict(short=0), dict(short=4, split=32),
-                                   dict(short=32, split=32, rows_per_program=32),
-                                   dict(short=4, split=32, short_programs=3),
-                                   dict(short=16, short_programs=1000)],
-                         ids=["one_row_per_program", "three_tiers", "short_is_split",
-                              "looped_3_programs", "looped_more_programs_than_groups"])
-def test_short_medium_and_hot_runs(knobs):
+@pytest.mark.parametrize("name", list(TIER_KNOBS))
+def test_short_medium_and_hot_runs(name, interpreted):
     """Run lengths 1..~600 (Zipf ids) plus a 2,000-id hot row: with short=4, split=32
     every tier runs (R rows per program, one row per program, items + partials)."""
-    c = _case(4, vocab=5000, dim=32, n=6000, hot=2000, n_src=300, invalid=7, zipf=1.3)
-    u = int(np.sum(c["uniq"] != routing.INVALID))
+    c, out = interpreted[name]
     seg = c["seg"][c["key"][c["perm"]] != routing.INVALID]
     lengths = np.bincount(seg)
     assert lengths.max() > 32 and np.any((lengths > 4) & (lengths <= 32)) and np.any(lengths == 1)
-    _assert_matches(c, *_run(c, u + 5, interpret=True, **knobs))
+    _assert_matches(c, *out)
 
 
-def test_looped_short_rows_at_k_n():
+def test_looped_short_rows_at_k_n(interpreted):
     """short_programs with the static bound K = N (every id slot, most of them -1 past
     the unique count): the looped programs stop at the last slot in use."""
-    c = _case(5, vocab=3000, dim=16, n=4000, n_src=200, invalid=3, zipf=1.2)
     for p in (1, 7):
-        _assert_matches(c, *_run(c, c["ids"].size, interpret=True, short_programs=p))
+        c, out = interpreted[f"k_n_{p}"]
+        _assert_matches(c, *out)
 
 
 def test_bad_tier_knobs_are_named():
@@ -158,13 +209,13 @@ def test_empty_segments_and_unordered_rows():
     w = rng.standard_normal((vocab, dim)).astype(np.float32)
     a = rng.random(vocab).astype(np.float32)
     args = [jnp.asarray(x) for x in (w, a, rows, seg, index, g)]
-    out = jax.jit(lambda *x: row_wise_adagrad_fused(*x, lr=LR, eps=EPS, interpret=True,
-                                                    block_ids=16, split=16))(*args)
+    out, ref = jax.jit(lambda *x: (   # one program: the kernel and the reference
+        row_wise_adagrad_fused(*x, lr=LR, eps=EPS, interpret=True, block_ids=16, split=16),
+        row_wise_adagrad_reference(*x, lr=LR, eps=EPS)))(*args)
     ids = rows[seg]
     c = dict(ids=ids, key=ids, src_index=index, g=g, w=w, a=a)
     _assert_matches(c, *out)
     assert not np.isin(rows[[2, 5, 7]], ids).any()
-    ref = jax.jit(lambda *x: row_wise_adagrad_reference(*x, lr=LR, eps=EPS))(*args)
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), rtol=1e-6, atol=1e-6)
     _assert_matches(c, *ref)
 
@@ -176,9 +227,11 @@ def test_row_wise_adagrad_picks_the_impl():
     c = _case(6, vocab=200, dim=16, n=300, n_src=40, invalid=3)
     u = int(np.sum(c["uniq"] != routing.INVALID))
     args = [jnp.asarray(x) for x in (c["w"], c["a"], *_fused_args(c, u + 4), c["g"])]
-    for impl in (None, "reference", "pallas"):   # one compiled program each, not op by op
-        _assert_matches(c, *jax.jit(lambda *a: row_wise_adagrad(*a, lr=LR, eps=EPS,
-                                                                impl=impl))(*args))
+    impls = (None, "reference", "pallas")      # one compiled program for all, not op by op
+    outs = jax.jit(lambda *a: [row_wise_adagrad(*a, lr=LR, eps=EPS, impl=impl)
+                               for impl in impls])(*args)
+    for impl, out in zip(impls, outs):
+        _assert_matches(c, *out)
     with pytest.raises(ValueError, match="impl"):
         row_wise_adagrad(*args, lr=LR, eps=EPS, impl="mosaic")
     with pytest.raises(ValueError, match="split"):
@@ -205,16 +258,17 @@ def test_routing_pallas_equals_xla_path():
     res = {"uniq": jnp.asarray(c["uniq"]), "perm": jnp.asarray(c["perm"]),
            "seg": jnp.asarray(c["seg"])}
     g, src = jnp.asarray(c["g"]), jnp.asarray(c["src_index"])
-    outs = {impl: jax.jit(lambda s: routing.update_unique_bucketed(
-        s, g, res, opt, (0.5,), src_index=src, update_impl=impl))(state)
-        for impl in routing.UPDATE_IMPLS}
-    for impl, out in outs.items():
-        _assert_matches(c, out["weights"], out["accum"])
-
     rows = jnp.asarray(np.where(c["key"] != routing.INVALID, c["ids"], -1))
     grads = jnp.asarray(c["g"][c["src_index"]])
-    for impl in routing.UPDATE_IMPLS:
-        out = jax.jit(lambda s: routing.update_rows(s, rows, grads, opt, update_impl=impl))(state)
+
+    def all_paths(s):   # both paths, both impls: one compiled program
+        return ([routing.update_unique_bucketed(s, g, res, opt, (0.5,), src_index=src,
+                                                update_impl=impl) for impl in routing.UPDATE_IMPLS],
+                [routing.update_rows(s, rows, grads, opt, update_impl=impl)
+                 for impl in routing.UPDATE_IMPLS])
+    bucketed, by_rows = jax.jit(all_paths)(state)
+    assert len(bucketed) == len(by_rows) == len(routing.UPDATE_IMPLS) >= 2
+    for out in bucketed + by_rows:
         _assert_matches(c, out["weights"], out["accum"])
 
 
@@ -304,10 +358,12 @@ def test_gpu_zipf_head_rows(knobs):
     _assert_matches(c, *_run(c, c["ids"].size, interpret=False, **knobs))
 
 
-@pytest.mark.parametrize("devices", [1, 4])
-def test_collection_update_impl_pallas_equals_xla(devices):
+@pytest.mark.parametrize("devices,fused", [(1, "pallas"), (4, "pallas_looped")])
+def test_collection_update_impl_pallas_equals_xla(devices, fused):
     """EmbeddingCollection(update_impl="pallas") gives the same tables as "xla" after 2 steps
-    (a row-wise Adagrad table through the kernel, an SGD table falling back to xla)."""
+    (a row-wise Adagrad table through the kernel, an SGD table falling back to xla); on
+    one device with the default knobs, sharded over 4 with fused_knobs (short_programs)
+    passed to the kernel (the kernel's knobs themselves: the interpret tests above)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from gemjax.sparse import SGD, EmbeddingCollection, TableSpec
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
@@ -317,7 +373,7 @@ def test_collection_update_impl_pallas_equals_xla(devices):
     rng = np.random.default_rng(3)
     w = {n: (rng.integers(-64, 65, (v, 16)) / 256.0) for n, v in (("a", 97), ("b", 50))}
     out = {}
-    for impl in ("xla", "pallas", "pallas_looped"):
+    for impl in ("xla", fused):
         kw = dict(fused_knobs=dict(short_programs=2)) if impl == "pallas_looped" else {}
         coll = EmbeddingCollection(specs, "row_wise", mesh, update_impl=impl.split("_")[0], **kw)
         assert coll._update_impl(specs[1]) == "xla"
@@ -332,11 +388,10 @@ def test_collection_update_impl_pallas_equals_xla(devices):
             g = {f: jax.device_put((r.integers(-8, 9, (64, 16)) / 64.0).astype(np.float32), sh) for f in ids}
             state = apply(state, res, g)
         out[impl] = coll.to_logical(state)
-    for impl in ("pallas", "pallas_looped"):
-        for t in ("a", "b"):
-            for k in out["xla"][t]:
-                np.testing.assert_allclose(out[impl][t][k], out["xla"][t][k], rtol=1e-6,
-                                           atol=1e-7, err_msg=f"{impl} {t}.{k}")
+    for t in ("a", "b"):
+        for k in out["xla"][t]:
+            np.testing.assert_allclose(out[fused][t][k], out["xla"][t][k], rtol=1e-6,
+                                       atol=1e-7, err_msg=f"{fused} {t}.{k}")
     assert not np.allclose(out["xla"]["a"]["weights"], w["a"])          # the step did update
     with pytest.raises(ValueError, match="update_impl"):
         EmbeddingCollection(specs, "row_wise", mesh, update_impl="cuda")
@@ -346,12 +401,15 @@ def test_collection_update_impl_pallas_equals_xla(devices):
 
 
 def test_trainer_with_the_fused_update_equals_xla():
-    """train.sparse_update_impl=pallas (interpret mode here) trains the tiny teacher's
-    tables like the XLA update: 2 steps, tables and loss within float32 rounding."""
+    """train.sparse_update_impl=pallas (interpret mode here) trains the tiny config's
+    tables (sequence and pooled features) like the XLA update: 2 steps, tables and loss
+    within float32 rounding. The model is the logistic regression (the trainer's sparse
+    update is the same for every model; its dense program is the cheapest to compile),
+    with 4 surfaces x 4 tasks: S*K = 16 weights per id, the kernel's narrowest row."""
     from gemjax.config import get_config
     from gemjax.train.equivalence import max_rel_diff, train_steps
     from gemjax.train.step import Trainer
-    over = "model.kind=gem,model.dim=16,data.batch_size=16"
+    over = "model.kind=lr,data.num_surfaces=4,data.num_tasks=4,data.batch_size=16"
     coll = Trainer.create(get_config("tiny", over + ",train.sparse_update_impl=pallas")).coll
     assert {coll._update_impl(s) for s in coll.specs.values()} == {"pallas"}   # every table fused
     # train steps only: the eval step has no sparse update to compare
