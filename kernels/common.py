@@ -18,14 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The first interpret-mode pallas_call lowering imports Pallas's interpreter modules, and
-# one of them defines a config option that is part of JAX's trace context: every jitted
-# function traced before that lowering (a train step whose update runs a kernel in
-# interpret mode, say) would be traced and lowered again at its next call. Importing them
-# with the kernels fixes the trace context before anything is traced (same programs).
+# The first interpret-mode pallas_call lowering imports Pallas's interpreter modules; one
+# of them imports Pallas's fuser, which defines a config option that is part of JAX's trace
+# context (pallas_fuser_disable_nested_fuse): every jitted function traced before that
+# lowering (a train step whose update runs a kernel in interpret mode, say) would be traced
+# and lowered again at its next call. Importing the fuser with the kernels fixes the trace
+# context before anything is traced (same programs); tests/test_kernels_common.py checks
+# that running the interpret-mode kernels adds nothing to it.
 try:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as _  # noqa: F401
+    from jax._src.pallas.fuser import jaxpr_fusion  # noqa: F401
 except Exception:       # pragma: no cover  (JAX internals moved or fail to import here:
     pass                # the kernels work as before, only the retrace is back)
 

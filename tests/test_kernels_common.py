@@ -7,6 +7,9 @@ import them.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -345,3 +348,28 @@ def test_padded_head_dims_and_the_default_impl():
     np.testing.assert_array_equal(h[..., :3], x[..., :3])
     np.testing.assert_array_equal(h[..., 5:8], x[..., 3:])
     assert float(jnp.abs(h[..., 3:5]).sum() + jnp.abs(h[..., 8:]).sum()) == 0
+
+
+_TRACE_CONTEXT_CHILD = """
+import jax, jax.numpy as jnp, numpy as np
+from jax._src import config
+import kernels
+from kernels.segment_sum import sorted_segment_sum
+before = set(map(str, config.trace_context_names()))
+g = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+idx, seg = jnp.array([0, 2, 3], jnp.int32), jnp.array([0, 0, 1], jnp.int32)
+out = jax.jit(lambda g: sorted_segment_sum(g, idx, seg, 2, impl="pallas"))(g)
+np.testing.assert_array_equal(np.asarray(out), [[6, 8, 10], [9, 10, 11]])
+print(sorted(set(map(str, config.trace_context_names())) - before))
+"""
+
+
+def test_interpret_mode_kernels_leave_the_trace_context_alone():
+    """An interpret-mode kernel's first lowering adds nothing to JAX's trace context once
+    kernels is imported (kernels/common.py imports Pallas's fuser up front), so programs
+    traced before it are not traced and lowered again. A fresh process: this one may have
+    run interpret-mode kernels already."""
+    r = subprocess.run([sys.executable, "-c", _TRACE_CONTEXT_CHILD], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
