@@ -10,7 +10,9 @@ command line for a caller that starts the process itself (to signal it or read i
 A command may carry a third item, {"env": {...}, "copy": [src, dst], "go_on": bool}: the
 environment variables set for that command alone, a directory copied (shutil.copytree)
 before it, and whether a SystemExit it raises (a signal's 128 + N) is printed as
-"[test] exit CODE" and the next command runs, instead of ending the child with that code.
+"[test] exit CODE" and the next command runs, instead of ending the child with that code
+(an absl app.UsageError, which app.run turns into exit 1 with its message on stderr, is
+printed as "[test] usage error: MESSAGE" on stdout, then "[test] exit 1").
 Each command that returns prints "[test] finished NAME".
 """
 
@@ -25,7 +27,7 @@ import json
 import os
 import shutil
 import sys
-from absl import flags
+from absl import app, flags
 from {package} import {module}
 getattr({module}, "define_flags", lambda: None)()      # else its flags are defined on import
 own_env = []
@@ -46,6 +48,12 @@ for name, argv, *more in json.loads(sys.argv[1]):
         if not opts.get("go_on"):
             raise
         print(f"[test] exit {{e.code}}", flush=True)
+        continue
+    except app.UsageError as e:
+        if not opts.get("go_on"):
+            raise
+        print(f"[test] usage error: {{e}}", flush=True)
+        print("[test] exit 1", flush=True)
         continue
     print(f"[test] finished {{name}}", flush=True)
 """

@@ -3,10 +3,9 @@ back from its checkpoint, every row of the table including the hierarchical one,
 recomputed from the per-run NEs, frozen shared tables unchanged, the FLOP column equal to
 forward_flops; --dataset=frappe without the converted files says so and exits 0; a
 SIGTERM in a student's training ends the command with one line and exit 143.
-The commands (the table, --dataset=drift, --teacher_mode=cotrain, the absent Frappe
-files, then the stopped one) run one after another in one child process
-(tests/script_commands.py), each with the flags of its own command line; the refused
-command runs as a command."""
+The commands (the table, --dataset=drift, a refused --dataset=drift, --teacher_mode=cotrain,
+the absent Frappe files, then the stopped one) run one after another in one child process
+(tests/script_commands.py), each with the flags of its own command line."""
 
 import json
 import os
@@ -33,11 +32,6 @@ def _env():
     return dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
 
 
-def _run(args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "experiments.distill", *args], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=600)
-
-
 DATA = "--data_overrides=data.eval_batches=1,data.batch_size=32"
 
 
@@ -49,13 +43,18 @@ COMMANDS = {   # name -> the command's flags but --out
               "--student_steps=2", "--share=frozen",
               "--rows=none,kd,kd+adapter,+repr,+share,all", "--adapter_refresh=1",
               "--latency_batch=32", DATA],
+    # a plain student, the kd+adapter one (its final adapter scores the teacher) and the
+    # hierarchical row's two runs
     "drift": ["--dataset=drift", "--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
               "--student_steps=2",
-              "--rows=none,kd+adapter,all", "--latency_batch=0", "--adapter=features",
+              "--rows=none,kd+adapter", "--latency_batch=0", "--adapter=features",
               "--adapter_features=dense,student", DRIFT],
+    # refused before any model is built: 3 teacher steps are not whole windows of 2
+    "drift_refused": ["--dataset=drift", "--teacher_steps=3", DRIFT],
+    # one student: the KD row, whose loss reads the co-trained teacher's logits
     "cotrain": ["--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
                 "--student_steps=2", "--teacher_mode=cotrain",
-                "--rows=none,kd", "--latency_batch=0",
+                "--rows=kd", "--latency_batch=0",
                 "--data_overrides=data.eval_batches=1,data.batch_size=32"],
     "frappe": ["--dataset=frappe"],     # --frappe_dir: a directory that is not there
     # from the table's finished teacher run (copied), the table's kd student; stopped by
@@ -84,7 +83,7 @@ def commands(tmp_path_factory):
     copy = {"stop": [os.path.join(outs["table"], teacher), os.path.join(outs["stop"], teacher)]}
     env = {"stop": {"GEMJAX_TEST_PAUSE": "step:1"}}
     spec = [[name, [f"--out={outs[name]}", *flags, *extra.get(name, [])],
-             {"copy": copy.get(name), "env": env.get(name, {})}]
+             {"copy": copy.get(name), "env": env.get(name, {}), "go_on": name == "drift_refused"}]
             for name, flags in COMMANDS.items()]
     out, err = open(root / "stdout", "w+"), open(root / "stderr", "w+")
     p = subprocess.Popen(child_argv("distill", "run", spec), cwd=ROOT, env=_env(),
@@ -153,20 +152,20 @@ def test_distill_experiment_table(table_run, commands):
     assert p.returncode == 0 and "no converted Frappe" in p.stdout
 
 
-def test_distill_drift_evaluates_on_an_unseen_window(commands, tmp_path):
+def test_distill_drift_evaluates_on_an_unseen_window(commands):
     """--dataset=drift (windows of 2 steps, the features Student Adapter): the teacher
     reads steps 0-3, every student (and the domain model) 4-5, and every row, the
     teacher included, is evaluated on window 3 (steps 6-7) only, as recorded by the
     source each model read; the Bayes NE it reports is that of window 3's planted
     model, recomputed here from the stream; steps that are not whole windows are
-    refused naming the flag."""
+    refused naming the flag (app.UsageError: exit 1 from the command line)."""
     p = commands["drift"]
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.load(open(os.path.join(p.out, "drift", "results.json")))
     steps = res["drift_steps"]["0"]
     assert steps["eval_window"] == 3 and steps["eval"] == [6, 8]
     models = steps["models"]
-    assert sorted(models) == sorted(["teacher", "none", "kd+adapter", "all", "hier/domain", "hier",
+    assert sorted(models) == sorted(["teacher", "none", "kd+adapter", "hier/domain", "hier",
                                      "teacher+adapter"])
     assert models["teacher"]["train"] == [0, 1, 2, 3]
     for name, used in models.items():
@@ -175,7 +174,7 @@ def test_distill_drift_evaluates_on_an_unseen_window(commands, tmp_path):
         if name not in ("teacher", "teacher+adapter"):
             assert used["train"] == [4, 5], name
     assert models["teacher+adapter"]["train"] == []     # the teacher's logits, scored only
-    assert {r["row"] for r in res["runs"]} == {"none", "kd+adapter", "all", "hier"}
+    assert {r["row"] for r in res["runs"]} == {"none", "kd+adapter", "hier"}
     assert all(np.isfinite(r["ne"]) for r in res["runs"])
     assert np.isfinite(res["summary"]["teacher_adapter"][0]["ne"])   # the feature adapter's line
 
@@ -193,20 +192,22 @@ def test_distill_drift_evaluates_on_an_unseen_window(commands, tmp_path):
         acc.add(info.true_probs, b.labels, b.label_mask, b.surface, b.weights)
     np.testing.assert_allclose(res["summary"]["bayes_ne"], [acc.result()["ne"]], rtol=1e-6)
 
-    p = _run([f"--out={tmp_path}", "--dataset=drift", "--teacher_steps=3", DRIFT], tmp_path)
-    assert p.returncode != 0 and "--teacher_steps=3 must be a positive multiple" in p.stderr
+    p = commands["drift_refused"]
+    assert "[test] exit 1" in p.stdout and "[test] finished" not in p.stdout, p.stdout
+    assert "usage error: --dataset=drift: --teacher_steps=3 must be a positive multiple" in p.stdout
+    assert not os.listdir(os.path.join(p.out, "drift"))          # refused before any run
 
 
 def test_distill_cotrain_students_are_runs(commands):
-    """--teacher_mode=cotrain: each student is a run whose co-trained teacher is a run
+    """--teacher_mode=cotrain: the (KD) student is a run whose co-trained teacher is a run
     inside it (WORKDIR/teacher, checkpointed at the student's steps); the table's teacher
     NE is the first row's teacher read back from there."""
     p = commands["cotrain"]
     assert p.returncode == 0, p.stderr[-3000:]
     out = os.path.join(p.out, "synthetic")
     res = json.load(open(os.path.join(out, "results.json")))
-    assert {r["row"] for r in res["runs"]} == {"none", "kd"}
-    for name in ("none", "kd"):
+    assert {r["row"] for r in res["runs"]} == {"kd"}
+    for name in ("kd",):
         wd = os.path.join(out, "students", f"{name}_s0")
         assert json.load(open(os.path.join(wd, "student.json")))["teacher"] == {"cotrained": "teacher"}
         assert os.listdir(os.path.join(wd, "teacher", "checkpoints")) == ["2"]
@@ -215,7 +216,7 @@ def test_distill_cotrain_students_are_runs(commands):
     from gemjax.distill.transfer import Teacher, evaluate
     from gemjax.train.step import default_mesh
     mesh = default_mesh(jax.devices()[:1])
-    t = Teacher.from_workdir(os.path.join(out, "students", "none_s0", "teacher"), mesh=mesh)
+    t = Teacher.from_workdir(os.path.join(out, "students", "kd_s0", "teacher"), mesh=mesh)
     step = t.trainer.make_eval_step()
     ne = evaluate(t.cfg, lambda b: step(t.state, b), mesh)["ne"]
     assert res["summary"]["teacher_ne"] == [ne]
