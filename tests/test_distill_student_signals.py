@@ -9,9 +9,11 @@ to 1e-6. A second command from the same finished teacher run (copied: not retrai
 is stopped by a real SIGTERM in the student's training (exit 143, one line, no
 traceback), then, on the drift stream, by SIGINT in the resumed training (exit 130),
 then rerun to the end: the student's checkpointed params and its eval rows equal those
-of the uninterrupted command's. The commands run in child processes (`_CHILD`), a few
-one after another in one process (the uninterrupted one, then the first stopped one; the
-reload, then the last rerun), each with the flags of its own command line.
+of the uninterrupted command's. The commands run in child processes (`_CHILD`), each
+with the flags of its own command line: one process runs both scenarios' uninterrupted
+and stopped commands one after another (the module fixture; each signal sent once the
+student's run of that command holds its workdir), then one fresh process per scenario
+reloads its export and reruns the stopped command to the end.
 make_source's drifting stream is checked step by step against DriftingStream."""
 
 import json
@@ -77,15 +79,28 @@ def lock_holder(lock):
         return None
 
 
-def _stopped(spec, student_wd, sig):
-    """Run the child of `spec`, send `sig` once a student run holds `student_wd` (its
-    train.lock names this process); returns (rc, stdout, stderr)."""
+def _mtime(path):
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _stopped(spec, stops):
+    """Run the child of `spec`, send each signal of `stops` [(student workdir, signal)] in
+    turn once a student run holds that workdir (its train.lock names this process, written
+    after the previous signal to that workdir: a run that took the lock since); returns
+    (rc, stdout, stderr)."""
     p = subprocess.Popen(_child(spec), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    lock, deadline = os.path.join(student_wd, "train.lock"), time.time() + 500
-    while lock_holder(lock) != p.pid and p.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    p.send_signal(sig)
+    deadline, seen = time.time() + 500, {}
+    for wd, sig in stops:
+        lock = os.path.join(wd, "train.lock")
+        while ((lock_holder(lock) != p.pid or _mtime(lock) == seen.get(lock)) and
+               p.poll() is None and time.time() < deadline):
+            time.sleep(0.05)
+        seen[lock] = _mtime(lock)
+        p.send_signal(sig)
     out, err = p.communicate(timeout=500)
     return p.returncode, out, err
 
@@ -127,7 +142,8 @@ if spec.get("export"):
     np.save(spec["preds"], np.concatenate(preds))
     print("export NE", repr(acc.result()["ne"]), flush=True)
 # then, in order: a directory copied ("copy": [src, dst]), or experiments/distill.py run
-# on a command line ("command": its flags; exit 128 + signal when a signal stops it)
+# on a command line ("command": its flags, after "[test] command NAME"; exit 128 + signal
+# when a signal stops it, or with "go_on": "[test] exit CODE" printed and the next step run)
 from absl import flags
 from experiments import distill
 distill.define_flags()
@@ -135,9 +151,15 @@ for step in spec["steps"]:
     if "copy" in step:
         shutil.copytree(*step["copy"])
         continue
+    print(f"[test] command {step.get('name')}", flush=True)
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["experiments/distill.py", *step["command"]])
-    distill.run(["experiments/distill.py"])
+    try:
+        distill.run(["experiments/distill.py"])
+    except SystemExit as e:
+        if not step.get("go_on"):
+            raise
+        print(f"[test] exit {e.code}", flush=True)
 """
 
 
@@ -154,32 +176,81 @@ def eval_batches(cfg):
     return [src.shard_batch(i, 0, 1)[0] for i in range(eval_steps(src, cfg))]
 
 
-def _check(args, out, student, tmp_path, signals):
-    """The scenario of the module docstring for the command `args` (without --out)."""
+SCENARIOS = {   # name -> (the command's flags but --out, the student's run, its stops)
+    "drift": (["--dataset=drift", "--seeds=0", "--teacher_steps=4",
+               f"--teacher_override={TEACHER}", "--student_steps=12", "--rows=+repr",
+               "--nohierarchical", "--latency_batch=0", "--adapter_refresh=5",
+               "--repr_norm=standardize", f"--data_overrides={DRIFT}"],
+              "repr_s0", [(signal.SIGTERM, 143), (signal.SIGINT, 130)]),
+    # --frappe_dir: the converted stand-in of the fixture
+    "frappe": (["--dataset=frappe", "--seeds=0", "--teacher_steps=4",
+                f"--teacher_override={TEACHER}", "--student_steps=12", "--rows=kd+adapter",
+                "--nohierarchical", "--latency_batch=0", "--data_overrides=data.batch_size=16"],
+               "kd_adapter_s0", [(signal.SIGTERM, 143)]),
+}
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """Every scenario's uninterrupted command and stopped commands (module docstring) run
+    one after another in one child: {"root", "rc", "said": {command name: its stdout},
+    "stderr"}; a scenario's command NAME runs in ROOT/NAME/whole, its stopped ones
+    ("NAME stop I", the I-th signal) in ROOT/NAME/part from a copy of the whole one's
+    teacher run. The Frappe files: a converted stand-in (tests/test_converters.write_frappe,
+    a few hundred rows) in place of /work/shared's, ROOT/frappe_files."""
+    from experiments import convert_frappe
+    from tests.test_converters import write_frappe
+    root = tmp_path_factory.mktemp("signals")
+    raw = root / "raw"
+    raw.mkdir()
+    write_frappe(raw, n_valid=300, n_test=120)
+    convert_frappe.convert(str(raw), str(root / "frappe_files"))
+    steps, stops = [], []
+    for name, (args, student, signals) in SCENARIOS.items():
+        args = _args(root, name)
+        whole, part = root / name / "whole", root / name / "part"
+        steps += [{"name": name, "command": [*args, f"--out={whole}"]},
+                  {"copy": [str(whole / name / "teacher_s0"), str(part / name / "teacher_s0")]}]
+        steps += [{"name": f"{name} stop {i}", "command": [*args, f"--out={part}"], "go_on": True}
+                  for i in range(len(signals))]
+        stops += [(str(part / name / "students" / student), sig) for sig, _ in signals]
+    rc, stdout, stderr = _stopped({"steps": steps}, stops)
+    said = {part.split("\n", 1)[0]: part for part in stdout.split("[test] command ")[1:]}
+    return {"root": root, "rc": rc, "said": said, "stderr": stderr}
+
+
+def _args(root, name):
+    """The flags of scenario `name`'s command but --out."""
+    args = SCENARIOS[name][0]
+    return [*args, f"--frappe_dir={root / 'frappe_files'}"] if name == "frappe" else args
+
+
+def _check(stopped, name, tmp_path):
+    """The scenario of the module docstring for SCENARIOS[name]; returns the stopped
+    student's run."""
     from gemjax.distill.runs import export_student, load_student
-    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
-    wd = os.path.join(part, out, "students", student)
-    ref = os.path.join(whole, out, "students", student)
+    _, student, signals = SCENARIOS[name]
+    root, said = stopped["root"], stopped["said"]
+    whole, part = str(root / name / "whole"), str(root / name / "part")
+    wd = os.path.join(part, name, "students", student)
+    ref = os.path.join(whole, name, "students", student)
     exported, saved = str(tmp_path / "export"), str(tmp_path / "preds.npy")
-    command = [*args, f"--out={part}"]
+    assert stopped["rc"] == 0, stopped["stderr"][-3000:]
+    assert "Traceback" not in stopped["stderr"] + "".join(said.values())
+    assert os.path.exists(os.path.join(whole, name, "results.json")), said.get(name)
+    # the stopped command ends with one line and 128 + signal; stopped in training, it is
+    # resumed by the next one
     for i, (sig, rc) in enumerate(signals):
-        steps = [{"command": command}]
-        if i == 0:   # the uninterrupted command first, then the stopped one from its teacher
-            steps = [{"command": [*args, f"--out={whole}"]},
-                     {"copy": [os.path.join(whole, out, "teacher_s0"),
-                               os.path.join(part, out, "teacher_s0")]}] + steps
-        got, stdout, stderr = _stopped({"steps": steps}, wd, sig)
-        assert got == rc, stderr[-3000:]
-        assert "Traceback" not in stderr + stdout
-        name = signal.Signals(sig).name
-        assert stdout.strip().splitlines()[-1].startswith(f"[distill] stopped by {name}"), stdout
-        assert not os.path.exists(os.path.join(wd, "summary.json"))     # stopped mid-run
-        if i == 0:
-            assert os.path.exists(os.path.join(whole, out, "results.json")), stdout
-            export_student(ref, exported, log=lambda s: None)
+        lines = said.get(f"{name} stop {i}", "").strip().splitlines()
+        assert lines[-1:] == [f"[test] exit {rc}"], said
+        assert lines[-2].startswith(f"[distill] stopped by {signal.Signals(sig).name}"), said
+    assert not os.path.exists(os.path.join(wd, "summary.json"))     # stopped mid-run
+    export_student(ref, exported, log=lambda s: None)
     # one fresh process reloads the export (its predictions and NE: checked below), nothing
     # else built there yet; then it reruns the stopped command to the end
-    spec = {"export": exported, "preds": saved, "root": ROOT, "steps": [{"command": command}]}
+    command = [*_args(root, name), f"--out={part}"]
+    spec = {"export": exported, "preds": saved, "root": ROOT,
+            "steps": [{"name": "rerun", "command": command}]}
     p = subprocess.run(_child(spec), cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -191,7 +262,7 @@ def _check(args, out, student, tmp_path, signals):
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     assert _eval_rows(wd) == _eval_rows(ref)
-    res = [json.load(open(os.path.join(o, out, "results.json")))["runs"] for o in (part, whole)]
+    res = [json.load(open(os.path.join(o, name, "results.json")))["runs"] for o in (part, whole)]
     assert [r["ne"] for r in res[0]] == [r["ne"] for r in res[1]]
 
     # the export reloaded in the fresh process: its predictions and NE are the runs'
@@ -205,13 +276,8 @@ def _check(args, out, student, tmp_path, signals):
 
 
 @pytest.mark.slow
-def test_drift_student_resumes_after_signals_and_exports(tmp_path):
-    args = ["--dataset=drift", "--seeds=0", "--teacher_steps=4", f"--teacher_override={TEACHER}",
-            "--student_steps=12",
-            "--rows=+repr", "--nohierarchical", "--latency_batch=0", "--adapter_refresh=5",
-            "--repr_norm=standardize", f"--data_overrides={DRIFT}"]
-    wd = _check(args, "drift", "repr_s0", tmp_path,
-                [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_drift_student_resumes_after_signals_and_exports(stopped, tmp_path):
+    wd = _check(stopped, "drift", tmp_path)
     cfg = json.load(open(os.path.join(wd, "config.json")))
     assert cfg["data"]["drift"]["start"] == 4 and cfg["data"]["eval_batches"] == 2
     manifest = json.load(open(os.path.join(tmp_path, "export", "manifest.json")))
@@ -219,17 +285,6 @@ def test_drift_student_resumes_after_signals_and_exports(tmp_path):
 
 
 @pytest.mark.slow
-def test_frappe_style_student_resumes_after_sigterm_and_exports(tmp_path):
-    """A converted Frappe stand-in (tests/test_converters.write_frappe, a few hundred
-    rows) in place of /work/shared's."""
-    from experiments import convert_frappe
-    from tests.test_converters import write_frappe
-    raw, conv = tmp_path / "raw", str(tmp_path / "frappe")
-    raw.mkdir()
-    write_frappe(raw, n_valid=300, n_test=120)
-    convert_frappe.convert(str(raw), conv)
-    args = ["--dataset=frappe", f"--frappe_dir={conv}", "--seeds=0", "--teacher_steps=4",
-            f"--teacher_override={TEACHER}",
-            "--student_steps=12", "--rows=kd+adapter", "--nohierarchical", "--latency_batch=0",
-            "--data_overrides=data.batch_size=16"]
-    _check(args, "frappe", "kd_adapter_s0", tmp_path, [(signal.SIGTERM, 143)])
+def test_frappe_style_student_resumes_after_sigterm_and_exports(stopped, tmp_path):
+    """A converted Frappe stand-in (the fixture's) in place of /work/shared's."""
+    _check(stopped, "frappe", tmp_path)
