@@ -391,9 +391,11 @@ def test_student_trains_and_checkpoints_with_the_train_loop(tmp_path):
     cfg = get_config("tiny", "model.kind=student,model.student_arch=wukong,train.steps=2,"
                              "train.checkpoint_every=2,train.eval_every=2,train.log_every=2,"
                              "train.tensorboard=false")
-    summary = train(cfg, str(tmp_path), log=lambda *_: None)
+    from gemjax.train.step import default_mesh
+    one = default_mesh(jax.devices()[:1])    # the Distiller tests' students run on 8 devices
+    summary = train(cfg, str(tmp_path), log=lambda *_: None, mesh=one)
     assert np.isfinite(summary["eval_ne"])
-    run = restore(str(tmp_path))
+    run = restore(str(tmp_path), mesh=one)
     assert run.step == 2 and run.cfg.model.kind == "student"
 
 
@@ -487,9 +489,10 @@ def test_share_fresh_accumulators_freeze_then_tune_and_dense_groups(teacher_and_
 
 def test_sequence_less_gem_teacher_repr_is_its_user_row():
     """A gem teacher without sequences serves its looked-up row of the sample's user
-    feature (E = dim), read here from the table in logical row order."""
+    feature (E = dim), read here from the table in logical row order (the teacher:
+    tests/distill_teacher.py's, one Wukong layer)."""
     from gemjax.distill.represent import repr_dim
-    tcfg = get_config("tiny", "model.use_sequences=false")
+    tcfg = get_config("tiny", f"model.use_sequences=false,{CHEAP}")
     tt = Trainer.create(tcfg)
     teacher = Teacher(tt, tt.init_state(0))
     assert repr_dim(tcfg) == tcfg.model.dim
