@@ -391,11 +391,9 @@ def test_student_trains_and_checkpoints_with_the_train_loop(tmp_path):
     cfg = get_config("tiny", "model.kind=student,model.student_arch=wukong,train.steps=2,"
                              "train.checkpoint_every=2,train.eval_every=2,train.log_every=2,"
                              "train.tensorboard=false")
-    from gemjax.train.step import default_mesh
-    one = default_mesh(jax.devices()[:1])    # the Distiller tests' students run on 8 devices
-    summary = train(cfg, str(tmp_path), log=lambda *_: None, mesh=one)
+    summary = train(cfg, str(tmp_path), log=lambda *_: None)
     assert np.isfinite(summary["eval_ne"])
-    run = restore(str(tmp_path), mesh=one)
+    run = restore(str(tmp_path))
     assert run.step == 2 and run.cfg.model.kind == "student"
 
 
