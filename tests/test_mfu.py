@@ -212,11 +212,20 @@ def _forward(model, acts, batch):
 
 
 def test_attention_calls_match_the_kernels_the_teacher_runs(monkeypatch):
+    """The kernels the teacher's forward calls are attention_calls(cfg, lens), twice on one
+    model: on CPU (pooling by the block-local einsum, no pool call) and where
+    jagged_attention picks Pallas (attention_calls(backend="gpu"): each pooling level one
+    kernel call over the packed buffer, tile ranges skipping other blocks). The second
+    forward is teacher_taps' (the blocks' inputs recorded, where the Local-MFU blocks are
+    cut): its logits equal the plain forward's, so neither the recording nor the packed
+    pooling changes the forward."""
+    import gemjax.layers.pyramid as P
     from gemjax.models.gem import build_model
-    # every op kind: block attention (pyramid), softmax (pooling, CLS), gdpa (PMA, PFFN, self-attention);
-    # a pyramid level with 0 attention layers; lengths over several blocks
-    cfg = get_config("tiny", _SMALL + ",model.attention=gdpa,model.pyramid_levels=4:2:1/3:2:0/8:none:1,"
-                     "model.interformer_layers=1")
+    # every op kind: block attention (pyramid), softmax (pooling, CLS), gdpa (PMA, PFFN,
+    # self-attention); a pyramid level with 0 attention layers that pools; lengths over
+    # several blocks; head dim 16
+    cfg = get_config("tiny", _SMALL + ",model.attention=gdpa,model.dim=32,model.seq_heads=2,"
+                     "model.pyramid_levels=4:2:1/3:2:0/8:none:1,model.interformer_layers=1")
     batch, _ = SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)
     lens = {s: np.diff(batch.sequences[s].offsets) for s in SEQUENCES}
     assert max(int(v.max()) for v in lens.values()) > 2 * cfg.model.block   # several blocks per sample
@@ -225,39 +234,23 @@ def test_attention_calls_match_the_kernels_the_teacher_runs(monkeypatch):
     acts = L.random_acts(cfg, dev, jax.random.key(1))
     calls = _recording(monkeypatch)
     logits = _forward(model, acts, dev)
-    want = [(c.op, c.forward_flops) for c in MF.attention_calls(cfg, lens)]
-    assert calls == want
-    # recording the blocks' inputs (the Local-MFU blocks are cut there) leaves the forward as it is
-    monkeypatch.undo()
-    np.testing.assert_allclose(np.asarray(L.teacher_taps(model, acts, dev)["logits"]), np.asarray(logits),
-                               rtol=1e-5, atol=1e-6)
-
-
-def test_pyramid_pooling_is_a_kernel_call_where_kernels_run_in_pallas(monkeypatch):
-    """Where jagged_attention picks Pallas, PyramidLevel pools through one kernel call over
-    the packed buffer (tile ranges skip other blocks), and attention_calls(backend) lists
-    it; the block-local einsum used elsewhere gives the same logits."""
-    import gemjax.layers.pyramid as P
-    from gemjax.models.gem import build_model
-    cfg = get_config("tiny", _SMALL + ",model.dim=32,model.seq_heads=2,model.interformer_layers=1,"
-                     "model.pyramid_levels=4:2:1/8:none:1")                # head dim 16
-    batch, _ = SyntheticStream(cfg.data, 0).shard_batch(0, 0, 1)
-    lens = {s: np.diff(batch.sequences[s].offsets) for s in SEQUENCES}
-    dev = jax.device_put(batch)
-    model = build_model(cfg, nnx.Rngs(0))
-    acts = L.random_acts(cfg, dev, jax.random.key(1))
+    assert calls == [(c.op, c.forward_flops) for c in MF.attention_calls(cfg, lens)]
+    assert not any(c.name.endswith(".pool") for c in MF.attention_calls(cfg, lens, backend="cpu"))
+    # where kernels run in Pallas
     monkeypatch.setattr(P, "default_impl", lambda op, head_dim, backend=None: "pallas")
-    calls = _recording(monkeypatch)
-    packed = _forward(model, acts, dev)
+    calls.clear()
+    taps = L.teacher_taps(model, acts, dev)
+    jax.effects_barrier()
     want = MF.attention_calls(cfg, lens, backend="gpu")
     assert calls == [(c.op, c.forward_flops) for c in want]
     pools = [c for c in want if c.name.endswith(".pool")]
-    assert [c.name for c in pools] == [f"{s}.level0.pool" for s in SEQUENCES]
-    for c, s in zip(pools, SEQUENCES):     # 2 queries per 4-token block: 4 H D x 2 x tokens
-        assert c.forward_flops == 4 * 2 * 16 * 2 * int(lens[s].sum())
-    assert not any(c.name.endswith(".pool") for c in MF.attention_calls(cfg, lens, backend="cpu"))
-    monkeypatch.setattr(P, "default_impl", lambda op, head_dim, backend=None: "reference")
-    np.testing.assert_allclose(np.asarray(_forward(model, acts, dev)), np.asarray(packed), rtol=1e-5, atol=1e-6)
+    assert [c.name for c in pools] == [f"{s}.level{i}.pool" for s in SEQUENCES for i in (0, 1)]
+    for c0, c1, s in zip(pools[::2], pools[1::2], SEQUENCES):
+        # 2 queries per block, 4 H D = 4 x 32 FLOPs a pair: level 0 pools 4-token blocks
+        # of the tokens, level 1 3-token blocks of level 0's 2 per block
+        assert c0.forward_flops == 4 * 32 * 2 * int(lens[s].sum())
+        assert c1.forward_flops == 4 * 32 * 2 * int((-(-lens[s] // 4) * 2).sum())
+    np.testing.assert_allclose(np.asarray(taps["logits"]), np.asarray(logits), rtol=1e-5, atol=1e-6)
 
 
 def test_block_lengths():
