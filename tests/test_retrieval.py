@@ -84,7 +84,8 @@ def test_ranks_with_history_excluded_and_ties_match_numpy():
 @pytest.fixture(scope="module")
 def fake_retrieval(tmp_path_factory):
     """experiments/convert_movielens.py --tasks=retrieval --train_positions=1 on the fake
-    MovieLens: (config of the movielens_retrieval preset on it, retrieval dir)."""
+    MovieLens: (config of the movielens_retrieval preset on it, one transformer layer of
+    width 8, retrieval dir)."""
     src, out = tmp_path_factory.mktemp("ml-1m"), tmp_path_factory.mktemp("conv")
     write_ml(src)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "convert_movielens.py"),
@@ -96,7 +97,8 @@ def fake_retrieval(tmp_path_factory):
     cfg = dataclasses.replace(get_config("movielens_retrieval"), features=schema)
     cfg = apply_overrides(cfg, {
         "data.train_path": str(d / "train.parquet"), "data.eval_path": str(d / "test.parquet"),
-        "data.batch_size": "4", "model.dim": "8", "train.tensorboard": "false"})
+        "data.batch_size": "4", "model.dim": "8", "model.seq_layers": "1",
+        "train.tensorboard": "false"})
     return cfg, d
 
 
