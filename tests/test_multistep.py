@@ -7,6 +7,7 @@ steps on one plan covering each."""
 import dataclasses
 import os
 import re
+import signal
 import sys
 
 import jax
@@ -20,7 +21,7 @@ from gemjax.data.source import make_source
 from gemjax.train import layout, multistep, runtime
 from gemjax.train.loop import train
 from gemjax.train.step import Trainer
-from test_faults import Run, assert_same_checkpoint, host, kill_once_saved, restored, rows, sigterm_at_pause, steps_in
+from test_faults import Run, assert_same_checkpoint, host, kill_once_saved, restored, rows, steps_in
 
 # the tiny preset's logistic regression: every sparse feature and sequence field looked up
 # in its table, the dense features through its dense weights (the dense optimizer), the
@@ -48,11 +49,12 @@ def k_args(k):
 
 @pytest.fixture(scope="module")
 def k_runs(tmp_path_factory):
-    """experiments/train.py at K=4 on K_DEVICES CPU devices (the default layout), 16 steps:
-    kill -9 after checkpoint 4 is on disk and step 8 ran, resume, SIGTERM after step 12,
-    then in one child: the resume to 16, an uninterrupted K=4 run and an uninterrupted
+    """experiments/train.py at K=4 on K_DEVICES CPU devices (the default layout), 16 steps,
+    in two children: kill -9 after checkpoint 4 is on disk and step 8 ran; then in one
+    child the resume, SIGTERM after step 12 (the child prints the stopped command's exit
+    code and goes on), the resume to 16, an uninterrupted K=4 run and an uninterrupted
     K=1 run of the same config (the imports and the K=4 programs paid once).
-    {"cut", "k4", "k1": workdir, "out": the last child's output}."""
+    {"cut", "k4", "k1": workdir, "out": the second child's output}."""
     root = tmp_path_factory.mktemp("k_runs")
     dirs = {name: str(root / name) for name in ("cut", "k4", "k1")}
     checkpoints = os.path.join(dirs["cut"], "checkpoints")
@@ -61,11 +63,14 @@ def k_runs(tmp_path_factory):
     kill_once_saved(run, checkpoints, 4)
     assert steps_in(checkpoints) == [4]
 
-    run = Run(dirs["cut"], pause="step:12", args=k_args(4), devices=K_DEVICES)
-    sigterm_at_pause(run, 12, 4)
-
-    run = Run(dirs["cut"], args=k_args(4), then=[dirs["k4"], (dirs["k1"], k_args(1))],
-              devices=K_DEVICES)                  # the resume, then the references
+    run = Run(dirs["cut"], pause="step:12", args=k_args(4), devices=K_DEVICES,
+              then=[dirs["cut"], dirs["k4"], (dirs["k1"], k_args(1))])   # the resume, the references
+    run.wait_for("test pause at step 12")
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait_for("[test] exit ")
+    assert f"[test] exit {128 + signal.SIGTERM}\n" in run.lines, run.out[-3000:]
+    assert "resumed from step 4" in run.out
+    assert "stopped by SIGTERM after step 12: checkpoint step 12 saved" in run.out
     assert run.finish() == 0, run.out[-3000:]
     return {**dirs, "out": run.out}
 
@@ -167,12 +172,14 @@ def test_what_k_steps_per_call_cannot_do_is_refused_by_name(tmp_path):
 
 
 def test_switched_tables_run_k_steps_on_one_plan_covering_each_batch():
-    """Model-parallel tables with exchange buckets on 2 devices (a plan per batch): the call's
-    plan covers each of its 4 batches' own plans, and the 4 steps equal 4 one-step calls
-    on that plan, bit for bit (losses and state)."""
+    """Model-parallel tables with exchange buckets on 2 devices (a plan per batch; the 4
+    batches' own plans differ): the call's plan covers each of its 4 batches' own plans,
+    and the 4 steps equal 4 one-step calls on that plan, bit for bit (losses and state).
+    The sparse features alone (model.use_sequences=false): their per-batch unique counts
+    already pick different branches, and the programs compile in about half the time."""
     cfg = tiny(4, steps=8, extra="train.sparse_exchange_buckets=true,"
                                  "train.sparse_sync_buckets=true,parallel.table_plan=row_wise,"
-                                 "data.batch_size=32")
+                                 "data.batch_size=32,model.use_sequences=false")
     mesh, kw = layout.build(cfg, jax.devices()[:2])
     trainer = Trainer.create(cfg, mesh, **kw)
     assert trainer.coll.has_switches()
@@ -183,7 +190,9 @@ def test_switched_tables_run_k_steps_on_one_plan_covering_each_batch():
     singles = [plain.to_device(plain.host_batch(i)[0]) for i in range(4)]
     four, one = multistep.MultiStep(trainer, 4), trainer.make_train_step()
     plan = four.plan(stacked)
-    for own in map(one.plan, singles):
+    owns = [one.plan(b) for b in singles]
+    assert len(set(owns)) > 1, owns
+    for own in owns:
         assert [t for t, _, _ in own] == [t for t, _, _ in plan]
         assert all(x >= a and y >= b for (_, x, y), (_, a, b) in zip(plan, own)), (plan, own)
     state4, m4 = four(trainer.init_state(0), stacked)

@@ -84,7 +84,8 @@ def test_ranks_with_history_excluded_and_ties_match_numpy():
 @pytest.fixture(scope="module")
 def fake_retrieval(tmp_path_factory):
     """experiments/convert_movielens.py --tasks=retrieval --train_positions=1 on the fake
-    MovieLens: (config of the movielens_retrieval preset on it, retrieval dir)."""
+    MovieLens: (config of the movielens_retrieval preset on it, one transformer layer of
+    width 8, retrieval dir)."""
     src, out = tmp_path_factory.mktemp("ml-1m"), tmp_path_factory.mktemp("conv")
     write_ml(src)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "convert_movielens.py"),
@@ -96,7 +97,8 @@ def fake_retrieval(tmp_path_factory):
     cfg = dataclasses.replace(get_config("movielens_retrieval"), features=schema)
     cfg = apply_overrides(cfg, {
         "data.train_path": str(d / "train.parquet"), "data.eval_path": str(d / "test.parquet"),
-        "data.batch_size": "4", "model.dim": "8", "train.tensorboard": "false"})
+        "data.batch_size": "4", "model.dim": "8", "model.seq_layers": "1",
+        "train.tensorboard": "false"})
     return cfg, d
 
 
@@ -177,26 +179,45 @@ def test_retrieval_preset_resume_equals_the_uninterrupted_run(fake_retrieval, tm
         "hr@10", "ndcg@10", "hr@50", "hr@10_unmasked", "mrr", "rows"))
 
 
-def test_k_steps_per_call_train_what_one_step_per_call_trains(fake_retrieval, tmp_path):
+@pytest.fixture(scope="module")
+def hstu_runs(fake_retrieval, tmp_path_factory):
+    """run(preset, k) -> (summary, metrics.jsonl rows) of train() on the fake MovieLens, once
+    per (preset, k): a movielens_hstu_large-derived preset (dropout 0.2, sampled negatives
+    drawn per step) with small shapes, 8 steps of 4 rows (5 train rows: 2 steps an epoch),
+    train.steps_per_call=k, train and validation rows every 4 steps, selection on
+    validation HR@10, the best step tested. The K-steps test and the movielens_hstu_large
+    case of the preset test share the k=1 run."""
+    base, d = fake_retrieval
+    root = tmp_path_factory.mktemp("hstu_runs")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    done = {}
+
+    def run(preset, k):
+        from gemjax.train.loop import train
+        if (preset, k) not in done:
+            cfg = dataclasses.replace(get_config(preset), features=base.features)
+            cfg = apply_overrides(cfg, {
+                "data.train_path": str(d / "train.parquet"),
+                "data.eval_path": str(d / "test.parquet"),
+                "data.valid_path": str(d / "valid.parquet"), "train.select_metric": "hr@10",
+                "data.batch_size": "4", "model.dim": "8", "model.seq_layers": "1",
+                "model.retrieval_negatives": "6", "train.steps": "8", "train.log_every": "4",
+                "train.eval_every": "4", "train.valid_every": "4", "train.checkpoint_every": "4",
+                "train.tensorboard": "false", "train.dense_lr": "1e-2",
+                "train.steps_per_call": str(k)})
+            wd = root / f"{preset}-k{k}"
+            summary = train(cfg, str(wd), log=lambda s: None, mesh=mesh)
+            done[preset, k] = cfg, summary, [json.loads(ln) for ln in open(wd / "metrics.jsonl")]
+        return done[preset, k]
+
+    return run
+
+
+def test_k_steps_per_call_train_what_one_step_per_call_trains(hstu_runs):
     """movielens_hstu_large (dropout 0.2, sampled negatives drawn per step) with selection
     on validation HR@10: 4 steps per jitted call write the one-step run's metrics.jsonl
     rows (losses, validation and test figures, to float32 rounding) and select its step."""
-    from gemjax.train.loop import train
-    base, d = fake_retrieval
-    cfg = dataclasses.replace(get_config("movielens_hstu_large"), features=base.features)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    got = {}
-    for k in (1, 4):
-        run = apply_overrides(cfg, {
-            "data.train_path": str(d / "train.parquet"), "data.eval_path": str(d / "test.parquet"),
-            "data.valid_path": str(d / "valid.parquet"), "train.select_metric": "hr@10",
-            "data.batch_size": "2", "model.dim": "8", "model.seq_layers": "1",
-            "model.retrieval_negatives": "6", "train.steps": "8", "train.log_every": "4",
-            "train.eval_every": "4", "train.valid_every": "4", "train.checkpoint_every": "4",
-            "train.tensorboard": "false", "train.steps_per_call": str(k)})
-        summary = train(run, str(tmp_path / f"k{k}"), log=lambda s: None, mesh=mesh)
-        got[k] = (summary, [json.loads(ln) for ln in open(tmp_path / f"k{k}" / "metrics.jsonl")])
-    (one, rows1), (four, rows4) = got[1], got[4]
+    (_, one, rows1), (_, four, rows4) = (hstu_runs("movielens_hstu_large", k) for k in (1, 4))
     assert [(r["kind"], r["step"]) for r in rows1] == [(r["kind"], r["step"]) for r in rows4]
     assert [r["kind"] for r in rows1].count("train") == 2
     assert [r["kind"] for r in rows1].count("valid") == 2
@@ -233,34 +254,23 @@ def test_ranking_summary_hr200_ndcg_mrr_match_a_brute_force_sort():
 
 
 @pytest.mark.parametrize("preset", ["movielens_hstu_large", "movielens_hstu_large_rab"])
-def test_hstu_preset_trains_through_train_and_its_encoder_is_hstu(fake_retrieval, tmp_path,
-                                                                  preset):
+def test_hstu_preset_trains_through_train_and_its_encoder_is_hstu(hstu_runs, preset):
     """movielens_hstu_large (RoPE) and its _rab variant (relative position bias) with small
-    shapes: a few train steps through train() on the fake MovieLens, losses finite and
-    falling on the same rows, the eval figures ordered (HR@10 <= HR@50 <= HR@200, MRR in
-    (0, 1]); the model holds HSTU blocks, with a bias table per block in the _rab one."""
+    shapes (hstu_runs, one step per call): 8 train steps through train() on the fake
+    MovieLens, losses finite and falling on the same rows (the mean of steps 5-8 below that
+    of steps 1-4), the eval figures ordered (HR@10 <= HR@50 <= HR@200, MRR in (0, 1]); the
+    model holds HSTU blocks, with a bias table per block in the _rab one."""
     from gemjax.layers.hstu import HSTUEncoder
-    from gemjax.train.loop import train
     from gemjax.train.retrieval import RetrievalTrainer
-    base, d = fake_retrieval
-    cfg = dataclasses.replace(get_config(preset), features=base.features)
-    cfg = apply_overrides(cfg, {
-        "data.train_path": str(d / "train.parquet"), "data.eval_path": str(d / "test.parquet"),
-        "data.batch_size": "4", "model.dim": "8", "model.seq_layers": "1",
-        "model.retrieval_negatives": "6", "train.steps": "8", "train.log_every": "1",
-        "train.eval_every": "8", "train.checkpoint_every": "8", "train.tensorboard": "false",
-        "train.dense_lr": "1e-2"})
-    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    tr = RetrievalTrainer.create(cfg, mesh)
+    cfg, summary, rows = hstu_runs(preset, 1)
+    tr = RetrievalTrainer.create(cfg, Mesh(np.array(jax.devices()[:1]), ("batch",)))
     enc = nnx.merge(tr.graphdef, tr.init_state(0)["params"]).encoder
     assert isinstance(enc, HSTUEncoder)
     rab = preset.endswith("_rab")
     assert all((b.rel_bias is not None) == rab and b.rope != rab for b in enc.blocks)
-    summary = train(cfg, str(tmp_path / "run"), log=lambda s: None, mesh=mesh)
-    rows = [json.loads(ln) for ln in open(tmp_path / "run" / "metrics.jsonl")]
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
-    assert len(losses) == 8 and all(np.isfinite(losses))
-    assert np.mean(losses[-2:]) < np.mean(losses[:2])          # 5 rows: 2 steps an epoch
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [4, 8]
+    assert all(np.isfinite(losses)) and losses[1] < losses[0]    # 5 rows: 2 steps an epoch
     assert summary["eval_hr@10"] <= summary["eval_hr@50"] <= summary["eval_hr@200"] <= 1
     assert 0 < summary["eval_mrr"] <= 1 and summary["model"] == "retrieval"
 
