@@ -49,8 +49,11 @@ def teacher_dir(tmp_path_factory):
     return wd
 
 
-def _teacher(wd):
-    return Teacher.from_workdir(wd, mesh=ONE)
+@pytest.fixture(scope="module")
+def teacher(teacher_dir):
+    """The offline teacher of every student here: one Teacher read from teacher_dir (its
+    state is only read), so its outputs program is traced once."""
+    return Teacher.from_workdir(teacher_dir, mesh=ONE)
 
 
 def _eval_rows(wd):
@@ -58,16 +61,17 @@ def _eval_rows(wd):
         return [r for r in map(json.loads, f) if r["kind"] == "eval"]
 
 
-def test_stopped_and_resumed_student_equals_uninterrupted(teacher_dir, repr_student, tmp_path):
+def test_stopped_and_resumed_student_equals_uninterrupted(teacher_dir, teacher, repr_student,
+                                                         tmp_path):
     # the uninterrupted run: the module's repr student (REPR, 4 steps)
-    teacher, scfg = _teacher(teacher_dir), _cfg(distill_exp.STUDENT, 4)
+    scfg = _cfg(distill_exp.STUDENT, 4)
     whole = repr_student[1]
     part = str(tmp_path / "part")
     got = train_student(scfg, part, teacher, REPR, log=lambda s: None, stop_after=2)
     assert got == {"steps": 2, "stopped_early": True}
     lost = str(tmp_path / "lost")
     shutil.copytree(part, lost)
-    resumed = train_student(scfg, part, _teacher(teacher_dir), REPR, log=lambda s: None)
+    resumed = train_student(scfg, part, teacher, REPR, log=lambda s: None)
     assert abs(resumed["eval_ne"] - whole["eval_ne"]) <= 1e-6
     assert abs(resumed["eval_auc"] - whole["eval_auc"]) <= 1e-6
     for name in ("checkpoints", "config.json", "metrics.jsonl", "summary.json"):
@@ -82,7 +86,7 @@ def test_stopped_and_resumed_student_equals_uninterrupted(teacher_dir, repr_stud
     orig = StudentTrainer.resume_meta
     StudentTrainer.resume_meta = lambda self, meta: None
     try:
-        forgot = train_student(scfg, lost, _teacher(teacher_dir), REPR, log=lambda s: None)
+        forgot = train_student(scfg, lost, teacher, REPR, log=lambda s: None)
     finally:
         StudentTrainer.resume_meta = orig
     assert abs(forgot["eval_ne"] - whole["eval_ne"]) > 1e-6
@@ -112,9 +116,14 @@ def test_cotrained_student_run_resumes_with_its_teacher(tmp_path):
     dcfg = DistillConfig(methods="kd,adapter,repr", adapter_refresh=1, adapter_window=64,
                          teacher_mode="cotrain")
 
+    tr = Trainer.create(tcfg, ONE)
+    teacher = Teacher(tr, None)
+
     def fresh():
-        tr = Trainer.create(tcfg, ONE)
-        return Teacher(tr, tr.init_state(0))
+        """The teacher at its initial state: one Teacher (its programs traced once), its
+        state reset for every run."""
+        teacher.state = tr.init_state(0)
+        return teacher
 
     def leaves(wd):
         return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(restore(wd, log=lambda s: None).state["params"]))]
@@ -142,11 +151,11 @@ def test_cotrained_student_run_resumes_with_its_teacher(tmp_path):
     assert abs(evaluate_student(part, mesh=ONE, log=lambda s: None)["ne"] - want["eval_ne"]) <= 1e-6
 
 
-def test_plain_student_is_served_as_any_run(teacher_dir, tmp_path):
+def test_plain_student_is_served_as_any_run(teacher_dir, teacher, tmp_path):
     """A kd+adapter+share student: train.py --mode=eval, load_for_inference and
     export_model read its workdir with no teacher (the run's eval reproduced)."""
     wd = str(tmp_path / "kd")
-    summary = train_student(_cfg(distill_exp.STUDENT, 3), wd, _teacher(teacher_dir),
+    summary = train_student(_cfg(distill_exp.STUDENT, 3), wd, teacher,
                             DistillConfig(methods="kd,adapter,share", share="tuned"),
                             log=lambda s: None)
     shutil.move(teacher_dir, teacher_dir + ".away")
@@ -186,9 +195,9 @@ print("NE", repr(r["ne"]), "AUC", repr(r["auc"]))
 
 
 @pytest.fixture(scope="module")
-def repr_student(teacher_dir, tmp_path_factory):
+def repr_student(teacher, tmp_path_factory):
     wd = str(tmp_path_factory.mktemp("repr") / "repr")
-    summary = train_student(_cfg(distill_exp.STUDENT, 4), wd, _teacher(teacher_dir), REPR,
+    summary = train_student(_cfg(distill_exp.STUDENT, 4), wd, teacher, REPR,
                             log=lambda s: None)
     return wd, summary
 

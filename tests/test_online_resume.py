@@ -1,11 +1,17 @@
 """Online training (gemjax.train.online): a run stopped by SIGTERM, resumed, killed with
 kill -9, and resumed again ends with the metrics rows and member states of an
-uninterrupted run. The interrupted runs are two `experiments/online.py` commands run one
-after the other in one subprocess on one CPU device (the second reads the first's
-programs from the compilation cache, its imports already paid); the uninterrupted run
-and the last resume run_online in this process as the command does (its config and
-OnlineSpec), on a one-device mesh like every run in this process (the same programs: the
-cache keys a program by the device count of its process too)."""
+uninterrupted run; a run with the KD students extended by a window equals a longer run.
+
+The online model is model.kind=student (the students' architecture, a cheap program that
+reads the sequences: the admitted item ids of the sequences reach the model); online
+training reads every model through its Trainer alike. The interrupted runs are two
+`experiments/online.py` commands run one after the other in one subprocess (the second
+reads the first's programs, its imports already paid); the uninterrupted run and the
+last resume run_online in this process as the command does (its config and OnlineSpec).
+Every run, the child's included, is on a one-device mesh in a process of this process's
+CPU device count, so all of them build the same programs and the suite's compilation
+cache serves the child those this process compiled (the cache keys a program by the
+device count of its process too)."""
 
 import json
 import os
@@ -24,16 +30,20 @@ from gemjax.train.guards import ResumeMismatch
 from gemjax.train.online import OnlineSpec, run_online, summary_table
 from test_faults import Run
 
-OVERRIDE = "data.drift_every=2,data.batch_size=64"
+OVERRIDE = "data.drift_every=2,data.batch_size=64,model.kind=student"
 WINDOWS = 4
 ARGS = ["--config=tiny", f"--windows={WINDOWS}", f"--override={OVERRIDE}", "--item_rows=1024", "--students=0",
         "--min_count=2", "--buckets=16"]
 SPEC = OnlineSpec(windows=WINDOWS, min_count=2, buckets=16, table_rows=(("item", 1024),))
 # the experiments/online.py commands [argv, ...] one after another in one process, each
-# followed by "[test] exit CODE" (main's return value)
+# followed by "[test] exit CODE" (main's return value); run_online on a one-device mesh
 CHILD = """
-import json, sys
+import functools, json, sys
+import jax, numpy as np
+from jax.sharding import Mesh
 from experiments import online
+online.run_online = functools.partial(online.run_online,
+                                      mesh=Mesh(np.array(jax.devices()[:1]), ("batch",)))
 for argv in json.loads(sys.argv[1]):
     print(f"[test] exit {online.main(argv)}", flush=True)
 """
@@ -60,7 +70,8 @@ def test_sigterm_and_kill9_resume_equal_an_uninterrupted_run(tmp_path):
     # checkpoint (main returns 128 + SIGTERM, printed), the second resumes and is killed
     # with kill -9 after the next window's checkpoint
     argv = [*ARGS, f"--workdir={dir_}"]
-    run = Run(dir_, cmd=[sys.executable, "-c", CHILD, json.dumps([argv, argv])])
+    run = Run(dir_, cmd=[sys.executable, "-c", CHILD, json.dumps([argv, argv])],
+              devices=jax.device_count())
     run.wait_for("[online] window 0:")
     run.proc.send_signal(signal.SIGTERM)
     run.wait_for("[test] exit ")
@@ -131,5 +142,9 @@ def test_students_and_snapshot_resume_exactly(tmp_path):
            for n in whole["digests"]}
     for n in whole["digests"]:
         assert state_digest(got[n].state, got[n].trainer) == whole["digests"][n], n
+    # each directory records its own member's config (the students' is named apart)
+    assert {n: r.cfg.name for n, r in got.items()} == {
+        **dict.fromkeys(("fresh", "frozen", "snapshot"), cfg.name),
+        **dict.fromkeys(("student_fresh", "student_frozen"), cfg.name + "-student")}
     assert got["student_fresh"].cfg.model.kind == "student"
     assert got["student_fresh"].meta["admission"] == got["snapshot"].meta["admission"]
