@@ -310,9 +310,13 @@ def test_two_tiny_trials_through_the_trainer(tmp_path):
         pytest.skip("gemjax.config.TrainConfig has no select_metric yet (validation selection "
                     "lands with the trainer's validation contract)")
     # data.eval_batches changes the validation figures, not the compiled programs: the
-    # second trial and the test read load the first one's from the compilation cache
+    # second trial and the test read load the first one's from the compilation cache.
+    # The trials train the logistic-regression baseline without sequence features (the
+    # cheapest model of the trainer to compile): the sweep runs the same trainer, selection
+    # and test read whatever model.kind it searches
     argv = [sys.executable, "-m", "experiments.sweep", "--config=tiny", f"--workdir={tmp_path}",
-            "--override=train.steps=4,train.eval_every=2,train.log_every=2,train.checkpoint_every=2",
+            "--override=train.steps=4,train.eval_every=2,train.log_every=2,train.checkpoint_every=2,"
+            "model.kind=lr,model.use_sequences=false",
             "--space=data.eval_batches=choice(1,2)", "--trials=2", "--seeds=0", "--sampler=grid"]
     res = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
