@@ -157,12 +157,18 @@ def kill_once_saved(run: Run, checkpoints: str, step: int) -> None:
     assert run.finish() == -signal.SIGKILL
 
 
-def sigterm_at_pause(run: Run, step: int, resumed_from: int) -> None:
+def sigterm_at_pause(run: Run, step: int, resumed_from: int, goes_on: bool = False) -> None:
     """`run` (resumed from checkpoint `resumed_from`, paused after `step`) gets SIGTERM:
-    it must stop with exit 128 + SIGTERM after saving checkpoint `step`."""
+    it must stop with exit 128 + SIGTERM after saving checkpoint `step`. goes_on: the
+    child prints that exit code ("[test] exit CODE") and runs its next commands (Run's
+    `then`); the caller finishes it."""
     run.wait_for(f"test pause at step {step}")
     run.proc.send_signal(signal.SIGTERM)
-    assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
+    if goes_on:
+        run.wait_for("[test] exit ")
+        assert f"[test] exit {128 + signal.SIGTERM}\n" in run.lines, run.out[-3000:]
+    else:
+        assert run.finish() == 128 + signal.SIGTERM, run.out[-3000:]
     assert f"resumed from step {resumed_from}" in run.out
     assert f"stopped by SIGTERM after step {step}: checkpoint step {step} saved" in run.out
 
@@ -286,12 +292,7 @@ def test_kill_and_sigterm_on_a_parquet_source_resume_exactly(tmp_path):
     # SIGTERM, then the resume and the reference in the same process (Run's child prints
     # the SIGTERM'd command's exit code and goes on)
     run = Run(workdir, pause="step:7", args=args, then=[(workdir, args), reference])
-    run.wait_for("test pause at step 7")
-    run.proc.send_signal(signal.SIGTERM)
-    run.wait_for("[test] exit ")
-    assert f"[test] exit {128 + signal.SIGTERM}\n" in run.lines, run.out[-3000:]
-    assert "resumed from step 4" in run.out
-    assert "stopped by SIGTERM after step 7: checkpoint step 7 saved" in run.out
+    sigterm_at_pause(run, 7, 4, goes_on=True)
     assert run.finish() == 0, run.out[-3000:]
     assert "resumed from step 7" in run.out
     assert [r["step"] for r in rows(reference, "eval")] == [4, 8]

@@ -7,7 +7,6 @@ steps on one plan covering each."""
 import dataclasses
 import os
 import re
-import signal
 import sys
 
 import jax
@@ -21,7 +20,8 @@ from gemjax.data.source import make_source
 from gemjax.train import layout, multistep, runtime
 from gemjax.train.loop import train
 from gemjax.train.step import Trainer
-from test_faults import Run, assert_same_checkpoint, host, kill_once_saved, restored, rows, steps_in
+from test_faults import (Run, assert_same_checkpoint, host, kill_once_saved, restored, rows,
+                         sigterm_at_pause, steps_in)
 
 # the tiny preset's logistic regression: every sparse feature and sequence field looked up
 # in its table, the dense features through its dense weights (the dense optimizer), the
@@ -65,12 +65,7 @@ def k_runs(tmp_path_factory):
 
     run = Run(dirs["cut"], pause="step:12", args=k_args(4), devices=K_DEVICES,
               then=[dirs["cut"], dirs["k4"], (dirs["k1"], k_args(1))])   # the resume, the references
-    run.wait_for("test pause at step 12")
-    run.proc.send_signal(signal.SIGTERM)
-    run.wait_for("[test] exit ")
-    assert f"[test] exit {128 + signal.SIGTERM}\n" in run.lines, run.out[-3000:]
-    assert "resumed from step 4" in run.out
-    assert "stopped by SIGTERM after step 12: checkpoint step 12 saved" in run.out
+    sigterm_at_pause(run, 12, 4, goes_on=True)
     assert run.finish() == 0, run.out[-3000:]
     return {**dirs, "out": run.out}
 
