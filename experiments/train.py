@@ -96,8 +96,8 @@ flags.DEFINE_integer("checkpoint_step", None, "--mode=eval: the checkpoint step 
                      "(default: --checkpoint)")
 flags.DEFINE_string("checkpoint", None, "--mode=eval: best, newest or a step number (default: best "
                     "when the run selected one on its validation rows, WORKDIR/best, else newest)")
-flags.DEFINE_bool("refit", False, "after a run with train.select_metric: train WORKDIR/refit on the "
-                  "train and validation rows for the run's best step count, then test it once "
+flags.DEFINE_bool("refit", False, "after a run with train.select_metric: train WORKDIR/refit on "
+                  "--refit_rows for the run's best step count, then test it once "
                   "(gemjax.train.refit)")
 flags.DEFINE_enum("refit_rows", "train+valid", ["train+valid", "valid"],
                   "rows --refit trains on: train+valid, or valid alone (sequence rows whose "

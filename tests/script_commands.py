@@ -13,7 +13,8 @@ before it, and whether a SystemExit it raises (a signal's 128 + N) is printed as
 "[test] exit CODE" and the next command runs, instead of ending the child with that code
 (an absl app.UsageError, which app.run turns into exit 1 with its message on stderr, is
 printed as "[test] usage error: MESSAGE" on stdout, then "[test] exit 1").
-Each command that returns prints "[test] finished NAME".
+Each command that returns prints "[test] finished NAME". A `prelude` (Python source) runs in
+the child before the script is imported (e.g. work that must come first in a fresh process).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+{prelude}
 from absl import app, flags
 from {package} import {module}
 getattr({module}, "define_flags", lambda: None)()      # else its flags are defined on import
@@ -59,12 +61,19 @@ for name, argv, *more in json.loads(sys.argv[1]):
 """
 
 
-def child_argv(module: str, entry: str, spec: list, package: str = "experiments") -> list[str]:
+def child_argv(module: str, entry: str, spec: list, package: str = "experiments",
+               prelude: str = "") -> list[str]:
     """The command line of one child running <package>.<module>'s commands
     [[name, argv], ...] (or [name, argv, opts]: module docstring) in order through
-    <entry>(argv); each prints "[test] command NAME" before its own output."""
-    return [sys.executable, "-c", _CHILD.format(package=package, module=module, entry=entry),
-            json.dumps(spec)]
+    <entry>(argv), after `prelude`; each prints "[test] command NAME" before its own
+    output."""
+    code = _CHILD.format(package=package, module=module, entry=entry, prelude=prelude)
+    return [sys.executable, "-c", code, json.dumps(spec)]
+
+
+def said_of(stdout: str) -> dict[str, str]:
+    """{command name: the stdout that command printed} of a child's stdout."""
+    return {part.split("\n", 1)[0]: part for part in stdout.split("[test] command ")[1:]}
 
 
 def run_commands(module: str, entry: str, spec: list, *, cwd: str, env: dict | None = None,
@@ -76,5 +85,4 @@ def run_commands(module: str, entry: str, spec: list, *, cwd: str, env: dict | N
     the first command that raises or exits; the commands after it have no stdout entry."""
     r = subprocess.run(child_argv(module, entry, spec, package), cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=timeout)
-    said = {part.split("\n", 1)[0]: part for part in r.stdout.split("[test] command ")[1:]}
-    return r.returncode, said, r.stderr
+    return r.returncode, said_of(r.stdout), r.stderr

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
-from tests.script_commands import child_argv
+from tests.script_commands import child_argv, said_of
 from tests.test_distill_student_signals import lock_holder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ def commands(tmp_path_factory):
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=300)
     stdout, stderr = (open(f.name).read() for f in (out, err))
-    said = {part.split("\n", 1)[0]: part for part in stdout.split("[test] command ")[1:]}
+    said = said_of(stdout)
     return {name: Command(outs[name], 0 if f"[test] finished {name}" in said.get(name, "")
                           else p.returncode, said.get(name, ""), stderr)
             for name in COMMANDS}

@@ -9,7 +9,7 @@ to 1e-6. A second command from the same finished teacher run (copied: not retrai
 is stopped by a real SIGTERM in the student's training (exit 143, one line, no
 traceback), then, on the drift stream, by SIGINT in the resumed training (exit 130),
 then rerun to the end: the student's checkpointed params and its eval rows equal those
-of the uninterrupted command's. The commands run in child processes (`_CHILD`), each
+of the uninterrupted command's. The commands run in child processes (tests/script_commands), each
 with the flags of its own command line: one process runs both scenarios' uninterrupted
 and stopped commands one after another (the module fixture; each signal sent once the
 student's run of that command holds its workdir), then one fresh process per scenario
@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -30,6 +29,7 @@ import pytest
 from gemjax.config import apply_overrides, get_config
 from suite_cache import with_suite_cache   # tests/suite_cache.py
 from tests.distill_teacher import TEACHER   # experiments/distill.py's, cheaper to compile
+from tests.script_commands import child_argv, said_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIFT = "data.drift_every=2,data.batch_size=32"
@@ -56,9 +56,11 @@ def test_make_source_reads_the_drifting_stream_from_drift_start():
         get_config("tiny", "data.drift_start=-1")
 
 
-def _child(spec):
-    """The command line of a child process running `_CHILD` on `spec`."""
-    return [sys.executable, "-c", _CHILD, json.dumps(spec)]
+def _child(commands, prelude=""):
+    """The command line of a child running experiments/distill.py's `commands` ([name,
+    argv] or [name, argv, opts]: tests/script_commands) one after another, after
+    `prelude`."""
+    return child_argv("distill", "run", commands, prelude=prelude)
 
 
 def _env():
@@ -86,12 +88,12 @@ def _mtime(path):
         return None
 
 
-def _stopped(spec, stops):
-    """Run the child of `spec`, send each signal of `stops` [(student workdir, signal)] in
+def _stopped(commands, stops):
+    """Run the child of `commands`, send each signal of `stops` [(student workdir, signal)] in
     turn once a student run holds that workdir (its train.lock names this process, written
     after the previous signal to that workdir: a run that took the lock since); returns
     (rc, stdout, stderr)."""
-    p = subprocess.Popen(_child(spec), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    p = subprocess.Popen(_child(commands), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     deadline, seen = time.time() + 500, {}
     for wd, sig in stops:
@@ -118,48 +120,25 @@ def _eval_rows(wd):
                 for r in map(json.loads, f) if r["kind"] == "eval"]
 
 
-_CHILD = """
-import json
-import shutil
-import sys
-spec = json.loads(sys.argv[1])
-if spec.get("export"):
-    # first: the export reloaded where nothing else was built yet
-    import numpy as np
-    from gemjax.config import schema_of
-    from gemjax.serve.export import load_exported
-    from gemjax.train.metrics import EvalAccumulator
-    sys.path.insert(0, spec["root"] + "/tests")
-    from test_distill_student_signals import eval_batches
-    model = load_exported(spec["export"])
-    cfg = model.config
-    acc = EvalAccumulator(schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks)
-    preds = []
-    for b in eval_batches(cfg):
-        p = np.asarray(model(b))
-        preds.append(p)
-        acc.add(p, b.labels, b.label_mask, b.surface, b.weights)
-    np.save(spec["preds"], np.concatenate(preds))
-    print("export NE", repr(acc.result()["ne"]), flush=True)
-# then, in order: a directory copied ("copy": [src, dst]), or experiments/distill.py run
-# on a command line ("command": its flags, after "[test] command NAME"; exit 128 + signal
-# when a signal stops it, or with "go_on": "[test] exit CODE" printed and the next step run)
-from absl import flags
-from experiments import distill
-distill.define_flags()
-for step in spec["steps"]:
-    if "copy" in step:
-        shutil.copytree(*step["copy"])
-        continue
-    print(f"[test] command {step.get('name')}", flush=True)
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["experiments/distill.py", *step["command"]])
-    try:
-        distill.run(["experiments/distill.py"])
-    except SystemExit as e:
-        if not step.get("go_on"):
-            raise
-        print(f"[test] exit {e.code}", flush=True)
+# the export reloaded first in a fresh child, before anything else is built there: its
+# predictions saved to PREDS, its NE printed ("export NE ...")
+_RELOAD = """
+import numpy as np
+from gemjax.config import schema_of
+from gemjax.serve.export import load_exported
+from gemjax.train.metrics import EvalAccumulator
+sys.path.insert(0, {root!r} + "/tests")
+from test_distill_student_signals import eval_batches
+model = load_exported({export!r})
+cfg = model.config
+acc = EvalAccumulator(schema_of(cfg).num_surfaces, schema_of(cfg).num_tasks)
+preds = []
+for b in eval_batches(cfg):
+    p = np.asarray(model(b))
+    preds.append(p)
+    acc.add(p, b.labels, b.label_mask, b.surface, b.weights)
+np.save({preds!r}, np.concatenate(preds))
+print("export NE", repr(acc.result()["ne"]), flush=True)
 """
 
 
@@ -205,18 +184,18 @@ def stopped(tmp_path_factory):
     raw.mkdir()
     write_frappe(raw, n_valid=300, n_test=120)
     convert_frappe.convert(str(raw), str(root / "frappe_files"))
-    steps, stops = [], []
+    commands, stops = [], []
     for name, (args, student, signals) in SCENARIOS.items():
         args = _args(root, name)
         whole, part = root / name / "whole", root / name / "part"
-        steps += [{"name": name, "command": [*args, f"--out={whole}"]},
-                  {"copy": [str(whole / name / "teacher_s0"), str(part / name / "teacher_s0")]}]
-        steps += [{"name": f"{name} stop {i}", "command": [*args, f"--out={part}"], "go_on": True}
-                  for i in range(len(signals))]
+        commands.append([name, [*args, f"--out={whole}"]])
+        copy = [str(whole / name / "teacher_s0"), str(part / name / "teacher_s0")]
+        commands += [[f"{name} stop {i}", [*args, f"--out={part}"],
+                      {"go_on": True, **({"copy": copy} if i == 0 else {})}]
+                     for i in range(len(signals))]
         stops += [(str(part / name / "students" / student), sig) for sig, _ in signals]
-    rc, stdout, stderr = _stopped({"steps": steps}, stops)
-    said = {part.split("\n", 1)[0]: part for part in stdout.split("[test] command ")[1:]}
-    return {"root": root, "rc": rc, "said": said, "stderr": stderr}
+    rc, stdout, stderr = _stopped(commands, stops)
+    return {"root": root, "rc": rc, "said": said_of(stdout), "stderr": stderr}
 
 
 def _args(root, name):
@@ -249,9 +228,8 @@ def _check(stopped, name, tmp_path):
     # one fresh process reloads the export (its predictions and NE: checked below), nothing
     # else built there yet; then it reruns the stopped command to the end
     command = [*_args(root, name), f"--out={part}"]
-    spec = {"export": exported, "preds": saved, "root": ROOT,
-            "steps": [{"name": "rerun", "command": command}]}
-    p = subprocess.run(_child(spec), cwd=ROOT, env=_env(), capture_output=True, text=True,
+    reload = _RELOAD.format(root=ROOT, export=exported, preds=saved)
+    p = subprocess.run(_child([["rerun", command]], prelude=reload), cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout
