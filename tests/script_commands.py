@@ -24,10 +24,12 @@ import subprocess
 import sys
 
 _CHILD = """
+import gc
 import json
 import os
 import shutil
 import sys
+gc.set_threshold(100_000, 20, 10)                      # as tests/conftest.py's processes
 {prelude}
 from absl import app, flags
 from {package} import {module}
