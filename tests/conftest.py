@@ -12,7 +12,8 @@ differs). A level the caller's $XLA_FLAGS sets is kept.
 Python's cyclic garbage collector runs rarely here: tracing makes and drops millions of
 small objects, and each full pass walks every object a long-lived test process holds (its
 modules, JAX's caches), which cost a few percent of the suite's time at the default
-thresholds. Memory still comes back: cycles are collected every 100,000 allocations.
+thresholds. Memory still comes back: young cycles are collected every 100,000 allocations,
+older ones every 2 million (tests/script_commands.py's children collect the same way).
 """
 
 import gc

@@ -19,6 +19,7 @@ the child before the script is imported (e.g. work that must come first in a fre
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import json
 import os
 import shutil
 import sys
-gc.set_threshold(100_000, 20, 10)                      # as tests/conftest.py's processes
+gc.set_threshold(*{gc_threshold})                       # the starting process's
 {prelude}
 from absl import app, flags
 from {package} import {module}
@@ -68,8 +69,9 @@ def child_argv(module: str, entry: str, spec: list, package: str = "experiments"
     """The command line of one child running <package>.<module>'s commands
     [[name, argv], ...] (or [name, argv, opts]: module docstring) in order through
     <entry>(argv), after `prelude`; each prints "[test] command NAME" before its own
-    output."""
-    code = _CHILD.format(package=package, module=module, entry=entry, prelude=prelude)
+    output. The child's garbage collector runs as often as this process's (tests/conftest.py)."""
+    code = _CHILD.format(package=package, module=module, entry=entry, prelude=prelude,
+                         gc_threshold=gc.get_threshold())
     return [sys.executable, "-c", code, json.dumps(spec)]
 
 
