@@ -75,18 +75,14 @@ def run_pair(mesh, plan, replica_axes, steps=2, seed=0, narrow=(), unique_bucket
     tables = {s.name: {"weights": tss.quantized(rng, (s.vocab, s.dim), 64.0)}
               for s in coll.specs.values()}
     state, state0 = coll.from_logical(tables), coll0.from_logical(tables)
-    # one program per phase for both collections (the lookups; the updates)
-    lookups = jax.jit(lambda s, s0, f: (coll.lookup(s, f), coll0.lookup(s0, f)))
-    applies = jax.jit(lambda s, s0, r, r0, g: (coll.apply_gradients(s, r, g),
-                                                coll0.apply_gradients(s0, r0, g)),
-                      donate_argnums=(0, 1))
+    fns = [(jax.jit(c.lookup), jax.jit(c.apply_gradients, donate_argnums=0)) for c in (coll, coll0)]
     branches = []
     for step in range(steps):
         dev = tss.make_batch(rng, mesh.size)
         if narrow:
             dev = narrowed(dev, *narrow)
         feats = tss.to_global(dev, mesh, axes)
-        (acts, res), (acts0, res0) = lookups(state, state0, feats)
+        (acts, res), (acts0, res0) = fns[0][0](state, feats), fns[1][0](state0, feats)
         for f in acts0:
             np.testing.assert_array_equal(np.asarray(acts[f]), np.asarray(acts0[f]), err_msg=f)
         for k in res0["stats"]:
@@ -105,7 +101,7 @@ def run_pair(mesh, plan, replica_axes, steps=2, seed=0, narrow=(), unique_bucket
         branches.append(got)
         g = {f: jax.device_put(tss.quantized(rng, acts[f].shape, 8.0).astype(np.float32),
                                NamedSharding(mesh, P(axes))) for f in acts}
-        state, state0 = applies(state, state0, res, res0, g)
+        state, state0 = fns[0][1](state, res, g), fns[1][1](state0, res0, g)
     got, want = coll.to_logical(state), coll0.to_logical(state0)
     for n in want:
         for k in want[n]:
