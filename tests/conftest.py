@@ -60,9 +60,11 @@ def pytest_configure(config):
 
 def pytest_terminal_summary(terminalreporter, config):
     """One line after the durations: how many compiled programs the cache held when the run
-    started (0: a cold-cache run, whose time is the suite's full cost) and at its end."""
+    started (0: a cold-cache run, whose time is the suite's full cost) and at its end, and
+    the allocator the processes ran on (./run test preloads jemalloc where installed)."""
     start = getattr(config, "_gemjax_cache_at_start", None)
     if start is not None:
         terminalreporter.write_line(
             f"compilation cache {CACHE}: {start} entries at start "
-            f"({'cold' if start == 0 else 'warm'}), {_cached_programs()} at the end")
+            f"({'cold' if start == 0 else 'warm'}), {_cached_programs()} at the end; "
+            f"allocator {os.environ.get('LD_PRELOAD') or 'system malloc'}")
