@@ -6,6 +6,8 @@ mounting is not permitted, e.g. without root) and fills it to leave less room th
 checkpoint needs.
 """
 
+import errno
+import logging
 import os
 import re
 import subprocess
@@ -15,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from gemjax.train.checkpoint import CheckpointWriteFailed, Checkpointer
+from gemjax.train.checkpoint import CheckpointWriteFailed, Checkpointer, _QuietDiskErrors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +78,27 @@ def test_closed_loop_race_filter_removes_only_that_traceback():
     assert _without_the_closed_loop_race("a\n" + race + "b\n") == "a\nb\n"
     other = race.replace("Event loop is closed\n", "something else\n")
     assert "Traceback" in _without_the_closed_loop_race(other)
+
+
+def test_quiet_filter_drops_only_refused_writes_and_writers_into_deleted_directories():
+    """orbax logs a writer thread's exception with its traceback: after a refusal
+    Checkpointer deletes the step's temporary directory, and a writer still running fails
+    on a path under it (NOT_FOUND), later than the refusal's own one line."""
+    quiet = _QuietDiskErrors()
+
+    def record(exc, path="/x/site-packages/orbax/checkpoint/_src/futures/future.py",
+               level=logging.ERROR):
+        return logging.LogRecord("absl", level, path, 1, "raised", None, (type(exc), exc, None))
+
+    gone = "/w/checkpoints/2.orbax-checkpoint-tmp"
+    late = ValueError(f'NOT_FOUND: Error writing "a/0" at local file "{gone}/state/ocdbt/"')
+    assert quiet.filter(record(late))                                # nothing deleted yet
+    assert not quiet.filter(record(OSError(errno.ENOSPC, "No space left on device")))
+    quiet.gone.add(gone)
+    assert not quiet.filter(record(late))
+    assert quiet.filter(record(ValueError('NOT_FOUND: at local file "/w/checkpoints/4/x"')))
+    assert quiet.filter(record(late, path="/x/gemjax/train/loop.py"))          # not orbax's
+    assert quiet.filter(record(late, level=logging.WARNING))
 
 
 def test_disk_full_during_a_save_is_one_line(small_fs):

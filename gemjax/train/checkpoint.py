@@ -174,12 +174,21 @@ def disk_error(e: BaseException | None) -> int | None:
 
 class _QuietDiskErrors(logging.Filter):
     """Drops orbax's logged tracebacks of a write the filesystem refused (one per
-    background thread); Checkpointer raises CheckpointWriteFailed for it instead."""
+    background thread), and of its writer threads that were still writing into a
+    refused step's temporary directory when Checkpointer deleted it (`gone`: those
+    directories; such a thread fails with NOT_FOUND on a path under one).
+    Checkpointer raises CheckpointWriteFailed for the refusal instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.gone: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not ("orbax" in record.pathname and record.levelno >= logging.ERROR
-                    and disk_error(exc) is not None)
+        if "orbax" not in record.pathname or record.levelno < logging.ERROR or exc is None:
+            return True
+        text = str(exc)
+        return not (disk_error(exc) is not None or any(d in text for d in self.gone))
 
 
 _QUIET = _QuietDiskErrors()
@@ -392,6 +401,7 @@ class Checkpointer:
         deadline = time.monotonic() + 5.0   # orbax's other writer threads may still be failing
         while glob.glob(pattern):
             for tmp in glob.glob(pattern):
+                _QUIET.gone.add(tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
             if time.monotonic() > deadline:
                 break
