@@ -5,6 +5,12 @@ each device's buffer), same logical table rows at the start, 3 steps of the
 `tiny` preset: loss, dense params and embedding tables match the 1-device run
 within 1e-5 relative, while the params / Adam state really are FSDP-sharded and
 the compiled step really all-gathers, reduce-scatters and exchanges ids.
+
+The bucket tests (sync / exchange buckets, fixed branches) are about the sparse
+tables: they run the preset without its sequence features (model.use_sequences=
+false; the collection-level tests run the buckets on Jagged / unpooled features)
+against their own one-device reference, on a data seed whose first batch's branch
+plan covers the next two (one compiled train step per test).
 """
 
 import dataclasses
@@ -39,9 +45,19 @@ MIXED = {"user": "row_wise", "event": "row_wise", "segment": "2d", "category": "
          "item": "fs2d", "context": "fs2d"}
 
 
+# the bucket tests' preset and data seed (see the module docstring)
+FLAT, FLAT_SEED = "model.use_sequences=false", 9
+
+
 @pytest.fixture(scope="module")
 def single():
-    return train_steps(None, 3, **SPARSE)
+    return train_steps(None, 3, evaluate=False, **SPARSE)
+
+
+@pytest.fixture(scope="module")
+def flat():
+    """The one-device reference of the bucket tests, with its eval probabilities."""
+    return train_steps(None, 3, overrides=FLAT, seed=FLAT_SEED, **SPARSE)
 
 
 @pytest.mark.parametrize("spec", list(PLANNER))
@@ -117,12 +133,13 @@ def test_merge_shards_keeps_every_sample():
         assert seq.capacity == sum(p.sequences[name].capacity for p in parts)
 
 
-def test_replica_sync_buckets_match_one_device(single):
+def test_replica_sync_buckets_match_one_device(flat):
     """train.sparse_sync_buckets on 8 replicas of every table (a one-device model group):
     the replicas all-gather unique rows only, and training equals one device."""
-    res = train_steps("replica=8", 3, overrides="train.sparse_sync_buckets=true",
-                      table_replica_axes=("replica",), tables0=single["init_tables"], evaluate=False,
-                      **SPARSE)
+    single = flat
+    res = train_steps("replica=8", 3, overrides=f"{FLAT},train.sparse_sync_buckets=true",
+                      table_replica_axes=("replica",), seed=FLAT_SEED,
+                      tables0=single["init_tables"], evaluate=False, **SPARSE)
     assert res["devices"] == 8 and set(res["plans"].values()) <= {"2d", "replicated"}
     np.testing.assert_allclose(res["losses"], single["losses"], rtol=1e-5)
     assert max_rel_diff(res["params"], single["params"], skip=KEY_BIAS) < 1e-5
@@ -159,16 +176,19 @@ def collectives_in_conditionals(hlo: str) -> int:
 
 
 @pytest.mark.parametrize("fixed", [True, False])
-def test_exchange_and_sync_buckets_match_one_device(single, fixed):
+def test_exchange_and_sync_buckets_match_one_device(flat, fixed):
     """train.sparse_exchange_buckets + sparse_sync_buckets on 2d tables over replica=2,
     fsdp=4 (the exchange buckets switch all_to_alls): by default the step runs with its
     branches fixed from each batch ahead of time (PlannedStep), no collective inside a
     cond; with train.sparse_fixed_branches=false the switches stay in the step. Both
     train as one device."""
+    single = flat
     res = train_steps("replica=2,fsdp=4", 3, hlo=True, table_replica_axes=("replica",),
-                      overrides="train.sparse_exchange_buckets=true,train.sparse_sync_buckets=true,"
+                      overrides=f"{FLAT},train.sparse_exchange_buckets=true,"
+                                "train.sparse_sync_buckets=true,"
                                 f"train.sparse_fixed_branches={str(fixed).lower()}",
-                      tables0=single["init_tables"], device_budget_bytes=1 << 40, **SPARSE)
+                      seed=FLAT_SEED, tables0=single["init_tables"], device_budget_bytes=1 << 40,
+                      **SPARSE)
     assert set(res["plans"].values()) == {"2d"}
     if fixed:   # the eval step too
         assert res["branch_plans"] and all(x >= 0 for p in res["branch_plans"] for _, x, _ in p)
