@@ -118,11 +118,13 @@ def test_cotrained_student_run_resumes_with_its_teacher(tmp_path):
 
     tr = Trainer.create(tcfg, ONE)
     teacher = Teacher(tr, None)
+    init = tr.init_state(0)
+    host = jax.device_get(init)
 
     def fresh():
         """The teacher at its initial state: one Teacher (its programs traced once), its
-        state reset for every run."""
-        teacher.state = tr.init_state(0)
+        state reset for every run (new device buffers of the one initial state)."""
+        teacher.state = jax.tree.map(lambda h, d: jax.device_put(h, d.sharding), host, init)
         return teacher
 
     def leaves(wd):
