@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemjax.config import get_config
-from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES, SyntheticStream
+from gemjax.config import get_config, synthetic_schema
+from gemjax.data.synthetic import SEQUENCE_FIELDS, SPARSE_FEATURES, SyntheticStream
 from gemjax.layers import regions
 from gemjax.layers.interformer import InterFormer
 from gemjax.layers.mlp import MLP
@@ -68,47 +68,60 @@ def test_plan_and_offload_tags_are_module_attributes():
     assert str(jax.make_jaxpr(lambda x: regions.tag(x, "attn.out", True))(x)).count("name=attn.out") == 1
 
 
-def _teacher_grads(plan: str):
-    """(jaxpr text, gradient leaves) of a squared-logits loss of a tiny teacher with two
-    experts, w.r.t. params and looked-up activations, under train.remat=plan."""
+MIXED = "pyramid:recompute/cross:offload/seq:recompute/attention:offload/interaction:recompute/heads:offload"
+
+
+def _teacher_grads(plans: tuple[str, ...]):
+    """[(jaxpr text, gradient leaves)] per plan: the gradient of a squared-logits loss of a
+    tiny teacher with two experts and one sequence (the pyramid region wraps every
+    sequence's encoder at once: one is enough), w.r.t. params and looked-up activations,
+    under train.remat=plan. One model (set_plan per plan: the same parameters), each plan's
+    gradient its own jitted function, all traced and compiled as one program (the
+    forwards, the same under every plan, compiled once); each plan's jaxpr is its own
+    inner jit's."""
     base = get_config("tiny")
     model_cfg = dataclasses.replace(base.model, kind="teacher", teacher=dataclasses.replace(
         base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=2))
-    cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=16), model=model_cfg,
-                                train=dataclasses.replace(base.train, remat=plan))
+    data = dataclasses.replace(base.data, batch_size=16)
+    schema = synthetic_schema(data)
+    cfg = types.SimpleNamespace(data=data, model=model_cfg, train=base.train,
+                                features=dataclasses.replace(schema, sequences=schema.sequences[:1]))
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
     out = SyntheticStream(cfg.data, seed=0).shard_batch(0)
     batch = out[0] if isinstance(out, tuple) else out
     rng = np.random.default_rng(1)
     acts = {f: jnp.asarray(rng.normal(size=(16, model_cfg.dim)), jnp.float32) for f in SPARSE_FEATURES}
-    for s in SEQUENCES:
+    for s in cfg.features.sequences:
         for f in SEQUENCE_FIELDS:
-            acts[f"{s}.{f}"] = jnp.asarray(rng.normal(size=(batch.sequences[s].capacity, model_cfg.dim)),
-                                           jnp.float32)
-    graphdef, params = nnx.split(model, nnx.Param)
+            acts[f"{s.name}.{f}"] = jnp.asarray(
+                rng.normal(size=(batch.sequences[s.name].capacity, model_cfg.dim)), jnp.float32)
+    grads = []
+    for plan in plans:
+        graphdef, params = nnx.split(regions.set_plan(model, parse_plan(plan)), nnx.Param)
 
-    def loss(p, a):
-        return jnp.sum(nnx.merge(graphdef, p)(a, batch) ** 2)
-    traced = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, acts)   # one trace: jaxpr + program
-    return str(traced.jaxpr), jax.tree.leaves(traced.lower().compile()(params, acts))
+        def loss(p, a, graphdef=graphdef):
+            return jnp.sum(nnx.merge(graphdef, p)(a, batch) ** 2)
+        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1))))
+    traced = jax.jit(lambda p, a: [g(p, a) for g in grads]).trace(params, acts)
+    inner = [e.params["jaxpr"] for e in traced.jaxpr.eqns if "jaxpr" in e.params]
+    assert len(inner) == len(plans)
+    outs = traced.lower().compile()(params, acts)
+    return [(str(j), jax.tree.leaves(o)) for j, o in zip(inner, outs)]
 
 
 @pytest.mark.slow
 def test_policies_on_the_teacher_gradients():
-    ref_text, ref = _teacher_grads("none")
+    (ref_text, ref), (text, got), (_, quant) = _teacher_grads(("none", MIXED, "all:quantize"))
     # "none" wraps nothing: no checkpoint names, only the kernels' own checkpoints
     assert "name[" not in ref_text
-    # every region under recompute or offload, each policy on three regions
-    mixed = "pyramid:recompute/cross:offload/seq:recompute/attention:offload/interaction:recompute/heads:offload"
-    text, got = _teacher_grads(mixed)
+    # every region under recompute or offload (MIXED), each policy on three regions
     assert text.count("remat") > ref_text.count("remat") and "name[" in text
     for a, b in zip(ref, got):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
     # quantize everywhere: each kept input within REL_BOUND = 2**-4 of itself (E4M3, saved.py);
     # the gradient, a smooth function of those inputs, moves by at most a small multiple of
     # that: relative L2 error <= 2 * 2**-4 here, and not zero (8 bits were kept)
-    _, got = _teacher_grads("all:quantize")
-    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(ref, got))
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(ref, quant))
     den = sum(float(jnp.sum(a ** 2)) for a in ref)
     rel = (num / den) ** 0.5
     assert 1e-4 < rel <= 2 * REL_BOUND, rel
