@@ -4,12 +4,10 @@ that break naive formulas; the sm_90 Triton lowering; the model wiring (model.no
 the benchmark's smoke run. The gpu-marked test runs the compiled kernels at gem1b's shape.
 """
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -276,49 +274,32 @@ def test_teacher_with_pallas_norms_matches_xla():
     logits and gradients as "xla". The teacher reads one sequence (each sequence's pyramid
     is the same encoder); both impls' steps are traced and compiled as one program, each
     step's jaxpr its own inner jit's, so one trace serves the counts and the run."""
-    from gemjax.config import get_config, synthetic_schema
-    from gemjax.data.synthetic import SEQUENCE_FIELDS, SPARSE_FEATURES, SyntheticStream
     from gemjax.layers.axes import PallasLayerNorm
     from gemjax.models.interformer import GEMTeacher
+    from tiny_teacher import one_program, teacher_config, teacher_inputs   # tests/tiny_teacher.py
     steps, params = {}, {}
     for impl in ("xla", "pallas"):
-        base = get_config("tiny", f"model.kind=teacher,model.norm_impl={impl}")
-        model_cfg = dataclasses.replace(base.model, teacher=dataclasses.replace(
-            base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=0))
-        data = dataclasses.replace(base.data, batch_size=8)
-        schema = synthetic_schema(data)
-        schema = dataclasses.replace(schema, sequences=schema.sequences[:1])
-        cfg = types.SimpleNamespace(data=data, model=model_cfg, features=schema)
+        cfg = teacher_config(f"model.norm_impl={impl}", batch_size=8, sequences=1)
         model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
         norms = [m for _, m in nnx.iter_graph(model) if isinstance(m, PallasLayerNorm)]
         # per sequence one block (2 norms) + the encoder's out_norm
-        assert len(norms) == (0 if impl == "xla" else 3 * len(schema.sequences))
+        assert len(norms) == (0 if impl == "xla" else 3 * len(cfg.features.sequences))
         gd, params[impl], rest = nnx.split(model, nnx.Param, ...)
 
         def loss(params, acts, gd=gd, rest=rest):
             logits = nnx.merge(gd, params, rest)(acts, batch)
             return jnp.sum(jnp.sin(logits.astype(jnp.float32))), logits
         steps[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    out = SyntheticStream(cfg.data, seed=0).shard_batch(0)
-    batch = out[0] if isinstance(out, tuple) else out
-    rng = np.random.default_rng(1)
-    b, dim = batch.dense.shape[0], model_cfg.dim
-    acts = {f: jnp.asarray(rng.normal(size=(b, dim)), jnp.float32) for f in SPARSE_FEATURES}
-    for s in schema.sequences:
-        t = batch.sequences[s.name].capacity
-        for f in SEQUENCE_FIELDS:
-            acts[f"{s.name}.{f}"] = jnp.asarray(rng.normal(size=(t, dim)), jnp.float32)
+    batch, acts = teacher_inputs(cfg)
     p0, p1 = params["xla"], params["pallas"]
     assert jax.tree.structure(p0) == jax.tree.structure(p1)
     for u, v in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
         np.testing.assert_array_equal(u, v)
     # the same parameters: both steps take p0
-    traced = jax.jit(lambda p, a: [steps[impl](p, a) for impl in ("xla", "pallas")]).trace(p0, acts)
-    inner = [e.params["jaxpr"] for e in traced.jaxpr.eqns if "jaxpr" in e.params]
-    assert len(inner) == 2
+    traced, inner = one_program([steps["xla"], steps["pallas"]], p0, acts)
     for impl, jaxpr in zip(("xla", "pallas"), inner):
         plain = str(jaxpr).count("name=layer_norm_fwd")
-        assert plain == (3 * len(schema.sequences) if impl == "pallas" else 0), (impl, plain)
+        assert plain == (3 * len(cfg.features.sequences) if impl == "pallas" else 0), (impl, plain)
     ((_, l0), g0), ((_, l1), g1) = traced.lower().compile()(p0, acts)
     close(l1, l0, 1e-4, "pallas logits")
     leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)

@@ -9,8 +9,8 @@ import numpy as np
 from flax import nnx
 
 from gemjax.config import get_config
-from gemjax.data.synthetic import SEQUENCE_FIELDS, SEQUENCES, SPARSE_FEATURES, SyntheticStream
 from gemjax.models.interformer import GEMTeacher, attach_aux_loss
+from tiny_teacher import teacher_config, teacher_inputs   # tests/tiny_teacher.py
 
 
 def test_attach_aux_loss_adds_coef_times_aux_gradient():
@@ -29,23 +29,12 @@ def test_attach_aux_loss_adds_coef_times_aux_gradient():
 
 
 def test_teacher_logits_depend_on_sequences_and_surface():
-    base = get_config("tiny")
     # A smaller teacher than the defaults (one InterFormer layer, one pyramid level): the
     # composition is what is tested here, and compile time is CPU test budget.
-    model_cfg = dataclasses.replace(base.model, teacher=dataclasses.replace(
-        base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=0))
-    cfg = types.SimpleNamespace(data=dataclasses.replace(base.data, batch_size=16),
-                                model=model_cfg)
+    cfg = teacher_config(batch_size=16)
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
-    out = SyntheticStream(cfg.data, seed=0).shard_batch(0)
-    batch = out[0] if isinstance(out, tuple) else out
-    b, dim = batch.dense.shape[0], cfg.model.dim
-    rng = np.random.default_rng(1)
-    acts = {f: jnp.asarray(rng.normal(size=(b, dim)), jnp.float32) for f in SPARSE_FEATURES}
-    for s in SEQUENCES:
-        t = batch.sequences[s].capacity
-        for f in SEQUENCE_FIELDS:
-            acts[f"{s}.{f}"] = jnp.asarray(rng.normal(size=(t, dim)), jnp.float32)
+    batch, acts = teacher_inputs(cfg)
+    b = batch.dense.shape[0]
     logits = nnx.jit(lambda m, a, bt: m(a, bt))(model, acts, batch)
     assert logits.shape == (b, cfg.data.synthetic.num_tasks) and np.isfinite(np.asarray(logits)).all()
     # Per-block gradient flow is tested with each layer; here: the sequence side and the

@@ -3,12 +3,10 @@ planner (gemjax.train.remat): plans parse or fail naming the flag, "none" traces
 unwrapped program, recompute / offload give the same gradients, quantize stays within
 E4M3's rounding, the planner's choices shrink with the budget and fit it."""
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemjax.config import get_config, synthetic_schema
-from gemjax.data.synthetic import SEQUENCE_FIELDS, SPARSE_FEATURES, SyntheticStream
+from gemjax.config import get_config
 from gemjax.layers import regions
 from gemjax.layers.interformer import InterFormer
 from gemjax.layers.mlp import MLP
@@ -26,6 +23,7 @@ from gemjax.models.interformer import GEMTeacher
 from gemjax.precision.saved import REL_BOUND
 from gemjax.train import remat
 from suite_cache import smoke_teacher_override, with_suite_cache   # tests/suite_cache.py
+from tiny_teacher import one_program, teacher_config, teacher_inputs   # tests/tiny_teacher.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,22 +77,9 @@ def _teacher_grads(plans: tuple[str, ...]):
     gradient its own jitted function, all traced and compiled as one program (the
     forwards, the same under every plan, compiled once); each plan's jaxpr is its own
     inner jit's."""
-    base = get_config("tiny")
-    model_cfg = dataclasses.replace(base.model, kind="teacher", teacher=dataclasses.replace(
-        base.model.teacher, interformer_layers=1, pyramid_levels=((16, 2, 1),), num_experts=2))
-    data = dataclasses.replace(base.data, batch_size=16)
-    schema = synthetic_schema(data)
-    cfg = types.SimpleNamespace(data=data, model=model_cfg, train=base.train,
-                                features=dataclasses.replace(schema, sequences=schema.sequences[:1]))
+    cfg = teacher_config(batch_size=16, num_experts=2, sequences=1)
     model = GEMTeacher(cfg, rngs=nnx.Rngs(0))
-    out = SyntheticStream(cfg.data, seed=0).shard_batch(0)
-    batch = out[0] if isinstance(out, tuple) else out
-    rng = np.random.default_rng(1)
-    acts = {f: jnp.asarray(rng.normal(size=(16, model_cfg.dim)), jnp.float32) for f in SPARSE_FEATURES}
-    for s in cfg.features.sequences:
-        for f in SEQUENCE_FIELDS:
-            acts[f"{s.name}.{f}"] = jnp.asarray(
-                rng.normal(size=(batch.sequences[s.name].capacity, model_cfg.dim)), jnp.float32)
+    batch, acts = teacher_inputs(cfg)
     grads = []
     for plan in plans:
         graphdef, params = nnx.split(regions.set_plan(model, parse_plan(plan)), nnx.Param)
@@ -102,9 +87,7 @@ def _teacher_grads(plans: tuple[str, ...]):
         def loss(p, a, graphdef=graphdef):
             return jnp.sum(nnx.merge(graphdef, p)(a, batch) ** 2)
         grads.append(jax.jit(jax.grad(loss, argnums=(0, 1))))
-    traced = jax.jit(lambda p, a: [g(p, a) for g in grads]).trace(params, acts)
-    inner = [e.params["jaxpr"] for e in traced.jaxpr.eqns if "jaxpr" in e.params]
-    assert len(inner) == len(plans)
+    traced, inner = one_program(grads, params, acts)
     outs = traced.lower().compile()(params, acts)
     return [(str(j), jax.tree.leaves(o)) for j, o in zip(inner, outs)]
 
